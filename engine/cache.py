@@ -1,0 +1,125 @@
+"""KV storage for the slow AR (per-sequence slots) and the fast AR (one frame's 10 positions).
+
+Slots: each live sequence owns one row of the cache for its whole life (voice prompt, turns,
+generated frames), so a session keeps its context between turns without re-prefill. The
+last row is a scratch slot that padded batch rows write into.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .config import ModelConfig, TransformerConfig
+from .model import explicit_attention, gqa_attention
+
+
+class OutOfSlots(RuntimeError):
+    pass
+
+
+class SlowKVCache:
+    def __init__(self, cfg: TransformerConfig, n_slots: int, max_len: int, *,
+                 device: torch.device | str, dtype: torch.dtype) -> None:
+        if max_len > cfg.max_seq_len:
+            raise ValueError(f"max_len {max_len} exceeds the model's max_seq_len {cfg.max_seq_len}")
+        self.n_slots, self.max_len = n_slots, max_len
+        shape = (cfg.n_layer, n_slots + 1, cfg.n_local_heads, max_len, cfg.head_dim)
+        # k, v: [L, slots+1, Hkv, S, Dh]; slot n_slots is the scratch row for padding.
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self._free = list(range(n_slots))
+
+    @property
+    def scratch(self) -> int:
+        return self.n_slots
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def alloc(self) -> int:
+        if not self._free:
+            raise OutOfSlots(f"all {self.n_slots} KV slots are in use")
+        self._free.sort()
+        return self._free.pop(0)  # lowest first keeps live slots dense
+
+    def release(self, slot: int) -> None:
+        if slot in self._free or not (0 <= slot < self.n_slots):
+            raise ValueError(f"slot {slot} is not allocated")
+        self._free.append(slot)
+
+    @staticmethod
+    def bytes_per_slot(cfg: TransformerConfig, max_len: int, dtype: torch.dtype) -> int:
+        return 2 * cfg.n_layer * cfg.n_local_heads * max_len * cfg.head_dim * dtype.itemsize
+
+
+class PrefillAttend:
+    """Causal attention for one sequence's chunk at positions [start, start+T)."""
+
+    def __init__(self, cache: SlowKVCache, slot: int, start: int, length: int) -> None:
+        if start + length > cache.max_len:
+            raise ValueError(f"sequence would reach {start + length} positions, over the "
+                             f"cache's {cache.max_len}")
+        self.cache, self.slot, self.start, self.end = cache, slot, start, start + length
+        q_pos = torch.arange(start, self.end, device=cache.k.device)
+        k_pos = torch.arange(self.end, device=cache.k.device)
+        self.mask = (k_pos[None, :] <= q_pos[:, None])[None, None]  # [1, 1, T, S]
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        c = self.cache
+        c.k[layer, self.slot, :, self.start:self.end] = k[0]
+        c.v[layer, self.slot, :, self.start:self.end] = v[0]
+        keys = c.k[layer, self.slot: self.slot + 1, :, : self.end]
+        vals = c.v[layer, self.slot: self.slot + 1, :, : self.end]
+        return gqa_attention(q, keys, vals, self.mask)
+
+
+class DecodeAttend:
+    """One new position per row: rows b write at (slots[b], positions[b]) and attend to
+    [0, positions[b]] of their own slot."""
+
+    def __init__(self, cache: SlowKVCache, slots: Tensor, positions: Tensor, span: int) -> None:
+        self.cache, self.slots, self.positions = cache, slots, positions
+        self.span = span  # attend over [0, span): a bound on max(positions)+1
+        k_pos = torch.arange(span, device=slots.device)
+        self.mask = (k_pos[None, :] <= positions[:, None])[:, None, None, :]  # [B, 1, 1, S]
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        c = self.cache
+        c.k[layer, self.slots, :, self.positions] = k[:, :, 0]
+        c.v[layer, self.slots, :, self.positions] = v[:, :, 0]
+        keys = c.k[layer, self.slots, :, : self.span]  # [B, Hkv, S, Dh]
+        vals = c.v[layer, self.slots, :, : self.span]
+        return gqa_attention(q, keys, vals, self.mask)
+
+
+class FastKV:
+    """The fast AR's cache: 10 positions, rewritten from position 0 for every frame."""
+
+    def __init__(self, cfg: ModelConfig, batch: int, *, device: torch.device | str,
+                 dtype: torch.dtype) -> None:
+        f = cfg.fast
+        shape = (f.n_layer, batch, f.n_local_heads, cfg.num_codebooks, f.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.pos = 0
+        n = cfg.num_codebooks
+        self._masks = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+
+    def at(self, pos: int, batch: int) -> FastKV:
+        self.pos, self.batch = pos, batch
+        return self
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        p, b = self.pos, self.batch
+        self.k[layer, :b, :, p] = k[:, :, 0]
+        self.v[layer, :b, :, p] = v[:, :, 0]
+        mask = self._masks[p: p + 1, : p + 1][None, None]  # [1, 1, 1, p+1]
+        return explicit_attention(q, self.k[layer, :b, :, : p + 1], self.v[layer, :b, :, : p + 1],
+                                  mask)
+
+
+def pad_to(x: Tensor, n: int, value: int) -> Tensor:
+    return F.pad(x, (0, n - x.shape[-1]), value=value)

@@ -1,0 +1,255 @@
+"""Model configuration: one slotted dataclass per concern, named presets, checkpoint reader.
+
+The field names follow the S2 `config.json` (`fish_qwen3_omni`): `text_config` becomes the
+slow AR, `audio_decoder_config` the fast AR, and the token ids sit at the top level.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+
+def _positive(obj: object, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{type(obj).__name__}.{name} must be a positive int, got {value!r}")
+
+
+@dataclass(slots=True, frozen=True)
+class TransformerConfig:
+    """One decoder-only transformer stack (used for both the slow and the fast AR)."""
+
+    n_layer: int
+    dim: int
+    n_head: int
+    n_local_heads: int  # kv heads (GQA)
+    head_dim: int
+    intermediate_size: int  # SwiGLU hidden size
+    vocab_size: int  # slow: text vocab (padded); fast: codebook size
+    rope_base: float = 1_000_000.0
+    norm_eps: float = 1e-6
+    max_seq_len: int = 32768
+    qk_norm: bool = False
+
+    def __post_init__(self) -> None:
+        _positive(self, "n_layer", "dim", "n_head", "n_local_heads", "head_dim",
+                  "intermediate_size", "vocab_size", "max_seq_len")
+        if self.n_head % self.n_local_heads:
+            raise ValueError(
+                f"n_head ({self.n_head}) must be a multiple of n_local_heads ({self.n_local_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.rope_base <= 0 or self.norm_eps <= 0:
+            raise ValueError("rope_base and norm_eps must be positive")
+
+    @property
+    def q_size(self) -> int:
+        return self.n_head * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.n_local_heads * self.head_dim
+
+    def num_params(self, *, embeddings: bool = True) -> int:
+        per_layer = (self.dim * (self.q_size + 2 * self.kv_size) + self.q_size * self.dim
+                     + 3 * self.dim * self.intermediate_size + 2 * self.dim
+                     + (2 * self.head_dim if self.qk_norm else 0))
+        return self.n_layer * per_layer + self.dim + (self.vocab_size * self.dim if embeddings else 0)
+
+
+@dataclass(slots=True, frozen=True)
+class TokenIds:
+    """The special ids the engine needs. Real S2-Pro values are the defaults."""
+
+    im_end: int = 151645
+    pad: int = 151669
+    audio_pad: int = 151677
+    semantic_start: int = 151678
+    semantic_end: int = 155773  # inclusive
+
+    def __post_init__(self) -> None:
+        if self.semantic_end < self.semantic_start:
+            raise ValueError("semantic_end must be >= semantic_start")
+        if self.semantic_start <= self.im_end <= self.semantic_end:
+            raise ValueError("<|im_end|> must lie outside the semantic range")
+
+    @property
+    def n_semantic(self) -> int:
+        return self.semantic_end - self.semantic_start + 1
+
+
+@dataclass(slots=True, frozen=True)
+class ModelConfig:
+    """The whole DualAR model: slow AR (text), fast AR (audio decoder), token ids."""
+
+    slow: TransformerConfig
+    fast: TransformerConfig
+    ids: TokenIds = field(default_factory=TokenIds)
+    num_codebooks: int = 10
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        _positive(self, "num_codebooks")
+        if self.fast.vocab_size < self.ids.n_semantic:
+            raise ValueError(
+                f"fast vocab ({self.fast.vocab_size}) must cover the {self.ids.n_semantic} semantic codes")
+        if self.ids.semantic_end >= self.slow.vocab_size or self.ids.im_end >= self.slow.vocab_size:
+            raise ValueError("token ids exceed the slow AR vocabulary")
+        if self.fast.dim != self.slow.dim:
+            # S2-Pro has equal widths and no fast_project_in; we do not support the other case.
+            raise ValueError(f"fast dim ({self.fast.dim}) must equal slow dim ({self.slow.dim})")
+        if self.fast.max_seq_len < self.num_codebooks:
+            raise ValueError("fast max_seq_len must cover num_codebooks positions")
+
+    @property
+    def codebook_size(self) -> int:
+        return self.fast.vocab_size
+
+    @property
+    def frame_rows(self) -> int:
+        """Rows of a prompt/frame column: the token id plus one row per codebook."""
+        return 1 + self.num_codebooks
+
+    def num_params(self) -> int:
+        return (self.slow.num_params() + self.fast.num_params()
+                + self.num_codebooks * self.codebook_size * self.slow.dim
+                + self.fast.vocab_size * self.fast.dim)
+
+    def with_max_seq_len(self, n: int) -> ModelConfig:
+        return replace(self, slow=replace(self.slow, max_seq_len=n))
+
+    # ----------------------------------------------------------------- checkpoint reader
+    @classmethod
+    def from_checkpoint(cls, path: str | Path) -> ModelConfig:
+        """Read an S2 `config.json` (`model_type: fish_qwen3_omni`) from a file or directory."""
+        p = Path(path)
+        if p.is_dir():
+            p = p / "config.json"
+        if not p.is_file():
+            raise FileNotFoundError(f"no config.json at {p}")
+        raw = json.loads(p.read_text())
+        return cls.from_dict(raw, name=p.parent.name)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], *, name: str = "checkpoint") -> ModelConfig:
+        if raw.get("model_type") != "fish_qwen3_omni":
+            raise ValueError(
+                f"unsupported model_type {raw.get('model_type')!r}: expected 'fish_qwen3_omni' (Fish Audio S2)")
+        try:
+            tc, ac = raw["text_config"], raw["audio_decoder_config"]
+        except KeyError as e:
+            raise ValueError(f"config.json lacks {e.args[0]!r}") from None
+
+        def need(d: dict, key: str, where: str) -> Any:
+            if key not in d:
+                raise ValueError(f"config.json: {where}.{key} is missing")
+            return d[key]
+
+        slow = TransformerConfig(
+            n_layer=need(tc, "n_layer", "text_config"), dim=need(tc, "dim", "text_config"),
+            n_head=need(tc, "n_head", "text_config"),
+            n_local_heads=tc.get("n_local_heads", tc["n_head"]),
+            head_dim=tc.get("head_dim", tc["dim"] // tc["n_head"]),
+            intermediate_size=need(tc, "intermediate_size", "text_config"),
+            vocab_size=need(tc, "vocab_size", "text_config"),
+            rope_base=float(tc.get("rope_base", 1e6)), norm_eps=float(tc.get("norm_eps", 1e-6)),
+            max_seq_len=int(tc.get("max_seq_len", 32768)),
+            qk_norm=bool(tc.get("attention_qk_norm", False)))
+        for flag in ("attention_qkv_bias", "attention_o_bias"):
+            if tc.get(flag) or ac.get(flag):
+                raise ValueError(f"config.json sets {flag}: biases are not part of S2 and unsupported")
+        if not tc.get("tie_word_embeddings", True):
+            raise ValueError("config.json: untied slow-AR output is not part of S2 and unsupported")
+        n_cb = int(need(ac, "num_codebooks", "audio_decoder_config"))
+        # The reference reader takes the fast AR's rope_base / norm_eps from the slow side.
+        fast = TransformerConfig(
+            n_layer=need(ac, "n_layer", "audio_decoder_config"),
+            dim=need(ac, "dim", "audio_decoder_config"),
+            n_head=need(ac, "n_head", "audio_decoder_config"),
+            n_local_heads=ac.get("n_local_heads", ac["n_head"]),
+            head_dim=ac.get("head_dim", ac["dim"] // ac["n_head"]),
+            intermediate_size=need(ac, "intermediate_size", "audio_decoder_config"),
+            vocab_size=need(ac, "vocab_size", "audio_decoder_config"),
+            rope_base=slow.rope_base, norm_eps=slow.norm_eps, max_seq_len=max(n_cb, 11),
+            qk_norm=bool(ac.get("attention_qk_norm", False)))
+        if ac.get("text_dim", slow.dim) != slow.dim:
+            raise ValueError("config.json: audio_decoder_config.text_dim differs from text_config.dim")
+        ids = TokenIds(
+            im_end=int(raw.get("eos_token_id", 151645)), pad=int(raw.get("pad_token_id", 151669)),
+            audio_pad=int(raw.get("audio_pad_token_id", 151677)),
+            semantic_start=int(need(raw, "semantic_start_token_id", "")),
+            semantic_end=int(need(raw, "semantic_end_token_id", "")))
+        return cls(slow=slow, fast=fast, ids=ids, num_codebooks=n_cb, name=name)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The S2 `config.json` layout (the keys the reference reader uses)."""
+
+        def tdict(t: TransformerConfig) -> dict[str, Any]:
+            return {"n_layer": t.n_layer, "dim": t.dim, "n_head": t.n_head,
+                    "n_local_heads": t.n_local_heads, "head_dim": t.head_dim,
+                    "intermediate_size": t.intermediate_size, "vocab_size": t.vocab_size,
+                    "rope_base": t.rope_base, "norm_eps": t.norm_eps, "max_seq_len": t.max_seq_len,
+                    "attention_qk_norm": t.qk_norm, "attention_qkv_bias": False,
+                    "attention_o_bias": False}
+
+        tc = tdict(self.slow) | {"tie_word_embeddings": True, "model_type": "fish_qwen3"}
+        ac = tdict(self.fast) | {"num_codebooks": self.num_codebooks, "text_dim": self.slow.dim,
+                                 "model_type": "fish_qwen3_audio_decoder"}
+        return {"model_type": "fish_qwen3_omni", "text_config": tc, "audio_decoder_config": ac,
+                "eos_token_id": self.ids.im_end, "pad_token_id": self.ids.pad,
+                "audio_pad_token_id": self.ids.audio_pad,
+                "semantic_start_token_id": self.ids.semantic_start,
+                "semantic_end_token_id": self.ids.semantic_end, "dtype": "bfloat16"}
+
+
+# ----------------------------------------------------------------------------- presets
+# The built-in tokenizer for `tiny` is byte-level: ids 0..255 are bytes, the 35 Qwen3/fish
+# special tokens follow at 256.., then the 4096 semantic tokens (see engine/tokenizer.py).
+TINY_SPECIAL_BASE = 256
+TINY_IDS = TokenIds(im_end=TINY_SPECIAL_BASE + 2, pad=TINY_SPECIAL_BASE + 26,
+                    audio_pad=TINY_SPECIAL_BASE + 34, semantic_start=TINY_SPECIAL_BASE + 35,
+                    semantic_end=TINY_SPECIAL_BASE + 35 + 4095)
+
+
+def _tiny() -> ModelConfig:
+    vocab = ((TINY_IDS.semantic_end + 1 + 127) // 128) * 128  # padded like the real table
+    return ModelConfig(
+        slow=TransformerConfig(n_layer=2, dim=128, n_head=4, n_local_heads=2, head_dim=48,
+                               intermediate_size=384, vocab_size=vocab, max_seq_len=4096,
+                               qk_norm=True),
+        fast=TransformerConfig(n_layer=2, dim=128, n_head=4, n_local_heads=1, head_dim=40,
+                               intermediate_size=256, vocab_size=4096, max_seq_len=11),
+        ids=TINY_IDS, name="tiny")
+
+
+def _s2_pro() -> ModelConfig:
+    return ModelConfig(
+        slow=TransformerConfig(n_layer=36, dim=2560, n_head=32, n_local_heads=8, head_dim=128,
+                               intermediate_size=9728, vocab_size=155776, max_seq_len=32768,
+                               qk_norm=True),
+        fast=TransformerConfig(n_layer=4, dim=2560, n_head=32, n_local_heads=8, head_dim=128,
+                               intermediate_size=9728, vocab_size=4096, max_seq_len=11),
+        ids=TokenIds(), name="s2-pro")
+
+
+PRESETS = {"tiny": _tiny, "s2-pro": _s2_pro}
+
+
+def preset(name: str) -> ModelConfig:
+    try:
+        return PRESETS[name]()
+    except KeyError:
+        raise ValueError(f"unknown model preset {name!r}; known: {', '.join(PRESETS)}") from None
+
+
+def describe(cfg: ModelConfig) -> dict[str, Any]:
+    out: dict[str, Any] = {"name": cfg.name, "params": cfg.num_params(),
+                           "num_codebooks": cfg.num_codebooks}
+    for side in ("slow", "fast"):
+        t = getattr(cfg, side)
+        out[side] = {f.name: getattr(t, f.name) for f in fields(t)}
+    return out

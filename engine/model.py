@@ -1,0 +1,214 @@
+"""The Fish Audio S2 DualAR model ("fish_qwen3_omni"), written as the math.
+
+Slow AR: a Qwen3-style decoder over frame columns `[t, c0..c9]` that predicts the next
+semantic token. Fast AR: a small decoder run across the 10 codebooks of one frame.
+Caching is not the model's business: every attention layer hands its rotated q/k/v to an
+`Attend` object supplied by the runner, which owns the KV storage and the masking.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .config import ModelConfig, TransformerConfig
+
+
+class Attend(Protocol):
+    """Stores this step's k/v for `layer` and returns the attention output.
+
+    q: [B, H, T, Dh], k/v: [B, Hkv, T, Dh] (already normed and rotated) -> [B, H, T, Dh]
+    """
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor: ...
+
+
+def rope_table(n_pos: int, head_dim: int, base: float) -> Tensor:
+    """cos/sin table [n_pos, head_dim/2, 2], rounded to bf16 as the reference does.
+
+    Angles are float32 on purpose: float64 angles change hundreds of bf16 entries from
+    position ~100 on, which moves logits enough to flip codes at real lengths.
+    """
+    freqs = 1.0 / (base ** (torch.arange(0, head_dim, 2)[: head_dim // 2].float() / head_dim))
+    angles = torch.outer(torch.arange(n_pos, dtype=torch.float32), freqs)
+    return torch.stack([torch.cos(angles), torch.sin(angles)], dim=-1).to(torch.bfloat16)
+
+
+def apply_rope(x: Tensor, cs: Tensor) -> Tensor:
+    """Interleaved (GPT-J) rotation of adjacent pairs, computed in float32.
+
+    x: [B, T, H, Dh]; cs: [B, T, Dh/2, 2] (bf16 values, promoted to float32 here)
+    """
+    xp = x.float().reshape(*x.shape[:-1], -1, 2)  # [B, T, H, Dh/2, 2]
+    cs = cs.unsqueeze(2)  # [B, T, 1, Dh/2, 2]
+    out = torch.stack([xp[..., 0] * cs[..., 0] - xp[..., 1] * cs[..., 1],
+                       xp[..., 1] * cs[..., 0] + xp[..., 0] * cs[..., 1]], dim=-1)
+    return out.flatten(3).type_as(x)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Normalised in float32 whatever the activation dtype, as the reference.
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.wqkv = nn.Linear(cfg.dim, cfg.q_size + 2 * cfg.kv_size, bias=False)  # rows [q | k | v]
+        self.wo = nn.Linear(cfg.q_size, cfg.dim, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+
+    def forward(self, x: Tensor, cs: Tensor, attend: Attend, layer: int) -> Tensor:
+        c = self.cfg
+        B, T, _ = x.shape  # x: [B, T, D]
+        q, k, v = self.wqkv(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q = q.view(B, T, c.n_head, c.head_dim)
+        k = k.view(B, T, c.n_local_heads, c.head_dim)
+        v = v.view(B, T, c.n_local_heads, c.head_dim)
+        if c.qk_norm:  # per-head norm before the rotation
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cs), apply_rope(k, cs)
+        y = attend(layer, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return self.wo(y.transpose(1, 2).reshape(B, T, c.q_size))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.intermediate_size, bias=False)
+        self.w3 = nn.Linear(cfg.dim, cfg.intermediate_size, bias=False)
+        self.w2 = nn.Linear(cfg.intermediate_size, cfg.dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        self.attention = Attention(cfg)
+        self.feed_forward = FeedForward(cfg)
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+
+    def forward(self, x: Tensor, cs: Tensor, attend: Attend, layer: int) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), cs, attend, layer)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+def gqa_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+    """Reference-style attention. q: [B, H, T, Dh]; k/v: [B, Hkv, S, Dh]; mask bool [B|1, 1, T, S].
+
+    Each kv head serves n_head/n_kv consecutive query heads (repeat_interleave).
+    """
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def explicit_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """The fast AR's attention as the reference writes it: scores * (1/sqrt(d)), softmax, @ v."""
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores.float(), dim=-1).type_as(q) @ v
+
+
+class DualAR(nn.Module):
+    """Slow AR + fast AR with S2-Pro module names (see engine/weights.py for the key map)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        s, f = cfg.slow, cfg.fast
+        self.embeddings = nn.Embedding(s.vocab_size, s.dim)  # tied with the output head
+        self.codebook_embeddings = nn.Embedding(cfg.num_codebooks * cfg.codebook_size, s.dim)
+        self.layers = nn.ModuleList(Block(s) for _ in range(s.n_layer))
+        self.norm = RMSNorm(s.dim, s.norm_eps)
+        self.fast_embeddings = nn.Embedding(cfg.codebook_size, f.dim)
+        self.fast_layers = nn.ModuleList(Block(f) for _ in range(f.n_layer))
+        self.fast_norm = RMSNorm(f.dim, f.norm_eps)
+        self.fast_output = nn.Linear(f.dim, cfg.codebook_size, bias=False)
+        self.init_buffers()
+
+    def init_buffers(self, device: torch.device | str | None = None) -> None:
+        """(Re)build the derived, non-persistent buffers (after a meta-device load, say)."""
+        s, f, cfg = self.cfg.slow, self.cfg.fast, self.cfg
+        if device is None:
+            device = self.embeddings.weight.device
+        if torch.device(device).type == "meta":  # filled in by the loader after weights arrive
+            self.register_buffer("rope", None, persistent=False)
+            self.register_buffer("fast_rope", None, persistent=False)
+            self.register_buffer("codebook_offsets", None, persistent=False)
+            return
+        self.register_buffer("rope", rope_table(s.max_seq_len, s.head_dim, s.rope_base).to(device),
+                             persistent=False)
+        self.register_buffer("fast_rope",
+                             rope_table(cfg.num_codebooks, f.head_dim, s.rope_base).to(device),
+                             persistent=False)
+        self.register_buffer("codebook_offsets", torch.arange(
+            cfg.num_codebooks, device=device) * cfg.codebook_size, persistent=False)
+
+    # ------------------------------------------------------------------ slow AR
+    def embed(self, cols: Tensor) -> Tensor:
+        """cols: [B, 1+K, T] int (row 0 token id, rows 1..K codes) -> x: [B, T, D].
+
+        At semantic positions x = (E_tok[t] + sum_i E_cb[c_i + i*4096]) / sqrt(K+1);
+        elsewhere the codebook rows are ignored.
+        """
+        ids = self.cfg.ids
+        tok = cols[:, 0]  # [B, T]
+        codes = cols[:, 1:] + self.codebook_offsets[None, :, None]  # [B, K, T]
+        vq = self.codebook_embeddings(codes).sum(dim=1)  # [B, T, D]
+        semantic = (tok >= ids.semantic_start) & (tok <= ids.semantic_end)  # [B, T]
+        x = self.embeddings(tok) + vq * semantic.unsqueeze(-1)
+        scale = math.sqrt(self.cfg.num_codebooks + 1)
+        return torch.where(semantic.unsqueeze(-1), x / scale, x)
+
+    def forward_slow(self, cols: Tensor, positions: Tensor, attend: Attend) -> Tensor:
+        """cols: [B, 1+K, T]; positions: [B, T] -> final-normed hidden states h: [B, T, D]."""
+        x = self.embed(cols)
+        cs = self.rope[positions]  # [B, T, Dh/2, 2]
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cs, attend, i)
+        return self.norm(x)
+
+    def semantic_logits(self, h: Tensor) -> Tensor:
+        """h: [..., D] -> logits over [semantic 0..N-1, <|im_end|>]: [..., N+1].
+
+        Only these 4,097 rows of the tied 155,776-row head can ever be sampled.
+        """
+        ids = self.cfg.ids
+        w = self.embeddings.weight
+        sem = F.linear(h, w[ids.semantic_start: ids.semantic_end + 1])
+        end = F.linear(h, w[ids.im_end: ids.im_end + 1])
+        return torch.cat([sem, end], dim=-1)
+
+    def full_logits(self, h: Tensor) -> Tensor:
+        """Logits over the whole text vocabulary (for reference checks only)."""
+        return F.linear(h, self.embeddings.weight)
+
+    # ------------------------------------------------------------------ fast AR
+    def forward_fast(self, x: Tensor, pos: int, attend: Attend) -> Tensor:
+        """One fast-AR position for a batch. x: [B, 1, D]; pos in 0..K-1 -> logits [B, 4096]."""
+        cs = self.fast_rope[pos: pos + 1].unsqueeze(0).expand(x.shape[0], -1, -1, -1)
+        for i, layer in enumerate(self.fast_layers):
+            x = layer(x, cs, attend, i)
+        return self.fast_output(self.fast_norm(x))[:, 0]

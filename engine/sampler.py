@@ -1,0 +1,154 @@
+"""Batched sampling with per-row parameters and no host synchronisation.
+
+The rule is the reference's: top-k / top-p mask computed on the un-tempered logits, then
+temperature, softmax and an exponential race `argmax(p / E)`, E ~ Exponential(1). The noise
+is counter-based (a hash of seed, step, stream and index), so a request's draws depend only
+on its own seed and step, never on which other requests share the batch, and the whole
+thing is plain tensor ops (CUDA-graph friendly). Temperature 0 means greedy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+_M32 = 0xFFFFFFFF
+# Noise streams: independent draws per purpose within one frame.
+STREAM_MAIN, STREAM_RAS, STREAM_FAST = 1, 2, 16
+
+
+@dataclass(slots=True, frozen=True)
+class SamplingParams:
+    """Per-request sampling settings (defaults seen in the S2 reference)."""
+
+    temperature: float = 0.8
+    top_p: float = 0.8
+    top_k: int = 30
+    ras_window: int = 10  # repetition-aware sampling window (0 disables RAS)
+    ras_temperature: float = 1.0
+    ras_top_p: float = 0.9
+    seed: int | None = None  # None: drawn by the engine
+
+    def __post_init__(self) -> None:
+        if not (0.0 <= self.temperature <= 5.0):
+            raise ValueError(f"temperature must be in [0, 5], got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (isinstance(self.top_k, int) and self.top_k >= 1):
+            raise ValueError(f"top_k must be an int >= 1, got {self.top_k!r}")
+        if not (0 <= self.ras_window <= 64):
+            raise ValueError(f"ras_window must be in [0, 64], got {self.ras_window}")
+        if not (0.0 < self.ras_temperature <= 5.0 and 0.0 < self.ras_top_p <= 1.0):
+            raise ValueError("ras_temperature must be in (0, 5] and ras_top_p in (0, 1]")
+        if self.seed is not None and not (0 <= self.seed < 2**31):
+            raise ValueError(f"seed must be in [0, 2^31), got {self.seed}")
+
+    @classmethod
+    def greedy(cls) -> SamplingParams:
+        return cls(temperature=0.0, top_p=1.0, top_k=1)
+
+
+def _mix32(x: Tensor) -> Tensor:
+    """A 32-bit integer finaliser (lowbias32) in int64 arithmetic; wraps are masked off."""
+    x = x & _M32
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _M32
+    return x ^ (x >> 16)
+
+
+def exponential_noise(seed: Tensor, step: Tensor, stream: int, n: int) -> Tensor:
+    """E ~ Exponential(1), shape [B, n], a pure function of (seed[b], step[b], stream, index)."""
+    idx = torch.arange(n, device=seed.device, dtype=torch.int64)
+    key = _mix32(seed.to(torch.int64) * 0x9E3779B1 + stream * 0x632BE5AB)
+    key = _mix32(key + step.to(torch.int64) * 0x85EBCA77)
+    x = _mix32(key[:, None] + idx[None, :] * 0xC2B2AE3D)
+    u = ((x >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # uniform in (0, 1)
+    return -torch.log(u)
+
+
+def sample(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor,
+           noise: Tensor) -> Tensor:
+    """logits [B, V]; temperature/top_p [B] float; top_k [B] int; noise [B, V] -> ids [B].
+
+    Rows with temperature 0 take the argmax.
+    """
+    logits = logits.float()
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    cum = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+    remove = cum > top_p[:, None]
+    remove[:, 0] = False  # always keep the best
+    rank = torch.arange(logits.shape[-1], device=logits.device)
+    remove |= rank[None, :] >= top_k[:, None]
+    mask = torch.empty_like(remove).scatter_(1, order, remove)
+    t = temperature.clamp(min=1e-5)[:, None]
+    probs = torch.softmax(logits.masked_fill(mask, float("-inf")) / t, dim=-1)
+    drawn = torch.argmax(probs / noise, dim=-1)
+    return torch.where(temperature > 0, drawn, torch.argmax(logits, dim=-1))
+
+
+class SlotSampling:
+    """Per-slot sampling state held on the device: parameters, seeds, step counters and the
+    RAS window of recent main tokens (-1 = empty)."""
+
+    def __init__(self, n_slots: int, device: torch.device | str, max_window: int = 16) -> None:
+        d = torch.device(device)
+        self.temperature = torch.zeros(n_slots, device=d)
+        self.top_p = torch.ones(n_slots, device=d)
+        self.top_k = torch.ones(n_slots, dtype=torch.int64, device=d)
+        self.ras_temperature = torch.ones(n_slots, device=d)
+        self.ras_top_p = torch.ones(n_slots, device=d)
+        self.ras_window = torch.zeros(n_slots, dtype=torch.int64, device=d)
+        self.seed = torch.zeros(n_slots, dtype=torch.int64, device=d)
+        self.step = torch.zeros(n_slots, dtype=torch.int64, device=d)
+        self.window = torch.full((n_slots, max_window), -1, dtype=torch.int64, device=d)
+        self.max_window = max_window
+
+    def assign(self, slot: int, p: SamplingParams, seed: int) -> None:
+        if p.ras_window > self.max_window:
+            raise ValueError(f"ras_window {p.ras_window} exceeds the engine's {self.max_window}")
+        self.temperature[slot] = p.temperature
+        self.top_p[slot] = p.top_p
+        self.top_k[slot] = p.top_k
+        self.ras_temperature[slot] = p.ras_temperature
+        self.ras_top_p[slot] = p.ras_top_p
+        self.ras_window[slot] = p.ras_window
+        self.seed[slot] = seed
+        self.step[slot] = 0
+        self.window[slot] = -1
+
+    def sample_main(self, slots: Tensor, logits: Tensor, n_semantic: int) -> Tensor:
+        """Main-token choice with repetition-aware sampling. logits [B, n_semantic+1] -> idx [B]
+        (index n_semantic means <|im_end|>). Updates the window and step of `slots`."""
+        seed, step = self.seed[slots], self.step[slots]
+        V = logits.shape[-1]
+        main = sample(logits, self.temperature[slots], self.top_p[slots], self.top_k[slots],
+                      exponential_noise(seed, step, STREAM_MAIN, V))
+        # RAS: a second candidate (temperature 1.0, top-p 0.9, same top-k); taken when the main
+        # token is semantic and already among the last `ras_window` main tokens. The frame
+        # made by the prefill never enters the window (step 0 does not push).
+        greedy = self.temperature[slots] == 0
+        high = sample(logits, torch.where(greedy, 0.0, self.ras_temperature[slots]),
+                      self.ras_top_p[slots], self.top_k[slots],
+                      exponential_noise(seed, step, STREAM_RAS, V))
+        win = self.window[slots]  # [B, W]
+        live = torch.arange(self.max_window, device=win.device)[None, :] >= (
+            self.max_window - self.ras_window[slots])[:, None]
+        in_window = ((win == main[:, None]) & live).any(dim=-1)
+        chosen = torch.where(in_window & (main < n_semantic), high, main)
+        push = step > 0
+        shifted = torch.cat([win[:, 1:], chosen[:, None]], dim=1)
+        self.window[slots] = torch.where(push[:, None], shifted, win)
+        return chosen
+
+    def sample_fast(self, slots: Tensor, logits: Tensor, codebook: int) -> Tensor:
+        """A residual codebook: logits [B, 4096] -> codes [B] (no bias, no RAS)."""
+        return sample(logits, self.temperature[slots], self.top_p[slots], self.top_k[slots],
+                      exponential_noise(self.seed[slots], self.step[slots], STREAM_FAST + codebook,
+                                        logits.shape[-1]))
+
+    def advance(self, slots: Tensor) -> None:
+        self.step[slots] += 1

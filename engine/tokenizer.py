@@ -1,0 +1,140 @@
+"""Tokenizers: the checkpoint's HF `tokenizer.json`, or a byte-level one built in code for `tiny`.
+
+Both expose the same small surface: `encode(text)` (special tokens written in the text are
+matched whole; nothing is added), `decode(ids)`, `token_to_id`, and the id facts the engine
+needs (semantic range, `<|im_end|>`).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Protocol
+
+from .config import TINY_SPECIAL_BASE, TokenIds
+
+# The 26 Qwen3 added tokens followed by fish-speech's 9, in id order (S2-Pro: 151643..151677).
+SPECIAL_TOKENS: tuple[str, ...] = (
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+    "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
+    "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>", "<tool_call>",
+    "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
+    "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>", "<think>", "</think>",
+    "<|pad|>", "<|phoneme_start|>", "<|phoneme_end|>", "<|text|>", "<|voice|>", "<|interleave|>",
+    "<|audio_start|>", "<|audio_end|>", "<|audio_pad|>",
+)
+N_SEMANTIC = 4096
+
+
+class Tokenizer(Protocol):
+    ids: TokenIds
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+    def token_to_id(self, token: str) -> int: ...
+
+
+class TokenizerError(ValueError):
+    pass
+
+
+class HFTokenizer:
+    """A checkpoint's `tokenizer.json` through HF `tokenizers` (no `transformers` needed)."""
+
+    def __init__(self, path: str | Path) -> None:
+        from tokenizers import Tokenizer as _Tok
+
+        p = Path(path)
+        if p.is_dir():
+            p = p / "tokenizer.json"
+        if not p.is_file():
+            raise FileNotFoundError(f"no tokenizer.json at {p}")
+        self._tok = _Tok.from_file(str(p))
+        first = self._tok.token_to_id("<|semantic:0|>")
+        if first is None:
+            raise TokenizerError(f"{p} has no <|semantic:0|> token: not an S2 tokenizer")
+        # The reference takes the semantic range from the tokens themselves.
+        sem = [self._tok.token_to_id(f"<|semantic:{i}|>") for i in range(N_SEMANTIC)]
+        if any(s is None for s in sem) or sem != list(range(first, first + N_SEMANTIC)):
+            raise TokenizerError(f"{p}: <|semantic:0..4095|> are not 4096 consecutive ids")
+        self.ids = TokenIds(im_end=self.token_to_id("<|im_end|>"), pad=self.token_to_id("<|pad|>"),
+                            audio_pad=self.token_to_id("<|audio_pad|>"), semantic_start=first,
+                            semantic_end=first + N_SEMANTIC - 1)
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=False)
+
+    def token_to_id(self, token: str) -> int:
+        i = self._tok.token_to_id(token)
+        if i is None:
+            raise TokenizerError(f"token {token!r} is not in the vocabulary")
+        return i
+
+
+class ByteTokenizer:
+    """Byte-level tokenizer for the built-in `tiny` model: ids 0..255 are UTF-8 bytes, then the
+    35 special tokens, then `<|semantic:0..4095|>`. Any text in any script round-trips."""
+
+    def __init__(self) -> None:
+        base = TINY_SPECIAL_BASE
+        self._special = {t: base + i for i, t in enumerate(SPECIAL_TOKENS)}
+        sem0 = base + len(SPECIAL_TOKENS)
+        self._by_id = {i: t for t, i in self._special.items()}
+        self.ids = TokenIds(im_end=self._special["<|im_end|>"], pad=self._special["<|pad|>"],
+                            audio_pad=self._special["<|audio_pad|>"], semantic_start=sem0,
+                            semantic_end=sem0 + N_SEMANTIC - 1)
+        self.vocab_size = sem0 + N_SEMANTIC
+        alt = "|".join(re.escape(t) for t in sorted(self._special, key=len, reverse=True))
+        self._split = re.compile(f"({alt}|<\\|semantic:\\d+\\|>)")
+
+    def encode(self, text: str) -> list[int]:
+        out: list[int] = []
+        for piece in self._split.split(text):
+            if not piece:
+                continue
+            if piece in self._special:
+                out.append(self._special[piece])
+            elif piece.startswith("<|semantic:") and int(piece[11:-2]) < N_SEMANTIC:
+                out.append(self.ids.semantic_start + int(piece[11:-2]))
+            else:
+                out.extend(piece.encode("utf-8"))
+        return out
+
+    def decode(self, ids: list[int]) -> str:
+        parts: list[str] = []
+        buf = bytearray()
+        for i in ids:
+            if 0 <= i < 256:
+                buf.append(i)
+                continue
+            if buf:
+                parts.append(buf.decode("utf-8", errors="replace"))
+                buf.clear()
+            if i in self._by_id:
+                parts.append(self._by_id[i])
+            elif self.ids.semantic_start <= i <= self.ids.semantic_end:
+                parts.append(f"<|semantic:{i - self.ids.semantic_start}|>")
+            else:
+                raise TokenizerError(f"id {i} is outside the byte tokenizer's vocabulary")
+        if buf:
+            parts.append(buf.decode("utf-8", errors="replace"))
+        return "".join(parts)
+
+    def token_to_id(self, token: str) -> int:
+        if token in self._special:
+            return self._special[token]
+        m = re.fullmatch(r"<\|semantic:(\d+)\|>", token)
+        if m and int(m.group(1)) < N_SEMANTIC:
+            return self.ids.semantic_start + int(m.group(1))
+        raise TokenizerError(f"token {token!r} is not in the vocabulary")
+
+
+def load_tokenizer(path: str | Path | None) -> Tokenizer:
+    """`None` -> the built-in byte tokenizer; else the checkpoint's tokenizer.json."""
+    return ByteTokenizer() if path is None else HFTokenizer(path)
