@@ -106,6 +106,7 @@ class SlotSampling:
         self.step = torch.zeros(n_slots, dtype=torch.int64, device=d)
         self.window = torch.full((n_slots, max_window), -1, dtype=torch.int64, device=d)
         self.max_window = max_window
+        self.last_ras_condition = torch.zeros(0, dtype=torch.bool, device=d)
 
     def assign(self, slot: int, p: SamplingParams, seed: int) -> None:
         if p.ras_window > self.max_window:
@@ -116,6 +117,12 @@ class SlotSampling:
         self.ras_temperature[slot] = p.ras_temperature
         self.ras_top_p[slot] = p.ras_top_p
         self.ras_window[slot] = p.ras_window
+        self.seed[slot] = seed
+        self.step[slot] = 0
+        self.window[slot] = -1
+
+    def begin_turn(self, slot: int, seed: int) -> None:
+        """A new generation on this slot: fresh noise stream, empty RAS window."""
         self.seed[slot] = seed
         self.step[slot] = 0
         self.window[slot] = -1
@@ -138,7 +145,8 @@ class SlotSampling:
         live = torch.arange(self.max_window, device=win.device)[None, :] >= (
             self.max_window - self.ras_window[slots])[:, None]
         in_window = ((win == main[:, None]) & live).any(dim=-1)
-        chosen = torch.where(in_window & (main < n_semantic), high, main)
+        self.last_ras_condition = in_window & (main < n_semantic)  # [B], for tests/telemetry
+        chosen = torch.where(self.last_ras_condition, high, main)
         push = step > 0
         shifted = torch.cat([win[:, 1:], chosen[:, None]], dim=1)
         self.window[slots] = torch.where(push[:, None], shifted, win)

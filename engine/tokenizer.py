@@ -81,8 +81,11 @@ class ByteTokenizer:
     """Byte-level tokenizer for the built-in `tiny` model: ids 0..255 are UTF-8 bytes, then the
     35 special tokens, then `<|semantic:0..4095|>`. Any text in any script round-trips."""
 
-    def __init__(self) -> None:
-        base = TINY_SPECIAL_BASE
+    def __init__(self, special_base: int = TINY_SPECIAL_BASE) -> None:
+        # special_base=151643 gives the real S2-Pro special/semantic ids (dummy s2-pro runs).
+        base = special_base
+        if base < 256:
+            raise ValueError("special_base must leave ids 0..255 to the bytes")
         self._special = {t: base + i for i, t in enumerate(SPECIAL_TOKENS)}
         sem0 = base + len(SPECIAL_TOKENS)
         self._by_id = {i: t for t, i in self._special.items()}
@@ -90,6 +93,7 @@ class ByteTokenizer:
                             audio_pad=self._special["<|audio_pad|>"], semantic_start=sem0,
                             semantic_end=sem0 + N_SEMANTIC - 1)
         self.vocab_size = sem0 + N_SEMANTIC
+        self._base = base
         alt = "|".join(re.escape(t) for t in sorted(self._special, key=len, reverse=True))
         self._split = re.compile(f"({alt}|<\\|semantic:\\d+\\|>)")
 
@@ -110,7 +114,7 @@ class ByteTokenizer:
         parts: list[str] = []
         buf = bytearray()
         for i in ids:
-            if 0 <= i < 256:
+            if 0 <= i < 256:  # bytes
                 buf.append(i)
                 continue
             if buf:
@@ -118,6 +122,8 @@ class ByteTokenizer:
                 buf.clear()
             if i in self._by_id:
                 parts.append(self._by_id[i])
+            elif 256 <= i < self._base:
+                raise TokenizerError(f"id {i} is outside the byte tokenizer's vocabulary")
             elif self.ids.semantic_start <= i <= self.ids.semantic_end:
                 parts.append(f"<|semantic:{i - self.ids.semantic_start}|>")
             else:

@@ -1,0 +1,37 @@
+"""Fish Audio S2 "modded DAC" codec (44.1 kHz, 2048 samples per code frame, 10 codebooks).
+
+Offline encode/decode matching the reference implementation, and a batched stateful
+streaming decoder (:class:`StreamingDecoder`) whose output equals the offline decode up to
+float rounding (:data:`STREAM_ATOL`).
+"""
+
+from .config import (
+    CodecConfig,
+    QuantizerConfig,
+    TransformerConfig,
+    TransformerGeneralConfig,
+    WindowTransformerConfig,
+)
+from .model import Codec
+from .reference_checks import OFFLINE_ATOL, codec_checks
+from .resample import resample_to_codec_rate
+from .streaming import STREAM_ATOL, StreamingDecoder
+from .weights import dummy_codec, fold_weight_norm, load_codec, read_checkpoint
+
+__all__ = [
+    "OFFLINE_ATOL",
+    "STREAM_ATOL",
+    "Codec",
+    "CodecConfig",
+    "QuantizerConfig",
+    "StreamingDecoder",
+    "TransformerConfig",
+    "TransformerGeneralConfig",
+    "WindowTransformerConfig",
+    "codec_checks",
+    "dummy_codec",
+    "fold_weight_norm",
+    "load_codec",
+    "read_checkpoint",
+    "resample_to_codec_rate",
+]

@@ -1,0 +1,514 @@
+"""Building blocks of the modded-DAC codec, offline and streaming.
+
+Every layer has an offline ``forward`` that reproduces the reference computation op for op (the
+same torch ops in the same order, so float32 results agree with the fixtures to the last bit
+where the kernels allow), and, where the layer carries history, a ``stream`` method that
+continues a batch of streams from saved state:
+
+- causal convs keep the last ``(kernel-1)*dilation`` input samples ("tail");
+- causal transposed convs keep the last ``ceil((kernel-stride)/stride)`` input samples (the
+  inputs whose kernel overlaps outputs not yet emitted);
+- windowed attention keeps the post-RoPE keys/values of the last ``window-1`` frames.
+
+Streaming batches are right-padded to the longest chunk in the call. Everything is causal, so
+padding never leaks into valid outputs; the only place it matters is where a layer saves its
+tail, which :meth:`StreamContext.take_last` takes at each stream's own valid end.
+
+Shapes: conv-side tensors are channels-first ``[B, C, T]``; transformer internals ``[B, T, D]``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .config import WindowTransformerConfig
+
+__all__ = [
+    "Attention",
+    "CausalConv1d",
+    "CausalConvTranspose1d",
+    "ConvNeXtBlock",
+    "FeedForward",
+    "LayerScale",
+    "RMSNorm",
+    "ResidualUnit",
+    "Snake1d",
+    "Stateful",
+    "StreamContext",
+    "TransformerBlock",
+    "WindowLimitedTransformer",
+    "apply_rope",
+    "rope_table",
+    "snake",
+    "stream_sequential",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# Streaming plumbing
+# ---------------------------------------------------------------------------------------------
+class Stateful:
+    """Mixin for layers that carry per-stream history in streaming mode.
+
+    ``state_key`` is set by the owning :class:`~engine.codec.model.Codec` to the layer's module
+    path; the streaming decoder allocates one ``[max_streams, *shape]`` buffer per entry of
+    :meth:`state_shapes` under the key ``f"{state_key}.{name}"``.
+    """
+
+    state_key: str = ""
+
+    def state_shapes(self) -> dict[str, tuple[int, ...]]:
+        raise NotImplementedError
+
+
+class StreamContext:
+    """The streams of one batched streaming call and their gathered state.
+
+    ``lengths``: [B] int64 new code frames per stream (all >= 1); the batch is right-padded to
+    ``n_max`` frames. ``positions``: [B] int64 frames each stream had decoded before this call
+    (absolute RoPE positions start there). ``max_position``: host-side max of
+    ``positions + lengths`` (so RoPE tables can be sized without a device sync).
+    """
+
+    def __init__(
+        self,
+        lengths: Tensor,
+        positions: Tensor,
+        n_max: int,
+        max_position: int,
+        state: dict[str, Tensor],
+        uniform: bool,
+    ) -> None:
+        self.lengths = lengths
+        self.positions = positions
+        self.n_max = n_max
+        self.max_position = max_position
+        self.state = state
+        self.new_state: dict[str, Tensor] = {}
+        self.uniform = uniform  # every stream has n_max frames: tails are plain slices
+
+    def get(self, layer: Stateful, name: str) -> Tensor:
+        return self.state[f"{layer.state_key}.{name}"]
+
+    def put(self, layer: Stateful, name: str, value: Tensor) -> None:
+        self.new_state[f"{layer.state_key}.{name}"] = value
+
+    def take_last(self, x: Tensor, keep: int, dim: int = -1) -> Tensor:
+        """The ``keep`` samples of ``x`` along ``dim`` that end at each stream's valid end.
+
+        ``x`` holds ``keep`` samples of saved history followed by the padded new samples
+        (``n_max * rate`` of them), so stream b's valid data ends at ``keep + lengths[b]*rate``.
+        """
+        dim = dim % x.dim()
+        total = x.shape[dim]
+        if keep == 0:
+            return x.narrow(dim, 0, 0)
+        if self.uniform:
+            return x.narrow(dim, total - keep, keep)
+        rate = (total - keep) // self.n_max
+        # idx: [B, keep] start of the kept window = lengths*rate (in x's coordinates)
+        idx = (self.lengths * rate)[:, None] + torch.arange(keep, device=x.device)
+        shape = [1] * x.dim()
+        shape[0], shape[dim] = x.shape[0], keep
+        idx = idx.view(shape).expand(*[keep if d == dim else s for d, s in enumerate(x.shape)])
+        return torch.gather(x, dim, idx)
+
+
+def stream_sequential(seq: nn.Module, x: Tensor, ctx: StreamContext) -> Tensor:
+    """Run an ``nn.Sequential`` in streaming mode: stateful children continue from state."""
+    for m in seq.children() if isinstance(seq, nn.Sequential) else (seq,):
+        x = m.stream(x, ctx) if hasattr(m, "stream") else m(x)
+    return x
+
+
+# ---------------------------------------------------------------------------------------------
+# Snake
+# ---------------------------------------------------------------------------------------------
+def snake(x: Tensor, alpha: Tensor) -> Tensor:
+    """Snake activation ``x + sin(alpha x)^2 / (alpha + 1e-9)``.
+
+    x: [B, C, T], alpha: [1, C, 1]. Written as descript-audio-codec computes it (reciprocal,
+    then multiply), which is what the fixtures were made with.
+    """
+    return x + (alpha + 1e-9).reciprocal() * torch.sin(alpha * x).pow(2)
+
+
+class Snake1d(nn.Module):
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.alpha = nn.Parameter(torch.ones(1, channels, 1))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return snake(x, self.alpha)
+
+
+# ---------------------------------------------------------------------------------------------
+# Causal convolutions
+# ---------------------------------------------------------------------------------------------
+class CausalConv1d(Stateful, nn.Module):
+    """Conv1d made causal by left padding ``span - stride`` zeros (span = (k-1)*dilation + 1),
+    plus right padding that completes the last window (only non-zero for strided convs).
+
+    ``weight_norm`` only records that the reference wraps this conv in weight norm (its
+    checkpoint stores g/v, which the loader folds into ``conv.weight``).
+    """
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: int,
+        stride: int = 1,
+        dilation: int = 1,
+        groups: int = 1,
+        weight_norm: bool = False,
+    ) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(
+            in_channels, out_channels, kernel_size, stride=stride, dilation=dilation, groups=groups
+        )
+        self.stride = stride
+        self.span = (kernel_size - 1) * dilation + 1
+        self.left_pad = self.span - stride
+        self.weight_norm = weight_norm
+
+    def forward(self, x: Tensor) -> Tensor:
+        # x: [B, Cin, L] -> [B, Cout, ceil(L / stride)]
+        length = x.shape[-1]
+        n_out = -(-(length - self.span + self.left_pad) // self.stride) + 1
+        right_pad = (n_out - 1) * self.stride + (self.span - self.left_pad) - length
+        return self.conv(F.pad(x, (self.left_pad, right_pad)))
+
+    def state_shapes(self) -> dict[str, tuple[int, ...]]:
+        if self.left_pad == 0:
+            return {}
+        return {"tail": (self.conv.in_channels, self.left_pad)}
+
+    def stream(self, x: Tensor, ctx: StreamContext) -> Tensor:
+        # x: [B, Cin, T] new samples (padded) -> [B, Cout, T]; the saved tail replaces the zeros
+        # the offline conv pads on the left.
+        if self.stride != 1:
+            raise RuntimeError("streaming is only defined for stride-1 causal convs")
+        if self.left_pad == 0:
+            return self.conv(x)
+        xx = torch.cat([ctx.get(self, "tail"), x], dim=-1)  # [B, Cin, left_pad + T]
+        ctx.put(self, "tail", ctx.take_last(xx, self.left_pad))
+        return self.conv(xx)
+
+
+class CausalConvTranspose1d(Stateful, nn.Module):
+    """ConvTranspose1d made causal by trimming ``kernel - stride`` samples from the right end.
+
+    Output sample t gets contributions from inputs j with j*stride <= t < j*stride + kernel, so
+    in streaming the last ``ceil((kernel - stride) / stride)`` inputs are kept and fed again.
+    Weight norm (when the reference uses it) is per INPUT channel (dim 0 of [in, out, k]).
+    """
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: int,
+        stride: int = 1,
+        weight_norm: bool = False,
+    ) -> None:
+        super().__init__()
+        if kernel_size < stride:
+            raise ValueError(f"kernel_size ({kernel_size}) must be >= stride ({stride})")
+        self.conv = nn.ConvTranspose1d(in_channels, out_channels, kernel_size, stride=stride)
+        self.stride = stride
+        self.kernel_size = kernel_size
+        self.trim = kernel_size - stride
+        self.history = -(-self.trim // stride)  # inputs whose outputs overlap future outputs
+        self.weight_norm = weight_norm
+
+    def forward(self, x: Tensor) -> Tensor:
+        # x: [B, Cin, L] -> [B, Cout, L * stride]
+        y = self.conv(x)  # [B, Cout, (L-1)*stride + kernel]
+        return y[..., : y.shape[-1] - self.trim]
+
+    def state_shapes(self) -> dict[str, tuple[int, ...]]:
+        if self.history == 0:
+            return {}
+        return {"tail": (self.conv.in_channels, self.history)}
+
+    def stream(self, x: Tensor, ctx: StreamContext) -> Tensor:
+        # x: [B, Cin, T] -> [B, Cout, T * stride]
+        if self.history == 0:
+            return self.forward(x)
+        xx = torch.cat([ctx.get(self, "tail"), x], dim=-1)  # [B, Cin, history + T]
+        ctx.put(self, "tail", ctx.take_last(xx, self.history))
+        y = self.conv(xx)  # [B, Cout, (history + T - 1)*stride + kernel]
+        start = self.history * self.stride  # outputs of the tail alone were emitted last call
+        return y[..., start : start + x.shape[-1] * self.stride]
+
+
+# ---------------------------------------------------------------------------------------------
+# Residual unit and ConvNeXt block
+# ---------------------------------------------------------------------------------------------
+class ResidualUnit(nn.Module):
+    """x + conv1(snake(conv7_dilated(snake(x)))), all causal."""
+
+    def __init__(self, dim: int, dilation: int = 1) -> None:
+        super().__init__()
+        self.block = nn.Sequential(
+            Snake1d(dim),
+            CausalConv1d(dim, dim, kernel_size=7, dilation=dilation, weight_norm=True),
+            Snake1d(dim),
+            CausalConv1d(dim, dim, kernel_size=1, weight_norm=True),
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.block(x)
+        trim = x.shape[-1] - y.shape[-1]  # 0 for the causal unit; kept for fidelity
+        if trim > 0:
+            x = x[..., :-trim]
+        return x + y
+
+    def stream(self, x: Tensor, ctx: StreamContext) -> Tensor:
+        return x + stream_sequential(self.block, x, ctx)
+
+
+class ConvNeXtBlock(nn.Module):
+    """Causal depthwise conv k7 -> LayerNorm(eps 1e-6) -> Linear 4x -> GELU(erf) -> Linear
+    -> * gamma, plus the input."""
+
+    def __init__(self, dim: int, mlp_ratio: float = 4.0, kernel_size: int = 7) -> None:
+        super().__init__()
+        hidden = int(mlp_ratio * dim)
+        self.dwconv = CausalConv1d(dim, dim, kernel_size=kernel_size, groups=dim)
+        self.norm = nn.LayerNorm(dim, eps=1e-6)
+        self.pwconv1 = nn.Linear(dim, hidden)
+        self.pwconv2 = nn.Linear(hidden, dim)
+        self.gamma = nn.Parameter(torch.full((dim,), 1e-6))
+
+    def _pointwise(self, x: Tensor) -> Tensor:
+        # x: [B, C, T] -> [B, C, T] (the per-time-step MLP branch)
+        x = x.permute(0, 2, 1)  # [B, T, C]
+        x = self.pwconv2(F.gelu(self.pwconv1(self.norm(x))))
+        x = self.gamma * x
+        return x.permute(0, 2, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self._pointwise(self.dwconv(x))
+
+    def stream(self, x: Tensor, ctx: StreamContext) -> Tensor:
+        return x + self._pointwise(self.dwconv.stream(x, ctx))
+
+
+# ---------------------------------------------------------------------------------------------
+# Transformer (window-limited, causal)
+# ---------------------------------------------------------------------------------------------
+def rope_table(n_positions: int, head_dim: int, base: float) -> Tensor:
+    """cos/sin of RoPE angles for positions 0..n-1: [n, head_dim/2, 2] (cos, sin).
+
+    Angles are computed in float32 and the table is rounded to bfloat16 (as the reference
+    stores it); returned as float32 holding those bf16 values, which multiplies exactly like
+    the reference's mixed-dtype product.
+    """
+    freqs = 1.0 / (base ** (torch.arange(0, head_dim, 2)[: head_dim // 2].float() / head_dim))
+    t = torch.arange(n_positions)
+    angles = torch.outer(t, freqs)  # [n, hd/2] float32
+    cis = torch.polar(torch.ones_like(angles), angles)
+    table = torch.stack([cis.real, cis.imag], dim=-1)
+    return table.to(torch.bfloat16).float()
+
+
+def apply_rope(x: Tensor, table: Tensor) -> Tensor:
+    """Interleaved (GPT-J) rotation of adjacent pairs (2i, 2i+1).
+
+    x: [B, T, H, hd]; table: [B or 1, T, 1, hd/2, 2]. Computed in float32, cast back.
+    """
+    xs = x.float().reshape(*x.shape[:-1], -1, 2)  # [B, T, H, hd/2, 2]
+    cos, sin = table[..., 0], table[..., 1]
+    out = torch.stack(
+        [xs[..., 0] * cos - xs[..., 1] * sin, xs[..., 1] * cos + xs[..., 0] * sin], dim=-1
+    )
+    return out.flatten(3).type_as(x)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        normed = xf * torch.rsqrt(torch.mean(xf * xf, dim=-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+class LayerScale(nn.Module):
+    def __init__(self, dim: int, init: float = 1e-2) -> None:
+        super().__init__()
+        self.gamma = nn.Parameter(torch.full((dim,), init))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.gamma
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Attention(Stateful, nn.Module):
+    """Multi-head attention with fused [q|k|v] projection, RoPE on q/k, SDPA with a bool mask."""
+
+    def __init__(self, dim: int, n_head: int, head_dim: int, window: int | None) -> None:
+        super().__init__()
+        self.n_head = n_head
+        self.head_dim = head_dim
+        self.wqkv = nn.Linear(dim, 3 * n_head * head_dim, bias=False)
+        self.wo = nn.Linear(n_head * head_dim, dim, bias=False)
+        self.window = window
+
+    def _qkv(self, x: Tensor, rope: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        # x: [B, T, D] -> q, k, v: [B, H, T, hd] (q, k rotated)
+        bsz, seqlen, _ = x.shape
+        size = self.n_head * self.head_dim
+        q, k, v = self.wqkv(x).split([size, size, size], dim=-1)
+        q = q.view(bsz, seqlen, self.n_head, self.head_dim)
+        k = k.view(bsz, seqlen, self.n_head, self.head_dim)
+        v = v.view(bsz, seqlen, self.n_head, self.head_dim)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    def _out(self, y: Tensor) -> Tensor:
+        # y: [B, H, T, hd] -> [B, T, D]
+        bsz, _, seqlen, _ = y.shape
+        return self.wo(y.transpose(1, 2).contiguous().view(bsz, seqlen, self.n_head * self.head_dim))
+
+    def forward(self, x: Tensor, rope: Tensor, mask: Tensor) -> Tensor:
+        # x: [B, T, D], rope: [1, T, 1, hd/2, 2], mask: [1, 1, T, T] bool (True = attend)
+        q, k, v = self._qkv(x, rope)
+        return self._out(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+
+    def state_shapes(self) -> dict[str, tuple[int, ...]]:
+        if self.window is None:
+            raise RuntimeError("streaming attention needs a window size")
+        keep = self.window - 1
+        return {"k": (self.n_head, keep, self.head_dim), "v": (self.n_head, keep, self.head_dim)}
+
+    def stream(self, x: Tensor, rope: Tensor, mask: Tensor, ctx: StreamContext) -> Tensor:
+        # x: [B, n, D]; rope: [B, n, 1, hd/2, 2]; mask: [B, 1, n, window-1+n] bool
+        q, k, v = self._qkv(x, rope)
+        keep = self.window - 1
+        kk = torch.cat([ctx.get(self, "k"), k], dim=2)  # [B, H, keep + n, hd]
+        vv = torch.cat([ctx.get(self, "v"), v], dim=2)
+        ctx.put(self, "k", ctx.take_last(kk, keep, dim=2))
+        ctx.put(self, "v", ctx.take_last(vv, keep, dim=2))
+        return self._out(F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block with LayerScale on both residual branches."""
+
+    def __init__(self, dim: int, n_head: int, head_dim: int, hidden: int, eps: float,
+                 window: int | None) -> None:
+        super().__init__()
+        self.attention = Attention(dim, n_head, head_dim, window)
+        self.feed_forward = FeedForward(dim, hidden)
+        self.ffn_norm = RMSNorm(dim, eps)
+        self.attention_norm = RMSNorm(dim, eps)
+        self.attention_layer_scale = LayerScale(dim)
+        self.ffn_layer_scale = LayerScale(dim)
+
+    def _ffn(self, h: Tensor) -> Tensor:
+        return h + self.ffn_layer_scale(self.feed_forward(self.ffn_norm(h)))
+
+    def forward(self, x: Tensor, rope: Tensor, mask: Tensor) -> Tensor:
+        h = x + self.attention_layer_scale(self.attention(self.attention_norm(x), rope, mask))
+        return self._ffn(h)
+
+    def stream(self, x: Tensor, rope: Tensor, mask: Tensor, ctx: StreamContext) -> Tensor:
+        a = self.attention.stream(self.attention_norm(x), rope, mask, ctx)
+        return self._ffn(x + self.attention_layer_scale(a))
+
+
+class WindowLimitedTransformer(nn.Module):
+    """Causal transformer over [B, C, T] (channels first) where frame i attends to frames
+    max(0, i-window+1)..i (all earlier frames when ``window_size`` is None)."""
+
+    def __init__(self, cfg: WindowTransformerConfig) -> None:
+        super().__init__()
+        c = cfg.config
+        self.window_size = cfg.window_size
+        self.head_dim = c.head_dim
+        self.rope_base = float(c.rope_base)
+        self.layers = nn.ModuleList(
+            TransformerBlock(c.dim, c.n_head, c.head_dim, c.intermediate_size, c.norm_eps,
+                             cfg.window_size)
+            for _ in range(c.n_layer)
+        )
+        self.norm = RMSNorm(c.dim, c.norm_eps)
+        self.input_proj = nn.Linear(cfg.input_dim, c.dim) if cfg.input_dim != c.dim else nn.Identity()
+        self.output_proj = (
+            nn.Linear(c.dim, cfg.input_dim) if cfg.input_dim != c.dim else nn.Identity()
+        )
+        # Table for the configured block size; grown on demand (same formula per position, so
+        # a longer table has identical leading rows). Not part of the checkpoint.
+        self.register_buffer("rope", rope_table(c.block_size, c.head_dim, self.rope_base),
+                             persistent=False)
+
+    def _rope_rows(self, n_positions: int) -> Tensor:
+        if n_positions > self.rope.shape[0]:
+            size = max(n_positions, 2 * self.rope.shape[0])
+            self.rope = rope_table(size, self.head_dim, self.rope_base).to(self.rope)
+        return self.rope
+
+    def window_mask(self, length: int, device: torch.device) -> Tensor:
+        # [1, 1, T, T] bool: key j visible from query i iff i-window < j <= i
+        i = torch.arange(length, device=device)[:, None]
+        j = torch.arange(length, device=device)[None, :]
+        mask = j <= i
+        if self.window_size is not None:
+            mask = mask & (j > i - self.window_size)
+        return mask[None, None]
+
+    def forward(self, x: Tensor) -> Tensor:
+        # x: [B, C, T] -> [B, C, T]
+        x = self.input_proj(x.transpose(1, 2))  # [B, T, D]
+        length = x.shape[1]
+        rope = self._rope_rows(length)[:length].to(x.device)[None, :, None]  # [1, T, 1, hd/2, 2]
+        mask = self.window_mask(length, x.device)
+        for layer in self.layers:
+            x = layer(x, rope, mask)
+        x = self.output_proj(self.norm(x))
+        return x.transpose(1, 2)
+
+    def stream(self, x: Tensor, ctx: StreamContext) -> Tensor:
+        # x: [B, C, n] new frames (padded to ctx.n_max) -> [B, C, n]
+        if self.window_size is None:
+            raise RuntimeError("streaming needs a window-limited transformer")
+        x = self.input_proj(x.transpose(1, 2))  # [B, n, D]
+        n = x.shape[1]
+        keep = self.window_size - 1
+        dev = x.device
+        table = self._rope_rows(ctx.max_position + ctx.n_max)
+        pos = ctx.positions[:, None] + torch.arange(n, device=dev)  # [B, n] absolute frames
+        rope = table[pos][:, :, None]  # [B, n, 1, hd/2, 2]
+        # Absolute positions of the keys: the cached window, then the new frames.
+        key_pos = torch.cat(
+            [ctx.positions[:, None] - keep + torch.arange(keep, device=dev), pos], dim=1
+        )  # [B, keep + n]
+        qp, kp = pos[:, :, None], key_pos[:, None, :]
+        # cache slots before the stream start (negative positions) hold zeros: mask them out
+        mask = (kp <= qp) & (kp > qp - self.window_size) & (kp >= 0)  # [B, n, keep + n]
+        mask = mask[:, None]
+        for layer in self.layers:
+            x = layer.stream(x, rope, mask, ctx)
+        x = self.output_proj(self.norm(x))
+        return x.transpose(1, 2)
+

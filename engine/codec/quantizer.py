@@ -1,0 +1,165 @@
+"""The codec's quantizer: x4 temporal down/upsampling around a semantic VQ and a residual RVQ.
+
+Decode (codes -> latent):  z = semantic_out + (r_0 + r_1 + ... + r_8)   (that summation order)
+                           -> post_module (windowed causal transformer) -> upsample x2 x2.
+Encode (latent -> codes):  downsample x2 x2 -> pre_module -> semantic VQ on z -> residual RVQ
+                           on z - semantic_out, with residual -= out_i after each codebook.
+
+Each VQ is factorised: a 1x1 conv projects to ``codebook_dim`` (8), the nearest codebook row is
+found by cosine similarity (both sides L2-normalised), and a 1x1 conv projects back.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .config import QuantizerConfig
+from .layers import (
+    CausalConv1d,
+    CausalConvTranspose1d,
+    ConvNeXtBlock,
+    StreamContext,
+    WindowLimitedTransformer,
+    stream_sequential,
+)
+
+__all__ = ["CodecQuantizer", "ResidualVQ", "VectorQuantizer"]
+
+
+class VectorQuantizer(nn.Module):
+    """One factorised codebook (weight-normed 1x1 in/out projections in the reference)."""
+
+    def __init__(self, input_dim: int, codebook_size: int, codebook_dim: int) -> None:
+        super().__init__()
+        self.codebook_size = codebook_size
+        self.in_proj = nn.Conv1d(input_dim, codebook_dim, kernel_size=1)
+        self.out_proj = nn.Conv1d(codebook_dim, input_dim, kernel_size=1)
+        self.codebook = nn.Embedding(codebook_size, codebook_dim)
+
+    def lookup(self, codes: Tensor) -> Tensor:
+        # codes: [B, T] int -> [B, input_dim, T]
+        z_p = F.embedding(codes, self.codebook.weight).transpose(1, 2)  # [B, codebook_dim, T]
+        return self.out_proj(z_p)
+
+    def scores(self, z_e: Tensor) -> Tensor:
+        # z_e: [B, codebook_dim, T] -> [B*T, codebook_size]: minus squared distance between the
+        # L2-normalised latent and L2-normalised codebook rows (the reference's formula).
+        enc = F.normalize(z_e.transpose(1, 2).reshape(-1, z_e.shape[1]))  # [(B T), d]
+        cb = F.normalize(self.codebook.weight)  # [N, d]
+        dist = enc.pow(2).sum(1, keepdim=True) - 2 * enc @ cb.t() + cb.pow(2).sum(1, keepdim=True).t()
+        return -dist
+
+    def quantize(self, z: Tensor) -> tuple[Tensor, Tensor]:
+        # z: [B, input_dim, T] -> (out [B, input_dim, T], codes [B, T])
+        z_e = self.in_proj(z)
+        codes = self.scores(z_e).max(1)[1].view(z.shape[0], z.shape[-1])
+        z_q = F.embedding(codes, self.codebook.weight).transpose(1, 2)
+        z_q = z_e + (z_q - z_e)  # the reference's straight-through form (changes rounding)
+        return self.out_proj(z_q), codes
+
+
+class ResidualVQ(nn.Module):
+    def __init__(self, input_dim: int, n_codebooks: int, codebook_size: int, codebook_dim: int) -> None:
+        super().__init__()
+        self.codebook_size = codebook_size
+        self.quantizers = nn.ModuleList(
+            VectorQuantizer(input_dim, codebook_size, codebook_dim) for _ in range(n_codebooks)
+        )
+
+    def decode(self, codes: Tensor) -> Tensor:
+        # codes: [B, N, T] -> [B, D, T]; summed in codebook order
+        z: Tensor | float = 0.0
+        for i, q in enumerate(self.quantizers):
+            z = z + q.lookup(codes[:, i])
+        assert isinstance(z, Tensor)
+        return z
+
+    def quantize(self, z: Tensor) -> tuple[Tensor, Tensor]:
+        # z: [B, D, T] -> (sum of outputs [B, D, T], codes [B, N, T])
+        residual = z
+        total: Tensor | float = 0.0
+        codes = []
+        for q in self.quantizers:
+            out, c = q.quantize(residual)
+            total = total + out
+            residual = residual - out
+            codes.append(c)
+        assert isinstance(total, Tensor)
+        return total, torch.stack(codes, dim=1)
+
+
+class CodecQuantizer(nn.Module):
+    """``DownsampleResidualVectorQuantize`` (attribute names match its state dict)."""
+
+    def __init__(self, cfg: QuantizerConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        dims = (cfg.input_dim, *cfg.downsample_dims)
+        self.semantic_quantizer = ResidualVQ(
+            cfg.input_dim, 1, cfg.semantic_codebook_size, cfg.codebook_dim
+        )
+        self.quantizer = ResidualVQ(
+            cfg.input_dim, cfg.n_codebooks, cfg.codebook_size, cfg.codebook_dim
+        )
+        self.downsample = nn.Sequential(
+            *[
+                nn.Sequential(
+                    CausalConv1d(dims[i], dims[i + 1], kernel_size=f, stride=f),
+                    ConvNeXtBlock(dims[i + 1]),
+                )
+                for i, f in enumerate(cfg.downsample_factor)
+            ]
+        )
+        self.upsample = nn.Sequential(
+            *[
+                nn.Sequential(
+                    CausalConvTranspose1d(dims[i + 1], dims[i], kernel_size=f, stride=f),
+                    ConvNeXtBlock(dims[i]),
+                )
+                for i, f in reversed(list(enumerate(cfg.downsample_factor)))
+            ]
+        )
+        self.pre_module = (
+            WindowLimitedTransformer(cfg.pre_module) if cfg.pre_module is not None else nn.Identity()
+        )
+        self.post_module = (
+            WindowLimitedTransformer(cfg.post_module) if cfg.post_module is not None else nn.Identity()
+        )
+
+    @property
+    def n_codebooks_total(self) -> int:
+        return 1 + len(self.quantizer.quantizers)
+
+    def clamp_codes(self, codes: Tensor) -> Tensor:
+        """Copy of ``codes`` with row 0 clamped to the semantic codebook and rows 1.. to the
+        residual codebook (the LLM can emit up to 4095 in every row)."""
+        out = torch.empty_like(codes)
+        out[:, 0] = codes[:, 0].clamp(max=self.semantic_quantizer.codebook_size - 1)
+        out[:, 1:] = codes[:, 1:].clamp(max=self.quantizer.codebook_size - 1)
+        return out
+
+    def lookup(self, codes: Tensor) -> Tensor:
+        # codes: [B, 10, T] (already clamped) -> latent at frame rate [B, D, T]
+        return self.semantic_quantizer.decode(codes[:, :1]) + self.quantizer.decode(codes[:, 1:])
+
+    def decode(self, codes: Tensor) -> Tensor:
+        # codes: [B, 10, T] int -> [B, D, T * 4]
+        z = self.lookup(self.clamp_codes(codes))
+        return self.upsample(self.post_module(z))
+
+    def stream_decode(self, codes: Tensor, ctx: StreamContext) -> Tensor:
+        # codes: [B, 10, n_max] clamped, right-padded -> [B, D, n_max * 4]
+        z = self.lookup(codes)
+        z = stream_sequential(self.post_module, z, ctx)
+        for stage in self.upsample:
+            z = stream_sequential(stage, z, ctx)
+        return z
+
+    def encode(self, z: Tensor) -> Tensor:
+        # z: [B, D, L] encoder latent (L a multiple of 4) -> codes [B, 10, L / 4]
+        z = self.pre_module(self.downsample(z))
+        semantic_out, semantic_codes = self.semantic_quantizer.quantize(z)
+        _, residual_codes = self.quantizer.quantize(z - semantic_out)
+        return torch.cat([semantic_codes, residual_codes], dim=1)

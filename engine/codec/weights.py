@@ -1,0 +1,221 @@
+"""Loading codec checkpoints and making deterministic dummy weights.
+
+Checkpoint forms accepted by :func:`load_codec`:
+
+- ``codec.safetensors`` (the fixtures): keys = the codec module's state dict;
+- ``codec.pth`` (the real S2 checkpoint): a torch pickle read with ``weights_only=True``; may be
+  ``{"state_dict": {...}}``; when keys carry a ``generator.`` prefix only those are kept (the
+  reference loader does the same) and the prefix is stripped.
+
+Weight norm is folded at load: ``X.parametrizations.weight.original0/original1`` (g/v, torch's
+parametrization names) and ``X.weight_g/X.weight_v`` (the older names) become
+``X.weight = torch._weight_norm(v, g, 0)`` -- the very kernel the reference runs every forward,
+so folded weights are bit-identical to the reference's effective weights. For transposed convs
+dim 0 is the input channel, which is what the reference normalises over.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from .config import CodecConfig
+from .layers import CausalConv1d, CausalConvTranspose1d, ConvNeXtBlock, LayerScale, RMSNorm, Snake1d
+from .model import Codec
+from .quantizer import VectorQuantizer
+
+__all__ = ["dummy_codec", "fold_weight_norm", "load_codec", "read_checkpoint"]
+
+# Non-parameter entries some reference checkpoints carry (persistent buffers of the reference
+# transformer): recomputed here, so they are accepted and ignored.
+_IGNORED_SUFFIXES = (".freqs_cis", ".causal_mask", ".kv_cache.k_cache", ".kv_cache.v_cache")
+
+_WN_PAIRS = (
+    (".parametrizations.weight.original0", ".parametrizations.weight.original1"),
+    (".weight_g", ".weight_v"),
+)
+
+
+def read_checkpoint(path: str | Path) -> dict[str, Tensor]:
+    """Raw tensors of a ``.safetensors`` or torch-pickle (``.pth``/``.pt``/``.bin``) file."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"codec weights not found: {p}")
+    if p.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        sd: object = load_file(str(p), device="cpu")
+    else:
+        sd = torch.load(str(p), map_location="cpu", weights_only=True)
+    if isinstance(sd, Mapping) and "state_dict" in sd and isinstance(sd["state_dict"], Mapping):
+        sd = sd["state_dict"]
+    if not isinstance(sd, Mapping):
+        raise ValueError(f"{p}: expected a mapping of tensors, got {type(sd).__name__}")
+    if any(str(k).startswith("generator.") for k in sd):
+        sd = {k[len("generator."):]: v for k, v in sd.items() if str(k).startswith("generator.")}
+    out: dict[str, Tensor] = {}
+    for k, v in sd.items():
+        if not isinstance(v, Tensor):
+            raise ValueError(f"{p}: entry {k!r} is not a tensor ({type(v).__name__})")
+        out[str(k)] = v
+    return out
+
+
+def fold_weight_norm(sd: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Replace every weight-norm (g, v) pair by the plain ``weight`` (float32 math)."""
+    out: dict[str, Tensor] = {}
+    pending: dict[str, dict[str, Tensor]] = {}
+    for k, v in sd.items():
+        for g_suffix, v_suffix in _WN_PAIRS:
+            if k.endswith(g_suffix) or k.endswith(v_suffix):
+                is_g = k.endswith(g_suffix)
+                base = k[: -len(g_suffix if is_g else v_suffix)]
+                pending.setdefault(base + ".weight", {})["g" if is_g else "v"] = v
+                pending[base + ".weight"]["_names"] = (base + g_suffix, base + v_suffix)  # type: ignore[assignment]
+                break
+        else:
+            out[k] = v
+    for name, parts in pending.items():
+        g_name, v_name = parts["_names"]  # type: ignore[misc]
+        if "g" not in parts:
+            raise ValueError(f"weight-norm tensor {v_name!r} has no matching {g_name!r}")
+        if "v" not in parts:
+            raise ValueError(f"weight-norm tensor {g_name!r} has no matching {v_name!r}")
+        g, v = parts["g"].float(), parts["v"].float()
+        want = (v.shape[0],) + (1,) * (v.dim() - 1)
+        if tuple(g.shape) != want:
+            raise ValueError(
+                f"weight-norm magnitude {g_name!r} has shape {list(g.shape)}, expected "
+                f"{list(want)} for direction {v_name!r} of shape {list(v.shape)}"
+            )
+        if name in out:
+            raise ValueError(f"checkpoint has both {name!r} and its weight-norm pair {g_name!r}")
+        out[name] = torch._weight_norm(v, g, 0)
+    return out
+
+
+def _resolve(path: str | Path, cfg: CodecConfig | None) -> tuple[Path, CodecConfig]:
+    p = Path(path)
+    if p.is_dir():
+        for name in ("codec.safetensors", "codec.pth"):
+            if (p / name).is_file():
+                weights = p / name
+                break
+        else:
+            raise FileNotFoundError(f"{p}: no codec.safetensors or codec.pth")
+        cfg_dir = p
+    elif p.is_file():
+        weights, cfg_dir = p, p.parent
+    else:
+        raise FileNotFoundError(f"codec path not found: {p}")
+    if cfg is None:
+        cfg_file = cfg_dir / "codec_config.json"
+        # A real S2-Pro checkpoint directory ships codec.pth without a codec config: the real
+        # sizes are the default (a mismatch is caught by the shape checks below).
+        cfg = CodecConfig.from_file(cfg_file) if cfg_file.is_file() else CodecConfig.preset("s2-pro")
+    return weights, cfg
+
+
+def load_codec(
+    path: str | Path,
+    cfg: CodecConfig | None = None,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> Codec:
+    """Load a codec from a directory (``codec_config.json`` + ``codec.safetensors`` or
+    ``codec.pth``) or a weights file. Returns an eval-mode :class:`Codec` on ``device``/``dtype``.
+
+    Raises ValueError naming the tensor on a missing or unexpected key or a shape mismatch.
+    """
+    weights, cfg = _resolve(path, cfg)
+    sd = fold_weight_norm(read_checkpoint(weights))
+    with torch.device("meta"):
+        model = Codec(cfg)
+    expected = model.state_dict()
+    missing = [k for k in expected if k not in sd]
+    unexpected = [k for k in sd if k not in expected and not k.endswith(_IGNORED_SUFFIXES)]
+    if missing:
+        raise ValueError(
+            f"{weights}: missing codec tensor {missing[0]!r} "
+            f"({len(missing)} missing in all: {missing[:8]})"
+        )
+    if unexpected:
+        raise ValueError(
+            f"{weights}: unexpected codec tensor {unexpected[0]!r} "
+            f"({len(unexpected)} unexpected in all: {unexpected[:8]})"
+        )
+    for k, ref in expected.items():
+        if tuple(sd[k].shape) != tuple(ref.shape):
+            raise ValueError(
+                f"{weights}: codec tensor {k!r} has shape {list(sd[k].shape)} in the checkpoint, "
+                f"the model ({'configured' if cfg else 'default'} sizes) expects {list(ref.shape)}"
+            )
+        if not sd[k].dtype.is_floating_point:
+            raise ValueError(f"{weights}: codec tensor {k!r} has non-float dtype {sd[k].dtype}")
+    model = Codec(cfg)  # real (CPU) allocation only once the checkpoint is known to fit
+    model.load_state_dict({k: sd[k].float() for k in expected}, strict=True)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+@torch.no_grad()
+def dummy_codec(
+    cfg: CodecConfig,
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> Codec:
+    """Deterministic random weights with the fixture's scales (audio in [-1, 1], not saturated).
+
+    Same seed and config give the same weights on any device (generated on the CPU).
+    Scales: weight-normed convs get unit-norm directions times g = 1 + N(0, 0.1^2) (x0.75 in
+    the decoder); Snake alpha = |1 + N(0, 0.2^2)| + 0.1; codebooks N(0, 1); LayerScale and
+    ConvNeXt gamma 0.3 + N(0, 0.05^2); norm weights 1 + N(0, 0.1^2); biases N(0, 0.02^2); other
+    conv/linear weights N(0, 1/fan_in).
+    """
+    gen = torch.Generator().manual_seed(seed)
+
+    def normal(shape: tuple[int, ...] | torch.Size, std: float = 1.0, mean: float = 0.0) -> Tensor:
+        return torch.randn(tuple(shape), generator=gen) * std + mean
+
+    def init_conv(conv: nn.Conv1d | nn.ConvTranspose1d, weight_norm: bool, scale: float) -> None:
+        w = conv.weight  # Conv1d: [out, in/groups, k]; ConvTranspose1d: [in, out, k]
+        if weight_norm:
+            # unit-norm directions per dim-0 channel times g: keeps activations at unit scale
+            v = normal(w.shape)
+            g = normal((w.shape[0],) + (1,) * (w.dim() - 1), 0.1, 1.0) * scale
+            w.copy_(torch._weight_norm(v, g, 0))
+        else:
+            fan_in = w.shape[1] * w.shape[2] if isinstance(conv, nn.Conv1d) else w.shape[0]
+            w.copy_(normal(w.shape, 1.0 / math.sqrt(fan_in)))
+        if conv.bias is not None:
+            conv.bias.copy_(normal(conv.bias.shape, 0.02))
+
+    model = Codec(cfg)
+    for mname, m in model.named_modules():
+        scale = 0.75 if mname.startswith("decoder.") else 1.0
+        if isinstance(m, Snake1d):
+            m.alpha.copy_(normal(m.alpha.shape, 0.2, 1.0).abs() + 0.1)
+        elif isinstance(m, CausalConv1d | CausalConvTranspose1d):
+            init_conv(m.conv, m.weight_norm, scale)
+        elif isinstance(m, VectorQuantizer):
+            init_conv(m.in_proj, True, scale)
+            init_conv(m.out_proj, True, scale)
+            m.codebook.weight.copy_(normal(m.codebook.weight.shape))
+        elif isinstance(m, nn.Linear):
+            m.weight.copy_(normal(m.weight.shape, 1.0 / math.sqrt(m.weight.shape[1])))
+            if m.bias is not None:
+                m.bias.copy_(normal(m.bias.shape, 0.02))
+        elif isinstance(m, LayerScale):
+            m.gamma.copy_(normal(m.gamma.shape, 0.05, 0.3))
+        elif isinstance(m, ConvNeXtBlock):
+            m.gamma.copy_(normal(m.gamma.shape, 0.05, 0.3))
+        elif isinstance(m, RMSNorm):
+            m.weight.copy_(normal(m.weight.shape, 0.1, 1.0))
+        elif isinstance(m, nn.LayerNorm):
+            m.weight.copy_(normal(m.weight.shape, 0.1, 1.0))
+            m.bias.copy_(normal(m.bias.shape, 0.02))
+    return model.to(device=device, dtype=dtype).eval()

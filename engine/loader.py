@@ -1,0 +1,82 @@
+"""Build everything a service needs from one model spec: weights, tokenizer, codec.
+
+Specs: a preset name (`tiny`, `s2-pro`) with dummy weights, or a checkpoint directory
+holding config.json, model*.safetensors (+ index), tokenizer.json and the codec
+(codec.pth or codec.safetensors, with codec_config.json when it is not the real size).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .codec import Codec, CodecConfig, dummy_codec, load_codec
+from .config import PRESETS, ModelConfig, preset
+from .model import DualAR
+from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from .weights import dummy_model, load_model
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32,
+          "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class Bundle:
+    model: DualAR
+    tokenizer: Tokenizer
+    codec: Codec
+    name: str
+    random_weights: bool
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return DTYPES[name.lower()]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; use one of {', '.join(DTYPES)}") from None
+
+
+def default_dtype(device: str) -> torch.dtype:
+    # bf16 matmuls are slow on most CPUs; fp32 there, bf16 on accelerators.
+    return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
+
+
+def load_bundle(spec: str = "tiny", *, device: str = "cpu", dtype: str | torch.dtype | None = None,
+                codec_dtype: str | torch.dtype = torch.float32, seed: int = 0,
+                max_seq_len: int | None = None) -> Bundle:
+    dt = parse_dtype(dtype) if dtype is not None else default_dtype(device)
+    cdt = parse_dtype(codec_dtype)
+    if spec in PRESETS:
+        cfg = preset(spec)
+        if max_seq_len:
+            cfg = cfg.with_max_seq_len(max_seq_len)
+        model = dummy_model(cfg, seed=seed, device=device, dtype=dt)
+        base = cfg.ids.semantic_start - 35
+        tok = ByteTokenizer(special_base=base)
+        codec = dummy_codec(CodecConfig.preset(spec), seed=seed, device=device, dtype=cdt)
+        log.info("model %s: deterministic random weights (seed %d) — it exercises the whole "
+                 "pipeline but does not speak; pass a checkpoint directory for real speech", spec, seed)
+        return Bundle(model, tok, codec, spec, True)
+    path = Path(spec)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model {spec!r} is neither a preset ({', '.join(PRESETS)}) nor a "
+                                "checkpoint directory")
+    cfg = ModelConfig.from_checkpoint(path)
+    if max_seq_len:
+        cfg = cfg.with_max_seq_len(max_seq_len)
+    tok = HFTokenizer(path)
+    if tok.ids.semantic_start != cfg.ids.semantic_start or tok.ids.im_end != cfg.ids.im_end:
+        log.warning("tokenizer ids %s differ from config.json's %s; the tokenizer wins (as in the "
+                    "reference)", tok.ids, cfg.ids)
+        from dataclasses import replace
+        cfg = replace(cfg, ids=tok.ids)
+    model = load_model(path, cfg, device=device, dtype=dt)
+    codec = load_codec(path, device=device, dtype=cdt)
+    return Bundle(model, tok, codec, path.name, False)

@@ -1,0 +1,117 @@
+"""The one request object passed between engine parts: a `Sequence` (a voice session's
+conversation, living in one KV slot) and its current `Turn`."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+from torch import Tensor
+
+from .prompt import Reference
+from .sampler import SamplingParams
+
+
+class SeqState(enum.Enum):
+    WAITING = "waiting"  # voice prompt queued for prefill
+    PREFILLING = "prefilling"
+    IDLE = "idle"  # voice prompt (and earlier turns) in the cache, no turn running
+    TURN_PREFILL = "turn_prefill"
+    DECODING = "decoding"
+    CLOSED = "closed"
+
+
+class FinishReason(enum.StrEnum):
+    EOS = "eos"
+    LENGTH = "length"
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+@dataclass(slots=True)
+class TurnResult:
+    turn_id: str
+    reason: FinishReason
+    frames: int
+    audio_s: float
+    submitted_at: float
+    ready_at: float | None  # prefill of the turn done: generation may start (TTFA origin)
+    first_audio_at: float | None
+    finished_at: float
+    codes: Tensor | None = None  # [K, frames] generated codes (all frames, im_end excluded)
+    error: str | None = None
+
+    @property
+    def ttfa_s(self) -> float | None:
+        if self.first_audio_at is None or self.ready_at is None:
+            return None
+        return self.first_audio_at - self.ready_at
+
+    @property
+    def decode_s(self) -> float:
+        return self.finished_at - (self.ready_at or self.submitted_at)
+
+    @property
+    def rtf(self) -> float | None:
+        """Generation time / audio time (< 1 is faster than realtime)."""
+        return self.decode_s / self.audio_s if self.audio_s > 0 else None
+
+
+class SequenceSink(Protocol):
+    """Callbacks from the engine thread. They must be quick and must not block: the service
+    hands them over to its event loop."""
+
+    def on_ready(self, seq: Sequence, prefill_s: float) -> None: ...
+
+    def on_audio(self, seq: Sequence, turn_id: str, pcm: np.ndarray, offset_s: float) -> None: ...
+
+    def on_turn_end(self, seq: Sequence, result: TurnResult) -> None: ...
+
+    def on_error(self, seq: Sequence, message: str) -> None: ...
+
+
+@dataclass(slots=True, eq=False)
+class Turn:
+    turn_id: str
+    text: str
+    max_frames: int
+    submitted_at: float = field(default_factory=time.perf_counter)
+    cols: Tensor | None = None  # prompt columns still to prefill [1+K, n]
+    prefilled: int = 0
+    ready_at: float | None = None
+    first_audio_at: float | None = None
+    frames: list[Tensor] = field(default_factory=list)  # each [1+K] (host)
+    decoded_frames: int = 0  # frames handed to the codec
+    samples_out: int = 0
+    codec_stream: int | None = None
+    cancelled: bool = False
+    closes_previous: bool = False  # its prompt starts by closing the previous assistant turn
+    finished: FinishReason | None = None
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    seq_id: int
+    references: tuple[Reference, ...]
+    params: SamplingParams
+    seed: int
+    sink: SequenceSink
+    created_at: float = field(default_factory=time.perf_counter)
+    state: SeqState = SeqState.WAITING
+    slot: int | None = None
+    pos: int = 0  # positions filled in the KV cache
+    system_cols: Tensor | None = None
+    pending_cols: Tensor | None = None  # voice prompt columns still to prefill
+    history: list[tuple[str, Tensor]] = field(default_factory=list)  # (text, codes fed) per turn
+    turn: Turn | None = None
+    next_col: Tensor | None = None  # the column the next decode step feeds [1+K]
+    turn_start_pos: int = 0  # cache position where the running turn's prompt began
+    closed_turn: bool = True
+    needs_rebuild: bool = False  # the cache lost its prompt (rollback past a rebuild)  # the last assistant turn has been closed with <|im_end|>
+    prefill_s: float = 0.0
+
+    def __repr__(self) -> str:
+        return f"Sequence({self.seq_id}, {self.state.value}, slot={self.slot}, pos={self.pos})"
