@@ -1,0 +1,192 @@
+"""DualAR model, config, checkpoint loading, batched decode."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine.config import ModelConfig, TransformerConfig, preset
+from engine.model import rope_table
+from engine.runner import ModelRunner
+from engine.sampler import SamplingParams
+from engine.weights import CheckpointError, dummy_model, load_model, save_checkpoint
+
+CASES = ["a_text_en", "b_ref_zh", "c_multispeaker", "d_two_turns"]
+
+
+def test_s2_pro_preset_matches_published_size():
+    cfg = preset("s2-pro")
+    assert (cfg.slow.n_layer, cfg.slow.dim, cfg.slow.n_head, cfg.slow.n_local_heads) == (36, 2560, 32, 8)
+    assert cfg.ids.semantic_start == 151678 and cfg.ids.im_end == 151645
+    assert 4.4e9 < cfg.num_params() < 4.7e9  # ≈ 4.56 B
+
+
+def test_checkpoint_config_reader(fixture_dir):
+    cfg = ModelConfig.from_checkpoint(fixture_dir)
+    assert cfg.slow.head_dim == 48 and cfg.fast.head_dim == 40 and cfg.fast.n_local_heads == 1
+    assert cfg.slow.qk_norm and not cfg.fast.qk_norm
+    assert cfg.ids.semantic_start == 547 and cfg.ids.semantic_end == 4642
+    s2 = ModelConfig.from_checkpoint(fixture_dir.parent / "s2_pro_config.json")
+    assert s2.slow == preset("s2-pro").slow
+
+
+@pytest.mark.parametrize("bad", [
+    {"model_type": "llama"},
+    {"text_config": {"n_layer": 0}},
+    {"text_config": {"attention_qkv_bias": True}},
+    {"text_config": {"n_head": 3}},
+])
+def test_config_validation(fixture_dir, bad):
+    raw = json.loads((fixture_dir / "config.json").read_text())
+    for k, v in bad.items():
+        if isinstance(v, dict):
+            raw[k] = raw[k] | v
+        else:
+            raw[k] = v
+    with pytest.raises(ValueError):
+        ModelConfig.from_dict(raw)
+
+
+def test_transformer_config_errors():
+    with pytest.raises(ValueError, match="n_local_heads"):
+        TransformerConfig(n_layer=1, dim=8, n_head=3, n_local_heads=2, head_dim=4,
+                          intermediate_size=8, vocab_size=8)
+    with pytest.raises(ValueError, match="head_dim"):
+        TransformerConfig(n_layer=1, dim=8, n_head=2, n_local_heads=2, head_dim=3,
+                          intermediate_size=8, vocab_size=8)
+
+
+def test_rope_table_is_bf16_rounded():
+    t = rope_table(300, 128, 1e6)
+    assert t.dtype == torch.bfloat16 and t.shape == (300, 64, 2)
+    exact = torch.outer(torch.arange(300.0), 1.0 / (1e6 ** (torch.arange(0, 128, 2).float() / 128)))
+    assert torch.allclose(t[..., 0].float(), exact.cos(), atol=4e-3)
+    assert not torch.equal(t[..., 0].float(), exact.cos())
+
+
+def _copy_set(src, dst):
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_checkpoint_errors_name_the_tensor(tmp_path, fixture_dir):
+    d = _copy_set(fixture_dir, tmp_path / "ck")
+    t = load_file(str(d / "model.safetensors"))
+    key = "text_model.model.layers.1.attention.wqkv.weight"
+    # wrong shape
+    bad = dict(t)
+    bad[key] = torch.zeros(10, 128, dtype=torch.bfloat16)
+    save_file(bad, str(d / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"layers\.1\.attention\.wqkv.*\(10, 128\)"):
+        load_model(d)
+    # missing tensor
+    bad = dict(t)
+    del bad[key]
+    save_file(bad, str(d / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="lacks 1 tensors.*wqkv"):
+        load_model(d)
+    # unexpected tensor
+    bad = dict(t)
+    bad["text_model.model.layers.7.attention.wo.weight"] = torch.zeros(1)
+    save_file(bad, str(d / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"unexpected tensor.*layers\.7"):
+        load_model(d)
+
+
+def test_sharded_checkpoint_roundtrip(tmp_path, fixture_model):
+    save_checkpoint(fixture_model, tmp_path / "sharded", shard_bytes=2_000_000)
+    shards = sorted((tmp_path / "sharded").glob("model-*.safetensors"))
+    assert len(shards) > 2
+    index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
+    assert "audio_decoder.codebook_embeddings.weight" in index["weight_map"]
+    m = load_model(tmp_path / "sharded", dtype=torch.float32)
+    for (n, a), (_, b) in zip(fixture_model.state_dict().items(), m.state_dict().items()):
+        assert torch.equal(a, b), n
+    # a shard listed in the index but missing
+    shards[0].unlink()
+    with pytest.raises(CheckpointError, match="do not exist"):
+        load_model(tmp_path / "sharded")
+
+
+def test_bf16_load_keeps_values(fixture_dir):
+    m = load_model(fixture_dir, dtype=torch.bfloat16)
+    t = load_file(str(fixture_dir / "model.safetensors"))
+    assert torch.equal(m.embeddings.weight, t["text_model.model.embeddings.weight"])
+
+
+def _prompts(fixture_dir):
+    out = []
+    for name in CASES:
+        t = load_file(str(fixture_dir / "cases" / f"{name}.safetensors"))
+        out.append((t["b0.prompt"], t["b0.generated"]))
+    return out
+
+
+def test_batched_decode_matches_reference_per_sequence(fixture_dir, fixture_model):
+    """Sequences with different prompt lengths, decoded together, give each one's frames."""
+    runner = ModelRunner(fixture_model, n_slots=4, max_len=512)
+    prompts = _prompts(fixture_dir)
+    slots, cols, pos = [], [], []
+    for p, _ in prompts:
+        s = runner.cache.alloc()
+        runner.assign(s, SamplingParams.greedy(), 0)
+        runner.prefill(s, p[:, :-1], 0)
+        slots.append(s)
+        cols.append(p[:, -1])
+        pos.append(p.shape[1] - 1)
+    slots_t, cols_t, pos_t = torch.tensor(slots), torch.stack(cols), torch.tensor(pos)
+    out = []
+    for _ in range(25):
+        f = runner.decode(slots_t, cols_t, pos_t, int(pos_t.max()) + 1)
+        out.append(f)
+        cols_t, pos_t = f, pos_t + 1
+    got = torch.stack(out, dim=2)  # [B, 11, 25]
+    for b, (_, want) in enumerate(prompts):
+        assert torch.equal(got[b], want), CASES[b]
+
+
+def test_ras_condition_matches_reference_frames(fixture_dir, fixture_model):
+    """The RAS window (last 10 main tokens of the decode loop, prefill frame excluded) flags
+    exactly the frames the reference flagged."""
+    runner = ModelRunner(fixture_model, n_slots=1, max_len=512)
+    for name in CASES[:3]:
+        case = json.loads((fixture_dir / "cases" / f"{name}.json").read_text())
+        t = load_file(str(fixture_dir / "cases" / f"{name}.safetensors"))
+        p = t["b0.prompt"]
+        s = runner.cache.alloc()
+        runner.assign(s, SamplingParams.greedy(), 0)
+        runner.prefill(s, p[:, :-1], 0)
+        col, pos, flagged = p[:, -1][None], p.shape[1] - 1, []
+        for n in range(25):
+            col = runner.decode(torch.tensor([s]), col, torch.tensor([pos]), pos + 1)
+            pos += 1
+            if bool(runner.sampling.last_ras_condition[0]):
+                flagged.append(n)
+        runner.cache.release(s)
+        assert flagged == case["batches"][0]["ras_condition_frames"], name
+
+
+def test_dummy_weights_deterministic_and_scaled():
+    cfg = preset("tiny")
+    a, b = dummy_model(cfg, seed=3), dummy_model(cfg, seed=3)
+    c = dummy_model(cfg, seed=4)
+    assert torch.equal(a.layers[0].attention.wqkv.weight, b.layers[0].attention.wqkv.weight)
+    assert not torch.equal(a.layers[0].attention.wqkv.weight, c.layers[0].attention.wqkv.weight)
+    w = a.layers[0].feed_forward.w1.weight.float()
+    assert math.isclose(float(w.std()), 0.02, rel_tol=0.1)
+    assert abs(float(a.norm.weight.float().mean()) - 1.0) < 0.05
+
+
+def test_s2_pro_builds_on_meta():
+    from engine.model import DualAR
+
+    with torch.device("meta"):
+        m = DualAR(preset("s2-pro"))
+    n = sum(p.numel() for p in m.parameters())
+    assert n == preset("s2-pro").num_params()

@@ -1,0 +1,92 @@
+"""Tokenizers (built-in byte-level and the checkpoint's BPE) and the S2 prompt layout."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from engine.prompt import PromptBuilder, Reference
+from engine.tokenizer import ByteTokenizer, HFTokenizer, TokenizerError
+
+TEXTS = {
+    "en": "Hello world. How are you today?",
+    "ar": "مرحبا بالعالم. كيف حالك اليوم؟",
+    "zh": "你好，世界。今天天气很好。",
+    "ja": "こんにちは、世界。今日はいい天気ですね。",
+}
+
+
+@pytest.mark.parametrize("lang", TEXTS)
+def test_byte_tokenizer_roundtrip(lang):
+    tok = ByteTokenizer()
+    ids = tok.encode(TEXTS[lang])
+    assert all(0 <= i < 256 for i in ids)
+    assert tok.decode(ids) == TEXTS[lang]
+
+
+@pytest.mark.parametrize("lang", TEXTS)
+def test_checkpoint_tokenizer_roundtrip(lang, fixture_dir):
+    tok = HFTokenizer(fixture_dir)
+    assert tok.decode(tok.encode(TEXTS[lang])) == TEXTS[lang]
+
+
+def test_special_tokens_match_whole(fixture_dir):
+    for tok in (ByteTokenizer(), HFTokenizer(fixture_dir)):
+        ids = tok.encode("<|im_start|>user\nhi<|im_end|>")
+        assert ids[0] == tok.token_to_id("<|im_start|>")
+        assert ids[-1] == tok.ids.im_end
+        # speaker tags are plain text, not tokens
+        assert len(tok.encode("<|speaker:0|>")) > 1
+    with pytest.raises(TokenizerError):
+        ByteTokenizer().token_to_id("<|nope|>")
+
+
+def test_byte_tokenizer_ids_layout():
+    tok = ByteTokenizer()
+    assert tok.ids.semantic_end - tok.ids.semantic_start == 4095
+    assert tok.token_to_id("<|semantic:7|>") == tok.ids.semantic_start + 7
+    s2 = ByteTokenizer(special_base=151643)
+    assert (s2.ids.im_end, s2.ids.semantic_start, s2.ids.pad) == (151645, 151678, 151669)
+
+
+@pytest.mark.parametrize("name", ["a_text_en", "b_ref_zh", "c_multispeaker", "d_two_turns"])
+def test_prompt_layout_every_case(name, fixture_dir):
+    tok = HFTokenizer(fixture_dir)
+    pb = PromptBuilder(tok)
+    case = json.loads((fixture_dir / "cases" / f"{name}.json").read_text())
+    t = load_file(str(fixture_dir / "cases" / f"{name}.safetensors"))
+    refs = [Reference(r["text"], t[r["tensor"]]) for r in case["references"]]
+    hist = []
+    for k, b in enumerate(case["batches"]):
+        p = pb.build(b["batch_text"], refs, hist)
+        assert torch.equal(p, t[f"b{k}.prompt"])
+        assert tok.decode(p[0].tolist()) == b["prompt_decoded"]
+        hist.append((b["batch_text"], t[f"b{k}.codes"]))
+
+
+def test_incremental_prompt_equals_whole(fixture_dir):
+    """system + user_turn + assistant_close + user_turn == build(history) (KV-kept turns)."""
+    pb = PromptBuilder(HFTokenizer(fixture_dir))
+    codes = torch.randint(0, 1024, (10, 6))
+    refs = [Reference("A voice.", torch.randint(0, 1024, (10, 4))),
+            Reference("<|speaker:3|>Tagged.", torch.randint(0, 1024, (10, 3)))]
+    whole = pb.build("second", refs, [("first", codes)])
+    parts = torch.cat([pb.system(refs), pb.user_turn("first"), pb.assistant_close(codes),
+                       pb.user_turn("second")], dim=1)
+    assert torch.equal(whole, parts)
+    text = pb.tok.decode(pb.system(refs)[0].tolist())
+    assert "<|speaker:0|>A voice.\n<|speaker:3|>Tagged." in text
+    assert "<|speaker:1|>" not in text
+
+
+def test_prompt_rejects_bad_codes():
+    pb = PromptBuilder(ByteTokenizer())
+    with pytest.raises(ValueError, match="codes must be"):
+        pb.vq(torch.zeros(9, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="out of range"):
+        pb.vq(torch.full((10, 3), 5000))
+    with pytest.raises(ValueError):
+        Reference("x", torch.zeros(10, 3))  # float codes
