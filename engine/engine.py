@@ -190,6 +190,7 @@ class Engine:
             if seq.state is SeqState.CLOSED:
                 continue
             seq.slot = self.runner.cache.alloc()
+            self.runner.assign(seq.slot, seq.params, seq.seed)
             self._live[seq.seq_id] = seq
             seq.pending_cols, seq.pos = seq.system_cols, 0
             seq.state = SeqState.PREFILLING

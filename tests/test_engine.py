@@ -1,0 +1,166 @@
+"""The generation engine with the built-in tiny model: turns, streaming audio, batching,
+cancel, context reuse and rebuild."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine.engine import CollectingSink, EngineConfig, EngineOverloaded
+from engine.request import FinishReason
+from engine.sampler import SamplingParams
+from rtvoice.synth import make_engine
+
+
+@pytest.fixture()
+def engine(tiny_bundle):
+    return make_engine(tiny_bundle, EngineConfig(max_running=4, max_len=1024, max_waiting=2))
+
+
+def _turn(engine, sink, seq, text, n, tid="t"):
+    engine.submit(seq, text, turn_id=tid, max_frames=n)
+    engine.run_until_idle()
+    return sink.results[-1]
+
+
+def test_turn_streams_exact_audio(engine, tiny_bundle):
+    sink = CollectingSink()
+    seq = engine.open([], SamplingParams(seed=5), sink)
+    engine.run_until_idle()
+    assert sink.ready.is_set() and sink.prefill_s > 0
+    res = _turn(engine, sink, seq, "Hello world.", 12)
+    assert res.reason in (FinishReason.LENGTH, FinishReason.EOS)
+    assert res.frames == res.codes.shape[1] <= 12
+    pcm = sink.pcm()
+    assert len(pcm) == res.frames * 2048
+    # chunking: a small first chunk, larger later ones, offsets contiguous
+    sizes = [len(a) for a in sink.audio]
+    assert sizes[0] == 2 * 2048 and max(sizes) <= 8 * 2048
+    assert np.allclose(np.cumsum([0, *sizes[:-1]]) / 44100, sink.offsets)
+    # streaming through the engine == offline decode of the same codes
+    with torch.inference_mode():
+        offline = tiny_bundle.codec.decode(res.codes[None].long())[0, 0].numpy()
+    assert np.abs(offline - pcm).max() < 1e-4
+    assert res.ttfa_s is not None and res.ttfa_s >= 0
+
+
+def test_concurrent_sequences_match_alone(tiny_bundle):
+    texts = ["Hello there.", "مرحبا بالعالم.", "你好，世界。", "こんにちは。"]
+    greedy = SamplingParams.greedy()
+
+    def run(batch):
+        eng = make_engine(tiny_bundle, EngineConfig(max_running=4, max_len=512))
+        sinks = [CollectingSink() for _ in batch]
+        seqs = [eng.open([], greedy, s) for s in sinks]
+        for seq, t in zip(seqs, batch):
+            eng.submit(seq, t, turn_id="x", max_frames=10)
+        eng.run_until_idle()
+        return [s.results[-1].codes for s in sinks]
+
+    together = run(texts)
+    for i, t in enumerate(texts):
+        assert torch.equal(run([t])[0], together[i]), t
+
+
+def test_seed_reproduces_sampled_turns(tiny_bundle):
+    def once(seed):
+        eng = make_engine(tiny_bundle, EngineConfig(max_running=1, max_len=512))
+        sink = CollectingSink()
+        seq = eng.open([], SamplingParams(seed=seed), sink)
+        eng.submit(seq, "Same text.", turn_id="a", max_frames=8)
+        eng.run_until_idle()
+        return sink.results[-1].codes
+
+    assert torch.equal(once(11), once(11))
+    assert not torch.equal(once(11), once(12))
+
+
+def test_cancel_stops_audio_and_next_turn_works(engine):
+    sink = CollectingSink()
+    seq = engine.open([], SamplingParams(seed=1), sink)
+    engine.submit(seq, "A long sentence that keeps going.", turn_id="one", max_frames=200)
+    for _ in range(200):
+        engine.step()
+        if len(sink.audio) >= 2:
+            break
+    n_audio = len(sink.audio)
+    engine.cancel(seq)
+    engine.run_until_idle()
+    assert len(sink.audio) == n_audio  # nothing after the cancel was processed
+    res = sink.results[-1]
+    assert res.turn_id == "one" and res.reason is FinishReason.CANCELLED
+    pos_after = seq.pos
+    res2 = _turn(engine, sink, seq, "Next turn.", 6, "two")
+    assert res2.turn_id == "two" and res2.frames > 0
+    assert seq.pos > pos_after  # the conversation continued in the same cache
+    assert len(seq.history) == 2
+
+
+def test_cancel_before_any_frame_rolls_back(engine):
+    sink = CollectingSink()
+    seq = engine.open([], SamplingParams(seed=1), sink)
+    engine.run_until_idle()
+    pos0 = seq.pos
+    engine.submit(seq, "Never spoken.", turn_id="x", max_frames=50)
+    engine.cancel(seq)
+    engine.run_until_idle()
+    assert sink.results[-1].reason is FinishReason.CANCELLED and sink.results[-1].frames == 0
+    assert seq.pos == pos0 and seq.history == []
+
+
+def test_context_rebuild_drops_oldest_turns(tiny_bundle):
+    eng = make_engine(tiny_bundle, EngineConfig(max_running=1, max_len=200))
+    sink = CollectingSink()
+    seq = eng.open([], SamplingParams(seed=2), sink)
+    for i in range(6):
+        res = _turn(eng, sink, seq, f"Turn number {i}.", 30, str(i))
+        assert res.error is None and res.frames > 0
+        assert seq.pos <= 200
+    assert len(seq.history) < 6  # oldest turns were dropped, the session went on
+
+
+def test_errors_are_reported_not_raised(engine):
+    sink = CollectingSink()
+    seq = engine.open([], SamplingParams(), sink)
+    with pytest.raises(ValueError):
+        engine.submit(seq, "   ", turn_id="e")
+    engine.submit(seq, "one", turn_id="a", max_frames=100)
+    engine.submit(seq, "two", turn_id="b", max_frames=5)  # while a turn runs
+    engine.run_until_idle()
+    by_id = {r.turn_id: r for r in sink.results}
+    assert by_id["b"].reason is FinishReason.ERROR and "already running" in by_id["b"].error
+    assert by_id["a"].error is None
+    # too long for the context
+    res = _turn(engine, sink, seq, "x" * 2000, 5, "long")
+    assert res.reason is FinishReason.ERROR and "too long" in res.error
+
+
+def test_admission_queue_and_overload(tiny_bundle):
+    eng = make_engine(tiny_bundle, EngineConfig(max_running=1, max_len=256, max_waiting=1))
+    a, b = CollectingSink(), CollectingSink()
+    sa = eng.open([], SamplingParams(), a)
+    eng.run_until_idle()
+    sb = eng.open([], SamplingParams(), b)
+    eng.run_until_idle()
+    assert a.ready.is_set() and not b.ready.is_set()  # b waits for a slot
+    with pytest.raises(EngineOverloaded):
+        eng.open([], SamplingParams(), CollectingSink())
+    eng.close(sa)
+    eng.run_until_idle()
+    assert b.ready.is_set()
+    eng.close(sb)
+    eng.run_until_idle()
+    assert eng.free_slots() == 1
+
+
+def test_engine_thread(engine):
+    engine.start()
+    try:
+        sink = CollectingSink()
+        seq = engine.open([], SamplingParams(seed=3), sink)
+        engine.submit(seq, "Threaded.", turn_id="t", max_frames=5)
+        assert sink.done.wait(30)
+        assert sink.results[-1].frames == 5 or sink.results[-1].reason is FinishReason.EOS
+    finally:
+        engine.shutdown()
