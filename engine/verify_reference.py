@@ -68,7 +68,7 @@ def _diff(a: Tensor, b: Tensor) -> float:
     return float((a.float() - b.float()).abs().max()) if a.shape == b.shape else float("inf")
 
 
-def model_checks(root: Path) -> Iterator[Check]:
+def model_checks(root: Path, device: str = "cpu") -> Iterator[Check]:
     cfg = ModelConfig.from_checkpoint(root)
     tok = HFTokenizer(root)
     if (tok.ids.semantic_start, tok.ids.im_end) != (cfg.ids.semantic_start, cfg.ids.im_end):
@@ -76,7 +76,7 @@ def model_checks(root: Path) -> Iterator[Check]:
         cfg = replace(cfg, ids=tok.ids)  # the reference takes the range from the tokenizer
     yield ("tokenizer.semantic_range", True,
            f"{tok.ids.semantic_start}..{tok.ids.semantic_end}, <|im_end|>={tok.ids.im_end}")
-    model = load_model(root, cfg, dtype=torch.float32)
+    model = load_model(root, cfg, dtype=torch.float32, device=device)
     builder = PromptBuilder(tok, cfg.num_codebooks)
     runner = ModelRunner(model, n_slots=1, max_len=cfg.slow.max_seq_len)
     case_files = sorted((root / "cases").glob("*.json"))
@@ -112,8 +112,9 @@ def model_checks(root: Path) -> Iterator[Check]:
                 frames = []
                 try:
                     for _ in range(n_new):
-                        f = runner.decode(torch.tensor([slot]), col, torch.tensor([pos]), pos + 1)
-                        frames.append(f[0])
+                        f = runner.decode(torch.tensor([slot], device=device), col.to(device),
+                                          torch.tensor([pos], device=device), pos + 1)
+                        frames.append(f[0].cpu())
                         col, pos = f, pos + 1
                 finally:
                     rec.restore()
@@ -124,13 +125,14 @@ def model_checks(root: Path) -> Iterator[Check]:
                        f"{got.shape[1]} frames, {bad} mismatching values" if bad >= 0
                        else f"shape {list(got.shape)} vs {list(want_gen.shape)}")
                 hid = torch.stack([h[0] for h in rec.hidden[:3]])
-                d = _diff(hid, t[f"b{k}.slow_hidden"])
+                want_hid = t[f"b{k}.slow_hidden"].to(device)
+                d = _diff(hid, want_hid)
                 yield (f"{tag}.slow_hidden", d <= LOGIT_TOL, f"max|diff| {d:.2e} (tol {LOGIT_TOL:.0e})")
                 logits = model.full_logits(hid)
-                d = _diff(logits, t[f"b{k}.slow_logits"])
+                d = _diff(logits, t[f"b{k}.slow_logits"].to(device))
                 yield (f"{tag}.slow_logits", d <= LOGIT_TOL, f"max|diff| {d:.2e} (tol {LOGIT_TOL:.0e})")
                 fast0 = torch.stack([f[0] for f in rec.fast[: cfg.num_codebooks]])
-                d = _diff(fast0, t[f"b{k}.fast_logits_step0"])
+                d = _diff(fast0, t[f"b{k}.fast_logits_step0"].to(device))
                 yield (f"{tag}.fast_logits_step0", d <= LOGIT_TOL,
                        f"max|diff| {d:.2e} (tol {LOGIT_TOL:.0e})")
                 history.append((batch["batch_text"], t[f"b{k}.codes"]))

@@ -10,7 +10,9 @@ Choices and their reasons:
 
 - Resampling uses ``soxr.ResampleStream`` (HQ). Streaming it is exact: the concatenated
   output equals a one-shot ``soxr.resample`` of the whole turn, so chunk boundaries leave no
-  artefacts. The resampler holds back its filter delay (~1 ms at HQ) until the next chunk.
+  artefacts. The resampler holds back its filter delay (18-27 ms of audio at HQ, depending
+  on the rate) until the next chunk or ``finish()``: the first chunk still goes out at once
+  (TTFA is unchanged), it just carries that much less audio.
 - WAV is streamed: a 44-byte RIFF header whose RIFF and ``data`` sizes are ``0xFFFFFFFF``
   ("unknown length": libsndfile/soundfile and Python's ``wave`` read such a stream to its
   end), then s16le samples.
@@ -79,7 +81,9 @@ _OPUS_AUTO: Final = -1000  # Fish's opus_bitrate value for libopus' OPUS_AUTO
 
 
 def _supported_text() -> str:
-    return "; ".join(f"{name}: {', '.join(map(str, info.sample_rates))}" for name, info in FORMATS.items())
+    return "; ".join(
+        f"{name}: {', '.join(map(str, info.sample_rates))}" for name, info in FORMATS.items()
+    )
 
 
 @dataclass(slots=True)
@@ -109,7 +113,9 @@ class EncoderConfig:
         if not 8 <= self.mp3_bitrate <= 320:
             raise ValueError(f"mp3_bitrate must be 8..320 kbps, got {self.mp3_bitrate}")
         if self.opus_bitrate != _OPUS_AUTO and not 6 <= self.opus_bitrate <= 256:
-            raise ValueError(f"opus_bitrate must be 6..256 kbps or -1000 (auto), got {self.opus_bitrate}")
+            raise ValueError(
+                f"opus_bitrate must be 6..256 kbps or -1000 (auto), got {self.opus_bitrate}"
+            )
         if self.input_sample_rate <= 0:
             raise ValueError(f"input_sample_rate must be positive, got {self.input_sample_rate}")
 
@@ -274,7 +280,9 @@ def wav_stream_header(sample_rate: int, channels: int = 1) -> bytes:
         b"RIFF"
         + struct.pack("<I", _UNKNOWN_SIZE)
         + b"WAVEfmt "
-        + struct.pack("<IHHIIHH", 16, 1, channels, sample_rate, sample_rate * block_align, block_align, 16)
+        + struct.pack(
+            "<IHHIIHH", 16, 1, channels, sample_rate, sample_rate * block_align, block_align, 16
+        )
         + b"data"
         + struct.pack("<I", _UNKNOWN_SIZE)
     )
@@ -484,7 +492,9 @@ class _OpusEncoder(_SndfileEncoder):
             from soundfile import _ffi, _snd  # type: ignore[attr-defined]
 
             value = _ffi.new("double*", self.page_latency_ms)
-            _snd.sf_command(self._file._file, _SFC_SET_OGG_PAGE_LATENCY_MS, value, _ffi.sizeof("double"))
+            _snd.sf_command(
+                self._file._file, _SFC_SET_OGG_PAGE_LATENCY_MS, value, _ffi.sizeof("double")
+            )
         except Exception:  # pragma: no cover - depends on the soundfile/libsndfile build
             pass
 
@@ -550,9 +560,7 @@ def decode_reference_audio(
     except Exception as exc:  # untrusted input: any decoder failure means "bad audio"
         raise ValueError(f"could not decode reference audio: {exc}") from None
     if audio.shape[0] > limit:
-        raise ReferenceAudioTooLong(
-            f"reference audio is longer than the {max_seconds:g} s limit"
-        )
+        raise ReferenceAudioTooLong(f"reference audio is longer than the {max_seconds:g} s limit")
     if audio.shape[0] == 0 or rate <= 0:
         raise ValueError("could not decode reference audio: it holds no audio frames")
     mono = audio.mean(axis=1, dtype=np.float32) if audio.shape[1] > 1 else audio[:, 0]

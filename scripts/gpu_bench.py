@@ -1,0 +1,187 @@
+"""One-shot GPU check + timing at S2-Pro shapes (dummy bf16 weights).
+
+    python scripts/gpu_bench.py [--out DIR] [--batches 1,4,16,64] [--frames 40]
+
+1. correctness on the device: the reference fixtures' greedy frames (float32, TF32 off), when
+   a fixture set is found (RTVOICE_FIXTURES or .fixtures/fish_s2_tiny);
+2. s2-pro, bf16, dummy weights: prefill time, a short greedy generation at batch 1 with the
+   per-frame time, and the eager decode step time at several batch sizes;
+3. the s2-pro codec (dummy weights): offline decode speed and a batched streaming tick.
+Prints one JSON document (also written to DIR/gpu_bench.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def fixture_check(report: dict, device: str) -> None:
+    root = Path(os.environ.get("RTVOICE_FIXTURES", ".fixtures/fish_s2_tiny"))
+    if not (root / "config.json").is_file():
+        report["fixtures"] = f"skipped: no fixture set at {root}"
+        return
+    from engine import verify_reference
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    checks = list(verify_reference.model_checks(root, device=device))
+    failed = [c for c in checks if not c[1]]
+    report["fixtures"] = {"device": device, "checks": len(checks), "failed": [list(c) for c in failed],
+                          "details": {c[0]: c[2] for c in checks}}
+
+
+def s2pro_decode(report: dict, device: str, batches: list[int], frames: int) -> None:
+    from engine.loader import load_bundle
+    from engine.prompt import PromptBuilder
+    from engine.runner import ModelRunner
+    from engine.sampler import SamplingParams
+
+    torch.backends.cuda.matmul.allow_tf32 = True
+    t0 = time.perf_counter()
+    b = load_bundle("s2-pro", device=device, dtype="bf16", max_seq_len=4096)
+    _sync()
+    report["s2pro_load_s"] = round(time.perf_counter() - t0, 2)
+    report["gpu_mem_weights_gb"] = round(torch.cuda.memory_allocated() / 1e9, 2)
+    max_b = max(batches)
+    runner = ModelRunner(b.model, n_slots=max_b, max_len=1024)
+    pb = PromptBuilder(b.tokenizer)
+    prompt = torch.cat([pb.system(), pb.user_turn("Hello world, this is a benchmark of the "
+                                                  "S2-Pro shapes on one GPU.")], dim=1)
+    T = prompt.shape[1]
+    slots = []
+    for _ in range(max_b):
+        s = runner.cache.alloc()
+        runner.assign(s, SamplingParams.greedy(), 0)
+        slots.append(s)
+    # prefill (warm once, then timed)
+    runner.prefill(slots[0], prompt[:, :-1], 0)
+    _sync()
+    t0 = time.perf_counter()
+    for s in slots:
+        runner.prefill(s, prompt[:, :-1], 0)
+    _sync()
+    report["prefill_ms_per_seq"] = round(1000 * (time.perf_counter() - t0) / max_b, 2)
+    report["prompt_len"] = T
+    # greedy generation, batch 1, frame by frame (eager, host reads each frame)
+    col = prompt[:, -1][None].to(device)
+    pos = T - 1
+    sl = torch.tensor([slots[0]], device=device)
+    times = []
+    gen = []
+    for _ in range(frames):
+        _sync()
+        t = time.perf_counter()
+        f = runner.decode(sl, col, torch.tensor([pos], device=device), pos + 1)
+        _sync()
+        times.append(time.perf_counter() - t)
+        gen.append(f[0].cpu())
+        col, pos = f, pos + 1
+    codes = torch.stack(gen, 1)[1:]
+    report["greedy_b1"] = {"frames": frames, "ms_per_frame_median": round(
+        1000 * sorted(times)[len(times) // 2], 2), "first_frame_ms": round(1000 * times[0], 2),
+        "first_codes": codes[:, :3].tolist()}
+    # eager decode step at several batch sizes
+    steps = {}
+    for bs in batches:
+        sl = torch.tensor(slots[:bs], device=device)
+        col = prompt[:, -1].to(device)[None].expand(bs, -1).contiguous()
+        p = torch.full((bs,), T - 1, device=device)
+        for _ in range(3):
+            runner.decode(sl, col, p, T)
+        _sync()
+        n = 10
+        t = time.perf_counter()
+        for _ in range(n):
+            runner.decode(sl, col, p, T)
+        _sync()
+        dt = (time.perf_counter() - t) / n
+        steps[bs] = {"ms_per_step": round(1000 * dt, 2), "frames_per_s": round(bs / dt, 1)}
+    report["eager_decode"] = steps
+    del runner, b
+    torch.cuda.empty_cache()
+
+
+def codec_bench(report: dict, device: str) -> None:
+    from engine.codec import CodecConfig, StreamingDecoder, dummy_codec
+
+    out = {}
+    for dt_name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        codec = dummy_codec(CodecConfig.preset("s2-pro"), seed=0, device=device, dtype=dt)
+        n_params = sum(p.numel() for p in codec.parameters())
+        for bs in (1, 16):
+            codes = torch.randint(0, 1024, (bs, 10, 64), device=device)
+            with torch.inference_mode():
+                codec.decode(codes)
+                _sync()
+                t = time.perf_counter()
+                codec.decode(codes)
+                _sync()
+            dt_s = time.perf_counter() - t
+            audio_s = bs * 64 * 2048 / 44100
+            out[f"offline_{dt_name}_b{bs}"] = {"x_realtime": round(audio_s / dt_s, 1),
+                                               "ms": round(1000 * dt_s, 1)}
+        dec = StreamingDecoder(codec, max_streams=16)
+        sids = [dec.open() for _ in range(16)]
+        chunk = {s: torch.randint(0, 1024, (10, 4), device=device) for s in sids}
+        with torch.inference_mode():
+            for _ in range(3):
+                dec.decode(chunk)
+            _sync()
+            t = time.perf_counter()
+            n = 5
+            for _ in range(n):
+                dec.decode(chunk)
+            _sync()
+        tick = (time.perf_counter() - t) / n
+        out[f"stream_{dt_name}_16x4frames"] = {"ms_per_tick": round(1000 * tick, 2),
+                                              "x_realtime": round(16 * 4 * 2048 / 44100 / tick, 1)}
+        out["params"] = n_params
+        del codec, dec
+    report["codec_s2pro"] = out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
+    ap.add_argument("--batches", default="1,4,16,64")
+    ap.add_argument("--frames", type=int, default=40)
+    ap.add_argument("--skip", default="", help="comma list of: fixtures,decode,codec")
+    args = ap.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    report: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else platform.processor(),
+                    "torch": torch.__version__, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    skip = set(filter(None, args.skip.split(",")))
+    for name, fn in (("fixtures", lambda: fixture_check(report, device)),
+                     ("decode", lambda: s2pro_decode(report, device,
+                                                     [int(x) for x in args.batches.split(",")],
+                                                     args.frames)),
+                     ("codec", lambda: codec_bench(report, device))):
+        if name in skip:
+            continue
+        t = time.perf_counter()
+        try:
+            fn()
+        except Exception as e:  # report and go on: one call should bring back everything it can
+            report[f"{name}_error"] = f"{type(e).__name__}: {e}"
+        report[f"{name}_wall_s"] = round(time.perf_counter() - t, 1)
+        print(json.dumps({k: v for k, v in report.items()}, default=str)[:2000], flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "gpu_bench.json").write_text(json.dumps(report, indent=2, default=str))
+    print(json.dumps(report, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
