@@ -1,63 +1,100 @@
 """Engine-only throughput: N concurrent sequences decoding fixed-length turns, no server.
 
     python -m bench_latency.engine_throughput --model tiny --concurrency 1,2,4,8 --frames 64
+    python -m bench_latency.engine_throughput --model s2-pro --device cuda --concurrency 1,16,64
 
-Reports aggregate frames/s, per-sequence frames/s, realtime factor (frames/s ÷ 21.53) and
-the split of engine time between decode, prefill and codec.
+Turns run to exactly --frames frames (<|im_end|> is masked: random weights would stop at
+random points). Reports aggregate frames/s, per-sequence frames/s (decode_tps), the
+realtime factor (frames/s ÷ 21.53) and the split of engine time between decode, prefill
+and codec. --no-graphs gives the naive eager loop; --no-codec skips the audio decoder.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
+from collections.abc import Iterator
 
 import torch
 
-from engine.engine import CollectingSink, EngineConfig
-from engine.loader import load_bundle
+from engine.engine import CollectingSink, Engine, EngineConfig
+from engine.loader import Bundle, load_bundle
+from engine.model import DualAR
 from engine.sampler import SamplingParams
 from rtvoice.synth import make_engine
 
 
-class _IgnoreEos(SamplingParams):
-    pass
+@contextlib.contextmanager
+def no_eos(model: DualAR) -> Iterator[None]:
+    """Fixed-length turns for benchmarks: <|im_end|>'s logit is -inf (it is the last column)."""
+    orig = model.semantic_logits
 
-
-def run_level(bundle, c: int, frames: int, *, codec: bool = True) -> dict[str, float]:
-    eng = make_engine(bundle, EngineConfig(max_running=c, max_len=1024, max_turn_frames=frames))
-    eos = bundle.model.cfg.ids.im_end
-    # Fixed-length turns: forbid <|im_end|> by pushing its logit down (benchmarks only).
-    orig = bundle.model.semantic_logits
-
-    def no_eos(h):
+    def masked(h: torch.Tensor) -> torch.Tensor:
         out = orig(h)
         out[..., -1] = float("-inf")
         return out
 
-    bundle.model.semantic_logits = no_eos
+    model.semantic_logits = masked  # type: ignore[method-assign]
     try:
-        sinks = [CollectingSink() for _ in range(c)]
-        seqs = [eng.open([], SamplingParams(seed=i), s) for i, s in enumerate(sinks)]
-        eng.run_until_idle()
-        for i, s in enumerate(seqs):
-            eng.submit(s, f"Benchmark sentence number {i}.", turn_id="b", max_frames=frames)
-        if not codec:
-            eng._codec_tick = lambda: False  # type: ignore[method-assign]
-        for k in eng.stats:
-            eng.stats[k] = 0 if isinstance(eng.stats[k], int) else 0.0
-        t0 = time.perf_counter()
-        eng.run_until_idle(timeout_s=3600)
-        wall = time.perf_counter() - t0
+        yield
     finally:
-        del bundle.model.semantic_logits
+        del model.semantic_logits
+
+
+def _silent_codec(engine: Engine) -> None:
+    hop = engine.frame_samples
+    engine.decoder.decode = lambda chunks: {  # type: ignore[method-assign]
+        sid: torch.zeros(c.shape[1] * hop) for sid, c in chunks.items()}
+
+
+def run_level(engine: Engine, c: int, frames: int) -> dict[str, float]:
+    sinks = [CollectingSink() for _ in range(c)]
+    seqs = [engine.open([], SamplingParams(seed=i), s) for i, s in enumerate(sinks)]
+    engine.run_until_idle()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    for k in engine.stats:
+        engine.stats[k] = 0 if isinstance(engine.stats[k], int) else 0.0
+    t0 = time.perf_counter()
+    for i, s in enumerate(seqs):
+        engine.submit(s, f"Benchmark sentence number {i}.", turn_id="b", max_frames=frames)
+    engine.run_until_idle(timeout_s=3600)
+    wall = time.perf_counter() - t0
     total = sum(r.frames for s in sinks for r in s.results)
-    assert eos is not None
+    ttfa = sorted(r.ttfa_s for s in sinks for r in s.results if r.ttfa_s is not None)
+    steps = engine.stats["steps"]
+    for s in seqs:
+        engine.close(s)
+    engine.run_until_idle()
     return {"concurrency": c, "frames": total, "wall_s": round(wall, 3),
-            "aggregate_fps": round(total / wall, 1), "per_seq_fps": round(total / wall / c, 1),
+            "aggregate_fps": round(total / wall, 1), "decode_tps": round(total / wall / c, 1),
             "x_realtime_per_seq": round(total / wall / c / (44100 / 2048), 2),
-            "decode_s": round(eng.stats["decode_s"], 3), "prefill_s": round(eng.stats["prefill_s"], 3),
-            "codec_s": round(eng.stats["codec_s"], 3)}
+            "ttfa_ms_p50": round(1000 * ttfa[len(ttfa) // 2], 1) if ttfa else None,
+            "decode_s": round(engine.stats["decode_s"], 3),
+            "prefill_s": round(engine.stats["prefill_s"], 3),
+            "codec_s": round(engine.stats["codec_s"], 3), "steps": steps}
+
+
+def sweep(bundle: Bundle, levels: list[int], frames: int, *, graphs: bool = True,
+          codec: bool = True, max_len: int = 1024) -> list[dict]:
+    rows = []
+    with no_eos(bundle.model):
+        for c in levels:
+            eng = make_engine(bundle, EngineConfig(max_running=c, max_len=max_len,
+                                                   max_turn_frames=max(frames, 8),
+                                                   cuda_graphs=graphs))
+            if not codec:
+                _silent_codec(eng)
+            run_level(eng, c, 8)  # warm-up
+            row = run_level(eng, c, frames)
+            row.update(graphs=eng.graphs is not None, codec=codec,
+                       capture_s=round(eng.graphs.capture_s, 1) if eng.graphs else 0.0)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            del eng
+    return rows
 
 
 def main() -> int:
@@ -68,21 +105,19 @@ def main() -> int:
     ap.add_argument("--concurrency", default="1,2,4,8")
     ap.add_argument("--frames", type=int, default=64)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+    ap.add_argument("--no-graphs", action="store_true", help="naive eager decode")
+    ap.add_argument("--no-codec", action="store_true", help="AR decode only")
     ap.add_argument("--json")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     bundle = load_bundle(args.model, device=args.device, max_seq_len=1024)
-    rows = []
-    for c in (int(x) for x in args.concurrency.split(",")):
-        run_level(bundle, c, 8)  # warm-up
-        row = run_level(bundle, c, args.frames)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+    rows = sweep(bundle, [int(x) for x in args.concurrency.split(",")], args.frames,
+                 graphs=not args.no_graphs, codec=not args.no_codec)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": args.model, "device": args.device, "threads": torch.get_num_threads(),
-                       "rows": rows}, f, indent=2)
+            json.dump({"model": args.model, "device": args.device,
+                       "threads": torch.get_num_threads(), "rows": rows}, f, indent=2)
     return 0
 
 

@@ -42,6 +42,7 @@ class EngineConfig:
     max_turn_frames: int = 2048  # hard cap per turn (~95 s of audio)
     max_waiting: int = 64  # sequences queued for a slot before `open` refuses
     seed: int = 0
+    cuda_graphs: bool = True  # capture the frame step for every batch bucket (CUDA only)
 
     def __post_init__(self) -> None:
         for name in ("max_running", "max_len", "prefill_chunk", "first_chunk_frames",
@@ -83,6 +84,14 @@ class Engine:
         self._audio: list[tuple[Sequence, Turn]] = []  # turns whose audio is not yet all out
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._decode = runner.decode
+        self.graphs = None
+        if self.cfg.cuda_graphs and runner.device.type == "cuda":
+            from .graphs import GraphedDecoder
+
+            self.graphs = GraphedDecoder(runner, max_batch=self.cfg.max_running)
+            self.graphs.capture()
+            self._decode = self.graphs.decode
         self.stats = {"steps": 0, "frames": 0, "prefill_cols": 0, "decode_s": 0.0,
                       "prefill_s": 0.0, "codec_s": 0.0}
 
@@ -360,7 +369,7 @@ class Engine:
         positions = torch.tensor([s.pos for s in batch], device=dev)
         cols = torch.stack([s.next_col for s in batch])  # type: ignore[misc]
         try:
-            frames = self.runner.decode(slots, cols, positions, int(positions.max()) + 1)
+            frames = self._decode(slots, cols, positions, max(s.pos for s in batch) + 1)
         except Exception as e:
             log.exception("decode step failed for %d sequences", len(batch))
             for s in batch:

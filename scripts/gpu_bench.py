@@ -152,12 +152,28 @@ def codec_bench(report: dict, device: str) -> None:
     report["codec_s2pro"] = out
 
 
+def engine_sweep(report: dict, device: str, levels: list[int], frames: int) -> None:
+    """The engine loop end to end (frames -> codec -> PCM), CUDA graphs vs naive eager."""
+    from bench_latency.engine_throughput import sweep
+    from engine.loader import load_bundle
+
+    b = load_bundle("s2-pro", device=device, dtype="bf16", codec_dtype="bf16", max_seq_len=1024)
+    out = {}
+    out["graphs_codec"] = sweep(b, levels, frames, graphs=True, codec=True)
+    out["graphs_nocodec"] = sweep(b, [levels[0], levels[-1]], frames, graphs=True, codec=False)
+    out["naive_nocodec"] = sweep(b, [levels[0], levels[-1]], frames // 2, graphs=False, codec=False)
+    report["engine"] = out
+    del b
+    torch.cuda.empty_cache()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     ap.add_argument("--batches", default="1,4,16,64")
     ap.add_argument("--frames", type=int, default=40)
-    ap.add_argument("--skip", default="", help="comma list of: fixtures,decode,codec")
+    ap.add_argument("--skip", default="", help="comma list of: fixtures,decode,codec,engine")
+    ap.add_argument("--levels", default="1,4,16,32,64")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     report: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else platform.processor(),
@@ -167,7 +183,10 @@ def main() -> int:
                      ("decode", lambda: s2pro_decode(report, device,
                                                      [int(x) for x in args.batches.split(",")],
                                                      args.frames)),
-                     ("codec", lambda: codec_bench(report, device))):
+                     ("codec", lambda: codec_bench(report, device)),
+                     ("engine", lambda: engine_sweep(report, device,
+                                                     [int(x) for x in args.levels.split(",")],
+                                                     args.frames))):
         if name in skip:
             continue
         t = time.perf_counter()
