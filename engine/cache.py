@@ -76,22 +76,22 @@ class PrefillAttend:
         return gqa_attention(q, keys, vals, self.mask)
 
 
-class DecodeAttend:
-    """One new position per row: rows b write at (slots[b], positions[b]) and attend to
-    [0, positions[b]] of their own slot."""
+class DenseDecodeAttend:
+    """One new position per row, rows 0..B-1 being slots 0..B-1: row b writes its k/v at
+    (wslots[b], positions[b]) and attends to [0, positions[b]] of slot b, read in place."""
 
-    def __init__(self, cache: SlowKVCache, slots: Tensor, positions: Tensor, span: int) -> None:
-        self.cache, self.slots, self.positions = cache, slots, positions
-        self.span = span  # attend over [0, span): a bound on max(positions)+1
-        k_pos = torch.arange(span, device=slots.device)
+    def __init__(self, cache: SlowKVCache, B: int, wslots: Tensor, positions: Tensor,
+                 span: int) -> None:
+        self.cache, self.B, self.wslots, self.positions, self.span = cache, B, wslots, positions, span
+        k_pos = torch.arange(span, device=positions.device)
         self.mask = (k_pos[None, :] <= positions[:, None])[:, None, None, :]  # [B, 1, 1, S]
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         c = self.cache
-        c.k[layer, self.slots, :, self.positions] = k[:, :, 0]
-        c.v[layer, self.slots, :, self.positions] = v[:, :, 0]
-        keys = c.k[layer, self.slots, :, : self.span]  # [B, Hkv, S, Dh]
-        vals = c.v[layer, self.slots, :, : self.span]
+        c.k[layer, self.wslots, :, self.positions] = k[:, :, 0]
+        c.v[layer, self.wslots, :, self.positions] = v[:, :, 0]
+        keys = c.k[layer, : self.B, :, : self.span]  # [B, Hkv, S, Dh], a view
+        vals = c.v[layer, : self.B, :, : self.span]
         return gqa_attention(q, keys, vals, self.mask)
 
 

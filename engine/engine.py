@@ -1,13 +1,25 @@
 """The generation engine: sequences join and leave a continuously batched decode loop.
 
 Callers (the service, `rtvoice synth`, the bench) use four thread-safe calls — `open`,
-`submit`, `cancel`, `close` — and receive results through their `SequenceSink`. Everything
-else happens on the engine thread, one `step()` at a time: commands, a bounded chunk of
-prefill, one decode step for the whole running batch, one batched codec tick.
+`submit`, `cancel`, `close` — and receive results through their `SequenceSink`.
+
+Two ways to run the same code:
+- **sync** (`step()` / `run_until_idle()`, and the naive mode): one thread does a command
+  drain, a bounded chunk of prefill, one decode step whose result it reads at once, and
+  one codec tick.
+- **pingpong** (`start()` with `pingpong=True`): a prefill thread (own CUDA stream) runs
+  prefills and hands finished sequences over with a CUDA event; the decode thread launches
+  step N (a captured CUDA graph), queues a non-blocking copy of its result into pinned
+  ping/pong buffer N%2, and only then reads step N-1's buffer — so the GPU always has the
+  next step queued and the host never waits on the step it just launched. Stop conditions
+  and the next step's inputs live on the device (see `ModelRunner.step`); a sequence that
+  stopped on the GPU costs at most one masked row. A codec thread (own stream) decodes the
+  new frames of all streams in one batched call per tick and calls the sinks.
 """
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import logging
 import queue
@@ -16,7 +28,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -36,17 +48,19 @@ log = logging.getLogger(__name__)
 class EngineConfig:
     max_running: int = 8  # KV slots: sequences (sessions) resident at once
     max_len: int = 2048  # KV positions per sequence (voice prompt + turns)
-    prefill_chunk: int = 256  # columns per prefill call, so one long prompt cannot stall decode
+    prefill_chunk: int = 256  # columns per prefill call, so one long prompt cannot stall others
     first_chunk_frames: int = 2  # frames in a turn's first audio chunk (TTFA)
     chunk_frames: int = 8  # frames in later chunks
     max_turn_frames: int = 2048  # hard cap per turn (~95 s of audio)
     max_waiting: int = 64  # sequences queued for a slot before `open` refuses
     seed: int = 0
     cuda_graphs: bool = True  # capture the frame step for every batch bucket (CUDA only)
+    pingpong: bool = True  # start() runs prefill/decode/codec threads; False: one sync loop
+    span_step: int = 256  # attention-span bucket (graphs are captured per bucket)
 
     def __post_init__(self) -> None:
         for name in ("max_running", "max_len", "prefill_chunk", "first_chunk_frames",
-                     "chunk_frames", "max_turn_frames"):
+                     "chunk_frames", "max_turn_frames", "span_step"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.max_waiting < 0:
@@ -61,6 +75,35 @@ class TurnTooLong(ValueError):
     pass
 
 
+@dataclass(slots=True, eq=False)
+class PrefillJob:
+    seq: Sequence
+    cols: Tensor  # [1+K, n] columns to write at `start`
+    start: int
+    turn: Turn | None  # None: the voice prompt
+    done: int = 0
+    event: object | None = None
+
+
+@dataclass(slots=True)
+class _Pending:
+    """A launched decode step whose result has not been read yet."""
+
+    k: int
+    B: int
+    buf: Tensor
+    event: object | None
+    t_launch: float = 0.0
+
+
+@dataclass(slots=True)
+class _Gaps:
+    """GPU idle time between consecutive decode steps, from CUDA events."""
+
+    starts: list = field(default_factory=list)
+    ends: list = field(default_factory=list)
+
+
 class Engine:
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, codec: Codec,
                  config: EngineConfig | None = None) -> None:
@@ -70,30 +113,51 @@ class Engine:
         self.tok = tokenizer
         self.prompts = PromptBuilder(tokenizer, self.model_cfg.num_codebooks)
         self.codec = codec
-        self.decoder = StreamingDecoder(codec, max_streams=max(1, self.cfg.max_running))
+        self.decoder = StreamingDecoder(codec, max_streams=max(2, 2 * self.cfg.max_running))
         self.frame_samples = codec.cfg.hop_length
         self.sample_rate = codec.cfg.sample_rate
         self.frame_rate = self.sample_rate / self.frame_samples
+        self.cuda = runner.device.type == "cuda"
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._ids = itertools.count(1)
         self._rng = random.Random(self.cfg.seed)
-        self._waiting: deque[Sequence] = deque()  # need a slot
-        self._live: dict[int, Sequence] = {}  # have a slot
-        self._prefill_q: deque[Sequence] = deque()
-        self._audio: list[tuple[Sequence, Turn]] = []  # turns whose audio is not yet all out
-        self._thread: threading.Thread | None = None
+        # scheduler state (decode thread, or the caller in sync mode)
+        self._waiting: deque[Sequence] = deque()
+        self._live: dict[int, Sequence] = {}
+        self._owner: dict[int, Sequence] = {}  # slot -> sequence that may be active on the device
+        self._prefill_jobs: deque[PrefillJob] = deque()  # sync mode
+        self._prefill_in: queue.SimpleQueue[PrefillJob | None] = queue.SimpleQueue()
+        self._prefill_out: queue.SimpleQueue[PrefillJob] = queue.SimpleQueue()
+        self._k = 0  # decode steps launched
+        self._processed = -1  # last decode step whose result was read
+        # audio (codec thread, or inline)
+        self._audio: list[tuple[Sequence, Turn]] = []
+        self._audio_lock = threading.Lock()
+        self._emit_lock = threading.Lock()  # orders on_audio vs. a cancel's on_turn_end
+        self._codec_wake = threading.Event()
+        # threads and streams
+        self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
-        self._decode = runner.decode
-        self.graphs = None
-        if self.cfg.cuda_graphs and runner.device.type == "cuda":
-            from .graphs import GraphedDecoder
-
-            self.graphs = GraphedDecoder(runner, max_batch=self.cfg.max_running)
-            self.graphs.capture()
-            self._decode = self.graphs.decode
+        self._running_pingpong = False
+        self.prefill_stream = torch.cuda.Stream(runner.device) if self.cuda else None
+        self.decode_stream = torch.cuda.Stream(runner.device) if self.cuda else None
+        self.codec_stream = torch.cuda.Stream(runner.device) if self.cuda else None
+        W = runner.out_width
+        self._bufs = [torch.zeros(runner.n_slots + 1, W, dtype=torch.long,
+                                  pin_memory=self.cuda) for _ in range(2)]
+        self._events = [torch.cuda.Event() for _ in range(2)] if self.cuda else [None, None]
+        self.gaps = _Gaps()
+        self.measure_gaps = False
+        self._batches = self._batch_buckets(runner.n_slots)
+        self._spans = [s for s in range(self.cfg.span_step, runner.cache.max_len, self.cfg.span_step)]
+        self._spans.append(runner.cache.max_len)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor]] | None = None
+        self.capture_s = 0.0
+        if self.cfg.cuda_graphs and self.cuda:
+            self._capture_graphs()
         self.stats = {"steps": 0, "frames": 0, "prefill_cols": 0, "decode_s": 0.0,
-                      "prefill_s": 0.0, "codec_s": 0.0}
+                      "prefill_s": 0.0, "codec_s": 0.0, "codec_ticks": 0, "wasted_rows": 0}
 
     # ================================================================ public, thread-safe
     def open(self, references: list[Reference] | tuple[Reference, ...], params: SamplingParams,
@@ -102,9 +166,9 @@ class Engine:
         if len(self._waiting) >= self.cfg.max_waiting + max(0, self.free_slots()):
             raise EngineOverloaded(f"{len(self._waiting)} sessions already wait for a slot")
         system = self.prompts.system(tuple(references))
-        if system.shape[1] + 64 > self.cfg.max_len:
+        if system.shape[1] + 64 > self.runner.cache.max_len:
             raise TurnTooLong(f"the voice prompt has {system.shape[1]} positions; the engine's "
-                              f"context is {self.cfg.max_len} (use shorter references)")
+                              f"context is {self.runner.cache.max_len} (use shorter references)")
         seed = params.seed if params.seed is not None else self._rng.randrange(2**31)
         seq = Sequence(next(self._ids), tuple(references), params, seed, sink, system_cols=system)
         self._post(lambda: self._admit(seq))
@@ -115,11 +179,11 @@ class Engine:
         if not text.strip():
             raise ValueError("turn text is empty")
         budget = min(max_frames or self.cfg.max_turn_frames, self.cfg.max_turn_frames)
-        turn = Turn(turn_id, text, budget)
+        turn = Turn(turn_id, text, max(1, budget))
         self._post(lambda: self._start_turn(seq, turn))
 
     def cancel(self, seq: Sequence) -> None:
-        """Stop the running turn before the next decode step; no audio of it follows."""
+        """Stop the running turn; no audio of it follows the `cancelled` turn end."""
         self._post(lambda: self._cancel(seq))
 
     def close(self, seq: Sequence) -> None:
@@ -130,27 +194,39 @@ class Engine:
 
     def load(self) -> dict[str, int]:
         return {"live": len(self._live), "waiting": len(self._waiting),
-                "free_slots": self.free_slots(), "max_running": self.cfg.max_running}
+                "free_slots": self.free_slots(), "max_running": self.runner.n_slots}
 
-    # ================================================================ thread
+    # ================================================================ threads
     def start(self) -> None:
-        if self._thread is None:
-            self._stop.clear()
-            self._thread = threading.Thread(target=self._loop, name="rtvoice-engine", daemon=True)
-            self._thread.start()
+        if self._threads:
+            return
+        self._stop.clear()
+        if self.cfg.pingpong:
+            self._running_pingpong = True
+            targets = [("rtvoice-decode", self._decode_loop), ("rtvoice-prefill", self._prefill_loop),
+                       ("rtvoice-codec", self._codec_loop)]
+        else:
+            targets = [("rtvoice-engine", self._sync_loop)]
+        for name, fn in targets:
+            t = threading.Thread(target=fn, name=name, daemon=True)
+            t.start()
+            self._threads.append(t)
 
     def shutdown(self) -> None:
         self._stop.set()
         self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
-            self._thread = None
+        self._codec_wake.set()
+        self._prefill_in.put(None)
+        for t in self._threads:
+            t.join(timeout=10)
+        self._threads = []
+        self._running_pingpong = False
 
     def _post(self, fn: Callable[[], None]) -> None:
         self._commands.put(fn)
         self._wake.set()
 
-    def _loop(self) -> None:
+    def _sync_loop(self) -> None:
         torch.set_grad_enabled(False)
         while not self._stop.is_set():
             try:
@@ -169,13 +245,16 @@ class Engine:
             if time.perf_counter() > deadline:
                 raise TimeoutError("engine did not go idle in time")
 
-    # ================================================================ one step
+    # ================================================================ sync step
     def step(self) -> bool:
         did = self._drain_commands()
-        did |= self._prefill_some()
-        did |= self._decode_once()
+        did |= self._prefill_inline()
+        if self._owner:
+            pend = self._launch()
+            if pend is not None:
+                self._process(pend)
+                did = True
         did |= self._codec_tick()
-        self.stats["steps"] += 1
         return did
 
     def _drain_commands(self) -> bool:
@@ -186,9 +265,12 @@ class Engine:
             except queue.Empty:
                 return did
             did = True
-            fn()
+            try:
+                fn()
+            except Exception:
+                log.exception("engine command failed")
 
-    # ---------------------------------------------------------------- commands
+    # ================================================================ commands
     def _admit(self, seq: Sequence) -> None:
         self._waiting.append(seq)
         self._assign_slots()
@@ -201,20 +283,29 @@ class Engine:
             seq.slot = self.runner.cache.alloc()
             self.runner.assign(seq.slot, seq.params, seq.seed)
             self._live[seq.seq_id] = seq
-            seq.pending_cols, seq.pos = seq.system_cols, 0
+            seq.pos = 0
             seq.state = SeqState.PREFILLING
-            self._prefill_q.append(seq)
+            assert seq.system_cols is not None
+            self._queue_prefill(PrefillJob(seq, seq.system_cols, 0, None))
+
+    def _queue_prefill(self, job: PrefillJob) -> None:
+        if self._running_pingpong:
+            self._prefill_in.put(job)
+        else:
+            self._prefill_jobs.append(job)
 
     def _start_turn(self, seq: Sequence, turn: Turn) -> None:
         if seq.state is SeqState.CLOSED:
+            self._fail_turn(seq, turn, "the sequence is closed")
             return
-        if seq.turn is not None and seq.turn.finished is None:
+        if (seq.turn is not None and not seq.draining) or seq.queued_turn is not None:
             self._fail_turn(seq, turn, "a turn is already running on this sequence")
             return
-        seq.turn = turn
-        if seq.state is SeqState.IDLE:
+        if seq.state is SeqState.IDLE and not seq.draining:
+            seq.turn = turn
             self._queue_turn_prefill(seq)
-        # otherwise the voice prompt is still waiting/prefilling; _prefill_some picks it up after
+        else:  # voice prompt not in yet, or a cancelled turn still draining on the device
+            seq.queued_turn = turn
 
     def _queue_turn_prefill(self, seq: Sequence) -> None:
         turn = seq.turn
@@ -223,25 +314,30 @@ class Engine:
         close = [] if seq.closed_turn else [self.prompts.assistant_close()]
         cols = torch.cat([*close, new], dim=1)
         turn.closes_previous = bool(close)
-        if seq.needs_rebuild or seq.pos + cols.shape[1] + min(turn.max_frames, 64) > self.cfg.max_len:
-            cols = self._rebuild_context(seq, new)
-            if cols is None:
+        max_len = self.runner.cache.max_len
+        if seq.needs_rebuild or seq.pos + cols.shape[1] + min(turn.max_frames, 64) + 2 > max_len:
+            rebuilt = self._rebuild_context(seq, new)
+            if rebuilt is None:
+                seq.turn = None
                 self._fail_turn(seq, turn, f"turn text is too long for the context "
-                                           f"({self.cfg.max_len} positions)")
+                                           f"({max_len} positions)")
                 return
-        turn.cols, turn.prefilled = cols, 0
+            cols = rebuilt
         seq.closed_turn = True
         seq.turn_start_pos = seq.pos
-        turn.max_frames = min(turn.max_frames, self.cfg.max_len - seq.pos - cols.shape[1])
+        # -2: one position of slack for the frame a pingpong step may add after a cancel
+        turn.max_frames = max(1, min(turn.max_frames, max_len - seq.pos - cols.shape[1] - 2))
         seq.state = SeqState.TURN_PREFILL
-        self._prefill_q.append(seq)
+        turn.cols = cols
+        # all columns but the last go through prefill; the first decode step feeds the last
+        self._queue_prefill(PrefillJob(seq, cols[:, :-1], seq.pos, turn))
 
     def _rebuild_context(self, seq: Sequence, new: Tensor) -> Tensor | None:
         """Drop the oldest turns until system + recent turns + the new turn fit; re-prefill."""
         system = seq.system_cols
         assert system is not None
         keep: list[Tensor] = []
-        budget = self.cfg.max_len - system.shape[1] - new.shape[1] - 64
+        budget = self.runner.cache.max_len - system.shape[1] - new.shape[1] - 66
         if budget < 0:
             return None
         for text, codes in reversed(seq.history):
@@ -259,218 +355,475 @@ class Engine:
 
     def _cancel(self, seq: Sequence) -> None:
         # A turn whose generation ended but whose audio is still draining stops here too.
-        for s, t in list(self._audio):
-            if s is seq and t is not seq.turn:
-                t.finished, t.cancelled = FinishReason.CANCELLED, True
-                self._drop_audio(t)
-                self._emit_end(seq, t)
+        with self._audio_lock:
+            draining_audio = [t for s, t in self._audio if s is seq and t is not seq.turn]
+        for t in draining_audio:
+            self._end_turn(seq, t, FinishReason.CANCELLED)
+        if seq.queued_turn is not None:
+            t, seq.queued_turn = seq.queued_turn, None
+            t.finished = FinishReason.CANCELLED
+            self._end_turn(seq, t, FinishReason.CANCELLED)
         turn = seq.turn
         if turn is None or turn.finished is not None:
             return
-        turn.cancelled = True
-        if seq.state is SeqState.DECODING and turn.frames:
-            self._finish_turn(seq, FinishReason.CANCELLED)
+        if seq.state is SeqState.DECODING:
+            self.runner.leave(seq.slot)  # type: ignore[arg-type]
+            seq.draining = True
+            seq.leave_step = self._k  # steps launched before this may still produce a row
+            turn.finished = FinishReason.CANCELLED
+            self._end_turn(seq, turn, FinishReason.CANCELLED)
+            self._maybe_drained(seq)
             return
-        if seq.state in (SeqState.TURN_PREFILL, SeqState.DECODING):
-            # Nothing of this turn was spoken: roll the cache back as if it never happened.
-            seq.pos = seq.turn_start_pos
-            seq.closed_turn = not turn.closes_previous
-            seq.needs_rebuild = seq.pos == 0
-            if seq in self._prefill_q:
-                self._prefill_q.remove(seq)
-        self._finish_turn(seq, FinishReason.CANCELLED, rollback=True)
+        # TURN_PREFILL: nothing was spoken; roll the cache back as if it never happened
+        turn.cancelled = True
+        self._rollback(seq, turn)
+        turn.finished = FinishReason.CANCELLED
+        seq.turn = None
+        seq.state = SeqState.IDLE
+        self._end_turn(seq, turn, FinishReason.CANCELLED)
+
+    def _rollback(self, seq: Sequence, turn: Turn) -> None:
+        seq.pos = seq.turn_start_pos
+        seq.closed_turn = not turn.closes_previous
+        seq.needs_rebuild = seq.pos == 0
 
     def _close(self, seq: Sequence) -> None:
         if seq.state is SeqState.CLOSED:
             return
-        if seq.turn is not None and seq.turn.finished is None:
-            seq.turn.cancelled = True
-            self._finish_turn(seq, FinishReason.CANCELLED, notify=False)
-        if seq in self._prefill_q:
-            self._prefill_q.remove(seq)
-        if seq.slot is not None:
-            self.runner.cache.release(seq.slot)
-            seq.slot = None
+        for t in (seq.turn, seq.queued_turn):
+            if t is not None and t.finished is None:
+                self._end_turn(seq, t, FinishReason.CANCELLED, notify=False)
+        seq.queued_turn = None
         self._live.pop(seq.seq_id, None)
+        on_device = seq.state is SeqState.DECODING or seq.draining
         seq.state = SeqState.CLOSED
+        if seq.slot is not None:
+            if on_device:  # release the slot only once no launched step can write to it
+                self.runner.leave(seq.slot)
+                if not seq.draining:
+                    seq.draining, seq.leave_step = True, self._k
+                self._maybe_drained(seq)
+            else:
+                self._release(seq)
         self._assign_slots()
 
-    # ---------------------------------------------------------------- prefill
-    def _prefill_some(self) -> bool:
-        """One chunk of prefill for the sequence at the head of the queue."""
-        if not self._prefill_q:
+    def _release(self, seq: Sequence) -> None:
+        if seq.slot is not None:
+            self._owner.pop(seq.slot, None)
+            self.runner.cache.release(seq.slot)
+            seq.slot = None
+
+    # ================================================================ prefill
+    def _prefill_inline(self) -> bool:
+        """Sync mode: one chunk of the head prefill job."""
+        if not self._prefill_jobs:
             return False
-        seq = self._prefill_q[0]
-        t0 = time.perf_counter()
-        try:
-            done = self._prefill_chunk(seq)
-        except Exception as e:  # a bad prompt must not take the engine down
-            log.exception("prefill failed for seq %d", seq.seq_id)
-            self._prefill_q.popleft()
-            seq.sink.on_error(seq, f"prefill failed: {e}")
-            self._close(seq)
+        job = self._prefill_jobs[0]
+        if self._prefill_chunk(job):
+            self._prefill_jobs.popleft()
+            self._prefill_done(job)
+        return True
+
+    def _prefill_loop(self) -> None:
+        torch.set_grad_enabled(False)
+        while True:
+            job = self._prefill_in.get()
+            if job is None or self._stop.is_set():
+                return
+            try:
+                with torch.cuda.stream(self.prefill_stream) if self.cuda else _nullctx():
+                    while not self._prefill_chunk(job):
+                        pass
+                    if self.cuda:
+                        ev = torch.cuda.Event()
+                        ev.record(self.prefill_stream)
+                        job.event = ev
+            except Exception as e:
+                log.exception("prefill failed")
+                job.event = e
+            self._prefill_out.put(job)
+            self._wake.set()
+
+    def _prefill_chunk(self, job: PrefillJob) -> bool:
+        """Run one chunk of `job`; True when the job is complete (or abandoned)."""
+        seq, n = job.seq, self.cfg.prefill_chunk
+        if seq.state is SeqState.CLOSED or (job.turn is not None and job.turn.cancelled):
             return True
+        t0 = time.perf_counter()
+        chunk = job.cols[:, job.done: job.done + n]
+        if chunk.shape[1]:
+            self.runner.prefill(seq.slot, chunk, job.start + job.done)  # type: ignore[arg-type]
+            job.done += chunk.shape[1]
+            self.stats["prefill_cols"] += chunk.shape[1]
         dt = time.perf_counter() - t0
         self.stats["prefill_s"] += dt
         seq.prefill_s += dt
-        if done:
-            self._prefill_q.popleft()
-        return True
+        return job.done >= job.cols.shape[1]
 
-    def _prefill_chunk(self, seq: Sequence) -> bool:
-        n = self.cfg.prefill_chunk
-        if seq.state is SeqState.PREFILLING:
-            cols = seq.pending_cols
-            assert cols is not None and seq.slot is not None
-            chunk = cols[:, :n]
-            self.runner.prefill(seq.slot, chunk, seq.pos)
-            seq.pos += chunk.shape[1]
-            self.stats["prefill_cols"] += chunk.shape[1]
-            seq.pending_cols = cols[:, n:]
-            if seq.pending_cols.shape[1]:
-                return False
-            seq.pending_cols = None
+    def _apply_prefill_completions(self) -> bool:
+        did = False
+        while True:
+            try:
+                job = self._prefill_out.get_nowait()
+            except queue.Empty:
+                return did
+            did = True
+            if isinstance(job.event, Exception):
+                job.seq.sink.on_error(job.seq, f"prefill failed: {job.event}")
+                self._close(job.seq)
+                continue
+            if job.event is not None and self.decode_stream is not None:
+                self.decode_stream.wait_event(job.event)  # GPU-side ordering, no host wait
+            self._prefill_done(job)
+
+    def _prefill_done(self, job: PrefillJob) -> None:
+        seq = job.seq
+        if seq.state is SeqState.CLOSED:
+            return
+        if job.turn is None:  # the voice prompt
+            seq.pos = job.cols.shape[1]
             seq.state = SeqState.IDLE
             seq.sink.on_ready(seq, time.perf_counter() - seq.created_at)
-            if seq.turn is not None and seq.turn.finished is None:
-                self._queue_turn_prefill(seq)
-            return True
-        # a turn: prefill all columns but the last, which the first decode step feeds
-        turn = seq.turn
-        assert turn is not None and turn.cols is not None and seq.slot is not None
-        body = turn.cols.shape[1] - 1
-        chunk = turn.cols[:, turn.prefilled: min(body, turn.prefilled + n)]
-        if chunk.shape[1]:
-            self.runner.prefill(seq.slot, chunk, seq.pos)
-            seq.pos += chunk.shape[1]
-            turn.prefilled += chunk.shape[1]
-            self.stats["prefill_cols"] += chunk.shape[1]
-        if turn.prefilled < body:
-            return False
-        seq.next_col = turn.cols[:, -1].to(self.runner.device)
+            self._next_queued_turn(seq)
+            return
+        turn = job.turn
+        if turn.cancelled or seq.turn is not turn:
+            return  # cancelled while prefilling: already rolled back
+        seq.pos = job.start + job.cols.shape[1]
+        assert turn.cols is not None
+        last = turn.cols[:, -1]
         turn.cols = None
-        self.runner.sampling.begin_turn(seq.slot, self._turn_seed(seq))
         turn.ready_at = time.perf_counter()
         seq.state = SeqState.DECODING
-        self._audio.append((seq, turn))
-        return True
+        self._join(seq, last, turn)
+
+    def _join(self, seq: Sequence, last: Tensor, turn: Turn) -> None:
+        with torch.cuda.stream(self.decode_stream) if self.cuda else _nullctx():
+            self.runner.join(seq.slot, last, seq.pos, turn.max_frames,  # type: ignore[arg-type]
+                             self._turn_seed(seq))
+        self._owner[seq.slot] = seq  # type: ignore[index]
+        seq.decoding = turn
+        with self._audio_lock:
+            self._audio.append((seq, turn))
 
     def _turn_seed(self, seq: Sequence) -> int:
-        return (seq.seed * 1_000_003 + len(seq.history) * 7919 + 1) % (2**31)
+        seq.turns_started += 1
+        return (seq.seed * 1_000_003 + seq.turns_started * 7919) % (2**31)
 
-    # ---------------------------------------------------------------- decode
-    def _decode_once(self) -> bool:
-        batch = [s for s in self._live.values() if s.state is SeqState.DECODING]
-        if not batch:
-            return False
+    def _next_queued_turn(self, seq: Sequence) -> None:
+        if seq.queued_turn is not None and seq.state is SeqState.IDLE and not seq.draining:
+            seq.turn, seq.queued_turn = seq.queued_turn, None
+            self._queue_turn_prefill(seq)
+
+    # ================================================================ decode
+    @staticmethod
+    def _batch_buckets(n: int) -> list[int]:
+        out = [b for b in (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128) if b < n]
+        return [*out, n]
+
+    def _capture_graphs(self) -> None:
+        """One graph per (batch bucket, span bucket) of the whole `runner.step`."""
         t0 = time.perf_counter()
-        dev = self.runner.device
-        slots = torch.tensor([s.slot for s in batch], device=dev)
-        positions = torch.tensor([s.pos for s in batch], device=dev)
-        cols = torch.stack([s.next_col for s in batch])  # type: ignore[misc]
-        try:
-            frames = self._decode(slots, cols, positions, max(s.pos for s in batch) + 1)
-        except Exception as e:
-            log.exception("decode step failed for %d sequences", len(batch))
-            for s in batch:
-                self._finish_turn(s, FinishReason.ERROR, error=f"decode failed: {e}")
-            return True
-        host = frames.cpu()
-        self.stats["decode_s"] += time.perf_counter() - t0
-        self.stats["frames"] += len(batch)
+        r = self.runner
+        saved = (r.active.clone(), r.pos.clone())
+        r.active.zero_()  # capture with every row inactive: writes go to the scratch slot
+        self.graphs = {}
+        pool = None
+        s = torch.cuda.Stream(r.device)
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for span in self._spans:
+                r.step(1, span)  # warm every kernel configuration once
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        for span in reversed(self._spans):  # largest first: the pool is sized once
+            for b in reversed(self._batches):
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool):
+                    out = r.step(b, span)
+                pool = g.pool() if pool is None else pool
+                self.graphs[(b, span)] = (g, out)
+        torch.cuda.synchronize()
+        r.active.copy_(saved[0])
+        r.pos.copy_(saved[1])
+        self.capture_s = time.perf_counter() - t0
+        log.info("captured %d decode graphs (batches %s; spans %s) in %.1fs", len(self.graphs),
+                 self._batches, self._spans, self.capture_s)
+
+    def _launch(self) -> _Pending | None:
+        """Queue one decode step for every slot that may be active; copy its result to a
+        pinned buffer without waiting for it."""
+        if not self._owner:
+            return None
+        top = max(self._owner) + 1
+        B = self._batches[bisect.bisect_left(self._batches, top)]
+        # the device may be one step ahead of what the host has read: +2 covers it
+        need = max(s.pos for s in self._owner.values()) + 2
+        si = bisect.bisect_left(self._spans, need)
+        span = self._spans[min(si, len(self._spans) - 1)]
+        t0 = time.perf_counter()
+        with torch.cuda.stream(self.decode_stream) if self.cuda else _nullctx():
+            ev_start = None
+            if self.measure_gaps and self.cuda:
+                ev_start = torch.cuda.Event(enable_timing=True)
+                ev_start.record()
+            if self.graphs is not None:
+                g, out = self.graphs[(B, span)]
+                g.replay()
+            else:
+                out = self.runner.step(B, span)
+            buf = self._bufs[self._k % 2]
+            buf[:B].copy_(out, non_blocking=self.cuda)
+            ev = self._events[self._k % 2]
+            if ev is not None:
+                ev.record()
+            if ev_start is not None:
+                ev_end = torch.cuda.Event(enable_timing=True)
+                ev_end.record()
+                self.gaps.starts.append(ev_start)
+                self.gaps.ends.append(ev_end)
+        pend = _Pending(self._k, B, buf, ev, t0)
+        self._k += 1
+        self.stats["steps"] += 1
+        return pend
+
+    def _process(self, pend: _Pending) -> None:
+        """Read a finished step's result and hand its frames to the sequences."""
+        if pend.event is not None:
+            pend.event.synchronize()
+        out = pend.buf[: pend.B].clone()
+        self.stats["decode_s"] += time.perf_counter() - pend.t_launch
+        self._processed = pend.k
+        K1 = self.model_cfg.frame_rows
         im_end = self.model_cfg.ids.im_end
-        for i, s in enumerate(batch):
-            turn = s.turn
-            assert turn is not None
-            s.pos += 1
-            s.next_col = frames[i]
-            if int(host[i, 0]) == im_end:
-                self._finish_turn(s, FinishReason.EOS)
+        rows = out.tolist()
+        appended = False
+        for slot, seq in list(self._owner.items()):
+            if slot >= pend.B:
                 continue
-            turn.frames.append(host[i])
-            if len(turn.frames) >= turn.max_frames:
-                self._finish_turn(s, FinishReason.LENGTH)
-        return True
+            row = rows[slot]
+            if not row[K1]:  # was not active in that step
+                if not seq.draining and seq.state is not SeqState.DECODING:
+                    self._owner.pop(slot, None)
+                continue
+            seq.pos += 1
+            turn = seq.decoding
+            if turn is None:
+                continue
+            frame = torch.tensor(row[:K1])
+            turn.all_frames.append(frame)
+            if seq.draining or turn.finished is not None:
+                self.stats["wasted_rows"] += 1
+                continue
+            self.stats["frames"] += 1
+            if row[0] == im_end:
+                turn.all_frames.pop()
+                self._generation_ended(seq, turn, FinishReason.EOS)
+                continue
+            turn.frames.append(frame)
+            appended = True
+            if row[K1 + 1]:
+                self._generation_ended(seq, turn, FinishReason.LENGTH)
+        for seq in [s for s in self._owner.values() if s.draining]:
+            self._maybe_drained(seq)
+        if appended:
+            self._codec_wake.set()
 
-    # ---------------------------------------------------------------- endings
-    def _finish_turn(self, seq: Sequence, reason: FinishReason, *, error: str | None = None,
-                     rollback: bool = False, notify: bool = True) -> None:
-        turn = seq.turn
-        assert turn is not None
-        turn.finished = reason
-        seq.turn = None  # the sequence may take its next turn while this one's audio drains
-        if seq.state in (SeqState.DECODING, SeqState.TURN_PREFILL):
-            seq.state = SeqState.IDLE
-        if not rollback and turn.ready_at is not None:
-            # Frames fed back into the cache (all but the last) form the assistant turn.
-            n_fed = max(0, len(turn.frames) - 1) if reason is not FinishReason.EOS else len(turn.frames)
-            codes = (torch.stack(turn.frames[:n_fed], 1)[1:] if n_fed
-                     else torch.zeros(self.model_cfg.num_codebooks, 0, dtype=torch.long))
-            seq.history.append((turn.text, codes))
-            seq.closed_turn = False
-        if reason in (FinishReason.CANCELLED, FinishReason.ERROR):
-            # No audio of this turn after this point.
-            self._drop_audio(turn)
-            if notify:
-                self._emit_end(seq, turn, error)
-        # EOS / LENGTH: the codec tick flushes the remaining frames, then emits the end.
+    def _generation_ended(self, seq: Sequence, turn: Turn, reason: FinishReason) -> None:
+        """EOS / LENGTH: the GPU already stopped the slot; audio drains through the codec."""
+        turn.finished = reason  # read by the codec thread after the last frame was appended
+        self._owner.pop(seq.slot, None)  # type: ignore[arg-type]
+        self._record_history(seq, turn, reason)
+        seq.turn = None
+        seq.decoding = None
+        seq.state = SeqState.IDLE
+        self._next_queued_turn(seq)
 
+    def _maybe_drained(self, seq: Sequence) -> None:
+        if not seq.draining or self._processed < seq.leave_step - 1:
+            return
+        turn = seq.decoding
+        seq.draining = False
+        seq.decoding = None
+        self._owner.pop(seq.slot, None)  # type: ignore[arg-type]
+        seq.turn = None
+        if seq.state is SeqState.CLOSED:
+            self._release(seq)
+            self._assign_slots()
+            return
+        if turn is not None:
+            self._record_history(seq, turn, FinishReason.CANCELLED)
+        seq.state = SeqState.IDLE
+        self._next_queued_turn(seq)
+
+    def _record_history(self, seq: Sequence, turn: Turn, reason: FinishReason) -> None:
+        # Frames fed back into the cache form the assistant turn: all of them after an EOS
+        # (the <|im_end|> frame itself is not fed), all but the last otherwise.
+        frames = turn.all_frames
+        n_fed = len(frames) if reason is FinishReason.EOS else max(0, len(frames) - 1)
+        codes = (torch.stack(frames[:n_fed], 1)[1:] if n_fed
+                 else torch.zeros(self.model_cfg.num_codebooks, 0, dtype=torch.long))
+        seq.history.append((turn.text, codes))
+        seq.closed_turn = False
+
+    # ================================================================ endings
     def _fail_turn(self, seq: Sequence, turn: Turn, message: str) -> None:
-        now = time.perf_counter()
-        seq.sink.on_turn_end(seq, TurnResult(turn.turn_id, FinishReason.ERROR, 0, 0.0,
-                                             turn.submitted_at, None, None, now, error=message))
+        turn.finished = FinishReason.ERROR
+        self._end_turn(seq, turn, FinishReason.ERROR, error=message)
 
-    def _emit_end(self, seq: Sequence, turn: Turn, error: str | None = None) -> None:
+    def _end_turn(self, seq: Sequence, turn: Turn, reason: FinishReason, *, error: str | None = None,
+                  notify: bool = True) -> None:
+        """Report a turn's end now (cancel, error): no audio of it is emitted afterwards."""
+        with self._emit_lock:
+            turn.cancelled = True
+            turn.finished = reason
+            if notify and not turn.reported:
+                turn.reported = True
+                seq.sink.on_turn_end(seq, self._result(turn, reason, error))
+
+    def _result(self, turn: Turn, reason: FinishReason, error: str | None = None) -> TurnResult:
         frames = len(turn.frames)
         codes = torch.stack(turn.frames, 1)[1:] if frames else None
-        res = TurnResult(turn.turn_id, turn.finished or FinishReason.ERROR, frames,
-                         turn.samples_out / self.sample_rate, turn.submitted_at, turn.ready_at,
-                         turn.first_audio_at, time.perf_counter(), codes=codes, error=error)
-        seq.sink.on_turn_end(seq, res)
+        return TurnResult(turn.turn_id, reason, frames, turn.samples_out / self.sample_rate,
+                          turn.submitted_at, turn.ready_at, turn.first_audio_at,
+                          time.perf_counter(), codes=codes, error=error)
 
-    # ---------------------------------------------------------------- codec
-    def _drop_audio(self, turn: Turn) -> None:
-        self._audio = [(s, t) for s, t in self._audio if t is not turn]
-        if turn.codec_stream is not None:
-            self.decoder.close(turn.codec_stream)
-            turn.codec_stream = None
+    # ================================================================ decode thread
+    def _decode_loop(self) -> None:
+        torch.set_grad_enabled(False)
+        pending: _Pending | None = None
+        while not self._stop.is_set():
+            try:
+                did = self._drain_commands()
+                did |= self._apply_prefill_completions()
+                launched = self._launch() if self._owner else None
+                if pending is not None:
+                    self._process(pending)  # step N-1, while step N runs on the GPU
+                    did = True
+                pending = launched
+                if launched is not None:
+                    did = True
+            except Exception:
+                log.exception("decode loop iteration failed")
+                pending, did = None, False
+                self._fail_all_decoding("decode step failed (see server log)")
+            if not did:
+                self._wake.wait(timeout=0.02)
+                self._wake.clear()
+
+    def _fail_all_decoding(self, message: str) -> None:
+        for slot, seq in list(self._owner.items()):
+            self._owner.pop(slot, None)
+            turn = seq.decoding
+            if turn is not None and turn.finished is None:
+                self._end_turn(seq, turn, FinishReason.ERROR, error=message)
+            seq.decoding = seq.turn = None
+            seq.draining = False
+            seq.needs_rebuild = True
+            if seq.state is not SeqState.CLOSED:
+                seq.state = SeqState.IDLE
+            if seq.slot is not None:
+                self.runner.leave(seq.slot)
+
+    # ================================================================ codec
+    def _codec_loop(self) -> None:
+        torch.set_grad_enabled(False)
+        while not self._stop.is_set():
+            try:
+                with torch.cuda.stream(self.codec_stream) if self.cuda else _nullctx():
+                    did = self._codec_tick()
+            except Exception:
+                log.exception("codec tick failed")
+                did = False
+            if not did:
+                self._codec_wake.wait(timeout=0.01)
+                self._codec_wake.clear()
 
     def _codec_tick(self) -> bool:
         """Decode the pending frames of every turn that has a chunk's worth, in one batch."""
         work: dict[int, tuple[Sequence, Turn, Tensor]] = {}
-        for s, turn in list(self._audio):
+        ended: list[tuple[Sequence, Turn]] = []
+        with self._audio_lock:
+            audio = list(self._audio)
+        for s, turn in audio:
+            if turn.cancelled:
+                self._drop_audio(s, turn)
+                continue
+            finished = turn.finished is not None  # read before the frame count (see _process)
             pending = len(turn.frames) - turn.decoded_frames
-            ended = turn.finished is not None
-            if ended and pending == 0:
-                self._drop_audio(turn)
-                self._emit_end(s, turn)
+            if finished and pending == 0:
+                ended.append((s, turn))
                 continue
             need = self.cfg.first_chunk_frames if turn.decoded_frames == 0 else self.cfg.chunk_frames
-            if pending == 0 or (pending < need and not ended):
+            if pending == 0 or (pending < need and not finished):
                 continue
             if turn.codec_stream is None:
                 turn.codec_stream = self.decoder.open()
-            codes = torch.stack(turn.frames[turn.decoded_frames:], dim=1)[1:]  # [K, n]
+            codes = torch.stack(turn.frames[turn.decoded_frames: turn.decoded_frames + pending],
+                                dim=1)[1:]  # [K, n]
             work[turn.codec_stream] = (s, turn, codes)
+        for s, turn in ended:
+            self._finish_audio(s, turn)
         if not work:
-            return False
+            return bool(ended)
         t0 = time.perf_counter()
-        out = self.decoder.decode({sid: c for sid, (_, _, c) in work.items()})
+        out = self.decoder.decode({sid: c.to(self.runner.device, non_blocking=True)
+                                   for sid, (_, _, c) in work.items()})
+        host = {sid: pcm.detach().float().cpu().numpy() for sid, pcm in out.items()}
         self.stats["codec_s"] += time.perf_counter() - t0
-        now = time.perf_counter()
+        self.stats["codec_ticks"] += 1
         for sid, (s, turn, codes) in work.items():
-            pcm = out[sid]
-            pcm = pcm.detach().float().cpu().numpy() if isinstance(pcm, Tensor) else np.asarray(pcm)
-            offset = turn.samples_out / self.sample_rate
-            turn.decoded_frames += codes.shape[1]
-            turn.samples_out += len(pcm)
-            if turn.first_audio_at is None:
-                turn.first_audio_at = now
-            s.sink.on_audio(s, turn.turn_id, pcm, offset)
+            pcm: np.ndarray = host[sid]
+            with self._emit_lock:
+                if turn.cancelled:
+                    continue
+                offset = turn.samples_out / self.sample_rate
+                turn.decoded_frames += codes.shape[1]
+                turn.samples_out += len(pcm)
+                if turn.first_audio_at is None:
+                    turn.first_audio_at = time.perf_counter()
+                s.sink.on_audio(s, turn.turn_id, pcm, offset)
             if turn.finished is not None and turn.decoded_frames == len(turn.frames):
-                self._drop_audio(turn)
-                self._emit_end(s, turn)
+                self._finish_audio(s, turn)
         return True
+
+    def _drop_audio(self, seq: Sequence, turn: Turn) -> None:
+        with self._audio_lock:
+            self._audio = [(s, t) for s, t in self._audio if t is not turn]
+        if turn.codec_stream is not None:
+            self.decoder.close(turn.codec_stream)
+            turn.codec_stream = None
+
+    def _finish_audio(self, seq: Sequence, turn: Turn) -> None:
+        self._drop_audio(seq, turn)
+        with self._emit_lock:
+            if not turn.reported and not turn.cancelled:
+                turn.reported = True
+                seq.sink.on_turn_end(seq, self._result(turn, turn.finished or FinishReason.ERROR))
+
+    # ================================================================ measurements
+    def gpu_idle_gaps_ms(self) -> list[float]:
+        """Idle time between consecutive measured steps (needs `measure_gaps = True`)."""
+        torch.cuda.synchronize()
+        gaps = [self.gaps.ends[i].elapsed_time(self.gaps.starts[i + 1])
+                for i in range(len(self.gaps.starts) - 1)]
+        self.gaps = _Gaps()
+        return gaps
+
+
+class _nullctx:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *a: object) -> None:
+        return None
+
+
+def build_engine(bundle, config: EngineConfig | None = None) -> Engine:  # type: ignore[no-untyped-def]
+    """An engine over a loaded bundle (engine.loader.Bundle)."""
+    cfg = config or EngineConfig()
+    runner = ModelRunner(bundle.model, n_slots=cfg.max_running, max_len=cfg.max_len)
+    return Engine(runner, bundle.tokenizer, bundle.codec, cfg)
 
 
 class CollectingSink:

@@ -115,10 +115,8 @@ def gqa_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tenso
 
     Each kv head serves n_head/n_kv consecutive query heads (repeat_interleave).
     """
-    rep = q.shape[1] // k.shape[1]
-    if rep > 1:
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                          enable_gqa=q.shape[1] != k.shape[1])
 
 
 def explicit_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:

@@ -83,7 +83,9 @@ class Turn:
     prefilled: int = 0
     ready_at: float | None = None
     first_audio_at: float | None = None
-    frames: list[Tensor] = field(default_factory=list)  # each [1+K] (host)
+    frames: list[Tensor] = field(default_factory=list)  # audible frames, each [1+K] (host)
+    all_frames: list[Tensor] = field(default_factory=list)  # every frame generated (history)
+    reported: bool = False  # on_turn_end was called
     decoded_frames: int = 0  # frames handed to the codec
     samples_out: int = 0
     codec_stream: int | None = None
@@ -106,7 +108,12 @@ class Sequence:
     system_cols: Tensor | None = None
     pending_cols: Tensor | None = None  # voice prompt columns still to prefill
     history: list[tuple[str, Tensor]] = field(default_factory=list)  # (text, codes fed) per turn
-    turn: Turn | None = None
+    turn: Turn | None = None  # the turn in prefill or on the device
+    queued_turn: Turn | None = None  # waits for the voice prompt or a cancelled turn's drain
+    decoding: Turn | None = None  # the turn whose frames the device produces
+    draining: bool = False  # left the device batch; steps already launched may still emit rows
+    leave_step: int = 0
+    turns_started: int = 0
     next_col: Tensor | None = None  # the column the next decode step feeds [1+K]
     turn_start_pos: int = 0  # cache position where the running turn's prompt began
     closed_turn: bool = True

@@ -1,12 +1,14 @@
-"""The model runner: owns the weights, the KV cache and the per-slot sampling state, and runs
-the two kinds of work the engine schedules.
+"""The model runner: owns the weights, the KV cache and all per-slot decode state on the
+device, and runs the two kinds of work the engine schedules.
 
 - `prefill(slot, cols, start)`: write a chunk of prompt columns into a slot's cache.
-- `decode(slots, cols, positions)`: one audio frame for every row of the batch: slow AR on the
-  previous column, main-token sampling (semantic slice + <|im_end|>), then the fast AR across
-  the codebooks. Returns frames `[B, 1+K]` = [token id, c0..c9] and stays on the device.
-The engine feeds each sequence's last prompt column through `decode`, so every frame,
-the first included, comes from the same code path.
+- `step(B, span)`: one audio frame for every slot row 0..B-1 ("dense" batch: row i is slot
+  i, so a slot's keys are read in place, never gathered). Rows whose slot is not active
+  compute garbage that is discarded on the device, and write into the scratch slot. The step
+  reads and updates only device state (the column to feed, position, frame budget, the
+  active flag, the sampler's window), so consecutive steps need no host round trip: it can
+  be captured as one CUDA graph and run back to back. The host learns what happened from
+  the returned `[B, 1+K+2]` tensor (frame, was-active, stopped), whenever it gets to it.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .cache import DecodeAttend, FastKV, PrefillAttend, SlowKVCache
+from .cache import DenseDecodeAttend, FastKV, PrefillAttend, SlowKVCache
 from .config import ModelConfig
 from .model import DualAR
 from .sampler import SamplingParams, SlotSampling
@@ -27,22 +29,54 @@ class ModelRunner:
         self.cfg: ModelConfig = model.cfg
         self.device = model.embeddings.weight.device
         self.dtype = dtype or model.embeddings.weight.dtype
+        self.n_slots = n_slots
         self.cache = SlowKVCache(self.cfg.slow, n_slots, max_len, device=self.device,
                                  dtype=self.dtype)
-        self.sampling = SlotSampling(n_slots + 1, self.device)
-        self.fast_kv = FastKV(self.cfg, n_slots + 1, device=self.device, dtype=self.dtype)
+        S, d = n_slots + 1, self.device  # + the scratch row
+        self.sampling = SlotSampling(S, d)
+        self.fast_kv = FastKV(self.cfg, S, device=d, dtype=self.dtype)
         self.n_semantic = self.cfg.ids.n_semantic
+        # Per-slot decode state, device-resident.
+        self.next_col = torch.zeros(S, self.cfg.frame_rows, dtype=torch.long, device=d)
+        self.pos = torch.zeros(S, dtype=torch.long, device=d)
+        self.frames_left = torch.zeros(S, dtype=torch.long, device=d)
+        self.active = torch.zeros(S, dtype=torch.bool, device=d)
+        self.row_ids = torch.arange(S, device=d)
+        self._pinned = self.device.type == "cuda"
 
-    # ------------------------------------------------------------------ bookkeeping
+    @property
+    def out_width(self) -> int:
+        return self.cfg.frame_rows + 2
+
+    # ------------------------------------------------------------------ host -> device
     def assign(self, slot: int, params: SamplingParams, seed: int) -> None:
         self.sampling.assign(slot, params, seed)
+
+    def _h2d(self, values: list[int], dtype: torch.dtype = torch.long) -> Tensor:
+        t = torch.tensor(values, dtype=dtype)
+        if self._pinned:  # async copy from pinned staging: no host sync
+            t = t.pin_memory()
+        return t.to(self.device, non_blocking=True)
+
+    def join(self, slot: int, col: Tensor, pos: int, max_frames: int, seed: int) -> None:
+        """Make `slot` decode from the next step on: feed `col` [1+K] at `pos`."""
+        vals = self._h2d([pos, max_frames, seed, *col.tolist()])
+        self.pos[slot] = vals[0]
+        self.frames_left[slot] = vals[1]
+        self.sampling.begin_turn_dev(slot, vals[2])
+        self.next_col[slot] = vals[3:]
+        self.active[slot] = True
+
+    def leave(self, slot: int) -> None:
+        """Stop decoding `slot` from the next step on (cancel)."""
+        self.active[slot] = False
 
     # ------------------------------------------------------------------ prefill
     @torch.inference_mode()
     def prefill(self, slot: int, cols: Tensor, start: int) -> Tensor:
         """cols: [1+K, T] prompt columns placed at positions start..start+T-1.
         Returns the final-normed hidden state of the last column [D]."""
-        cols = cols.to(self.device)
+        cols = cols.to(self.device, non_blocking=True)
         T = cols.shape[1]
         attend = PrefillAttend(self.cache, slot, start, T)
         positions = torch.arange(start, start + T, device=self.device)[None]
@@ -51,28 +85,44 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ decode
     @torch.inference_mode()
-    def decode(self, slots: Tensor, cols: Tensor, positions: Tensor, span: int) -> Tensor:
-        """slots [B] int64, cols [B, 1+K] (the column each row feeds), positions [B].
-        `span` bounds max(positions)+1. Returns frames [B, 1+K] int64 on the device."""
-        attend = DecodeAttend(self.cache, slots, positions, span)
-        h = self.model.forward_slow(cols[:, :, None], positions[:, None], attend)[:, 0]  # [B, D]
-        return self.frame_from_hidden(slots, h)
+    def step(self, B: int, span: int) -> Tensor:
+        """One frame for slot rows 0..B-1; `span` bounds max(pos)+1 of the active rows.
+        Returns out [B, 1+K+2] int64: frame [t, c0..c9], was_active, stopped."""
+        was = self.active[:B].clone()
+        cols, pos = self.next_col[:B], self.pos[:B]
+        # inactive rows write into the scratch slot, so a slot being prefilled is never touched
+        wslots = torch.where(was, self.row_ids[:B], self.n_slots)
+        frames = self.decode(cols, torch.where(was, pos, 0), wslots, span)
+        self.next_col[:B] = torch.where(was[:, None], frames, cols)
+        self.pos[:B] += was
+        self.frames_left[:B] -= was.long()
+        stop = was & ((frames[:, 0] == self.cfg.ids.im_end) | (self.frames_left[:B] <= 0))
+        self.active[:B] = was & ~stop
+        return torch.cat([frames, was[:, None].long(), stop[:, None].long()], dim=1)
 
-    def frame_from_hidden(self, slots: Tensor, h: Tensor) -> Tensor:
-        """Sample one frame from slow hidden states h [B, D]."""
+    def decode(self, cols: Tensor, positions: Tensor, wslots: Tensor, span: int) -> Tensor:
+        """Rows 0..B-1 (= slots) feed cols [B, 1+K] at positions [B] -> frames [B, 1+K]."""
+        B = cols.shape[0]
+        attend = DenseDecodeAttend(self.cache, B, wslots, positions, span)
+        h = self.model.forward_slow(cols[:, :, None], positions[:, None], attend)[:, 0]  # [B, D]
+        return self.frame_from_hidden(h)
+
+    def frame_from_hidden(self, h: Tensor) -> Tensor:
+        """Sample one frame for rows 0..B-1 from slow hidden states h [B, D]."""
         m, ids = self.model, self.cfg.ids
-        idx = self.sampling.sample_main(slots, m.semantic_logits(h), self.n_semantic)
+        B = h.shape[0]
+        rows = slice(0, B)
+        idx = self.sampling.sample_main(rows, m.semantic_logits(h), self.n_semantic)
         token = torch.where(idx < self.n_semantic, idx + ids.semantic_start,
                             torch.full_like(idx, ids.im_end))
         # c0 is the semantic index (0 for <|im_end|>, as the reference clamps it).
         code = torch.where(idx < self.n_semantic, idx, torch.zeros_like(idx))
-        B = h.shape[0]
         fkv = self.fast_kv
         m.forward_fast(h[:, None], 0, fkv.at(0, B))  # position 0: the slow hidden state; output unused
         codes = [code]
         for j in range(1, self.cfg.num_codebooks):
             logits = m.forward_fast(m.fast_embeddings(code)[:, None], j, fkv.at(j, B))
-            code = self.sampling.sample_fast(slots, logits, j)
+            code = self.sampling.sample_fast(rows, logits, j)
             codes.append(code)
-        self.sampling.advance(slots)
+        self.sampling.advance(rows)
         return torch.stack([token, *codes], dim=1)

@@ -121,13 +121,19 @@ class SlotSampling:
         self.step[slot] = 0
         self.window[slot] = -1
 
+    def begin_turn_dev(self, slot: int, seed: Tensor) -> None:
+        """begin_turn with the seed already on the device (no host sync)."""
+        self.seed[slot] = seed
+        self.step[slot] = 0
+        self.window[slot] = -1
+
     def begin_turn(self, slot: int, seed: int) -> None:
         """A new generation on this slot: fresh noise stream, empty RAS window."""
         self.seed[slot] = seed
         self.step[slot] = 0
         self.window[slot] = -1
 
-    def sample_main(self, slots: Tensor, logits: Tensor, n_semantic: int) -> Tensor:
+    def sample_main(self, slots: Tensor | slice, logits: Tensor, n_semantic: int) -> Tensor:
         """Main-token choice with repetition-aware sampling. logits [B, n_semantic+1] -> idx [B]
         (index n_semantic means <|im_end|>). Updates the window and step of `slots`."""
         seed, step = self.seed[slots], self.step[slots]
@@ -152,11 +158,11 @@ class SlotSampling:
         self.window[slots] = torch.where(push[:, None], shifted, win)
         return chosen
 
-    def sample_fast(self, slots: Tensor, logits: Tensor, codebook: int) -> Tensor:
+    def sample_fast(self, slots: Tensor | slice, logits: Tensor, codebook: int) -> Tensor:
         """A residual codebook: logits [B, 4096] -> codes [B] (no bias, no RAS)."""
         return sample(logits, self.temperature[slots], self.top_p[slots], self.top_k[slots],
                       exponential_noise(self.seed[slots], self.step[slots], STREAM_FAST + codebook,
                                         logits.shape[-1]))
 
-    def advance(self, slots: Tensor) -> None:
+    def advance(self, slots: Tensor | slice) -> None:
         self.step[slots] += 1

@@ -107,15 +107,15 @@ def model_checks(root: Path, device: str = "cpu") -> Iterator[Check]:
                 if new.shape[1] > 1:
                     runner.prefill(slot, new[:, :-1], pos)
                 pos, col = T - 1, new[:, -1][None]
-                runner.sampling.begin_turn(slot, 0)
+                # The frame loop the engine runs: device-resident state, one dense step per frame.
+                runner.join(slot, col[0], pos, n_new, 0)
                 rec = _Recorder(model)
                 frames = []
                 try:
                     for _ in range(n_new):
-                        f = runner.decode(torch.tensor([slot], device=device), col.to(device),
-                                          torch.tensor([pos], device=device), pos + 1)
-                        frames.append(f[0].cpu())
-                        col, pos = f, pos + 1
+                        out = runner.step(slot + 1, pos + 1)
+                        frames.append(out[slot, : cfg.frame_rows].cpu())
+                        pos += 1
                 finally:
                     rec.restore()
                 got = torch.stack(frames, 1)

@@ -8,13 +8,11 @@ import time
 from pathlib import Path
 
 import numpy as np
-import soundfile as sf
 import torch
 
-from engine.engine import CollectingSink, Engine, EngineConfig
+from engine.engine import CollectingSink, Engine, EngineConfig, build_engine
 from engine.loader import Bundle, load_bundle
 from engine.prompt import Reference
-from engine.runner import ModelRunner
 from engine.sampler import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -34,15 +32,15 @@ def encode_reference(bundle: Bundle, audio: np.ndarray, sample_rate: int, text: 
 
 
 def make_engine(bundle: Bundle, config: EngineConfig | None = None) -> Engine:
-    cfg = config or EngineConfig()
-    runner = ModelRunner(bundle.model, n_slots=cfg.max_running, max_len=cfg.max_len)
-    return Engine(runner, bundle.tokenizer, bundle.codec, cfg)
+    return build_engine(bundle, config)
 
 
 def synthesize(text: str, out: Path, *, model: str = "tiny", device: str = "cpu",
                reference: Path | None = None, reference_text: str | None = None,
                seed: int = 0, max_frames: int = 600, temperature: float = 0.8, top_p: float = 0.8,
                top_k: int = 30) -> dict[str, float]:
+    import soundfile as sf
+
     bundle = load_bundle(model, device=device, seed=seed)
     refs: list[Reference] = []
     if reference is not None:

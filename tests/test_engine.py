@@ -164,3 +164,71 @@ def test_engine_thread(engine):
         assert sink.results[-1].frames == 5 or sink.results[-1].reason is FinishReason.EOS
     finally:
         engine.shutdown()
+
+
+def test_pingpong_threads_match_sync(tiny_bundle):
+    """The threaded pingpong loop (decode thread reads step N-1 while step N runs) produces
+    the same frames as the synchronous loop, with several sequences joining and a cancel."""
+    texts = ["One two three.", "Four five.", "Six seven eight nine."]
+
+    def run(pingpong):
+        eng = make_engine(tiny_bundle, EngineConfig(max_running=4, max_len=512,
+                                                    pingpong=pingpong))
+        sinks = [CollectingSink() for _ in texts]
+        seqs = [eng.open([], SamplingParams(seed=i), s) for i, s in enumerate(sinks)]
+        if pingpong:
+            eng.start()
+        for seq, t in zip(seqs, texts):
+            eng.submit(seq, t, turn_id="a", max_frames=12)
+        if pingpong:
+            for s in sinks:
+                assert s.done.wait(60)
+            for s in sinks:
+                s.done.clear()
+        else:
+            eng.run_until_idle()
+        for i, seq in enumerate(seqs):  # a second turn continues each conversation
+            eng.submit(seq, "And again.", turn_id="b", max_frames=6)
+        if pingpong:
+            for s in sinks:
+                assert s.done.wait(60)
+            eng.shutdown()
+        else:
+            eng.run_until_idle()
+        return [[r.codes for r in s.results] for s in sinks], eng
+
+    sync, _ = run(False)
+    threaded, eng = run(True)
+    for a, b in zip(sync, threaded):
+        assert len(a) == len(b) == 2
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)
+    assert eng.stats["wasted_rows"] >= 0
+
+
+def test_pingpong_cancel_drains(tiny_bundle):
+    eng = make_engine(tiny_bundle, EngineConfig(max_running=2, max_len=512, pingpong=True))
+    sink = CollectingSink()
+    seq = eng.open([], SamplingParams(seed=4), sink)
+    eng.start()
+    try:
+        eng.submit(seq, "A long turn to cancel.", turn_id="x", max_frames=300)
+        import time
+
+        deadline = time.time() + 30
+        while len(sink.audio) < 2 and time.time() < deadline:
+            time.sleep(0.01)
+        eng.cancel(seq)
+        assert sink.done.wait(30)
+        n = len(sink.audio)
+        assert sink.results[-1].reason is FinishReason.CANCELLED
+        sink.done.clear()
+        eng.submit(seq, "Next.", turn_id="y", max_frames=5)  # queued until the drain
+        assert sink.done.wait(30)
+        res = sink.results[-1]
+        assert res.turn_id == "y" and res.frames == 5
+        # audio after the cancel belongs to turn y only
+        assert sum(len(a) for a in sink.audio[n:]) == 5 * 2048
+        assert len(seq.history) == 2
+    finally:
+        eng.shutdown()

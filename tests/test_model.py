@@ -129,26 +129,24 @@ def _prompts(fixture_dir):
 
 
 def test_batched_decode_matches_reference_per_sequence(fixture_dir, fixture_model):
-    """Sequences with different prompt lengths, decoded together, give each one's frames."""
+    """Sequences with different prompt lengths, decoded together (dense rows = slots, device
+    state only), give each one's reference frames; a finished row stops on the device."""
     runner = ModelRunner(fixture_model, n_slots=4, max_len=512)
     prompts = _prompts(fixture_dir)
-    slots, cols, pos = [], [], []
-    for p, _ in prompts:
+    budgets = [25, 25, 10, 25]
+    for (p, _), n in zip(prompts, budgets):
         s = runner.cache.alloc()
         runner.assign(s, SamplingParams.greedy(), 0)
         runner.prefill(s, p[:, :-1], 0)
-        slots.append(s)
-        cols.append(p[:, -1])
-        pos.append(p.shape[1] - 1)
-    slots_t, cols_t, pos_t = torch.tensor(slots), torch.stack(cols), torch.tensor(pos)
-    out = []
-    for _ in range(25):
-        f = runner.decode(slots_t, cols_t, pos_t, int(pos_t.max()) + 1)
-        out.append(f)
-        cols_t, pos_t = f, pos_t + 1
-    got = torch.stack(out, dim=2)  # [B, 11, 25]
+        runner.join(s, p[:, -1], p.shape[1] - 1, n, 0)
+    outs = [runner.step(4, 200) for _ in range(25)]
+    got = torch.stack(outs, dim=2)  # [B, 11+2, 25]
     for b, (_, want) in enumerate(prompts):
-        assert torch.equal(got[b], want), CASES[b]
+        n = budgets[b]
+        assert torch.equal(got[b, :11, :n], want[:, :n]), CASES[b]
+        assert got[b, 11, :n].all() and not got[b, 11, n:].any()  # was_active
+        assert got[b, 12, n - 1] == 1  # stopped on its budget
+    assert int(runner.pos[2]) == prompts[2][0].shape[1] - 1 + 10
 
 
 def test_ras_condition_matches_reference_frames(fixture_dir, fixture_model):
@@ -162,10 +160,10 @@ def test_ras_condition_matches_reference_frames(fixture_dir, fixture_model):
         s = runner.cache.alloc()
         runner.assign(s, SamplingParams.greedy(), 0)
         runner.prefill(s, p[:, :-1], 0)
-        col, pos, flagged = p[:, -1][None], p.shape[1] - 1, []
+        runner.join(s, p[:, -1], p.shape[1] - 1, 25, 0)
+        flagged = []
         for n in range(25):
-            col = runner.decode(torch.tensor([s]), col, torch.tensor([pos]), pos + 1)
-            pos += 1
+            runner.step(1, 200)
             if bool(runner.sampling.last_ras_condition[0]):
                 flagged.append(n)
         runner.cache.release(s)

@@ -13,12 +13,13 @@ from .config import (
     WindowTransformerConfig,
 )
 from .model import Codec
-from .reference_checks import OFFLINE_ATOL, codec_checks
+from .reference_checks import ENCODER_ATOL, OFFLINE_ATOL, codec_checks
 from .resample import resample_to_codec_rate
 from .streaming import STREAM_ATOL, StreamingDecoder
 from .weights import dummy_codec, fold_weight_norm, load_codec, read_checkpoint
 
 __all__ = [
+    "ENCODER_ATOL",
     "OFFLINE_ATOL",
     "STREAM_ATOL",
     "Codec",

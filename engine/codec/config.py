@@ -98,7 +98,9 @@ class TransformerGeneralConfig:
         _require_positive_float(o, "rope_base", self.rope_base)
         _require_positive_float(o, "norm_eps", self.norm_eps)
         if self.pos_embed_type != "rope":
-            raise ValueError(f"{o}.pos_embed_type: only 'rope' is supported, got {self.pos_embed_type!r}")
+            raise ValueError(
+                f"{o}.pos_embed_type: only 'rope' is supported, got {self.pos_embed_type!r}"
+            )
         if self.channels_first is not True:
             raise ValueError(f"{o}.channels_first must be true (the codec feeds [B, C, T])")
 
@@ -106,7 +108,9 @@ class TransformerGeneralConfig:
     def from_dict(cls, data: dict[str, Any]) -> TransformerGeneralConfig:
         return cls(**_strip("transformer_general_config", data, cls))
 
-    def build(self, n_layer: int, n_head: int, dim: int, intermediate_size: int) -> TransformerConfig:
+    def build(
+        self, n_layer: int, n_head: int, dim: int, intermediate_size: int
+    ) -> TransformerConfig:
         return TransformerConfig(
             block_size=self.block_size,
             n_layer=n_layer,
@@ -169,7 +173,9 @@ class TransformerConfig:
         _require_positive_float(o, "rope_base", self.rope_base)
         _require_positive_float(o, "norm_eps", self.norm_eps)
         if self.pos_embed_type != "rope":
-            raise ValueError(f"{o}.pos_embed_type: only 'rope' is supported, got {self.pos_embed_type!r}")
+            raise ValueError(
+                f"{o}.pos_embed_type: only 'rope' is supported, got {self.pos_embed_type!r}"
+            )
         if self.channels_first is not True:
             raise ValueError(f"{o}.channels_first must be true (the codec feeds [B, C, T])")
 

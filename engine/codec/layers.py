@@ -68,8 +68,8 @@ class StreamContext:
 
     ``lengths``: [B] int64 new code frames per stream (all >= 1); the batch is right-padded to
     ``n_max`` frames. ``positions``: [B] int64 frames each stream had decoded before this call
-    (absolute RoPE positions start there). ``max_position``: host-side max of
-    ``positions + lengths`` (so RoPE tables can be sized without a device sync).
+    (absolute RoPE positions start there). ``max_position``: host-side max of ``positions``
+    (so RoPE tables can be sized without a device sync).
     """
 
     def __init__(
@@ -117,7 +117,8 @@ class StreamContext:
 
 
 def stream_sequential(seq: nn.Module, x: Tensor, ctx: StreamContext) -> Tensor:
-    """Run an ``nn.Sequential`` in streaming mode: stateful children continue from state."""
+    """Run an ``nn.Sequential`` (or a single module) in streaming mode: children with a
+    ``stream`` method continue from saved state, the others are pointwise and run as is."""
     for m in seq.children() if isinstance(seq, nn.Sequential) else (seq,):
         x = m.stream(x, ctx) if hasattr(m, "stream") else m(x)
     return x
@@ -388,7 +389,9 @@ class Attention(Stateful, nn.Module):
     def _out(self, y: Tensor) -> Tensor:
         # y: [B, H, T, hd] -> [B, T, D]
         bsz, _, seqlen, _ = y.shape
-        return self.wo(y.transpose(1, 2).contiguous().view(bsz, seqlen, self.n_head * self.head_dim))
+        return self.wo(
+            y.transpose(1, 2).contiguous().view(bsz, seqlen, self.n_head * self.head_dim)
+        )
 
     def forward(self, x: Tensor, rope: Tensor, mask: Tensor) -> Tensor:
         # x: [B, T, D], rope: [1, T, 1, hd/2, 2], mask: [1, 1, T, T] bool (True = attend)
@@ -415,8 +418,9 @@ class Attention(Stateful, nn.Module):
 class TransformerBlock(nn.Module):
     """Pre-norm block with LayerScale on both residual branches."""
 
-    def __init__(self, dim: int, n_head: int, head_dim: int, hidden: int, eps: float,
-                 window: int | None) -> None:
+    def __init__(
+        self, dim: int, n_head: int, head_dim: int, hidden: int, eps: float, window: int | None
+    ) -> None:
         super().__init__()
         self.attention = Attention(dim, n_head, head_dim, window)
         self.feed_forward = FeedForward(dim, hidden)
@@ -448,25 +452,38 @@ class WindowLimitedTransformer(nn.Module):
         self.head_dim = c.head_dim
         self.rope_base = float(c.rope_base)
         self.layers = nn.ModuleList(
-            TransformerBlock(c.dim, c.n_head, c.head_dim, c.intermediate_size, c.norm_eps,
-                             cfg.window_size)
+            TransformerBlock(
+                c.dim, c.n_head, c.head_dim, c.intermediate_size, c.norm_eps, cfg.window_size
+            )
             for _ in range(c.n_layer)
         )
         self.norm = RMSNorm(c.dim, c.norm_eps)
-        self.input_proj = nn.Linear(cfg.input_dim, c.dim) if cfg.input_dim != c.dim else nn.Identity()
+        self.input_proj = (
+            nn.Linear(cfg.input_dim, c.dim) if cfg.input_dim != c.dim else nn.Identity()
+        )
         self.output_proj = (
             nn.Linear(c.dim, cfg.input_dim) if cfg.input_dim != c.dim else nn.Identity()
         )
-        # Table for the configured block size; grown on demand (same formula per position, so
-        # a longer table has identical leading rows). Not part of the checkpoint.
-        self.register_buffer("rope", rope_table(c.block_size, c.head_dim, self.rope_base),
-                             persistent=False)
+        # RoPE table for the configured block size, built on first use and grown on demand
+        # (same formula per position, so a longer table has identical leading rows). Kept out of
+        # the state dict and out of .to(dtype): it must stay float32 holding bf16 values.
+        self.block_size = c.block_size
+        self._rope_cpu: Tensor | None = None
+        self._rope_dev: Tensor | None = None
 
-    def _rope_rows(self, n_positions: int) -> Tensor:
-        if n_positions > self.rope.shape[0]:
-            size = max(n_positions, 2 * self.rope.shape[0])
-            self.rope = rope_table(size, self.head_dim, self.rope_base).to(self.rope)
-        return self.rope
+    def rope_rows(self, n_positions: int, device: torch.device) -> Tensor:
+        """The RoPE table ([>= n_positions, hd/2, 2], float32) on ``device``."""
+        if self._rope_cpu is None or n_positions > self._rope_cpu.shape[0]:
+            size = max(
+                n_positions,
+                self.block_size,
+                2 * (0 if self._rope_cpu is None else self._rope_cpu.shape[0]),
+            )
+            self._rope_cpu = rope_table(size, self.head_dim, self.rope_base)
+            self._rope_dev = None
+        if self._rope_dev is None or self._rope_dev.device != device:
+            self._rope_dev = self._rope_cpu.to(device)
+        return self._rope_dev
 
     def window_mask(self, length: int, device: torch.device) -> Tensor:
         # [1, 1, T, T] bool: key j visible from query i iff i-window < j <= i
@@ -481,7 +498,7 @@ class WindowLimitedTransformer(nn.Module):
         # x: [B, C, T] -> [B, C, T]
         x = self.input_proj(x.transpose(1, 2))  # [B, T, D]
         length = x.shape[1]
-        rope = self._rope_rows(length)[:length].to(x.device)[None, :, None]  # [1, T, 1, hd/2, 2]
+        rope = self.rope_rows(length, x.device)[:length][None, :, None]  # [1, T, 1, hd/2, 2]
         mask = self.window_mask(length, x.device)
         for layer in self.layers:
             x = layer(x, rope, mask)
@@ -496,7 +513,7 @@ class WindowLimitedTransformer(nn.Module):
         n = x.shape[1]
         keep = self.window_size - 1
         dev = x.device
-        table = self._rope_rows(ctx.max_position + ctx.n_max)
+        table = self.rope_rows(ctx.max_position + ctx.n_max, dev)
         pos = ctx.positions[:, None] + torch.arange(n, device=dev)  # [B, n] absolute frames
         rope = table[pos][:, :, None]  # [B, n, 1, hd/2, 2]
         # Absolute positions of the keys: the cached window, then the new frames.
@@ -511,4 +528,3 @@ class WindowLimitedTransformer(nn.Module):
             x = layer.stream(x, rope, mask, ctx)
         x = self.output_proj(self.norm(x))
         return x.transpose(1, 2)
-

@@ -165,8 +165,11 @@ class Codec(nn.Module):
         return self.decoder.model[0].conv.weight.dtype
 
     # -- checks ----------------------------------------------------------------------------------
-    def check_codes(self, codes: Tensor, what: str = "codes", ndim: int = 3) -> None:
-        """Raise naming the problem unless ``codes`` is an integer tensor [(B,) 10, T] >= 0."""
+    def check_codes(
+        self, codes: Tensor, what: str = "codes", ndim: int = 3, values: bool = True
+    ) -> None:
+        """Raise naming the problem unless ``codes`` is an integer tensor [(B,) 10, T] (and,
+        with ``values``, >= 0; that check reads the values, a device sync on a GPU)."""
         if not isinstance(codes, Tensor):
             raise TypeError(f"{what} must be a torch.Tensor, got {type(codes).__name__}")
         if codes.dtype.is_floating_point or codes.dtype.is_complex or codes.dtype == torch.bool:
@@ -175,11 +178,11 @@ class Codec(nn.Module):
         if codes.dim() != ndim or codes.shape[ndim - 2] != n:
             want = f"[B, {n}, T]" if ndim == 3 else f"[{n}, T]"
             raise ValueError(f"{what} must have shape {want}, got {list(codes.shape)}")
-        if codes.numel() and bool((codes < 0).any()):
+        if values and codes.numel() and bool((codes < 0).any()):
             raise ValueError(f"{what} contain negative values (min {int(codes.min())})")
 
     # -- decode ----------------------------------------------------------------------------------
-    @torch.inference_mode()
+    @torch.no_grad()
     def decode(self, codes: Tensor) -> Tensor:
         """codes [B, 10, T] int -> audio [B, 1, T * 2048] in the model dtype.
 
@@ -207,7 +210,7 @@ class Codec(nn.Module):
         return out
 
     # -- encode ----------------------------------------------------------------------------------
-    @torch.inference_mode()
+    @torch.no_grad()
     def encode(self, audio: Tensor, lengths: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """audio [B, 1, N] (or [B, N]) at 44.1 kHz -> (codes [B, 10, F] int64, frames [B] int64),
         F = ceil(N / 2048). ``lengths`` [B] are the valid samples per item (default N); the
@@ -229,7 +232,9 @@ class Codec(nn.Module):
         if not isinstance(lengths, Tensor) or lengths.dtype.is_floating_point:
             raise TypeError("lengths must be an integer torch.Tensor [B]")
         if lengths.shape != (audio.shape[0],):
-            raise ValueError(f"lengths must have shape [{audio.shape[0]}], got {list(lengths.shape)}")
+            raise ValueError(
+                f"lengths must have shape [{audio.shape[0]}], got {list(lengths.shape)}"
+            )
         if bool((lengths < 0).any()) or bool((lengths > n).any()):
             raise ValueError(f"lengths must be within [0, {n}], got {lengths.tolist()}")
         frame = self.frame_length

@@ -48,7 +48,9 @@ class VectorQuantizer(nn.Module):
         # L2-normalised latent and L2-normalised codebook rows (the reference's formula).
         enc = F.normalize(z_e.transpose(1, 2).reshape(-1, z_e.shape[1]))  # [(B T), d]
         cb = F.normalize(self.codebook.weight)  # [N, d]
-        dist = enc.pow(2).sum(1, keepdim=True) - 2 * enc @ cb.t() + cb.pow(2).sum(1, keepdim=True).t()
+        dist = (
+            enc.pow(2).sum(1, keepdim=True) - 2 * enc @ cb.t() + cb.pow(2).sum(1, keepdim=True).t()
+        )
         return -dist
 
     def quantize(self, z: Tensor) -> tuple[Tensor, Tensor]:
@@ -61,7 +63,9 @@ class VectorQuantizer(nn.Module):
 
 
 class ResidualVQ(nn.Module):
-    def __init__(self, input_dim: int, n_codebooks: int, codebook_size: int, codebook_dim: int) -> None:
+    def __init__(
+        self, input_dim: int, n_codebooks: int, codebook_size: int, codebook_dim: int
+    ) -> None:
         super().__init__()
         self.codebook_size = codebook_size
         self.quantizers = nn.ModuleList(
@@ -122,10 +126,14 @@ class CodecQuantizer(nn.Module):
             ]
         )
         self.pre_module = (
-            WindowLimitedTransformer(cfg.pre_module) if cfg.pre_module is not None else nn.Identity()
+            WindowLimitedTransformer(cfg.pre_module)
+            if cfg.pre_module is not None
+            else nn.Identity()
         )
         self.post_module = (
-            WindowLimitedTransformer(cfg.post_module) if cfg.post_module is not None else nn.Identity()
+            WindowLimitedTransformer(cfg.post_module)
+            if cfg.post_module is not None
+            else nn.Identity()
         )
 
     @property

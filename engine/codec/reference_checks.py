@@ -20,12 +20,24 @@ from .model import Codec
 from .streaming import STREAM_ATOL, StreamingDecoder
 from .weights import load_codec
 
-__all__ = ["OFFLINE_ATOL", "STREAM_ATOL", "codec_checks", "default_fixture_dir", "deterministic"]
+__all__ = [
+    "ENCODER_ATOL",
+    "OFFLINE_ATOL",
+    "STREAM_ATOL",
+    "codec_checks",
+    "default_fixture_dir",
+    "deterministic",
+]
 
-# Offline decode/encode vs the reference, float32 on CPU. The implementation runs the same
-# torch ops in the same order as the reference, so the measured difference is 0 on the tiny
-# fixture; the tolerance leaves room for other CPUs/BLAS builds.
-OFFLINE_ATOL = 1e-5
+# Offline outputs vs the reference, float32 on CPU. The implementation runs the same torch ops
+# in the same order as the reference, but the fixture was made on a CPU whose kernels round
+# differently from this project's AVX-512 machine: with AVX2 kernels forced
+# (ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2) the encoder latent matches bit for bit.
+# Measured here: quantizer latent 8.9e-7, decode audio 5.0e-6, clamped 6.3e-6, round trip 8.1e-6
+# (audio and latents: OFFLINE_ATOL); encoder latent 2.2e-5 on values up to 5 after ~30 layers
+# (ENCODER_ATOL). Codes and frame counts must match exactly.
+OFFLINE_ATOL = 2e-5
+ENCODER_ATOL = 1e-4
 
 
 def default_fixture_dir() -> Path:
@@ -109,33 +121,57 @@ def codec_checks(
             codec = load_codec(fdir, device="cpu", dtype=torch.float32)
         with torch.inference_mode():
             codes = ref["decode.codes"]
-            yield _close("decode.quantizer_latent", codec.quantizer.decode(codes),
-                         ref["decode.quantizer_latent"], OFFLINE_ATOL)
+            yield _close(
+                "decode.quantizer_latent",
+                codec.quantizer.decode(codes),
+                ref["decode.quantizer_latent"],
+                OFFLINE_ATOL,
+            )
             yield _close("decode.audio", codec.decode(codes), ref["decode.audio"], OFFLINE_ATOL)
             clamp_in = ref["decode_clamp.codes"].clone()
-            name, ok, detail = _close("decode_clamp.audio", codec.decode(clamp_in),
-                                      ref["decode_clamp.audio"], OFFLINE_ATOL)
+            name, ok, detail = _close(
+                "decode_clamp.audio",
+                codec.decode(clamp_in),
+                ref["decode_clamp.audio"],
+                OFFLINE_ATOL,
+            )
             untouched = bool(torch.equal(clamp_in, ref["decode_clamp.codes"]))
-            yield name, ok and untouched, detail + ("" if untouched else "; input codes were modified")
+            yield (
+                name,
+                ok and untouched,
+                detail + ("" if untouched else "; input codes were modified"),
+            )
 
             audio = ref["encode.audio"][None, None]  # [1, 1, N]
             n = audio.shape[-1]
             frame = codec.frame_length
             padded = torch.nn.functional.pad(audio, (0, -(-n // frame) * frame - n))
-            yield _close("encode.encoder_latent", codec.encoder(padded),
-                         ref["encode.encoder_latent"], OFFLINE_ATOL)
+            yield _close(
+                "encode.encoder_latent",
+                codec.encoder(padded),
+                ref["encode.encoder_latent"],
+                ENCODER_ATOL,
+            )
             enc_codes, frames = codec.encode(audio, torch.tensor([n]))
             yield _exact("encode.codes", enc_codes, ref["encode.codes"])
             yield _exact("encode.feature_lengths", frames, ref["encode.feature_lengths"])
-            yield _close("encode.roundtrip_audio", codec.decode(enc_codes),
-                         ref["encode.roundtrip_audio"], OFFLINE_ATOL)
+            yield _close(
+                "encode.roundtrip_audio",
+                codec.decode(enc_codes),
+                ref["encode.roundtrip_audio"],
+                OFFLINE_ATOL,
+            )
 
         for case in ("decode", "decode_clamp"):
             c = ref[f"{case}.codes"][0]
             for size in chunk_sizes:
                 (got,) = stream_decode_all(codec, [c], [size])
-                yield _close(f"stream[chunk={size}].{case}.audio", got[None, None],
-                             ref[f"{case}.audio"], STREAM_ATOL)
+                yield _close(
+                    f"stream[chunk={size}].{case}.audio",
+                    got[None, None],
+                    ref[f"{case}.audio"],
+                    STREAM_ATOL,
+                )
         # both decode cases as two streams batched in the same calls, different chunk sizes
         sizes = (chunk_sizes[0], chunk_sizes[-1])
         got_a, got_b = stream_decode_all(

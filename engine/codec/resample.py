@@ -8,7 +8,6 @@ filter, and it is a small wheel already required by the service.
 from __future__ import annotations
 
 import numpy as np
-import soxr
 import torch
 
 __all__ = ["CODEC_SAMPLE_RATE", "resample_to_codec_rate"]
@@ -33,7 +32,7 @@ def resample_to_codec_rate(
     """Mono float32 audio at ``target_sr`` (44.1 kHz) from any rate.
 
     ``audio``: [N] mono, or [N, C] / [C, N] multi-channel (averaged to mono; the shorter axis is
-    taken as channels). Integer PCM is scaled to [-1, 1). Returns the same kind as given
+    taken as channels). Integer PCM is scaled to [-1, 1) (unsigned PCM is re-centred first). Returns the same kind as given
     (numpy array or CPU torch tensor), float32, shape [M] with M ~= N * target_sr / sr.
     """
     if isinstance(sr, bool) or not isinstance(sr, int | np.integer) or sr <= 0:
@@ -47,7 +46,12 @@ def resample_to_codec_rate(
     else:
         raise TypeError(f"audio must be a numpy array or torch tensor, got {type(audio).__name__}")
     if np.issubdtype(x.dtype, np.integer):
-        x = x.astype(np.float32) / float(-np.iinfo(x.dtype).min if np.iinfo(x.dtype).min < 0 else np.iinfo(x.dtype).max)
+        info = np.iinfo(x.dtype)
+        if info.min < 0:  # signed PCM: full scale is -min (e.g. 32768 for int16)
+            x = x.astype(np.float32) / float(-info.min)
+        else:  # unsigned PCM (e.g. 8-bit WAV) is offset by half scale
+            mid = (float(info.max) + 1.0) / 2.0
+            x = (x.astype(np.float32) - mid) / mid
     elif not np.issubdtype(x.dtype, np.floating):
         raise TypeError(f"audio must be float or integer PCM, got dtype {x.dtype}")
     x = _to_mono(np.asarray(x, dtype=np.float32))
@@ -56,6 +60,8 @@ def resample_to_codec_rate(
     if not np.isfinite(x).all():
         raise ValueError("audio contains NaN or infinite samples")
     if int(sr) != target_sr:
+        import soxr  # imported here so the codec package loads where soxr is absent (GPU boxes)
+
         x = soxr.resample(x, int(sr), target_sr, quality="HQ").astype(np.float32, copy=False)
     x = np.ascontiguousarray(x, dtype=np.float32)
     return torch.from_numpy(x) if as_tensor else x

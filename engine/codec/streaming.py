@@ -11,9 +11,8 @@ per stateful layer: conv tails, transposed-conv input history, attention K/V win
 
 Because every layer is causal and every saved tail is taken at the stream's own valid end,
 the concatenated output of any chunking equals the offline ``Codec.decode`` of the whole
-sequence up to float rounding; :data:`STREAM_ATOL` is the tolerance the tests and
-reference checks use (measured max in float32 on CPU: see the tests; rounding differs only
-because kernels sum in different orders for different lengths).
+sequence up to float rounding (kernels sum in different orders for different lengths);
+:data:`STREAM_ATOL` is the tolerance the tests and reference checks use.
 
 Not thread-safe: one caller (the engine's codec thread) drives a decoder.
 """
@@ -30,9 +29,12 @@ from .model import Codec
 
 __all__ = ["STREAM_ATOL", "StreamingDecoder"]
 
-# Max abs difference allowed between streamed and offline float32 audio (either against our
-# offline decode or the reference's). Observed on CPU float32: <= ~2e-6.
-STREAM_ATOL = 1e-5
+# Max abs difference allowed between streamed and offline float32 audio (against our offline
+# decode or the reference's). Measured on this project's 2-core AVX-512 CPU: <= 8.9e-6 over 30
+# random chunkings of the fixture codec, <= 8.1e-6 vs the reference audio. The decoder amplifies
+# rounding: a 1-ulp random perturbation of the latent alone moves the audio by 4e-6..7e-6, so
+# 1e-5 would be flaky; 2e-5 is still -94 dB below full scale.
+STREAM_ATOL = 2e-5
 
 
 class StreamingDecoder:
@@ -123,11 +125,13 @@ class StreamingDecoder:
         [n * 2048]} on the codec's device.
         """
         if not isinstance(chunks, Mapping):
-            raise TypeError(f"chunks must be a mapping {{stream id: codes [10, n]}}, got {type(chunks).__name__}")
+            raise TypeError(
+                f"chunks must be a mapping {{stream id: codes [10, n]}}, got {type(chunks).__name__}"
+            )
         items: list[tuple[int, int, Tensor]] = []
         for sid, codes in chunks.items():
             slot = self._slot(sid)
-            self.codec.check_codes(codes, f"codes for stream {sid}", ndim=2)
+            self.codec.check_codes(codes, f"codes for stream {sid}", ndim=2, values=False)
             items.append((sid, slot, codes))
         out: dict[int, Tensor] = {}
         active = [(sid, slot, c) for sid, slot, c in items if c.shape[-1] > 0]
@@ -144,6 +148,10 @@ class StreamingDecoder:
         batch = torch.zeros((len(active), n_cb, n_max), dtype=torch.long, device=self.device)
         for i, (_, _, c) in enumerate(active):
             batch[i, :, : c.shape[-1]] = c.to(self.device)
+        # one value check for the whole call (a single device sync), naming the stream on failure
+        if bool((batch < 0).any()):
+            bad = [sid for sid, _, c in active if bool((c < 0).any())]
+            raise ValueError(f"codes for stream {bad[0]} contain negative values")
         batch = self.codec.quantizer.clamp_codes(batch)
 
         slots = [slot for _, slot, _ in active]

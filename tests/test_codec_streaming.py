@@ -1,0 +1,223 @@
+"""Streaming decoder: any chunking equals the offline decode; batching; stream management; errors."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.codec import (
+    STREAM_ATOL,
+    Codec,
+    CodecConfig,
+    StreamingDecoder,
+    dummy_codec,
+    load_codec,
+)
+from engine.codec.reference_checks import deterministic
+
+
+def _fixture_dir() -> Path:
+    env = os.environ.get("RTVOICE_FIXTURES")
+    if env:
+        p = Path(env)
+        return p / "fish_s2_tiny" if (p / "fish_s2_tiny").is_dir() else p
+    return Path(__file__).resolve().parents[2] / "shared/fixtures/fish_s2_tiny"
+
+
+def _codes(frames: int, seed: int, overflow: bool = False) -> torch.Tensor:
+    """[10, frames]; with ``overflow`` residual rows go up to 4095 (as the LLM may emit)."""
+    g = torch.Generator().manual_seed(seed)
+    sem = torch.randint(0, 4096, (1, frames), generator=g)
+    res = torch.randint(0, 4096 if overflow else 1024, (9, frames), generator=g)
+    return torch.cat([sem, res])
+
+
+@pytest.fixture(scope="module", params=["dummy", "fixture"])
+def codec(request: pytest.FixtureRequest) -> Codec:
+    if request.param == "fixture":
+        d = _fixture_dir()
+        if not (d / "codec.safetensors").is_file():
+            pytest.skip(f"codec fixtures not found at {d} (set RTVOICE_FIXTURES)")
+        return load_codec(d)
+    return dummy_codec(CodecConfig.preset("tiny"), seed=0)
+
+
+def _offline(codec: Codec, codes: torch.Tensor) -> torch.Tensor:
+    return codec.decode(codes[None])[0, 0].float()
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return float((a - b).abs().max())
+
+
+def test_random_chunkings_match_offline(codec: Codec) -> None:
+    rng = random.Random(1234)
+    with deterministic():
+        for trial in range(4):
+            frames = rng.randint(5, 24)
+            codes = _codes(frames, seed=trial, overflow=trial % 2 == 1)
+            want = _offline(codec, codes)
+            dec = StreamingDecoder(codec, max_streams=2)
+            sid = dec.open()
+            parts, i = [], 0
+            while i < frames:
+                n = rng.choice([0, 1, 1, 2, 3, 5, 8])
+                out = dec.decode({sid: codes[:, i : i + n]})[sid]
+                assert out.dtype == torch.float32 and out.shape == (min(n, frames - i) * 2048,)
+                parts.append(out)
+                i += n
+            assert dec.position(sid) == frames
+            diff = _max_diff(torch.cat(parts), want)
+            assert diff <= STREAM_ATOL, f"trial {trial}: max abs diff {diff:.2e}"
+
+
+def test_one_frame_chunks_past_the_window(codec: Codec) -> None:
+    # 1-frame chunks over more frames than the attention window (4) and conv receptive fields
+    codes = _codes(12, seed=7)
+    with deterministic():
+        want = _offline(codec, codes)
+        dec = StreamingDecoder(codec, max_streams=1)
+        sid = dec.open()
+        got = torch.cat([dec.decode({sid: codes[:, i : i + 1]})[sid] for i in range(12)])
+    assert _max_diff(got, want) <= STREAM_ATOL
+
+
+def test_three_streams_batched_at_different_offsets(codec: Codec) -> None:
+    lengths = {"a": 17, "b": 11, "c": 14}
+    codes = {
+        k: _codes(n, seed=i + 20, overflow=k == "c") for i, (k, n) in enumerate(lengths.items())
+    }
+    sizes = {"a": [1], "b": [3, 2], "c": [7, 1, 4]}
+    with deterministic():
+        want = {k: _offline(codec, c) for k, c in codes.items()}
+        dec = StreamingDecoder(codec, max_streams=4)
+        sids, pos, parts, step = {}, dict.fromkeys(lengths, 0), {k: [] for k in lengths}, 0
+        sids["a"] = dec.open()
+        while any(pos[k] < lengths[k] for k in lengths):
+            if step == 2:
+                sids["b"] = dec.open()  # joins late: other streams are mid-sequence
+            if step == 4:
+                sids["c"] = dec.open()
+            call = {}
+            for k, sid in sids.items():
+                n = sizes[k][step % len(sizes[k])]
+                if k == "b" and step == 5:
+                    n = 0  # a stream with nothing new this tick rides along
+                call[sid] = codes[k][:, pos[k] : pos[k] + n]
+                pos[k] += call[sid].shape[-1]
+            out = dec.decode(call)
+            assert set(out) == set(call)
+            for k, sid in sids.items():
+                parts[k].append(out[sid])
+            step += 1
+    for k in lengths:
+        diff = _max_diff(torch.cat(parts[k]), want[k])
+        assert diff <= STREAM_ATOL, f"stream {k}: max abs diff {diff:.2e}"
+
+
+def test_reset_and_close(codec: Codec) -> None:
+    codes = _codes(6, seed=3)
+    with deterministic():
+        dec = StreamingDecoder(codec, max_streams=2)
+        a = dec.open()
+        first = dec.decode({a: codes})[a]
+        dec.decode({a: _codes(5, seed=99)})  # history the reset must forget
+        dec.reset(a)
+        assert dec.position(a) == 0
+        again = dec.decode({a: codes})[a]
+        assert _max_diff(again, first) <= STREAM_ATOL
+        b = dec.open()
+        with pytest.raises(RuntimeError, match="all 2 streams are open"):
+            dec.open()
+        dec.close(a)
+        assert dec.n_open == 1
+        with pytest.raises(KeyError, match="unknown or closed stream id"):
+            dec.decode({a: codes})
+        c = dec.open()  # reuses a's slot, with clean state
+        assert c not in (a, b)
+        fresh = dec.decode({c: codes})[c]
+        assert _max_diff(fresh, first) <= STREAM_ATOL
+        with pytest.raises(KeyError):
+            dec.close(a)
+        with pytest.raises(KeyError):
+            dec.reset(12345)
+
+
+def test_zero_frame_calls() -> None:
+    codec = dummy_codec(CodecConfig.preset("tiny"))
+    dec = StreamingDecoder(codec, max_streams=2)
+    sid = dec.open()
+    out = dec.decode({sid: torch.zeros(10, 0, dtype=torch.long)})
+    assert out[sid].shape == (0,) and dec.position(sid) == 0
+    assert dec.decode({}) == {}
+
+
+def test_bad_inputs() -> None:
+    codec = dummy_codec(CodecConfig.preset("tiny"))
+    dec = StreamingDecoder(codec, max_streams=2)
+    sid = dec.open()
+    good = _codes(2, seed=0)
+    with pytest.raises(ValueError, match=r"stream 0 must have shape \[10, T\]"):
+        dec.decode({sid: good[:9]})
+    with pytest.raises(ValueError, match=r"\[10, T\]"):
+        dec.decode({sid: good[None]})
+    with pytest.raises(TypeError, match="integer dtype"):
+        dec.decode({sid: good.float()})
+    with pytest.raises(TypeError, match=r"torch\.Tensor"):
+        dec.decode({sid: good.tolist()})  # type: ignore[dict-item]
+    with pytest.raises(ValueError, match="stream 0 contain negative"):
+        dec.decode({sid: -good})
+    with pytest.raises(KeyError, match="unknown or closed stream id 7"):
+        dec.decode({7: good})
+    with pytest.raises(TypeError, match="mapping"):
+        dec.decode([good])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="max_streams"):
+        StreamingDecoder(codec, max_streams=0)
+    with pytest.raises(TypeError, match="Codec"):
+        StreamingDecoder(object(), max_streams=1)  # type: ignore[arg-type]
+    # a failed call leaves the stream untouched
+    assert dec.position(sid) == 0
+    with deterministic():
+        got = dec.decode({sid: good})[sid]
+        want = _offline(codec, good)
+    assert _max_diff(got, want) <= STREAM_ATOL
+    # int32 codes are accepted
+    dec.reset(sid)
+    with deterministic():
+        got32 = dec.decode({sid: good.to(torch.int32)})[sid]
+    assert _max_diff(got32, want) <= STREAM_ATOL
+
+
+def test_rope_positions_beyond_block_size() -> None:
+    # A post-module block size smaller than the sequence: the RoPE table grows (same formula
+    # per position) and streaming keeps absolute positions.
+    d = CodecConfig.preset("tiny")
+    assert d.quantizer.post_module is not None
+    d.quantizer.post_module.config.block_size = 4
+    codec = dummy_codec(d, seed=5)
+    codes = _codes(15, seed=11)
+    with deterministic():
+        want = _offline(codec, codes)
+        dec = StreamingDecoder(codec, max_streams=1)
+        sid = dec.open()
+        got = torch.cat([dec.decode({sid: codes[:, i : i + 2]})[sid] for i in range(0, 15, 2)])
+    assert _max_diff(got, want) <= STREAM_ATOL
+
+
+def test_state_buffers_are_preallocated() -> None:
+    codec = dummy_codec(CodecConfig.preset("tiny"))
+    dec = StreamingDecoder(codec, max_streams=8)
+    before = {k: v.data_ptr() for k, v in dec._state.items()}
+    sid = dec.open()
+    dec.decode({sid: _codes(3, seed=1)})
+    assert {k: v.data_ptr() for k, v in dec._state.items()} == before
+    assert all(v.shape[0] == 8 for v in dec._state.values())
+    # one KV window of window-1 = 3 frames per post-module layer
+    kv = [v for k, v in dec._state.items() if k.endswith(".k")]
+    assert len(kv) == 1 and kv[0].shape == (8, 2, 3, 32)
+    assert dec.state_bytes > 0
