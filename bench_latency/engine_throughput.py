@@ -6,7 +6,7 @@
 Turns run to exactly --frames frames (<|im_end|> is masked: random weights would stop at
 random points). Reports aggregate frames/s, per-sequence frames/s (decode_tps), the
 realtime factor (frames/s ÷ 21.53) and the split of engine time between decode, prefill
-and codec. --no-graphs gives the naive eager loop; --no-codec skips the audio decoder.
+and codec. --mode naive|graphs|pingpong; --no-codec skips the audio decoder.
 """
 
 from __future__ import annotations
@@ -49,51 +49,93 @@ def _silent_codec(engine: Engine) -> None:
         sid: torch.zeros(c.shape[1] * hop) for sid, c in chunks.items()}
 
 
-def run_level(engine: Engine, c: int, frames: int) -> dict[str, float]:
+MODES = {  # name: (cuda_graphs, pingpong threads)
+    "naive": (False, False),  # synchronous loop, eager kernels, host reads every step at once
+    "graphs": (True, False),  # synchronous loop, CUDA-graph steps
+    "pingpong": (True, True),  # prefill/decode/codec threads, graph steps, one-step-late reads
+}
+
+
+def run_level(engine: Engine, c: int, frames: int, *, threaded: bool) -> dict[str, float]:
     sinks = [CollectingSink() for _ in range(c)]
     seqs = [engine.open([], SamplingParams(seed=i), s) for i, s in enumerate(sinks)]
-    engine.run_until_idle()
+    if threaded:
+        for s in sinks:
+            if not s.ready.wait(600):
+                raise TimeoutError("voice prefill did not finish")
+    else:
+        engine.run_until_idle()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     for k in engine.stats:
         engine.stats[k] = 0 if isinstance(engine.stats[k], int) else 0.0
+    engine.measure_gaps = threaded and engine.cuda
     t0 = time.perf_counter()
     for i, s in enumerate(seqs):
         engine.submit(s, f"Benchmark sentence number {i}.", turn_id="b", max_frames=frames)
-    engine.run_until_idle(timeout_s=3600)
+    if threaded:
+        for s in sinks:
+            if not s.done.wait(3600):
+                raise TimeoutError("turn did not finish")
+    else:
+        engine.run_until_idle(timeout_s=3600)
     wall = time.perf_counter() - t0
+    engine.measure_gaps = False
+    gaps = engine.gpu_idle_gaps_ms() if threaded and engine.cuda else []
     total = sum(r.frames for s in sinks for r in s.results)
     ttfa = sorted(r.ttfa_s for s in sinks for r in s.results if r.ttfa_s is not None)
+    dtps = sorted(r.frames / r.decode_s for s in sinks for r in s.results if r.decode_s > 0)
     steps = engine.stats["steps"]
     for s in seqs:
         engine.close(s)
-    engine.run_until_idle()
-    return {"concurrency": c, "frames": total, "wall_s": round(wall, 3),
-            "aggregate_fps": round(total / wall, 1), "decode_tps": round(total / wall / c, 1),
-            "x_realtime_per_seq": round(total / wall / c / (44100 / 2048), 2),
-            "ttfa_ms_p50": round(1000 * ttfa[len(ttfa) // 2], 1) if ttfa else None,
-            "decode_s": round(engine.stats["decode_s"], 3),
-            "prefill_s": round(engine.stats["prefill_s"], 3),
-            "codec_s": round(engine.stats["codec_s"], 3), "steps": steps}
+    if not threaded:
+        engine.run_until_idle()
+
+    def pct(xs: list[float], q: float) -> float | None:
+        return round(xs[min(len(xs) - 1, int(q * len(xs)))], 2) if xs else None
+
+    row = {"concurrency": c, "frames": total, "wall_s": round(wall, 3),
+           "aggregate_fps": round(total / wall, 1),
+           "decode_tps_p50": pct(dtps, 0.5), "decode_tps_min": pct(dtps, 0.0),
+           "x_realtime_per_seq": round(total / wall / c / (44100 / 2048), 2),
+           "ttfa_ms_p50": pct([1000 * t for t in ttfa], 0.5),
+           "ttfa_ms_p90": pct([1000 * t for t in ttfa], 0.9),
+           "ttfa_ms_max": pct([1000 * t for t in ttfa], 1.0),
+           "steps": steps, "wasted_rows": engine.stats["wasted_rows"],
+           "codec_s": round(engine.stats["codec_s"], 3),
+           "codec_ticks": engine.stats["codec_ticks"],
+           "prefill_s": round(engine.stats["prefill_s"], 3)}
+    if gaps:
+        gs = sorted(gaps[2:]) or sorted(gaps)
+        row.update(gpu_gap_ms_p50=pct(gs, 0.5), gpu_gap_ms_p90=pct(gs, 0.9),
+                   gpu_gap_ms_sum=round(sum(gs), 1))
+    return row
 
 
-def sweep(bundle: Bundle, levels: list[int], frames: int, *, graphs: bool = True,
+def sweep(bundle: Bundle, levels: list[int], frames: int, *, mode: str = "pingpong",
           codec: bool = True, max_len: int = 1024) -> list[dict]:
+    graphs, threaded = MODES[mode]
     rows = []
     with no_eos(bundle.model):
         for c in levels:
             eng = make_engine(bundle, EngineConfig(max_running=c, max_len=max_len,
                                                    max_turn_frames=max(frames, 8),
-                                                   cuda_graphs=graphs))
+                                                   cuda_graphs=graphs, pingpong=threaded))
             if not codec:
                 _silent_codec(eng)
-            run_level(eng, c, 8)  # warm-up
-            row = run_level(eng, c, frames)
-            row.update(graphs=eng.graphs is not None, codec=codec,
-                       capture_s=round(eng.graphs.capture_s, 1) if eng.graphs else 0.0)
+            if threaded:
+                eng.start()
+            try:
+                run_level(eng, c, 8, threaded=threaded)  # warm-up
+                row = run_level(eng, c, frames, threaded=threaded)
+            finally:
+                eng.shutdown()
+            row.update(mode=mode, codec=codec, capture_s=round(eng.capture_s, 1))
             rows.append(row)
             print(json.dumps(row), flush=True)
             del eng
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
     return rows
 
 
@@ -105,7 +147,7 @@ def main() -> int:
     ap.add_argument("--concurrency", default="1,2,4,8")
     ap.add_argument("--frames", type=int, default=64)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
-    ap.add_argument("--no-graphs", action="store_true", help="naive eager decode")
+    ap.add_argument("--mode", choices=list(MODES), default="pingpong")
     ap.add_argument("--no-codec", action="store_true", help="AR decode only")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -113,7 +155,7 @@ def main() -> int:
         torch.set_num_threads(args.threads)
     bundle = load_bundle(args.model, device=args.device, max_seq_len=1024)
     rows = sweep(bundle, [int(x) for x in args.concurrency.split(",")], args.frames,
-                 graphs=not args.no_graphs, codec=not args.no_codec)
+                 mode=args.mode, codec=not args.no_codec)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "device": args.device,

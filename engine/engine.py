@@ -36,7 +36,7 @@ from torch import Tensor
 
 from .codec import Codec, StreamingDecoder
 from .prompt import PromptBuilder, Reference
-from .request import FinishReason, Sequence, SequenceSink, SeqState, Turn, TurnResult
+from .request import FinishReason, SeqState, Sequence, SequenceSink, Turn, TurnResult
 from .runner import ModelRunner
 from .sampler import SamplingParams
 from .tokenizer import Tokenizer

@@ -68,7 +68,7 @@ def safetensors_files(path: Path) -> list[Path]:
 def iter_checkpoint(path: Path) -> Iterator[tuple[str, Tensor]]:
     for f in safetensors_files(path):
         with safe_open(str(f), framework="pt") as st:
-            for key in st.keys():  # noqa: SIM118 - safe_open is not a dict
+            for key in st.keys():
                 yield key, st.get_tensor(key)
 
 

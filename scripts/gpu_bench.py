@@ -153,15 +153,16 @@ def codec_bench(report: dict, device: str) -> None:
 
 
 def engine_sweep(report: dict, device: str, levels: list[int], frames: int) -> None:
-    """The engine loop end to end (frames -> codec -> PCM), CUDA graphs vs naive eager."""
+    """The engine end to end (frames -> batched codec -> PCM): pingpong vs graphs vs naive."""
     from bench_latency.engine_throughput import sweep
     from engine.loader import load_bundle
 
     b = load_bundle("s2-pro", device=device, dtype="bf16", codec_dtype="bf16", max_seq_len=1024)
     out = {}
-    out["graphs_codec"] = sweep(b, levels, frames, graphs=True, codec=True)
-    out["graphs_nocodec"] = sweep(b, [levels[0], levels[-1]], frames, graphs=True, codec=False)
-    out["naive_nocodec"] = sweep(b, [levels[0], levels[-1]], frames // 2, graphs=False, codec=False)
+    out["pingpong_codec"] = sweep(b, levels, frames, mode="pingpong", codec=True)
+    out["pingpong_nocodec"] = sweep(b, [levels[0], levels[-1]], frames, mode="pingpong", codec=False)
+    out["graphs_sync_nocodec"] = sweep(b, [levels[0], levels[-1]], frames, mode="graphs", codec=False)
+    out["naive_nocodec"] = sweep(b, [levels[0], levels[-1]], frames // 2, mode="naive", codec=False)
     report["engine"] = out
     del b
     torch.cuda.empty_cache()

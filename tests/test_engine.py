@@ -187,7 +187,7 @@ def test_pingpong_threads_match_sync(tiny_bundle):
                 s.done.clear()
         else:
             eng.run_until_idle()
-        for i, seq in enumerate(seqs):  # a second turn continues each conversation
+        for _i, seq in enumerate(seqs):  # a second turn continues each conversation
             eng.submit(seq, "And again.", turn_id="b", max_frames=6)
         if pingpong:
             for s in sinks:

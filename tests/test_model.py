@@ -89,7 +89,7 @@ def test_checkpoint_errors_name_the_tensor(tmp_path, fixture_dir):
     bad = dict(t)
     del bad[key]
     save_file(bad, str(d / "model.safetensors"))
-    with pytest.raises(CheckpointError, match="lacks 1 tensors.*wqkv"):
+    with pytest.raises(CheckpointError, match=r"lacks 1 tensors.*wqkv"):
         load_model(d)
     # unexpected tensor
     bad = dict(t)

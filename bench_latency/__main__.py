@@ -1,0 +1,5 @@
+"""``python -m bench_latency`` = ``bench-latency``."""
+
+from .cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,264 @@
+"""bench_latency: pure statistics on synthetic data with known answers, then the CLI against a
+real server (tiny model) at c=1 and c=4, the regression gate, and the in-process mode."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from bench_latency import cli, stats
+
+# ============================================================================ percentiles
+
+
+def test_percentile_matches_linear_interpolation() -> None:
+    xs = list(range(1, 101))  # 1..100
+    assert stats.percentile(xs, 0) == 1
+    assert stats.percentile(xs, 100) == 100
+    assert stats.percentile(xs, 50) == pytest.approx(50.5)
+    assert stats.percentile(xs, 90) == pytest.approx(90.1)
+    assert stats.percentile(xs, 99) == pytest.approx(99.01)
+    assert stats.percentile([7.0], 99) == 7.0
+    assert stats.percentile([3, 1, 2], 50) == 2  # order does not matter
+    assert stats.percentile([], 50) is None
+    with pytest.raises(ValueError):
+        stats.percentile([1.0], 101)
+
+
+def test_summarize_skips_missing_values() -> None:
+    s = stats.summarize([10.0, None, 30.0, 20.0, float("nan")])
+    assert s == {"n": 3, "mean": 20.0, "min": 10.0, "p50": 20.0, "p90": 28.0, "p99": 29.8,
+                 "max": 30.0}
+    empty = stats.summarize([None])
+    assert empty["n"] == 0 and empty["p50"] is None and empty["max"] is None
+
+
+def test_gaps() -> None:
+    assert stats.gaps([0.0, 0.1, 0.35]) == pytest.approx([0.1, 0.25])
+    assert stats.gaps([1.0]) == []
+
+
+# ============================================================================ playback simulation
+
+
+def _steady(n: int, every: float, dur: float, start: float = 0.0) -> list[tuple[float, float]]:
+    return [(start + i * every, dur) for i in range(n)]
+
+
+def test_on_time_stream_never_starves() -> None:
+    # Chunks of 0.1 s arriving every 0.1 s: each arrives exactly when the previous one ends.
+    r = stats.simulate_playback(_steady(20, 0.1, 0.1), jitter_buffer_s=0.0)
+    assert r.underruns == 0 and r.stall_s == 0.0
+    assert r.start_s == 0.0 and r.end_s == pytest.approx(2.0) and r.audio_s == pytest.approx(2.0)
+
+
+def test_faster_than_realtime_stream_never_starves() -> None:
+    r = stats.simulate_playback(_steady(50, 0.02, 0.1), jitter_buffer_s=0.0)
+    assert r.underruns == 0
+
+
+def test_one_late_chunk_is_one_underrun_with_known_stall() -> None:
+    # 0.1 s chunks at t=0, 0.1, then the third is 0.3 s late (arrives at 0.5, needed at 0.25
+    # given a 50 ms buffer): one underrun; playback resumes 50 ms after it arrives.
+    chunks = [(0.0, 0.1), (0.1, 0.1), (0.5, 0.1), (0.55, 0.1)]
+    r = stats.simulate_playback(chunks, jitter_buffer_s=0.05)
+    assert r.underruns == 1
+    assert len(r.stalls) == 1 and r.stalls[0] == pytest.approx((0.25, 0.3))
+    assert r.stall_s == pytest.approx(0.3)
+    assert r.end_s == pytest.approx(0.55 + 0.2)  # resumed at 0.55, two chunks left
+
+
+def test_a_large_enough_jitter_buffer_absorbs_the_gap() -> None:
+    chunks = [(0.0, 0.1), (0.1, 0.1), (0.5, 0.1), (0.55, 0.1)]
+    assert stats.simulate_playback(chunks, jitter_buffer_s=0.3).underruns == 0  # on time
+    assert stats.simulate_playback(chunks, jitter_buffer_s=0.29).underruns == 1
+
+
+def test_slow_stream_starves_repeatedly() -> None:
+    # Generation at half realtime: 0.1 s of audio every 0.2 s. With no buffer, every chunk
+    # after the first is late by 0.1 s: 9 underruns for 10 chunks.
+    r = stats.simulate_playback(_steady(10, 0.2, 0.1), jitter_buffer_s=0.0)
+    assert r.underruns == 9
+    assert r.stall_s == pytest.approx(0.9)
+    # A buffer of 0.15 s re-buffers after each stall; stalls happen every other chunk then.
+    r2 = stats.simulate_playback(_steady(10, 0.2, 0.1), jitter_buffer_s=0.15)
+    assert 0 < r2.underruns < 9
+
+
+def test_playback_edge_cases() -> None:
+    assert stats.simulate_playback([], 0.1) == stats.PlaybackResult(0, 0.0, None, None, 0.0)
+    single = stats.simulate_playback([(1.0, 0.5)], 0.2)
+    assert single.underruns == 0 and single.start_s == 1.2 and single.end_s == pytest.approx(1.7)
+    with pytest.raises(ValueError):
+        stats.simulate_playback([(0.0, 0.1)], -0.1)
+
+
+# ============================================================================ gate
+
+
+def test_gate_passes_against_itself_and_within_tolerance() -> None:
+    base = {1: 100.0, 16: 80.0, 64: 50.0}
+    assert stats.gate_compare(base, base, 0.05).passed
+    assert stats.gate_compare({1: 95.5, 16: 76.1, 64: 47.6}, base, 0.05).passed  # -4.5 %..-4.8 %
+
+
+def test_gate_fails_against_a_faster_baseline() -> None:
+    current = {1: 100.0, 4: 90.0}
+    faster = {c: v * 1.2 for c, v in current.items()}
+    g = stats.gate_compare(current, faster, 0.05)
+    assert not g.passed
+    assert all(not r.ok and r.ratio == pytest.approx(1 / 1.2) for r in g.rows)
+    assert "REGRESSION" in g.describe()
+    # One level regressing is enough to fail.
+    assert not stats.gate_compare({1: 100.0, 4: 80.0}, {1: 100.0, 4: 90.0}, 0.05).passed
+
+
+def test_gate_missing_levels_and_failed_levels() -> None:
+    g = stats.gate_compare({1: 100.0}, {1: 100.0, 64: 10.0}, 0.05)
+    assert g.passed and g.missing == (64,)  # a quick run may measure fewer levels
+    assert not stats.gate_compare({1: None}, {1: 100.0}, 0.05).passed  # every turn failed
+    assert not stats.gate_compare({4: 100.0}, {1: 100.0}, 0.05).passed  # nothing compared
+
+
+# ============================================================================ CLI helpers
+
+
+def test_builtin_texts_are_multilingual_and_levels_parse() -> None:
+    assert len(cli.BUILTIN_TEXTS) >= 8
+    assert any(any("\u4e00" <= ch <= "\u9fff" for ch in t) for t in cli.BUILTIN_TEXTS)
+    assert any(any("\u0600" <= ch <= "\u06ff" for ch in t) for t in cli.BUILTIN_TEXTS)
+    args = cli.build_parser().parse_args(["--url", "x", "--concurrency", "1,4,16,64"])
+    assert args.concurrency == [1, 4, 16, 64]
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["--url", "x", "--concurrency", "0,2"])
+
+
+def test_texts_file(tmp_path: Path) -> None:
+    f = tmp_path / "texts.txt"
+    f.write_text("# comment\nFirst.\n\nSecond one.\n", encoding="utf-8")
+    assert cli.load_texts(str(f)) == ["First.", "Second one."]
+
+
+def test_progress_bar_plain_log(capsys: pytest.CaptureFixture[str]) -> None:
+    import io
+
+    buf = io.StringIO()
+    p = cli.Progress(stream=buf)
+    p.start("c=2", total=4)
+    for _ in range(4):
+        p.step()
+    p.finish()
+    lines = buf.getvalue().splitlines()
+    assert lines[0].startswith("c=2: 0%") and lines[-1].startswith("c=2: 100%")
+
+
+# ============================================================================ against a server
+
+LEVEL_FIGURES = {
+    "client_ttfa_ms": ("p50", "p90", "p99", "max"),
+    "server_ttfa_ms": ("p50", "p90", "p99", "max"),
+    "decode_tps": ("p50", "mean"),
+    "rtf": ("p50", "p90", "max"),
+    "gap_ms": ("p50", "p90", "p99", "max"),
+}
+
+
+@pytest.fixture(scope="module")
+def server_url():
+    testing = pytest.importorskip("rtvoice.testing")
+    with testing.running_server() as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def bench_run(server_url: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("bench")
+    paths = {"json": d / "bench.json", "plot": d / "bench.png", "baseline": d / "baseline.json"}
+    out: list[str] = []
+    rc = cli.main([
+        "--url", server_url, "--concurrency", "1,4", "--turns", "2", "--warmup-turns", "1",
+        "--max-frames", "10", "--tokens-per-s", "300", "--jitter-ms", "100", "--no-progress",
+        "--json", str(paths["json"]), "--plot", str(paths["plot"]),
+        "--save-baseline", str(paths["baseline"]),
+    ], out=out.append)
+    assert rc == 0, out
+    paths["table"] = d / "table.txt"
+    paths["table"].write_text("\n".join(out))
+    return paths
+
+
+def test_bench_json_has_every_figure(bench_run: dict[str, Path]) -> None:
+    res = json.loads(bench_run["json"].read_text())
+    assert res["schema"] == cli.SCHEMA
+    st = res["settings"]
+    assert st["concurrency"] == [1, 4] and st["turns"] == 2 and st["max_frames"] == 10
+    assert res["server"]["mode"] == "websocket"
+    ready = res["server"]["ready"]
+    assert ready["sample_rate"] > 0 and ready["model"] and "limits" in ready
+    assert "commit" in res["git"] and res["machine"]["cpu_count"] >= 1
+    assert [lv["concurrency"] for lv in res["levels"]] == [1, 4]
+    for lv in res["levels"]:
+        c = lv["concurrency"]
+        t = lv["turns"]
+        assert t["total"] == 2 * c and t["errors"] == 0 and t["ok"] == 2 * c
+        assert t["truncated"] + t["eos"] == t["ok"]
+        for key, qs in LEVEL_FIGURES.items():
+            for q in qs:
+                assert isinstance(lv[key][q], float) and lv[key][q] >= 0, (c, key, q)
+        assert lv["aggregate_fps"] > 0 and lv["frames"] > 0 and lv["audio_s"] > 0
+        assert lv["client_ttfa_ms"]["n"] == 2 * c
+        u = lv["underruns"]
+        assert u["jitter_buffer_ms"] == 100 and len(u["per_stream"]) == c
+        assert u["total"] == sum(u["per_stream"])
+        assert lv["open"]["failed"] == 0 and lv["open"]["prefill_ms"]["n"] == c
+        # The per-turn records back every figure: underruns recomputed from the chunk
+        # timelines agree, and no turn exceeded its frame budget.
+        recs = lv["records"]
+        assert len(recs) == 2 * c
+        assert {r["session"] for r in recs} == set(range(c))
+        for r in recs:
+            assert r["frames"] <= 10 and r["chunks"] and r["client_ttfa_ms"] is not None
+            play = stats.simulate_playback([tuple(x) for x in r["chunks"]], 0.1)
+            assert play.underruns == r["underruns"]
+        assert u["total"] == sum(r["underruns"] for r in recs)
+        assert lv["frames"] == sum(r["frames"] for r in recs)
+    assert bench_run["plot"].stat().st_size > 10_000
+    table = bench_run["table"].read_text()
+    assert "client TTFA" in table and len(table.splitlines()) == 4
+
+
+def test_bench_gate_against_itself_and_a_faster_baseline(bench_run: dict[str, Path],
+                                                        tmp_path: Path) -> None:
+    base = json.loads(bench_run["baseline"].read_text())
+    assert base["schema"] == cli.BASELINE_SCHEMA and set(base["decode_tps"]) == {"1", "4"}
+    assert all(v > 0 for v in base["decode_tps"].values())
+    out: list[str] = []
+    args = ["--from-json", str(bench_run["json"]), "--quiet"]
+    assert cli.main([*args, "--baseline", str(bench_run["baseline"])], out=out.append) == 0
+    assert "PASS" in out[-1]
+    # A full results file works as a baseline too.
+    assert cli.main([*args, "--baseline", str(bench_run["json"])], out=out.append) == 0
+    faster = dict(base, decode_tps={k: v * 1.2 for k, v in base["decode_tps"].items()})
+    f = tmp_path / "faster.json"
+    f.write_text(json.dumps(faster))
+    out.clear()
+    assert cli.main([*args, "--baseline", str(f), "--tolerance", "0.05"], out=out.append) == 1
+    assert "FAIL" in out[-1]
+    # A 20 % drop is still inside a 25 % tolerance.
+    assert cli.main([*args, "--baseline", str(f), "--tolerance", "0.25"], out=out.append) == 0
+
+
+def test_bench_in_process(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    out: list[str] = []
+    f = tmp_path / "inproc.json"
+    rc = cli.main(["--in-process", "--concurrency", "2", "--turns", "1", "--warmup-turns", "0",
+                   "--max-frames", "6", "--tokens-per-s", "0", "--no-progress",
+                   "--json", str(f)], out=out.append)
+    assert rc == 0, out
+    lv = json.loads(f.read_text())["levels"][0]
+    assert lv["turns"]["ok"] == 2 and lv["frames"] <= 12
+    assert lv["server_ttfa_ms"]["p50"] is not None and not math.isnan(lv["aggregate_fps"])
