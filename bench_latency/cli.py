@@ -94,6 +94,7 @@ class TurnRecord:
     client_ttfa_ms: float | None = None
     server_ttfa_ms: float | None = None
     frames: int = 0
+    segments: int = 0  # the server cuts a turn at sentence ends; each has its own budget
     audio_s: float = 0.0
     rtf: float | None = None
     decode_tps: float | None = None
@@ -117,11 +118,12 @@ class Outcome:
     rtf: float | None
     reason: str
     arrivals: list[tuple[float, float]]
+    segments: int = 1
 
     @classmethod
     def from_turn(cls, r: TurnResult) -> Outcome:
         return cls(r.flush_at, r.first_audio_at, r.done_at, r.server_ttfa_ms, r.frames,
-                   r.audio_s, r.rtf, r.reason, r.arrivals)
+                   r.audio_s, r.rtf, r.reason, r.arrivals, r.segments)
 
 
 class BenchSession(Protocol):
@@ -467,6 +469,7 @@ def fill_record(rec: TurnRecord, out: Outcome, t0: float, jitter_s: float) -> No
         rec.client_ttfa_ms = max(0.0, out.first_audio_at - out.flush_at) * 1000.0
     rec.server_ttfa_ms = out.server_ttfa_ms
     rec.frames, rec.audio_s, rec.rtf, rec.reason = out.frames, out.audio_s, out.rtf, out.reason
+    rec.segments = out.segments
     gen = out.rtf * out.audio_s if out.rtf is not None and out.audio_s > 0 else None
     rec.decode_tps = out.frames / gen if gen and out.frames else None
     rec.chunks = [(round(a - t0, 6), round(d, 6)) for a, d in out.arrivals]
@@ -751,6 +754,13 @@ def main(argv: Sequence[str] | None = None, *, out: Callable[[str], None] = prin
         ap.error("--turns must be >= 1")
     if args.reference and args.reference_text is None:
         ap.error("--reference needs --reference-text")
+    if args.in_process and args.voice:
+        ap.error("--voice needs a server's voice store; use --reference with --in-process")
+    if not args.from_json:
+        try:
+            load_texts(args.texts)
+        except (OSError, ValueError) as exc:
+            ap.error(f"--texts: {exc}")
     base: dict[int, float] | None = None
     if args.baseline:  # read it first: a bad baseline must not cost a whole run
         try:

@@ -76,6 +76,43 @@ class PrefillAttend:
         return gqa_attention(q, keys, vals, self.mask)
 
 
+class BatchedPrefillAttend:
+    """Causal attention for several sequences' chunks at once, padded to T columns.
+
+    Row n holds `lengths[n]` columns at positions starts[n].. of slot slots[n]; padded
+    columns neither write the cache nor matter (they attend to position 0 only)."""
+
+    def __init__(self, cache: SlowKVCache, slots: list[int], starts: list[int],
+                 lengths: list[int], T: int) -> None:
+        d = cache.k.device
+        ends = [s + n for s, n in zip(starts, lengths)]
+        if max(ends) > cache.max_len:
+            raise ValueError(f"a sequence would reach {max(ends)} positions, over the cache's "
+                             f"{cache.max_len}")
+        self.cache, self.end = cache, max(ends)
+        self.slots = torch.tensor(slots, device=d)
+        st = torch.tensor(starts, device=d)
+        ln = torch.tensor(lengths, device=d)
+        t = torch.arange(T, device=d)
+        self.valid = t[None, :] < ln[:, None]  # [N, T]
+        q_pos = st[:, None] + t[None, :]  # [N, T]
+        self.positions = torch.where(self.valid, q_pos, st[:, None])
+        k_pos = torch.arange(self.end, device=d)
+        mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [N, T, S]
+        mask |= (~self.valid[:, :, None]) & (k_pos[None, None, :] == 0)
+        self.mask = mask[:, None]  # [N, 1, T, S]
+        self.w_slot = self.slots[:, None].expand_as(self.valid)[self.valid]  # [n_valid]
+        self.w_pos = q_pos[self.valid]
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        c = self.cache
+        c.k[layer, self.w_slot, :, self.w_pos] = k.transpose(1, 2)[self.valid]
+        c.v[layer, self.w_slot, :, self.w_pos] = v.transpose(1, 2)[self.valid]
+        keys = c.k[layer, self.slots, :, : self.end]  # [N, Hkv, S, Dh]
+        vals = c.v[layer, self.slots, :, : self.end]
+        return gqa_attention(q, keys, vals, self.mask)
+
+
 class DenseDecodeAttend:
     """One new position per row, rows 0..B-1 being slots 0..B-1: row b writes its k/v at
     (wslots[b], positions[b]) and attends to [0, positions[b]] of slot b, read in place."""

@@ -57,10 +57,11 @@ class EngineConfig:
     cuda_graphs: bool = True  # capture the frame step for every batch bucket (CUDA only)
     pingpong: bool = True  # start() runs prefill/decode/codec threads; False: one sync loop
     span_step: int = 256  # attention-span bucket (graphs are captured per bucket)
+    prefill_batch: int = 16  # sequences prefilled together in one forward
 
     def __post_init__(self) -> None:
         for name in ("max_running", "max_len", "prefill_chunk", "first_chunk_frames",
-                     "chunk_frames", "max_turn_frames", "span_step"):
+                     "chunk_frames", "max_turn_frames", "span_step", "prefill_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.max_waiting < 0:
@@ -157,7 +158,8 @@ class Engine:
         if self.cfg.cuda_graphs and self.cuda:
             self._capture_graphs()
         self.stats = {"steps": 0, "frames": 0, "prefill_cols": 0, "decode_s": 0.0,
-                      "prefill_s": 0.0, "codec_s": 0.0, "codec_ticks": 0, "wasted_rows": 0}
+                      "prefill_s": 0.0, "codec_s": 0.0, "codec_ticks": 0, "wasted_rows": 0,
+                      "prefill_calls": 0}
 
     # ================================================================ public, thread-safe
     def open(self, references: list[Reference] | tuple[Reference, ...], params: SamplingParams,
@@ -415,50 +417,76 @@ class Engine:
 
     # ================================================================ prefill
     def _prefill_inline(self) -> bool:
-        """Sync mode: one chunk of the head prefill job."""
+        """Sync mode: one batched chunk of the queued prefill jobs."""
         if not self._prefill_jobs:
             return False
-        job = self._prefill_jobs[0]
-        if self._prefill_chunk(job):
-            self._prefill_jobs.popleft()
+        jobs = list(self._prefill_jobs)[: self.cfg.prefill_batch]
+        for job in self._prefill_round(jobs):
+            self._prefill_jobs.remove(job)
             self._prefill_done(job)
         return True
 
     def _prefill_loop(self) -> None:
         torch.set_grad_enabled(False)
-        while True:
-            job = self._prefill_in.get()
-            if job is None or self._stop.is_set():
-                return
+        active: list[PrefillJob] = []
+        while not self._stop.is_set():
+            try:  # take everything queued; block only when idle
+                while True:
+                    job = self._prefill_in.get(block=not active)
+                    if job is None:
+                        return
+                    active.append(job)
+            except queue.Empty:
+                pass
+            batch = active[: self.cfg.prefill_batch]
             try:
                 with torch.cuda.stream(self.prefill_stream) if self.cuda else _nullctx():
-                    while not self._prefill_chunk(job):
-                        pass
-                    if self.cuda:
+                    finished = self._prefill_round(batch)
+                    if finished and self.cuda:
                         ev = torch.cuda.Event()
                         ev.record(self.prefill_stream)
-                        job.event = ev
+                        for job in finished:
+                            job.event = ev
             except Exception as e:
                 log.exception("prefill failed")
-                job.event = e
-            self._prefill_out.put(job)
-            self._wake.set()
+                finished = batch
+                for job in batch:
+                    job.event = e
+            for job in finished:
+                active.remove(job)
+                self._prefill_out.put(job)
+            if finished:
+                self._wake.set()
 
-    def _prefill_chunk(self, job: PrefillJob) -> bool:
-        """Run one chunk of `job`; True when the job is complete (or abandoned)."""
-        seq, n = job.seq, self.cfg.prefill_chunk
-        if seq.state is SeqState.CLOSED or (job.turn is not None and job.turn.cancelled):
-            return True
-        t0 = time.perf_counter()
-        chunk = job.cols[:, job.done: job.done + n]
-        if chunk.shape[1]:
-            self.runner.prefill(seq.slot, chunk, job.start + job.done)  # type: ignore[arg-type]
-            job.done += chunk.shape[1]
-            self.stats["prefill_cols"] += chunk.shape[1]
-        dt = time.perf_counter() - t0
-        self.stats["prefill_s"] += dt
-        seq.prefill_s += dt
-        return job.done >= job.cols.shape[1]
+    def _prefill_round(self, jobs: list[PrefillJob]) -> list[PrefillJob]:
+        """One chunk of each job, all in one batched forward; returns the jobs now complete
+        (or abandoned: closed sequence, cancelled turn)."""
+        n = self.cfg.prefill_chunk
+        done, items, work = [], [], []
+        for job in jobs:
+            seq = job.seq
+            if seq.state is SeqState.CLOSED or (job.turn is not None and job.turn.cancelled):
+                done.append(job)
+                continue
+            chunk = job.cols[:, job.done: job.done + n]
+            if not chunk.shape[1]:
+                done.append(job)
+                continue
+            items.append((seq.slot, chunk, job.start + job.done))
+            work.append((job, chunk.shape[1]))
+        if items:
+            t0 = time.perf_counter()
+            self.runner.prefill_batch(items)  # type: ignore[arg-type]
+            dt = time.perf_counter() - t0
+            self.stats["prefill_s"] += dt
+            self.stats["prefill_calls"] += 1
+            for job, cols in work:
+                job.done += cols
+                job.seq.prefill_s += dt
+                self.stats["prefill_cols"] += cols
+                if job.done >= job.cols.shape[1]:
+                    done.append(job)
+        return done
 
     def _apply_prefill_completions(self) -> bool:
         did = False
@@ -539,7 +567,7 @@ class Engine:
         for span in reversed(self._spans):  # largest first: the pool is sized once
             for b in reversed(self._batches):
                 g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool):
+                with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
                     out = r.step(b, span)
                 pool = g.pool() if pool is None else pool
                 self.graphs[(b, span)] = (g, out)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .cache import DenseDecodeAttend, FastKV, PrefillAttend, SlowKVCache
+from .cache import BatchedPrefillAttend, DenseDecodeAttend, FastKV, PrefillAttend, SlowKVCache
 from .config import ModelConfig
 from .model import DualAR
 from .sampler import SamplingParams, SlotSampling
@@ -82,6 +82,22 @@ class ModelRunner:
         positions = torch.arange(start, start + T, device=self.device)[None]
         h = self.model.forward_slow(cols[None], positions, attend)
         return h[0, -1]
+
+    @torch.inference_mode()
+    def prefill_batch(self, items: list[tuple[int, Tensor, int]]) -> None:
+        """Several prefills in one forward: items of (slot, cols [1+K, n], start)."""
+        if len(items) == 1:
+            slot, cols, start = items[0]
+            self.prefill(slot, cols, start)
+            return
+        T = max(c.shape[1] for _, c, _ in items)
+        batch = torch.zeros(len(items), self.cfg.frame_rows, T, dtype=torch.long)
+        for n, (_, c, _) in enumerate(items):
+            batch[n, :, : c.shape[1]] = c
+        attend = BatchedPrefillAttend(self.cache, [s for s, _, _ in items],
+                                      [st for _, _, st in items],
+                                      [c.shape[1] for _, c, _ in items], T)
+        self.model.forward_slow(batch.to(self.device, non_blocking=True), attend.positions, attend)
 
     # ------------------------------------------------------------------ decode
     @torch.inference_mode()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import itertools
 import time
 
 import numpy as np
@@ -84,8 +85,9 @@ async def test_connection_refused() -> None:
 
 
 async def test_silent_server_times_out() -> None:
-    async def mute(ws) -> None:  # accepts the socket, never answers
-        await asyncio.sleep(5)
+    async def mute(ws) -> None:  # accepts the socket, reads, never answers
+        async for _ in ws:
+            pass
 
     async with serve(mute, "127.0.0.1", 0) as srv:
         port = srv.sockets[0].getsockname()[1]
@@ -116,7 +118,7 @@ def _check_stream(chunks: list[AudioChunk], sample_rate: int, context_id: str | 
     """seq from 0 without gaps, offsets continuous, s16 byte counts match the durations."""
     assert chunks, "no audio"
     assert [c.seq for c in chunks] == list(range(chunks[0].seq, chunks[0].seq + len(chunks)))
-    for a, b in zip(chunks, chunks[1:]):
+    for a, b in itertools.pairwise(chunks):
         assert b.offset_s == pytest.approx(a.offset_s + a.duration_s, abs=1e-4)
         assert b.received_at >= a.received_at
     for c in chunks:

@@ -134,10 +134,15 @@ def test_batched_decode_matches_reference_per_sequence(fixture_dir, fixture_mode
     runner = ModelRunner(fixture_model, n_slots=4, max_len=512)
     prompts = _prompts(fixture_dir)
     budgets = [25, 25, 10, 25]
-    for (p, _), n in zip(prompts, budgets):
+    items = []
+    for p, _ in prompts:
         s = runner.cache.alloc()
         runner.assign(s, SamplingParams.greedy(), 0)
-        runner.prefill(s, p[:, :-1], 0)
+        items.append((s, p[:, :-1], 0))
+    # all four prompts prefilled in one padded forward, the longest split in two chunks
+    runner.prefill_batch([(s, c[:, :40], 0) for s, c, _ in items])
+    runner.prefill_batch([(s, c[:, 40:], 40) for s, c, _ in items if c.shape[1] > 40])
+    for (s, _, _), (p, _), n in zip(items, prompts, budgets):
         runner.join(s, p[:, -1], p.shape[1] - 1, n, 0)
     outs = [runner.step(4, 200) for _ in range(25)]
     got = torch.stack(outs, dim=2)  # [B, 11+2, 25]
