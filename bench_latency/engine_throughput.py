@@ -113,14 +113,15 @@ def run_level(engine: Engine, c: int, frames: int, *, threaded: bool) -> dict[st
 
 
 def sweep(bundle: Bundle, levels: list[int], frames: int, *, mode: str = "pingpong",
-          codec: bool = True, max_len: int = 1024) -> list[dict]:
+          codec: bool = True, max_len: int = 1024, fused_ops: str = "auto") -> list[dict]:
     graphs, threaded = MODES[mode]
     rows = []
     with no_eos(bundle.model):
         for c in levels:
             eng = make_engine(bundle, EngineConfig(max_running=c, max_len=max_len,
                                                    max_turn_frames=max(frames, 8),
-                                                   cuda_graphs=graphs, pingpong=threaded))
+                                                   cuda_graphs=graphs, pingpong=threaded,
+                                                   fused_ops=fused_ops))
             if not codec:
                 _silent_codec(eng)
             if threaded:
@@ -130,7 +131,8 @@ def sweep(bundle: Bundle, levels: list[int], frames: int, *, mode: str = "pingpo
                 row = run_level(eng, c, frames, threaded=threaded)
             finally:
                 eng.shutdown()
-            row.update(mode=mode, codec=codec, capture_s=round(eng.capture_s, 1))
+            row.update(mode=mode, codec=codec, capture_s=round(eng.capture_s, 1),
+                       fused_ops=eng.fusion)
             rows.append(row)
             print(json.dumps(row), flush=True)
             del eng

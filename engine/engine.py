@@ -58,6 +58,7 @@ class EngineConfig:
     pingpong: bool = True  # start() runs prefill/decode/codec threads; False: one sync loop
     span_step: int = 256  # attention-span bucket (graphs are captured per bucket)
     prefill_batch: int = 16  # sequences prefilled together in one forward
+    fused_ops: str = "auto"  # "compile" | "reference" | "auto" (compile on CUDA only)
 
     def __post_init__(self) -> None:
         for name in ("max_running", "max_len", "prefill_chunk", "first_chunk_frames",
@@ -66,6 +67,9 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.max_waiting < 0:
             raise ValueError("EngineConfig.max_waiting must be >= 0")
+        if self.fused_ops not in ("auto", "compile", "reference"):
+            raise ValueError(f"EngineConfig.fused_ops must be auto, compile or reference, "
+                             f"got {self.fused_ops!r}")
 
 
 class EngineOverloaded(RuntimeError):
@@ -155,6 +159,12 @@ class Engine:
         self._spans.append(runner.cache.max_len)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor]] | None = None
         self.capture_s = 0.0
+        from . import fusion
+
+        want = self.cfg.fused_ops
+        if want == "auto":
+            want = "compile" if self.cuda else "reference"
+        self.fusion = fusion.enable(want)
         if self.cfg.cuda_graphs and self.cuda:
             self._capture_graphs()
         self.stats = {"steps": 0, "frames": 0, "prefill_cols": 0, "decode_s": 0.0,

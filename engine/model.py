@@ -50,6 +50,43 @@ def apply_rope(x: Tensor, cs: Tensor) -> Tensor:
     return out.flatten(3).type_as(x)
 
 
+def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    """x * rsqrt(mean(x^2) + eps) * w, normalised in float32 whatever the activation dtype."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x) * w
+
+
+def add_rms_norm(x: Tensor, y: Tensor, w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """The residual sum and its norm: (x + y, rms_norm(x + y))."""
+    h = x + y
+    return h, rms_norm(h, w, eps)
+
+
+def norm_rope_qk(q: Tensor, k: Tensor, qw: Tensor | None, kw: Tensor | None, cs: Tensor,
+                 eps: float) -> tuple[Tensor, Tensor]:
+    """Per-head RMSNorm of q and k (when the weights are given), then the rotation."""
+    if qw is not None and kw is not None:
+        q, k = rms_norm(q, qw, eps), rms_norm(k, kw, eps)
+    return apply_rope(q, cs), apply_rope(k, cs)
+
+
+def silu_mul(a: Tensor, b: Tensor) -> Tensor:
+    return F.silu(a) * b
+
+
+class Ops:
+    """The elementwise pieces of the model. The runner may swap any of them for a fused
+    implementation of the same math (engine/fusion.py); the model only calls through here."""
+
+    rms_norm = staticmethod(rms_norm)
+    add_rms_norm = staticmethod(add_rms_norm)
+    norm_rope_qk = staticmethod(norm_rope_qk)
+    silu_mul = staticmethod(silu_mul)
+
+
+OPS = Ops()
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -57,9 +94,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        # Normalised in float32 whatever the activation dtype, as the reference.
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+        return OPS.rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -79,9 +114,9 @@ class Attention(nn.Module):
         q = q.view(B, T, c.n_head, c.head_dim)
         k = k.view(B, T, c.n_local_heads, c.head_dim)
         v = v.view(B, T, c.n_local_heads, c.head_dim)
-        if c.qk_norm:  # per-head norm before the rotation
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cs), apply_rope(k, cs)
+        # per-head q/k norm (slow AR only) before the rotation
+        qw, kw = (self.q_norm.weight, self.k_norm.weight) if c.qk_norm else (None, None)
+        q, k = OPS.norm_rope_qk(q, k, qw, kw, cs, c.norm_eps)
         y = attend(layer, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.wo(y.transpose(1, 2).reshape(B, T, c.q_size))
 
@@ -94,7 +129,7 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(cfg.intermediate_size, cfg.dim, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(OPS.silu_mul(self.w1(x), self.w3(x)))
 
 
 class Block(nn.Module):
@@ -106,8 +141,9 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
 
     def forward(self, x: Tensor, cs: Tensor, attend: Attend, layer: int) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), cs, attend, layer)
-        return h + self.feed_forward(self.ffn_norm(h))
+        a = self.attention(self.attention_norm(x), cs, attend, layer)
+        h, hn = OPS.add_rms_norm(x, a, self.ffn_norm.weight, self.ffn_norm.eps)  # h = x + a
+        return h + self.feed_forward(hn)
 
 
 def gqa_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:

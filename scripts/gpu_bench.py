@@ -36,10 +36,16 @@ def fixture_check(report: dict, device: str) -> None:
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    checks = list(verify_reference.model_checks(root, device=device))
-    failed = [c for c in checks if not c[1]]
-    report["fixtures"] = {"device": device, "checks": len(checks), "failed": [list(c) for c in failed],
-                          "details": {c[0]: c[2] for c in checks}}
+    from engine import fusion
+
+    for mode in ("reference", "compile"):
+        fusion.enable(mode)
+        checks = list(verify_reference.model_checks(root, device=device))
+        failed = [c for c in checks if not c[1]]
+        report[f"fixtures_{mode}"] = {"device": device, "checks": len(checks),
+                                      "failed": [list(c) for c in failed],
+                                      "details": {c[0]: c[2] for c in checks}}
+    fusion.disable()
 
 
 def s2pro_decode(report: dict, device: str, batches: list[int], frames: int) -> None:
@@ -159,10 +165,19 @@ def engine_sweep(report: dict, device: str, levels: list[int], frames: int) -> N
 
     b = load_bundle("s2-pro", device=device, dtype="bf16", codec_dtype="bf16", max_seq_len=1024)
     out = {}
-    out["pingpong_codec"] = sweep(b, levels, frames, mode="pingpong", codec=True)
-    out["pingpong_nocodec"] = sweep(b, [levels[0], levels[-1]], frames, mode="pingpong", codec=False)
-    out["graphs_sync_nocodec"] = sweep(b, [levels[0], levels[-1]], frames, mode="graphs", codec=False)
-    out["naive_nocodec"] = sweep(b, [levels[0], levels[-1]], frames // 2, mode="naive", codec=False)
+    ends = [levels[0], 64] if 64 in levels else [levels[0], levels[-1]]
+    runs = [("pingpong_codec", levels, dict(mode="pingpong", codec=True)),
+            ("pingpong_nocodec", ends, dict(mode="pingpong", codec=False)),
+            ("pingpong_unfused_nocodec", ends, dict(mode="pingpong", codec=False,
+                                                    fused_ops="reference")),
+            ("graphs_sync_nocodec", ends, dict(mode="graphs", codec=False)),
+            ("naive_nocodec", ends, dict(mode="naive", codec=False, fused_ops="reference"))]
+    for name, lv, kw in runs:
+        try:
+            out[name] = sweep(b, lv, frames if kw["mode"] != "naive" else frames // 2, **kw)
+        except Exception as e:  # keep the other runs
+            out[name] = f"{type(e).__name__}: {e}"
+        print(json.dumps({name: out[name]})[:3000], flush=True)
     report["engine"] = out
     del b
     torch.cuda.empty_cache()

@@ -83,3 +83,51 @@ def test_steady_state_decode_has_no_host_sync(gpu_bundle):
         prev = pend
     eng._process(prev)
     assert all(len(s.turn.frames) >= 25 for s in seqs if s.turn is not None)
+
+
+def test_fused_ops_match_reference():
+    from engine import fusion, model
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for dt, tol in ((torch.float32, 2e-6), (torch.bfloat16, 2e-2)):
+        x = torch.randn(3, 5, 256, device="cuda", generator=g).to(dt)
+        y = torch.randn(3, 5, 256, device="cuda", generator=g).to(dt)
+        w = (1 + 0.1 * torch.randn(256, device="cuda", generator=g)).to(dt)
+        q = torch.randn(3, 5, 8, 128, device="cuda", generator=g).to(dt)
+        k = torch.randn(3, 5, 2, 128, device="cuda", generator=g).to(dt)
+        hw = (1 + 0.1 * torch.randn(128, device="cuda", generator=g)).to(dt)
+        cs = model.rope_table(64, 128, 1e6).cuda()[torch.randint(0, 64, (3, 5), device="cuda")]
+        ref = [model.rms_norm(x, w, 1e-6), *model.add_rms_norm(x, y, w, 1e-6),
+               *model.norm_rope_qk(q, k, hw, hw, cs, 1e-6), *model.norm_rope_qk(q, k, None, None, cs, 1e-6),
+               model.silu_mul(x, y)]
+        fusion.enable("compile")
+        try:
+            o = model.OPS
+            got = [o.rms_norm(x, w, 1e-6), *o.add_rms_norm(x, y, w, 1e-6),
+                   *o.norm_rope_qk(q, k, hw, hw, cs, 1e-6), *o.norm_rope_qk(q, k, None, None, cs, 1e-6),
+                   o.silu_mul(x, y)]
+        finally:
+            fusion.disable()
+        for a, b in zip(ref, got):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            assert (a.float() - b.float()).abs().max() <= tol
+
+
+def test_reference_fixtures_with_fused_ops_on_gpu():
+    """The correctness gate for speed-ups: fused ops on the GPU still reproduce the reference
+    fixtures (greedy frames exact, logits within tolerance)."""
+    import os
+    from pathlib import Path
+
+    from engine import fusion, verify_reference
+
+    root = Path(os.environ.get("RTVOICE_FIXTURES", ".fixtures/fish_s2_tiny"))
+    if not (root / "config.json").is_file():
+        pytest.skip("no fixture set")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    fusion.enable("compile")
+    try:
+        checks = list(verify_reference.model_checks(root, device="cuda"))
+    finally:
+        fusion.disable()
+    assert checks and all(ok for _, ok, _ in checks), [c for c in checks if not c[1]]
