@@ -570,8 +570,12 @@ class Engine:
         s = torch.cuda.Stream(r.device)
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
+            # Warm every kernel configuration once, eagerly: fused (compiled) ops specialise
+            # on the batch size, and nothing may compile or autotune inside a capture.
             for span in self._spans:
-                r.step(1, span)  # warm every kernel configuration once
+                r.step(1, span)
+            for b in self._batches:
+                r.step(b, self._spans[0])
         torch.cuda.current_stream().wait_stream(s)
         torch.cuda.synchronize()
         for span in reversed(self._spans):  # largest first: the pool is sized once
