@@ -33,11 +33,36 @@ def enable(mode: str = "compile") -> str:
         raise ValueError(f"unknown fusion mode {mode!r}; use 'compile' or 'reference'")
     if _state["mode"] == "compile":
         return "compile"
+    import torch._dynamo
+
+    # Each op sees a few ranks/dtypes (decode rows, prefill chunks, q/k heads): allow them all.
+    for knob in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, knob):
+            setattr(torch._dynamo.config, knob, 64)
     for name, fn in _REFERENCE.items():
-        setattr(model.OPS, name, torch.compile(fn, dynamic=True, fullgraph=True))
+        setattr(model.OPS, name, _guarded(name, fn, torch.compile(fn, dynamic=True, fullgraph=True)))
     _state["mode"] = "compile"
     log.info("fused elementwise ops enabled (torch.compile)")
     return "compile"
+
+
+def _guarded(name: str, ref, fused):  # type: ignore[no-untyped-def]
+    """Call the fused op; if compiling it ever fails (a new shape past the recompile limit,
+    a backend error), log once and use the reference function from then on."""
+    state = {"ok": True}
+
+    def call(*args, **kwargs):  # type: ignore[no-untyped-def]
+        if state["ok"]:
+            try:
+                return fused(*args, **kwargs)
+            except Exception:
+                if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                    raise  # never fall back silently inside a graph capture
+                state["ok"] = False
+                log.exception("fused op %s failed; using the reference implementation", name)
+        return ref(*args, **kwargs)
+
+    return call
 
 
 def disable() -> None:
