@@ -1,0 +1,593 @@
+"""The live TTS socket end to end: a real uvicorn server (rtvoice.testing.running_server) and
+real clients (plain ``websockets``, msgpack and JSON).
+
+Budgets are kept tiny (a few frames per segment) so the suite stays fast on 2 CPU cores; the
+tests that need a long turn (cancel) ask for one explicitly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import msgspec
+import numpy as np
+import pytest
+import soundfile as sf
+import websockets
+
+from protocol import (
+    Audio,
+    Cancel,
+    Done,
+    Encoding,
+    Error,
+    Finish,
+    Flush,
+    Ready,
+    ReferenceAudio,
+    Start,
+    Stop,
+    Text,
+    TTSRequest,
+    decode_server,
+    encode_client,
+)
+from rtvoice.audio_formats import FORMATS, make_encoder
+from rtvoice.testing import running_server
+
+FRAME_S = 2048 / 44100
+RECV_TIMEOUT = 60.0
+
+pytestmark = pytest.mark.timeout(120)
+
+
+# ------------------------------------------------------------------------------ client helpers
+
+
+class Client:
+    """A minimal protocol client over ``websockets`` (msgpack binary or JSON text frames)."""
+
+    def __init__(self, ws: Any, encoding: Encoding) -> None:
+        self.ws = ws
+        self.encoding = encoding
+        self.events: list[Any] = []
+
+    @classmethod
+    async def connect(cls, url: str, encoding: Encoding = Encoding.MSGPACK) -> Client:
+        ws = await websockets.connect(url, max_size=None, open_timeout=30)
+        return cls(ws, encoding)
+
+    async def send(self, event: Any) -> None:
+        await self.ws.send(encode_client(event, self.encoding))
+
+    async def send_raw(self, data: bytes | str) -> None:
+        await self.ws.send(data)
+
+    async def recv(self) -> Any:
+        frame = await asyncio.wait_for(self.ws.recv(), RECV_TIMEOUT)
+        # The server answers in the client's encoding: text frames for JSON, binary for msgpack.
+        assert isinstance(frame, str) == (self.encoding is Encoding.JSON), type(frame)
+        event = decode_server(frame)
+        self.events.append(event)
+        return event
+
+    async def until(self, stop: Callable[[Any], bool]) -> list[Any]:
+        """Receive until ``stop(event)``; returns the events received, that one included."""
+        out = []
+        while True:
+            ev = await self.recv()
+            out.append(ev)
+            if stop(ev):
+                return out
+
+    async def closed(self) -> int | None:
+        """Wait for the server to close; returns the close code."""
+        try:
+            while True:
+                await asyncio.wait_for(self.ws.recv(), RECV_TIMEOUT)
+        except websockets.ConnectionClosed:
+            pass
+        return self.ws.close_code
+
+    async def close(self) -> None:
+        await self.ws.close()
+
+
+def is_done(ctx: str | None = None) -> Callable[[Any], bool]:
+    return lambda e: isinstance(e, Done) and e.context_id == ctx
+
+
+def is_finish(e: Any) -> bool:
+    return isinstance(e, Finish)
+
+
+def audio_of(events: list[Any], ctx: str | None = None) -> list[Audio]:
+    return [e for e in events if isinstance(e, Audio) and e.context_id == ctx]
+
+
+def check_audio_sequence(audio: list[Audio]) -> None:
+    """seq numbers 0.. with no gaps; offsets are the running sum of durations."""
+    assert [a.seq for a in audio] == list(range(len(audio)))
+    t = 0.0
+    for a in audio:
+        assert a.offset_s == pytest.approx(t, abs=1e-5)
+        t += a.duration_s
+
+
+def wav_bytes(seconds: float = 0.5, rate: int = 16000, seed: int = 0) -> bytes:
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(seconds * rate)) / rate
+    x = 0.3 * np.sin(2 * np.pi * 220 * t) + 0.05 * rng.standard_normal(t.shape)
+    buf = io.BytesIO()
+    sf.write(buf, x.astype(np.float32), rate, format="WAV", subtype="PCM_16")
+    return buf.getvalue()
+
+
+def request(**kw: Any) -> TTSRequest:
+    kw.setdefault("format", "pcm")
+    kw.setdefault("max_new_tokens", 6)
+    return TTSRequest(**kw)
+
+
+async def speak(url: str, texts: list[str], *, encoding: Encoding = Encoding.MSGPACK,
+                **req: Any) -> tuple[list[Any], int | None]:
+    """One session: start, texts, flush, stop; returns (events, close code)."""
+    c = await Client.connect(url, encoding)
+    await c.send(Start(request=request(**req)))
+    for t in texts:
+        await c.send(Text(text=t))
+    await c.send(Flush())
+    await c.send(Stop())
+    events = await c.until(is_finish)
+    code = await c.closed()
+    return events, code
+
+
+# ------------------------------------------------------------------------------ the server
+
+
+@pytest.fixture(scope="module")
+def server():
+    with running_server(
+        max_turn_frames=400,
+        budget_multiplier=0.5,
+        min_turn_frames=4,
+        max_message_bytes=256 * 1024,
+        max_contexts=3,
+        max_text_chars=2000,
+    ) as url:
+        yield url
+
+
+# ------------------------------------------------------------------------------ happy paths
+
+
+async def test_msgpack_session_ready_audio_done_finish(server):
+    t0 = time.perf_counter()
+    events, code = await speak(server.ws_url, ["Hello ", "world. ", "How are you?"])
+    assert code == 1000
+    ready = events[0]
+    assert isinstance(ready, Ready)
+    assert ready.format == "pcm" and ready.sample_rate == 44100 and ready.model == "tiny"
+    assert ready.frame_rate_hz == pytest.approx(44100 / 2048)
+    assert ready.prefill_ms >= 0 and ready.session_id
+    assert ready.limits.max_new_tokens == 6 and ready.limits.max_message_bytes == 256 * 1024
+    done = [e for e in events if isinstance(e, Done)]
+    assert len(done) == 1 and done[0].reason in ("length", "eos")
+    assert done[0].segments == 2 and done[0].text_chars == len("Hello world. How are you?")
+    assert 0 < done[0].frames <= 12
+    assert done[0].ttfa_ms is not None and 0 < done[0].ttfa_ms < (time.perf_counter() - t0) * 1000
+    assert done[0].rtf is not None and done[0].rtf > 0
+    audio = audio_of(events)
+    check_audio_sequence(audio)
+    pcm = b"".join(a.audio for a in audio)
+    assert len(pcm) == done[0].frames * 2048 * 2  # s16le at the model rate: exact
+    assert done[0].audio_s == pytest.approx(done[0].frames * FRAME_S)
+    assert isinstance(events[-1], Finish) and events[-1].reason == "stop"
+    # order: ready, audio..., done, finish
+    assert events.index(done[0]) == len(events) - 2
+
+
+async def test_json_client_gets_text_frames_and_base64_audio(server):
+    c = await Client.connect(server.ws_url, Encoding.JSON)
+    await c.send_raw(json.dumps({"event": "start", "request": {"format": "pcm", "max_new_tokens": 4}}))
+    await c.send_raw(json.dumps({"event": "text", "text": "Plain JSON works."}))
+    await c.send_raw(json.dumps({"event": "flush"}))
+    await c.send_raw(json.dumps({"event": "stop"}))
+    events = await c.until(is_finish)  # Client.recv asserts every frame is a text frame
+    audio = audio_of(events)
+    done = next(e for e in events if isinstance(e, Done))
+    assert audio and len(b"".join(a.audio for a in audio)) == done.frames * 4096
+    assert await c.closed() == 1000
+    # and on the wire it really is base64 in JSON
+    raw = encode_client(Text(text="x"), Encoding.JSON)
+    assert isinstance(raw, str)
+    wire = msgspec.json.encode(Audio(audio=b"\x01\x02")).decode()
+    assert base64.b64encode(b"\x01\x02").decode() in wire
+
+
+@pytest.mark.parametrize(
+    ("lang", "text", "segments"),
+    [
+        ("en", "Good morning. The weather is fine today!", 2),
+        ("ar", "مرحبا بالعالم. كيف حالك اليوم؟", 2),
+        ("zh", "你好，世界。今天天气很好！", 2),
+        ("ja", "こんにちは。お元気ですか？", 2),
+    ],
+)
+async def test_languages(server, lang, text, segments):
+    # token-by-token streaming, as an LLM would send it
+    events, code = await speak(server.ws_url, list(text), max_new_tokens=3)
+    assert code == 1000
+    done = next(e for e in events if isinstance(e, Done))
+    assert done.segments == segments, lang
+    assert done.frames == 3 * segments  # the random-weight model never says <|im_end|>
+    assert len(b"".join(a.audio for a in audio_of(events))) == done.frames * 4096
+
+
+async def test_several_turns_per_session(server):
+    c = await Client.connect(server.ws_url)
+    await c.send(Start(request=request(max_new_tokens=4)))
+    assert isinstance(await c.recv(), Ready)
+    dones = []
+    for i in range(3):
+        await c.send(Text(text=f"Turn number {i}."))
+        await c.send(Flush())
+        evs = await c.until(is_done())
+        dones.append(evs[-1])
+        assert audio_of(evs), i
+    assert [d.frames for d in dones] == [4, 4, 4]
+    check_audio_sequence(audio_of(c.events))  # seq and offsets continue across turns
+    await c.send(Stop())
+    assert (await c.until(is_finish))[-1].reason == "stop"
+    assert await c.closed() == 1000
+
+
+async def test_concurrent_sessions(server):
+    async def one(i: int) -> tuple[list[Any], int | None]:
+        return await speak(server.ws_url, [f"Session {i} says hello.", " And goodbye."],
+                           max_new_tokens=4, seed=i)
+
+    results = await asyncio.gather(*(one(i) for i in range(4)))
+    for events, code in results:
+        assert code == 1000
+        done = next(e for e in events if isinstance(e, Done))
+        assert done.frames == 8 and done.segments == 2
+        assert len(b"".join(a.audio for a in audio_of(events))) == 8 * 4096
+
+
+async def test_text_during_prefill_and_in_start_request(server):
+    # Fish's legacy SDK may put the text into the request itself
+    c = await Client.connect(server.ws_url)
+    await c.send(Start(request=request(text="Spoken from the request.", max_new_tokens=3)))
+    await c.send(Stop())
+    events = await c.until(is_finish)
+    done = next(e for e in events if isinstance(e, Done))
+    assert done.frames == 3 and done.text_chars == len("Spoken from the request.")
+    assert await c.closed() == 1000
+
+
+async def test_cancel_mid_turn_then_next_turn(server):
+    c = await Client.connect(server.ws_url)
+    await c.send(Start(request=request(max_new_tokens=400)))
+    assert isinstance(await c.recv(), Ready)
+    await c.send(Text(text="This is a rather long sentence that would take a while to say " * 3))
+    await c.send(Flush())
+    first = await c.until(lambda e: isinstance(e, Audio))
+    assert first[-1].seq == 0
+    await c.send(Cancel())
+    evs = await c.until(is_done())
+    done = evs[-1]
+    assert done.reason == "cancelled"
+    assert 0 < done.frames < 400  # generation stopped early
+    # what was sent before the done is all there is: the next events belong to the next turn
+    sent_audio = audio_of(c.events)
+    assert done.audio_s == pytest.approx(sum(a.duration_s for a in sent_audio), abs=1e-5)
+    await c.send(Text(text="Next turn."))
+    await c.send(Flush())
+    evs = await c.until(is_done())
+    assert evs[-1].reason in ("length", "eos") and evs[-1].frames > 0
+    # nothing of the cancelled turn arrived after its done: every later audio is the new turn's
+    later = audio_of(evs)
+    assert later and sum(len(a.audio) for a in later) == evs[-1].frames * 4096
+    check_audio_sequence(audio_of(c.events))
+    await c.send(Stop())
+    await c.until(is_finish)
+    assert await c.closed() == 1000
+
+
+async def test_cancel_with_nothing_running_is_acknowledged(server):
+    c = await Client.connect(server.ws_url)
+    await c.send(Start(request=request()))
+    await c.send(Cancel(context_id="nothing"))
+    evs = await c.until(is_done("nothing"))
+    assert evs[-1].reason == "cancelled" and evs[-1].frames == 0
+    await c.send(Stop())
+    await c.until(is_finish)
+    await c.close()
+
+
+async def test_two_contexts_cancel_one_other_completes(server):
+    c = await Client.connect(server.ws_url)
+    await c.send(Start(request=request(max_new_tokens=400)))
+    assert isinstance(await c.recv(), Ready)
+    await c.send(Text(context_id="a", text="Context A talks for a long time, " * 6))
+    await c.send(Flush(context_id="a"))
+    await c.send(Text(context_id="b", text="Hi from B."))
+    await c.send(Flush(context_id="b"))
+    await c.until(lambda e: isinstance(e, Audio) and e.context_id == "a")
+    await c.send(Cancel(context_id="a"))
+    evs = await c.until(is_done("b"))
+    done_a = next(e for e in c.events if isinstance(e, Done) and e.context_id == "a")
+    done_b = evs[-1]
+    assert done_a.reason == "cancelled"
+    assert done_b.reason in ("length", "eos") and done_b.frames > 0
+    # no audio of A after A's done; B's audio is complete and numbered on its own
+    i_done_a = c.events.index(done_a)
+    assert not audio_of(c.events[i_done_a:], "a")
+    audio_b = audio_of(c.events, "b")
+    check_audio_sequence(audio_b)
+    check_audio_sequence(audio_of(c.events, "a"))
+    assert sum(len(a.audio) for a in audio_b) == done_b.frames * 4096
+    await c.send(Stop())
+    await c.until(is_finish)
+    assert await c.closed() == 1000
+
+
+# ------------------------------------------------------------------------------ formats
+
+
+def _decoded_seconds(fmt: str, rate: int, data: bytes) -> float:
+    if fmt == "pcm":
+        x, sr = sf.read(io.BytesIO(data), format="RAW", subtype="PCM_16", samplerate=rate, channels=1)
+    elif fmt == "mulaw":
+        x, sr = sf.read(io.BytesIO(data), format="RAW", subtype="ULAW", samplerate=rate, channels=1)
+    else:
+        x, sr = sf.read(io.BytesIO(data))
+    assert sr == rate
+    return len(x) / sr
+
+
+FORMAT_CASES = [("pcm", r) for r in FORMATS["pcm"].sample_rates] + [
+    ("wav", 44100), ("wav", 16000), ("mulaw", 8000), ("mp3", 44100), ("mp3", 24000),
+    ("opus", 48000), ("opus", 24000),
+]
+
+
+@pytest.mark.parametrize(("fmt", "rate"), FORMAT_CASES)
+async def test_every_format_decodes_to_the_generated_duration(server, fmt, rate):
+    events, code = await speak(server.ws_url, ["Format check. Second sentence."], format=fmt,
+                               sample_rate=rate, max_new_tokens=5)
+    assert code == 1000
+    ready = events[0]
+    assert ready.format == fmt and ready.sample_rate == rate
+    done = next(e for e in events if isinstance(e, Done))
+    assert done.frames == 10 and done.segments == 2
+    data = b"".join(a.audio for a in audio_of(events))
+    expected = done.frames * 2048 / 44100
+    got = _decoded_seconds(fmt, rate, data)
+    bound = make_encoder(fmt, rate).padding_bound_s
+    assert -1.0 / rate - 1e-9 <= got - expected <= bound + 1e-9, (fmt, rate, got, expected)
+    # chunk durations add up to the generated audio
+    assert sum(a.duration_s for a in audio_of(events)) == pytest.approx(expected, abs=1e-4)
+
+
+# ------------------------------------------------------------------------------ bad input
+
+
+async def _still_serving(url: str) -> None:
+    events, code = await speak(url, ["Still here."], max_new_tokens=2)
+    assert code == 1000 and any(isinstance(e, Done) for e in events)
+
+
+async def _error(c: Client) -> Error:
+    return (await c.until(lambda e: isinstance(e, Error)))[-1]
+
+
+@pytest.mark.parametrize(
+    ("frame", "code"),
+    [
+        (b"\xc1\x00garbage", "malformed_message"),
+        (msgspec.msgpack.encode([1, 2, 3]), "malformed_message"),
+        (msgspec.msgpack.encode({"event": "sing", "text": "la"}), "unknown_event"),
+        (msgspec.msgpack.encode({"event": "text", "text": 5}), "invalid_field"),
+        (msgspec.msgpack.encode({"event": "text"}), "missing_field"),
+        ('{"event": "text", "text": ', "malformed_message"),
+    ],
+)
+async def test_bad_messages_are_reported_and_the_session_survives(server, frame, code):
+    c = await Client.connect(server.ws_url, Encoding.JSON if isinstance(frame, str)
+                             else Encoding.MSGPACK)
+    await c.send_raw(frame)
+    err = await _error(c)
+    assert err.code == code and not err.fatal
+    # the same socket still works
+    await c.send(Start(request=request(max_new_tokens=2)))
+    await c.send(Text(text="Recovered."))
+    await c.send(Stop())
+    events = await c.until(is_finish)
+    assert events[-1].reason == "stop" and any(isinstance(e, Done) for e in events)
+    assert await c.closed() == 1000
+
+
+async def test_text_before_start_is_invalid_state(server):
+    c = await Client.connect(server.ws_url)
+    await c.send(Text(text="too early"))
+    err = await _error(c)
+    assert err.code == "invalid_state" and not err.fatal and "start" in err.message
+    await c.send(Start(request=request(max_new_tokens=6)))
+    assert isinstance(await c.recv(), Ready)
+    await c.send(Start(request=request()))  # a second start
+    assert (await _error(c)).code == "invalid_state"
+    await c.send(Text(text="Pending words keep the session draining for a while."))
+    await c.send(Stop())
+    await c.send(Text(text="after stop"))
+    assert (await _error(c)).code == "invalid_state"
+    assert (await c.until(is_finish))[-1].reason == "stop"
+    await c.close()
+
+
+async def _fatal(url: str, first: Any, *, encoding: Encoding = Encoding.MSGPACK) -> tuple[Error, int | None]:
+    c = await Client.connect(url, encoding)
+    if isinstance(first, bytes | str):
+        await c.send_raw(first)
+    else:
+        await c.send(first)
+    events = await c.until(is_finish)
+    assert events[-1].reason == "error"
+    err = next(e for e in events if isinstance(e, Error))
+    assert err.fatal
+    return err, await c.closed()
+
+
+async def test_unknown_voice_is_fatal_with_policy_close(server):
+    err, code = await _fatal(server.ws_url, Start(request=request(reference_id="no-such-voice")))
+    assert err.code == "unknown_voice" and code == 1008
+    await _still_serving(server.ws_url)
+
+
+async def test_undecodable_reference_audio(server):
+    bad = Start(request=request(references=[ReferenceAudio(audio=b"not audio at all", text="x")]))
+    err, code = await _fatal(server.ws_url, bad)
+    assert err.code == "bad_reference_audio" and code == 1007
+    await _still_serving(server.ws_url)
+
+
+async def test_unsupported_format(server):
+    err, code = await _fatal(server.ws_url, Start(request=request(format="flac")))
+    assert err.code == "unsupported_format" and code == 1003 and "pcm" in err.message
+    err, code = await _fatal(server.ws_url, Start(request=request(format="pcm", sample_rate=12345)))
+    assert err.code == "unsupported_format"
+
+
+async def test_oversized_message_is_too_large(server):
+    big = encode_client(Text(text="x" * (300 * 1024)))
+    c = await Client.connect(server.ws_url)
+    await c.send(Start(request=request()))
+    await c.send_raw(big)
+    events = await c.until(is_finish)
+    err = next(e for e in events if isinstance(e, Error))
+    assert err.code == "too_large" and err.fatal and events[-1].reason == "error"
+    assert await c.closed() == 1009
+    await _still_serving(server.ws_url)
+
+
+async def test_too_much_unspoken_text_and_too_many_contexts(server):
+    c = await Client.connect(server.ws_url)
+    await c.send(Start(request=request(max_new_tokens=2)))
+    for ctx in ("c1", "c2", "c3"):
+        await c.send(Text(context_id=ctx, text="open"))
+    await c.send(Text(context_id="c4", text="one too many"))
+    err = await _error(c)
+    assert err.code == "bad_request" and not err.fatal and err.context_id == "c4"
+    await c.send(Text(context_id="c1", text="y" * 2500))  # max_text_chars=2000
+    events = await c.until(is_finish)
+    err = [e for e in events if isinstance(e, Error)][-1]
+    assert err.code == "too_large" and err.fatal
+    assert await c.closed() == 1009
+
+
+async def test_bad_input_does_not_disturb_a_running_session(server):
+    good = await Client.connect(server.ws_url)
+    await good.send(Start(request=request(max_new_tokens=60)))
+    await good.send(Text(text="A turn that keeps generating while the neighbours misbehave."))
+    await good.send(Flush())
+    await good.until(lambda e: isinstance(e, Audio))
+    neighbours = [
+        (b"\xc1 not msgpack", "malformed_message"),
+        (encode_client(Text(text="x" * 300_000)), "too_large"),
+        (msgspec.msgpack.encode({"event": "start", "request": {"reference_id": "nope"}}),
+         "unknown_voice"),
+        (msgspec.msgpack.encode({"event": "start", "request": {"references": [
+            {"audio": b"RIFF garbage", "text": "t"}]}}), "bad_reference_audio"),
+    ]
+    for frame, code in neighbours:
+        bad = await Client.connect(server.ws_url)
+        await bad.send_raw(frame)
+        assert (await _error(bad)).code == code
+        await bad.close()
+    evs = await good.until(is_done())
+    done = evs[-1]
+    assert done.reason == "length" and done.frames > 0  # ran to its budget, undisturbed
+    assert sum(len(a.audio) for a in audio_of(good.events)) == done.frames * 4096
+    check_audio_sequence(audio_of(good.events))
+    assert not [e for e in good.events if isinstance(e, Error)]
+    await good.send(Stop())
+    await good.until(is_finish)
+    assert await good.closed() == 1000
+
+
+async def test_inline_reference_clip(server):
+    events, code = await speak(
+        server.ws_url, ["Cloned voice."], max_new_tokens=3,
+        references=[ReferenceAudio(audio=wav_bytes(0.4), text="A short reference clip.")],
+    )
+    assert code == 1000
+    done = next(e for e in events if isinstance(e, Done))
+    assert done.frames == 3
+
+
+async def test_disconnect_mid_turn_leaves_server_healthy(server):
+    c = await Client.connect(server.ws_url)
+    await c.send(Start(request=request(max_new_tokens=400)))
+    await c.send(Text(text="Talking and talking until the client vanishes."))
+    await c.send(Flush())
+    await c.until(lambda e: isinstance(e, Audio))
+    c.ws.transport.abort()  # vanish without a close handshake
+    await _still_serving(server.ws_url)
+
+
+# ------------------------------------------------------------------------------ HTTP side
+
+
+async def test_health_ready_metrics(server):
+    await _still_serving(server.ws_url)
+    async with httpx.AsyncClient(base_url=server, timeout=30) as http:
+        r = await http.get("/health")
+        assert r.status_code == 200 and r.json()["status"] == "ok"
+        r = await http.get("/ready")
+        body = r.json()
+        assert r.status_code == 200 and body["ready"] and body["model"] == "tiny"
+        assert body["random_weights"] is True and body["engine"]["free_slots"] >= 1
+        r = await http.get("/metrics")
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+        text = r.text
+    for name in ("rtvoice_sessions_total", "rtvoice_turns_total", "rtvoice_ttfa_seconds_bucket",
+                 "rtvoice_ttfa_recent_seconds", "rtvoice_frames_total", "rtvoice_errors_total",
+                 "rtvoice_engine_free_slots", "rtvoice_model_info"):
+        assert name in text, name
+    samples = {line.split(" ")[0]: float(line.split(" ")[1])
+               for line in text.splitlines() if line and not line.startswith("#")}
+    assert samples["rtvoice_frames_total"] > 0
+    assert samples['rtvoice_ttfa_seconds_bucket{le="+Inf"}'] == samples["rtvoice_ttfa_seconds_count"] > 0
+    assert samples["rtvoice_connections_open"] >= 0
+
+
+def test_overloaded_and_idle_timeout():
+    async def run(base: str, url: str) -> None:
+        first = await Client.connect(url)
+        await first.send(Start(request=request()))
+        assert isinstance(await first.recv(), Ready)
+        err, code = await _fatal(url, Start(request=request()))
+        assert err.code == "overloaded" and code == 1013
+        async with httpx.AsyncClient(base_url=base, timeout=30) as http:
+            r = await http.get("/ready")
+            assert r.status_code == 503 and r.json()["ready"] is False
+        # the idle session is closed by the server with a timeout error
+        events = await first.until(is_finish)
+        err = next(e for e in events if isinstance(e, Error))
+        assert err.code == "timeout" and events[-1].reason == "error"
+        assert await first.closed() == 1008
+        # a socket that never says anything is closed too
+        silent = await Client.connect(url)
+        assert await silent.closed() == 1008
+
+    with running_server(max_sessions=1, idle_timeout_s=1.0) as url:
+        asyncio.run(run(url, url.ws_url))

@@ -1,0 +1,193 @@
+"""Pure parts of the service: settings, the segmenter, the frame budget, the CLI parser and
+the bounded outbox. No server needed."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from rtvoice.segmenter import Segmenter, estimate_speech_seconds, is_speakable
+from rtvoice.session import _Out, _Outbox, _SlowReader, frame_budget
+from rtvoice.settings import Settings
+
+# ------------------------------------------------------------------------------ settings
+
+
+def test_settings_defaults_are_production():
+    s = Settings()
+    assert (s.network.host, s.network.port) == ("127.0.0.1", 8000)
+    assert (s.model.model, s.model.device) == ("tiny", "cpu")
+    assert s.engine.max_turn_frames == 2048 and s.limits.max_sessions > 0
+
+
+def test_settings_env_then_overrides(tmp_path):
+    env = {
+        "RTVOICE_PORT": "9001",
+        "RTVOICE_MODEL": "/models/s2-pro",
+        "RTVOICE_DEVICE": "cuda",
+        "RTVOICE_MAX_TURN_FRAMES": "1_000",
+        "RTVOICE_BUDGET_MULTIPLIER": "2.5",
+        "RTVOICE_ACCESS_LOG": "yes",
+        "RTVOICE_MAX_RUNNING": "auto",
+        "RTVOICE_DATA_DIR": str(tmp_path),
+        "RTVOICE_NOT_A_SETTING": "1",  # warned about, not fatal
+        "OTHER": "ignored",
+    }
+    s = Settings.from_env(env, port=9002)
+    assert s.network.port == 9002  # override beats env
+    assert s.model.model == "/models/s2-pro" and s.model.device == "cuda"
+    assert s.engine.max_turn_frames == 1000 and s.engine.budget_multiplier == 2.5
+    assert s.network.access_log is True and s.engine.max_running is None
+    assert s.voices.data_dir == Path(tmp_path)
+    assert s.as_dict()["network"]["port"] == 9002
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        ({"port": 70000}, "port"),
+        ({"max_turn_frames": 0}, "max_turn_frames"),
+        ({"budget_multiplier": -1.0}, "budget_multiplier"),
+        ({"min_chunk_length": 500, "max_chunk_length": 100}, "min_chunk_length"),
+        ({"dtype": "int3"}, "dtype"),
+        ({"graceful_shutdown_s": -1.0}, "graceful_shutdown_s"),
+    ],
+)
+def test_settings_validation(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        Settings().replace(**overrides)
+
+
+def test_settings_unknown_option_and_bad_env():
+    with pytest.raises(TypeError, match="unknown setting"):
+        Settings().replace(max_turn_framez=3)
+    with pytest.raises(ValueError, match="RTVOICE_PORT"):
+        Settings.from_env({"RTVOICE_PORT": "eighty"})
+
+
+def test_serve_parser_has_every_setting():
+    from rtvoice.cli import build_parser
+
+    ap = build_parser()
+    args = ap.parse_args(["serve", "--port", "0", "--model", "tiny", "--max-turn-frames", "8",
+                          "--no-access-log", "--data-dir", "/tmp/x"])
+    assert args.port == 0 and args.model == "tiny" and args.max_turn_frames == 8
+    assert args.access_log is False and args.data_dir == Path("/tmp/x")
+    # unspecified flags stay unset so that the environment can supply them
+    assert not hasattr(args, "max_sessions")
+    with pytest.raises(SystemExit):
+        ap.parse_args(["serve", "--port", "x"])
+    help_text = ap._subparsers._group_actions[0].choices["serve"].format_help()  # type: ignore[union-attr]
+    for flag in ("--host", "--device", "--max-running", "--idle-timeout-s", "RTVOICE_MAX_SESSIONS"):
+        assert flag in help_text
+    assert isinstance(ap, argparse.ArgumentParser)
+
+
+# ------------------------------------------------------------------------------ segmenter
+
+
+def segments(chunks: list[str], chunk_length: int = 200) -> list[str]:
+    seg = Segmenter(chunk_length)
+    out: list[str] = []
+    for c in chunks:
+        out += seg.push(c)
+    return out + seg.flush()
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("Hello world. How are you? Fine!", ["Hello world.", "How are you?", "Fine!"]),
+        ("Pi is 3.14 and e is 2.71. Done", ["Pi is 3.14 and e is 2.71.", "Done"]),
+        ("Mr. Smith met Dr. Who. Then J. K. Rowling.", ["Mr. Smith met Dr. Who.", "Then J. K. Rowling."]),
+        ("Wait... what?! Really.", ["Wait...", "what?!", "Really."]),
+        ('He said "stop." Then left.', ['He said "stop."', "Then left."]),
+        ("你好，世界。今天天气很好！「是的。」好", ["你好，世界。", "今天天气很好！", "「是的。」", "好"]),
+        ("こんにちは。お元気ですか？はい", ["こんにちは。", "お元気ですか？", "はい"]),
+        ("مرحبا بالعالم. كيف حالك؟ بخير", ["مرحبا بالعالم.", "كيف حالك؟", "بخير"]),
+        ("یہ اردو ہے۔ اور یہ بھی", ["یہ اردو ہے۔", "اور یہ بھی"]),
+        ("नमस्ते। आप कैसे हैं॥ ठीक", ["नमस्ते।", "आप कैसे हैं॥", "ठीक"]),
+        ("first line\nsecond line", ["first line", "second line"]),
+        ("... !!! ", []),  # punctuation alone is not spoken
+        ("file.txt is v1.2.3 ok", ["file.txt is v1.2.3 ok"]),
+    ],
+)
+def test_sentence_ends_in_any_script(text, expected):
+    assert segments([text]) == expected
+    assert segments(list(text)) == expected  # token by token gives the same cut
+
+
+def test_terminator_waits_for_the_next_character():
+    seg = Segmenter()
+    assert seg.push("It costs 3.") == []  # could still become 3.14
+    assert seg.push("14 now. And") == ["It costs 3.14 now."]
+    assert seg.push("。") == []  # the closer may follow
+    assert seg.flush() == ["And。"]
+    assert seg.buffered == 0
+
+
+def test_chunk_length_cuts_on_word_boundaries_and_stays_bounded():
+    seg = Segmenter(40)
+    out: list[str] = []
+    text = "word " * 50
+    for ch in text:
+        out += seg.push(ch)
+        assert seg.buffered <= 40
+    out += seg.flush()
+    assert all(len(s) <= 40 for s in out)
+    assert " ".join(out).split() == text.split()  # no word is split or lost
+    clause = segments(["one, two, three, four, five, six, seven, eight, nine, ten"], 20)
+    assert all(s.endswith(",") for s in clause[:-1])
+
+
+def test_chunk_length_without_boundaries_never_splits_combining_marks():
+    cjk = segments(["字" * 100], 30)
+    assert [len(s) for s in cjk] == [30, 30, 30, 10]
+    hindi = "कि" * 40  # consonant + vowel sign (a combining mark)
+    out = segments([hindi], 15)
+    assert "".join(out) == hindi
+    assert all(not ("\u0900" <= s[0] <= "\u0903" or "\u093e" <= s[0] <= "\u094f") for s in out)
+
+
+def test_clear_drops_the_buffer():
+    seg = Segmenter()
+    seg.push("Half a sent")
+    assert seg.clear() == len("Half a sent") and seg.flush() == []
+
+
+def test_speech_estimate_per_script():
+    en = estimate_speech_seconds("The quick brown fox jumps over the lazy dog.")
+    zh = estimate_speech_seconds("敏捷的棕色狐狸跳过了懒狗。")
+    assert 2.0 < en < 5.0 and 2.0 < zh < 5.0
+    assert estimate_speech_seconds("2024") > estimate_speech_seconds("abcd")
+    assert is_speakable("١٢٣") and not is_speakable("?!…")
+
+
+def test_frame_budget_bounds():
+    s = Settings().replace(budget_multiplier=3.0, min_turn_frames=32, max_turn_frames=500)
+    rate = 44100 / 2048
+    short = frame_budget(s, "Hi.", None, rate)
+    long = frame_budget(s, "A much longer sentence that takes several seconds to say.", None, rate)
+    assert short == 32 and 32 < long <= 500
+    assert frame_budget(s, "x " * 1000, None, rate) == 500  # the hard cap
+    assert frame_budget(s, "A much longer sentence.", 10, rate) == 10  # the request's max
+    tiny = Settings().replace(min_turn_frames=2, max_turn_frames=4)
+    assert frame_budget(tiny, "Hello there, how are you?", 1024, rate) == 4
+
+
+# ------------------------------------------------------------------------------ outbox
+
+
+async def test_outbox_bounds_queued_audio_and_purges():
+    box = _Outbox(max_bytes=100)
+    box.put(_Out(data=b"x" * 60))
+    keep = _Out(data=b"y" * 30)
+    box.put(keep)
+    with pytest.raises(_SlowReader, match="not reading"):
+        box.put(_Out(data=b"z" * 20))
+    box.purge(lambda item: item is keep)
+    assert await asyncio.wait_for(box.get(), 1) is keep
+    box.put(_Out(data=b"w" * 90))  # room again
