@@ -127,7 +127,8 @@ def sweep(bundle: Bundle, levels: list[int], frames: int, *, mode: str = "pingpo
             if threaded:
                 eng.start()
             try:
-                run_level(eng, c, 8, threaded=threaded)  # warm-up
+                # warm-up at the measured length: codec chunk shapes and allocator pools too
+                run_level(eng, c, frames, threaded=threaded)
                 row = run_level(eng, c, frames, threaded=threaded)
             finally:
                 eng.shutdown()

@@ -36,8 +36,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be in [0, 5], got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not (isinstance(self.top_k, int) and self.top_k >= 1):
-            raise ValueError(f"top_k must be an int >= 1, got {self.top_k!r}")
+        if not (isinstance(self.top_k, int) and 1 <= self.top_k <= TOPK_MAX):
+            raise ValueError(f"top_k must be an int in [1, {TOPK_MAX}], got {self.top_k!r}")
         if not (0 <= self.ras_window <= 64):
             raise ValueError(f"ras_window must be in [0, 64], got {self.ras_window}")
         if not (0.0 < self.ras_temperature <= 5.0 and 0.0 < self.ras_top_p <= 1.0):
@@ -60,34 +60,43 @@ def _mix32(x: Tensor) -> Tensor:
     return x ^ (x >> 16)
 
 
-def exponential_noise(seed: Tensor, step: Tensor, stream: int, n: int) -> Tensor:
-    """E ~ Exponential(1), shape [B, n], a pure function of (seed[b], step[b], stream, index)."""
-    idx = torch.arange(n, device=seed.device, dtype=torch.int64)
+TOPK_MAX = 128  # candidates kept per draw; top_k is capped here (the reference default is 30)
+
+
+def exponential_noise(seed: Tensor, step: Tensor, stream: int, idx: Tensor | int) -> Tensor:
+    """E ~ Exponential(1) for vocabulary indices `idx` ([B, n], or n for 0..n-1), a pure
+    function of (seed[b], step[b], stream, index): a token's noise does not depend on which
+    other tokens are candidates or which other requests share the batch."""
+    if isinstance(idx, int):
+        idx = torch.arange(idx, device=seed.device, dtype=torch.int64)[None, :]
     key = _mix32(seed.to(torch.int64) * 0x9E3779B1 + stream * 0x632BE5AB)
     key = _mix32(key + step.to(torch.int64) * 0x85EBCA77)
-    x = _mix32(key[:, None] + idx[None, :] * 0xC2B2AE3D)
+    x = _mix32(key[:, None] + idx.to(torch.int64) * 0xC2B2AE3D)
     u = ((x >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # uniform in (0, 1)
     return -torch.log(u)
 
 
-def sample(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor,
-           noise: Tensor) -> Tensor:
-    """logits [B, V]; temperature/top_p [B] float; top_k [B] int; noise [B, V] -> ids [B].
+def sample(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor, seed: Tensor,
+           step: Tensor, stream: int) -> Tensor:
+    """logits [B, V]; temperature/top_p [B] float; top_k [B] int (<= TOPK_MAX) -> ids [B].
 
-    Rows with temperature 0 take the argmax.
+    The reference's rule on the TOPK_MAX best candidates (everything past top_k is masked
+    anyway): top-p on the un-tempered softmax of the whole row, then temperature, then the
+    exponential race. Rows with temperature 0 take the argmax.
     """
     logits = logits.float()
-    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-    cum = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+    K = min(TOPK_MAX, logits.shape[-1])
+    vals, idx = torch.topk(logits, K, dim=-1)  # [B, K], best first
+    cum = torch.softmax(logits, dim=-1).gather(1, idx).cumsum(dim=-1)
     remove = cum > top_p[:, None]
     remove[:, 0] = False  # always keep the best
-    rank = torch.arange(logits.shape[-1], device=logits.device)
+    rank = torch.arange(K, device=logits.device)
     remove |= rank[None, :] >= top_k[:, None]
-    mask = torch.empty_like(remove).scatter_(1, order, remove)
     t = temperature.clamp(min=1e-5)[:, None]
-    probs = torch.softmax(logits.masked_fill(mask, float("-inf")) / t, dim=-1)
-    drawn = torch.argmax(probs / noise, dim=-1)
-    return torch.where(temperature > 0, drawn, torch.argmax(logits, dim=-1))
+    probs = torch.softmax(vals.masked_fill(remove, float("-inf")) / t, dim=-1)
+    race = probs / exponential_noise(seed, step, stream, idx)
+    drawn = idx.gather(1, race.argmax(dim=-1, keepdim=True))[:, 0]
+    return torch.where(temperature > 0, drawn, idx[:, 0])
 
 
 class SlotSampling:
@@ -137,16 +146,14 @@ class SlotSampling:
         """Main-token choice with repetition-aware sampling. logits [B, n_semantic+1] -> idx [B]
         (index n_semantic means <|im_end|>). Updates the window and step of `slots`."""
         seed, step = self.seed[slots], self.step[slots]
-        V = logits.shape[-1]
         main = sample(logits, self.temperature[slots], self.top_p[slots], self.top_k[slots],
-                      exponential_noise(seed, step, STREAM_MAIN, V))
+                      seed, step, STREAM_MAIN)
         # RAS: a second candidate (temperature 1.0, top-p 0.9, same top-k); taken when the main
         # token is semantic and already among the last `ras_window` main tokens. The frame
         # made by the prefill never enters the window (step 0 does not push).
         greedy = self.temperature[slots] == 0
         high = sample(logits, torch.where(greedy, 0.0, self.ras_temperature[slots]),
-                      self.ras_top_p[slots], self.top_k[slots],
-                      exponential_noise(seed, step, STREAM_RAS, V))
+                      self.ras_top_p[slots], self.top_k[slots], seed, step, STREAM_RAS)
         win = self.window[slots]  # [B, W]
         live = torch.arange(self.max_window, device=win.device)[None, :] >= (
             self.max_window - self.ras_window[slots])[:, None]
@@ -161,8 +168,7 @@ class SlotSampling:
     def sample_fast(self, slots: Tensor | slice, logits: Tensor, codebook: int) -> Tensor:
         """A residual codebook: logits [B, 4096] -> codes [B] (no bias, no RAS)."""
         return sample(logits, self.temperature[slots], self.top_p[slots], self.top_k[slots],
-                      exponential_noise(self.seed[slots], self.step[slots], STREAM_FAST + codebook,
-                                        logits.shape[-1]))
+                      self.seed[slots], self.step[slots], STREAM_FAST + codebook)
 
     def advance(self, slots: Tensor | slice) -> None:
         self.step[slots] += 1

@@ -183,12 +183,90 @@ def engine_sweep(report: dict, device: str, levels: list[int], frames: int) -> N
     torch.cuda.empty_cache()
 
 
+def _category(name: str) -> str:
+    n = name.lower()
+    if any(k in n for k in ("gemm", "gemv", "cutlass", "nvjet", "sm90_", "cublas", "splitk")):
+        return "gemm"
+    if any(k in n for k in ("fmha", "flash", "attention", "sdpa", "efficient")):
+        return "attention"
+    if any(k in n for k in ("sort", "topk", "radix", "select")):
+        return "sort/topk"
+    if "triton" in n:
+        return "fused (triton)"
+    if any(k in n for k in ("index", "scatter", "gather")):
+        return "index"
+    if any(k in n for k in ("memcpy", "memset", "copy")):
+        return "copy"
+    return "elementwise/other"
+
+
+def profile_step(report: dict, device: str) -> None:
+    """Where one frame step's GPU time goes (eager, fused ops), and graph-replay step time."""
+    from engine import fusion
+    from engine.loader import load_bundle
+    from engine.runner import ModelRunner
+
+    b = load_bundle("s2-pro", device=device, dtype="bf16", max_seq_len=1024)
+    fusion.enable("compile")
+    out = {}
+    runner = ModelRunner(b.model, n_slots=64, max_len=1024)
+    col = torch.zeros(11, dtype=torch.long)
+    col[0] = b.model.cfg.ids.semantic_start + 5
+    for B in (1, 16, 64):
+        for s in range(B):
+            runner.join(s, col, 200, 10**6, s)
+        for _ in range(3):
+            runner.step(B, 256)
+        _sync()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            runner.step(B, 256)
+            _sync()
+        cats: dict[str, float] = {}
+        n_kernels = 0
+        top = []
+        for e in prof.key_averages():
+            t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
+            if not t:
+                continue
+            n_kernels += e.count
+            cats[_category(e.key)] = cats.get(_category(e.key), 0.0) + t / 1000
+            top.append((t / 1000, e.count, e.key[:90]))
+        top.sort(reverse=True)
+        g = torch.cuda.CUDAGraph()
+        st = torch.cuda.Stream()
+        st.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(st):
+            runner.step(B, 256)
+        torch.cuda.current_stream().wait_stream(st)
+        _sync()
+        with torch.cuda.graph(g):
+            runner.step(B, 256)
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        g.replay()
+        e0.record()
+        for _ in range(50):
+            g.replay()
+        e1.record()
+        _sync()
+        out[B] = {"graph_ms_per_step": round(e0.elapsed_time(e1) / 50, 3),
+                  "graph_frames_per_s": round(B * 50 / (e0.elapsed_time(e1) / 1000), 1),
+                  "eager_kernel_ms_by_category": {k: round(v, 3) for k, v in sorted(cats.items())},
+                  "kernels_per_step": n_kernels,
+                  "top_kernels_ms": [[round(t, 3), c, k] for t, c, k in top[:12]]}
+        print(json.dumps({B: out[B]})[:1500], flush=True)
+        del g
+    report["profile"] = out
+    fusion.disable()
+    del runner, b
+    torch.cuda.empty_cache()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     ap.add_argument("--batches", default="1,4,16,64")
     ap.add_argument("--frames", type=int, default=40)
-    ap.add_argument("--skip", default="", help="comma list of: fixtures,decode,codec,engine")
+    ap.add_argument("--skip", default="", help="comma list of: fixtures,decode,codec,profile,engine")
     ap.add_argument("--levels", default="1,4,16,32,64")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -200,6 +278,7 @@ def main() -> int:
                                                      [int(x) for x in args.batches.split(",")],
                                                      args.frames)),
                      ("codec", lambda: codec_bench(report, device)),
+                     ("profile", lambda: profile_step(report, device)),
                      ("engine", lambda: engine_sweep(report, device,
                                                      [int(x) for x in args.levels.split(",")],
                                                      args.frames))):

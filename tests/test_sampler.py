@@ -5,22 +5,42 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.sampler import SamplingParams, SlotSampling, exponential_noise, sample
+from engine.sampler import TOPK_MAX, SamplingParams, SlotSampling, exponential_noise, sample
 
 
-def _draws(logits, n, *, temperature=1.0, top_p=1.0, top_k=10_000, seed0=0):
+def _draws(logits, n, *, temperature=1.0, top_p=1.0, top_k=TOPK_MAX, seed0=0):
     B = n
     lg = logits.expand(B, -1)
     seeds = torch.arange(seed0, seed0 + B)
-    noise = exponential_noise(seeds, torch.zeros(B, dtype=torch.long), 1, lg.shape[1])
     return sample(lg, torch.full((B,), temperature), torch.full((B,), top_p),
-                  torch.full((B,), top_k), noise)
+                  torch.full((B,), top_k), seeds, torch.zeros(B, dtype=torch.long), 1)
+
+
+def test_candidates_match_full_vocabulary_rule():
+    """Drawing over the TOPK_MAX best equals the reference rule over the whole row (sort,
+    top-p on the un-tempered softmax, top-k, temperature, argmax(p / E)) with the same E."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 4097, generator=g) * 3
+    B, V = logits.shape
+    temp, top_p, top_k = torch.full((B,), 0.8), torch.full((B,), 0.8), torch.full((B,), 30)
+    seeds, steps = torch.arange(B), torch.full((B,), 7)
+    got = sample(logits, temp, top_p, top_k, seeds, steps, 3)
+    srt, order = torch.sort(logits, dim=-1, descending=True)
+    remove = torch.softmax(srt, -1).cumsum(-1) > top_p[:, None]
+    remove[:, 0] = False
+    remove |= torch.arange(V)[None] >= top_k[:, None]
+    mask = torch.empty_like(remove).scatter_(1, order, remove)
+    probs = torch.softmax(logits.masked_fill(mask, float("-inf")) / 0.8, -1)
+    want = torch.argmax(probs / exponential_noise(seeds, steps, 3, V), -1)
+    assert torch.equal(got, want)
 
 
 def test_top_k_restricts():
     logits = torch.linspace(0, 1, 50)[None]
     d = _draws(logits, 4000, top_k=5)
     assert set(d.tolist()) == {45, 46, 47, 48, 49}
+    big = torch.linspace(0, 1, 4097)[None]  # candidates are cut to TOPK_MAX before top_k
+    assert set(_draws(big, 2000, top_k=3).tolist()) == {4094, 4095, 4096}
 
 
 def test_top_p_restricts_on_untempered_logits():
@@ -55,6 +75,8 @@ def test_seeds_reproduce_and_are_batch_independent():
 
 def test_noise_is_exponential():
     e = exponential_noise(torch.arange(4), torch.arange(4), 3, 50_000)
+    idx = torch.tensor([[5, 70_000, 2]]).expand(4, -1)
+    assert torch.equal(exponential_noise(torch.arange(4), torch.arange(4), 3, idx)[:, 0], e[:, 5])
     assert e.min() > 0
     assert abs(float(e.mean()) - 1.0) < 0.01 and abs(float(e.var()) - 1.0) < 0.03
 
@@ -62,7 +84,7 @@ def test_noise_is_exponential():
 def test_greedy_rows():
     logits = torch.randn(3, 40)
     out = sample(logits, torch.tensor([0.0, 0.0, 0.0]), torch.ones(3), torch.full((3,), 40),
-                 torch.ones(3, 40))
+                 torch.arange(3), torch.zeros(3, dtype=torch.long), 1)
     assert torch.equal(out, logits.argmax(-1))
 
 
@@ -100,7 +122,8 @@ def test_ras_ignores_im_end():
     assert not s.last_ras_condition.any()
 
 
-@pytest.mark.parametrize("kw", [{"temperature": -1}, {"top_p": 0}, {"top_k": 0}, {"seed": -3},
+@pytest.mark.parametrize("kw", [{"temperature": -1}, {"top_p": 0}, {"top_k": 0}, {"top_k": 500},
+                                {"seed": -3},
                                 {"ras_window": 100}])
 def test_params_validation(kw):
     with pytest.raises(ValueError):
