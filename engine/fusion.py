@@ -34,6 +34,11 @@ def enable(mode: str = "compile") -> str:
     if _state["mode"] == "compile":
         return "compile"
     import torch._dynamo
+    import torch._inductor.config
+
+    # Keep every bf16 rounding the reference does (e.g. after the q/k norm, before RoPE):
+    # by default inductor may keep float32 intermediates, which changes bf16 results.
+    torch._inductor.config.emulate_precision_casts = True
 
     # Each op sees a few ranks/dtypes (decode rows, prefill chunks, q/k heads): allow them all.
     for knob in ("recompile_limit", "cache_size_limit"):

@@ -103,6 +103,10 @@ async def _start_runtime(settings: Settings, bundle: Bundle | None) -> Runtime:
     m = settings.model
     if m.torch_threads:
         torch.set_num_threads(m.torch_threads)
+    elif m.device == "cpu":
+        # The engine runs prefill, decode and codec on their own threads; intra-op threads on
+        # top of them only oversubscribe the cores (the tiny model's matmuls are too small).
+        torch.set_num_threads(1)
     if bundle is None:
         bundle = await asyncio.to_thread(
             load_bundle,
