@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .kernels import prev_tokens_shift_inplace
+
 _M32 = 0xFFFFFFFF
 # Noise streams: independent draws per purpose within one frame.
 STREAM_MAIN, STREAM_RAS, STREAM_FAST = 1, 2, 16
@@ -113,7 +115,8 @@ class SlotSampling:
         self.ras_window = torch.zeros(n_slots, dtype=torch.int64, device=d)
         self.seed = torch.zeros(n_slots, dtype=torch.int64, device=d)
         self.step = torch.zeros(n_slots, dtype=torch.int64, device=d)
-        self.window = torch.full((n_slots, max_window), -1, dtype=torch.int64, device=d)
+        # int32 [slots, W]: the contract of csrc's prev_tokens_shift_inplace (with cw = 1)
+        self.window = torch.full((n_slots, max_window), -1, dtype=torch.int32, device=d)
         self.max_window = max_window
         self.last_ras_condition = torch.zeros(0, dtype=torch.bool, device=d)
 
@@ -160,9 +163,15 @@ class SlotSampling:
         in_window = ((win == main[:, None]) & live).any(dim=-1)
         self.last_ras_condition = in_window & (main < n_semantic)  # [B], for tests/telemetry
         chosen = torch.where(self.last_ras_condition, high, main)
-        push = step > 0
-        shifted = torch.cat([win[:, 1:], chosen[:, None]], dim=1)
-        self.window[slots] = torch.where(push[:, None], shifted, win)
+        # Push the chosen token; a row at step 0 (its prefill frame) pushes -1 instead, which
+        # leaves its freshly reset all -1 window unchanged.
+        nxt = torch.where(step > 0, chosen, -1).to(torch.int32)[:, None]  # [B, 1]
+        if isinstance(slots, slice):  # dense rows: the window rows are a contiguous view
+            prev_tokens_shift_inplace(self.window[slots].unsqueeze(-1), nxt)
+        else:
+            rows = self.window[slots].unsqueeze(-1).contiguous()
+            prev_tokens_shift_inplace(rows, nxt)
+            self.window[slots] = rows[..., 0]
         return chosen
 
     def sample_fast(self, slots: Tensor | slice, logits: Tensor, codebook: int) -> Tensor:
