@@ -10,6 +10,8 @@ store; shutdown stops them. Routes:
 - ``GET  /health``               liveness
 - ``GET  /ready``                model loaded and capacity left (200) or not (503)
 - ``GET  /metrics``              Prometheus text format
+- ``GET  /``                     the browser demo page (``rtvoice/static/index.html``)
+- ``GET  /static/...``           its scripts (``rtvoice/static/``)
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ from starlette.applications import Starlette
 from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response
-from starlette.routing import Route, WebSocketRoute
+from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, Response
+from starlette.routing import Mount, Route, WebSocketRoute
+from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket
 
 from engine.engine import EngineConfig
@@ -47,6 +50,7 @@ log = logging.getLogger(__name__)
 
 _FIELD_BYTES = 64 * 1024  # non-file multipart fields (transcript, name)
 _MULTIPART_OVERHEAD = 64 * 1024  # boundaries and headers on top of the file itself
+_STATIC_DIR = Path(__file__).resolve().parent / "static"  # the browser demo page
 
 
 def engine_config(settings: Settings, bundle: Bundle) -> EngineConfig:
@@ -92,6 +96,8 @@ def create_app(settings: Settings | None = None, *, bundle: Bundle | None = None
         Route("/health", _health, methods=["GET"]),
         Route("/ready", _ready, methods=["GET"]),
         Route("/metrics", _metrics, methods=["GET"]),
+        Route("/", _index, methods=["GET"]),
+        Mount("/static", StaticFiles(directory=_STATIC_DIR), name="static"),
     ]
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.settings = settings
@@ -268,6 +274,13 @@ async def _delete_voice(request: Request) -> Response:
     except UnknownVoice as exc:
         return _error(ErrorCode.UNKNOWN_VOICE, str(exc))
     return JSONResponse({"id": voice_id, "deleted": True})
+
+
+# ------------------------------------------------------------------------------- demo page
+
+
+async def _index(request: Request) -> Response:
+    return FileResponse(_STATIC_DIR / "index.html", media_type="text/html; charset=utf-8")
 
 
 # ------------------------------------------------------------------------------- health
