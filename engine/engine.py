@@ -796,7 +796,9 @@ class Engine:
             if finished and pending == 0:
                 ended.append((s, turn))
                 continue
-            need = self.cfg.first_chunk_frames if turn.decoded_frames == 0 else self.cfg.chunk_frames
+            # Chunks grow 2, 2, 4, 8, 8…: a small first chunk for TTFA, then doubling, so the
+            # listener's buffer is topped up before it drains, then full-size chunks.
+            need = min(self.cfg.chunk_frames, max(self.cfg.first_chunk_frames, turn.decoded_frames))
             if pending == 0 or (pending < need and not finished):
                 continue
             if turn.codec_stream is None:

@@ -1,17 +1,15 @@
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
-
-FIXTURES = Path(os.environ.get(
-    "RTVOICE_FIXTURES", Path(__file__).resolve().parents[2] / "shared/fixtures/fish_s2_tiny"))
+from _paths import FIXTURES
 
 
 @pytest.fixture(scope="session")
 def fixture_dir() -> Path:
+    """The reference fixture set (tests/_paths.py says where it is looked for)."""
     if not (FIXTURES / "config.json").is_file():
         pytest.skip(f"reference fixtures not found at {FIXTURES} (set RTVOICE_FIXTURES)")
     return FIXTURES

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from _paths import fixture_set
 from safetensors.torch import load_file, save_file
 
 from engine.codec import (
@@ -22,16 +22,7 @@ from engine.codec import (
 )
 from engine.codec.reference_checks import deterministic
 
-
-def _fixture_dir() -> Path:
-    env = os.environ.get("RTVOICE_FIXTURES")
-    if env:
-        p = Path(env)
-        return p / "fish_s2_tiny" if (p / "fish_s2_tiny").is_dir() else p
-    return Path(__file__).resolve().parents[2] / "shared/fixtures/fish_s2_tiny"
-
-
-FIXTURE = _fixture_dir()
+FIXTURE = fixture_set()
 needs_fixture = pytest.mark.skipif(
     not (FIXTURE / "codec_cases.safetensors").is_file(),
     reason=f"codec fixtures not found at {FIXTURE} (set RTVOICE_FIXTURES)",

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import os
 import random
-from pathlib import Path
 
 import pytest
 import torch
+from _paths import fixture_set
 
 from engine.codec import (
     STREAM_ATOL,
@@ -18,14 +17,6 @@ from engine.codec import (
     load_codec,
 )
 from engine.codec.reference_checks import deterministic
-
-
-def _fixture_dir() -> Path:
-    env = os.environ.get("RTVOICE_FIXTURES")
-    if env:
-        p = Path(env)
-        return p / "fish_s2_tiny" if (p / "fish_s2_tiny").is_dir() else p
-    return Path(__file__).resolve().parents[2] / "shared/fixtures/fish_s2_tiny"
 
 
 def _codes(frames: int, seed: int, overflow: bool = False) -> torch.Tensor:
@@ -39,7 +30,7 @@ def _codes(frames: int, seed: int, overflow: bool = False) -> torch.Tensor:
 @pytest.fixture(scope="module", params=["dummy", "fixture"])
 def codec(request: pytest.FixtureRequest) -> Codec:
     if request.param == "fixture":
-        d = _fixture_dir()
+        d = fixture_set()
         if not (d / "codec.safetensors").is_file():
             pytest.skip(f"codec fixtures not found at {d} (set RTVOICE_FIXTURES)")
         return load_codec(d)
