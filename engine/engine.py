@@ -310,10 +310,10 @@ class Engine:
 
     def _start_turn(self, seq: Sequence, turn: Turn) -> None:
         if seq.state is SeqState.CLOSED:
-            self._fail_turn(seq, turn, "the sequence is closed")
+            self._fail_turn(seq, turn, "the sequence is closed", "invalid_state")
             return
         if (seq.turn is not None and not seq.draining) or seq.queued_turn is not None:
-            self._fail_turn(seq, turn, "a turn is already running on this sequence")
+            self._fail_turn(seq, turn, "a turn is already running on this sequence", "invalid_state")
             return
         if seq.state is SeqState.IDLE and not seq.draining:
             seq.turn = turn
@@ -334,7 +334,7 @@ class Engine:
             if rebuilt is None:
                 seq.turn = None
                 self._fail_turn(seq, turn, f"turn text is too long for the context "
-                                           f"({max_len} positions)")
+                                           f"({max_len} positions)", "too_large")
                 return
             cols = rebuilt
         seq.closed_turn = True
@@ -724,26 +724,29 @@ class Engine:
         seq.closed_turn = False
 
     # ================================================================ endings
-    def _fail_turn(self, seq: Sequence, turn: Turn, message: str) -> None:
+    def _fail_turn(self, seq: Sequence, turn: Turn, message: str, code: str = "internal") -> None:
         turn.finished = FinishReason.ERROR
-        self._end_turn(seq, turn, FinishReason.ERROR, error=message)
+        self._end_turn(seq, turn, FinishReason.ERROR, error=message, code=code)
 
     def _end_turn(self, seq: Sequence, turn: Turn, reason: FinishReason, *, error: str | None = None,
-                  notify: bool = True) -> None:
+                  code: str | None = None, notify: bool = True) -> None:
         """Report a turn's end now (cancel, error): no audio of it is emitted afterwards."""
         with self._emit_lock:
             turn.cancelled = True
             turn.finished = reason
             if notify and not turn.reported:
                 turn.reported = True
-                seq.sink.on_turn_end(seq, self._result(turn, reason, error))
+                if reason is FinishReason.ERROR and code is None:
+                    code = "internal"
+                seq.sink.on_turn_end(seq, self._result(turn, reason, error, code))
 
-    def _result(self, turn: Turn, reason: FinishReason, error: str | None = None) -> TurnResult:
+    def _result(self, turn: Turn, reason: FinishReason, error: str | None = None,
+                code: str | None = None) -> TurnResult:
         frames = len(turn.frames)
         codes = torch.stack(turn.frames, 1)[1:] if frames else None
         return TurnResult(turn.turn_id, reason, frames, turn.samples_out / self.sample_rate,
                           turn.submitted_at, turn.ready_at, turn.first_audio_at,
-                          time.perf_counter(), codes=codes, error=error)
+                          time.perf_counter(), codes=codes, error=error, error_code=code)
 
     # ================================================================ decode thread
     def _decode_loop(self) -> None:

@@ -43,6 +43,10 @@ class TurnResult:
     finished_at: float
     codes: Tensor | None = None  # [K, frames] generated codes (all frames, im_end excluded)
     error: str | None = None
+    # With reason ERROR: whose fault. "too_large" (the text does not fit the context: the
+    # client's), "invalid_state" (a turn while one runs, or on a closed sequence: the
+    # caller's), "internal" (prefill/decode/codec failed: ours).
+    error_code: str | None = None
 
     @property
     def ttfa_s(self) -> float | None:
