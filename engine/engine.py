@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from .codec import Codec, StreamingDecoder
+from .loader import Bundle
 from .prompt import PromptBuilder, Reference
 from .request import FinishReason, SeqState, Sequence, SequenceSink, Turn, TurnResult
 from .runner import ModelRunner
@@ -86,6 +87,7 @@ class PrefillJob:
     cols: Tensor  # [1+K, n] columns to write at `start`
     start: int
     turn: Turn | None  # None: the voice prompt
+    slot: int = -1  # captured at queue time: the prefill thread never reads seq.slot
     done: int = 0
     event: object | None = None
 
@@ -236,6 +238,12 @@ class Engine:
         self._threads = []
         self._running_pingpong = False
 
+    def _decode_ctx(self) -> object:
+        """Every write to the runner's device state goes on the decode stream, so it lands
+        between two steps, in launch order (a write on another stream could race a step in
+        flight and be overwritten by it)."""
+        return torch.cuda.stream(self.decode_stream) if self.cuda else _nullctx()
+
     def _post(self, fn: Callable[[], None]) -> None:
         self._commands.put(fn)
         self._wake.set()
@@ -295,7 +303,8 @@ class Engine:
             if seq.state is SeqState.CLOSED:
                 continue
             seq.slot = self.runner.cache.alloc()
-            self.runner.assign(seq.slot, seq.params, seq.seed)
+            with self._decode_ctx():
+                self.runner.assign(seq.slot, seq.params, seq.seed)
             self._live[seq.seq_id] = seq
             seq.pos = 0
             seq.state = SeqState.PREFILLING
@@ -303,6 +312,8 @@ class Engine:
             self._queue_prefill(PrefillJob(seq, seq.system_cols, 0, None))
 
     def _queue_prefill(self, job: PrefillJob) -> None:
+        assert job.seq.slot is not None
+        job.slot = job.seq.slot
         if self._running_pingpong:
             self._prefill_in.put(job)
         else:
@@ -381,7 +392,8 @@ class Engine:
         if turn is None or turn.finished is not None:
             return
         if seq.state is SeqState.DECODING:
-            self.runner.leave(seq.slot)  # type: ignore[arg-type]
+            with self._decode_ctx():
+                self.runner.leave(seq.slot)  # type: ignore[arg-type]
             seq.draining = True
             seq.leave_step = self._k  # steps launched before this may still produce a row
             turn.finished = FinishReason.CANCELLED
@@ -396,6 +408,14 @@ class Engine:
         seq.state = SeqState.IDLE
         self._end_turn(seq, turn, FinishReason.CANCELLED)
 
+    def _abort_decoding(self, seq: Sequence, turn: Turn) -> None:
+        """Take a turn that already reported its end (an error) off the device batch."""
+        if seq.decoding is turn and seq.state is SeqState.DECODING and not seq.draining:
+            with self._decode_ctx():
+                self.runner.leave(seq.slot)  # type: ignore[arg-type]
+            seq.draining, seq.leave_step = True, self._k
+            self._maybe_drained(seq)
+
     def _rollback(self, seq: Sequence, turn: Turn) -> None:
         seq.pos = seq.turn_start_pos
         seq.closed_turn = not turn.closes_previous
@@ -409,11 +429,14 @@ class Engine:
                 self._end_turn(seq, t, FinishReason.CANCELLED, notify=False)
         seq.queued_turn = None
         self._live.pop(seq.seq_id, None)
+        if seq in self._waiting:  # it never got a slot: it must not hold a place in the queue
+            self._waiting.remove(seq)
         on_device = seq.state is SeqState.DECODING or seq.draining
         seq.state = SeqState.CLOSED
         if seq.slot is not None:
             if on_device:  # release the slot only once no launched step can write to it
-                self.runner.leave(seq.slot)
+                with self._decode_ctx():
+                    self.runner.leave(seq.slot)
                 if not seq.draining:
                     seq.draining, seq.leave_step = True, self._k
                 self._maybe_drained(seq)
@@ -433,9 +456,9 @@ class Engine:
         if not self._prefill_jobs:
             return False
         jobs = list(self._prefill_jobs)[: self.cfg.prefill_batch]
-        for job in self._prefill_round(jobs):
+        for job in self._prefill_round_safe(jobs):
             self._prefill_jobs.remove(job)
-            self._prefill_done(job)
+            self._complete_prefill(job)
         return True
 
     def _prefill_loop(self) -> None:
@@ -451,24 +474,37 @@ class Engine:
             except queue.Empty:
                 pass
             batch = active[: self.cfg.prefill_batch]
-            try:
-                with torch.cuda.stream(self.prefill_stream) if self.cuda else _nullctx():
-                    finished = self._prefill_round(batch)
-                    if finished and self.cuda:
-                        ev = torch.cuda.Event()
-                        ev.record(self.prefill_stream)
-                        for job in finished:
+            with torch.cuda.stream(self.prefill_stream) if self.cuda else _nullctx():
+                finished = self._prefill_round_safe(batch)
+                if finished and self.cuda:
+                    ev = torch.cuda.Event()
+                    ev.record(self.prefill_stream)
+                    for job in finished:
+                        if job.event is None:
                             job.event = ev
-            except Exception as e:
-                log.exception("prefill failed")
-                finished = batch
-                for job in batch:
-                    job.event = e
             for job in finished:
                 active.remove(job)
                 self._prefill_out.put(job)
             if finished:
                 self._wake.set()
+
+    def _prefill_round_safe(self, jobs: list[PrefillJob]) -> list[PrefillJob]:
+        """`_prefill_round`, but a failure fails only the job that causes it: a failed batch
+        is retried one job at a time; a job that fails alone gets the exception as its
+        `event` (its sequence is then closed with an error) and counts as finished."""
+        try:
+            return self._prefill_round(jobs)
+        except Exception as e:
+            if len(jobs) == 1:
+                log.exception("prefill failed for sequence %d", jobs[0].seq.seq_id)
+                jobs[0].event = e
+                return jobs
+            log.warning("batched prefill of %d sequences failed (%s); retrying one by one",
+                        len(jobs), e)
+            done: list[PrefillJob] = []
+            for job in jobs:
+                done += self._prefill_round_safe([job])
+            return done
 
     def _prefill_round(self, jobs: list[PrefillJob]) -> list[PrefillJob]:
         """One chunk of each job, all in one batched forward; returns the jobs now complete
@@ -484,7 +520,7 @@ class Engine:
             if not chunk.shape[1]:
                 done.append(job)
                 continue
-            items.append((seq.slot, chunk, job.start + job.done))
+            items.append((job.slot, chunk, job.start + job.done))
             work.append((job, chunk.shape[1]))
         if items:
             t0 = time.perf_counter()
@@ -508,13 +544,17 @@ class Engine:
             except queue.Empty:
                 return did
             did = True
-            if isinstance(job.event, Exception):
+            self._complete_prefill(job)
+
+    def _complete_prefill(self, job: PrefillJob) -> None:
+        if isinstance(job.event, Exception):
+            if job.seq.state is not SeqState.CLOSED:
                 job.seq.sink.on_error(job.seq, f"prefill failed: {job.event}")
                 self._close(job.seq)
-                continue
-            if job.event is not None and self.decode_stream is not None:
-                self.decode_stream.wait_event(job.event)  # GPU-side ordering, no host wait
-            self._prefill_done(job)
+            return
+        if job.event is not None and self.decode_stream is not None:
+            self.decode_stream.wait_event(job.event)  # GPU-side ordering, no host wait
+        self._prefill_done(job)
 
     def _prefill_done(self, job: PrefillJob) -> None:
         seq = job.seq
@@ -538,7 +578,7 @@ class Engine:
         self._join(seq, last, turn)
 
     def _join(self, seq: Sequence, last: Tensor, turn: Turn) -> None:
-        with torch.cuda.stream(self.decode_stream) if self.cuda else _nullctx():
+        with self._decode_ctx():
             self.runner.join(seq.slot, last, seq.pos, turn.max_frames,  # type: ignore[arg-type]
                              self._turn_seed(seq))
         self._owner[seq.slot] = seq  # type: ignore[index]
@@ -783,7 +823,10 @@ class Engine:
             if seq.state is not SeqState.CLOSED:
                 seq.state = SeqState.IDLE
             if seq.slot is not None:
-                self.runner.leave(seq.slot)
+                with self._decode_ctx():
+                    self.runner.leave(seq.slot)
+                if seq.state is SeqState.CLOSED:
+                    self._release(seq)
 
     # ================================================================ codec
     def _codec_loop(self) -> None:
@@ -829,9 +872,17 @@ class Engine:
         if not work:
             return bool(ended)
         t0 = time.perf_counter()
-        out = self.decoder.decode({sid: c.to(self.runner.device, non_blocking=True)
-                                   for sid, (_, _, c) in work.items()})
-        host = {sid: pcm.detach().float().cpu().numpy() for sid, pcm in out.items()}
+        try:
+            out = self.decoder.decode({sid: c.to(self.runner.device, non_blocking=True)
+                                       for sid, (_, _, c) in work.items()})
+            host = {sid: pcm.detach().float().cpu().numpy() for sid, pcm in out.items()}
+        except Exception as e:  # the turns of this tick end with an error; the loop goes on
+            log.exception("codec decode failed for %d streams", len(work))
+            for s, turn, _ in work.values():
+                self._drop_audio(s, turn)
+                self._end_turn(s, turn, FinishReason.ERROR, error=f"audio decoding failed: {e}")
+                self._post(lambda s=s, turn=turn: self._abort_decoding(s, turn))
+            return True
         self.stats["codec_s"] += time.perf_counter() - t0
         self.stats["codec_ticks"] += 1
         for sid, (s, turn, codes) in work.items():
@@ -881,8 +932,8 @@ class _nullctx:
         return None
 
 
-def build_engine(bundle, config: EngineConfig | None = None) -> Engine:  # type: ignore[no-untyped-def]
-    """An engine over a loaded bundle (engine.loader.Bundle)."""
+def build_engine(bundle: Bundle, config: EngineConfig | None = None) -> Engine:
+    """An engine over a loaded bundle (model, tokenizer, codec)."""
     cfg = config or EngineConfig()
     runner = ModelRunner(bundle.model, n_slots=cfg.max_running, max_len=cfg.max_len)
     return Engine(runner, bundle.tokenizer, bundle.codec, cfg)

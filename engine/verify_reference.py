@@ -108,18 +108,21 @@ def model_checks(root: Path, device: str = "cpu") -> Iterator[Check]:
                     runner.prefill(slot, new[:, :-1], pos)
                 pos, col = T - 1, new[:, -1][None]
                 # The frame loop the engine runs: device-resident state, one dense step per frame.
-                runner.join(slot, col[0], pos, n_new, 0)
+                # As many steps as the reference took (fewer than max_new_tokens when it chose
+                # <|im_end|>, whose frame is the last one it recorded).
+                want_gen = t[f"b{k}.generated"]
+                steps = min(n_new, want_gen.shape[1])
+                runner.join(slot, col[0], pos, steps, 0)
                 rec = _Recorder(model)
                 frames = []
                 try:
-                    for _ in range(n_new):
+                    for _ in range(steps):
                         out = runner.step(slot + 1, pos + 1)
                         frames.append(out[slot, : cfg.frame_rows].cpu())
                         pos += 1
                 finally:
                     rec.restore()
                 got = torch.stack(frames, 1)
-                want_gen = t[f"b{k}.generated"]
                 bad = int((got != want_gen).sum()) if got.shape == want_gen.shape else -1
                 yield (f"{tag}.generated", bad == 0,
                        f"{got.shape[1]} frames, {bad} mismatching values" if bad >= 0

@@ -233,3 +233,75 @@ def test_pingpong_cancel_drains(tiny_bundle):
         assert len(seq.history) == 2
     finally:
         eng.shutdown()
+
+
+def test_closed_waiting_sequence_frees_its_queue_place(tiny_bundle):
+    eng = make_engine(tiny_bundle, EngineConfig(max_running=1, max_len=256, max_waiting=1))
+    sa = eng.open([], SamplingParams(), CollectingSink())
+    eng.run_until_idle()
+    sb = eng.open([], SamplingParams(), CollectingSink())
+    eng.run_until_idle()
+    assert eng.load()["waiting"] == 1
+    eng.close(sb)  # gives up while waiting for a slot
+    eng.run_until_idle()
+    assert eng.load()["waiting"] == 0
+    c = CollectingSink()
+    sc = eng.open([], SamplingParams(), c)  # no EngineOverloaded: the place was freed
+    eng.close(sa)
+    eng.run_until_idle()
+    assert c.ready.is_set() and sc.slot is not None
+
+
+def test_failed_prefill_fails_only_its_sequence(tiny_bundle):
+    eng = make_engine(tiny_bundle, EngineConfig(max_running=3, max_len=256))
+    sinks = [CollectingSink() for _ in range(3)]
+    seqs = [eng.open([], SamplingParams(), s) for s in sinks]
+    orig = eng.runner.prefill_batch
+
+    def flaky(items):
+        if any(slot == 1 for slot, _, _ in items):
+            raise RuntimeError("boom in slot 1")
+        return orig(items)
+
+    eng.runner.prefill_batch = flaky
+    eng.run_until_idle()
+    assert sinks[0].ready.is_set() and sinks[2].ready.is_set()
+    assert sinks[1].prefill_s == 0 and "boom" in sinks[1].errors[0]  # on_error, never on_ready
+    assert eng.free_slots() == 1  # the failed sequence was closed and its slot released
+    eng.runner.prefill_batch = orig
+    eng.submit(seqs[0], "Still fine.", turn_id="ok", max_frames=4)
+    eng.run_until_idle()
+    assert sinks[0].results[-1].frames == 4
+
+
+def test_codec_failure_ends_the_turn_with_an_internal_error(tiny_bundle):
+    eng = make_engine(tiny_bundle, EngineConfig(max_running=2, max_len=512))
+    sink = CollectingSink()
+    seq = eng.open([], SamplingParams(seed=1), sink)
+    orig = eng.decoder.decode
+    calls = {"n": 0}
+
+    def broken(chunks):
+        calls["n"] += 1
+        raise RuntimeError("codec exploded")
+
+    eng.decoder.decode = broken
+    eng.submit(seq, "This turn loses its audio.", turn_id="bad", max_frames=100)
+    eng.run_until_idle()
+    res = sink.results[-1]
+    assert res.turn_id == "bad" and res.reason is FinishReason.ERROR
+    assert res.error_code == "internal" and "codec exploded" in res.error
+    assert eng.runner.active.sum() == 0 and not eng._owner  # taken off the device batch
+    eng.decoder.decode = orig
+    eng.submit(seq, "The next turn works.", turn_id="good", max_frames=5)
+    eng.run_until_idle()
+    assert sink.results[-1].turn_id == "good" and sink.results[-1].frames == 5
+
+
+def test_turn_too_long_is_the_clients_fault(tiny_bundle):
+    eng = make_engine(tiny_bundle, EngineConfig(max_running=1, max_len=128))
+    sink = CollectingSink()
+    seq = eng.open([], SamplingParams(), sink)
+    eng.submit(seq, "x" * 500, turn_id="long", max_frames=5)
+    eng.run_until_idle()
+    assert sink.results[-1].error_code == "too_large"
