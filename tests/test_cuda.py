@@ -131,3 +131,44 @@ def test_reference_fixtures_with_fused_ops_on_gpu():
     finally:
         fusion.disable()
     assert checks and all(ok for _, ok, _ in checks), [c for c in checks if not c[1]]
+
+
+def test_cancel_and_close_on_the_gpu_leave_no_trace(gpu_bundle):
+    """Pingpong on CUDA: a cancelled turn and a session closed mid-turn stop on the device
+    (the `leave` is ordered on the decode stream), their slots are reused, and a sequence
+    that takes over a slot decodes exactly as in a fresh engine."""
+    import time
+
+    def fresh():
+        eng = build_engine(gpu_bundle, EngineConfig(max_running=2, max_len=512, pingpong=False))
+        s = CollectingSink()
+        seq = eng.open([], SamplingParams.greedy(), s)
+        eng.submit(seq, "Reused slot.", turn_id="r", max_frames=10)
+        eng.run_until_idle()
+        return s.results[-1].codes
+
+    want = fresh()
+    eng = build_engine(gpu_bundle, EngineConfig(max_running=2, max_len=512, pingpong=True))
+    eng.start()
+    try:
+        a, b = CollectingSink(), CollectingSink()
+        sa = eng.open([], SamplingParams(seed=1), a)
+        sb = eng.open([], SamplingParams(seed=2), b)
+        eng.submit(sa, "A long turn to cancel.", turn_id="x", max_frames=400)
+        eng.submit(sb, "A long turn to drop.", turn_id="y", max_frames=400)
+        deadline = time.time() + 60
+        while (len(a.audio) < 2 or len(b.audio) < 2) and time.time() < deadline:
+            time.sleep(0.01)
+        eng.cancel(sa)
+        eng.close(sb)
+        assert a.done.wait(30)
+        time.sleep(0.5)
+        assert not eng.runner.active.any()
+        assert eng.free_slots() == 1
+        c = CollectingSink()
+        sc = eng.open([], SamplingParams.greedy(), c)
+        eng.submit(sc, "Reused slot.", turn_id="r", max_frames=10)
+        assert c.done.wait(60)
+        assert sc.slot == 1 and torch.equal(c.results[-1].codes, want)
+    finally:
+        eng.shutdown()
