@@ -29,6 +29,7 @@ import torch
 import uvicorn
 from starlette.applications import Starlette
 from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, Response
@@ -38,8 +39,16 @@ from starlette.websockets import WebSocket
 
 from engine.engine import EngineConfig
 from engine.loader import Bundle, load_bundle
+from engine.prompt import Reference
 from protocol import ErrorCode, ProtocolError, error_spec
-from rtvoice.session import Metrics, Runtime, Session, encode_reference_bytes
+from rtvoice.session import (
+    Metrics,
+    Runtime,
+    Session,
+    check_voice_room,
+    encode_reference_bytes,
+    segment_room,
+)
 from rtvoice.settings import Settings
 from rtvoice.synth import make_engine
 from rtvoice.voices import UnknownVoice, VoiceLimitError, VoiceStore, VoiceStoreConfig
@@ -124,6 +133,15 @@ async def _start_runtime(settings: Settings, bundle: Bundle | None) -> Runtime:
         )
     cfg = engine_config(settings, bundle)
     engine = make_engine(bundle, cfg)
+    # Cross-check the limits: even the plain voice prompt (no reference) must leave room for
+    # a segment of min_chunk_length characters, or no session could ever speak.
+    room = segment_room(engine, [])
+    if room < settings.limits.min_chunk_length:
+        raise ValueError(
+            f"max_len={cfg.max_len} leaves room for {max(0, room)} characters per segment next "
+            f"to the plain voice prompt; min_chunk_length is {settings.limits.min_chunk_length}: "
+            "raise max_len"
+        )
     store = VoiceStore(
         settings.voices.data_dir, VoiceStoreConfig(max_voices=settings.voices.max_voices)
     )
@@ -219,10 +237,20 @@ async def _create_voice(request: Request) -> Response:
             filename = upload.filename or ""
     except MultiPartException as exc:
         return _error(ErrorCode.BAD_REQUEST, f"invalid multipart body: {exc.message}")
+    except HTTPException as exc:  # Starlette turns a MultiPartException into a plain-text 400
+        if exc.status_code == 413:
+            return _error(ErrorCode.TOO_LARGE, f"multipart body: {exc.detail}")
+        return _error(ErrorCode.BAD_REQUEST, f"invalid multipart body: {exc.detail}")
     if len(data) > limit:
         return _error(ErrorCode.TOO_LARGE, f"audio file is larger than {limit} bytes")
     try:
         reference, rate, seconds = await encode_reference_bytes(rt, data, transcript, "audio")
+        # A voice whose prompt leaves no room for a minimal segment could never be used.
+        check_voice_room(
+            rt.engine,
+            [Reference(transcript.strip(), reference.codes)],
+            rt.settings.limits.min_chunk_length,
+        )
     except ProtocolError as exc:
         return _error(exc.code, exc.message)
     name_str = name if isinstance(name, str) and name.strip() else Path(filename).stem or "voice"
@@ -378,11 +406,14 @@ def render_metrics(rt: Runtime) -> str:
            [("", m.audio_bytes_total)])
     metric("rtvoice_errors_total", "counter", "Error events sent, by code.",
            [(f'{{code="{_label(c)}"}}', n) for c, n in sorted(m.errors.items())])
-    histogram("rtvoice_ttfa_seconds", "Time to first audio per turn (first segment handed to "
-              "the engine -> first audio chunk handed to the socket).",
-              Metrics.TTFA_BUCKETS, m.ttfa_counts, m.ttfa_sum)
+    metric("rtvoice_slow_clients_total", "counter", "Sessions dropped (error timeout) because "
+           "the client did not read fast enough (send queue or encoder backlog full).",
+           [("", m.slow_clients)])
+    histogram("rtvoice_ttfa_seconds", "Time to first audio per segment (segment handed to "
+              "the engine, i.e. ready to generate -> its first audio chunk handed to the "
+              "socket).", Metrics.TTFA_BUCKETS, m.ttfa_counts, m.ttfa_sum)
     metric("rtvoice_ttfa_recent_seconds", "summary",
-           f"TTFA quantiles over the last {Metrics.RECENT} turns.",
+           f"TTFA quantiles over the last {Metrics.RECENT} segments.",
            [(f'{{quantile="{q:g}"}}', float(v)) for q, v in m.ttfa_quantiles().items()])
     histogram("rtvoice_prefill_seconds", "Voice prompt prefill time (open -> ready).",
               Metrics.PREFILL_BUCKETS, m.prefill_counts, m.prefill_sum)

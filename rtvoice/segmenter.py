@@ -14,6 +14,11 @@ A segment is what one engine turn speaks. Segments end
   never inside a combining sequence;
 - at ``flush``: whatever is buffered.
 
+Every segment is at most ``chunk_length`` characters long (a sentence longer than that is cut
+on length too), so the session can size ``chunk_length`` to what its context window holds.
+Segments are stripped of surrounding whitespace; any other text, also punctuation or emoji
+alone, becomes a segment (whitespace alone never does).
+
 Streaming makes one thing subtle: when the buffer *ends* with a terminator, the next token
 may still turn it into something else (``3.`` + ``14``, ``。`` + ``」``), so a boundary is only
 taken once the character after it has arrived, or at ``flush``. Decimal numbers (``3.14``),
@@ -76,7 +81,8 @@ def _is_wide(ch: str) -> bool:
 
 
 def is_speakable(text: str) -> bool:
-    """True when ``text`` has at least one letter or digit (punctuation alone says nothing)."""
+    """True when ``text`` has at least one letter or digit. Informational: segments without
+    one (punctuation, emoji) are still generated."""
     return any(unicodedata.category(ch)[0] in "LN" for ch in text)
 
 
@@ -131,14 +137,17 @@ class Segmenter:
     @staticmethod
     def _emit(text: str, out: list[str]) -> None:
         text = text.strip()
-        if text and is_speakable(text):
+        if text:  # punctuation or emoji alone is text too: the model decides how it sounds
             out.append(text)
 
     def _cut_sentences(self, out: list[str]) -> None:
         buf = self._buf
         i = self._scan
         n = len(buf)
+        limit = self.chunk_length
         while i < n:
+            if i >= limit:
+                break  # no sentence end within chunk_length: push() cuts on length first
             ch = buf[i]
             if ch == "\n" or ch == "\r":
                 self._emit(buf[:i], out)
@@ -155,6 +164,8 @@ class Segmenter:
                 j += 1
             if j >= n:
                 break  # the next character decides; wait for it (or for flush)
+            if j > limit:
+                break  # the sentence would be longer than chunk_length: cut on length first
             if self._is_boundary(buf, i, j):
                 self._emit(buf[:j], out)
                 buf = buf[j:]

@@ -25,7 +25,18 @@ worker, sender), reaches :meth:`Session._on_failure`, the one place that maps it
 ``ErrorCode`` (and so, through ``protocol.error_spec``, to fatal-or-not and a close code). A
 non-fatal error becomes an ``error`` event and the session goes on; a fatal one ends the
 session with ``error``, ``finish{reason: "error"}`` and the error's close code. Nothing a
-session does can raise into another session, the engine thread or the server.
+session does can raise into another session, the engine thread or the server. One exception
+to "the code decides": a segment the engine refuses for the client's reasons (``too_large``:
+it does not fit the context; ``invalid_state``) ends its turn with ``done{reason: "error"}``
+after a non-fatal ``error`` event (:meth:`Session._report`), and the session goes on.
+
+Ordering: ``ready`` is the first event after ``start`` other than ``error``: a ``done`` that
+comes about during the prefill (a ``cancel``) is held back until ``ready`` is queued.
+
+Memory: everything queued per session is bounded. Text by ``max_text_chars``; events waiting
+for the socket by ``send_queue_events`` and their audio by ``send_queue_bytes``; raw audio
+waiting for the encoder by :func:`encode_backlog_chunks`. A client that lets a bound overflow
+is too slow (or abusive) and is dropped with ``error{timeout}``; engine callbacks never wait.
 """
 
 from __future__ import annotations
@@ -57,6 +68,7 @@ from protocol import (
     ClientEvent,
     Done,
     Encoding,
+    Error,
     ErrorCode,
     Finish,
     Flush,
@@ -87,11 +99,17 @@ from rtvoice.settings import Settings
 from rtvoice.synth import encode_reference
 from rtvoice.voices import UnknownVoice, VoiceLimitError, VoiceStore
 
-__all__ = ["Metrics", "Runtime", "Session", "frame_budget"]
+__all__ = ["Metrics", "Runtime", "Session", "check_voice_room", "frame_budget", "segment_room"]
 
 log = logging.getLogger(__name__)
 
 _FINAL_TIMEOUT_S: Final = 5.0  # last events + close to a client that may not read any more
+# Worst-case text tokens per character: a code point is at most 4 UTF-8 bytes, and both the
+# byte tokenizer (tiny) and a byte-level BPE (S2-Pro's Qwen3) need at most one token per byte.
+WORST_TOKENS_PER_CHAR: Final = 4
+# Positions the engine keeps free beyond a turn's prompt when it (re)builds a context: 64
+# frames of generation and 2 of slack (engine.Engine._rebuild_context).
+TURN_MARGIN: Final = 66
 
 
 # ============================================================================ shared runtime
@@ -102,7 +120,7 @@ class Metrics:
 
     TTFA_BUCKETS: Final = (0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0)
     PREFILL_BUCKETS: Final = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
-    RECENT: Final = 2048  # TTFA values kept for the quantiles
+    RECENT: Final = 2048  # TTFA values (one per segment) kept for the quantiles
 
     def __init__(self) -> None:
         self.connections_total = 0
@@ -115,6 +133,7 @@ class Metrics:
         self.audio_seconds_total = 0.0
         self.audio_bytes_total = 0
         self.errors: dict[str, int] = {}  # by error code
+        self.slow_clients = 0  # sessions dropped because a send/encode bound overflowed
         self.ttfa_counts = [0] * (len(self.TTFA_BUCKETS) + 1)
         self.ttfa_sum = 0.0
         self.ttfa_recent: deque[float] = deque(maxlen=self.RECENT)
@@ -130,6 +149,7 @@ class Metrics:
         counts[-1] += 1
 
     def observe_ttfa(self, seconds: float) -> None:
+        """One segment's TTFA (handed to the engine -> first audio handed to the socket)."""
         self._observe(self.TTFA_BUCKETS, self.ttfa_counts, seconds)
         self.ttfa_sum += seconds
         self.ttfa_recent.append(seconds)
@@ -176,6 +196,44 @@ def frame_budget(settings: Settings, text: str, request_max: int | None, frame_r
     return max(1, min(budget, eng.max_turn_frames))
 
 
+def encode_backlog_chunks(settings: Settings) -> int:
+    """Raw audio chunks (float32 PCM, up to ``chunk_frames`` x 2048 samples: 64 KiB by
+    default) that may wait for a session's encoder: the chunks of two longest segments
+    (``max_turn_frames``), 528 by default. The encoder falls this far behind the engine only
+    when its thread pool is starved; the session is then dropped like a slow reader (the
+    engine never waits for a session)."""
+    eng = settings.engine
+    return 2 * math.ceil(eng.max_turn_frames / eng.chunk_frames) + 16
+
+
+def segment_room(engine: Engine, references: Iterable[Reference]) -> int:
+    """Characters one segment may have so that, with this voice prompt, it always fits the
+    engine's context (``max_len``): worst-case tokens (:data:`WORST_TOKENS_PER_CHAR`) plus the
+    turn's chat wrapper plus :data:`TURN_MARGIN`. Negative when even an empty turn does not
+    fit. Sessions cap their ``chunk_length`` to it; a voice that leaves less than
+    ``min_chunk_length`` is refused (``too_large``) at upload and at ``start``
+    (:func:`check_voice_room`)."""
+    prompts = engine.prompts
+    system = prompts.system(tuple(references)).shape[1]
+    wrapper = prompts.user_turn("").shape[1]
+    room = engine.runner.cache.max_len - system - wrapper - TURN_MARGIN
+    return room // WORST_TOKENS_PER_CHAR if room >= 0 else -1
+
+
+def check_voice_room(engine: Engine, references: Iterable[Reference], min_chars: int) -> int:
+    """:func:`segment_room` of this voice; ``ProtocolError(too_large)`` when it leaves room for
+    less than ``min_chars`` characters per segment (the voice cannot be served)."""
+    room = segment_room(engine, references)
+    if room < min_chars:
+        raise ProtocolError(
+            ErrorCode.TOO_LARGE,
+            f"the voice prompt (transcript + reference codes) leaves room for {max(0, room)} "
+            f"characters per segment in the engine's context of {engine.runner.cache.max_len} "
+            f"positions; at least {min_chars} are needed: use a shorter clip or transcript",
+        )
+    return room
+
+
 # ============================================================================ per-session state
 
 
@@ -218,8 +276,9 @@ class _Utterance:
     sent_s: float = 0.0  # audio seconds sent
     reasons: set[str] = field(default_factory=set)
     encoder: AudioEncoder | None = None  # created and used by the encode worker only
-    first_submit_at: float | None = None  # TTFA origin: first segment handed to the engine
-    first_sent_at: float | None = None  # first non-empty audio chunk handed to the socket
+    # segments whose first audio went into the encoder but is in no chunk yet (encode worker)
+    awaiting_audio: list[_Segment] = field(default_factory=list)
+    segment_ttfa_s: list[float] = field(default_factory=list)  # in the order they were sent
 
     def done_reason(self) -> str:
         if self.cancelled:
@@ -230,9 +289,8 @@ class _Utterance:
         return "eos"  # nothing to say (empty utterance) ends like a natural end
 
     def ttfa_s(self) -> float | None:
-        if self.first_sent_at is None or self.first_submit_at is None:
-            return None
-        return max(0.0, self.first_sent_at - self.first_submit_at)
+        """The turn's TTFA: that of its first segment (the first one that had audio)."""
+        return self.segment_ttfa_s[0] if self.segment_ttfa_s else None
 
     def done_event(self) -> Done:
         audio_s = self.sent_s if self.cancelled else self.samples_in / MODEL_SAMPLE_RATE
@@ -255,6 +313,10 @@ class _Segment:
     text: str
     max_frames: int
     turn_id: str = ""
+    # TTFA origin: handed to the engine, i.e. the moment it was complete (cut) and the
+    # session's previous segment had ended: ready to generate
+    submitted_at: float = 0.0
+    has_audio: bool = False  # its first audio went to the encoder (encode worker)
 
 
 # encode-worker jobs and outbox items --------------------------------------------------------
@@ -267,6 +329,7 @@ class _Job:
     kind: str
     utterance: _Utterance
     pcm: np.ndarray | None = None
+    segment: _Segment | None = None  # audio jobs: whose audio
 
 
 _STOP_JOB: Final = object()
@@ -281,6 +344,7 @@ class _Out:
     data: bytes = b""
     duration_s: float = 0.0
     is_done: bool = False
+    first_of: tuple[_Segment, ...] = ()  # segments whose first audio this chunk carries
 
 
 _CLOSE_OUT: Final = _Out()
@@ -291,23 +355,50 @@ class _SlowReader(Exception):
 
 
 class _Outbox:
-    """FIFO of server events with a byte bound on queued audio and removal (for cancel)."""
+    """FIFO of server events, bounded by queued audio bytes and by queued events (any kind:
+    a client sending cancels or bad frames without reading must not grow it either), with
+    removal (for cancel) and a held-back side queue (``done`` events before ``ready``)."""
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, max_events: int) -> None:
         self._q: deque[_Out] = deque()
+        self._held: deque[_Out] = deque()
         self._bytes = 0
         self._max = max_bytes
+        self._max_events = max_events
         self._ready = asyncio.Event()
 
-    def put(self, item: _Out) -> None:
-        self._q.append(item)
+    def __len__(self) -> int:
+        return len(self._q) + len(self._held)
+
+    def put(self, item: _Out, *, hold: bool = False, force: bool = False) -> None:
+        """Queue ``item`` (``hold``: in the side queue, until :meth:`release`). Raises
+        ``_SlowReader`` once a bound is exceeded; ``force`` (the last events of a session,
+        after the queue was cleared or drained) skips the bounds."""
+        if hold:
+            self._held.append(item)
+        else:
+            self._q.append(item)
+            self._ready.set()
         self._bytes += len(item.data)
-        self._ready.set()
+        if force:
+            return
         if self._bytes > self._max:
             raise _SlowReader(
                 f"the client is not reading its audio: {self._bytes} bytes are queued "
                 f"(limit {self._max})"
             )
+        if len(self) > self._max_events:
+            raise _SlowReader(
+                f"the client is not reading its events: {len(self)} are queued "
+                f"(limit {self._max_events})"
+            )
+
+    def release(self) -> None:
+        """Move the held-back items to the end of the queue, in order."""
+        if self._held:
+            self._q.extend(self._held)
+            self._held.clear()
+            self._ready.set()
 
     async def get(self) -> _Out:
         while not self._q:
@@ -319,6 +410,7 @@ class _Outbox:
 
     def purge(self, keep: Callable[[_Out], bool]) -> None:
         self._q = deque(i for i in self._q if keep(i))
+        self._held = deque(i for i in self._held if keep(i))
         self._bytes = sum(len(i.data) for i in self._q)
 
     def clear(self) -> None:
@@ -379,8 +471,10 @@ class Session:
         self._by_turn: dict[str, _Segment] = {}
         self._turn_ids = itertools.count()
         self._utt_ids = itertools.count()
-        self._jobs: asyncio.Queue[Any] = asyncio.Queue()
-        self._outbox = _Outbox(self.limits.send_queue_bytes)
+        self._jobs: asyncio.Queue[Any] = asyncio.Queue(maxsize=encode_backlog_chunks(self.settings))
+        self._outbox = _Outbox(self.limits.send_queue_bytes, self.limits.send_queue_events)
+        self._ready_sent = False  # until then ``done`` events are held back (see _put)
+        self._chunk_cap: int | None = None  # segment_room() of the session's voice
         self._closing = False
         self._loop = asyncio.get_running_loop()
         self._end: asyncio.Future[None] = self._loop.create_future()
@@ -451,19 +545,21 @@ class Session:
         for utt in list(self._open_utts):
             if error is not None or gone:
                 utt.cancelled = True
-        self._jobs.put_nowait(_STOP_JOB)  # the worker closes the encoders it still holds
+        await self._stop_encoder(encoder)  # the worker closes the encoders it still holds
         if gone:
             sender.cancel()
         else:
+            box = self._outbox
             if error is not None:
-                self._outbox.clear()  # pending audio is moot; say what went wrong at once
-                self._outbox.put(_Out(event=error.to_event()))
-                self._outbox.put(_Out(event=Finish(reason="error", context_id=self._default_ctx)))
+                box.clear()  # pending audio is moot; say what went wrong at once
+                box.put(_Out(event=error.to_event()), force=True)
+                box.put(_Out(event=Finish(reason="error", context_id=self._default_ctx)), force=True)
                 self.rt.metrics.error(str(error.code))
                 log.info("session %s: %s (%s)", self.id, error.code, error.message)
             else:
-                self._outbox.put(_Out(event=Finish(reason="stop", context_id=self._default_ctx)))
-            self._outbox.put(_CLOSE_OUT)
+                box.release()  # a cancel's ``done`` held back by a prefill that never ended
+                box.put(_Out(event=Finish(reason="stop", context_id=self._default_ctx)), force=True)
+            box.put(_CLOSE_OUT, force=True)
             # After ``stop`` the client is owed all its audio, however slowly it reads (each
             # write is bounded by send_timeout_s); after an error only two small events remain.
             try:
@@ -486,6 +582,19 @@ class Session:
         if self._sm.state is not SessionState.CLOSED:
             self._sm.transition(SessionState.CLOSED)
 
+    async def _stop_encoder(self, encoder: asyncio.Task[None]) -> None:
+        """Queue the encode worker's stop. Its queue is bounded: when it is full, the worker
+        (which now only closes encoders, ``_closing`` is set) makes room quickly."""
+        if encoder.done():
+            return
+        try:
+            self._jobs.put_nowait(_STOP_JOB)
+        except asyncio.QueueFull:
+            try:
+                await asyncio.wait_for(self._jobs.put(_STOP_JOB), _FINAL_TIMEOUT_S)
+            except TimeoutError:
+                encoder.cancel()
+
     def _finish_ok(self) -> None:
         if not self._end.done():
             self._end.set_result(None)
@@ -494,7 +603,7 @@ class Session:
 
     def _on_failure(self, exc: BaseException) -> None:
         """THE error boundary: every failure of this session ends up here exactly once."""
-        if self._closing:
+        if self._closing or self._end.done():
             return  # after the end was decided, late failures (a dying socket) change nothing
         if isinstance(exc, ClientGone | WebSocketDisconnect):
             if not self._end.done():
@@ -505,9 +614,13 @@ class Session:
             if not self._end.done():
                 self._end.set_exception(error)
             return
-        self.rt.metrics.error(str(error.code))
+        self._report(error.to_event())
+
+    def _report(self, event: Error) -> None:
+        """Send a non-fatal ``error`` event; the session goes on."""
+        self.rt.metrics.error(event.code)
         try:
-            self._outbox.put(_Out(event=error.to_event()))
+            self._outbox.put(_Out(event=event))
         except _SlowReader as slow:
             self._on_failure(slow)
 
@@ -522,6 +635,8 @@ class Session:
         if isinstance(exc, UnknownVoice):
             return ProtocolError(ErrorCode.UNKNOWN_VOICE, str(exc))
         if isinstance(exc, _SlowReader):
+            self.rt.metrics.slow_clients += 1
+            log.warning("session %s: dropping a slow client: %s", self.id, exc)
             return ProtocolError(ErrorCode.TIMEOUT, str(exc))
         if isinstance(exc, TimeoutError):
             return ProtocolError(ErrorCode.TIMEOUT, str(exc) or "operation timed out")
@@ -564,6 +679,11 @@ class Session:
                 self._on_failure(exc)
             if self._end.done():
                 return
+            if len(self._outbox):
+                # Frames already buffered are received without a suspension: let the sender
+                # drain what this one queued, so a burst (of cancels, say) from a client that
+                # does read is not mistaken for a slow reader.
+                await asyncio.sleep(0)
 
     def _busy(self) -> bool:
         return self._running is not None or bool(self._fifo) or any(
@@ -619,6 +739,9 @@ class Session:
             raise ProtocolError(ErrorCode.UNSUPPORTED_FORMAT, str(exc)) from None
         params = self._sampling(req)
         references = await self._references(req)
+        # Cap chunk_length so that any segment fits the context next to this voice prompt
+        # (the engine would otherwise refuse a long segment of wide characters: too_large).
+        self._chunk_cap = check_voice_room(rt.engine, references, self.limits.min_chunk_length)
         self._sm.apply(event)  # -> prefilling: from here on text is buffered
         self._request = req
         self._default_ctx = req.context_id if req.context_id is not None else event.context_id
@@ -684,6 +807,8 @@ class Session:
             max(self._request.chunk_length, self.limits.min_chunk_length),
             self.limits.max_chunk_length,
         )
+        if self._chunk_cap is not None:  # what the context holds next to the voice prompt
+            chunk = max(1, min(chunk, self._chunk_cap))
         ctx = _Context(key, Segmenter(chunk))
         self._contexts[key] = ctx
         return ctx
@@ -691,6 +816,10 @@ class Session:
     def _on_text(self, context_id: str | None, text: str) -> None:
         ctx = self._context(context_id, create=True)
         assert ctx is not None
+        if ctx.open is None and not text.strip():
+            # Nothing to say (empty or whitespace) opens no turn: a flush after it is a no-op.
+            self._forget_idle_context(ctx)
+            return
         if not ctx.live and sum(c.live for c in self._contexts.values()) >= self.limits.max_contexts:
             self._forget_idle_context(ctx)
             raise ProtocolError(
@@ -788,7 +917,7 @@ class Session:
         targets = set(utts)
         for utt in utts:
             utt.cancelled = True
-            self._jobs.put_nowait(_Job(_CLOSE, utt))
+            self._queue_job(_Job(_CLOSE, utt))
         self._fifo = deque(s for s in self._fifo if s.utterance not in targets)
         # No audio of these utterances after this point, even if already queued for sending.
         self._outbox.purge(lambda item: item.utterance not in targets or item.is_done)
@@ -820,10 +949,8 @@ class Session:
             if seg.utterance.cancelled:
                 continue
             seg.turn_id = f"{self.id}.{next(self._turn_ids)}"
+            seg.submitted_at = time.perf_counter()  # the segment's TTFA origin
             self.rt.engine.submit(self._seq, seg.text, turn_id=seg.turn_id, max_frames=seg.max_frames)
-            now = time.perf_counter()
-            if seg.utterance.first_submit_at is None:
-                seg.utterance.first_submit_at = now
             self._running = seg
             self._by_turn[seg.turn_id] = seg
             self.rt.metrics.segments_total += 1
@@ -847,6 +974,8 @@ class Session:
             self._sm.transition(SessionState.READY)
             self.rt.metrics.observe_prefill(prefill_s)
             self._put(_Out(event=self._ready_event(prefill_s)))
+            self._ready_sent = True
+            self._outbox.release()  # ``done`` events of cancels during the prefill
             self._pump()
 
         self._guard_callback(run)
@@ -880,7 +1009,7 @@ class Session:
             if seg is None or seg.utterance.cancelled or pcm.size == 0:
                 return
             seg.utterance.samples_in += pcm.shape[0]
-            self._jobs.put_nowait(_Job(_AUDIO, seg.utterance, pcm))
+            self._queue_job(_Job(_AUDIO, seg.utterance, pcm, seg))
 
         self._guard_callback(run)
 
@@ -899,9 +1028,7 @@ class Session:
             utt.segments_done += 1
             self.rt.metrics.frames_total += result.frames
             if result.reason is FinishReason.ERROR and not utt.cancelled:
-                raise ProtocolError(
-                    ErrorCode.INTERNAL, f"generation failed: {result.error or 'engine error'}"
-                )
+                self._turn_error(seg, result)  # raises for our own failures (fatal)
             if result.ready_at is not None:
                 utt.gen_s += max(0.0, result.decode_s)
             utt.reasons.add(str(result.reason))
@@ -914,6 +1041,27 @@ class Session:
 
         self._guard_callback(run)
 
+    def _turn_error(self, seg: _Segment, result: TurnResult) -> None:
+        """A segment the engine failed, by whose fault (``TurnResult.error_code``): the
+        client's (``too_large``: it does not fit the context) or the caller's
+        (``invalid_state``) end this turn with ``done{reason: "error"}`` after a non-fatal
+        ``error`` event, and the session goes on; our own (``internal``, or no code) is fatal."""
+        message = result.error or "engine error"
+        code = {"too_large": ErrorCode.TOO_LARGE, "invalid_state": ErrorCode.INVALID_STATE}.get(
+            result.error_code or "internal"
+        )
+        if code is None:
+            raise ProtocolError(ErrorCode.INTERNAL, f"generation failed: {message}")
+        log.info("session %s: segment %s refused (%s): %s", self.id, seg.turn_id, code, message)
+        self._report(
+            Error(
+                code=str(code),
+                message=f"a segment of this turn was not spoken: {message}",
+                fatal=False,
+                context_id=seg.utterance.context.id,
+            )
+        )
+
     def _on_engine_error(self, message: str) -> None:
         def run() -> None:
             raise ProtocolError(ErrorCode.INTERNAL, f"the engine failed this session: {message}")
@@ -922,7 +1070,17 @@ class Session:
 
     def _maybe_finish_utterance(self, utt: _Utterance) -> None:
         if utt.flushed and not utt.cancelled and utt.segments_done == utt.segments_total:
-            self._jobs.put_nowait(_Job(_FINISH, utt))
+            self._queue_job(_Job(_FINISH, utt))
+
+    def _queue_job(self, job: _Job) -> None:
+        """Hand a job to the encode worker. Never waits (engine callbacks come through here):
+        a full backlog means the session cannot keep up, and it is dropped as too slow."""
+        try:
+            self._jobs.put_nowait(job)
+        except asyncio.QueueFull:
+            raise _SlowReader(
+                f"the audio encoder is {self._jobs.maxsize} chunks behind the engine"
+            ) from None
 
     def _check_drained(self) -> None:
         """After ``stop``: once every utterance's ``done`` is queued, finish the session."""
@@ -962,8 +1120,16 @@ class Session:
                 # Audio an encoder holds back (resampler/codec delay) is accounted to the chunk
                 # that finally carries it, so the durations of a turn's chunks add up.
                 utt.carry_s += job.pcm.shape[0] / MODEL_SAMPLE_RATE if job.pcm is not None else 0.0
+                seg = job.segment
+                if seg is not None and not seg.has_audio:
+                    seg.has_audio = True
+                    utt.awaiting_audio.append(seg)
                 if data:
-                    self._put(_Out(utterance=utt, data=data, duration_s=utt.carry_s))
+                    first_of = tuple(utt.awaiting_audio)
+                    utt.awaiting_audio.clear()
+                    self._put(
+                        _Out(utterance=utt, data=data, duration_s=utt.carry_s, first_of=first_of)
+                    )
                     utt.carry_s = 0.0
                 if job.kind == _FINISH:
                     self._finish_utterance(utt)
@@ -993,7 +1159,9 @@ class Session:
     # ------------------------------------------------------------------------- sending
 
     def _put(self, item: _Out) -> None:
-        self._outbox.put(item)  # _SlowReader propagates to the caller's failure boundary
+        # ``ready`` comes first: a ``done`` before it (a cancel during the prefill) waits.
+        hold = not self._ready_sent and (item.is_done or isinstance(item.event, Done))
+        self._outbox.put(item, hold=hold)  # _SlowReader propagates to the failure boundary
 
     async def _send_loop(self) -> None:
         metrics = self.rt.metrics
@@ -1009,9 +1177,6 @@ class Session:
                 metrics.turn_done(event.reason)
                 if not utt.cancelled:
                     metrics.audio_seconds_total += event.audio_s
-                ttfa = utt.ttfa_s()
-                if ttfa is not None and not utt.cancelled:
-                    metrics.observe_ttfa(ttfa)
             elif utt is not None:
                 ctx = utt.context
                 duration = item.duration_s
@@ -1026,8 +1191,12 @@ class Session:
                 ctx.sent_s += duration
                 utt.sent_s += duration
                 metrics.audio_bytes_total += len(item.data)
-                if utt.first_sent_at is None:
-                    utt.first_sent_at = time.perf_counter()  # TTFA: handed to the socket now
+                if item.first_of:  # TTFA of these segments: their first audio goes out now
+                    now = time.perf_counter()
+                    for seg in item.first_of:
+                        ttfa = max(0.0, now - seg.submitted_at)
+                        utt.segment_ttfa_s.append(ttfa)
+                        metrics.observe_ttfa(ttfa)
             frame = encode_server(event, self._encoding or Encoding.MSGPACK)
             try:
                 async with asyncio.timeout(timeout):

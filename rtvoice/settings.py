@@ -122,7 +122,7 @@ class ModelSettings:
 class EngineSettings:
     """Batching, chunking and the per-segment frame budget."""
 
-    max_running: int | None = None  # KV slots; None: 8 on CPU, 64 on an accelerator
+    max_running: int | None = None  # KV slots = sessions resident; None: 8 CPU, 64 accelerator
     max_len: int | None = None  # KV positions per session; None: min(4096, model context)
     max_waiting: int = 64  # sessions queued for a slot before new ones are refused
     prefill_chunk: int = 256  # prefill columns per engine step (bounds decode stalls)
@@ -137,9 +137,12 @@ class EngineSettings:
     encode_threads: int = 2  # audio encoder pool (mp3/opus cost real CPU)
 
     HELP: ClassVar[dict[str, str]] = {
-        "max_running": "sessions decoding at once (KV slots); default 8 on CPU, 64 on GPU",
-        "max_len": "KV positions per session; default min(4096, model context)",
-        "max_waiting": "sessions that may wait for a KV slot",
+        "max_running": "KV slots = sessions resident at once: a session holds its slot from "
+        "'start' until it closes, idle or not; later sessions wait for a slot (up to "
+        "max_waiting), then get 'overloaded'. Default 8 on CPU, 64 on GPU",
+        "max_len": "KV positions per session (voice prompt + turns); default min(4096, model "
+        "context). A session's chunk_length is capped so that a segment always fits",
+        "max_waiting": "sessions that may wait for a KV slot before new ones get 'overloaded'",
         "prefill_chunk": "prefill columns per engine step",
         "first_chunk_frames": "codec frames in the first audio chunk of a turn",
         "chunk_frames": "codec frames in later audio chunks",
@@ -184,6 +187,7 @@ class LimitSettings:
     max_chunk_length: int = 1000  # ceiling of a request's chunk_length
     idle_timeout_s: float = 120.0  # no client message and nothing generating -> ``timeout``
     send_queue_bytes: int = 16 * 1024 * 1024  # audio waiting for a slow reader, per socket
+    send_queue_events: int = 4096  # events (any kind) waiting for a slow reader, per socket
     send_timeout_s: float = 30.0  # one frame that cannot be written for this long -> ``timeout``
 
     HELP: ClassVar[dict[str, str]] = {
@@ -197,6 +201,7 @@ class LimitSettings:
         "max_chunk_length": "largest chunk_length honoured (characters)",
         "idle_timeout_s": "close sockets idle this long (seconds)",
         "send_queue_bytes": "audio bytes queued for a slow reader before it is dropped",
+        "send_queue_events": "events queued for a slow reader before it is dropped",
         "send_timeout_s": "drop a client that accepts no data for this long (seconds)",
     }
 
@@ -213,6 +218,7 @@ class LimitSettings:
             "max_chunk_length",
             "idle_timeout_s",
             "send_queue_bytes",
+            "send_queue_events",
             "send_timeout_s",
         )
         if self.min_chunk_length > self.max_chunk_length:
@@ -377,5 +383,6 @@ class Settings:
         return out
 
 
-# RTVOICE_* variables that are not settings (read elsewhere, e.g. by the test fixtures).
-_IGNORED_ENV: Final = frozenset({"RTVOICE_FIXTURES"})
+# RTVOICE_* variables that are not settings, read elsewhere: the engine's CUDA kernel switch
+# (csrc/README.md) and the reference fixtures of the tests (tests/_paths.py).
+_IGNORED_ENV: Final = frozenset({"RTVOICE_CUDA_KERNELS", "RTVOICE_FIXTURES"})

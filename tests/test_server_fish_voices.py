@@ -139,6 +139,10 @@ def test_voices_rest_api(server, voice_id):
     assert r.status_code == 400 and r.json()["error"]["code"] == "bad_request"
     r = httpx.post(f"{server}/v1/voices", json={"transcript": "x"})
     assert r.status_code == 400
+    # a body that is not the multipart it claims to be: still the JSON error, not plain text
+    r = httpx.post(f"{server}/v1/voices", content=b"--x\r\ngarbage without headers",
+                   headers={"content-type": "multipart/form-data; boundary=x"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "bad_request", r.text
     # add and delete a second voice
     r = add_voice(server, name="temporary")
     assert r.status_code == 201

@@ -11,6 +11,8 @@ import asyncio
 import base64
 import io
 import json
+import math
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -22,6 +24,7 @@ import pytest
 import soundfile as sf
 import websockets
 
+import rtvoice.session
 from protocol import (
     Audio,
     Cancel,
@@ -40,6 +43,7 @@ from protocol import (
     encode_client,
 )
 from rtvoice.audio_formats import FORMATS, make_encoder
+from rtvoice.session import segment_room
 from rtvoice.testing import running_server
 
 FRAME_S = 2048 / 44100
@@ -534,14 +538,77 @@ async def test_inline_reference_clip(server):
     assert done.frames == 3
 
 
-async def test_disconnect_mid_turn_leaves_server_healthy(server):
+async def _poll(check: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.01)
+
+
+def _engine_at_rest(url: Any) -> Callable[[], bool]:
+    engine = url.app.state.runtime.engine
+
+    def check() -> bool:
+        load = engine.load()
+        return (load["live"] == 0 and load["waiting"] == 0
+                and engine.free_slots() == engine.runner.n_slots and engine.decoder.n_open == 0)
+
+    return check
+
+
+async def test_disconnect_mid_turn_releases_everything(server):
+    engine = server.app.state.runtime.engine
     c = await Client.connect(server.ws_url)
     await c.send(Start(request=request(max_new_tokens=400)))
     await c.send(Text(text="Talking and talking until the client vanishes."))
     await c.send(Flush())
     await c.until(lambda e: isinstance(e, Audio))
+    assert engine.load()["live"] == 1 and engine.decoder.n_open == 1  # mid-turn, really
     c.ws.transport.abort()  # vanish without a close handshake
+    # its KV slot, its engine sequence and its codec stream are all given back
+    await _poll(_engine_at_rest(server), f"not released: {engine.load()}, "
+                f"{engine.decoder.n_open} codec streams open")
+    assert server.app.state.runtime.metrics.sessions_live == 0
     await _still_serving(server.ws_url)
+
+
+async def test_nothing_to_say_is_a_no_op_and_ready_comes_first(server):
+    c = await Client.connect(server.ws_url)
+    await c.send(Start(request=request(max_new_tokens=2)))
+    # all of this arrives while the voice prompt is still being prefilled
+    await c.send(Text(text=""))
+    await c.send(Flush())  # nothing pending: no-op, no done
+    await c.send(Text(text=" \n "))
+    await c.send(Flush())  # whitespace is nothing too
+    await c.send(Flush(context_id="never"))
+    await c.send(Cancel(context_id="x"))  # acknowledged, but not before ready
+    await c.send(Text(text="🙂"))  # emoji or punctuation alone is spoken like any text
+    await c.send(Flush())
+    await c.send(Text(text="... !!"))
+    await c.send(Flush())
+    await c.send(Stop())
+    events = await c.until(is_finish)
+    assert isinstance(events[0], Ready), events[:2]
+    assert not [e for e in events if isinstance(e, Error)]
+    dones = [e for e in events if isinstance(e, Done)]
+    assert [(d.context_id, d.reason) for d in dones[:1]] == [("x", "cancelled")]
+    emoji, punct = dones[1:]
+    assert (emoji.segments, emoji.frames, emoji.text_chars) == (1, 2, 1)
+    assert (punct.segments, punct.frames) == (2, 4)  # "..." and "!!"
+    assert len(b"".join(a.audio for a in audio_of(events))) == 6 * 4096
+    assert await c.closed() == 1000
+
+
+async def test_every_segment_ttfa_goes_to_metrics(server):
+    metrics = server.app.state.runtime.metrics
+    before = sum(metrics.ttfa_counts)
+    events, code = await speak(server.ws_url, ["One. Two. ", "Three."], max_new_tokens=2)
+    assert code == 1000
+    done = next(e for e in events if isinstance(e, Done))
+    assert done.segments == 3
+    assert sum(metrics.ttfa_counts) - before == 3  # one TTFA per segment
+    first, *_ = list(metrics.ttfa_recent)[-3:]
+    assert done.ttfa_ms == round(first * 1000, 3)  # done reports the first segment's
 
 
 # ------------------------------------------------------------------------------ HTTP side
@@ -591,3 +658,139 @@ def test_overloaded_and_idle_timeout():
 
     with running_server(max_sessions=1, idle_timeout_s=1.0) as url:
         asyncio.run(run(url, url.ws_url))
+
+
+# ------------------------------------------------------------------------------ a small engine
+
+
+@pytest.fixture(scope="module")
+def small_server():
+    """One KV slot of 256 positions, one place in the wait queue, 64 queued events per socket."""
+    with running_server(max_len=256, max_running=1, max_waiting=1, min_turn_frames=2,
+                        budget_multiplier=0.5, send_queue_events=64) as url:
+        yield url
+
+
+async def _wait_at_rest(url: Any) -> None:
+    await _poll(_engine_at_rest(url), "the engine still holds a session")
+
+
+async def test_segments_are_capped_to_what_the_context_holds(small_server):
+    room = segment_room(small_server.app.state.runtime.engine, [])
+    assert 10 <= room < 100
+    # 100 CJK characters without a boundary = 300 byte tokens: more than the whole context
+    events, code = await speak(small_server.ws_url, ["字" * 100], chunk_length=1000,
+                               max_new_tokens=2)
+    assert code == 1000 and not [e for e in events if isinstance(e, Error)]
+    done = next(e for e in events if isinstance(e, Done))
+    assert done.reason == "length" and done.segments == math.ceil(100 / room)
+    assert done.frames == 2 * done.segments
+    await _wait_at_rest(small_server)
+
+
+async def test_segment_the_engine_cannot_fit_ends_its_turn_not_the_session(small_server,
+                                                                           monkeypatch):
+    # Pretend 1 token per character: the cap lets through a segment the engine refuses.
+    monkeypatch.setattr(rtvoice.session, "WORST_TOKENS_PER_CHAR", 1, raising=False)
+    c = await Client.connect(small_server.ws_url)
+    await c.send(Start(request=request(chunk_length=1000, max_new_tokens=2)))
+    assert isinstance(await c.recv(), Ready)
+    await c.send(Text(text="字" * 100))
+    await c.send(Flush())
+    evs = await c.until(is_done())
+    err = next(e for e in evs if isinstance(e, Error))
+    assert err.code == "too_large" and not err.fatal and "not spoken" in err.message
+    assert evs[-1].reason == "error" and evs[-1].frames == 0
+    # the session goes on
+    await c.send(Text(text="This fits."))
+    await c.send(Flush())
+    done = (await c.until(is_done()))[-1]
+    assert done.reason == "length" and done.frames == 2
+    await c.send(Stop())
+    assert (await c.until(is_finish))[-1].reason == "stop"
+    assert await c.closed() == 1000
+    await _wait_at_rest(small_server)
+
+
+async def test_voice_too_large_for_the_context(small_server):
+    clip = wav_bytes(0.4)
+    files = {"audio": ("clip.wav", clip, "audio/wav")}
+    async with httpx.AsyncClient(base_url=small_server, timeout=60) as http:
+        r = await http.post("/v1/voices", files=files, data={"transcript": "word " * 60})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "too_large", r.text
+        assert "leaves room for" in r.json()["error"]["message"]
+        r = await http.post("/v1/voices", files=files, data={"transcript": "Short clip."})
+        assert r.status_code == 201, r.text  # a voice that fits is taken
+    # the same clip inline in start: too_large as well, before any prefill
+    err, code = await _fatal(small_server.ws_url, Start(request=request(
+        references=[ReferenceAudio(audio=clip, text="word " * 60)])))
+    assert err.code == "too_large" and code == 1009 and "leaves room for" in err.message
+    await _wait_at_rest(small_server)
+
+
+async def test_waiting_session_that_leaves_gives_its_place_back(small_server):
+    engine = small_server.app.state.runtime.engine
+    a = await Client.connect(small_server.ws_url)
+    await a.send(Start(request=request()))
+    assert isinstance(await a.recv(), Ready)
+    b = await Client.connect(small_server.ws_url)
+    await b.send(Start(request=request()))
+    await _poll(lambda: engine.load()["waiting"] == 1, "B does not wait for the slot")
+    async with httpx.AsyncClient(base_url=small_server, timeout=30) as http:
+        assert (await http.get("/ready")).status_code == 503  # slot taken, queue full
+        await b.close()  # B gives up before it got a slot
+        await _poll(lambda: engine.load()["waiting"] == 0, "B still holds its place in the queue")
+        r = await http.get("/ready")
+        assert r.status_code == 200, r.json()
+    c = await Client.connect(small_server.ws_url)
+    await c.send(Start(request=request()))  # waits for A's slot (not overloaded)
+    await a.send(Stop())
+    await a.until(is_finish)
+    assert await a.closed() == 1000
+    assert isinstance(await c.recv(), Ready)
+    await c.send(Stop())
+    await c.until(is_finish)
+    assert await c.closed() == 1000
+    await _wait_at_rest(small_server)
+
+
+async def test_client_that_reads_no_events_is_dropped(small_server, monkeypatch):
+    """A client that sends cancels (each answered by a done) and reads nothing: its queue of
+    events is bounded (send_queue_events=64), then it is dropped like a slow reader."""
+    from starlette.websockets import WebSocket
+
+    stalled = threading.Event()  # the socket accepts nothing while set
+    real_send = WebSocket.send_bytes
+
+    async def send_bytes(self: WebSocket, data: bytes) -> None:
+        while stalled.is_set():
+            await asyncio.sleep(0.005)
+        await real_send(self, data)
+
+    monkeypatch.setattr(WebSocket, "send_bytes", send_bytes)
+    metrics = small_server.app.state.runtime.metrics
+    slow = metrics.slow_clients
+    c = await Client.connect(small_server.ws_url)
+    await c.send(Start(request=request()))
+    assert isinstance(await c.recv(), Ready)
+    stalled.set()
+    for _ in range(200):
+        await c.send(Cancel())
+    await _poll(lambda: metrics.slow_clients > slow, "the client was not dropped")
+    stalled.clear()
+    events = await c.until(is_finish)
+    err = next(e for e in events if isinstance(e, Error))
+    assert err.code == "timeout" and err.fatal and "not reading its events" in err.message
+    assert len(events) <= 3  # the done in flight, error, finish: the queue was dropped
+    assert await c.closed() == 1008
+    await _wait_at_rest(small_server)
+
+
+def test_startup_refuses_a_context_too_small_for_any_segment():
+    from rtvoice.app import _start_runtime
+    from rtvoice.settings import Settings
+    from rtvoice.testing import _shared_bundle
+
+    settings = Settings().replace(max_len=128, max_running=1)
+    with pytest.raises(ValueError, match="max_len=128 leaves room for 0 characters"):
+        asyncio.run(_start_runtime(settings, _shared_bundle(settings)))

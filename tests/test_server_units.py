@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 from pathlib import Path
 
 import pytest
 
+from protocol import Done
 from rtvoice.segmenter import Segmenter, estimate_speech_seconds, is_speakable
-from rtvoice.session import _Out, _Outbox, _SlowReader, frame_budget
+from rtvoice.session import Session, _Job, _Out, _Outbox, _SlowReader, frame_budget
 from rtvoice.settings import Settings
 
 # ------------------------------------------------------------------------------ settings
@@ -54,11 +56,21 @@ def test_settings_env_then_overrides(tmp_path):
         ({"min_chunk_length": 500, "max_chunk_length": 100}, "min_chunk_length"),
         ({"dtype": "int3"}, "dtype"),
         ({"graceful_shutdown_s": -1.0}, "graceful_shutdown_s"),
+        ({"send_queue_events": 0}, "send_queue_events"),
     ],
 )
 def test_settings_validation(overrides, match):
     with pytest.raises(ValueError, match=match):
         Settings().replace(**overrides)
+
+
+def test_settings_env_known_non_settings_are_not_warned_about(caplog):
+    env = {"RTVOICE_CUDA_KERNELS": "0", "RTVOICE_FIXTURES": "/x", "RTVOICE_MAX_TURN_FRAMEZ": "3"}
+    with caplog.at_level(logging.WARNING, logger="rtvoice.settings"):
+        Settings.from_env(env)
+    warned = " ".join(r.getMessage().split(" (known")[0] for r in caplog.records)
+    assert "RTVOICE_MAX_TURN_FRAMEZ" in warned  # a typo is still visible
+    assert "RTVOICE_CUDA_KERNELS" not in warned and "RTVOICE_FIXTURES" not in warned
 
 
 def test_settings_unknown_option_and_bad_env():
@@ -81,8 +93,12 @@ def test_serve_parser_has_every_setting():
     with pytest.raises(SystemExit):
         ap.parse_args(["serve", "--port", "x"])
     help_text = ap._subparsers._group_actions[0].choices["serve"].format_help()  # type: ignore[union-attr]
-    for flag in ("--host", "--device", "--max-running", "--idle-timeout-s", "RTVOICE_MAX_SESSIONS"):
+    for flag in ("--host", "--device", "--max-running", "--idle-timeout-s", "RTVOICE_MAX_SESSIONS",
+                 "--send-queue-events"):
         assert flag in help_text
+    # a session holds its KV slot from start to close, decoding or not
+    flat = " ".join(help_text.split())
+    assert "decoding at once" not in flat and "sessions resident at once" in flat
     assert isinstance(ap, argparse.ArgumentParser)
 
 
@@ -111,7 +127,8 @@ def segments(chunks: list[str], chunk_length: int = 200) -> list[str]:
         ("یہ اردو ہے۔ اور یہ بھی", ["یہ اردو ہے۔", "اور یہ بھی"]),
         ("नमस्ते। आप कैसे हैं॥ ठीक", ["नमस्ते।", "आप कैसे हैं॥", "ठीक"]),
         ("first line\nsecond line", ["first line", "second line"]),
-        ("... !!! ", []),  # punctuation alone is not spoken
+        ("... !!! ", ["...", "!!!"]),  # punctuation alone is text too: the model decides
+        (" \n \t ", []),  # whitespace alone is nothing
         ("file.txt is v1.2.3 ok", ["file.txt is v1.2.3 ok"]),
     ],
 )
@@ -152,6 +169,16 @@ def test_chunk_length_without_boundaries_never_splits_combining_marks():
     assert all(not ("\u0900" <= s[0] <= "\u0903" or "\u093e" <= s[0] <= "\u094f") for s in out)
 
 
+def test_segments_never_exceed_chunk_length_even_from_one_big_push():
+    # a sentence longer than chunk_length that arrives in one piece is cut on length too
+    for chunk in (10, 40, 200):
+        seg = Segmenter(chunk)
+        text = "a" * 500 + ". b " + "word " * 80 + "\n" + "字" * 300 + "。" + "x" * 3
+        out = seg.push(text) + seg.flush()
+        assert out and all(len(s) <= chunk for s in out), (chunk, [len(s) for s in out])
+        assert "".join(out).replace(" ", "") == text.replace(" ", "").replace("\n", "")
+
+
 def test_clear_drops_the_buffer():
     seg = Segmenter()
     seg.push("Half a sent")
@@ -182,7 +209,7 @@ def test_frame_budget_bounds():
 
 
 async def test_outbox_bounds_queued_audio_and_purges():
-    box = _Outbox(max_bytes=100)
+    box = _Outbox(max_bytes=100, max_events=100)
     box.put(_Out(data=b"x" * 60))
     keep = _Out(data=b"y" * 30)
     box.put(keep)
@@ -191,3 +218,39 @@ async def test_outbox_bounds_queued_audio_and_purges():
     box.purge(lambda item: item is keep)
     assert await asyncio.wait_for(box.get(), 1) is keep
     box.put(_Out(data=b"w" * 90))  # room again
+
+
+async def test_outbox_bounds_queued_events_too():
+    # events without audio (a client sending cancels or bad frames and never reading)
+    box = _Outbox(max_bytes=10**6, max_events=3)
+    for _ in range(3):
+        box.put(_Out(event=Done(reason="cancelled")))
+    with pytest.raises(_SlowReader, match="not reading its events: 4 are queued"):
+        box.put(_Out(event=Done(reason="cancelled")))
+    box.clear()
+    # held-back items count too, and come out after what was queued meanwhile
+    held = _Out(is_done=True)
+    box.put(held, hold=True)
+    first = _Out(event="ready")
+    box.put(first)
+    box.put(_Out(), hold=True)
+    with pytest.raises(_SlowReader):
+        box.put(_Out(), hold=True)
+    box.purge(lambda item: item is held or item is first)
+    box.release()
+    assert await asyncio.wait_for(box.get(), 1) is first
+    assert await asyncio.wait_for(box.get(), 1) is held
+    # the last events of a session always fit
+    for _ in range(10):
+        box.put(_Out(data=b"x" * 1000), force=True)
+    assert len(box) == 10
+
+
+async def test_encoder_backlog_is_bounded_without_waiting():
+    session = Session.__new__(Session)  # only the queue is needed
+    session._jobs = asyncio.Queue(maxsize=2)
+    job = _Job("audio", None)  # type: ignore[arg-type]
+    session._queue_job(job)
+    session._queue_job(job)
+    with pytest.raises(_SlowReader, match="2 chunks behind"):
+        session._queue_job(job)  # never blocks: the engine's callbacks come through here
