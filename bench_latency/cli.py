@@ -270,14 +270,14 @@ class InProcessBackend:
     """Drives ``engine.Engine`` directly: the same figures without the server's cost."""
 
     def __init__(self, args: argparse.Namespace, max_running: int) -> None:
-        from engine.engine import EngineConfig
+        from engine.engine import EngineConfig, build_engine
         from engine.loader import load_bundle
-        from rtvoice.synth import encode_reference, make_engine
+        from rtvoice.synth import encode_reference
 
         self.args = args
         self.bundle = load_bundle(args.model, device=args.device, max_seq_len=args.max_len)
         cfg = EngineConfig(max_running=max_running, max_len=args.max_len)
-        self.engine = make_engine(self.bundle, cfg)
+        self.engine = build_engine(self.bundle, cfg)
         self.refs: list[Any] = []
         if args.reference:
             import soundfile as sf
@@ -565,13 +565,6 @@ def plot(results: dict[str, Any], path: str | Path) -> Path:
             if any(y is not None for y in ys):
                 ax1.plot(cs, [float("nan") if y is None else y for y in ys], style, marker=marker,
                          label=f"{name} {q}")
-    ax1.set_xscale("log", base=2)
-    ax1.set_xticks(cs, [str(c) for c in cs])
-    ax1.set_xlabel("concurrent sessions")
-    ax1.set_ylabel("TTFA (ms)")
-    ax1.set_title("Time to first audio")
-    ax1.grid(True, alpha=0.3)
-    ax1.legend(fontsize=8)
     agg = [lv["aggregate_fps"] or 0.0 for lv in levels]
     tps = [lv["decode_tps"]["p50"] or 0.0 for lv in levels]
     ax2.plot(cs, agg, "-o", label="aggregate frames/s")
@@ -579,13 +572,15 @@ def plot(results: dict[str, Any], path: str | Path) -> Path:
     fr = results.get("server", {}).get("ready", {}).get("frame_rate_hz") or \
         results.get("server", {}).get("frame_rate_hz") or 44100 / 2048
     ax2.axhline(fr, color="grey", linestyle=":", label=f"realtime ({fr:.2f} frames/s)")
-    ax2.set_xscale("log", base=2)
-    ax2.set_xticks(cs, [str(c) for c in cs])
-    ax2.set_xlabel("concurrent sessions")
-    ax2.set_ylabel("frames / s")
-    ax2.set_title("Throughput")
-    ax2.grid(True, alpha=0.3)
-    ax2.legend(fontsize=8)
+    for ax, ylabel, title in ((ax1, "TTFA (ms)", "Time to first audio"),
+                              (ax2, "frames / s", "Throughput")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(cs, [str(c) for c in cs])
+        ax.set_xlabel("concurrent sessions")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
     mode = results.get("server", {}).get("mode", "")
     fig.suptitle(f"rtvoice bench ({mode}, {results.get('machine', {}).get('node', '')})")
     fig.tight_layout()

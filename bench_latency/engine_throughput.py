@@ -19,11 +19,10 @@ from collections.abc import Iterator
 
 import torch
 
-from engine.engine import CollectingSink, Engine, EngineConfig
+from engine.engine import CollectingSink, Engine, EngineConfig, build_engine
 from engine.loader import Bundle, load_bundle
 from engine.model import DualAR
 from engine.sampler import SamplingParams
-from rtvoice.synth import make_engine
 
 
 @contextlib.contextmanager
@@ -118,7 +117,7 @@ def sweep(bundle: Bundle, levels: list[int], frames: int, *, mode: str = "pingpo
     rows = []
     with no_eos(bundle.model):
         for c in levels:
-            eng = make_engine(bundle, EngineConfig(max_running=c, max_len=max_len,
+            eng = build_engine(bundle, EngineConfig(max_running=c, max_len=max_len,
                                                    max_turn_frames=max(frames, 8),
                                                    cuda_graphs=graphs, pingpong=threaded,
                                                    fused_ops=fused_ops))

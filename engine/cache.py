@@ -8,7 +8,6 @@ last row is a scratch slot that padded batch rows write into.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from .config import ModelConfig, TransformerConfig
@@ -49,10 +48,6 @@ class SlowKVCache:
         if slot in self._free or not (0 <= slot < self.n_slots):
             raise ValueError(f"slot {slot} is not allocated")
         self._free.append(slot)
-
-    @staticmethod
-    def bytes_per_slot(cfg: TransformerConfig, max_len: int, dtype: torch.dtype) -> int:
-        return 2 * cfg.n_layer * cfg.n_local_heads * max_len * cfg.head_dim * dtype.itemsize
 
 
 class PrefillAttend:
@@ -156,7 +151,3 @@ class FastKV:
         mask = self._masks[p: p + 1, : p + 1][None, None]  # [1, 1, 1, p+1]
         return explicit_attention(q, self.k[layer, :b, :, : p + 1], self.v[layer, :b, :, : p + 1],
                                   mask)
-
-
-def pad_to(x: Tensor, n: int, value: int) -> Tensor:
-    return F.pad(x, (0, n - x.shape[-1]), value=value)

@@ -7,7 +7,7 @@ slow AR, `audio_decoder_config` the fast AR, and the token ids sit at the top le
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -244,12 +244,3 @@ def preset(name: str) -> ModelConfig:
         return PRESETS[name]()
     except KeyError:
         raise ValueError(f"unknown model preset {name!r}; known: {', '.join(PRESETS)}") from None
-
-
-def describe(cfg: ModelConfig) -> dict[str, Any]:
-    out: dict[str, Any] = {"name": cfg.name, "params": cfg.num_params(),
-                           "num_codebooks": cfg.num_codebooks}
-    for side in ("slow", "fast"):
-        t = getattr(cfg, side)
-        out[side] = {f.name: getattr(t, f.name) for f in fields(t)}
-    return out

@@ -20,6 +20,7 @@ Two ways to run the same code:
 from __future__ import annotations
 
 import bisect
+import contextlib
 import itertools
 import logging
 import queue
@@ -238,11 +239,15 @@ class Engine:
         self._threads = []
         self._running_pingpong = False
 
-    def _decode_ctx(self) -> object:
+    def _on(self, stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager:
+        """Run on `stream` (CUDA), or nowhere in particular (CPU)."""
+        return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+    def _decode_ctx(self) -> contextlib.AbstractContextManager:
         """Every write to the runner's device state goes on the decode stream, so it lands
         between two steps, in launch order (a write on another stream could race a step in
         flight and be overwritten by it)."""
-        return torch.cuda.stream(self.decode_stream) if self.cuda else _nullctx()
+        return self._on(self.decode_stream)
 
     def _post(self, fn: Callable[[], None]) -> None:
         self._commands.put(fn)
@@ -474,7 +479,7 @@ class Engine:
             except queue.Empty:
                 pass
             batch = active[: self.cfg.prefill_batch]
-            with torch.cuda.stream(self.prefill_stream) if self.cuda else _nullctx():
+            with self._on(self.prefill_stream):
                 finished = self._prefill_round_safe(batch)
                 if finished and self.cuda:
                     ev = torch.cuda.Event()
@@ -659,7 +664,7 @@ class Engine:
         si = bisect.bisect_left(self._spans, need)
         span = self._spans[min(si, len(self._spans) - 1)]
         t0 = time.perf_counter()
-        with torch.cuda.stream(self.decode_stream) if self.cuda else _nullctx():
+        with self._decode_ctx():
             ev_start = None
             if self.measure_gaps and self.cuda:
                 ev_start = torch.cuda.Event(enable_timing=True)
@@ -707,7 +712,7 @@ class Engine:
             turn = seq.decoding
             if turn is None:
                 continue
-            frame = torch.tensor(row[:K1])
+            frame = out[slot, :K1]  # a view of this step's (cloned) result
             turn.all_frames.append(frame)
             if seq.draining or turn.finished is not None:
                 self.stats["wasted_rows"] += 1
@@ -833,7 +838,7 @@ class Engine:
         torch.set_grad_enabled(False)
         while not self._stop.is_set():
             try:
-                with torch.cuda.stream(self.codec_stream) if self.cuda else _nullctx():
+                with self._on(self.codec_stream):
                     did = self._codec_tick()
             except Exception:
                 log.exception("codec tick failed")
@@ -922,14 +927,6 @@ class Engine:
                 for i in range(len(self.gaps.starts) - 1)]
         self.gaps = _Gaps()
         return gaps
-
-
-class _nullctx:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *a: object) -> None:
-        return None
 
 
 def build_engine(bundle: Bundle, config: EngineConfig | None = None) -> Engine:

@@ -8,7 +8,7 @@ holding config.json, model*.safetensors (+ index), tokenizer.json and the codec
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -48,6 +48,16 @@ def default_dtype(device: str) -> torch.dtype:
     return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
 
 
+def reconcile_ids(cfg: ModelConfig, tok: Tokenizer) -> ModelConfig:
+    """The reference takes the semantic range and <|im_end|> from the tokenizer, whatever
+    config.json says: so do we (with a warning when they differ)."""
+    if (tok.ids.semantic_start, tok.ids.im_end) == (cfg.ids.semantic_start, cfg.ids.im_end):
+        return cfg
+    log.warning("tokenizer ids %s differ from config.json's %s; the tokenizer wins (as in the "
+                "reference)", tok.ids, cfg.ids)
+    return replace(cfg, ids=tok.ids)
+
+
 def load_bundle(spec: str = "tiny", *, device: str = "cpu", dtype: str | torch.dtype | None = None,
                 codec_dtype: str | torch.dtype | None = None, seed: int = 0,
                 max_seq_len: int | None = None) -> Bundle:
@@ -75,11 +85,7 @@ def load_bundle(spec: str = "tiny", *, device: str = "cpu", dtype: str | torch.d
     if max_seq_len:
         cfg = cfg.with_max_seq_len(max_seq_len)
     tok = HFTokenizer(path)
-    if tok.ids.semantic_start != cfg.ids.semantic_start or tok.ids.im_end != cfg.ids.im_end:
-        log.warning("tokenizer ids %s differ from config.json's %s; the tokenizer wins (as in the "
-                    "reference)", tok.ids, cfg.ids)
-        from dataclasses import replace
-        cfg = replace(cfg, ids=tok.ids)
+    cfg = reconcile_ids(cfg, tok)
     model = load_model(path, cfg, device=device, dtype=dt)
     codec = load_codec(path, device=device, dtype=cdt)
     return Bundle(model, tok, codec, path.name, False)

@@ -84,7 +84,6 @@ class Turn:
     max_frames: int
     submitted_at: float = field(default_factory=time.perf_counter)
     cols: Tensor | None = None  # prompt columns still to prefill [1+K, n]
-    prefilled: int = 0
     ready_at: float | None = None
     first_audio_at: float | None = None
     frames: list[Tensor] = field(default_factory=list)  # audible frames, each [1+K] (host)
@@ -110,7 +109,6 @@ class Sequence:
     slot: int | None = None
     pos: int = 0  # positions filled in the KV cache
     system_cols: Tensor | None = None
-    pending_cols: Tensor | None = None  # voice prompt columns still to prefill
     history: list[tuple[str, Tensor]] = field(default_factory=list)  # (text, codes fed) per turn
     turn: Turn | None = None  # the turn in prefill or on the device
     queued_turn: Turn | None = None  # waits for the voice prompt or a cancelled turn's drain

@@ -134,13 +134,8 @@ class SlotSampling:
         self.window[slot] = -1
 
     def begin_turn_dev(self, slot: int, seed: Tensor) -> None:
-        """begin_turn with the seed already on the device (no host sync)."""
-        self.seed[slot] = seed
-        self.step[slot] = 0
-        self.window[slot] = -1
-
-    def begin_turn(self, slot: int, seed: int) -> None:
-        """A new generation on this slot: fresh noise stream, empty RAS window."""
+        """A new generation on this slot: fresh noise stream (seed already on the device, so
+        no host sync), empty RAS window."""
         self.seed[slot] = seed
         self.step[slot] = 0
         self.window[slot] = -1

@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 from torch import Tensor
 
 from .config import ModelConfig
+from .loader import reconcile_ids
 from .model import DualAR
 from .prompt import PromptBuilder, Reference
 from .runner import ModelRunner
@@ -71,9 +72,7 @@ def _diff(a: Tensor, b: Tensor) -> float:
 def model_checks(root: Path, device: str = "cpu") -> Iterator[Check]:
     cfg = ModelConfig.from_checkpoint(root)
     tok = HFTokenizer(root)
-    if (tok.ids.semantic_start, tok.ids.im_end) != (cfg.ids.semantic_start, cfg.ids.im_end):
-        from dataclasses import replace
-        cfg = replace(cfg, ids=tok.ids)  # the reference takes the range from the tokenizer
+    cfg = reconcile_ids(cfg, tok)
     yield ("tokenizer.semantic_range", True,
            f"{tok.ids.semantic_start}..{tok.ids.semantic_end}, <|im_end|>={tok.ids.im_end}")
     model = load_model(root, cfg, dtype=torch.float32, device=device)

@@ -37,7 +37,7 @@ from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket
 
-from engine.engine import EngineConfig
+from engine.engine import EngineConfig, build_engine
 from engine.loader import Bundle, load_bundle
 from engine.prompt import Reference
 from protocol import ErrorCode, ProtocolError, error_spec
@@ -50,7 +50,6 @@ from rtvoice.session import (
     segment_room,
 )
 from rtvoice.settings import Settings
-from rtvoice.synth import make_engine
 from rtvoice.voices import UnknownVoice, VoiceLimitError, VoiceStore, VoiceStoreConfig
 
 __all__ = ["create_app", "engine_config", "render_metrics", "uvicorn_config"]
@@ -132,7 +131,7 @@ async def _start_runtime(settings: Settings, bundle: Bundle | None) -> Runtime:
             max_seq_len=m.max_seq_len,
         )
     cfg = engine_config(settings, bundle)
-    engine = make_engine(bundle, cfg)
+    engine = build_engine(bundle, cfg)
     # Cross-check the limits: even the plain voice prompt (no reference) must leave room for
     # a segment of min_chunk_length characters, or no session could ever speak.
     room = segment_room(engine, [])

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.engine import CollectingSink, Engine, EngineConfig, build_engine
+from engine.engine import CollectingSink, EngineConfig, build_engine
 from engine.loader import Bundle, load_bundle
 from engine.prompt import Reference
 from engine.sampler import SamplingParams
@@ -31,10 +31,6 @@ def encode_reference(bundle: Bundle, audio: np.ndarray, sample_rate: int, text: 
     return Reference(text, codes[0, :, : int(lengths[0])].cpu())
 
 
-def make_engine(bundle: Bundle, config: EngineConfig | None = None) -> Engine:
-    return build_engine(bundle, config)
-
-
 def synthesize(text: str, out: Path, *, model: str = "tiny", device: str = "cpu",
                reference: Path | None = None, reference_text: str | None = None,
                seed: int = 0, max_frames: int = 600, temperature: float = 0.8, top_p: float = 0.8,
@@ -48,7 +44,7 @@ def synthesize(text: str, out: Path, *, model: str = "tiny", device: str = "cpu"
             raise ValueError("--reference needs --reference-text (the transcript of the clip)")
         audio, sr = sf.read(str(reference), dtype="float32", always_2d=True)
         refs.append(encode_reference(bundle, audio.mean(axis=1), sr, reference_text))
-    engine = make_engine(bundle, EngineConfig(max_running=1, max_len=bundle.model.cfg.slow.max_seq_len
+    engine = build_engine(bundle, EngineConfig(max_running=1, max_len=bundle.model.cfg.slow.max_seq_len
                                               if device != "cpu" else 4096))
     sink = CollectingSink()
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)

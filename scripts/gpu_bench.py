@@ -48,7 +48,8 @@ def fixture_check(report: dict, device: str) -> None:
     fusion.disable()
 
 
-def s2pro_decode(report: dict, device: str, batches: list[int], frames: int) -> None:
+def s2pro_decode(report: dict, device: str, batches: list[int], frames: int,
+                 model: str = "s2-pro") -> None:
     from engine.loader import load_bundle
     from engine.prompt import PromptBuilder
     from engine.runner import ModelRunner
@@ -56,10 +57,12 @@ def s2pro_decode(report: dict, device: str, batches: list[int], frames: int) -> 
 
     torch.backends.cuda.matmul.allow_tf32 = True
     t0 = time.perf_counter()
-    b = load_bundle("s2-pro", device=device, dtype="bf16", max_seq_len=4096)
+    b = load_bundle(model, device=device, dtype="bf16" if device == "cuda" else "fp32",
+                    max_seq_len=4096)
     _sync()
     report["s2pro_load_s"] = round(time.perf_counter() - t0, 2)
-    report["gpu_mem_weights_gb"] = round(torch.cuda.memory_allocated() / 1e9, 2)
+    if device == "cuda":
+        report["gpu_mem_weights_gb"] = round(torch.cuda.memory_allocated() / 1e9, 2)
     max_b = max(batches)
     runner = ModelRunner(b.model, n_slots=max_b, max_len=1024)
     pb = PromptBuilder(b.tokenizer)
@@ -71,7 +74,7 @@ def s2pro_decode(report: dict, device: str, batches: list[int], frames: int) -> 
         s = runner.cache.alloc()
         runner.assign(s, SamplingParams.greedy(), 0)
         slots.append(s)
-    # prefill (warm once, then timed)
+    # prefill (warm once, then timed); slots are 0..max_b-1, so batch rows = slots
     runner.prefill(slots[0], prompt[:, :-1], 0)
     _sync()
     t0 = time.perf_counter()
@@ -81,19 +84,15 @@ def s2pro_decode(report: dict, device: str, batches: list[int], frames: int) -> 
     report["prefill_ms_per_seq"] = round(1000 * (time.perf_counter() - t0) / max_b, 2)
     report["prompt_len"] = T
     # greedy generation, batch 1, frame by frame (eager, host reads each frame)
-    col = prompt[:, -1][None].to(device)
-    pos = T - 1
-    sl = torch.tensor([slots[0]], device=device)
+    runner.join(slots[0], prompt[:, -1], T - 1, frames, 0)
     times = []
     gen = []
-    for _ in range(frames):
+    for i in range(frames):
         _sync()
         t = time.perf_counter()
-        f = runner.decode(sl, col, torch.tensor([pos], device=device), pos + 1)
-        _sync()
+        out = runner.step(1, T + i)
+        gen.append(out[0, : b.model.cfg.frame_rows].cpu())  # the host reads every frame
         times.append(time.perf_counter() - t)
-        gen.append(f[0].cpu())
-        col, pos = f, pos + 1
     codes = torch.stack(gen, 1)[1:]
     report["greedy_b1"] = {"frames": frames, "ms_per_frame_median": round(
         1000 * sorted(times)[len(times) // 2], 2), "first_frame_ms": round(1000 * times[0], 2),
@@ -101,22 +100,22 @@ def s2pro_decode(report: dict, device: str, batches: list[int], frames: int) -> 
     # eager decode step at several batch sizes
     steps = {}
     for bs in batches:
-        sl = torch.tensor(slots[:bs], device=device)
-        col = prompt[:, -1].to(device)[None].expand(bs, -1).contiguous()
-        p = torch.full((bs,), T - 1, device=device)
+        for s in slots[:bs]:
+            runner.join(s, prompt[:, -1], T - 1, 10**6, s)
         for _ in range(3):
-            runner.decode(sl, col, p, T)
+            runner.step(bs, T + 64)
         _sync()
         n = 10
         t = time.perf_counter()
         for _ in range(n):
-            runner.decode(sl, col, p, T)
+            runner.step(bs, T + 64)
         _sync()
         dt = (time.perf_counter() - t) / n
         steps[bs] = {"ms_per_step": round(1000 * dt, 2), "frames_per_s": round(bs / dt, 1)}
     report["eager_decode"] = steps
     del runner, b
-    torch.cuda.empty_cache()
+    if device == "cuda":
+        torch.cuda.empty_cache()
 
 
 def codec_bench(report: dict, device: str) -> None:
@@ -268,6 +267,7 @@ def main() -> int:
     ap.add_argument("--frames", type=int, default=40)
     ap.add_argument("--skip", default="", help="comma list of: fixtures,decode,codec,profile,engine")
     ap.add_argument("--levels", default="1,4,16,32,64")
+    ap.add_argument("--model", default="s2-pro", help="preset for the decode section")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     report: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else platform.processor(),
@@ -276,7 +276,7 @@ def main() -> int:
     for name, fn in (("fixtures", lambda: fixture_check(report, device)),
                      ("decode", lambda: s2pro_decode(report, device,
                                                      [int(x) for x in args.batches.split(",")],
-                                                     args.frames)),
+                                                     args.frames, args.model)),
                      ("codec", lambda: codec_bench(report, device)),
                      ("profile", lambda: profile_step(report, device)),
                      ("engine", lambda: engine_sweep(report, device,

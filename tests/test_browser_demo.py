@@ -17,7 +17,6 @@ A screenshot of the page is saved to ``artifacts/browser_demo.png``.
 
 from __future__ import annotations
 
-import io
 import json
 import shutil
 import time
@@ -26,9 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import numpy as np
 import pytest
-import soundfile as sf
+from _audio import wav_bytes
 
 from rtvoice.testing import running_server
 
@@ -49,13 +47,6 @@ LONG_TEXT = " ".join(
 )
 
 
-def wav_bytes(seconds: float = 1.0, rate: int = 22050) -> bytes:
-    rng = np.random.default_rng(0)
-    t = np.arange(int(seconds * rate)) / rate
-    x = 0.3 * np.sin(2 * np.pi * 180 * t) + 0.05 * rng.standard_normal(t.shape)
-    buf = io.BytesIO()
-    sf.write(buf, x.astype(np.float32), rate, format="WAV", subtype="PCM_16")
-    return buf.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +61,7 @@ def voice_id(server: str) -> str:
     """A voice in the server's store, added through the REST API."""
     res = httpx.post(
         f"{server}/v1/voices",
-        files={"audio": ("clip.wav", wav_bytes(), "audio/wav")},
+        files={"audio": ("clip.wav", wav_bytes(1.0), "audio/wav")},
         data={"transcript": "A short reference clip.", "name": "stored voice"},
         timeout=60,
     )

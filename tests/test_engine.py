@@ -7,15 +7,14 @@ import numpy as np
 import pytest
 import torch
 
-from engine.engine import CollectingSink, EngineConfig, EngineOverloaded
+from engine.engine import CollectingSink, EngineConfig, EngineOverloaded, build_engine
 from engine.request import FinishReason
 from engine.sampler import SamplingParams
-from rtvoice.synth import make_engine
 
 
 @pytest.fixture()
 def engine(tiny_bundle):
-    return make_engine(tiny_bundle, EngineConfig(max_running=4, max_len=1024, max_waiting=2))
+    return build_engine(tiny_bundle, EngineConfig(max_running=4, max_len=1024, max_waiting=2))
 
 
 def _turn(engine, sink, seq, text, n, tid="t"):
@@ -51,7 +50,7 @@ def test_concurrent_sequences_match_alone(tiny_bundle):
     greedy = SamplingParams.greedy()
 
     def run(batch):
-        eng = make_engine(tiny_bundle, EngineConfig(max_running=4, max_len=512))
+        eng = build_engine(tiny_bundle, EngineConfig(max_running=4, max_len=512))
         sinks = [CollectingSink() for _ in batch]
         seqs = [eng.open([], greedy, s) for s in sinks]
         for seq, t in zip(seqs, batch):
@@ -66,7 +65,7 @@ def test_concurrent_sequences_match_alone(tiny_bundle):
 
 def test_seed_reproduces_sampled_turns(tiny_bundle):
     def once(seed):
-        eng = make_engine(tiny_bundle, EngineConfig(max_running=1, max_len=512))
+        eng = build_engine(tiny_bundle, EngineConfig(max_running=1, max_len=512))
         sink = CollectingSink()
         seq = eng.open([], SamplingParams(seed=seed), sink)
         eng.submit(seq, "Same text.", turn_id="a", max_frames=8)
@@ -111,7 +110,7 @@ def test_cancel_before_any_frame_rolls_back(engine):
 
 
 def test_context_rebuild_drops_oldest_turns(tiny_bundle):
-    eng = make_engine(tiny_bundle, EngineConfig(max_running=1, max_len=200))
+    eng = build_engine(tiny_bundle, EngineConfig(max_running=1, max_len=200))
     sink = CollectingSink()
     seq = eng.open([], SamplingParams(seed=2), sink)
     for i in range(6):
@@ -138,7 +137,7 @@ def test_errors_are_reported_not_raised(engine):
 
 
 def test_admission_queue_and_overload(tiny_bundle):
-    eng = make_engine(tiny_bundle, EngineConfig(max_running=1, max_len=256, max_waiting=1))
+    eng = build_engine(tiny_bundle, EngineConfig(max_running=1, max_len=256, max_waiting=1))
     a, b = CollectingSink(), CollectingSink()
     sa = eng.open([], SamplingParams(), a)
     eng.run_until_idle()
@@ -173,7 +172,7 @@ def test_pingpong_threads_match_sync(tiny_bundle):
     texts = ["One two three.", "Four five.", "Six seven eight nine."]
 
     def run(pingpong):
-        eng = make_engine(tiny_bundle, EngineConfig(max_running=4, max_len=512,
+        eng = build_engine(tiny_bundle, EngineConfig(max_running=4, max_len=512,
                                                     pingpong=pingpong))
         sinks = [CollectingSink() for _ in texts]
         seqs = [eng.open([], SamplingParams(seed=i), s) for i, s in enumerate(sinks)]
@@ -208,7 +207,7 @@ def test_pingpong_threads_match_sync(tiny_bundle):
 
 
 def test_pingpong_cancel_drains(tiny_bundle):
-    eng = make_engine(tiny_bundle, EngineConfig(max_running=2, max_len=512, pingpong=True))
+    eng = build_engine(tiny_bundle, EngineConfig(max_running=2, max_len=512, pingpong=True))
     sink = CollectingSink()
     seq = eng.open([], SamplingParams(seed=4), sink)
     eng.start()
@@ -236,7 +235,7 @@ def test_pingpong_cancel_drains(tiny_bundle):
 
 
 def test_closed_waiting_sequence_frees_its_queue_place(tiny_bundle):
-    eng = make_engine(tiny_bundle, EngineConfig(max_running=1, max_len=256, max_waiting=1))
+    eng = build_engine(tiny_bundle, EngineConfig(max_running=1, max_len=256, max_waiting=1))
     sa = eng.open([], SamplingParams(), CollectingSink())
     eng.run_until_idle()
     sb = eng.open([], SamplingParams(), CollectingSink())
@@ -253,7 +252,7 @@ def test_closed_waiting_sequence_frees_its_queue_place(tiny_bundle):
 
 
 def test_failed_prefill_fails_only_its_sequence(tiny_bundle):
-    eng = make_engine(tiny_bundle, EngineConfig(max_running=3, max_len=256))
+    eng = build_engine(tiny_bundle, EngineConfig(max_running=3, max_len=256))
     sinks = [CollectingSink() for _ in range(3)]
     seqs = [eng.open([], SamplingParams(), s) for s in sinks]
     orig = eng.runner.prefill_batch
@@ -275,7 +274,7 @@ def test_failed_prefill_fails_only_its_sequence(tiny_bundle):
 
 
 def test_codec_failure_ends_the_turn_with_an_internal_error(tiny_bundle):
-    eng = make_engine(tiny_bundle, EngineConfig(max_running=2, max_len=512))
+    eng = build_engine(tiny_bundle, EngineConfig(max_running=2, max_len=512))
     sink = CollectingSink()
     seq = eng.open([], SamplingParams(seed=1), sink)
     orig = eng.decoder.decode
@@ -299,7 +298,7 @@ def test_codec_failure_ends_the_turn_with_an_internal_error(tiny_bundle):
 
 
 def test_turn_too_long_is_the_clients_fault(tiny_bundle):
-    eng = make_engine(tiny_bundle, EngineConfig(max_running=1, max_len=128))
+    eng = build_engine(tiny_bundle, EngineConfig(max_running=1, max_len=128))
     sink = CollectingSink()
     seq = eng.open([], SamplingParams(), sink)
     eng.submit(seq, "x" * 500, turn_id="long", max_frames=5)

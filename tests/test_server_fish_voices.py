@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 
 import httpx
-import numpy as np
 import pytest
 import soundfile as sf
+from _audio import wav_bytes
 
 from rtvoice.audio_formats import make_encoder
 from rtvoice.testing import running_server
@@ -30,13 +30,6 @@ pytestmark = pytest.mark.timeout(180)
 FRAMES = 4  # per segment (the SDK's max_new_tokens); the random model never stops by itself
 
 
-def wav_bytes(seconds: float = 0.5, rate: int = 22050, seed: int = 0) -> bytes:
-    rng = np.random.default_rng(seed)
-    t = np.arange(int(seconds * rate)) / rate
-    x = 0.3 * np.sin(2 * np.pi * 180 * t) + 0.05 * rng.standard_normal(t.shape)
-    buf = io.BytesIO()
-    sf.write(buf, x.astype(np.float32), rate, format="WAV", subtype="PCM_16")
-    return buf.getvalue()
 
 
 def add_voice(base: str, *, name: str = "test voice", audio: bytes | None = None,

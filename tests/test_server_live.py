@@ -19,10 +19,10 @@ from typing import Any
 
 import httpx
 import msgspec
-import numpy as np
 import pytest
 import soundfile as sf
 import websockets
+from _audio import wav_bytes
 
 import rtvoice.session
 from protocol import (
@@ -125,13 +125,6 @@ def check_audio_sequence(audio: list[Audio]) -> None:
         t += a.duration_s
 
 
-def wav_bytes(seconds: float = 0.5, rate: int = 16000, seed: int = 0) -> bytes:
-    rng = np.random.default_rng(seed)
-    t = np.arange(int(seconds * rate)) / rate
-    x = 0.3 * np.sin(2 * np.pi * 220 * t) + 0.05 * rng.standard_normal(t.shape)
-    buf = io.BytesIO()
-    sf.write(buf, x.astype(np.float32), rate, format="WAV", subtype="PCM_16")
-    return buf.getvalue()
 
 
 def request(**kw: Any) -> TTSRequest:
@@ -531,7 +524,7 @@ async def test_bad_input_does_not_disturb_a_running_session(server):
 async def test_inline_reference_clip(server):
     events, code = await speak(
         server.ws_url, ["Cloned voice."], max_new_tokens=3,
-        references=[ReferenceAudio(audio=wav_bytes(0.4), text="A short reference clip.")],
+        references=[ReferenceAudio(audio=wav_bytes(0.4, rate=16000, freq=220.0), text="A short reference clip.")],
     )
     assert code == 1000
     done = next(e for e in events if isinstance(e, Done))
@@ -713,7 +706,7 @@ async def test_segment_the_engine_cannot_fit_ends_its_turn_not_the_session(small
 
 
 async def test_voice_too_large_for_the_context(small_server):
-    clip = wav_bytes(0.4)
+    clip = wav_bytes(0.4, rate=16000, freq=220.0)
     files = {"audio": ("clip.wav", clip, "audio/wav")}
     async with httpx.AsyncClient(base_url=small_server, timeout=60) as http:
         r = await http.post("/v1/voices", files=files, data={"transcript": "word " * 60})
