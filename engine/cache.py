@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from . import kernels
 from .config import ModelConfig, TransformerConfig
 from .model import explicit_attention, gqa_attention
 
@@ -120,6 +121,10 @@ class DenseDecodeAttend:
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         c = self.cache
+        if kernels.decode_attention_available(q, k.shape[1]):  # write + attend in one csrc launch
+            return kernels.decode_attention(q[:, :, 0], k[:, :, 0], v[:, :, 0], c.k[layer],
+                                            c.v[layer], self.wslots, self.positions,
+                                            self.span)[:, :, None]
         c.k[layer, self.wslots, :, self.positions] = k[:, :, 0]
         c.v[layer, self.wslots, :, self.positions] = v[:, :, 0]
         keys = c.k[layer, : self.B, :, : self.span]  # [B, Hkv, S, Dh], a view
@@ -139,6 +144,9 @@ class FastKV:
         self.pos = 0
         n = cfg.num_codebooks
         self._masks = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+        # for the csrc kernel: row b writes row b at position p
+        self._rows = torch.arange(batch, device=device)
+        self._pos = torch.arange(n, device=device)[:, None].expand(n, batch).contiguous()
 
     def at(self, pos: int, batch: int) -> FastKV:
         self.pos, self.batch = pos, batch
@@ -146,6 +154,10 @@ class FastKV:
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         p, b = self.pos, self.batch
+        if kernels.decode_attention_available(q, k.shape[1]):
+            return kernels.decode_attention(q[:, :, 0], k[:, :, 0], v[:, :, 0], self.k[layer],
+                                            self.v[layer], self._rows[:b], self._pos[p, :b],
+                                            p + 1)[:, :, None]
         self.k[layer, :b, :, p] = k[:, :, 0]
         self.v[layer, :b, :, p] = v[:, :, 0]
         mask = self._masks[p: p + 1, : p + 1][None, None]  # [1, 1, 1, p+1]

@@ -169,6 +169,7 @@ class Engine:
             want = "compile" if self.cuda else "reference"
         self.fusion = fusion.enable(want)
         if self.fusion == "compile":
+            fusion.pack_ffn(runner.model)  # W1|W3 in one buffer: one GEMM per FFN input
             self._warm_prefill()
         if self.cfg.cuda_graphs and self.cuda:
             self._capture_graphs()

@@ -1,10 +1,12 @@
-"""Fused elementwise ops for the decode hot path, applied by the runner (the model keeps the
-plain math in engine/model.py and calls it through `OPS`).
+"""Fused ops for the decode hot path, applied by the runner (the model keeps the plain math
+in engine/model.py and calls it through `OPS`; the sampler through `SAMPLER_OPS`).
 
 `enable("compile")` swaps each op for a `torch.compile`d version of the very same function
 (inductor fuses the float32 upcast, the reductions and the casts into one kernel per op:
-RMSNorm ~8 launches -> 1, q/k norm + interleaved RoPE ~36 -> 1-2, SiLU*mul 2 -> 1), which
-matters because a frame step of S2-Pro is ~4,000 launches when left unfused. `disable()`
+RMSNorm ~8 launches -> 1, q/k norm + interleaved RoPE ~36 -> 1-2, SiLU*mul 2 -> 1, a
+top-k/top-p/temperature/exponential-race draw ~35 -> ~6), which matters because a frame step
+of S2-Pro is ~4,000 launches when left unfused. It also swaps the FFN's input projection for
+one GEMM over W1 and W3 when `pack_ffn(model)` has laid them out as one buffer. `disable()`
 restores the reference functions. Results agree with the reference within float rounding
 (tests/test_cuda.py checks it on the device).
 """
@@ -15,13 +17,54 @@ import logging
 
 import torch
 
-from . import model
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from . import model, sampler
 
 log = logging.getLogger(__name__)
 
-_REFERENCE = {name: getattr(model.Ops, name) for name in
-              ("rms_norm", "add_rms_norm", "norm_rope_qk", "silu_mul")}
+_COMPILED = (("rms_norm", model.OPS), ("add_rms_norm", model.OPS), ("norm_rope_qk", model.OPS),
+             ("silu_mul", model.OPS), ("sample", sampler.SAMPLER_OPS))
+_REFERENCE = {**{name: getattr(type(holder), name) for name, holder in _COMPILED},
+              "swiglu": model.Ops.swiglu}
+_HOLDER = {**{name: holder for name, holder in _COMPILED}, "swiglu": model.OPS}
 _state = {"mode": "reference"}
+
+
+def _packed(w1: Tensor, w3: Tensor) -> Tensor | None:
+    """W1 and W3 as one [2I, D] matrix when they are consecutive rows of one buffer."""
+    if not (w1.is_contiguous() and w3.is_contiguous() and w1.shape == w3.shape) \
+            or w1.untyped_storage().data_ptr() != w3.untyped_storage().data_ptr() \
+            or w3.data_ptr() != w1.data_ptr() + w1.numel() * w1.element_size():
+        return None
+    return w1.as_strided((2 * w1.shape[0], w1.shape[1]), (w1.shape[1], 1))
+
+
+def packed_swiglu(x: Tensor, w1: Tensor, w3: Tensor) -> Tensor:
+    """model.swiglu with one GEMM when W1/W3 are packed (see `pack_ffn`)."""
+    w13 = _packed(w1, w3)
+    if w13 is None:
+        return model.swiglu(x, w1, w3)
+    h = F.linear(x, w13)  # [..., 2I]: the gate and the up projection side by side
+    n = w1.shape[0]
+    return model.OPS.silu_mul(h[..., :n], h[..., n:])
+
+
+@torch.no_grad()
+def pack_ffn(m: nn.Module) -> int:
+    """Re-lay every FFN's W1 and W3 as consecutive halves of one buffer (same values, same
+    memory), so `packed_swiglu` reads them with one GEMM. Returns the FFNs packed."""
+    n = 0
+    for ff in (mod for mod in m.modules() if isinstance(mod, model.FeedForward)):
+        w1, w3 = ff.w1.weight, ff.w3.weight
+        if _packed(w1, w3) is not None:
+            continue
+        both = torch.cat([w1, w3])
+        ff.w1.weight = nn.Parameter(both[: w1.shape[0]], requires_grad=False)
+        ff.w3.weight = nn.Parameter(both[w1.shape[0]:], requires_grad=False)
+        n += 1
+    return n
 
 
 def enable(mode: str = "compile") -> str:
@@ -44,8 +87,10 @@ def enable(mode: str = "compile") -> str:
     for knob in ("recompile_limit", "cache_size_limit"):
         if hasattr(torch._dynamo.config, knob):
             setattr(torch._dynamo.config, knob, 64)
-    for name, fn in _REFERENCE.items():
-        setattr(model.OPS, name, _guarded(name, fn, torch.compile(fn, dynamic=True, fullgraph=True)))
+    for name, holder in _COMPILED:
+        fn = _REFERENCE[name]
+        setattr(holder, name, _guarded(name, fn, torch.compile(fn, dynamic=True, fullgraph=True)))
+    model.OPS.swiglu = packed_swiglu
     _state["mode"] = "compile"
     log.info("fused elementwise ops enabled (torch.compile)")
     return "compile"
@@ -72,7 +117,7 @@ def _guarded(name: str, ref, fused):  # type: ignore[no-untyped-def]
 
 def disable() -> None:
     for name, fn in _REFERENCE.items():
-        setattr(model.OPS, name, fn)
+        setattr(_HOLDER[name], name, fn)
     _state["mode"] = "reference"
 
 

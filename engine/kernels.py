@@ -10,6 +10,7 @@ compiled op on CUDA tensors when the extension is available, or the fallback oth
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 from pathlib import Path
@@ -20,6 +21,8 @@ from torch import Tensor
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
+KERNEL_FILES = ("prev_tokens.cu", "decode_attention.cu")  # one file per kernel family
+KERNEL_OPS = ("prev_tokens_shift_inplace", "decode_attention")
 _lock = threading.Lock()
 _state: dict[str, object] = {"loaded": None}
 
@@ -38,12 +41,12 @@ def extension_available() -> bool:
                 from torch.utils.cpp_extension import load
 
                 major, minor = torch.cuda.get_device_capability()
-                load(name="rtvoice_kernels", sources=[str(CSRC / "ops.cpp"),
-                                                      str(CSRC / "prev_tokens.cu")],
+                load(name="rtvoice_kernels",
+                     sources=[str(CSRC / f) for f in ("ops.cpp", *KERNEL_FILES)],
                      extra_cuda_cflags=["-O3", f"-gencode=arch=compute_{major}{minor},"
                                                f"code=sm_{major}{minor}"],
                      verbose=False)
-                ok = hasattr(torch.ops.rtvoice_kernels, "prev_tokens_shift_inplace")
+                ok = all(hasattr(torch.ops.rtvoice_kernels, op) for op in KERNEL_OPS)
                 log.info("rtvoice CUDA kernels loaded (sm_%d%d)", major, minor)
             except Exception as e:  # no nvcc, no headers: the fallbacks are exact
                 log.warning("rtvoice CUDA kernels unavailable (%s); using the torch fallbacks", e)
@@ -81,6 +84,87 @@ def prev_tokens_shift_inplace(prev: Tensor, next_tokens: Tensor) -> None:
         torch.ops.rtvoice_kernels.prev_tokens_shift_inplace(prev, next_tokens)
     else:
         _prev_tokens_shift_torch(prev, next_tokens)
+
+
+# ---------------------------------------------------------------------- decode attention
+DECODE_ATTENTION_HEAD_DIMS = (40, 48, 64, 128)  # head_dim / 8 in the .cu switch
+DECODE_ATTENTION_GROUPS = (1, 2, 4)  # query heads per kv head
+
+
+def _check_decode_attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor,
+                            v_cache: Tensor, wslot: Tensor, pos: Tensor) -> None:
+    if q.dim() != 3 or k_new.dim() != 3 or v_new.dim() != 3:
+        raise ValueError(f"q must be [B, H, D] and k_new/v_new [B, Hkv, D]; got "
+                         f"{list(q.shape)}, {list(k_new.shape)}, {list(v_new.shape)}")
+    B, H, D = q.shape
+    Hkv = k_new.shape[1]
+    if k_new.shape != v_new.shape or k_new.shape[0] != B or k_new.shape[2] != D or H % Hkv:
+        raise ValueError(f"k_new/v_new {list(k_new.shape)}/{list(v_new.shape)} do not fit q "
+                         f"{list(q.shape)} (same B and D, H a multiple of Hkv)")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.shape[0] < B \
+            or k_cache.shape[1] != Hkv or k_cache.shape[3] != D:
+        raise ValueError(f"caches must be [N >= {B}, {Hkv}, S, {D}]; got {list(k_cache.shape)} "
+                         f"and {list(v_cache.shape)}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous (written in place)")
+    dts = {t.dtype for t in (q, k_new, v_new, k_cache, v_cache)}
+    if len(dts) != 1 or next(iter(dts)) not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"q, k_new, v_new and the caches must share one float dtype, got {dts}")
+    if wslot.dtype != torch.int64 or pos.dtype != torch.int64 or wslot.shape != (B,) \
+            or pos.shape != (B,):
+        raise TypeError(f"wslot and pos must be int64 [{B}], got {wslot.dtype} "
+                        f"{list(wslot.shape)} and {pos.dtype} {list(pos.shape)}")
+    for name, t in (("q", q), ("k_new", k_new), ("v_new", v_new)):
+        if t.stride(2) != 1 or t.stride(1) != D:
+            raise ValueError(f"{name}'s heads and dims must be packed (strides "
+                             f"{t.stride()}); only its rows may be strided")
+    if len({t.device for t in (q, k_new, v_new, k_cache, v_cache, wslot, pos)}) != 1:
+        raise ValueError("decode_attention: all tensors must be on one device")
+
+
+def _decode_attention_torch(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor,
+                            v_cache: Tensor, wslot: Tensor, pos: Tensor, span: int) -> Tensor:
+    B, H, D = q.shape
+    k_cache[wslot, :, pos] = k_new
+    v_cache[wslot, :, pos] = v_new
+    # Row b reads its own slot b; position pos[b] comes from k_new/v_new (as the kernel does).
+    keys = k_cache[:B, :, :span].float().clone()  # [B, Hkv, S, D]
+    vals = v_cache[:B, :, :span].float().clone()
+    rows = torch.arange(B, device=q.device)
+    inside = pos < span
+    keys[rows[inside], :, pos[inside]] = k_new[inside].float()
+    vals[rows[inside], :, pos[inside]] = v_new[inside].float()
+    rep = H // k_new.shape[1]
+    keys, vals = keys.repeat_interleave(rep, dim=1), vals.repeat_interleave(rep, dim=1)
+    scores = torch.einsum("bhd,bhsd->bhs", q.float(), keys) / math.sqrt(D)
+    live = torch.arange(span, device=q.device)[None, :] <= pos[:, None]  # [B, S]
+    probs = torch.softmax(scores.masked_fill(~live[:, None], float("-inf")), dim=-1)
+    return torch.einsum("bhs,bhsd->bhd", probs, vals).to(q.dtype)
+
+
+def decode_attention_available(q: Tensor, k_heads: int) -> bool:
+    """Whether `decode_attention` would run the CUDA kernel for a query like `q` [B, H, ..., D]
+    with `k_heads` kv heads."""
+    return (q.is_cuda and q.shape[-1] in DECODE_ATTENTION_HEAD_DIMS
+            and q.shape[1] // k_heads in DECODE_ATTENTION_GROUPS and extension_available())
+
+
+def decode_attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_cache: Tensor,
+                     wslot: Tensor, pos: Tensor, span: int) -> Tensor:
+    """One query position per row, grouped-query attention, the new k/v stored in place.
+
+    q [B, H, D]; k_new/v_new [B, Hkv, D]; k_cache/v_cache [N, Hkv, S, D] (written at
+    (wslot[b], :, pos[b])); wslot/pos int64 [B]. Row b attends to positions 0..pos[b] of
+    cache row b, the last one being k_new/v_new. `span` (> every pos) bounds the fallback's
+    reads; the kernel reads exactly 0..pos[b]. Returns out [B, H, D] in q's dtype.
+    """
+    _check_decode_attention(q, k_new, v_new, k_cache, v_cache, wslot, pos)
+    if decode_attention_available(q, k_new.shape[1]):
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        torch.ops.rtvoice_kernels.decode_attention(q, k_new, v_new, k_cache, v_cache, wslot,
+                                                   pos, out)
+        return out
+    return _decode_attention_torch(q, k_new, v_new, k_cache, v_cache, wslot, pos, span)
 
 
 def _bench() -> None:

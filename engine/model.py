@@ -74,6 +74,11 @@ def silu_mul(a: Tensor, b: Tensor) -> Tensor:
     return F.silu(a) * b
 
 
+def swiglu(x: Tensor, w1: Tensor, w3: Tensor) -> Tensor:
+    """The FFN's gated input: silu(x W1^T) * (x W3^T). x: [..., D] -> [..., I]."""
+    return OPS.silu_mul(F.linear(x, w1), F.linear(x, w3))
+
+
 class Ops:
     """The elementwise pieces of the model. The runner may swap any of them for a fused
     implementation of the same math (engine/fusion.py); the model only calls through here."""
@@ -82,6 +87,7 @@ class Ops:
     add_rms_norm = staticmethod(add_rms_norm)
     norm_rope_qk = staticmethod(norm_rope_qk)
     silu_mul = staticmethod(silu_mul)
+    swiglu = staticmethod(swiglu)
 
 
 OPS = Ops()
@@ -129,7 +135,7 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(cfg.intermediate_size, cfg.dim, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w2(OPS.silu_mul(self.w1(x), self.w3(x)))
+        return self.w2(OPS.swiglu(x, self.w1.weight, self.w3.weight))
 
 
 class Block(nn.Module):

@@ -101,6 +101,16 @@ def sample(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor, se
     return torch.where(temperature > 0, drawn, idx[:, 0])
 
 
+class SamplerOps:
+    """The sampling math, called through here so the runner can swap in a fused (compiled)
+    version of the very same function (engine/fusion.py)."""
+
+    sample = staticmethod(sample)
+
+
+SAMPLER_OPS = SamplerOps()
+
+
 class SlotSampling:
     """Per-slot sampling state held on the device: parameters, seeds, step counters and the
     RAS window of recent main tokens (-1 = empty)."""
@@ -144,13 +154,13 @@ class SlotSampling:
         """Main-token choice with repetition-aware sampling. logits [B, n_semantic+1] -> idx [B]
         (index n_semantic means <|im_end|>). Updates the window and step of `slots`."""
         seed, step = self.seed[slots], self.step[slots]
-        main = sample(logits, self.temperature[slots], self.top_p[slots], self.top_k[slots],
+        main = SAMPLER_OPS.sample(logits, self.temperature[slots], self.top_p[slots], self.top_k[slots],
                       seed, step, STREAM_MAIN)
         # RAS: a second candidate (temperature 1.0, top-p 0.9, same top-k); taken when the main
         # token is semantic and already among the last `ras_window` main tokens. The frame
         # made by the prefill never enters the window (step 0 does not push).
         greedy = self.temperature[slots] == 0
-        high = sample(logits, torch.where(greedy, 0.0, self.ras_temperature[slots]),
+        high = SAMPLER_OPS.sample(logits, torch.where(greedy, 0.0, self.ras_temperature[slots]),
                       self.ras_top_p[slots], self.top_k[slots], seed, step, STREAM_RAS)
         win = self.window[slots]  # [B, W]
         live = torch.arange(self.max_window, device=win.device)[None, :] >= (
@@ -171,7 +181,7 @@ class SlotSampling:
 
     def sample_fast(self, slots: Tensor | slice, logits: Tensor, codebook: int) -> Tensor:
         """A residual codebook: logits [B, 4096] -> codes [B] (no bias, no RAS)."""
-        return sample(logits, self.temperature[slots], self.top_p[slots], self.top_k[slots],
+        return SAMPLER_OPS.sample(logits, self.temperature[slots], self.top_p[slots], self.top_k[slots],
                       self.seed[slots], self.step[slots], STREAM_FAST + codebook)
 
     def advance(self, slots: Tensor | slice) -> None:

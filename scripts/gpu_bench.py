@@ -207,6 +207,7 @@ def profile_step(report: dict, device: str) -> None:
 
     b = load_bundle("s2-pro", device=device, dtype="bf16", max_seq_len=1024)
     fusion.enable("compile")
+    fusion.pack_ffn(b.model)
     out = {}
     runner = ModelRunner(b.model, n_slots=64, max_len=1024)
     col = torch.zeros(11, dtype=torch.long)
@@ -230,6 +231,7 @@ def profile_step(report: dict, device: str) -> None:
             n_kernels += e.count
             cats[_category(e.key)] = cats.get(_category(e.key), 0.0) + t / 1000
             top.append((t / 1000, e.count, e.key[:90]))
+        by_count = sorted(((c, round(t, 3), k) for t, c, k in top), reverse=True)[:15]
         top.sort(reverse=True)
         g = torch.cuda.CUDAGraph()
         st = torch.cuda.Stream()
@@ -251,7 +253,8 @@ def profile_step(report: dict, device: str) -> None:
                   "graph_frames_per_s": round(B * 50 / (e0.elapsed_time(e1) / 1000), 1),
                   "eager_kernel_ms_by_category": {k: round(v, 3) for k, v in sorted(cats.items())},
                   "kernels_per_step": n_kernels,
-                  "top_kernels_ms": [[round(t, 3), c, k] for t, c, k in top[:12]]}
+                  "top_kernels_ms": [[round(t, 3), c, k] for t, c, k in top[:12]],
+                  "most_launched": [list(x) for x in by_count]}
         print(json.dumps({B: out[B]})[:1500], flush=True)
         del g
     report["profile"] = out

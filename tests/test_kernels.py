@@ -46,3 +46,78 @@ def test_prev_tokens_shift_cuda_kernel_matches_fallback():
         want = _reference_shift(prev, nxt)
         kernels.prev_tokens_shift_inplace(prev, nxt)
         assert torch.equal(prev, want)
+
+
+# ---------------------------------------------------------------------- decode attention
+def _attention_case(B, H, Hkv, D, N, S, dtype, device, seed=0, strided_v=True):
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g).to(dtype).to(device)
+
+    q = r(B, H, D)
+    # k/v as the model hands them over: views into a wider projection row (strided rows)
+    kv = r(B, 3 * Hkv * D)
+    k_new = kv[:, : Hkv * D].view(B, Hkv, D)
+    v_new = kv[:, 2 * Hkv * D:].view(B, Hkv, D) if strided_v else r(B, Hkv, D)
+    k_cache, v_cache = r(N, Hkv, S, D), r(N, Hkv, S, D)
+    pos = torch.randint(0, S, (B,), generator=g).to(device)
+    wslot = torch.arange(B).to(device)
+    if B > 1:
+        pos[0], wslot[-1] = 0, N - 1  # a row at position 0; a row writing to a scratch slot
+    return q, k_new, v_new, k_cache, v_cache, wslot, pos
+
+
+def _sdpa_reference(q, k_new, v_new, k_cache, v_cache, wslot, pos, span):
+    """What DenseDecodeAttend's torch path computes: write, then SDPA on row b's slot."""
+    from engine.model import gqa_attention
+
+    k_cache[wslot, :, pos] = k_new
+    v_cache[wslot, :, pos] = v_new
+    B = q.shape[0]
+    keys = k_cache[:B, :, :span].clone()
+    vals = v_cache[:B, :, :span].clone()
+    rows = torch.arange(B)
+    keys[rows, :, pos] = k_new  # the row's own position comes from k_new
+    vals[rows, :, pos] = v_new
+    mask = (torch.arange(span)[None, :] <= pos[:, None])[:, None, None, :]
+    return gqa_attention(q[:, :, None].float(), keys.float(), vals.float(), mask)[:, :, 0]
+
+
+def test_decode_attention_fallback_matches_sdpa():
+    q, kn, vn, kc, vc, ws, pos = _attention_case(5, 8, 2, 16, 7, 12, torch.float32, "cpu")
+    kc2, vc2 = kc.clone(), vc.clone()
+    got = kernels.decode_attention(q, kn, vn, kc, vc, ws, pos, span=12)
+    want = _sdpa_reference(q, kn, vn, kc2, vc2, ws, pos, 12)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)  # the same cache writes
+
+
+@pytest.mark.parametrize("mutate,err", [
+    (lambda a: a.__setitem__(0, a[0].transpose(1, 2)), ValueError),  # q dims not packed
+    (lambda a: a.__setitem__(6, a[6].int()), TypeError),  # int32 positions
+    (lambda a: a.__setitem__(3, a[3][:, :, :, :8]), ValueError),  # cache head_dim mismatch
+    (lambda a: a.__setitem__(1, a[1].double()), TypeError),  # mixed dtypes
+    (lambda a: a.__setitem__(3, a[3][:2]), ValueError),  # fewer cache rows than the batch
+])
+def test_decode_attention_contract(mutate, err):
+    args = list(_attention_case(3, 4, 2, 16, 4, 6, torch.float32, "cpu"))
+    mutate(args)
+    with pytest.raises(err):
+        kernels.decode_attention(*args, span=6)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("B,H,Hkv,D,S", [(1, 32, 8, 128, 2048), (64, 32, 8, 128, 300),
+                                         (3, 4, 2, 48, 17), (5, 4, 1, 40, 10)])
+def test_decode_attention_cuda_kernel_matches_fallback(dtype, tol, B, H, Hkv, D, S):
+    assert kernels.extension_available(), "the CUDA extension did not build"
+    q, kn, vn, kc, vc, ws, pos = _attention_case(B, H, Hkv, D, B + 1, S, dtype, "cuda")
+    pos[-1] = S - 1  # the longest read
+    kc2, vc2 = kc.clone(), vc.clone()
+    got = kernels.decode_attention(q, kn, vn, kc, vc, ws, pos, span=S)
+    want = kernels._decode_attention_torch(q, kn, vn, kc2, vc2, ws, pos, S)
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)

@@ -193,3 +193,36 @@ def test_s2_pro_builds_on_meta():
         m = DualAR(preset("s2-pro"))
     n = sum(p.numel() for p in m.parameters())
     assert n == preset("s2-pro").num_params()
+
+
+def test_packed_ffn_keeps_the_frames(fixture_dir, fixture_model):
+    """fusion.pack_ffn re-lays W1|W3 as one buffer (one GEMM per FFN input); the weights and
+    the greedy frames of a fixture case stay the same."""
+    import copy
+
+    from engine import fusion, model
+
+    m = copy.deepcopy(fixture_model)
+    before = [(ff.w1.weight.clone(), ff.w3.weight.clone()) for ff in
+              (mod for mod in m.modules() if isinstance(mod, model.FeedForward))]
+    assert fusion.pack_ffn(m) == len(before) == m.cfg.slow.n_layer + m.cfg.fast.n_layer
+    assert fusion.pack_ffn(m) == 0  # idempotent
+    ffs = [mod for mod in m.modules() if isinstance(mod, model.FeedForward)]
+    for ff, (w1, w3) in zip(ffs, before):
+        assert torch.equal(ff.w1.weight, w1) and torch.equal(ff.w3.weight, w3)
+        assert fusion._packed(ff.w1.weight, ff.w3.weight) is not None
+    x = torch.randn(3, 2, m.cfg.slow.dim)
+    ff = ffs[0]
+    torch.testing.assert_close(fusion.packed_swiglu(x, ff.w1.weight, ff.w3.weight),
+                               model.swiglu(x, ff.w1.weight, ff.w3.weight), rtol=1e-5, atol=1e-6)
+    prompt, want = _prompts(fixture_dir)[0]
+    model.OPS.swiglu = fusion.packed_swiglu
+    try:
+        runner = ModelRunner(m, n_slots=1, max_len=512)
+        runner.assign(0, SamplingParams.greedy(), 0)
+        runner.prefill(0, prompt[:, :-1], 0)
+        runner.join(0, prompt[:, -1], prompt.shape[1] - 1, 12, 0)
+        got = torch.stack([runner.step(1, 256)[0, :11] for _ in range(12)], dim=1)
+    finally:
+        model.OPS.swiglu = model.Ops.swiglu
+    assert torch.equal(got, want[:, :12])

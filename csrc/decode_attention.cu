@@ -1,0 +1,247 @@
+// decode_attention: one new query position per row, grouped-query attention over the row's
+// KV slot, with this position's key/value written into the cache by the same launch.
+//
+// Replaces, per layer and step, the two index_put writes of the new k/v plus the attention
+// itself (which for a bool mask + GQA is torch's multi-kernel math path) with one kernel.
+//
+// Contract (checked by the Python wrapper engine/kernels.py and again here):
+//   q        [B, H, D]        bf16/fp16/fp32, rows may be strided (heads and dims packed)
+//   k_new    [B, Hkv, D]      same dtype, rows may be strided
+//   v_new    [B, Hkv, D]      same dtype, rows may be strided
+//   k_cache  [N, Hkv, S, D]   same dtype, contiguous, written at (wslot[b], :, pos[b])
+//   v_cache  [N, Hkv, S, D]
+//   wslot    [B] int64        slot each row writes to (0 <= wslot < N)
+//   pos      [B] int64        each row's position (0 <= pos < S)
+//   out      [B, H, D]        contiguous
+// Row b attends to positions 0..pos[b] of slot b (row b's own slot: the engine's batch rows
+// are its slots); the key/value at pos[b] is taken from k_new/v_new, so blocks never read
+// what another block of the same launch writes. Query head h uses kv head h / (H / Hkv).
+// Scores and the softmax are computed in float32; scale = 1/sqrt(D).
+
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/extension.h>
+
+#include <cmath>
+
+namespace {
+
+constexpr int kThreads = 128;  // 16 groups of 8 lanes; a group owns one position at a time
+constexpr int kLanes = 8;
+constexpr int kGroups = kThreads / kLanes;
+
+template <typename T>
+__device__ __forceinline__ float to_f(T x) { return static_cast<float>(x); }
+
+// E consecutive elements at p (16-byte aligned when `vec`) as floats.
+template <typename T, int E>
+__device__ __forceinline__ void load(const T* __restrict__ p, float (&out)[E], bool vec) {
+  constexpr int kPer = 16 / sizeof(T);
+  if constexpr ((E * sizeof(T)) % 16 == 0) {
+    if (vec) {
+#pragma unroll
+      for (int c = 0; c < E / kPer; ++c) {
+        const uint4 raw = reinterpret_cast<const uint4*>(p)[c];
+        const T* v = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+        for (int e = 0; e < kPer; ++e) out[c * kPer + e] = to_f(v[e]);
+      }
+      return;
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < E; ++e) out[e] = to_f(p[e]);
+}
+
+// One block per (row b, kv head g) serves the R query heads of g, so each key/value row is
+// read once. E = D / 8 elements of the head dimension per lane.
+template <typename T, int E, int R>
+__global__ void __launch_bounds__(kThreads) decode_attention_kernel(
+    const T* __restrict__ q, int64_t q_rs, const T* __restrict__ k_new, int64_t k_rs,
+    const T* __restrict__ v_new, int64_t v_rs, T* __restrict__ k_cache,
+    T* __restrict__ v_cache, const int64_t* __restrict__ wslot,
+    const int64_t* __restrict__ pos, T* __restrict__ out, int Hkv, int64_t S, float scale,
+    bool vec) {
+  constexpr int D = E * kLanes;
+  __shared__ float s_m[kGroups][R];
+  __shared__ float s_l[kGroups][R];
+  __shared__ float s_acc[kGroups][R][D];
+
+  const int g = blockIdx.x, b = blockIdx.y;
+  const int grp = threadIdx.x / kLanes, sub = threadIdx.x % kLanes;
+  const int64_t p = pos[b];
+  const T* kn = k_new + b * k_rs + g * D;
+  const T* vn = v_new + b * v_rs + g * D;
+
+  {  // store this position (read back below from k_new/v_new, never from the cache)
+    const int64_t w = ((wslot[b] * Hkv + g) * S + p) * D;
+    for (int i = threadIdx.x; i < D; i += kThreads) {
+      k_cache[w + i] = kn[i];
+      v_cache[w + i] = vn[i];
+    }
+  }
+
+  float qv[R][E];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    load<T, E>(q + b * q_rs + (g * R + r) * D + sub * E, qv[r], vec);
+#pragma unroll
+    for (int e = 0; e < E; ++e) qv[r][e] *= scale;
+  }
+  float m[R], l[R], acc[R][E];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    m[r] = -INFINITY;
+    l[r] = 0.f;
+#pragma unroll
+    for (int e = 0; e < E; ++e) acc[r][e] = 0.f;
+  }
+
+  const int64_t base = (static_cast<int64_t>(b) * Hkv + g) * S * D;
+  // Trips are uniform across the block (t0 is), so every lane reaches every shuffle; a group
+  // whose position t is past p computes nothing and keeps its state.
+  for (int64_t t0 = 0; t0 <= p; t0 += kGroups) {
+    const int64_t t = t0 + grp;
+    const bool live = t <= p;
+    float kv[E];
+    float s[R];
+    if (live) {
+      load<T, E>((t == p ? kn : k_cache + base + t * D) + sub * E, kv, vec);
+    } else {
+#pragma unroll
+      for (int e = 0; e < E; ++e) kv[e] = 0.f;
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      float d = 0.f;
+#pragma unroll
+      for (int e = 0; e < E; ++e) d += qv[r][e] * kv[e];
+      s[r] = d;
+    }
+    // the 8 lanes of a group are adjacent in the warp: reduce within them
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      s[r] += __shfl_xor_sync(0xffffffff, s[r], 4);
+      s[r] += __shfl_xor_sync(0xffffffff, s[r], 2);
+      s[r] += __shfl_xor_sync(0xffffffff, s[r], 1);
+    }
+    if (live) {
+      load<T, E>((t == p ? vn : v_cache + base + t * D) + sub * E, kv, vec);
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const float mn = fmaxf(m[r], s[r]);
+        const float c = __expf(m[r] - mn), w = __expf(s[r] - mn);
+        l[r] = l[r] * c + w;
+#pragma unroll
+        for (int e = 0; e < E; ++e) acc[r][e] = acc[r][e] * c + w * kv[e];
+        m[r] = mn;
+      }
+    }
+  }
+
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    if (sub == 0) {
+      s_m[grp][r] = m[r];
+      s_l[grp][r] = l[r];
+    }
+#pragma unroll
+    for (int e = 0; e < E; ++e) s_acc[grp][r][sub * E + e] = acc[r][e];
+  }
+  __syncthreads();
+
+  for (int i = threadIdx.x; i < R * D; i += kThreads) {
+    const int r = i / D, d = i % D;
+    float M = -INFINITY;
+    for (int j = 0; j < kGroups; ++j) M = fmaxf(M, s_m[j][r]);
+    float L = 0.f, o = 0.f;
+    for (int j = 0; j < kGroups; ++j) {
+      if (s_l[j][r] == 0.f) continue;  // a group that saw no position
+      const float f = __expf(s_m[j][r] - M);
+      L += s_l[j][r] * f;
+      o += s_acc[j][r][d] * f;
+    }
+    out[(static_cast<int64_t>(b) * Hkv * R + g * R + r) * D + d] = static_cast<T>(o / L);
+  }
+}
+
+template <typename T, int E>
+void launch_e(int R, dim3 grid, cudaStream_t stream, const torch::Tensor& q,
+              const torch::Tensor& k_new, const torch::Tensor& v_new, torch::Tensor& k_cache,
+              torch::Tensor& v_cache, const torch::Tensor& wslot, const torch::Tensor& pos,
+              torch::Tensor& out, float scale, bool vec) {
+#define RTV_LAUNCH(R_)                                                                      \
+  decode_attention_kernel<T, E, R_><<<grid, kThreads, 0, stream>>>(                         \
+      q.data_ptr<T>(), q.stride(0), k_new.data_ptr<T>(), k_new.stride(0),                   \
+      v_new.data_ptr<T>(), v_new.stride(0), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),   \
+      wslot.data_ptr<int64_t>(), pos.data_ptr<int64_t>(), out.data_ptr<T>(),                \
+      static_cast<int>(k_new.size(1)), k_cache.size(2), scale, vec)
+  switch (R) {
+    case 1: RTV_LAUNCH(1); break;
+    case 2: RTV_LAUNCH(2); break;
+    case 4: RTV_LAUNCH(4); break;
+    default: TORCH_CHECK(false, "decode_attention: ", R, " query heads per kv head is not supported");
+  }
+#undef RTV_LAUNCH
+}
+
+bool aligned16(const torch::Tensor& t) {
+  return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 &&
+         (t.dim() < 2 || (t.stride(0) * t.element_size()) % 16 == 0);
+}
+
+template <typename T>
+void launch(const torch::Tensor& q, const torch::Tensor& k_new, const torch::Tensor& v_new,
+            torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& wslot,
+            const torch::Tensor& pos, torch::Tensor& out) {
+  const int B = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_new.size(1);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  const dim3 grid(Hkv, B);
+  const bool vec = aligned16(q) && aligned16(k_new) && aligned16(v_new) && aligned16(k_cache) &&
+                   aligned16(v_cache);
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  const int R = H / Hkv;
+  switch (D / kLanes) {
+    case 5: launch_e<T, 5>(R, grid, stream, q, k_new, v_new, k_cache, v_cache, wslot, pos, out, scale, vec); break;
+    case 6: launch_e<T, 6>(R, grid, stream, q, k_new, v_new, k_cache, v_cache, wslot, pos, out, scale, vec); break;
+    case 8: launch_e<T, 8>(R, grid, stream, q, k_new, v_new, k_cache, v_cache, wslot, pos, out, scale, vec); break;
+    case 16: launch_e<T, 16>(R, grid, stream, q, k_new, v_new, k_cache, v_cache, wslot, pos, out, scale, vec); break;
+    default: TORCH_CHECK(false, "decode_attention: head_dim ", D, " is not supported");
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+void decode_attention(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new,
+                      torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor wslot,
+                      torch::Tensor pos, torch::Tensor out) {
+  TORCH_CHECK(q.is_cuda(), "decode_attention: CUDA tensors expected");
+  TORCH_CHECK(q.dim() == 3 && k_new.dim() == 3 && v_new.dim() == 3 && out.dim() == 3,
+              "decode_attention: q/k_new/v_new/out must be 3-d");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4, "decode_attention: caches must be 4-d");
+  const auto dt = q.scalar_type();
+  for (const auto* t : {&k_new, &v_new, &k_cache, &v_cache, &out})
+    TORCH_CHECK(t->scalar_type() == dt && t->device() == q.device(),
+                "decode_attention: all tensors must share q's dtype and device");
+  TORCH_CHECK(wslot.scalar_type() == at::kLong && pos.scalar_type() == at::kLong,
+              "decode_attention: wslot and pos must be int64");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_new.size(1);
+  TORCH_CHECK(H % Hkv == 0 && D % kLanes == 0, "decode_attention: bad head counts/dim");
+  TORCH_CHECK(k_cache.size(0) >= B && k_cache.size(1) == Hkv && k_cache.size(3) == D &&
+                  v_cache.sizes() == k_cache.sizes(),
+              "decode_attention: cache shape ", k_cache.sizes(), " does not fit q ", q.sizes());
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && out.is_contiguous(),
+              "decode_attention: caches and out must be contiguous");
+  for (const auto* t : {&q, &k_new, &v_new})
+    TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == D,
+                "decode_attention: heads and dims of q/k_new/v_new must be packed");
+  if (B == 0) return;
+  const c10::cuda::CUDAGuard guard(q.device());
+  switch (dt) {
+    case at::kBFloat16: launch<at::BFloat16>(q, k_new, v_new, k_cache, v_cache, wslot, pos, out); break;
+    case at::kHalf: launch<at::Half>(q, k_new, v_new, k_cache, v_cache, wslot, pos, out); break;
+    case at::kFloat: launch<float>(q, k_new, v_new, k_cache, v_cache, wslot, pos, out); break;
+    default: TORCH_CHECK(false, "decode_attention: unsupported dtype ", dt);
+  }
+}
