@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 
 import torch
-
 import torch.nn.functional as F
 from torch import Tensor, nn
 
