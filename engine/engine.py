@@ -61,6 +61,7 @@ class EngineConfig:
     span_step: int = 256  # attention-span bucket (graphs are captured per bucket)
     prefill_batch: int = 16  # sequences prefilled together in one forward
     fused_ops: str = "auto"  # "compile" | "reference" | "auto" (compile on CUDA only)
+    codec_graphs: bool = True  # codec ticks as CUDA graphs per (streams, frames) bucket (CUDA only)
 
     def __post_init__(self) -> None:
         for name in ("max_running", "max_len", "prefill_chunk", "first_chunk_frames",
@@ -121,7 +122,10 @@ class Engine:
         self.tok = tokenizer
         self.prompts = PromptBuilder(tokenizer, self.model_cfg.num_codebooks)
         self.codec = codec
-        self.decoder = StreamingDecoder(codec, max_streams=max(2, 2 * self.cfg.max_running))
+        self._graphed_codec = self.cfg.codec_graphs and codec.device.type == "cuda"
+        self.decoder = StreamingDecoder(codec, max_streams=max(2, 2 * self.cfg.max_running),
+                                        buckets=self._graphed_codec,
+                                        max_frames=self.cfg.max_turn_frames)
         self.frame_samples = codec.cfg.hop_length
         self.sample_rate = codec.cfg.sample_rate
         self.frame_rate = self.sample_rate / self.frame_samples
@@ -173,6 +177,12 @@ class Engine:
             self._warm_prefill()
         if self.cfg.cuda_graphs and self.cuda:
             self._capture_graphs()
+        self.codec_capture_s = 0.0
+        if self._graphed_codec:
+            self.codec_capture_s = self.decoder.capture()
+            log.info("captured %d codec graphs (streams %s x frames %s) in %.1fs",
+                     self.decoder.graphs, self.decoder.stream_buckets,
+                     self.decoder.FRAME_BUCKETS, self.codec_capture_s)
         self.stats = {"steps": 0, "frames": 0, "prefill_cols": 0, "decode_s": 0.0,
                       "prefill_s": 0.0, "codec_s": 0.0, "codec_ticks": 0, "wasted_rows": 0,
                       "prefill_calls": 0}
@@ -879,9 +889,13 @@ class Engine:
             return bool(ended)
         t0 = time.perf_counter()
         try:
-            out = self.decoder.decode({sid: c.to(self.runner.device, non_blocking=True)
-                                       for sid, (_, _, c) in work.items()})
-            host = {sid: pcm.detach().float().cpu().numpy() for sid, pcm in out.items()}
+            out = self.decoder.decode({sid: c for sid, (_, _, c) in work.items()})
+            # one device->host copy for the whole tick, then split per stream
+            flat = torch.cat([out[sid] for sid in work]).float().cpu().numpy()
+            host, at = {}, 0
+            for sid in work:
+                n = out[sid].shape[0]
+                host[sid], at = flat[at: at + n], at + n
         except Exception as e:  # the turns of this tick end with an error; the loop goes on
             log.exception("codec decode failed for %d streams", len(work))
             for s, turn, _ in work.values():

@@ -46,18 +46,19 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max())
 
 
-def test_random_chunkings_match_offline(codec: Codec) -> None:
+@pytest.mark.parametrize("buckets", [False, True])
+def test_random_chunkings_match_offline(codec: Codec, buckets: bool) -> None:
     rng = random.Random(1234)
     with deterministic():
         for trial in range(4):
             frames = rng.randint(5, 24)
             codes = _codes(frames, seed=trial, overflow=trial % 2 == 1)
             want = _offline(codec, codes)
-            dec = StreamingDecoder(codec, max_streams=2)
+            dec = StreamingDecoder(codec, max_streams=2, buckets=buckets, max_frames=64)
             sid = dec.open()
             parts, i = [], 0
             while i < frames:
-                n = rng.choice([0, 1, 1, 2, 3, 5, 8])
+                n = rng.choice([0, 1, 1, 2, 3, 5, 8, 19])  # 19: over the largest frame bucket
                 out = dec.decode({sid: codes[:, i : i + n]})[sid]
                 assert out.dtype == torch.float32 and out.shape == (min(n, frames - i) * 2048,)
                 parts.append(out)
@@ -78,7 +79,8 @@ def test_one_frame_chunks_past_the_window(codec: Codec) -> None:
     assert _max_diff(got, want) <= STREAM_ATOL
 
 
-def test_three_streams_batched_at_different_offsets(codec: Codec) -> None:
+@pytest.mark.parametrize("buckets", [False, True])
+def test_three_streams_batched_at_different_offsets(codec: Codec, buckets: bool) -> None:
     lengths = {"a": 17, "b": 11, "c": 14}
     codes = {
         k: _codes(n, seed=i + 20, overflow=k == "c") for i, (k, n) in enumerate(lengths.items())
@@ -86,7 +88,7 @@ def test_three_streams_batched_at_different_offsets(codec: Codec) -> None:
     sizes = {"a": [1], "b": [3, 2], "c": [7, 1, 4]}
     with deterministic():
         want = {k: _offline(codec, c) for k, c in codes.items()}
-        dec = StreamingDecoder(codec, max_streams=4)
+        dec = StreamingDecoder(codec, max_streams=4, buckets=buckets)
         sids, pos, parts, step = {}, dict.fromkeys(lengths, 0), {k: [] for k in lengths}, 0
         sids["a"] = dec.open()
         while any(pos[k] < lengths[k] for k in lengths):
@@ -109,6 +111,24 @@ def test_three_streams_batched_at_different_offsets(codec: Codec) -> None:
     for k in lengths:
         diff = _max_diff(torch.cat(parts[k]), want[k])
         assert diff <= STREAM_ATOL, f"stream {k}: max abs diff {diff:.2e}"
+
+
+def test_bucketed_limits_and_errors(codec: Codec) -> None:
+    """Bucketed passes pad to (streams, frames) buckets with a scratch state row; a stream
+    may not run past max_frames (the RoPE rows were sized for it); bad codes are named."""
+    dec = StreamingDecoder(codec, max_streams=3, buckets=True, max_frames=10)
+    assert dec.stream_buckets == [1, 2, 3]
+    a, b = dec.open(), dec.open()
+    dec.decode({a: _codes(6, seed=1), b: _codes(2, seed=2)})
+    with pytest.raises(ValueError, match="max_frames=10"):
+        dec.decode({a: _codes(5, seed=3)})
+    bad = _codes(2, seed=4)
+    bad[3, 1] = -1
+    with pytest.raises(ValueError, match=f"codes for stream {b} contain negative values"):
+        dec.decode({b: bad})
+    assert dec.position(a) == 6 and dec.position(b) == 2  # failed calls changed nothing
+    with pytest.raises(RuntimeError, match="CUDA"):
+        dec.capture()
 
 
 def test_reset_and_close(codec: Codec) -> None:
@@ -207,8 +227,8 @@ def test_state_buffers_are_preallocated() -> None:
     sid = dec.open()
     dec.decode({sid: _codes(3, seed=1)})
     assert {k: v.data_ptr() for k, v in dec._state.items()} == before
-    assert all(v.shape[0] == 8 for v in dec._state.values())
+    assert all(v.shape[0] == 8 + 1 for v in dec._state.values())  # + the scratch row
     # one KV window of window-1 = 3 frames per post-module layer
     kv = [v for k, v in dec._state.items() if k.endswith(".k")]
-    assert len(kv) == 1 and kv[0].shape == (8, 2, 3, 32)
+    assert len(kv) == 1 and kv[0].shape == (9, 2, 3, 32)
     assert dec.state_bytes > 0

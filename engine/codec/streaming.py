@@ -14,6 +14,14 @@ the concatenated output of any chunking equals the offline ``Codec.decode`` of t
 sequence up to float rounding (kernels sum in different orders for different lengths);
 :data:`STREAM_ATOL` is the tolerance the tests and reference checks use.
 
+With ``buckets=True`` every call is padded to a (streams, frames) bucket: missing rows are
+the scratch state row, missing frames are padding the lengths mask out, and a chunk longer
+than the largest frame bucket is decoded in several passes. On a CUDA device each bucket's
+pass (state gather, the whole decode, state scatter) is then captured once as a CUDA graph
+(``capture()``) and a tick is one graph replay instead of ~2,000 kernel launches from Python.
+Buckets need the transformer's RoPE table sized up front, so a stream may decode at most
+``max_frames`` frames (the engine passes its turn limit).
+
 Not thread-safe: one caller (the engine's codec thread) drives a decoder.
 """
 
@@ -24,7 +32,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-from .layers import StreamContext
+from .layers import StreamContext, WindowLimitedTransformer
 from .model import Codec
 
 __all__ = ["STREAM_ATOL", "StreamingDecoder"]
@@ -45,23 +53,40 @@ class StreamingDecoder:
     >>> out = dec.decode({sid: codes_chunk})   # codes_chunk: int [10, n] -> {sid: [n*2048]}
     """
 
-    def __init__(self, codec: Codec, max_streams: int = 64) -> None:
+    FRAME_BUCKETS = (1, 2, 4, 8, 16)  # frames per pass in bucketed mode
+
+    def __init__(self, codec: Codec, max_streams: int = 64, *, buckets: bool = False,
+                 max_frames: int = 4096) -> None:
         if not isinstance(codec, Codec):
             raise TypeError(f"codec must be an engine.codec.Codec, got {type(codec).__name__}")
         if isinstance(max_streams, bool) or not isinstance(max_streams, int) or max_streams < 1:
             raise ValueError(f"max_streams must be a positive int, got {max_streams!r}")
+        if not (isinstance(max_frames, int) and max_frames >= 1):
+            raise ValueError(f"max_frames must be a positive int, got {max_frames!r}")
         self.codec = codec.eval()
         self.max_streams = max_streams
         self.device = codec.device
         self.dtype = codec.dtype
         self.frame_length = codec.frame_length
-        # state buffers: key -> [max_streams, *per-stream shape], zeros = "nothing before"
+        self.max_frames = max_frames
+        # state buffers: key -> [max_streams + 1, *per-stream shape], zeros = "nothing before";
+        # the last row is scratch: bucket padding reads and writes it, no stream owns it.
         self._state: dict[str, Tensor] = {}
         for m in codec.streaming_modules():
             for name, shape in m.state_shapes().items():
                 self._state[f"{m.state_key}.{name}"] = torch.zeros(
-                    (max_streams, *shape), device=self.device, dtype=self.dtype
+                    (max_streams + 1, *shape), device=self.device, dtype=self.dtype
                 )
+        self.buckets = buckets
+        self.stream_buckets = sorted({*(b for b in (1, 2, 4, 8, 16, 32, 64, 128)
+                                        if b < max_streams), max_streams})
+        # (streams, frames) -> (graph or None, static inputs, static audio output)
+        self._passes: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph | None, dict[str, Tensor],
+                                                  Tensor | None]] = {}
+        if buckets:  # RoPE rows for every position a stream may reach, allocated once
+            for m in codec.modules():
+                if isinstance(m, WindowLimitedTransformer):
+                    m.rope_rows(max_frames + max(self.FRAME_BUCKETS), self.device)
         self._slot_of: dict[int, int] = {}  # stream id -> slot
         self._free: list[int] = list(range(max_streams - 1, -1, -1))  # pop() gives lowest slot
         self._position = [0] * max_streams  # frames decoded so far, per slot (host side)
@@ -71,6 +96,10 @@ class StreamingDecoder:
     @property
     def n_open(self) -> int:
         return len(self._slot_of)
+
+    @property
+    def graphs(self) -> int:
+        return sum(g is not None for g, _, _ in self._passes.values())
 
     @property
     def state_bytes(self) -> int:
@@ -142,21 +171,19 @@ class StreamingDecoder:
             return out
 
         lengths = [c.shape[-1] for _, _, c in active]
+        slots = [slot for _, slot, _ in active]
+        positions = [self._position[s] for s in slots]
+        if self.buckets:
+            return {**out, **self._decode_bucketed(active, lengths, slots, positions)}
         n_max = max(lengths)
         n_cb = self.codec.n_codebooks_total
         # batch: [B, 10, n_max] right-padded with code 0 (never reaches a valid output)
         batch = torch.zeros((len(active), n_cb, n_max), dtype=torch.long, device=self.device)
         for i, (_, _, c) in enumerate(active):
             batch[i, :, : c.shape[-1]] = c.to(self.device)
-        # one value check for the whole call (a single device sync), naming the stream on failure
-        if bool((batch < 0).any()):
-            bad = [sid for sid, _, c in active if bool((c < 0).any())]
-            raise ValueError(f"codes for stream {bad[0]} contain negative values")
+        self._check_values(batch, active)
         batch = self.codec.quantizer.clamp_codes(batch)
-
-        slots = [slot for _, slot, _ in active]
         slots_t = torch.tensor(slots, dtype=torch.long, device=self.device)
-        positions = [self._position[s] for s in slots]
         ctx = StreamContext(
             lengths=torch.tensor(lengths, dtype=torch.long, device=self.device),
             positions=torch.tensor(positions, dtype=torch.long, device=self.device),
@@ -167,12 +194,124 @@ class StreamingDecoder:
         )
         with torch.no_grad():
             audio = self.codec.stream_decode(batch, ctx)  # [B, 1, n_max * 2048]
-            if ctx.new_state.keys() != self._state.keys():
-                missing = sorted(self._state.keys() - ctx.new_state.keys())
-                raise RuntimeError(f"streaming pass left state not updated: {missing[:4]}")
-            for k, buf in self._state.items():
-                buf.index_copy_(0, slots_t, ctx.new_state[k])
+            self._store_state(ctx, slots_t)
         for i, (sid, slot, _) in enumerate(active):
             self._position[slot] += lengths[i]
             out[sid] = audio[i, 0, : lengths[i] * self.frame_length].float()
+        return out
+
+    def _check_values(self, batch: Tensor, active: list[tuple[int, int, Tensor]]) -> None:
+        # one value check for the whole call (a single device sync), naming the stream on failure
+        if bool((batch < 0).any()):
+            bad = [sid for sid, _, c in active if bool((c < 0).any())]
+            raise ValueError(f"codes for stream {bad[0]} contain negative values")
+
+    def _store_state(self, ctx: StreamContext, slots_t: Tensor) -> None:
+        if ctx.new_state.keys() != self._state.keys():
+            missing = sorted(self._state.keys() - ctx.new_state.keys())
+            raise RuntimeError(f"streaming pass left state not updated: {missing[:4]}")
+        for k, buf in self._state.items():
+            buf.index_copy_(0, slots_t, ctx.new_state[k])
+
+    # -- bucketed passes (CUDA graphs on a GPU) ------------------------------------------------------
+    def _bucket(self, values: tuple[int, ...], n: int) -> int:
+        return next(v for v in values if v >= n)
+
+    def _static_pass(self, inp: dict[str, Tensor]) -> Tensor:
+        """Gather state, decode, scatter state for fixed-shape inputs; graph-capturable (no
+        host sync, no shape that depends on values)."""
+        codes = self.codec.quantizer.clamp_codes(inp["codes"])
+        ctx = StreamContext(lengths=inp["lengths"], positions=inp["positions"],
+                            n_max=codes.shape[-1], max_position=0,
+                            state={k: buf.index_select(0, inp["slots"])
+                                   for k, buf in self._state.items()}, uniform=False)
+        audio = self.codec.stream_decode(codes, ctx)  # [Bb, 1, nb * 2048]
+        self._store_state(ctx, inp["slots"])
+        return audio
+
+    def _inputs(self, Bb: int, nb: int) -> dict[str, Tensor]:
+        d = self.device
+        return {"codes": torch.zeros(Bb, self.codec.n_codebooks_total, nb, dtype=torch.long, device=d),
+                "slots": torch.full((Bb,), self.max_streams, dtype=torch.long, device=d),
+                "lengths": torch.ones(Bb, dtype=torch.long, device=d),
+                "positions": torch.zeros(Bb, dtype=torch.long, device=d)}
+
+    @torch.no_grad()
+    def capture(self) -> float:
+        """Capture one CUDA graph per (streams, frames) bucket; returns the seconds it took.
+        Only the scratch state row is touched."""
+        if not self.buckets or self.device.type != "cuda":
+            raise RuntimeError("capture() needs buckets=True and a CUDA codec")
+        import time
+
+        t0 = time.perf_counter()
+        pool = None
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream())
+        keys = [(b, n) for b in self.stream_buckets for n in self.FRAME_BUCKETS]
+        with torch.cuda.stream(side):  # warm every shape once (cuDNN plans, allocator)
+            for b, n in keys:
+                self._static_pass(self._inputs(b, n))
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize(self.device)
+        for b, n in sorted(keys, reverse=True):  # largest first: the pool is sized once
+            inp = self._inputs(b, n)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
+                audio = self._static_pass(inp)
+            pool = g.pool() if pool is None else pool
+            self._passes[(b, n)] = (g, inp, audio)
+        torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0
+
+    def _decode_bucketed(self, active: list[tuple[int, int, Tensor]], lengths: list[int],
+                         slots: list[int], positions: list[int]) -> dict[int, Tensor]:
+        for (sid, _, _), p, n in zip(active, positions, lengths):
+            if p + n > self.max_frames:
+                raise ValueError(f"stream {sid} would reach frame {p + n}, over this decoder's "
+                                 f"max_frames={self.max_frames} (build it with a larger limit)")
+        B = len(active)
+        Bb = self._bucket(tuple(self.stream_buckets), B)
+        codes_host = [c.detach().to("cpu", torch.long) for _, _, c in active]
+        for (sid, _, _), c in zip(active, codes_host):
+            if bool((c < 0).any()):  # checked on the host: no device sync
+                raise ValueError(f"codes for stream {sid} contain negative values")
+        pin = self.device.type == "cuda"
+        pieces: list[list[Tensor]] = [[] for _ in range(B)]
+        done = [0] * B
+        while (left := max(n - d for n, d in zip(lengths, done))) > 0:
+            nb = self._bucket(self.FRAME_BUCKETS, min(left, self.FRAME_BUCKETS[-1]))
+            graph, inp, audio = self._passes.get((Bb, nb), (None, None, None))
+            if inp is None:
+                inp = self._inputs(Bb, nb)
+            take = [min(n - d, nb) for n, d in zip(lengths, done)]
+            # this pass's inputs, built on the host and sent in two copies (fresh pinned
+            # tensors each pass: an earlier copy may still be in flight)
+            codes = torch.zeros(Bb, self.codec.n_codebooks_total, nb, dtype=torch.long,
+                                pin_memory=pin)
+            # padding rows (and streams with nothing left): the scratch state row, 1 frame
+            meta = [[self.max_streams] * Bb, [1] * Bb, [0] * Bb]
+            for i in range(B):
+                if take[i] > 0:
+                    codes[i, :, : take[i]] = codes_host[i][:, done[i]: done[i] + take[i]]
+                    meta[0][i], meta[1][i], meta[2][i] = slots[i], take[i], positions[i] + done[i]
+            meta_t = torch.tensor(meta, dtype=torch.long)
+            meta_t = meta_t.pin_memory() if pin else meta_t
+            inp["codes"].copy_(codes, non_blocking=pin)
+            for row, key in enumerate(("slots", "lengths", "positions")):
+                inp[key].copy_(meta_t[row], non_blocking=pin)
+            if graph is not None:
+                graph.replay()
+            else:
+                audio = self._static_pass(inp)
+            # copy out now: the next pass overwrites the static output
+            flat = audio[:, 0].to(torch.float32, copy=True)  # [Bb, nb * 2048]
+            for i in range(B):
+                if take[i] > 0:
+                    pieces[i].append(flat[i, : take[i] * self.frame_length])
+                    done[i] += take[i]
+        out: dict[int, Tensor] = {}
+        for i, (sid, slot, _) in enumerate(active):
+            self._position[slot] += lengths[i]
+            out[sid] = pieces[i][0] if len(pieces[i]) == 1 else torch.cat(pieces[i])
         return out
