@@ -84,6 +84,10 @@ def run_level(engine: Engine, c: int, frames: int, *, threaded: bool) -> dict[st
     total = sum(r.frames for s in sinks for r in s.results)
     ttfa = sorted(r.ttfa_s for s in sinks for r in s.results if r.ttfa_s is not None)
     dtps = sorted(r.frames / r.decode_s for s in sinks for r in s.results if r.decode_s > 0)
+    # submit -> turn prefilled (queueing + the turn's text prefill): the part of a server's
+    # TTFA that `ttfa_ms` (prefilled -> first audio) leaves out
+    prefill = sorted(1000 * (r.ready_at - r.submitted_at) for s in sinks for r in s.results
+                     if r.ready_at is not None)
     steps = engine.stats["steps"]
     for s in seqs:
         engine.close(s)
@@ -98,6 +102,7 @@ def run_level(engine: Engine, c: int, frames: int, *, threaded: bool) -> dict[st
            "decode_tps_p50": pct(dtps, 0.5), "decode_tps_min": pct(dtps, 0.0),
            "x_realtime_per_seq": round(total / wall / c / (44100 / 2048), 2),
            "ttfa_ms_p50": pct([1000 * t for t in ttfa], 0.5),
+           "turn_prefill_ms_p50": pct(prefill, 0.5), "turn_prefill_ms_max": pct(prefill, 1.0),
            "ttfa_ms_p90": pct([1000 * t for t in ttfa], 0.9),
            "ttfa_ms_max": pct([1000 * t for t in ttfa], 1.0),
            "steps": steps, "wasted_rows": engine.stats["wasted_rows"],

@@ -65,10 +65,11 @@ def _mix32(x: Tensor) -> Tensor:
 TOPK_MAX = 128  # candidates kept per draw; top_k is capped here (the reference default is 30)
 
 
-def exponential_noise(seed: Tensor, step: Tensor, stream: int, idx: Tensor | int) -> Tensor:
+def exponential_noise(seed: Tensor, step: Tensor, stream: int | Tensor, idx: Tensor | int) -> Tensor:
     """E ~ Exponential(1) for vocabulary indices `idx` ([B, n], or n for 0..n-1), a pure
     function of (seed[b], step[b], stream, index): a token's noise does not depend on which
-    other tokens are candidates or which other requests share the batch."""
+    other tokens are candidates or which other requests share the batch. `stream` is one
+    int for all rows or an int64 [B] tensor."""
     if isinstance(idx, int):
         idx = torch.arange(idx, device=seed.device, dtype=torch.int64)[None, :]
     key = _mix32(seed.to(torch.int64) * 0x9E3779B1 + stream * 0x632BE5AB)
@@ -79,7 +80,7 @@ def exponential_noise(seed: Tensor, step: Tensor, stream: int, idx: Tensor | int
 
 
 def sample(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor, seed: Tensor,
-           step: Tensor, stream: int) -> Tensor:
+           step: Tensor, stream: int | Tensor) -> Tensor:
     """logits [B, V]; temperature/top_p [B] float; top_k [B] int (<= TOPK_MAX) -> ids [B].
 
     The reference's rule on the TOPK_MAX best candidates (everything past top_k is masked
@@ -129,6 +130,7 @@ class SlotSampling:
         self.window = torch.full((n_slots, max_window), -1, dtype=torch.int32, device=d)
         self.max_window = max_window
         self.last_ras_condition = torch.zeros(0, dtype=torch.bool, device=d)
+        self._stream_ids: dict[tuple[int, torch.device], Tensor] = {}
 
     def assign(self, slot: int, p: SamplingParams, seed: int) -> None:
         if p.ras_window > self.max_window:
@@ -154,14 +156,20 @@ class SlotSampling:
         """Main-token choice with repetition-aware sampling. logits [B, n_semantic+1] -> idx [B]
         (index n_semantic means <|im_end|>). Updates the window and step of `slots`."""
         seed, step = self.seed[slots], self.step[slots]
-        main = SAMPLER_OPS.sample(logits, self.temperature[slots], self.top_p[slots], self.top_k[slots],
-                      seed, step, STREAM_MAIN)
         # RAS: a second candidate (temperature 1.0, top-p 0.9, same top-k); taken when the main
         # token is semantic and already among the last `ras_window` main tokens. The frame
-        # made by the prefill never enters the window (step 0 does not push).
+        # made by the prefill never enters the window (step 0 does not push). Both draws run
+        # as one batch of 2B rows (one top-k, one launch sequence), each with its own stream.
+        B = logits.shape[0]
         greedy = self.temperature[slots] == 0
-        high = SAMPLER_OPS.sample(logits, torch.where(greedy, 0.0, self.ras_temperature[slots]),
-                      self.ras_top_p[slots], self.top_k[slots], seed, step, STREAM_RAS)
+        both = SAMPLER_OPS.sample(
+            torch.cat([logits, logits]),
+            torch.cat([self.temperature[slots], torch.where(greedy, 0.0, self.ras_temperature[slots])]),
+            torch.cat([self.top_p[slots], self.ras_top_p[slots]]),
+            torch.cat([self.top_k[slots], self.top_k[slots]]),
+            torch.cat([seed, seed]), torch.cat([step, step]),
+            self._streams(B, logits.device))
+        main, high = both[:B], both[B:]
         win = self.window[slots]  # [B, W]
         live = torch.arange(self.max_window, device=win.device)[None, :] >= (
             self.max_window - self.ras_window[slots])[:, None]
@@ -178,6 +186,15 @@ class SlotSampling:
             prev_tokens_shift_inplace(rows, nxt)
             self.window[slots] = rows[..., 0]
         return chosen
+
+    def _streams(self, B: int, device: torch.device) -> Tensor:
+        """[2B] noise streams: MAIN for the first B rows, RAS for the next B (cached per B)."""
+        key = (B, device)
+        if key not in self._stream_ids:
+            ids = torch.full((2 * B,), STREAM_RAS, dtype=torch.int64, device=device)
+            ids[:B] = STREAM_MAIN  # fills only: legal inside a CUDA graph capture
+            self._stream_ids[key] = ids
+        return self._stream_ids[key]
 
     def sample_fast(self, slots: Tensor | slice, logits: Tensor, codebook: int) -> Tensor:
         """A residual codebook: logits [B, 4096] -> codes [B] (no bias, no RAS)."""

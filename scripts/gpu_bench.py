@@ -169,7 +169,8 @@ def codec_bench(report: dict, device: str) -> None:
     report["codec_s2pro"] = out
 
 
-def engine_sweep(report: dict, device: str, levels: list[int], frames: int) -> None:
+def engine_sweep(report: dict, device: str, levels: list[int], frames: int,
+                 only: set[str] | None = None) -> None:
     """The engine end to end (frames -> batched codec -> PCM): pingpong vs graphs vs naive."""
     from bench_latency.engine_throughput import sweep
     from engine.loader import load_bundle
@@ -184,6 +185,8 @@ def engine_sweep(report: dict, device: str, levels: list[int], frames: int) -> N
             ("graphs_sync_nocodec", ends, dict(mode="graphs", codec=False)),
             ("naive_nocodec", ends, dict(mode="naive", codec=False, fused_ops="reference"))]
     for name, lv, kw in runs:
+        if only and name not in only:
+            continue
         try:
             out[name] = sweep(b, lv, frames if kw["mode"] != "naive" else frames // 2, **kw)
         except Exception as e:  # keep the other runs
@@ -283,6 +286,9 @@ def main() -> int:
     ap.add_argument("--skip", default="", help="comma list of: fixtures,decode,codec,profile,engine")
     ap.add_argument("--levels", default="1,4,16,32,64")
     ap.add_argument("--model", default="s2-pro", help="preset for the decode section")
+    ap.add_argument("--engine-runs", default="", help="comma list of engine runs to keep "
+                    "(pingpong_codec, pingpong_nocodec, pingpong_unfused_nocodec, "
+                    "graphs_sync_nocodec, naive_nocodec); default all")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     report: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else platform.processor(),
@@ -296,7 +302,8 @@ def main() -> int:
                      ("profile", lambda: profile_step(report, device)),
                      ("engine", lambda: engine_sweep(report, device,
                                                      [int(x) for x in args.levels.split(",")],
-                                                     args.frames))):
+                                                     args.frames,
+                                                     set(filter(None, args.engine_runs.split(",")))))):
         if name in skip:
             continue
         t = time.perf_counter()
