@@ -125,6 +125,7 @@ def sweep(bundle: Bundle, levels: list[int], frames: int, *, mode: str = "pingpo
             eng = build_engine(bundle, EngineConfig(max_running=c, max_len=max_len,
                                                    max_turn_frames=max(frames, 8),
                                                    cuda_graphs=graphs, pingpong=threaded,
+                                                   codec_graphs=graphs and codec,
                                                    fused_ops=fused_ops))
             if not codec:
                 _silent_codec(eng)
@@ -137,6 +138,7 @@ def sweep(bundle: Bundle, levels: list[int], frames: int, *, mode: str = "pingpo
             finally:
                 eng.shutdown()
             row.update(mode=mode, codec=codec, capture_s=round(eng.capture_s, 1),
+                       codec_capture_s=round(eng.codec_capture_s, 1),
                        fused_ops=eng.fusion)
             rows.append(row)
             print(json.dumps(row), flush=True)
