@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import time
 from collections.abc import Iterator
@@ -143,6 +144,7 @@ def sweep(bundle: Bundle, levels: list[int], frames: int, *, mode: str = "pingpo
             rows.append(row)
             print(json.dumps(row), flush=True)
             del eng
+            gc.collect()  # free this engine's graphs now, not inside the next one's capture
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
     return rows

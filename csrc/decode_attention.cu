@@ -53,27 +53,30 @@ __device__ __forceinline__ void load(const T* __restrict__ p, float (&out)[E], b
   for (int e = 0; e < E; ++e) out[e] = to_f(p[e]);
 }
 
-// One block per (row b, kv head g) serves the R query heads of g, so each key/value row is
-// read once. E = D / 8 elements of the head dimension per lane.
+// One block per (row b, R query heads of one kv head g): with R = all the heads of g each
+// key/value row is read once (large batches); with R = 1 there are more, smaller blocks to
+// fill the GPU (small batches). E = D / 8 elements of the head dimension per lane.
 template <typename T, int E, int R>
 __global__ void __launch_bounds__(kThreads) decode_attention_kernel(
     const T* __restrict__ q, int64_t q_rs, const T* __restrict__ k_new, int64_t k_rs,
     const T* __restrict__ v_new, int64_t v_rs, T* __restrict__ k_cache,
     T* __restrict__ v_cache, const int64_t* __restrict__ wslot,
-    const int64_t* __restrict__ pos, T* __restrict__ out, int Hkv, int64_t S, float scale,
-    bool vec) {
+    const int64_t* __restrict__ pos, T* __restrict__ out, int Hkv, int rep, int64_t S,
+    float scale, bool vec) {
   constexpr int D = E * kLanes;
   __shared__ float s_m[kGroups][R];
   __shared__ float s_l[kGroups][R];
   __shared__ float s_acc[kGroups][R][D];
 
-  const int g = blockIdx.x, b = blockIdx.y;
+  const int parts = rep / R;
+  const int g = blockIdx.x / parts, part = blockIdx.x % parts, b = blockIdx.y;
+  const int h0 = g * rep + part * R;  // first query head of this block
   const int grp = threadIdx.x / kLanes, sub = threadIdx.x % kLanes;
   const int64_t p = pos[b];
   const T* kn = k_new + b * k_rs + g * D;
   const T* vn = v_new + b * v_rs + g * D;
 
-  {  // store this position (read back below from k_new/v_new, never from the cache)
+  if (part == 0) {  // store this position (read back below from k_new/v_new, never the cache)
     const int64_t w = ((wslot[b] * Hkv + g) * S + p) * D;
     for (int i = threadIdx.x; i < D; i += kThreads) {
       k_cache[w + i] = kn[i];
@@ -84,7 +87,7 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(
   float qv[R][E];
 #pragma unroll
   for (int r = 0; r < R; ++r) {
-    load<T, E>(q + b * q_rs + (g * R + r) * D + sub * E, qv[r], vec);
+    load<T, E>(q + b * q_rs + (h0 + r) * D + sub * E, qv[r], vec);
 #pragma unroll
     for (int e = 0; e < E; ++e) qv[r][e] *= scale;
   }
@@ -161,12 +164,12 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(
       L += s_l[j][r] * f;
       o += s_acc[j][r][d] * f;
     }
-    out[(static_cast<int64_t>(b) * Hkv * R + g * R + r) * D + d] = static_cast<T>(o / L);
+    out[(static_cast<int64_t>(b) * Hkv * rep + h0 + r) * D + d] = static_cast<T>(o / L);
   }
 }
 
 template <typename T, int E>
-void launch_e(int R, dim3 grid, cudaStream_t stream, const torch::Tensor& q,
+void launch_e(int R, int rep, dim3 grid, cudaStream_t stream, const torch::Tensor& q,
               const torch::Tensor& k_new, const torch::Tensor& v_new, torch::Tensor& k_cache,
               torch::Tensor& v_cache, const torch::Tensor& wslot, const torch::Tensor& pos,
               torch::Tensor& out, float scale, bool vec) {
@@ -175,7 +178,7 @@ void launch_e(int R, dim3 grid, cudaStream_t stream, const torch::Tensor& q,
       q.data_ptr<T>(), q.stride(0), k_new.data_ptr<T>(), k_new.stride(0),                   \
       v_new.data_ptr<T>(), v_new.stride(0), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),   \
       wslot.data_ptr<int64_t>(), pos.data_ptr<int64_t>(), out.data_ptr<T>(),                \
-      static_cast<int>(k_new.size(1)), k_cache.size(2), scale, vec)
+      static_cast<int>(k_new.size(1)), rep, k_cache.size(2), scale, vec)
   switch (R) {
     case 1: RTV_LAUNCH(1); break;
     case 2: RTV_LAUNCH(2); break;
@@ -196,16 +199,24 @@ void launch(const torch::Tensor& q, const torch::Tensor& k_new, const torch::Ten
             const torch::Tensor& pos, torch::Tensor& out) {
   const int B = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_new.size(1);
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  const dim3 grid(Hkv, B);
+  const int rep = H / Hkv;
+  // Whole kv groups per block once there are enough of them to fill the GPU twice over.
+  static int n_sm = 0;
+  if (n_sm == 0) {
+    int dev = 0;
+    C10_CUDA_CHECK(cudaGetDevice(&dev));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, dev));
+  }
+  const int R = (static_cast<int64_t>(B) * Hkv >= 2 * n_sm) ? rep : 1;
+  const dim3 grid(Hkv * (rep / R), B);
   const bool vec = aligned16(q) && aligned16(k_new) && aligned16(v_new) && aligned16(k_cache) &&
                    aligned16(v_cache);
   auto stream = c10::cuda::getCurrentCUDAStream();
-  const int R = H / Hkv;
   switch (D / kLanes) {
-    case 5: launch_e<T, 5>(R, grid, stream, q, k_new, v_new, k_cache, v_cache, wslot, pos, out, scale, vec); break;
-    case 6: launch_e<T, 6>(R, grid, stream, q, k_new, v_new, k_cache, v_cache, wslot, pos, out, scale, vec); break;
-    case 8: launch_e<T, 8>(R, grid, stream, q, k_new, v_new, k_cache, v_cache, wslot, pos, out, scale, vec); break;
-    case 16: launch_e<T, 16>(R, grid, stream, q, k_new, v_new, k_cache, v_cache, wslot, pos, out, scale, vec); break;
+    case 5: launch_e<T, 5>(R, rep, grid, stream, q, k_new, v_new, k_cache, v_cache, wslot, pos, out, scale, vec); break;
+    case 6: launch_e<T, 6>(R, rep, grid, stream, q, k_new, v_new, k_cache, v_cache, wslot, pos, out, scale, vec); break;
+    case 8: launch_e<T, 8>(R, rep, grid, stream, q, k_new, v_new, k_cache, v_cache, wslot, pos, out, scale, vec); break;
+    case 16: launch_e<T, 16>(R, rep, grid, stream, q, k_new, v_new, k_cache, v_cache, wslot, pos, out, scale, vec); break;
     default: TORCH_CHECK(false, "decode_attention: head_dim ", D, " is not supported");
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -109,6 +109,26 @@ class BatchedPrefillAttend:
         return gqa_attention(q, keys, vals, self.mask)
 
 
+class SlotPrefillAttend:
+    """One sequence's chunk of T columns at positions[0..T-1] of slot `slot` ([1] int64), with
+    every index a device tensor, so a whole prefill forward can be captured as a CUDA graph.
+    The chunk may be padded: its extra columns write k/v at positions past the sequence's
+    end, which are written again before anything reads them. Keys are read over [0, span)."""
+
+    def __init__(self, cache: SlowKVCache, slot: Tensor, positions: Tensor, span: int) -> None:
+        self.cache, self.slot, self.positions, self.span = cache, slot, positions, span
+        k_pos = torch.arange(span, device=positions.device)
+        self.mask = (k_pos[None, :] <= positions[:, None])[None, None]  # [1, 1, T, span]
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        c = self.cache
+        c.k[layer, self.slot, :, self.positions] = k[0].transpose(0, 1)  # [T, Hkv, Dh]
+        c.v[layer, self.slot, :, self.positions] = v[0].transpose(0, 1)
+        keys = c.k[layer, :, :, : self.span].index_select(0, self.slot)  # [1, Hkv, span, Dh]
+        vals = c.v[layer, :, :, : self.span].index_select(0, self.slot)
+        return gqa_attention(q, keys, vals, self.mask)
+
+
 class DenseDecodeAttend:
     """One new position per row, rows 0..B-1 being slots 0..B-1: row b writes its k/v at
     (wslots[b], positions[b]) and attends to [0, positions[b]] of slot b, read in place."""

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .capture import gc_paused
 from .codec import Codec, StreamingDecoder
 from .loader import Bundle
 from .prompt import PromptBuilder, Reference
@@ -62,6 +63,7 @@ class EngineConfig:
     prefill_batch: int = 16  # sequences prefilled together in one forward
     fused_ops: str = "auto"  # "compile" | "reference" | "auto" (compile on CUDA only)
     codec_graphs: bool = True  # codec ticks as CUDA graphs per (streams, frames) bucket (CUDA only)
+    prefill_graphs: bool = True  # prefill chunks as CUDA graphs per (columns, span) bucket (CUDA only)
 
     def __post_init__(self) -> None:
         for name in ("max_running", "max_len", "prefill_chunk", "first_chunk_frames",
@@ -152,9 +154,11 @@ class Engine:
         self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
         self._running_pingpong = False
-        self.prefill_stream = torch.cuda.Stream(runner.device) if self.cuda else None
+        # Prefill and codec work is latency-critical (TTFA, playback); decode steps are
+        # throughput: high-priority streams get free SMs first while a decode step runs.
+        self.prefill_stream = torch.cuda.Stream(runner.device, priority=-1) if self.cuda else None
         self.decode_stream = torch.cuda.Stream(runner.device) if self.cuda else None
-        self.codec_stream = torch.cuda.Stream(runner.device) if self.cuda else None
+        self.codec_stream = torch.cuda.Stream(runner.device, priority=-1) if self.cuda else None
         W = runner.out_width
         self._bufs = [torch.zeros(runner.n_slots + 1, W, dtype=torch.long,
                                   pin_memory=self.cuda) for _ in range(2)]
@@ -165,6 +169,11 @@ class Engine:
         self._spans = [s for s in range(self.cfg.span_step, runner.cache.max_len, self.cfg.span_step)]
         self._spans.append(runner.cache.max_len)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor]] | None = None
+        # (columns bucket, span) -> (graph, its input buffers); see _capture_prefill_graphs
+        self.prefill_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph,
+                                                          dict[str, Tensor]]] = {}
+        self._prefill_cols = [t for t in (8, 16, 32, 64, 128, 256) if t < self.cfg.prefill_chunk]
+        self._prefill_cols.append(self.cfg.prefill_chunk)
         self.capture_s = 0.0
         from . import fusion
 
@@ -177,6 +186,8 @@ class Engine:
             self._warm_prefill()
         if self.cfg.cuda_graphs and self.cuda:
             self._capture_graphs()
+        if self.cfg.prefill_graphs and self.cuda:
+            self._capture_prefill_graphs()
         self.codec_capture_s = 0.0
         if self._graphed_codec:
             self.codec_capture_s = self.decoder.capture()
@@ -540,7 +551,15 @@ class Engine:
             work.append((job, chunk.shape[1]))
         if items:
             t0 = time.perf_counter()
-            self.runner.prefill_batch(items)  # type: ignore[arg-type]
+            eager = []
+            for slot, chunk, start in items:  # graphed chunks one by one, the rest batched
+                key = self._prefill_graph_for(chunk.shape[1], start)
+                if key is None:
+                    eager.append((slot, chunk, start))
+                else:
+                    self._prefill_replay(key, slot, chunk, start)
+            if eager:
+                self.runner.prefill_batch(eager)  # type: ignore[arg-type]
             dt = time.perf_counter() - t0
             self.stats["prefill_s"] += dt
             self.stats["prefill_calls"] += 1
@@ -649,19 +668,73 @@ class Engine:
                 r.step(b, self._spans[0])
         torch.cuda.current_stream().wait_stream(s)
         torch.cuda.synchronize()
-        for span in reversed(self._spans):  # largest first: the pool is sized once
-            for b in reversed(self._batches):
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
-                    out = r.step(b, span)
-                pool = g.pool() if pool is None else pool
-                self.graphs[(b, span)] = (g, out)
+        with gc_paused():
+            for span in reversed(self._spans):  # largest first: the pool is sized once
+                for b in reversed(self._batches):
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
+                        out = r.step(b, span)
+                    pool = g.pool() if pool is None else pool
+                    self.graphs[(b, span)] = (g, out)
         torch.cuda.synchronize()
         r.active.copy_(saved[0])
         r.pos.copy_(saved[1])
         self.capture_s = time.perf_counter() - t0
         log.info("captured %d decode graphs (batches %s; spans %s) in %.1fs", len(self.graphs),
                  self._batches, self._spans, self.capture_s)
+
+    def _capture_prefill_graphs(self) -> None:
+        """One graph per (chunk-columns bucket, span bucket) of a single sequence's prefill
+        chunk: a turn's text or a voice-prompt chunk costs one replay instead of ~1,000
+        launches from Python (what bounded TTFA). Captured against the scratch slot."""
+        t0 = time.perf_counter()
+        r = self.runner
+        keys = [(T, span) for T in self._prefill_cols for span in self._spans if T <= span]
+        s = torch.cuda.Stream(r.device)
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):  # warm every shape once: nothing compiles inside a capture
+            for T, span in keys:
+                r.prefill_static(r.prefill_inputs(T), span)
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        pool = None
+        with gc_paused():
+            for T, span in sorted(keys, reverse=True):
+                inp = r.prefill_inputs(T)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
+                    r.prefill_static(inp, span)
+                pool = g.pool() if pool is None else pool
+                self.prefill_graphs[(T, span)] = (g, inp)
+        torch.cuda.synchronize()
+        log.info("captured %d prefill graphs (columns %s) in %.1fs", len(self.prefill_graphs),
+                 self._prefill_cols, time.perf_counter() - t0)
+
+    def _prefill_graph_for(self, n: int, start: int) -> tuple[int, int] | None:
+        """The (columns, span) bucket whose graph can prefill n columns at `start`, if any."""
+        if not self.prefill_graphs:
+            return None
+        i = bisect.bisect_left(self._prefill_cols, n)
+        if i == len(self._prefill_cols):
+            return None
+        T = self._prefill_cols[i]
+        j = bisect.bisect_left(self._spans, start + T)
+        if j == len(self._spans):
+            return None  # the padded chunk would run past the cache: eager prefill
+        return (T, self._spans[j]) if (T, self._spans[j]) in self.prefill_graphs else None
+
+    def _prefill_replay(self, key: tuple[int, int], slot: int, cols: Tensor, start: int) -> None:
+        g, inp = self.prefill_graphs[key]
+        T = key[0]
+        host = torch.zeros(1, cols.shape[0], T, dtype=torch.long, pin_memory=self.cuda)
+        host[0, :, : cols.shape[1]] = cols
+        meta = torch.tensor([slot, start], dtype=torch.long)
+        meta = meta.pin_memory() if self.cuda else meta
+        # fresh pinned tensors each call: an earlier copy may still be in flight
+        inp["cols"].copy_(host, non_blocking=self.cuda)
+        inp["slot"].copy_(meta[:1], non_blocking=self.cuda)
+        inp["start"].copy_(meta[1:], non_blocking=self.cuda)
+        g.replay()
 
     def _launch(self) -> _Pending | None:
         """Queue one decode step for every slot that may be active; copy its result to a

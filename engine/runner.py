@@ -16,7 +16,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .cache import BatchedPrefillAttend, DenseDecodeAttend, FastKV, PrefillAttend, SlowKVCache
+from .cache import (
+    BatchedPrefillAttend,
+    DenseDecodeAttend,
+    FastKV,
+    PrefillAttend,
+    SlotPrefillAttend,
+    SlowKVCache,
+)
 from .config import ModelConfig
 from .model import DualAR
 from .sampler import SamplingParams, SlotSampling
@@ -98,6 +105,22 @@ class ModelRunner:
                                       [st for _, _, st in items],
                                       [c.shape[1] for _, c, _ in items], T)
         self.model.forward_slow(batch.to(self.device, non_blocking=True), attend.positions, attend)
+
+    def prefill_inputs(self, T: int) -> dict[str, Tensor]:
+        """Device buffers for `prefill_static` of a T-column chunk (scratch slot, position 0)."""
+        d = self.device
+        return {"cols": torch.zeros(1, self.cfg.frame_rows, T, dtype=torch.long, device=d),
+                "slot": torch.full((1,), self.cache.scratch, dtype=torch.long, device=d),
+                "start": torch.zeros(1, dtype=torch.long, device=d)}
+
+    @torch.inference_mode()
+    def prefill_static(self, inp: dict[str, Tensor], span: int) -> None:
+        """`prefill` with every input a device tensor (`prefill_inputs`): capturable as one
+        CUDA graph per (T, span). The caller guarantees start + T <= span <= max_len."""
+        T = inp["cols"].shape[2]
+        positions = inp["start"] + torch.arange(T, device=self.device)  # [T]
+        attend = SlotPrefillAttend(self.cache, inp["slot"], positions, span)
+        self.model.forward_slow(inp["cols"], positions[None], attend)
 
     # ------------------------------------------------------------------ decode
     @torch.inference_mode()

@@ -226,3 +226,24 @@ def test_packed_ffn_keeps_the_frames(fixture_dir, fixture_model):
     finally:
         model.OPS.swiglu = model.Ops.swiglu
     assert torch.equal(got, want[:, :12])
+
+
+def test_static_prefill_matches_reference(fixture_dir, fixture_model):
+    """The graph-capturable prefill (device-tensor inputs, chunks padded to a column bucket,
+    keys over a span bucket) leaves the cache so that decoding gives the reference frames."""
+    prompt, want = _prompts(fixture_dir)[1]
+    cols = prompt[:, :-1]
+    runner = ModelRunner(fixture_model, n_slots=2, max_len=512)
+    slot = runner.cache.alloc()
+    runner.assign(slot, SamplingParams.greedy(), 0)
+    at = 0
+    for n, T, span in ((20, 32, 256), (cols.shape[1] - 20, 64, 256)):  # padded chunks
+        inp = runner.prefill_inputs(T)
+        inp["cols"][0, :, :n] = cols[:, at: at + n]
+        inp["slot"][0], inp["start"][0] = slot, at
+        runner.prefill_static(inp, span)
+        at += n
+    assert at == cols.shape[1]
+    runner.join(slot, prompt[:, -1], prompt.shape[1] - 1, 12, 0)
+    got = torch.stack([runner.step(1, 256)[0, :11] for _ in range(12)], dim=1)
+    assert torch.equal(got, want[:, :12])

@@ -32,6 +32,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
+from ..capture import gc_paused
 from .layers import StreamContext, WindowLimitedTransformer
 from .model import Codec
 
@@ -249,18 +250,26 @@ class StreamingDecoder:
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream())
         keys = [(b, n) for b in self.stream_buckets for n in self.FRAME_BUCKETS]
-        with torch.cuda.stream(side):  # warm every shape once (cuDNN plans, allocator)
+        cudnn = torch.backends.cudnn
+        # warm every shape once (allocator; cuDNN timing its convolution algorithms for each
+        # shape: the graphs keep the fastest one, the process's cuDNN flags are left alone)
+        with cudnn.flags(enabled=cudnn.enabled, benchmark=True,
+                         deterministic=cudnn.deterministic, allow_tf32=cudnn.allow_tf32), \
+                torch.cuda.stream(side):
             for b, n in keys:
                 self._static_pass(self._inputs(b, n))
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize(self.device)
-        for b, n in sorted(keys, reverse=True):  # largest first: the pool is sized once
-            inp = self._inputs(b, n)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
-                audio = self._static_pass(inp)
-            pool = g.pool() if pool is None else pool
-            self._passes[(b, n)] = (g, inp, audio)
+        with gc_paused(), cudnn.flags(enabled=cudnn.enabled, benchmark=True,
+                                      deterministic=cudnn.deterministic,
+                                      allow_tf32=cudnn.allow_tf32):
+            for b, n in sorted(keys, reverse=True):  # largest first: the pool is sized once
+                inp = self._inputs(b, n)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
+                    audio = self._static_pass(inp)
+                pool = g.pool() if pool is None else pool
+                self._passes[(b, n)] = (g, inp, audio)
         torch.cuda.synchronize(self.device)
         return time.perf_counter() - t0
 
