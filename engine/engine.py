@@ -483,10 +483,25 @@ class Engine:
         if not self._prefill_jobs:
             return False
         jobs = list(self._prefill_jobs)[: self.cfg.prefill_batch]
-        for job in self._prefill_round_safe(jobs):
+        for job in self._prefill_on_stream(jobs):
             self._prefill_jobs.remove(job)
             self._complete_prefill(job)
         return True
+
+    def _prefill_on_stream(self, jobs: list[PrefillJob]) -> list[PrefillJob]:
+        """One prefill round on the prefill stream; each finished job carries the event the
+        decode stream must wait for before its sequence joins (a graph replay returns before
+        the GPU is done: without the event the next decode step could read a half-written
+        prompt)."""
+        with self._on(self.prefill_stream):
+            finished = self._prefill_round_safe(jobs)
+            if finished and self.cuda:
+                ev = torch.cuda.Event()
+                ev.record(self.prefill_stream)
+                for job in finished:
+                    if job.event is None:
+                        job.event = ev
+        return finished
 
     def _prefill_loop(self) -> None:
         torch.set_grad_enabled(False)
@@ -500,15 +515,7 @@ class Engine:
                     active.append(job)
             except queue.Empty:
                 pass
-            batch = active[: self.cfg.prefill_batch]
-            with self._on(self.prefill_stream):
-                finished = self._prefill_round_safe(batch)
-                if finished and self.cuda:
-                    ev = torch.cuda.Event()
-                    ev.record(self.prefill_stream)
-                    for job in finished:
-                        if job.event is None:
-                            job.event = ev
+            finished = self._prefill_on_stream(active[: self.cfg.prefill_batch])
             for job in finished:
                 active.remove(job)
                 self._prefill_out.put(job)

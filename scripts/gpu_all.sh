@@ -6,22 +6,23 @@
 #      bench-latency over real WebSockets at c = 1, 16, 64, 200 ms jitter buffer;
 #   3. scripts/gpu_bench.py: reference fixtures on the GPU, codec speed (eager vs graphs),
 #      the frame-step profile, and the engine sweep (pingpong with/without codec vs naive).
-# Results under $OUT (default artifacts/gpu): tests.txt, server_bench.{json,png,txt},
-# server.log, gpu_bench.json, gpu_bench_log.txt.
+# Results under $OUT (default artifacts/gpu): tests.txt, server_c<N>.json, server.log,
+# gpu_bench.json, gpu_bench_log.txt. Knobs: TESTS_K (pytest -k), SERVER_LEVELS ("1 16 64"),
+# LEVEL_TIMEOUT, ENGINE_LEVELS ("1,16,64,128"), ENGINE_RUNS, SKIP (gpu_bench sections), TOTAL (s).
 set -uo pipefail
 OUT=${OUT:-artifacts/gpu}
 mkdir -p "$OUT"
 export OUT PYTHONUNBUFFERED=1 RTVOICE_FIXTURES=${RTVOICE_FIXTURES:-.fixtures/fish_s2_tiny}
 t0=$(date +%s)
 timeout 270 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_cuda.py \
-    2>&1 | grep -v "Warning\|warn\|^  \|^$" | tail -15 | tee "$OUT/tests.txt"
+    ${TESTS_K:+-k "$TESTS_K"} 2>&1 | grep -v "Warning\|warn\|^  \|^$" | tail -15 | tee "$OUT/tests.txt"
 echo "tests done at +$(( $(date +%s) - t0 ))s"
-MAX_LEN=${MAX_LEN:-1024} timeout 210 bash scripts/gpu_server_bench.sh >"$OUT/server_bench.txt" 2>&1
-tail -12 "$OUT/server_bench.txt"
+MAX_LEN=${MAX_LEN:-1024} timeout 300 bash scripts/gpu_server_bench.sh 2>&1 | grep -v "^ \|^$" | tail -40
 echo "server bench done at +$(( $(date +%s) - t0 ))s"
-timeout $(( 570 - ($(date +%s) - t0) )) python3 scripts/gpu_bench.py --skip decode \
-    --levels "${LEVELS:-1,16,64,128}" --frames 64 \
-    --engine-runs pingpong_codec,pingpong_nocodec,naive_nocodec --out "$OUT" \
+timeout -s ABRT $(( ${TOTAL:-570} - ($(date +%s) - t0) )) python3 -X faulthandler scripts/gpu_bench.py \
+    --skip "${SKIP:-decode}" \
+    --levels "${ENGINE_LEVELS:-1,16,64,128}" --frames 64 \
+    --engine-runs "${ENGINE_RUNS:-pingpong_codec,pingpong_nocodec,naive_nocodec}" --out "$OUT" \
     >"$OUT/gpu_bench_log.txt" 2>&1
 grep '^{"' "$OUT/gpu_bench_log.txt" | cut -c1-400 | tail -14
 echo "all done at +$(( $(date +%s) - t0 ))s"

@@ -313,8 +313,9 @@ def main() -> int:
             report[f"{name}_error"] = f"{type(e).__name__}: {e}"
         report[f"{name}_wall_s"] = round(time.perf_counter() - t, 1)
         print(json.dumps({k: v for k, v in report.items()}, default=str)[:2000], flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gpu_bench.json").write_text(json.dumps(report, indent=2, default=str))
+        # after every section: a run cut short by its time limit still leaves its results
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "gpu_bench.json").write_text(json.dumps(report, indent=2, default=str))
     print(json.dumps(report, indent=2, default=str))
     return 0
 

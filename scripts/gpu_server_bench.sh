@@ -1,16 +1,20 @@
 #!/usr/bin/env bash
-# The server-level GPU measurement in one device call: `rtvoice serve` on the GPU with the
-# S2-Pro shapes (deterministic random bf16 weights), driven by bench-latency over real
-# WebSockets. Results: $OUT/server_bench.json, $OUT/server_bench.png, $OUT/server.log.
+# The server-level GPU measurement: `rtvoice serve` on the GPU with the S2-Pro shapes
+# (deterministic random bf16 weights), driven by bench-latency over real WebSockets, one
+# concurrency level at a time (each level's results are kept even if a later one fails).
+# Results: $OUT/server_c<N>.json per level, $OUT/server.log. A level that does not finish in
+# LEVEL_TIMEOUT seconds gets the server's thread dump (faulthandler, SIGABRT) in server.log.
+# Merge and plot: python scripts/plot_server_levels.py $OUT/server_c*.json OUT.png
 set -uo pipefail
 OUT=${OUT:-artifacts/gpu}
 PORT=${PORT:-8765}
-LEVELS=${LEVELS:-1,16,64}
+LEVELS=${SERVER_LEVELS:-1 16 64}
 MAX_LEN=${MAX_LEN:-2048}
 JITTER_MS=${JITTER_MS:-200}
+LEVEL_TIMEOUT=${LEVEL_TIMEOUT:-120}
 mkdir -p "$OUT"
-python3 -m rtvoice.cli serve --model s2-pro --device cuda --port "$PORT" --max-running 64 \
-    --max-len "$MAX_LEN" --data-dir /tmp/rtvoice-bench >"$OUT/server.log" 2>&1 &
+python3 -X faulthandler -m rtvoice.cli serve --model s2-pro --device cuda --port "$PORT" \
+    --max-running 64 --max-len "$MAX_LEN" --data-dir /tmp/rtvoice-bench >"$OUT/server.log" 2>&1 &
 SRV=$!
 python3 - "$PORT" <<'PY'
 import sys, time, urllib.request
@@ -24,10 +28,18 @@ for _ in range(300):
 else:
     sys.exit("server did not become ready")
 PY
-python3 -m bench_latency --url "ws://127.0.0.1:$PORT/v1/tts/live" --concurrency "$LEVELS" \
-    --turns 2 --warmup-turns 1 --max-frames 96 --jitter-ms "$JITTER_MS" --json "$OUT/server_bench.json" \
-    --plot "$OUT/server_bench.png" --no-progress
 RC=$?
-kill -INT $SRV; wait $SRV
+for C in $LEVELS; do
+    [ $RC -ne 0 ] && break
+    timeout "$LEVEL_TIMEOUT" python3 -m bench_latency --url "ws://127.0.0.1:$PORT/v1/tts/live" \
+        --concurrency "$C" --turns 2 --warmup-turns 1 --max-frames 96 --jitter-ms "$JITTER_MS" \
+        --json "$OUT/server_c$C.json" --no-progress
+    RC=$?
+    if [ $RC -eq 124 ]; then
+        echo "level c=$C did not finish in ${LEVEL_TIMEOUT}s: server thread dump in server.log"
+        kill -ABRT $SRV; sleep 2
+    fi
+done
+kill -INT $SRV 2>/dev/null; wait $SRV
 tail -5 "$OUT/server.log"
 exit $RC

@@ -250,19 +250,12 @@ class StreamingDecoder:
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream())
         keys = [(b, n) for b in self.stream_buckets for n in self.FRAME_BUCKETS]
-        cudnn = torch.backends.cudnn
-        # warm every shape once (allocator; cuDNN timing its convolution algorithms for each
-        # shape: the graphs keep the fastest one, the process's cuDNN flags are left alone)
-        with cudnn.flags(enabled=cudnn.enabled, benchmark=True,
-                         deterministic=cudnn.deterministic, allow_tf32=cudnn.allow_tf32), \
-                torch.cuda.stream(side):
+        with torch.cuda.stream(side):  # warm every shape once (cuDNN plans, allocator)
             for b, n in keys:
                 self._static_pass(self._inputs(b, n))
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize(self.device)
-        with gc_paused(), cudnn.flags(enabled=cudnn.enabled, benchmark=True,
-                                      deterministic=cudnn.deterministic,
-                                      allow_tf32=cudnn.allow_tf32):
+        with gc_paused():
             for b, n in sorted(keys, reverse=True):  # largest first: the pool is sized once
                 inp = self._inputs(b, n)
                 g = torch.cuda.CUDAGraph()
