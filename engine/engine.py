@@ -154,11 +154,13 @@ class Engine:
         self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
         self._running_pingpong = False
-        # Prefill and codec work is latency-critical (TTFA, playback); decode steps are
-        # throughput: high-priority streams get free SMs first while a decode step runs.
-        self.prefill_stream = torch.cuda.Stream(runner.device, priority=-1) if self.cuda else None
+        # All three streams at the same priority, on purpose: with the prefill and codec
+        # streams at high priority the server deadlocked the GPU at c=64 on the H200 (decode
+        # and codec threads both waiting on the device, no error), most likely GEMM kernels
+        # whose blocks wait on each other being interleaved across streams. See docs/PERF.md.
+        self.prefill_stream = torch.cuda.Stream(runner.device) if self.cuda else None
         self.decode_stream = torch.cuda.Stream(runner.device) if self.cuda else None
-        self.codec_stream = torch.cuda.Stream(runner.device, priority=-1) if self.cuda else None
+        self.codec_stream = torch.cuda.Stream(runner.device) if self.cuda else None
         W = runner.out_width
         self._bufs = [torch.zeros(runner.n_slots + 1, W, dtype=torch.long,
                                   pin_memory=self.cuda) for _ in range(2)]
