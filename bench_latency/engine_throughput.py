@@ -127,6 +127,7 @@ def sweep(bundle: Bundle, levels: list[int], frames: int, *, mode: str = "pingpo
                                                    max_turn_frames=max(frames, 8),
                                                    cuda_graphs=graphs, pingpong=threaded,
                                                    codec_graphs=graphs and codec,
+                                                   prefill_graphs=graphs,
                                                    fused_ops=fused_ops))
             if not codec:
                 _silent_codec(eng)

@@ -4,7 +4,7 @@
 # concurrency level at a time (each level's results are kept even if a later one fails).
 # Results: $OUT/server_c<N>.json per level, $OUT/server.log. A level that does not finish in
 # LEVEL_TIMEOUT seconds gets the server's thread dump (faulthandler, SIGABRT) in server.log.
-# Merge and plot: python scripts/plot_server_levels.py $OUT/server_c*.json OUT.png
+# Merge and plot: python scripts/plot_server_levels.py merged.json merged.png $OUT/server_c*.json
 set -uo pipefail
 OUT=${OUT:-artifacts/gpu}
 PORT=${PORT:-8765}
