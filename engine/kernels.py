@@ -167,25 +167,43 @@ def decode_attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v
     return _decode_attention_torch(q, k_new, v_new, k_cache, v_cache, wslot, pos, span)
 
 
-def _bench() -> None:
+def _timed(fn, args: tuple, n: int, cuda: bool) -> float:  # type: ignore[no-untyped-def]
     import time
 
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    for _ in range(5):
+        fn(*args)
+    if cuda:
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn(*args)
+    if cuda:
+        torch.cuda.synchronize()
+    return 1e6 * (time.perf_counter() - t) / n
+
+
+def _bench() -> None:
+    cuda = torch.cuda.is_available()
+    dev = "cuda" if cuda else "cpu"
+    kind = "kernel" if cuda and extension_available() else "wrapper"
     for bs in (1, 64, 128):
         prev = torch.randint(0, 4096, (bs, 16, 10), dtype=torch.int32, device=dev)
         nxt = torch.randint(0, 4096, (bs, 10), dtype=torch.int32, device=dev)
-        for name, fn in (("kernel" if dev == "cuda" else "wrapper", prev_tokens_shift_inplace),
-                         ("torch", _prev_tokens_shift_torch)):
-            for _ in range(10):
-                fn(prev, nxt)
-            if dev == "cuda":
-                torch.cuda.synchronize()
-            t = time.perf_counter()
-            for _ in range(1000):
-                fn(prev, nxt)
-            if dev == "cuda":
-                torch.cuda.synchronize()
-            print(f"prev_tokens_shift bs={bs:4d} {name:7s} {1e6 * (time.perf_counter() - t) / 1000:8.2f} us")
+        for name, fn in ((kind, prev_tokens_shift_inplace), ("torch", _prev_tokens_shift_torch)):
+            us = _timed(fn, (prev, nxt), 1000, cuda)
+            print(f"prev_tokens_shift bs={bs:4d} {name:7s} {us:8.2f} us")
+    # decode attention at S2-Pro's slow-AR shapes: 32 query heads, 8 kv heads, head_dim 128
+    dt = torch.bfloat16 if cuda else torch.float32
+    for bs, pos in ((1, 200), (1, 1000), (64, 200), (64, 1000)):
+        S = 1024
+        q = torch.randn(bs, 32, 128, device=dev, dtype=dt)
+        kn, vn = (torch.randn(bs, 8, 128, device=dev, dtype=dt) for _ in range(2))
+        kc, vc = (torch.randn(bs + 1, 8, S, 128, device=dev, dtype=dt) for _ in range(2))
+        ws = torch.arange(bs, device=dev)
+        ps = torch.full((bs,), pos, device=dev)
+        for name, fn in ((kind, decode_attention), ("torch", _decode_attention_torch)):
+            us = _timed(fn, (q, kn, vn, kc, vc, ws, ps, pos + 1), 200 if cuda else 5, cuda)
+            print(f"decode_attention bs={bs:3d} pos={pos:5d} {name:7s} {us:9.2f} us")
 
 
 if __name__ == "__main__":
