@@ -64,6 +64,7 @@ class EngineConfig:
     fused_ops: str = "auto"  # "compile" | "reference" | "auto" (compile on CUDA only)
     codec_graphs: bool = True  # codec ticks as CUDA graphs per (streams, frames) bucket (CUDA only)
     prefill_graphs: bool = True  # prefill chunks as CUDA graphs per (columns, span) bucket (CUDA only)
+    stall_s: float = 10.0  # a device wait longer than this marks the engine stalled (/ready 503)
 
     def __post_init__(self) -> None:
         for name in ("max_running", "max_len", "prefill_chunk", "first_chunk_frames",
@@ -72,6 +73,8 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.max_waiting < 0:
             raise ValueError("EngineConfig.max_waiting must be >= 0")
+        if not self.stall_s > 0:
+            raise ValueError(f"EngineConfig.stall_s must be > 0, got {self.stall_s}")
         if self.fused_ops not in ("auto", "compile", "reference"):
             raise ValueError(f"EngineConfig.fused_ops must be auto, compile or reference, "
                              f"got {self.fused_ops!r}")
@@ -135,6 +138,7 @@ class Engine:
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._ids = itertools.count(1)
+        self._device_wait: dict[str, float | None] = {"decode": None, "codec": None}
         self._rng = random.Random(self.cfg.seed)
         # scheduler state (decode thread, or the caller in sync mode)
         self._waiting: deque[Sequence] = deque()
@@ -233,9 +237,22 @@ class Engine:
     def free_slots(self) -> int:
         return self.runner.cache.free_slots
 
-    def load(self) -> dict[str, int]:
+    def load(self) -> dict[str, int | float]:
         return {"live": len(self._live), "waiting": len(self._waiting),
-                "free_slots": self.free_slots(), "max_running": self.runner.n_slots}
+                "free_slots": self.free_slots(), "max_running": self.runner.n_slots,
+                "device_wait_s": round(self.device_wait_s(), 3)}
+
+    def device_wait_s(self) -> float:
+        """How long the decode or codec thread has been waiting on the device right now (0
+        when neither is). Normal waits last one step or one codec tick (milliseconds); a
+        wait past `cfg.stall_s` means the GPU stopped making progress."""
+        now = time.perf_counter()
+        return max((now - t for t in (self._device_wait.get("decode"),
+                                      self._device_wait.get("codec")) if t is not None),
+                   default=0.0)
+
+    def stalled(self) -> bool:
+        return self.device_wait_s() > self.cfg.stall_s
 
     # ================================================================ threads
     def start(self) -> None:
@@ -785,7 +802,9 @@ class Engine:
     def _process(self, pend: _Pending) -> None:
         """Read a finished step's result and hand its frames to the sequences."""
         if pend.event is not None:
+            self._device_wait["decode"] = pend.t_launch
             pend.event.synchronize()
+            self._device_wait["decode"] = None
         out = pend.buf[: pend.B].clone()
         self.stats["decode_s"] += time.perf_counter() - pend.t_launch
         self._processed = pend.k
@@ -971,14 +990,17 @@ class Engine:
             return bool(ended)
         t0 = time.perf_counter()
         try:
+            self._device_wait["codec"] = t0
             out = self.decoder.decode({sid: c for sid, (_, _, c) in work.items()})
             # one device->host copy for the whole tick, then split per stream
             flat = torch.cat([out[sid] for sid in work]).float().cpu().numpy()
+            self._device_wait["codec"] = None
             host, at = {}, 0
             for sid in work:
                 n = out[sid].shape[0]
                 host[sid], at = flat[at: at + n], at + n
         except Exception as e:  # the turns of this tick end with an error; the loop goes on
+            self._device_wait["codec"] = None
             log.exception("codec decode failed for %d streams", len(work))
             for s, turn, _ in work.values():
                 self._drop_audio(s, turn)

@@ -327,7 +327,8 @@ async def _ready(request: Request) -> Response:
     load = rt.engine.load()
     limits = rt.settings.limits
     sessions = rt.metrics.sessions_live
-    has_room = sessions < limits.max_sessions and (
+    stalled = rt.engine.stalled()
+    has_room = not stalled and sessions < limits.max_sessions and (
         load["free_slots"] > 0 or load["waiting"] < rt.engine.cfg.max_waiting
     )
     body = {
@@ -339,7 +340,11 @@ async def _ready(request: Request) -> Response:
         "max_sessions": limits.max_sessions,
         "engine": load,
     }
-    if not has_room:
+    if stalled:
+        body["reason"] = (f"device stalled: the engine has waited {load['device_wait_s']:.1f} s "
+                          f"on the GPU (limit {rt.engine.cfg.stall_s:g} s); restart the server")
+        log.error("/ready: %s", body["reason"])
+    elif not has_room:
         body["reason"] = "at capacity"
     return JSONResponse(body, status_code=200 if has_room else 503)
 
@@ -420,6 +425,9 @@ def render_metrics(rt: Runtime) -> str:
     metric("rtvoice_engine_sequences", "gauge", "Engine sequences by state.",
            [('{state="live"}', load["live"]), ('{state="waiting"}', load["waiting"])])
     metric("rtvoice_engine_free_slots", "gauge", "Free KV slots.", [("", load["free_slots"])])
+    metric("rtvoice_engine_device_wait_seconds", "gauge",
+           "How long the engine has been waiting on the device right now (a stall if large).",
+           [("", load["device_wait_s"])])
     stats = rt.engine.stats
     metric("rtvoice_engine_steps_total", "counter", "Engine steps.", [("", int(stats["steps"]))])
     metric("rtvoice_engine_seconds_total", "counter", "Engine time by phase.",

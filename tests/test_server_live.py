@@ -630,6 +630,30 @@ async def test_health_ready_metrics(server):
     assert samples["rtvoice_connections_open"] >= 0
 
 
+async def test_ready_reports_a_stalled_device(server):
+    """A device wait far past the engine's stall limit (a GPU that stopped making progress)
+    turns /ready into 503 with a reason naming it, and shows on /metrics."""
+    import time as _time
+
+    from rtvoice.app import _runtime
+
+    engine = _runtime(server.app).engine
+    async with httpx.AsyncClient(base_url=server, timeout=30) as http:
+        engine._device_wait["decode"] = _time.perf_counter() - (engine.cfg.stall_s + 5)
+        try:
+            r = await http.get("/ready")
+            text = (await http.get("/metrics")).text
+        finally:
+            engine._device_wait["decode"] = None
+        assert r.status_code == 503 and r.json()["ready"] is False
+        assert "device stalled" in r.json()["reason"]
+        wait = next(float(line.split()[1]) for line in text.splitlines()
+                    if line.startswith("rtvoice_engine_device_wait_seconds "))
+        assert wait > engine.cfg.stall_s
+        r = await http.get("/ready")
+        assert r.status_code == 200 and r.json()["engine"]["device_wait_s"] < engine.cfg.stall_s
+
+
 def test_overloaded_and_idle_timeout():
     async def run(base: str, url: str) -> None:
         first = await Client.connect(url)
