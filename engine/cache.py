@@ -31,6 +31,12 @@ class SlowKVCache:
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self._free = list(range(n_slots))
 
+    @staticmethod
+    def slot_bytes(cfg: TransformerConfig, max_len: int, dtype: torch.dtype) -> int:
+        """Bytes of one slot's keys and values over `max_len` positions, all layers."""
+        elem = torch.empty(0, dtype=dtype).element_size()
+        return 2 * cfg.n_layer * cfg.n_local_heads * max_len * cfg.head_dim * elem
+
     @property
     def scratch(self) -> int:
         return self.n_slots

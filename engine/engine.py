@@ -35,6 +35,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .cache import SlowKVCache
 from .capture import gc_paused
 from .codec import Codec, StreamingDecoder
 from .loader import Bundle
@@ -65,6 +66,9 @@ class EngineConfig:
     codec_graphs: bool = True  # codec ticks as CUDA graphs per (streams, frames) bucket (CUDA only)
     prefill_graphs: bool = True  # prefill chunks as CUDA graphs per (columns, span) bucket (CUDA only)
     stall_s: float = 10.0  # a device wait longer than this marks the engine stalled (/ready 503)
+    # GPU memory kept out of the KV cache (activations, CUDA graph pools, the codec): the cache
+    # takes min(max_running, what fits in the rest) slots, sized when the engine is built
+    kv_reserve_gib: float = 8.0
 
     def __post_init__(self) -> None:
         for name in ("max_running", "max_len", "prefill_chunk", "first_chunk_frames",
@@ -75,6 +79,8 @@ class EngineConfig:
             raise ValueError("EngineConfig.max_waiting must be >= 0")
         if not self.stall_s > 0:
             raise ValueError(f"EngineConfig.stall_s must be > 0, got {self.stall_s}")
+        if not self.kv_reserve_gib >= 0:
+            raise ValueError(f"EngineConfig.kv_reserve_gib must be >= 0, got {self.kv_reserve_gib}")
         if self.fused_ops not in ("auto", "compile", "reference"):
             raise ValueError(f"EngineConfig.fused_ops must be auto, compile or reference, "
                              f"got {self.fused_ops!r}")
@@ -86,6 +92,24 @@ class EngineOverloaded(RuntimeError):
 
 class TurnTooLong(ValueError):
     pass
+
+
+class EngineOutOfMemory(RuntimeError):
+    pass
+
+
+def fit_kv_slots(want: int, *, free_bytes: int, reserve_bytes: int, slot_bytes: int,
+                 max_len: int) -> int:
+    """KV slots to allocate: `want`, or fewer if only fewer fit in `free_bytes` after
+    `reserve_bytes` (the cache has one scratch slot on top). Raises when not even one fits."""
+    fit = (free_bytes - reserve_bytes) // slot_bytes - 1
+    if fit < 1:
+        raise EngineOutOfMemory(
+            f"the KV cache does not fit on the GPU: {free_bytes / 2**30:.1f} GiB free after the "
+            f"weights, {reserve_bytes / 2**30:.1f} GiB kept for activations and CUDA graphs "
+            f"(kv_reserve_gib), and one slot of {max_len} positions needs "
+            f"{slot_bytes / 2**20:.0f} MiB; lower max_len or free GPU memory")
+    return min(want, int(fit))
 
 
 @dataclass(slots=True, eq=False)
@@ -1051,7 +1075,20 @@ class Engine:
 def build_engine(bundle: Bundle, config: EngineConfig | None = None) -> Engine:
     """An engine over a loaded bundle (model, tokenizer, codec)."""
     cfg = config or EngineConfig()
-    runner = ModelRunner(bundle.model, n_slots=cfg.max_running, max_len=cfg.max_len)
+    model = bundle.model
+    device = model.embeddings.weight.device
+    n_slots = cfg.max_running
+    if device.type == "cuda":  # size the cache from the memory left after the weights
+        free, _ = torch.cuda.mem_get_info(device)
+        slot = SlowKVCache.slot_bytes(model.cfg.slow, cfg.max_len, model.embeddings.weight.dtype)
+        n_slots = fit_kv_slots(cfg.max_running, free_bytes=free, slot_bytes=slot,
+                               reserve_bytes=int(cfg.kv_reserve_gib * 2**30), max_len=cfg.max_len)
+        if n_slots < cfg.max_running:
+            log.warning("KV cache: %d of the %d requested slots fit in GPU memory (%.1f GiB free, "
+                        "%.1f GiB reserved, %.0f MiB per slot of %d positions); sessions beyond "
+                        "that wait for a slot", n_slots, cfg.max_running, free / 2**30,
+                        cfg.kv_reserve_gib, slot / 2**20, cfg.max_len)
+    runner = ModelRunner(model, n_slots=n_slots, max_len=cfg.max_len)
     return Engine(runner, bundle.tokenizer, bundle.codec, cfg)
 
 

@@ -75,6 +75,7 @@ def engine_config(settings: Settings, bundle: Bundle) -> EngineConfig:
         chunk_frames=eng.chunk_frames,
         max_turn_frames=eng.max_turn_frames,
         max_waiting=eng.max_waiting,
+        kv_reserve_gib=eng.kv_reserve_gib,
         seed=settings.model.seed,
     )
 
@@ -150,7 +151,7 @@ async def _start_runtime(settings: Settings, bundle: Bundle | None) -> Runtime:
         bundle.name,
         " (RANDOM WEIGHTS)" if bundle.random_weights else "",
         m.device,
-        cfg.max_running,
+        engine.runner.n_slots,  # fewer than max_running when GPU memory is short
         cfg.max_len,
         settings.voices.data_dir,
     )

@@ -135,6 +135,7 @@ class EngineSettings:
     max_turn_frames: int = 2048  # hard cap per segment (~95 s of audio)
     default_top_k: int = 30  # when the request sends no top_k (Fish's SDK never does)
     encode_threads: int = 2  # audio encoder pool (mp3/opus cost real CPU)
+    kv_reserve_gib: float = 8.0  # GPU memory kept out of the KV cache (graphs, activations)
 
     HELP: ClassVar[dict[str, str]] = {
         "max_running": "KV slots = sessions resident at once: a session holds its slot from "
@@ -151,6 +152,8 @@ class EngineSettings:
         "max_turn_frames": "hard cap of one segment (frames; 21.5 frames = 1 s)",
         "default_top_k": "top-k when a request sends none",
         "encode_threads": "threads encoding audio (mp3, opus, resampling)",
+        "kv_reserve_gib": "GPU memory (GiB) kept out of the KV cache for activations, CUDA "
+        "graphs and the codec; the cache takes min(max_running, what fits) slots",
     }
 
     def __post_init__(self) -> None:
@@ -171,6 +174,8 @@ class EngineSettings:
             raise ValueError("max_waiting must be >= 0")
         if self.max_len is not None and self.max_len < 128:
             raise ValueError(f"max_len must be >= 128, got {self.max_len}")
+        if not self.kv_reserve_gib >= 0:
+            raise ValueError(f"kv_reserve_gib must be >= 0, got {self.kv_reserve_gib}")
 
 
 @dataclass(slots=True)

@@ -304,3 +304,26 @@ def test_turn_too_long_is_the_clients_fault(tiny_bundle):
     eng.submit(seq, "x" * 500, turn_id="long", max_frames=5)
     eng.run_until_idle()
     assert sink.results[-1].error_code == "too_large"
+
+
+def test_kv_cache_is_sized_from_free_memory():
+    """On a GPU the cache takes min(max_running, what fits after a reserve) slots; when not
+    even one slot fits the engine refuses to build with the numbers and what to change."""
+    from engine.cache import SlowKVCache
+    from engine.config import preset
+    from engine.engine import EngineOutOfMemory, fit_kv_slots
+
+    cfg = preset("s2-pro").slow
+    slot = SlowKVCache.slot_bytes(cfg, 2048, torch.bfloat16)
+    assert slot == 2 * 36 * 8 * 2048 * 128 * 2  # 302 MiB per session at 2048 positions
+    gib = 2**30
+    assert fit_kv_slots(64, free_bytes=130 * gib, reserve_bytes=8 * gib, slot_bytes=slot,
+                        max_len=2048) == 64  # an H200 after the weights
+    assert fit_kv_slots(64, free_bytes=14 * gib, reserve_bytes=8 * gib, slot_bytes=slot,
+                        max_len=2048) == 6 * gib // slot - 1  # a 24 GB card: fewer slots
+    with pytest.raises(EngineOutOfMemory, match="lower max_len or free GPU memory"):
+        fit_kv_slots(64, free_bytes=8 * gib, reserve_bytes=8 * gib, slot_bytes=slot, max_len=2048)
+    tiny = preset("tiny").slow
+    cache = SlowKVCache(tiny, 3, 256, device="cpu", dtype=torch.float32)
+    assert (cache.k.numel() + cache.v.numel()) * 4 == 4 * SlowKVCache.slot_bytes(tiny, 256,
+                                                                                 torch.float32)
