@@ -10,8 +10,9 @@
 //   v_new    [B, Hkv, D]      same dtype, rows may be strided
 //   k_cache  [N, Hkv, S, D]   same dtype, contiguous, written at (wslot[b], :, pos[b])
 //   v_cache  [N, Hkv, S, D]
-//   wslot    [B] int64        slot each row writes to (0 <= wslot < N)
-//   pos      [B] int64        each row's position (0 <= pos < S)
+//   wslot    [B] int64        slot each row writes to (0 <= wslot < N): row b's own slot b,
+//                             or a slot no row of this launch reads (>= B, e.g. scratch)
+//   pos      [B] int64        each row's position (0 <= pos < S; not checked on the device)
 //   out      [B, H, D]        contiguous
 // Row b attends to positions 0..pos[b] of slot b (row b's own slot: the engine's batch rows
 // are its slots); the key/value at pos[b] is taken from k_new/v_new, so blocks never read
@@ -201,11 +202,12 @@ void launch(const torch::Tensor& q, const torch::Tensor& k_new, const torch::Ten
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   const int rep = H / Hkv;
   // Whole kv groups per block once there are enough of them to fill the GPU twice over.
-  static int n_sm = 0;
+  static int sm_count[64] = {0};  // per device; a racing first call writes the same value
+  const int dev = q.get_device();
+  int n_sm = dev < 64 ? sm_count[dev] : 0;
   if (n_sm == 0) {
-    int dev = 0;
-    C10_CUDA_CHECK(cudaGetDevice(&dev));
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, dev));
+    if (dev < 64) sm_count[dev] = n_sm;
   }
   const int R = (static_cast<int64_t>(B) * Hkv >= 2 * n_sm) ? rep : 1;
   const dim3 grid(Hkv * (rep / R), B);

@@ -152,7 +152,7 @@ class Engine:
         self.prompts = PromptBuilder(tokenizer, self.model_cfg.num_codebooks)
         self.codec = codec
         self._graphed_codec = self.cfg.codec_graphs and codec.device.type == "cuda"
-        self.decoder = StreamingDecoder(codec, max_streams=max(2, 2 * self.cfg.max_running),
+        self.decoder = StreamingDecoder(codec, max_streams=max(2, 2 * runner.n_slots),
                                         buckets=self._graphed_codec,
                                         max_frames=self.cfg.max_turn_frames)
         self.frame_samples = codec.cfg.hop_length
@@ -196,8 +196,12 @@ class Engine:
         self.gaps = _Gaps()
         self.measure_gaps = False
         self._batches = self._batch_buckets(runner.n_slots)
+        # Span buckets bound the keys the prefill attention (and the decode step's torch
+        # attention) reads; the decode_attention kernel reads exactly 0..pos, so with it the
+        # decode graphs need one span only (12 graphs instead of 12 x spans).
         self._spans = [s for s in range(self.cfg.span_step, runner.cache.max_len, self.cfg.span_step)]
         self._spans.append(runner.cache.max_len)
+        self._decode_spans = [runner.cache.max_len] if self._kernel_attention() else self._spans
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor]] | None = None
         # (columns bucket, span) -> (graph, its input buffers); see _capture_prefill_graphs
         self.prefill_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph,
@@ -205,8 +209,10 @@ class Engine:
         self._prefill_cols = [t for t in (8, 16, 32, 64, 128, 256) if t < self.cfg.prefill_chunk]
         self._prefill_cols.append(self.cfg.prefill_chunk)
         self.capture_s = 0.0
-        from . import fusion
+        from . import fusion, kernels
 
+        if self.cuda:
+            kernels.extension_available()  # nvcc builds it once: at start-up, not mid-request
         want = self.cfg.fused_ops
         if want == "auto":
             want = "compile" if self.cuda else "reference"
@@ -712,14 +718,14 @@ class Engine:
         with torch.cuda.stream(s):
             # Warm every kernel configuration once, eagerly: fused (compiled) ops specialise
             # on the batch size, and nothing may compile or autotune inside a capture.
-            for span in self._spans:
+            for span in self._decode_spans:
                 r.step(1, span)
             for b in self._batches:
-                r.step(b, self._spans[0])
+                r.step(b, self._decode_spans[0])
         torch.cuda.current_stream().wait_stream(s)
         torch.cuda.synchronize()
         with gc_paused():
-            for span in reversed(self._spans):  # largest first: the pool is sized once
+            for span in reversed(self._decode_spans):  # largest first: the pool is sized once
                 for b in reversed(self._batches):
                     g = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
@@ -731,7 +737,16 @@ class Engine:
         r.pos.copy_(saved[1])
         self.capture_s = time.perf_counter() - t0
         log.info("captured %d decode graphs (batches %s; spans %s) in %.1fs", len(self.graphs),
-                 self._batches, self._spans, self.capture_s)
+                 self._batches, self._decode_spans, self.capture_s)
+
+    def _kernel_attention(self) -> bool:
+        """Whether every decode attention (slow and fast AR) runs the csrc kernel."""
+        from . import kernels
+
+        return self.cuda and kernels.extension_available() and all(
+            c.head_dim in kernels.DECODE_ATTENTION_HEAD_DIMS
+            and c.n_head // c.n_local_heads in kernels.DECODE_ATTENTION_GROUPS
+            for c in (self.model_cfg.slow, self.model_cfg.fast))
 
     def _capture_prefill_graphs(self) -> None:
         """One graph per (chunk-columns bucket, span bucket) of a single sequence's prefill
@@ -795,8 +810,8 @@ class Engine:
         B = self._batches[bisect.bisect_left(self._batches, top)]
         # the device may be one step ahead of what the host has read: +2 covers it
         need = max(s.pos for s in self._owner.values()) + 2
-        si = bisect.bisect_left(self._spans, need)
-        span = self._spans[min(si, len(self._spans) - 1)]
+        si = bisect.bisect_left(self._decode_spans, need)
+        span = self._decode_spans[min(si, len(self._decode_spans) - 1)]
         t0 = time.perf_counter()
         with self._decode_ctx():
             ev_start = None
@@ -826,9 +841,11 @@ class Engine:
     def _process(self, pend: _Pending) -> None:
         """Read a finished step's result and hand its frames to the sequences."""
         if pend.event is not None:
-            self._device_wait["decode"] = pend.t_launch
-            pend.event.synchronize()
-            self._device_wait["decode"] = None
+            self._device_wait["decode"] = time.perf_counter()
+            try:
+                pend.event.synchronize()
+            finally:
+                self._device_wait["decode"] = None
         out = pend.buf[: pend.B].clone()
         self.stats["decode_s"] += time.perf_counter() - pend.t_launch
         self._processed = pend.k
@@ -1014,7 +1031,8 @@ class Engine:
             return bool(ended)
         t0 = time.perf_counter()
         try:
-            self._device_wait["codec"] = t0
+            if self.cuda:  # on a CPU the codec's wait is its own compute, not a stall
+                self._device_wait["codec"] = t0
             out = self.decoder.decode({sid: c for sid, (_, _, c) in work.items()})
             # one device->host copy for the whole tick, then split per stream
             flat = torch.cat([out[sid] for sid in work]).float().cpu().numpy()
@@ -1079,6 +1097,11 @@ def build_engine(bundle: Bundle, config: EngineConfig | None = None) -> Engine:
     device = model.embeddings.weight.device
     n_slots = cfg.max_running
     if device.type == "cuda":  # size the cache from the memory left after the weights
+        if cfg.fused_ops in ("auto", "compile"):
+            from . import fusion
+
+            fusion.pack_ffn(model)  # the engine would pack W1|W3 later: its copies first
+        torch.cuda.empty_cache()  # cached, unused blocks (weight loading) count as free
         free, _ = torch.cuda.mem_get_info(device)
         slot = SlowKVCache.slot_bytes(model.cfg.slow, cfg.max_len, model.embeddings.weight.dtype)
         n_slots = fit_kv_slots(cfg.max_running, free_bytes=free, slot_bytes=slot,

@@ -470,6 +470,9 @@ class WindowLimitedTransformer(nn.Module):
         self.block_size = c.block_size
         self._rope_cpu: Tensor | None = None
         self._rope_dev: Tensor | None = None
+        # Tables replaced by a larger one stay alive: a CUDA graph captured earlier keeps
+        # reading the one it was captured with (same leading rows), never freed memory.
+        self._rope_old: list[Tensor] = []
 
     def rope_rows(self, n_positions: int, device: torch.device) -> Tensor:
         """The RoPE table ([>= n_positions, hd/2, 2], float32) on ``device``."""
@@ -480,8 +483,12 @@ class WindowLimitedTransformer(nn.Module):
                 2 * (0 if self._rope_cpu is None else self._rope_cpu.shape[0]),
             )
             self._rope_cpu = rope_table(size, self.head_dim, self.rope_base)
+            if self._rope_dev is not None and self._rope_dev.is_cuda:
+                self._rope_old.append(self._rope_dev)
             self._rope_dev = None
         if self._rope_dev is None or self._rope_dev.device != device:
+            if self._rope_dev is not None and self._rope_dev.is_cuda:
+                self._rope_old.append(self._rope_dev)
             self._rope_dev = self._rope_cpu.to(device)
         return self._rope_dev
 
