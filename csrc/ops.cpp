@@ -7,16 +7,22 @@ void prev_tokens_shift_inplace(torch::Tensor prev, torch::Tensor next_tokens);
 void decode_attention(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new,
                       torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor wslot,
                       torch::Tensor pos, torch::Tensor out);
+void sample_topk(torch::Tensor logits, torch::Tensor temperature, torch::Tensor top_p,
+                 torch::Tensor top_k, torch::Tensor seed, torch::Tensor step,
+                 torch::Tensor stream, torch::Tensor out);
 
 TORCH_LIBRARY(rtvoice_kernels, m) {
   m.def("prev_tokens_shift_inplace(Tensor(a!) prev, Tensor next_tokens) -> ()");
   m.def("decode_attention(Tensor q, Tensor k_new, Tensor v_new, Tensor(a!) k_cache, "
         "Tensor(b!) v_cache, Tensor wslot, Tensor pos, Tensor(c!) out) -> ()");
+  m.def("sample_topk(Tensor logits, Tensor temperature, Tensor top_p, Tensor top_k, "
+        "Tensor seed, Tensor step, Tensor stream, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(rtvoice_kernels, CUDA, m) {
   m.impl("prev_tokens_shift_inplace", &prev_tokens_shift_inplace);
   m.impl("decode_attention", &decode_attention);
+  m.impl("sample_topk", &sample_topk);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}

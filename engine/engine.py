@@ -69,6 +69,9 @@ class EngineConfig:
     # GPU memory kept out of the KV cache (activations, CUDA graph pools, the codec): the cache
     # takes min(max_running, what fits in the rest) slots, sized when the engine is built
     kv_reserve_gib: float = 8.0
+    # the sampler's draw as one csrc kernel (csrc/sampling.cu) instead of the compiled torch
+    # version; off until the kernel has been checked on a GPU (tests/test_cuda.py)
+    sampler_kernel: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_running", "max_len", "prefill_chunk", "first_chunk_frames",
@@ -216,7 +219,7 @@ class Engine:
         want = self.cfg.fused_ops
         if want == "auto":
             want = "compile" if self.cuda else "reference"
-        self.fusion = fusion.enable(want)
+        self.fusion = fusion.enable(want, sampler_kernel=self.cfg.sampler_kernel and self.cuda)
         if self.fusion == "compile":
             fusion.pack_ffn(runner.model)  # W1|W3 in one buffer: one GEMM per FFN input
             self._warm_prefill()

@@ -28,7 +28,7 @@ _COMPILED = (("rms_norm", model.OPS), ("add_rms_norm", model.OPS), ("norm_rope_q
 _REFERENCE = {**{name: getattr(type(holder), name) for name, holder in _COMPILED},
               "swiglu": model.Ops.swiglu}
 _HOLDER = {**{name: holder for name, holder in _COMPILED}, "swiglu": model.OPS}
-_state = {"mode": "reference"}
+_state: dict = {"mode": "reference", "compiled_sample": None}
 
 
 def _packed(w1: Tensor, w3: Tensor) -> Tensor | None:
@@ -66,14 +66,17 @@ def pack_ffn(m: nn.Module) -> int:
     return n
 
 
-def enable(mode: str = "compile") -> str:
-    """Switch the model's elementwise ops to fused versions; returns the mode in effect."""
+def enable(mode: str = "compile", *, sampler_kernel: bool = False) -> str:
+    """Switch the model's elementwise ops to fused versions; returns the mode in effect.
+    `sampler_kernel`: the sampler's draw as the csrc kernel (engine.kernels.sample_topk,
+    when built) instead of its compiled version."""
     if mode == "reference":
         disable()
         return "reference"
     if mode != "compile":
         raise ValueError(f"unknown fusion mode {mode!r}; use 'compile' or 'reference'")
     if _state["mode"] == "compile":
+        _set_sampler(sampler_kernel)
         return "compile"
     import torch._dynamo
     import torch._inductor.config
@@ -91,8 +94,19 @@ def enable(mode: str = "compile") -> str:
         setattr(holder, name, _guarded(name, fn, torch.compile(fn, dynamic=True, fullgraph=True)))
     model.OPS.swiglu = packed_swiglu
     _state["mode"] = "compile"
+    _state["compiled_sample"] = sampler.SAMPLER_OPS.sample
+    _set_sampler(sampler_kernel)
     log.info("fused elementwise ops enabled (torch.compile)")
     return "compile"
+
+
+def _set_sampler(kernel: bool) -> None:
+    from . import kernels
+
+    if kernel and kernels.extension_available():
+        sampler.SAMPLER_OPS.sample = kernels.sample_topk
+    else:
+        sampler.SAMPLER_OPS.sample = _state["compiled_sample"]
 
 
 def _guarded(name: str, ref, fused):  # type: ignore[no-untyped-def]

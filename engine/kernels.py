@@ -21,8 +21,8 @@ from torch import Tensor
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
-KERNEL_FILES = ("prev_tokens.cu", "decode_attention.cu")  # one file per kernel family
-KERNEL_OPS = ("prev_tokens_shift_inplace", "decode_attention")
+KERNEL_FILES = ("prev_tokens.cu", "decode_attention.cu", "sampling.cu")  # one per family
+KERNEL_OPS = ("prev_tokens_shift_inplace", "decode_attention", "sample_topk")
 _lock = threading.Lock()
 _state: dict[str, object] = {"loaded": None}
 
@@ -168,6 +168,45 @@ def decode_attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v
     return _decode_attention_torch(q, k_new, v_new, k_cache, v_cache, wslot, pos, span)
 
 
+# ---------------------------------------------------------------------- sampling
+SAMPLE_TOPK_MAX_V = 8192
+
+
+def _check_sample(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor,
+                  seed: Tensor, step: Tensor, stream: Tensor) -> None:
+    if logits.dim() != 2 or logits.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"logits must be float32 or bfloat16 [B, V], got {logits.dtype} "
+                        f"{list(logits.shape)}")
+    B = logits.shape[0]
+    for name, t, dt in (("temperature", temperature, torch.float32), ("top_p", top_p, torch.float32),
+                        ("top_k", top_k, torch.int64), ("seed", seed, torch.int64),
+                        ("step", step, torch.int64), ("stream", stream, torch.int64)):
+        if t.dtype != dt or t.shape != (B,):
+            raise TypeError(f"{name} must be {dt} [{B}], got {t.dtype} {list(t.shape)}")
+        if t.device != logits.device:
+            raise ValueError(f"{name} is on {t.device}, logits on {logits.device}")
+
+
+def sample_topk(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor, seed: Tensor,
+                step: Tensor, stream: int | Tensor) -> Tensor:
+    """engine.sampler.sample in one launch per batch (csrc/sampling.cu): the same rule and
+    noise, equal results but for float rounding at top-p boundaries and race near-ties.
+    Falls back to engine.sampler.sample off CUDA, for V > 8192, or without the extension."""
+    from .sampler import sample
+
+    if isinstance(stream, int):
+        stream = torch.full((logits.shape[0],), stream, dtype=torch.int64, device=logits.device)
+    _check_sample(logits, temperature, top_p, top_k, seed, step, stream)
+    if (logits.is_cuda and logits.shape[1] <= SAMPLE_TOPK_MAX_V and logits.stride(1) == 1
+            and extension_available()):
+        out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+        torch.ops.rtvoice_kernels.sample_topk(logits, temperature.contiguous(), top_p.contiguous(),
+                                              top_k.contiguous(), seed.contiguous(),
+                                              step.contiguous(), stream.contiguous(), out)
+        return out
+    return sample(logits, temperature, top_p, top_k, seed, step, stream)
+
+
 def _timed(fn, args: tuple, n: int, cuda: bool) -> float:  # type: ignore[no-untyped-def]
     import time
 
@@ -205,6 +244,17 @@ def _bench() -> None:
         for name, fn in ((kind, decode_attention), ("torch", _decode_attention_torch)):
             us = _timed(fn, (q, kn, vn, kc, vc, ws, ps, pos + 1), 200 if cuda else 5, cuda)
             print(f"decode_attention bs={bs:3d} pos={pos:5d} {name:7s} {us:9.2f} us")
+    from .sampler import sample
+
+    for bs in (1, 64, 128):  # a main-token draw: 4,096 semantic tokens + <|im_end|>
+        logits = 3 * torch.randn(bs, 4097, device=dev)
+        args = (logits, torch.full((bs,), 0.8, device=dev), torch.full((bs,), 0.8, device=dev),
+                torch.full((bs,), 30, device=dev), torch.arange(bs, device=dev),
+                torch.zeros(bs, dtype=torch.int64, device=dev),
+                torch.ones(bs, dtype=torch.int64, device=dev))
+        for name, fn in ((kind, sample_topk), ("torch", sample)):
+            us = _timed(fn, args, 200 if cuda else 20, cuda)
+            print(f"sample_topk bs={bs:4d} {name:7s} {us:9.2f} us")
 
 
 if __name__ == "__main__":

@@ -121,6 +121,24 @@ def test_engine_audio_same_with_codec_graphs():
         assert a.shape == b.shape and abs(a - b).max() <= 1e-4
 
 
+def test_sampler_kernel_engine_matches(gpu_bundle):
+    """EngineConfig(sampler_kernel=True) puts csrc's sample_topk inside the captured step;
+    greedy frames equal the default (compiled torch draw) ones."""
+    from engine import sampler
+
+    base, _ = _run(gpu_bundle, EngineConfig(max_running=8, max_len=512, pingpong=False), TEXTS)
+    got, _ = _run(gpu_bundle, EngineConfig(max_running=8, max_len=512, pingpong=False,
+                                             sampler_kernel=True), TEXTS)
+    from engine import kernels
+
+    assert sampler.SAMPLER_OPS.sample is kernels.sample_topk
+    build_engine(gpu_bundle, EngineConfig(max_running=2, max_len=256, cuda_graphs=False,
+                                          codec_graphs=False, prefill_graphs=False))
+    assert sampler.SAMPLER_OPS.sample is not kernels.sample_topk  # the default restored
+    for a, b in zip(base, got):
+        assert torch.equal(a, b)
+
+
 def test_steady_state_decode_has_no_host_sync(gpu_bundle):
     """Launching a decode step (graph replay, result copy to pinned memory, event record)
     never synchronises with the GPU; only reading step N-1 waits, while step N runs."""

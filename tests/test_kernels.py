@@ -121,3 +121,67 @@ def test_decode_attention_cuda_kernel_matches_fallback(dtype, tol, B, H, Hkv, D,
     want = kernels._decode_attention_torch(q, kn, vn, kc2, vc2, ws, pos, S)
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+
+
+# ---------------------------------------------------------------------- sampling
+def _draw_case(B, V, device, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    logits = (3 * torch.randn(B, V, generator=g)).to(dtype).to(device)
+    temp = (torch.rand(B, generator=g) * 1.2).to(device)
+    temp[: B // 8] = 0  # greedy rows
+    top_p = (0.5 + 0.5 * torch.rand(B, generator=g)).to(device)
+    top_k = torch.randint(1, 129, (B,), generator=g).to(device)
+    seed_t = torch.randint(0, 2**31, (B,), generator=g).to(device)
+    step = torch.randint(0, 500, (B,), generator=g).to(device)
+    stream = torch.randint(1, 26, (B,), generator=g).to(device)
+    return logits, temp, top_p, top_k, seed_t, step, stream
+
+
+def test_sample_topk_fallback_and_contract():
+    from engine.sampler import sample
+
+    args = _draw_case(16, 300, "cpu")
+    assert torch.equal(kernels.sample_topk(*args), sample(*args))
+    a = list(args)
+    a[6] = 3  # one stream for all rows, as an int
+    assert torch.equal(kernels.sample_topk(*a), sample(*args[:6], 3))
+    for i, bad, err in ((1, args[1].double(), TypeError), (3, args[3].int(), TypeError),
+                        (4, args[4][:3], TypeError), (0, args[0][None], TypeError)):
+        a = list(args)
+        a[i] = bad
+        with pytest.raises(err):
+            kernels.sample_topk(*a)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("B,V", [(64, 4097), (33, 4096), (5, 100), (1, 4097)])
+def test_sample_topk_cuda_kernel_matches_fallback(B, V):
+    from engine.sampler import sample
+
+    assert kernels.extension_available(), "the CUDA extension did not build"
+    args = _draw_case(B, V, "cuda", seed=B + V)
+    got, want = kernels.sample_topk(*args), sample(*args)
+    greedy = args[1] == 0
+    assert torch.equal(got[greedy], want[greedy])
+    assert (got == want).float().mean() >= 0.95
+    # every draw is among the row's top_k values (rank by value < top_k)
+    logits, top_k = args[0].float(), args[3]
+    rank = (logits > logits.gather(1, got[:, None])).sum(1)
+    assert bool((rank < top_k).all())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_sample_topk_cuda_bf16_ties():
+    """bf16 logits tie often: greedy takes a maximum, draws stay within top_k by value."""
+    assert kernels.extension_available(), "the CUDA extension did not build"
+    args = list(_draw_case(64, 4097, "cuda", dtype=torch.bfloat16, seed=7))
+    args[0] = (args[0].float() * 4).round().to(torch.bfloat16) / 4  # many exact ties
+    got = kernels.sample_topk(*args)
+    logits = args[0].float()
+    greedy = args[1] == 0
+    assert torch.equal(logits[greedy].gather(1, got[greedy][:, None])[:, 0],
+                       logits[greedy].max(1).values)
+    rank = (logits > logits.gather(1, got[:, None])).sum(1)
+    assert bool((rank < args[3]).all())

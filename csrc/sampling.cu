@@ -1,0 +1,306 @@
+// sample_topk: the sampler's whole draw for one row per block, in one launch.
+//
+// Replaces torch.topk + softmax + gather + cumsum + masking + tempered softmax + the hashed
+// exponential noise + argmax (~35 kernels per draw, ~6 compiled) with one kernel. The rule
+// is engine/sampler.py's `sample`, which is the fallback and the reference:
+//   K = min(128, V) best candidates (value descending, index ascending on ties);
+//   top-p on the un-tempered softmax of the whole row, the best candidate always kept;
+//   candidates past top_k removed; softmax of kept values / max(temperature, 1e-5);
+//   race = p / E with E = -log(u), u from a hash of (seed, step, stream, index);
+//   the argmax of the race (first on ties) is drawn; temperature <= 0 takes the best.
+//
+// Contract (checked by engine/kernels.py and again here):
+//   logits       [B, V] float32 or bfloat16, rows may be strided, 1 <= V <= 8192
+//   temperature  [B] float32;  top_p [B] float32;  top_k [B] int64 (1..128)
+//   seed, step, stream  [B] int64
+//   out          [B] int64
+// Results equal the fallback's but for float rounding: the cumulative sum and the softmax
+// are summed in another order, which can move a candidate across the top-p boundary or swap
+// a near-tie of the race in rare rows.
+
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/extension.h>
+
+#include <cmath>
+#include <cstdint>
+
+namespace {
+
+constexpr int kThreads = 512;
+constexpr int kMaxV = 8192;
+constexpr int kK = 128;  // TOPK_MAX in engine/sampler.py
+constexpr int kWarps = kThreads / 32;
+
+__device__ __forceinline__ uint32_t order_key(float f) {
+  // float -> uint32 with the same order (larger float, larger key); NaN sorts high
+  const uint32_t u = __float_as_uint(f);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+__device__ __forceinline__ uint64_t mix32(uint64_t x) {
+  x &= 0xFFFFFFFFull;
+  x ^= x >> 16;
+  x = (x * 0x7FEB352Dull) & 0xFFFFFFFFull;
+  x ^= x >> 15;
+  x = (x * 0x846CA68Bull) & 0xFFFFFFFFull;
+  return x ^ (x >> 16);
+}
+
+template <typename T>
+__device__ __forceinline__ float to_f(T x) { return static_cast<float>(x); }
+
+// Block-wide reductions over one float per thread (all threads must call).
+__device__ float block_max(float v, float* red) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
+  __syncthreads();
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = v;
+  __syncthreads();
+  float r = -INFINITY;
+  for (int w = 0; w < kWarps; ++w) r = fmaxf(r, red[w]);
+  return r;
+}
+
+__device__ float block_sum(float v, float* red) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+  __syncthreads();
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = v;
+  __syncthreads();
+  float r = 0.f;
+  for (int w = 0; w < kWarps; ++w) r += red[w];
+  return r;
+}
+
+// Exclusive prefix sum of one int per thread, in thread order; returns the thread's offset
+// and writes the block total to *total (all threads must call).
+__device__ int block_exclusive_scan(int v, int* sm, int* total) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  int inc = v;
+  for (int o = 1; o < 32; o <<= 1) {
+    const int n = __shfl_up_sync(0xffffffff, inc, o);
+    if (lane >= o) inc += n;
+  }
+  __syncthreads();
+  if (lane == 31) sm[warp] = inc;
+  __syncthreads();
+  int before = 0, all = 0;
+  for (int w = 0; w < kWarps; ++w) {
+    if (w < warp) before += sm[w];
+    all += sm[w];
+  }
+  *total = all;
+  return before + inc - v;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) sample_topk_kernel(
+    const T* __restrict__ logits, int64_t row_stride, int V, const float* __restrict__ temperature,
+    const float* __restrict__ top_p, const int64_t* __restrict__ top_k,
+    const int64_t* __restrict__ seed, const int64_t* __restrict__ step,
+    const int64_t* __restrict__ stream, int64_t* __restrict__ out) {
+  __shared__ float xs[kMaxV];
+  __shared__ float red[kWarps];
+  __shared__ int ired[kWarps];
+  __shared__ int hist[256];
+  __shared__ uint32_t s_prefix;
+  __shared__ int s_need;
+  __shared__ float cv[kK];  // candidates: value, index
+  __shared__ int ci[kK];
+  __shared__ float cw[kK];  // race weights
+
+  const int b = blockIdx.x, tid = threadIdx.x;
+  const T* row = logits + b * row_stride;
+  const int K = V < kK ? V : kK;
+
+  // 1. the row, as float, and its softmax normaliser
+  float lmax = -INFINITY;
+  for (int i = tid; i < V; i += kThreads) {
+    const float x = to_f(row[i]);
+    xs[i] = x;
+    lmax = fmaxf(lmax, x);
+  }
+  const float mx = block_max(lmax, red);
+  float lsum = 0.f;
+  for (int i = tid; i < V; i += kThreads) lsum += expf(xs[i] - mx);
+  const float total = block_sum(lsum, red);
+
+  // 2. radix select: the key of the K-th largest value, 8 bits at a time from the top
+  if (tid == 0) {
+    s_prefix = 0;
+    s_need = K;
+  }
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    for (int i = tid; i < 256; i += kThreads) hist[i] = 0;
+    __syncthreads();
+    const uint32_t prefix = s_prefix;
+    const uint32_t hi_mask = shift == 24 ? 0u : (0xFFFFFFFFu << (shift + 8));
+    for (int i = tid; i < V; i += kThreads) {
+      const uint32_t k = order_key(xs[i]);
+      if ((k & hi_mask) == (prefix & hi_mask)) atomicAdd(&hist[(k >> shift) & 0xFF], 1);
+    }
+    __syncthreads();
+    if (tid == 0) {
+      int need = s_need, bin = 255;
+      for (; bin > 0; --bin) {  // from the largest bin down until `need` is reached
+        if (hist[bin] >= need) break;
+        need -= hist[bin];
+      }
+      s_prefix = prefix | (static_cast<uint32_t>(bin) << shift);
+      s_need = need;  // how many of the keys equal to the final prefix are taken
+    }
+    __syncthreads();
+  }
+  const uint32_t kth = s_prefix;
+  const int take_eq = s_need;
+
+  // 3. gather the K candidates in index order: all keys > kth, then the first take_eq keys
+  //    equal to kth (lowest indices first). Each thread owns a contiguous run of indices.
+  const int per = (V + kThreads - 1) / kThreads;
+  const int lo = tid * per, hi = min(V, lo + per);
+  int n_gt = 0, n_eq = 0;
+  for (int i = lo; i < hi; ++i) {
+    const uint32_t k = order_key(xs[i]);
+    n_gt += k > kth;
+    n_eq += k == kth;
+  }
+  int all_gt, all_eq;
+  int at_gt = block_exclusive_scan(n_gt, ired, &all_gt);
+  int at_eq = block_exclusive_scan(n_eq, ired, &all_eq);
+  for (int i = lo; i < hi; ++i) {
+    const uint32_t k = order_key(xs[i]);
+    if (k > kth) {
+      cv[at_gt] = xs[i];
+      ci[at_gt] = i;
+      ++at_gt;
+    } else if (k == kth) {
+      if (at_eq < take_eq) {
+        cv[all_gt + at_eq] = xs[i];
+        ci[all_gt + at_eq] = i;
+      }
+      ++at_eq;
+    }
+  }
+  for (int i = K + tid; i < kK; i += kThreads) {  // pad a short row to the sort's size
+    cv[i] = -INFINITY;
+    ci[i] = 0x7FFFFFFF;
+  }
+  __syncthreads();
+
+  // 4. bitonic sort of the kK slots: value descending, index ascending on ties
+  for (int size = 2; size <= kK; size <<= 1) {
+    for (int stride = size >> 1; stride > 0; stride >>= 1) {
+      if (tid < kK) {
+        const int j = tid ^ stride;
+        if (j > tid) {
+          const bool desc = (tid & size) == 0;
+          const float a = cv[tid], c = cv[j];
+          const int ia = ci[tid], ic = ci[j];
+          const bool a_first = a > c || (a == c && ia < ic);
+          if (a_first != desc) {
+            cv[tid] = c;
+            cv[j] = a;
+            ci[tid] = ic;
+            ci[j] = ia;
+          }
+        }
+      }
+      __syncthreads();
+    }
+  }
+
+  // 5. top-p / top-k masks, tempered softmax of the kept candidates, the race (one warp)
+  if (tid < 32) {
+    const float t = fmaxf(temperature[b], 1e-5f), p_top = top_p[b];
+    const int64_t k_top = top_k[b];
+    const uint64_t key0 = mix32(static_cast<uint64_t>(seed[b]) * 0x9E3779B1ull +
+                                static_cast<uint64_t>(stream[b]) * 0x632BE5ABull);
+    const uint64_t key = mix32(key0 + static_cast<uint64_t>(step[b]) * 0x85EBCA77ull);
+    // inclusive cumulative probability in rank order: each lane owns 4 consecutive ranks
+    float pr[4], run = 0.f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int r = tid * 4 + j;
+      pr[j] = r < K ? expf(cv[r] - mx) / total : 0.f;
+      run += pr[j];
+    }
+    float inc = run;
+    for (int o = 1; o < 32; o <<= 1) {
+      const float n = __shfl_up_sync(0xffffffff, inc, o);
+      if (tid >= o) inc += n;
+    }
+    float cum = inc - run;
+    const float top = cv[0] / t;
+    float best = -1.f;
+    int best_r = 0;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int r = tid * 4 + j;
+      cum += pr[j];
+      const bool keep = r < K && (r == 0 || cum <= p_top) && r < k_top;
+      cw[r] = keep ? expf(cv[r] / t - top) : 0.f;
+    }
+    __syncwarp();
+    float s = 0.f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) s += cw[tid * 4 + j];
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int r = tid * 4 + j;
+      if (cw[r] > 0.f) {
+        const uint64_t x = mix32(key + static_cast<uint64_t>(ci[r]) * 0xC2B2AE3Dull);
+        const float u = (static_cast<float>(x >> 8) + 0.5f) * (1.0f / 16777216.0f);
+        const float race = (cw[r] / s) / (-logf(u));
+        if (race > best) {  // ranks rise within a lane: the first maximum is kept
+          best = race;
+          best_r = r;
+        }
+      }
+    }
+    for (int o = 16; o > 0; o >>= 1) {  // warp argmax, lowest rank on ties
+      const float ob = __shfl_xor_sync(0xffffffff, best, o);
+      const int orr = __shfl_xor_sync(0xffffffff, best_r, o);
+      if (ob > best || (ob == best && orr < best_r)) {
+        best = ob;
+        best_r = orr;
+      }
+    }
+    if (tid == 0) out[b] = temperature[b] > 0.f ? ci[best_r] : ci[0];
+  }
+}
+
+}  // namespace
+
+void sample_topk(torch::Tensor logits, torch::Tensor temperature, torch::Tensor top_p,
+                 torch::Tensor top_k, torch::Tensor seed, torch::Tensor step,
+                 torch::Tensor stream, torch::Tensor out) {
+  TORCH_CHECK(logits.is_cuda() && logits.dim() == 2 && logits.stride(1) == 1,
+              "sample_topk: logits must be a CUDA [B, V] tensor with contiguous rows");
+  const int64_t B = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(V >= 1 && V <= kMaxV, "sample_topk: V must be in [1, ", kMaxV, "], got ", V);
+  TORCH_CHECK(temperature.scalar_type() == at::kFloat && top_p.scalar_type() == at::kFloat,
+              "sample_topk: temperature and top_p must be float32");
+  for (const auto* t : {&top_k, &seed, &step, &stream, &out})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->numel() == B && t->is_contiguous() &&
+                    t->device() == logits.device(),
+                "sample_topk: top_k, seed, step, stream and out must be int64 [B] on the device");
+  TORCH_CHECK(temperature.numel() == B && top_p.numel() == B && temperature.is_contiguous() &&
+                  top_p.is_contiguous(),
+              "sample_topk: temperature and top_p must be contiguous [B]");
+  if (B == 0) return;
+  const c10::cuda::CUDAGuard guard(logits.device());
+  auto s = c10::cuda::getCurrentCUDAStream();
+#define RTV_SAMPLE(T_)                                                                        \
+  sample_topk_kernel<T_><<<B, kThreads, 0, s>>>(                                              \
+      logits.data_ptr<T_>(), logits.stride(0), static_cast<int>(V),                           \
+      temperature.data_ptr<float>(), top_p.data_ptr<float>(), top_k.data_ptr<int64_t>(),      \
+      seed.data_ptr<int64_t>(), step.data_ptr<int64_t>(), stream.data_ptr<int64_t>(),         \
+      out.data_ptr<int64_t>())
+  switch (logits.scalar_type()) {
+    case at::kFloat: RTV_SAMPLE(float); break;
+    case at::kBFloat16: RTV_SAMPLE(at::BFloat16); break;
+    default: TORCH_CHECK(false, "sample_topk: logits must be float32 or bfloat16");
+  }
+#undef RTV_SAMPLE
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
