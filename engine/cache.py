@@ -116,22 +116,24 @@ class BatchedPrefillAttend:
 
 
 class SlotPrefillAttend:
-    """One sequence's chunk of T columns at positions[0..T-1] of slot `slot` ([1] int64), with
-    every index a device tensor, so a whole prefill forward can be captured as a CUDA graph.
-    The chunk may be padded: its extra columns write k/v at positions past the sequence's
-    end, which are written again before anything reads them. Keys are read over [0, span)."""
+    """N sequences' chunks of T columns, row n at positions[n, 0..T-1] of slot slots[n]
+    ([N] int64), with every index a device tensor, so a whole prefill forward can be captured
+    as a CUDA graph. Chunks may be padded (extra columns, or whole rows on the scratch slot):
+    padding writes k/v at positions past a sequence's end, which are written again before
+    anything reads them. Keys are read over [0, span)."""
 
-    def __init__(self, cache: SlowKVCache, slot: Tensor, positions: Tensor, span: int) -> None:
-        self.cache, self.slot, self.positions, self.span = cache, slot, positions, span
+    def __init__(self, cache: SlowKVCache, slots: Tensor, positions: Tensor, span: int) -> None:
+        self.cache, self.slots, self.positions, self.span = cache, slots, positions, span
         k_pos = torch.arange(span, device=positions.device)
-        self.mask = (k_pos[None, :] <= positions[:, None])[None, None]  # [1, 1, T, span]
+        self.mask = (k_pos[None, None, :] <= positions[:, :, None])[:, None]  # [N, 1, T, span]
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         c = self.cache
-        c.k[layer, self.slot, :, self.positions] = k[0].transpose(0, 1)  # [T, Hkv, Dh]
-        c.v[layer, self.slot, :, self.positions] = v[0].transpose(0, 1)
-        keys = c.k[layer, :, :, : self.span].index_select(0, self.slot)  # [1, Hkv, span, Dh]
-        vals = c.v[layer, :, :, : self.span].index_select(0, self.slot)
+        rows = self.slots[:, None]  # [N, 1], broadcast against positions [N, T]
+        c.k[layer, rows, :, self.positions] = k.transpose(1, 2)  # [N, T, Hkv, Dh]
+        c.v[layer, rows, :, self.positions] = v.transpose(1, 2)
+        keys = c.k[layer, :, :, : self.span].index_select(0, self.slots)  # [N, Hkv, span, Dh]
+        vals = c.v[layer, :, :, : self.span].index_select(0, self.slots)
         return gqa_attention(q, keys, vals, self.mask)
 
 

@@ -106,21 +106,23 @@ class ModelRunner:
                                       [c.shape[1] for _, c, _ in items], T)
         self.model.forward_slow(batch.to(self.device, non_blocking=True), attend.positions, attend)
 
-    def prefill_inputs(self, T: int) -> dict[str, Tensor]:
-        """Device buffers for `prefill_static` of a T-column chunk (scratch slot, position 0)."""
+    def prefill_inputs(self, T: int, N: int = 1) -> dict[str, Tensor]:
+        """Device buffers for `prefill_static` of N chunks of T columns (all rows on the
+        scratch slot at position 0 until filled in)."""
         d = self.device
-        return {"cols": torch.zeros(1, self.cfg.frame_rows, T, dtype=torch.long, device=d),
-                "slot": torch.full((1,), self.cache.scratch, dtype=torch.long, device=d),
-                "start": torch.zeros(1, dtype=torch.long, device=d)}
+        return {"cols": torch.zeros(N, self.cfg.frame_rows, T, dtype=torch.long, device=d),
+                "slot": torch.full((N,), self.cache.scratch, dtype=torch.long, device=d),
+                "start": torch.zeros(N, dtype=torch.long, device=d)}
 
     @torch.inference_mode()
     def prefill_static(self, inp: dict[str, Tensor], span: int) -> None:
-        """`prefill` with every input a device tensor (`prefill_inputs`): capturable as one
-        CUDA graph per (T, span). The caller guarantees start + T <= span <= max_len."""
+        """`prefill_batch` with every input a device tensor (`prefill_inputs`): capturable
+        as one CUDA graph per (N, T, span). The caller guarantees start + T <= span <= max_len
+        for every row and distinct slots for the real rows."""
         T = inp["cols"].shape[2]
-        positions = inp["start"] + torch.arange(T, device=self.device)  # [T]
+        positions = inp["start"][:, None] + torch.arange(T, device=self.device)  # [N, T]
         attend = SlotPrefillAttend(self.cache, inp["slot"], positions, span)
-        self.model.forward_slow(inp["cols"], positions[None], attend)
+        self.model.forward_slow(inp["cols"], positions, attend)
 
     # ------------------------------------------------------------------ decode
     @torch.inference_mode()

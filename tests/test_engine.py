@@ -3,6 +3,8 @@ cancel, context reuse and rebuild."""
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import numpy as np
 import pytest
 import torch
@@ -327,3 +329,54 @@ def test_kv_cache_is_sized_from_free_memory():
     cache = SlowKVCache(tiny, 3, 256, device="cpu", dtype=torch.float32)
     assert (cache.k.numel() + cache.v.numel()) * 4 == 4 * SlowKVCache.slot_bytes(tiny, 256,
                                                                                  torch.float32)
+
+
+class _EagerGraph:
+    """Stands in for a captured prefill graph on a CPU: replay runs the same static forward
+    on the same input buffers, which is what the CUDA graph records."""
+
+    replays: ClassVar[dict[int, int]] = {}
+
+    def __init__(self, runner, inp, span):
+        self.runner, self.inp, self.span = runner, inp, span
+
+    def replay(self):
+        n = self.inp["cols"].shape[0]
+        _EagerGraph.replays[n] = _EagerGraph.replays.get(n, 0) + 1
+        self.runner.prefill_static(self.inp, self.span)
+
+
+def test_prefill_graph_plan_matches_eager(tiny_bundle):
+    """The prefill graph path (single chunks per (columns, span) bucket, short chunks N at a
+    time with padding rows on the scratch slot) gives the greedy codes of eager prefill."""
+    texts = ["Hello there.", "Five.", "A somewhat longer sentence for the third voice.", "Six!"]
+
+    def run(graphs: bool):
+        eng = build_engine(tiny_bundle, EngineConfig(max_running=4, max_len=512, pingpong=False,
+                                                     prefill_chunk=32))
+        if graphs:
+            r = eng.runner
+            for key in eng._prefill_keys():
+                N, T, span = key
+                inp = r.prefill_inputs(T, N)
+                eng.prefill_graphs[key] = (_EagerGraph(r, inp, span), inp)
+        sinks = [CollectingSink() for _ in texts]
+        seqs = [eng.open([], SamplingParams.greedy(), s) for s in sinks]
+        eng.run_until_idle()
+        for seq, t in zip(seqs, texts):
+            eng.submit(seq, t, turn_id="a", max_frames=10)
+        eng.run_until_idle()
+        return [s.results[-1].codes for s in sinks], eng
+
+    want, _ = run(False)
+    _EagerGraph.replays.clear()
+    got, eng = run(True)
+    assert _EagerGraph.replays.get(4, 0) >= 2  # voice prompts and turns, four at a time
+    plan, eager = eng._prefill_plan([(0, torch.zeros(11, 5, dtype=torch.long), 40),
+                                     (1, torch.zeros(11, 20, dtype=torch.long), 30),
+                                     (2, torch.zeros(11, 32, dtype=torch.long), 0)])
+    assert not eager and [k for k, _ in plan] == [(4, 32, 512)]  # three short chunks, one replay
+    plan, _ = eng._prefill_plan([(0, torch.zeros(11, 5, dtype=torch.long), 40)])
+    assert [k for k, _ in plan] == [(1, 8, 256)]  # alone: the single graph, smallest span
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
