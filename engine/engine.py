@@ -39,6 +39,7 @@ from .cache import SlowKVCache
 from .capture import gc_paused
 from .codec import Codec, StreamingDecoder
 from .loader import Bundle
+from .prefill_graphs import PrefillGraphs
 from .prompt import PromptBuilder, Reference
 from .request import FinishReason, SeqState, Sequence, SequenceSink, Turn, TurnResult
 from .runner import ModelRunner
@@ -146,8 +147,6 @@ class _Gaps:
 
 
 class Engine:
-    BATCHED_PREFILL_COLS = 64  # chunks up to this many columns are prefilled N at a time
-
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, codec: Codec,
                  config: EngineConfig | None = None) -> None:
         self.cfg = config or EngineConfig()
@@ -208,15 +207,8 @@ class Engine:
         self._spans.append(runner.cache.max_len)
         self._decode_spans = [runner.cache.max_len] if self._kernel_attention() else self._spans
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor]] | None = None
-        # (rows, columns bucket, span) -> (graph, its input buffers); _capture_prefill_graphs
-        self.prefill_graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph,
-                                                               dict[str, Tensor]]] = {}
-        self._prefill_cols = [t for t in (8, 16, 32, 64, 128, 256) if t < self.cfg.prefill_chunk]
-        self._prefill_cols.append(self.cfg.prefill_chunk)
-        self._prefill_rows = [n for n in (2, 4, 8, 16, 32) if n < self.cfg.prefill_batch]
-        if self.cfg.prefill_batch > 1:
-            self._prefill_rows.append(self.cfg.prefill_batch)
-        self.prefill_capture_s = 0.0
+        self.prefill_graphs = PrefillGraphs(runner, chunk=self.cfg.prefill_chunk,
+                                            batch=self.cfg.prefill_batch, spans=self._spans)
         self.capture_s = 0.0
         from . import fusion, kernels
 
@@ -232,7 +224,7 @@ class Engine:
         if self.cfg.cuda_graphs and self.cuda:
             self._capture_graphs()
         if self.cfg.prefill_graphs and self.cuda:
-            self._capture_prefill_graphs()
+            self.prefill_graphs.capture()
         self.codec_capture_s = 0.0
         if self._graphed_codec:
             self.codec_capture_s = self.decoder.capture()
@@ -616,9 +608,9 @@ class Engine:
             work.append((job, chunk.shape[1]))
         if items:
             t0 = time.perf_counter()
-            replays, eager = self._prefill_plan(items)  # graphs where a bucket fits
+            replays, eager = self.prefill_graphs.plan(items)  # graphs where a bucket fits
             for key, chunks in replays:
-                self._prefill_replay(key, chunks)
+                self.prefill_graphs.replay(key, chunks)
             if eager:
                 self.runner.prefill_batch(eager)  # type: ignore[arg-type]
             dt = time.perf_counter() - t0
@@ -752,99 +744,6 @@ class Engine:
             c.head_dim in kernels.DECODE_ATTENTION_HEAD_DIMS
             and c.n_head // c.n_local_heads in kernels.DECODE_ATTENTION_GROUPS
             for c in (self.model_cfg.slow, self.model_cfg.fast))
-
-    def _capture_prefill_graphs(self) -> None:
-        """Prefill as CUDA graphs, captured against the scratch slot:
-        - one sequence: per (chunk-columns bucket, span bucket), so a turn's text or a
-          voice-prompt chunk costs one replay instead of ~1,000 launches from Python;
-        - N = 2..prefill_batch short chunks (<= 64 columns, turn texts) at once, keys over
-          the whole context: a burst of turns (every session of a server starting to speak)
-          is prefilled in a few replays instead of one per sequence."""
-        t0 = time.perf_counter()
-        r = self.runner
-        keys = self._prefill_keys()
-        s = torch.cuda.Stream(r.device)
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):  # warm every shape once: nothing compiles inside a capture
-            for N, T, span in keys:
-                r.prefill_static(r.prefill_inputs(T, N), span)
-        torch.cuda.current_stream().wait_stream(s)
-        torch.cuda.synchronize()
-        pool = None
-        with gc_paused():
-            for N, T, span in sorted(keys, key=lambda k: k[0] * k[1] * k[2], reverse=True):
-                inp = r.prefill_inputs(T, N)
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
-                    r.prefill_static(inp, span)
-                pool = g.pool() if pool is None else pool
-                self.prefill_graphs[(N, T, span)] = (g, inp)
-        torch.cuda.synchronize()
-        self.prefill_capture_s = time.perf_counter() - t0
-        log.info("captured %d prefill graphs (columns %s; batches of %s) in %.1fs",
-                 len(self.prefill_graphs), self._prefill_cols, self._prefill_rows,
-                 self.prefill_capture_s)
-
-    def _prefill_keys(self) -> list[tuple[int, int, int]]:
-        """(rows, columns, span) of every prefill graph."""
-        keys = [(1, T, span) for T in self._prefill_cols for span in self._spans if T <= span]
-        keys += [(N, T, self._spans[-1]) for N in self._prefill_rows
-                 for T in self._prefill_cols if T <= self.BATCHED_PREFILL_COLS]
-        return keys
-
-    def _prefill_plan(self, items: list[tuple[int, Tensor, int]]
-                      ) -> tuple[list[tuple[tuple[int, int, int], list[tuple[int, Tensor, int]]]],
-                                 list[tuple[int, Tensor, int]]]:
-        """Split one round's chunks (slot, cols [1+K, n], start) into graph replays
-        ((N, T, span) key, its chunks) and the rest (eager, batched)."""
-        if not self.prefill_graphs:
-            return [], items
-        full = self._spans[-1]
-        replays, eager, short = [], [], []
-        for it in items:
-            n, start = it[1].shape[1], it[2]
-            i = bisect.bisect_left(self._prefill_cols, n)
-            if i == len(self._prefill_cols):
-                eager.append(it)
-                continue
-            T = self._prefill_cols[i]
-            if self._prefill_rows and T <= self.BATCHED_PREFILL_COLS and start + T <= full:
-                short.append((T, it))
-                continue
-            j = bisect.bisect_left(self._spans, start + T)
-            if j == len(self._spans):  # the padded chunk would run past the cache
-                eager.append(it)
-            else:
-                replays.append(((1, T, self._spans[j]), [it]))
-        if len(short) == 1:  # alone: the single-sequence graph with the smallest span
-            T, it = short[0]
-            j = bisect.bisect_left(self._spans, it[2] + T)
-            replays.append(((1, T, self._spans[j]), [it]))
-        elif short:
-            most = self._prefill_rows[-1]
-            for k in range(0, len(short), most):
-                group = short[k: k + most]
-                N = self._prefill_rows[bisect.bisect_left(self._prefill_rows, len(group))]
-                T = max(t for t, _ in group)
-                replays.append(((N, T, full), [it for _, it in group]))
-        return replays, eager
-
-    def _prefill_replay(self, key: tuple[int, int, int],
-                        chunks: list[tuple[int, Tensor, int]]) -> None:
-        g, inp = self.prefill_graphs[key]
-        N, T, _ = key
-        host = torch.zeros(N, self.model_cfg.frame_rows, T, dtype=torch.long, pin_memory=self.cuda)
-        meta = [[self.runner.cache.scratch] * N, [0] * N]  # padding rows: scratch slot, pos 0
-        for i, (slot, cols, start) in enumerate(chunks):
-            host[i, :, : cols.shape[1]] = cols
-            meta[0][i], meta[1][i] = slot, start
-        meta_t = torch.tensor(meta, dtype=torch.long)
-        meta_t = meta_t.pin_memory() if self.cuda else meta_t
-        # fresh pinned tensors each call: an earlier copy may still be in flight
-        inp["cols"].copy_(host, non_blocking=self.cuda)
-        inp["slot"].copy_(meta_t[0], non_blocking=self.cuda)
-        inp["start"].copy_(meta_t[1], non_blocking=self.cuda)
-        g.replay()
 
     def _launch(self) -> _Pending | None:
         """Queue one decode step for every slot that may be active; copy its result to a

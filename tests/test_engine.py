@@ -356,10 +356,10 @@ def test_prefill_graph_plan_matches_eager(tiny_bundle):
                                                      prefill_chunk=32))
         if graphs:
             r = eng.runner
-            for key in eng._prefill_keys():
+            for key in eng.prefill_graphs.keys():
                 N, T, span = key
                 inp = r.prefill_inputs(T, N)
-                eng.prefill_graphs[key] = (_EagerGraph(r, inp, span), inp)
+                eng.prefill_graphs.graphs[key] = (_EagerGraph(r, inp, span), inp)
         sinks = [CollectingSink() for _ in texts]
         seqs = [eng.open([], SamplingParams.greedy(), s) for s in sinks]
         eng.run_until_idle()
@@ -372,11 +372,11 @@ def test_prefill_graph_plan_matches_eager(tiny_bundle):
     _EagerGraph.replays.clear()
     got, eng = run(True)
     assert _EagerGraph.replays.get(4, 0) >= 2  # voice prompts and turns, four at a time
-    plan, eager = eng._prefill_plan([(0, torch.zeros(11, 5, dtype=torch.long), 40),
+    plan, eager = eng.prefill_graphs.plan([(0, torch.zeros(11, 5, dtype=torch.long), 40),
                                      (1, torch.zeros(11, 20, dtype=torch.long), 30),
                                      (2, torch.zeros(11, 32, dtype=torch.long), 0)])
     assert not eager and [k for k, _ in plan] == [(4, 32, 512)]  # three short chunks, one replay
-    plan, _ = eng._prefill_plan([(0, torch.zeros(11, 5, dtype=torch.long), 40)])
+    plan, _ = eng.prefill_graphs.plan([(0, torch.zeros(11, 5, dtype=torch.long), 40)])
     assert [k for k, _ in plan] == [(1, 8, 256)]  # alone: the single graph, smallest span
     for a, b in zip(want, got):
         assert torch.equal(a, b)

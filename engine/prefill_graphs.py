@@ -1,0 +1,132 @@
+"""Prefill as CUDA graphs, so a chunk of prompt columns costs one replay instead of ~1,000
+kernel launches from Python (the host time that bounded TTFA).
+
+- One sequence: a graph per (columns bucket, span bucket); a turn's text or a voice-prompt
+  chunk is padded to the next columns bucket and reads keys over the next span bucket.
+- N sequences: short chunks (turn texts, <= `BATCHED_COLS` columns) of up to `batch`
+  sequences in one replay, keys over the whole context, padding rows on the scratch slot: a
+  burst of turns (every session of a server starting to speak) takes a few replays.
+
+Padded columns write k/v past a sequence's end, where everything is written again before
+it is read (runner.prefill_static). Graphs are captured against the scratch slot; inputs
+go through per-graph device buffers filled from fresh pinned host tensors on the caller's
+stream (the prefill thread's), then the graph is replayed there.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .capture import gc_paused
+from .runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+Key = tuple[int, int, int]  # (rows, columns, span)
+Chunk = tuple[int, Tensor, int]  # (slot, cols [1+K, n], start position)
+
+
+class PrefillGraphs:
+    BATCHED_COLS = 64  # chunks up to this many columns are prefilled N at a time
+
+    def __init__(self, runner: ModelRunner, *, chunk: int, batch: int, spans: list[int]) -> None:
+        self.runner = runner
+        self.spans = spans  # ascending; the last is the whole context
+        self.cols = [t for t in (8, 16, 32, 64, 128, 256) if t < chunk] + [chunk]
+        self.rows = [n for n in (2, 4, 8, 16, 32) if n < batch] + ([batch] if batch > 1 else [])
+        self.graphs: dict[Key, tuple[Any, dict[str, Tensor]]] = {}
+        self.capture_s = 0.0
+
+    def __len__(self) -> int:
+        return len(self.graphs)
+
+    def keys(self) -> list[Key]:
+        """Every graph this set captures."""
+        keys = [(1, T, span) for T in self.cols for span in self.spans if T <= span]
+        keys += [(N, T, self.spans[-1]) for N in self.rows for T in self.cols
+                 if T <= self.BATCHED_COLS]
+        return keys
+
+    def capture(self) -> None:
+        t0 = time.perf_counter()
+        r = self.runner
+        keys = self.keys()
+        side = torch.cuda.Stream(r.device)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm every shape once: nothing compiles inside a capture
+            for N, T, span in keys:
+                r.prefill_static(r.prefill_inputs(T, N), span)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        pool = None
+        with gc_paused():
+            for N, T, span in sorted(keys, key=lambda k: k[0] * k[1] * k[2], reverse=True):
+                inp = r.prefill_inputs(T, N)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
+                    r.prefill_static(inp, span)
+                pool = g.pool() if pool is None else pool  # largest first: sized once
+                self.graphs[(N, T, span)] = (g, inp)
+        torch.cuda.synchronize()
+        self.capture_s = time.perf_counter() - t0
+        log.info("captured %d prefill graphs (columns %s; batches of %s) in %.1fs",
+                 len(self.graphs), self.cols, self.rows, self.capture_s)
+
+    def plan(self, items: list[Chunk]) -> tuple[list[tuple[Key, list[Chunk]]], list[Chunk]]:
+        """Split one round's chunks into graph replays (key, its chunks) and the rest (for
+        the eager batched prefill)."""
+        if not self.graphs:
+            return [], items
+        full = self.spans[-1]
+        replays: list[tuple[Key, list[Chunk]]] = []
+        eager: list[Chunk] = []
+        short: list[tuple[int, Chunk]] = []
+        for it in items:
+            n, start = it[1].shape[1], it[2]
+            i = bisect.bisect_left(self.cols, n)
+            if i == len(self.cols):
+                eager.append(it)
+                continue
+            T = self.cols[i]
+            if self.rows and T <= self.BATCHED_COLS and start + T <= full:
+                short.append((T, it))
+                continue
+            j = bisect.bisect_left(self.spans, start + T)
+            if j == len(self.spans):  # the padded chunk would run past the cache
+                eager.append(it)
+            else:
+                replays.append(((1, T, self.spans[j]), [it]))
+        if len(short) == 1:  # alone: the single-sequence graph with the smallest span
+            T, it = short[0]
+            j = bisect.bisect_left(self.spans, it[2] + T)
+            replays.append(((1, T, self.spans[j]), [it]))
+        elif short:
+            most = self.rows[-1]
+            for k in range(0, len(short), most):
+                group = short[k: k + most]
+                N = self.rows[bisect.bisect_left(self.rows, len(group))]
+                replays.append(((N, max(t for t, _ in group), full), [it for _, it in group]))
+        return replays, eager
+
+    def replay(self, key: Key, chunks: list[Chunk]) -> None:
+        g, inp = self.graphs[key]
+        N, T, _ = key
+        pin = self.runner.device.type == "cuda"
+        host = torch.zeros(N, self.runner.cfg.frame_rows, T, dtype=torch.long, pin_memory=pin)
+        meta = [[self.runner.cache.scratch] * N, [0] * N]  # padding rows: scratch slot, pos 0
+        for i, (slot, cols, start) in enumerate(chunks):
+            host[i, :, : cols.shape[1]] = cols
+            meta[0][i], meta[1][i] = slot, start
+        meta_t = torch.tensor(meta, dtype=torch.long)
+        meta_t = meta_t.pin_memory() if pin else meta_t
+        # fresh pinned tensors each call: an earlier copy may still be in flight
+        inp["cols"].copy_(host, non_blocking=pin)
+        inp["slot"].copy_(meta_t[0], non_blocking=pin)
+        inp["start"].copy_(meta_t[1], non_blocking=pin)
+        g.replay()
