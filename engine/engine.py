@@ -73,6 +73,9 @@ class EngineConfig:
     # the sampler's draw as one csrc kernel (csrc/sampling.cu) instead of the compiled torch
     # version; off until the kernel has been checked on a GPU (tests/test_cuda.py)
     sampler_kernel: bool = False
+    # linear layers of few rows (decode steps up to 16 rows) through csrc's gemv instead of
+    # cuBLAS; off until checked and timed on a GPU
+    gemv_kernel: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_running", "max_len", "prefill_chunk", "first_chunk_frames",
@@ -217,7 +220,8 @@ class Engine:
         want = self.cfg.fused_ops
         if want == "auto":
             want = "compile" if self.cuda else "reference"
-        self.fusion = fusion.enable(want, sampler_kernel=self.cfg.sampler_kernel and self.cuda)
+        self.fusion = fusion.enable(want, sampler_kernel=self.cfg.sampler_kernel and self.cuda,
+                                    gemv_kernel=self.cfg.gemv_kernel and self.cuda)
         if self.fusion == "compile":
             fusion.pack_ffn(runner.model)  # W1|W3 in one buffer: one GEMM per FFN input
             self._warm_prefill()

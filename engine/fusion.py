@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import model, sampler
@@ -26,8 +25,9 @@ log = logging.getLogger(__name__)
 _COMPILED = (("rms_norm", model.OPS), ("add_rms_norm", model.OPS), ("norm_rope_qk", model.OPS),
              ("silu_mul", model.OPS), ("sample", sampler.SAMPLER_OPS))
 _REFERENCE = {**{name: getattr(type(holder), name) for name, holder in _COMPILED},
-              "swiglu": model.Ops.swiglu}
-_HOLDER = {**{name: holder for name, holder in _COMPILED}, "swiglu": model.OPS}
+              "swiglu": model.Ops.swiglu, "linear": model.Ops.linear}
+_HOLDER = {**{name: holder for name, holder in _COMPILED}, "swiglu": model.OPS,
+           "linear": model.OPS}
 _state: dict = {"mode": "reference", "compiled_sample": None}
 
 
@@ -45,7 +45,7 @@ def packed_swiglu(x: Tensor, w1: Tensor, w3: Tensor) -> Tensor:
     w13 = _packed(w1, w3)
     if w13 is None:
         return model.swiglu(x, w1, w3)
-    h = F.linear(x, w13)  # [..., 2I]: the gate and the up projection side by side
+    h = model.OPS.linear(x, w13)  # [..., 2I]: the gate and the up projection side by side
     n = w1.shape[0]
     return model.OPS.silu_mul(h[..., :n], h[..., n:])
 
@@ -66,17 +66,19 @@ def pack_ffn(m: nn.Module) -> int:
     return n
 
 
-def enable(mode: str = "compile", *, sampler_kernel: bool = False) -> str:
+def enable(mode: str = "compile", *, sampler_kernel: bool = False,
+           gemv_kernel: bool = False) -> str:
     """Switch the model's elementwise ops to fused versions; returns the mode in effect.
     `sampler_kernel`: the sampler's draw as the csrc kernel (engine.kernels.sample_topk,
-    when built) instead of its compiled version."""
+    when built) instead of its compiled version. `gemv_kernel`: linear layers of few rows
+    through csrc's gemv (engine.kernels.linear) instead of cuBLAS."""
     if mode == "reference":
         disable()
         return "reference"
     if mode != "compile":
         raise ValueError(f"unknown fusion mode {mode!r}; use 'compile' or 'reference'")
     if _state["mode"] == "compile":
-        _set_sampler(sampler_kernel)
+        _set_kernels(sampler_kernel, gemv_kernel)
         return "compile"
     import torch._dynamo
     import torch._inductor.config
@@ -95,18 +97,18 @@ def enable(mode: str = "compile", *, sampler_kernel: bool = False) -> str:
     model.OPS.swiglu = packed_swiglu
     _state["mode"] = "compile"
     _state["compiled_sample"] = sampler.SAMPLER_OPS.sample
-    _set_sampler(sampler_kernel)
+    _set_kernels(sampler_kernel, gemv_kernel)
     log.info("fused elementwise ops enabled (torch.compile)")
     return "compile"
 
 
-def _set_sampler(kernel: bool) -> None:
+def _set_kernels(sampler_kernel: bool, gemv_kernel: bool) -> None:
     from . import kernels
 
-    if kernel and kernels.extension_available():
-        sampler.SAMPLER_OPS.sample = kernels.sample_topk
-    else:
-        sampler.SAMPLER_OPS.sample = _state["compiled_sample"]
+    built = (sampler_kernel or gemv_kernel) and kernels.extension_available()
+    sampler.SAMPLER_OPS.sample = (kernels.sample_topk if sampler_kernel and built
+                                  else _state["compiled_sample"])
+    model.OPS.linear = kernels.linear if gemv_kernel and built else _REFERENCE["linear"]
 
 
 def _guarded(name: str, ref, fused):  # type: ignore[no-untyped-def]

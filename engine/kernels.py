@@ -21,8 +21,8 @@ from torch import Tensor
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
-KERNEL_FILES = ("prev_tokens.cu", "decode_attention.cu", "sampling.cu")  # one per family
-KERNEL_OPS = ("prev_tokens_shift_inplace", "decode_attention", "sample_topk")
+KERNEL_FILES = ("prev_tokens.cu", "decode_attention.cu", "sampling.cu", "gemv.cu")  # per family
+KERNEL_OPS = ("prev_tokens_shift_inplace", "decode_attention", "sample_topk", "gemv")
 _lock = threading.Lock()
 _state: dict[str, object] = {"loaded": None}
 
@@ -207,6 +207,33 @@ def sample_topk(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tenso
     return sample(logits, temperature, top_p, top_k, seed, step, stream)
 
 
+# ---------------------------------------------------------------------- linear layers
+GEMV_MAX_ROWS = 16
+
+
+def gemv_applies(x: Tensor, w: Tensor) -> bool:
+    """Whether `linear` runs csrc's gemv for these operands (else torch's F.linear)."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return (x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16
+            and w.dim() == 2 and w.is_contiguous() and w.shape[1] == x.shape[-1]
+            and x.shape[-1] % 8 == 0 and 1 <= rows <= GEMV_MAX_ROWS
+            and w.data_ptr() % 16 == 0 and extension_available())
+
+
+def linear(x: Tensor, w: Tensor) -> Tensor:
+    """x [..., K] @ w[N, K]^T, through csrc's gemv for the few rows of a decode step (bf16 on
+    CUDA, at most 16 rows), F.linear otherwise. Same math; float32 accumulation either way,
+    summed in another order."""
+    if not gemv_applies(x, w):
+        return torch.nn.functional.linear(x, w)
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1 or (x2.stride(0) * 2) % 16 or x2.data_ptr() % 16:
+        x2 = x2.contiguous()
+    y = torch.empty(x2.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
+    torch.ops.rtvoice_kernels.gemv(x2, w, y)
+    return y.view(*x.shape[:-1], w.shape[0])
+
+
 def _timed(fn, args: tuple, n: int, cuda: bool) -> float:  # type: ignore[no-untyped-def]
     import time
 
@@ -255,6 +282,15 @@ def _bench() -> None:
         for name, fn in ((kind, sample_topk), ("torch", sample)):
             us = _timed(fn, args, 200 if cuda else 20, cuda)
             print(f"sample_topk bs={bs:4d} {name:7s} {us:9.2f} us")
+    # S2-Pro's decode GEMMs: wqkv, wo, w1|w3 packed, w2, the fast output / semantic slice
+    for N, K in ((6144, 2560), (2560, 4096), (19456, 2560), (2560, 9728), (4096, 2560)):
+        w = torch.randn(N, K, device=dev, dtype=dt) / 50
+        for M in (1, 8, 16):
+            x = torch.randn(M, K, device=dev, dtype=dt)
+            for name, fn in ((kind, linear), ("torch", torch.nn.functional.linear)):
+                us = _timed(fn, (x, w), 200 if cuda else 5, cuda)
+                gbs = N * K * w.element_size() / us / 1e3
+                print(f"linear M={M:2d} N={N:5d} K={K:4d} {name:7s} {us:9.2f} us {gbs:7.1f} GB/s")
 
 
 if __name__ == "__main__":

@@ -76,18 +76,20 @@ def silu_mul(a: Tensor, b: Tensor) -> Tensor:
 
 def swiglu(x: Tensor, w1: Tensor, w3: Tensor) -> Tensor:
     """The FFN's gated input: silu(x W1^T) * (x W3^T). x: [..., D] -> [..., I]."""
-    return OPS.silu_mul(F.linear(x, w1), F.linear(x, w3))
+    return OPS.silu_mul(OPS.linear(x, w1), OPS.linear(x, w3))
 
 
 class Ops:
-    """The elementwise pieces of the model. The runner may swap any of them for a fused
-    implementation of the same math (engine/fusion.py); the model only calls through here."""
+    """The elementwise pieces and the linear layers of the model. The runner may swap any of
+    them for a fused implementation of the same math (engine/fusion.py); the model only
+    calls through here."""
 
     rms_norm = staticmethod(rms_norm)
     add_rms_norm = staticmethod(add_rms_norm)
     norm_rope_qk = staticmethod(norm_rope_qk)
     silu_mul = staticmethod(silu_mul)
     swiglu = staticmethod(swiglu)
+    linear = staticmethod(F.linear)  # x [..., K] @ w [N, K]^T
 
 
 OPS = Ops()
@@ -116,7 +118,7 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, cs: Tensor, attend: Attend, layer: int) -> Tensor:
         c = self.cfg
         B, T, _ = x.shape  # x: [B, T, D]
-        q, k, v = self.wqkv(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q, k, v = OPS.linear(x, self.wqkv.weight).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
         q = q.view(B, T, c.n_head, c.head_dim)
         k = k.view(B, T, c.n_local_heads, c.head_dim)
         v = v.view(B, T, c.n_local_heads, c.head_dim)
@@ -124,7 +126,7 @@ class Attention(nn.Module):
         qw, kw = (self.q_norm.weight, self.k_norm.weight) if c.qk_norm else (None, None)
         q, k = OPS.norm_rope_qk(q, k, qw, kw, cs, c.norm_eps)
         y = attend(layer, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-        return self.wo(y.transpose(1, 2).reshape(B, T, c.q_size))
+        return OPS.linear(y.transpose(1, 2).reshape(B, T, c.q_size), self.wo.weight)
 
 
 class FeedForward(nn.Module):
@@ -135,7 +137,7 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(cfg.intermediate_size, cfg.dim, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w2(OPS.swiglu(x, self.w1.weight, self.w3.weight))
+        return OPS.linear(OPS.swiglu(x, self.w1.weight, self.w3.weight), self.w2.weight)
 
 
 class Block(nn.Module):
@@ -237,8 +239,8 @@ class DualAR(nn.Module):
         """
         ids = self.cfg.ids
         w = self.embeddings.weight
-        sem = F.linear(h, w[ids.semantic_start: ids.semantic_end + 1])
-        end = F.linear(h, w[ids.im_end: ids.im_end + 1])
+        sem = OPS.linear(h, w[ids.semantic_start: ids.semantic_end + 1])
+        end = OPS.linear(h, w[ids.im_end: ids.im_end + 1])
         return torch.cat([sem, end], dim=-1)
 
     def full_logits(self, h: Tensor) -> Tensor:
@@ -251,4 +253,4 @@ class DualAR(nn.Module):
         cs = self.fast_rope[pos: pos + 1].unsqueeze(0).expand(x.shape[0], -1, -1, -1)
         for i, layer in enumerate(self.fast_layers):
             x = layer(x, cs, attend, i)
-        return self.fast_output(self.fast_norm(x))[:, 0]
+        return OPS.linear(self.fast_norm(x), self.fast_output.weight)[:, 0]

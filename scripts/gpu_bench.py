@@ -214,14 +214,14 @@ def _category(name: str) -> str:
     return "elementwise/other"
 
 
-def profile_step(report: dict, device: str, sampler_kernel: bool = False) -> None:
+def profile_step(report: dict, device: str, try_kernels: bool = False) -> None:
     """Where one frame step's GPU time goes (eager, fused ops), and graph-replay step time."""
     from engine import fusion
     from engine.loader import load_bundle
     from engine.runner import ModelRunner
 
     b = load_bundle("s2-pro", device=device, dtype="bf16", max_seq_len=1024)
-    fusion.enable("compile", sampler_kernel=sampler_kernel)
+    fusion.enable("compile", sampler_kernel=try_kernels, gemv_kernel=try_kernels)
     fusion.pack_ffn(b.model)
     out = {}
     runner = ModelRunner(b.model, n_slots=64, max_len=1024)
@@ -272,7 +272,7 @@ def profile_step(report: dict, device: str, sampler_kernel: bool = False) -> Non
                   "most_launched": [list(x) for x in by_count]}
         print(json.dumps({B: out[B]})[:1500], flush=True)
         del g
-    report["profile_sampler_kernel" if sampler_kernel else "profile"] = out
+    report["profile_try_kernels" if try_kernels else "profile"] = out
     fusion.disable()
     del runner, b
     torch.cuda.empty_cache()
@@ -286,8 +286,9 @@ def main() -> int:
     ap.add_argument("--skip", default="", help="comma list of: fixtures,decode,codec,profile,engine")
     ap.add_argument("--levels", default="1,4,16,32,64")
     ap.add_argument("--model", default="s2-pro", help="preset for the decode section")
-    ap.add_argument("--sampler-kernel", action="store_true",
-                    help="profile the step with csrc's sample_topk too (key profile_sampler_kernel)")
+    ap.add_argument("--try-kernels", action="store_true",
+                    help="profile the step again with csrc's sample_topk and gemv on (key "
+                         "profile_try_kernels; both are off by default until verified)")
     ap.add_argument("--engine-runs", default="", help="comma list of engine runs to keep "
                     "(pingpong_codec, pingpong_nocodec, pingpong_unfused_nocodec, "
                     "graphs_sync_nocodec, naive_nocodec); default all")
@@ -302,13 +303,13 @@ def main() -> int:
                                                      args.frames, args.model)),
                      ("codec", lambda: codec_bench(report, device)),
                      ("profile", lambda: profile_step(report, device)),
-                     ("profile_sampler_kernel",
-                      lambda: profile_step(report, device, sampler_kernel=True)),
+                     ("profile_try_kernels",
+                      lambda: profile_step(report, device, try_kernels=True)),
                      ("engine", lambda: engine_sweep(report, device,
                                                      [int(x) for x in args.levels.split(",")],
                                                      args.frames,
                                                      set(filter(None, args.engine_runs.split(",")))))):
-        if name in skip or (name == "profile_sampler_kernel" and not args.sampler_kernel):
+        if name in skip or (name == "profile_try_kernels" and not args.try_kernels):
             continue
         t = time.perf_counter()
         try:

@@ -185,3 +185,28 @@ def test_sample_topk_cuda_bf16_ties():
                        logits[greedy].max(1).values)
     rank = (logits > logits.gather(1, got[:, None])).sum(1)
     assert bool((rank < args[3]).all())
+
+
+# ---------------------------------------------------------------------- linear (gemv)
+def test_linear_falls_back_to_torch_off_the_gpu():
+    x, w = torch.randn(3, 2, 64), torch.randn(48, 64)
+    assert not kernels.gemv_applies(x, w)
+    torch.testing.assert_close(kernels.linear(x, w), torch.nn.functional.linear(x, w))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("M", [1, 3, 8, 16])
+@pytest.mark.parametrize("N,K", [(1, 2560), (100, 40), (2560, 9728), (6144, 2560), (19456, 2560)])
+def test_gemv_cuda_kernel_matches_fp32_matmul(M, N, K):
+    assert kernels.extension_available(), "the CUDA extension did not build"
+    g = torch.Generator(device="cuda").manual_seed(M * N + K)
+    w = (torch.randn(N, K, device="cuda", generator=g) / K**0.5).bfloat16()
+    wide = torch.randn(M, K + 8, device="cuda", generator=g).bfloat16()
+    for x in (wide[:, :K], wide[:, 1: K + 1]):  # strided rows; then misaligned (copied)
+        assert kernels.gemv_applies(x, w)
+        got = kernels.linear(x, w)
+        want = x.float() @ w.float().t()
+        assert got.dtype == torch.bfloat16 and got.shape == (M, N)
+        torch.testing.assert_close(got.float(), want, rtol=1.6e-2, atol=1e-2)
+    assert not kernels.gemv_applies(torch.randn(17, K, device="cuda").bfloat16(), w)  # > 16 rows
