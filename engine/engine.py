@@ -189,10 +189,10 @@ class Engine:
         self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
         self._running_pingpong = False
-        # All three streams at the same priority, on purpose: with the prefill and codec
-        # streams at high priority the server deadlocked the GPU at c=64 on the H200 (decode
-        # and codec threads both waiting on the device, no error), most likely GEMM kernels
-        # whose blocks wait on each other being interleaved across streams. See docs/PERF.md.
+        # All three streams at the same priority, on purpose: the one run with the prefill and
+        # codec streams at high priority stalled the GPU under the c=64 server bench (decode
+        # and codec threads both waiting on the device, no error); priorities are the suspected
+        # cause, not a confirmed one. See docs/PERF.md.
         self.prefill_stream = torch.cuda.Stream(runner.device) if self.cuda else None
         self.decode_stream = torch.cuda.Stream(runner.device) if self.cuda else None
         self.codec_stream = torch.cuda.Stream(runner.device) if self.cuda else None
