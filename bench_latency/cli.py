@@ -177,7 +177,7 @@ class WsBackend:
             extra["max_new_tokens"] = args.max_frames
         self._kw = dict(voice=args.voice, reference=ref, format=args.format,
                         sample_rate=args.sample_rate, encoding=args.encoding,
-                        timeout=args.timeout, **extra)
+                        timeout=args.timeout, api_key=args.api_key, **extra)
 
     async def open(self, index: int) -> tuple[BenchSession, float | None]:
         seed = None if self.args.seed is None else self.args.seed + index
@@ -670,6 +670,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="drive the engine directly (no server): engine cost alone")
     target.add_argument("--from-json", metavar="FILE",
                         help="do not run: report/plot/gate an earlier --json result")
+    ap.add_argument("--api-key", default=os.environ.get("RTVOICE_API_KEY"),
+                    help="for a server started with api_keys (default: $RTVOICE_API_KEY)")
     ap.add_argument("--concurrency", type=_levels, default=[1, 4, 16, 64], metavar="1,4,16,64")
     amount = ap.add_mutually_exclusive_group()
     amount.add_argument("--turns", type=int, default=5, help="measured turns per session")

@@ -959,6 +959,7 @@ def connect(
     ping_interval: float | None = 20.0,
     ping_timeout: float | None = 20.0,
     headers: dict[str, str] | None = None,
+    api_key: str | None = None,
     wait_ready: bool = False,
     **request: Any,
 ) -> _Connect:
@@ -971,6 +972,7 @@ def connect(
     - ``timeout``: connect + ``ready`` deadline, and the longest silence tolerated while a
       turn is in progress; ``None`` waits forever.
     - ``ping_interval``/``ping_timeout``: keepalive pings; a dead peer fails the session.
+    - ``api_key``: sent as ``Authorization: Bearer <key>`` (servers started with api_keys).
     - ``request``: any other ``TTSRequest`` field (``max_new_tokens``, ``top_k``,
       ``first_chunk_frames``, ``temperature``...).
     - ``wait_ready``: also wait for ``ready`` before returning (else ``await session.ready``;
@@ -978,6 +980,8 @@ def connect(
     """
     req = build_request(voice=voice, reference=reference, format=format,
                         sample_rate=sample_rate, seed=seed, **request)
+    if api_key is not None:
+        headers = {**(headers or {}), "Authorization": f"Bearer {api_key}"}
     return _Connect(url, req, encoding=Encoding(encoding), timeout=timeout,
                     ping_interval=ping_interval, ping_timeout=ping_timeout, headers=headers,
                     wait_ready=wait_ready)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -182,12 +183,32 @@ def _runtime(scope_app: Any) -> Runtime | None:
 # ------------------------------------------------------------------------------- websocket
 
 
+def _authorized(settings: Settings, headers: Any, query: Any) -> bool:
+    """True when authentication is off, or the request presents one of the API keys as
+    ``Authorization: Bearer KEY`` (what Fish's SDK sends) or ``?api_key=KEY`` (browsers
+    cannot set headers on a WebSocket). Constant-time comparisons."""
+    keys = settings.network.keys()
+    if not keys:
+        return True
+    scheme, _, token = (headers.get("authorization") or "").partition(" ")
+    offered = token.strip() if scheme.lower() == "bearer" else ""
+    offered = offered or (query.get("api_key") or "")
+    return bool(offered) and any(hmac.compare_digest(offered.encode(), k.encode()) for k in keys)
+
+
+_UNAUTHORIZED = ("missing or invalid API key: send 'Authorization: Bearer <key>' "
+                 "(or ?api_key=<key> from a browser)")
+
+
 async def _live(ws: WebSocket) -> None:
     rt = _runtime(ws.app)
     if rt is None:  # not started or shutting down
         await ws.close(code=1013)
         return
-    await Session(ws, rt).run()
+    denied = None
+    if not _authorized(rt.settings, ws.headers, ws.query_params):
+        denied = ProtocolError(ErrorCode.UNAUTHORIZED, _UNAUTHORIZED)
+    await Session(ws, rt, denied=denied).run()
 
 
 # ------------------------------------------------------------------------------- voices REST
@@ -203,10 +224,20 @@ def _unavailable() -> JSONResponse:
     return _error(ErrorCode.SHUTTING_DOWN, "the service is not running")
 
 
+def _denied(request: Request, rt: Runtime) -> JSONResponse | None:
+    """The 401 answer for a request without a valid API key (None: let it through)."""
+    if _authorized(rt.settings, request.headers, request.query_params):
+        return None
+    rt.metrics.error(str(ErrorCode.UNAUTHORIZED))
+    return _error(ErrorCode.UNAUTHORIZED, _UNAUTHORIZED)
+
+
 async def _create_voice(request: Request) -> Response:
     rt = _runtime(request.app)
     if rt is None:
         return _unavailable()
+    if (denied := _denied(request, rt)) is not None:
+        return denied
     limit = rt.settings.voices.max_upload_bytes
     length = request.headers.get("content-length")
     if length is None:
@@ -276,6 +307,8 @@ async def _list_voices(request: Request) -> Response:
     rt = _runtime(request.app)
     if rt is None:
         return _unavailable()
+    if (denied := _denied(request, rt)) is not None:
+        return denied
     voices = await asyncio.to_thread(rt.store.list)
     return JSONResponse({"voices": [v.to_dict() for v in voices]})
 
@@ -284,6 +317,8 @@ async def _get_voice(request: Request) -> Response:
     rt = _runtime(request.app)
     if rt is None:
         return _unavailable()
+    if (denied := _denied(request, rt)) is not None:
+        return denied
     voice_id = request.path_params["voice_id"]
     try:
         info = await asyncio.to_thread(rt.store.info, voice_id)
@@ -296,6 +331,8 @@ async def _delete_voice(request: Request) -> Response:
     rt = _runtime(request.app)
     if rt is None:
         return _unavailable()
+    if (denied := _denied(request, rt)) is not None:
+        return denied
     voice_id = request.path_params["voice_id"]
     try:
         await asyncio.to_thread(rt.store.delete, voice_id)

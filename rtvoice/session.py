@@ -452,9 +452,11 @@ class _Sink:
 class Session:
     """Serves one WebSocket from accept to close. Create one per connection, ``await run()``."""
 
-    def __init__(self, ws: WebSocket, runtime: Runtime) -> None:
+    def __init__(self, ws: WebSocket, runtime: Runtime, *,
+                 denied: ProtocolError | None = None) -> None:
         self.ws = ws
         self.rt = runtime
+        self._denied = denied  # refused at the door (bad credentials): told why, then closed
         self.settings = runtime.settings
         self.limits = runtime.settings.limits
         self.id = f"s{next(runtime.session_ids)}-{secrets.token_hex(4)}"
@@ -491,7 +493,9 @@ class Session:
                 await self.ws.accept()
             except Exception:  # handshake lost: nothing to clean up yet
                 return
-            receiver = self._spawn(self._receive_loop(), "receive")
+            # a refused session reads nothing: its "receiver" fails at once with the reason
+            receiver = self._spawn(self._receive_loop() if self._denied is None
+                                   else self._refuse(self._denied), "receive")
             sender = self._spawn(self._send_loop(), "send")
             encoder = self._spawn(self._encode_loop(), "encode")
             error: ProtocolError | None = None
@@ -514,6 +518,10 @@ class Session:
             for task in self._tasks:
                 if not task.done():
                     task.cancel()
+
+    @staticmethod
+    async def _refuse(error: ProtocolError) -> None:
+        raise error
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
         async def guarded() -> None:

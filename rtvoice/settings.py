@@ -60,6 +60,7 @@ class NetworkSettings:
     ws_ping_interval_s: float = 20.0  # server keepalive pings (the Fish SDK pings too)
     ws_ping_timeout_s: float = 20.0
     graceful_shutdown_s: float = 10.0  # how long shutdown waits for open sessions
+    api_keys: str | None = None  # comma-separated; None: no authentication (local use)
 
     HELP: ClassVar[dict[str, str]] = {
         "host": "interface to bind",
@@ -68,14 +69,25 @@ class NetworkSettings:
         "ws_ping_interval_s": "seconds between keepalive pings",
         "ws_ping_timeout_s": "seconds to wait for a pong before dropping the socket",
         "graceful_shutdown_s": "seconds shutdown waits for open sessions",
+        "api_keys": "comma-separated API keys; when set, /v1/tts/live and /v1/voices need "
+        "'Authorization: Bearer KEY' (or ?api_key=KEY, for browsers); /health, /ready and "
+        "/metrics stay open. Unset: no authentication (bind to 127.0.0.1 only)",
     }
 
     def __post_init__(self) -> None:
+        if self.api_keys is not None and not self.keys():
+            raise ValueError("api_keys is set but holds no key (comma-separated, non-empty)")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         _positive(self, "ws_ping_interval_s", "ws_ping_timeout_s")
         if self.graceful_shutdown_s < 0:
             raise ValueError("graceful_shutdown_s must be >= 0")
+
+    def keys(self) -> tuple[str, ...]:
+        """The API keys a request may present (empty: authentication off)."""
+        if self.api_keys is None:
+            return ()
+        return tuple(k.strip() for k in self.api_keys.split(",") if k.strip())
 
 
 @dataclass(slots=True)

@@ -208,3 +208,48 @@ def test_rtvoice_serve_process(tmp_path):
     assert proc.returncode == 0, out
     assert "RANDOM WEIGHTS" in out and "--model /path/to/s2-pro --device cuda" in out
     assert f"ws://127.0.0.1:{port}/v1/tts/live" in out
+
+
+def test_api_keys_guard_the_socket_and_the_voices_api(tmp_path):
+    """With api_keys set: Fish's SDK (Authorization: Bearer) and our client work with a
+    valid key; a missing or wrong key gets 'unauthorized' (fatal error + close 1008 on the
+    socket, 401 on REST); ?api_key= works for browsers; health/ready/metrics stay open."""
+    import asyncio
+
+    from clients import UnauthorizedError, connect
+
+    with running_server(data_dir=tmp_path, api_keys="k-one, k-two", budget_multiplier=1.0,
+                        min_turn_frames=2) as base:
+        for path in ("/health", "/ready", "/metrics"):
+            assert httpx.get(f"{base}{path}").status_code == 200, path
+        r = httpx.get(f"{base}/v1/voices")
+        assert r.status_code == 401 and r.json()["error"]["code"] == "unauthorized"
+        assert httpx.get(f"{base}/v1/voices",
+                         headers={"Authorization": "Bearer nope"}).status_code == 401
+        ok = httpx.get(f"{base}/v1/voices", headers={"Authorization": "Bearer k-two"})
+        assert ok.status_code == 200 and ok.json()["voices"] == []
+        assert httpx.get(f"{base}/v1/voices?api_key=k-one").status_code == 200
+
+        good = FishAudio(api_key="k-one", base_url=base)
+        audio = b"".join(good.tts.stream_websocket(iter(["Hello there. "]),
+                                                    config=TTSConfig(max_new_tokens=FRAMES)))
+        assert len(audio) > 0
+        bad = FishAudio(api_key="wrong", base_url=base)
+        with pytest.raises(WebSocketError):
+            b"".join(bad.tts.stream_websocket(iter(["Hello. "]),
+                                              config=TTSConfig(max_new_tokens=FRAMES)))
+
+        ws = base.replace("http://", "ws://", 1) + "/v1/tts/live"
+
+        async def ours() -> None:
+            async with connect(ws, api_key="k-two", max_new_tokens=FRAMES) as s:
+                await s.ready
+            async with connect(ws + "?api_key=k-one", max_new_tokens=FRAMES) as s:
+                await s.ready
+            with pytest.raises(UnauthorizedError, match="API key"):
+                async with connect(ws, max_new_tokens=FRAMES) as s:
+                    await s.ready
+
+        asyncio.run(ours())
+        metrics = httpx.get(f"{base}/metrics").text
+        assert 'rtvoice_errors_total{code="unauthorized"}' in metrics

@@ -3,6 +3,11 @@
 // Protocol: docs/PROTOCOL.md. No build step, no dependencies.
 "use strict";
 
+// A server started with api_keys: open this page as /?api_key=KEY.
+function apiKey() {
+  return new URLSearchParams(location.search).get("api_key");
+}
+
 const PCM_RATES = [8000, 16000, 22050, 24000, 44100, 48000]; // the server's pcm rates
 const FALLBACK_RATE = 44100; // the model's own rate: no resampling on the server
 const PREROLL_MS = 100; // jitter buffer filled before playback starts
@@ -167,7 +172,9 @@ function connect() {
   // Turns of the old session that never got their `done` end here.
   for (const t of stats.turns) if (t.doneAt === null) finishTurn(t, { reason: "closed" });
   setState("connecting");
-  const url = `${location.protocol === "https:" ? "wss" : "ws"}://${location.host}/v1/tts/live`;
+  const key = apiKey();
+  const url = `${location.protocol === "https:" ? "wss" : "ws"}://${location.host}/v1/tts/live` +
+    (key ? `?api_key=${encodeURIComponent(key)}` : "");
   const sock = (ws = new WebSocket(url));
   sessionCounter++;
   const request = { format: "pcm", sample_rate: streamRate() };
@@ -426,7 +433,8 @@ async function loadVoices() {
   const select = $("voice");
   const keep = select.value;
   try {
-    const res = await fetch("/v1/voices");
+    const key = apiKey();
+    const res = await fetch("/v1/voices", key ? { headers: { Authorization: `Bearer ${key}` } } : {});
     if (!res.ok) throw new Error(`HTTP ${res.status}`);
     const { voices } = await res.json();
     const options = [new Option("Default voice", "")];
