@@ -272,7 +272,7 @@ class InProcessBackend:
     def __init__(self, args: argparse.Namespace, max_running: int) -> None:
         from engine.engine import EngineConfig, build_engine
         from engine.loader import load_bundle
-        from rtvoice.synth import encode_reference
+        from engine.reference_audio import encode_reference
 
         self.args = args
         self.bundle = load_bundle(args.model, device=args.device, max_seq_len=args.max_len)

@@ -60,6 +60,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from engine.engine import Engine, EngineOverloaded, TurnTooLong
 from engine.loader import Bundle
 from engine.prompt import Reference
+from engine.reference_audio import encode_reference
 from engine.request import FinishReason, Sequence, TurnResult
 from engine.sampler import SamplingParams
 from protocol import (
@@ -96,7 +97,6 @@ from rtvoice.audio_formats import (
 )
 from rtvoice.segmenter import Segmenter, estimate_speech_seconds
 from rtvoice.settings import Settings
-from rtvoice.synth import encode_reference
 from rtvoice.voices import UnknownVoice, VoiceLimitError, VoiceStore
 
 __all__ = ["Metrics", "Runtime", "Session", "check_voice_room", "frame_budget", "segment_room"]

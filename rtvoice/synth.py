@@ -7,28 +7,13 @@ import logging
 import time
 from pathlib import Path
 
-import numpy as np
-import torch
-
 from engine.engine import CollectingSink, EngineConfig, build_engine
-from engine.loader import Bundle, load_bundle
+from engine.loader import load_bundle
 from engine.prompt import Reference
+from engine.reference_audio import encode_reference
 from engine.sampler import SamplingParams
 
 log = logging.getLogger(__name__)
-
-
-def encode_reference(bundle: Bundle, audio: np.ndarray, sample_rate: int, text: str) -> Reference:
-    """Reference audio (any rate, mono float) -> codes with the codec encoder."""
-    from engine.codec import resample_to_codec_rate
-
-    wav = resample_to_codec_rate(audio, sample_rate)
-    x = torch.as_tensor(np.asarray(wav, dtype=np.float32)).reshape(1, 1, -1)
-    codec = bundle.codec
-    p = next(codec.parameters())
-    with torch.inference_mode():
-        codes, lengths = codec.encode(x.to(p.device, p.dtype), torch.tensor([x.shape[-1]], device=p.device))
-    return Reference(text, codes[0, :, : int(lengths[0])].cpu())
 
 
 def synthesize(text: str, out: Path, *, model: str = "tiny", device: str = "cpu",
