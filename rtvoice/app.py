@@ -206,7 +206,9 @@ async def _live(ws: WebSocket) -> None:
         await ws.close(code=1013)
         return
     denied = None
-    if not _authorized(rt.settings, ws.headers, ws.query_params):
+    if rt.stopping:
+        denied = ProtocolError(ErrorCode.SHUTTING_DOWN, "the server is shutting down")
+    elif not _authorized(rt.settings, ws.headers, ws.query_params):
         denied = ProtocolError(ErrorCode.UNAUTHORIZED, _UNAUTHORIZED)
     await Session(ws, rt, denied=denied).run()
 
@@ -474,6 +476,40 @@ def render_metrics(rt: Runtime) -> str:
 
 
 # ------------------------------------------------------------------------------- uvicorn
+
+
+async def notify_shutdown(app: Starlette, timeout_s: float) -> int:
+    """Tell every connected session that the server is stopping (each gets a
+    ``shutting_down`` error and a 1001 close) and wait up to `timeout_s` for them to finish;
+    new sockets are refused from now on. Returns the sessions told."""
+    rt = _runtime(app)
+    if rt is None:
+        return 0
+    rt.stopping = True
+    sessions = list(rt.sessions)
+    for session in sessions:
+        session.server_stopping()
+    deadline = time.monotonic() + timeout_s
+    while rt.sessions and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    if sessions:
+        log.info("shutdown: told %d sessions; %d still open", len(sessions), len(rt.sessions))
+    return len(sessions)
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, plus a ``shutting_down`` notice to every live session before
+    uvicorn closes the sockets (which alone would drop them with a bare 1012)."""
+
+    def __init__(self, config: uvicorn.Config, app: Starlette) -> None:
+        super().__init__(config)
+        self.rtvoice_app = app
+
+    async def shutdown(self, sockets: Any = None) -> None:
+        settings: Settings = self.rtvoice_app.state.settings
+        with contextlib.suppress(Exception):  # a notice must never block the shutdown
+            await notify_shutdown(self.rtvoice_app, min(5.0, settings.network.graceful_shutdown_s))
+        await super().shutdown(sockets=sockets)
 
 
 def uvicorn_config(app: Starlette, settings: Settings, **overrides: Any) -> uvicorn.Config:

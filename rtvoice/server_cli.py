@@ -80,9 +80,8 @@ def _parser_for(name: str) -> Any:
 
 def serve(args: argparse.Namespace) -> int:
     """Run the server until interrupted (Ctrl-C / SIGTERM: graceful shutdown)."""
-    import uvicorn
 
-    from rtvoice.app import create_app, uvicorn_config
+    from rtvoice.app import Server, create_app, uvicorn_config
 
     names = {n for ns in option_names().values() for n in ns}
     overrides = {k: v for k, v in vars(args).items() if k in names}
@@ -104,7 +103,7 @@ def serve(args: argparse.Namespace) -> int:
         host, net.port, host, net.port, m.model, m.device, settings.voices.data_dir,
     )
     try:
-        uvicorn.Server(uvicorn_config(app, settings)).run()
+        Server(uvicorn_config(app, settings), app).run()
     except KeyboardInterrupt:
         # uvicorn shuts down gracefully on Ctrl-C, then re-raises the signal; that is a normal
         # exit for a server, not a crash.

@@ -183,6 +183,8 @@ class Runtime:
     codec_pool: ThreadPoolExecutor  # reference decoding + codec encoder (one worker)
     metrics: Metrics = field(default_factory=Metrics)
     session_ids: itertools.count[int] = field(default_factory=itertools.count)
+    sessions: set[Session] = field(default_factory=set)  # connected now (shutdown notices)
+    stopping: bool = False  # the server is shutting down: new sockets are refused
 
 
 def frame_budget(settings: Settings, text: str, request_max: int | None, frame_rate: float) -> int:
@@ -488,6 +490,7 @@ class Session:
         metrics = self.rt.metrics
         metrics.connections_total += 1
         metrics.connections_open += 1
+        self.rt.sessions.add(self)
         try:
             try:
                 await self.ws.accept()
@@ -510,6 +513,7 @@ class Session:
                 error = self._to_protocol_error(exc)
             await self._shutdown(error, gone, receiver, sender, encoder)
         finally:
+            self.rt.sessions.discard(self)
             metrics.connections_open -= 1
             if self._counted_live:
                 metrics.sessions_live -= 1
@@ -522,6 +526,14 @@ class Session:
     @staticmethod
     async def _refuse(error: ProtocolError) -> None:
         raise error
+
+    def server_stopping(self) -> None:
+        """The server is shutting down: end the session now with a ``shutting_down`` error
+        (close 1001), so the client knows to reconnect elsewhere rather than just seeing the
+        socket drop. Call on the event loop."""
+        self._on_failure(ProtocolError(
+            ErrorCode.SHUTTING_DOWN,
+            "the server is shutting down; reconnect (to another instance) to continue"))
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
         async def guarded() -> None:

@@ -37,10 +37,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import uvicorn
-
 from engine.loader import Bundle, load_bundle
-from rtvoice.app import create_app, uvicorn_config
+from rtvoice.app import Server, create_app, uvicorn_config
 from rtvoice.settings import Settings
 
 __all__ = ["ServerURL", "running_server"]
@@ -100,7 +98,7 @@ def running_server(**settings_overrides: Any) -> Iterator[ServerURL]:
         sock.bind((settings.network.host, settings.network.port))
         stack.callback(sock.close)
         port = sock.getsockname()[1]
-        server = uvicorn.Server(uvicorn_config(app, settings, port=port, log_level="warning"))
+        server = Server(uvicorn_config(app, settings, port=port, log_level="warning"), app)
         failure: list[BaseException] = []
 
         def serve() -> None:

@@ -811,3 +811,31 @@ def test_startup_refuses_a_context_too_small_for_any_segment():
     settings = Settings().replace(max_len=128, max_running=1)
     with pytest.raises(ValueError, match="max_len=128 leaves room for 0 characters"):
         asyncio.run(_start_runtime(settings, _shared_bundle(settings)))
+
+
+def test_shutdown_tells_live_sessions():
+    """Stopping the server ends every live session with a shutting_down error and a 1001
+    close (not a bare drop), so clients know to reconnect elsewhere."""
+    events: list[Any] = []
+    codes: list[int | None] = []
+    ready = threading.Event()
+
+    def client(url: str) -> None:
+        async def run() -> None:
+            c = await Client.connect(url)
+            await c.send(Start(request=request()))
+            assert isinstance(await c.recv(), Ready)
+            ready.set()
+            events.extend(await c.until(is_finish))
+            codes.append(await c.closed())
+
+        asyncio.run(run())
+
+    with running_server() as base:
+        t = threading.Thread(target=client, args=(base.ws_url,))
+        t.start()
+        assert ready.wait(60)
+    t.join(60)
+    err = next(e for e in events if isinstance(e, Error))
+    assert err.code == "shutting_down" and err.fatal
+    assert events[-1].reason == "error" and codes == [1001]
