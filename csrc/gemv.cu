@@ -124,8 +124,9 @@ void gemv(torch::Tensor x, torch::Tensor w, torch::Tensor y) {
   TORCH_CHECK(w.size(1) == K && y.size(0) == M && y.size(1) == N, "gemv: shapes do not agree: x ",
               x.sizes(), ", W ", w.sizes(), ", y ", y.sizes());
   TORCH_CHECK(M >= 1 && M <= 16 && K % 8 == 0, "gemv: needs 1 <= M <= 16 and K % 8 == 0");
+  TORCH_CHECK(N >= 1, "gemv: W has no rows");
   TORCH_CHECK(w.is_contiguous() && y.is_contiguous() && x.stride(1) == 1 &&
-                  (x.stride(0) * 2) % 16 == 0 && aligned16(x.data_ptr()) &&
+                  (M == 1 || (x.stride(0) * 2) % 16 == 0) && aligned16(x.data_ptr()) &&
                   aligned16(w.data_ptr()),
               "gemv: W and y contiguous, x rows contiguous, 16-byte aligned");
   const c10::cuda::CUDAGuard guard(x.device());

@@ -249,7 +249,9 @@ __global__ void __launch_bounds__(kThreads) sample_topk_kernel(
       const int r = tid * 4 + j;
       if (cw[r] > 0.f) {
         const uint64_t x = mix32(key + static_cast<uint64_t>(ci[r]) * 0xC2B2AE3Dull);
-        const float u = (static_cast<float>(x >> 8) + 0.5f) * (1.0f / 16777216.0f);
+        // as engine/sampler.py: the top value would round to 1.0 (E = 0): clamp below 1
+        const float u = fminf((static_cast<float>(x >> 8) + 0.5f) * (1.0f / 16777216.0f),
+                              1.0f - 5.9604644775390625e-8f);
         const float race = (cw[r] / s) / (-logf(u));
         if (race > best) {  // ranks rise within a lane: the first maximum is kept
           best = race;

@@ -214,10 +214,10 @@ GEMV_MAX_ROWS = 16
 def gemv_applies(x: Tensor, w: Tensor) -> bool:
     """Whether `linear` runs csrc's gemv for these operands (else torch's F.linear)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    return (x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16
-            and w.dim() == 2 and w.is_contiguous() and w.shape[1] == x.shape[-1]
-            and x.shape[-1] % 8 == 0 and 1 <= rows <= GEMV_MAX_ROWS
-            and w.data_ptr() % 16 == 0 and extension_available())
+    return (x.is_cuda and x.device == w.device and x.dtype == torch.bfloat16
+            and w.dtype == torch.bfloat16 and w.dim() == 2 and w.is_contiguous()
+            and w.shape[0] >= 1 and w.shape[1] == x.shape[-1] and x.shape[-1] % 8 == 0
+            and 1 <= rows <= GEMV_MAX_ROWS and w.data_ptr() % 16 == 0 and extension_available())
 
 
 def linear(x: Tensor, w: Tensor) -> Tensor:
@@ -227,8 +227,10 @@ def linear(x: Tensor, w: Tensor) -> Tensor:
     if not gemv_applies(x, w):
         return torch.nn.functional.linear(x, w)
     x2 = x.reshape(-1, x.shape[-1])
-    if x2.stride(-1) != 1 or (x2.stride(0) * 2) % 16 or x2.data_ptr() % 16:
-        x2 = x2.contiguous()
+    if x2.stride(-1) != 1 or (x2.shape[0] > 1 and (x2.stride(0) * 2) % 16) or x2.data_ptr() % 16:
+        # a fresh allocation (16-byte aligned): .contiguous() would keep a misaligned
+        # single-row view as it is
+        x2 = x2.clone(memory_format=torch.contiguous_format)
     y = torch.empty(x2.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
     torch.ops.rtvoice_kernels.gemv(x2, w, y)
     return y.view(*x.shape[:-1], w.shape[0])

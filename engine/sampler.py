@@ -75,7 +75,9 @@ def exponential_noise(seed: Tensor, step: Tensor, stream: int | Tensor, idx: Ten
     key = _mix32(seed.to(torch.int64) * 0x9E3779B1 + stream * 0x632BE5AB)
     key = _mix32(key + step.to(torch.int64) * 0x85EBCA77)
     x = _mix32(key[:, None] + idx.to(torch.int64) * 0xC2B2AE3D)
-    u = ((x >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # uniform in (0, 1)
+    # uniform in (0, 1): the top hash value would round to exactly 1.0 in float32 (E = 0,
+    # race = -inf), so it is clamped to the largest float below 1
+    u = (((x >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))).clamp(max=1.0 - 2.0**-24)
     return -torch.log(u)
 
 
