@@ -210,8 +210,12 @@ class Engine:
         self._spans.append(runner.cache.max_len)
         self._decode_spans = [runner.cache.max_len] if self._kernel_attention() else self._spans
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor]] | None = None
+        # prefill keys over power-of-two spans: reading up to twice the keys needed costs
+        # little next to the weights, and 4,096 positions need 5 span buckets, not 16
+        max_len = runner.cache.max_len
+        prefill_spans = [p for p in (2 ** k for k in range(8, 20)) if p < max_len] + [max_len]
         self.prefill_graphs = PrefillGraphs(runner, chunk=self.cfg.prefill_chunk,
-                                            batch=self.cfg.prefill_batch, spans=self._spans)
+                                            batch=self.cfg.prefill_batch, spans=prefill_spans)
         self.capture_s = 0.0
         from . import fusion, kernels
 
