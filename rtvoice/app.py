@@ -21,7 +21,7 @@ import contextlib
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -226,20 +226,26 @@ def _unavailable() -> JSONResponse:
     return _error(ErrorCode.SHUTTING_DOWN, "the service is not running")
 
 
-def _denied(request: Request, rt: Runtime) -> JSONResponse | None:
-    """The 401 answer for a request without a valid API key (None: let it through)."""
-    if _authorized(rt.settings, request.headers, request.query_params):
-        return None
-    rt.metrics.error(str(ErrorCode.UNAUTHORIZED))
-    return _error(ErrorCode.UNAUTHORIZED, _UNAUTHORIZED)
+def _voices_endpoint(
+    handler: Callable[[Request, Runtime], Awaitable[Response]],
+) -> Callable[[Request], Awaitable[Response]]:
+    """A voices REST route: 503 while the service is not running, 401 without a valid API
+    key, else ``handler(request, runtime)``."""
+
+    async def endpoint(request: Request) -> Response:
+        rt = _runtime(request.app)
+        if rt is None:
+            return _unavailable()
+        if not _authorized(rt.settings, request.headers, request.query_params):
+            rt.metrics.error(str(ErrorCode.UNAUTHORIZED))
+            return _error(ErrorCode.UNAUTHORIZED, _UNAUTHORIZED)
+        return await handler(request, rt)
+
+    return endpoint
 
 
-async def _create_voice(request: Request) -> Response:
-    rt = _runtime(request.app)
-    if rt is None:
-        return _unavailable()
-    if (denied := _denied(request, rt)) is not None:
-        return denied
+@_voices_endpoint
+async def _create_voice(request: Request, rt: Runtime) -> Response:
     limit = rt.settings.voices.max_upload_bytes
     length = request.headers.get("content-length")
     if length is None:
@@ -305,22 +311,14 @@ async def _create_voice(request: Request) -> Response:
     return JSONResponse(voice.info.to_dict(), status_code=201)
 
 
-async def _list_voices(request: Request) -> Response:
-    rt = _runtime(request.app)
-    if rt is None:
-        return _unavailable()
-    if (denied := _denied(request, rt)) is not None:
-        return denied
+@_voices_endpoint
+async def _list_voices(request: Request, rt: Runtime) -> Response:
     voices = await asyncio.to_thread(rt.store.list)
     return JSONResponse({"voices": [v.to_dict() for v in voices]})
 
 
-async def _get_voice(request: Request) -> Response:
-    rt = _runtime(request.app)
-    if rt is None:
-        return _unavailable()
-    if (denied := _denied(request, rt)) is not None:
-        return denied
+@_voices_endpoint
+async def _get_voice(request: Request, rt: Runtime) -> Response:
     voice_id = request.path_params["voice_id"]
     try:
         info = await asyncio.to_thread(rt.store.info, voice_id)
@@ -329,12 +327,8 @@ async def _get_voice(request: Request) -> Response:
     return JSONResponse(info.to_dict())
 
 
-async def _delete_voice(request: Request) -> Response:
-    rt = _runtime(request.app)
-    if rt is None:
-        return _unavailable()
-    if (denied := _denied(request, rt)) is not None:
-        return denied
+@_voices_endpoint
+async def _delete_voice(request: Request, rt: Runtime) -> Response:
     voice_id = request.path_params["voice_id"]
     try:
         await asyncio.to_thread(rt.store.delete, voice_id)
