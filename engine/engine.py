@@ -748,9 +748,8 @@ class Engine:
         """Whether every decode attention (slow and fast AR) runs the csrc kernel."""
         from . import kernels
 
-        return self.cuda and kernels.extension_available() and all(
-            c.head_dim in kernels.DECODE_ATTENTION_HEAD_DIMS
-            and c.n_head // c.n_local_heads in kernels.DECODE_ATTENTION_GROUPS
+        return self.cuda and all(
+            kernels.decode_attention_supports(c.head_dim, c.n_head, c.n_local_heads)
             for c in (self.model_cfg.slow, self.model_cfg.fast))
 
     def _launch(self) -> _Pending | None:

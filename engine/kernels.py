@@ -142,11 +142,16 @@ def _decode_attention_torch(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Te
     return torch.einsum("bhs,bhsd->bhd", probs, vals).to(q.dtype)
 
 
+def decode_attention_supports(head_dim: int, n_head: int, n_kv_heads: int) -> bool:
+    """Whether the built kernel handles these attention shapes (on a CUDA device)."""
+    return (head_dim in DECODE_ATTENTION_HEAD_DIMS
+            and n_head // n_kv_heads in DECODE_ATTENTION_GROUPS and extension_available())
+
+
 def decode_attention_available(q: Tensor, k_heads: int) -> bool:
     """Whether `decode_attention` would run the CUDA kernel for a query like `q` [B, H, ..., D]
     with `k_heads` kv heads."""
-    return (q.is_cuda and q.shape[-1] in DECODE_ATTENTION_HEAD_DIMS
-            and q.shape[1] // k_heads in DECODE_ATTENTION_GROUPS and extension_available())
+    return q.is_cuda and decode_attention_supports(q.shape[-1], q.shape[1], k_heads)
 
 
 def decode_attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_cache: Tensor,
