@@ -27,9 +27,11 @@
 
 namespace {
 
-constexpr int kThreads = 128;  // 16 groups of 8 lanes; a group owns one position at a time
-constexpr int kLanes = 8;
-constexpr int kGroups = kThreads / kLanes;
+// A block is 16 groups of L adjacent lanes (L = 8, or 16 for head_dim 128: 8 elements, one
+// 16-byte load, per lane keeps the R = 4 variant near 100 registers instead of 222, so more
+// blocks fit on an SM); a group owns one position at a time.
+constexpr int kGroups = 16;
+constexpr int kMinLanes = 8;
 
 template <typename T>
 __device__ __forceinline__ float to_f(T x) { return static_cast<float>(x); }
@@ -56,15 +58,16 @@ __device__ __forceinline__ void load(const T* __restrict__ p, float (&out)[E], b
 
 // One block per (row b, R query heads of one kv head g): with R = all the heads of g each
 // key/value row is read once (large batches); with R = 1 there are more, smaller blocks to
-// fill the GPU (small batches). E = D / 8 elements of the head dimension per lane.
-template <typename T, int E, int R>
-__global__ void __launch_bounds__(kThreads) decode_attention_kernel(
+// fill the GPU (small batches). E = D / L elements of the head dimension per lane.
+template <typename T, int E, int R, int L>
+__global__ void __launch_bounds__(kGroups * L) decode_attention_kernel(
     const T* __restrict__ q, int64_t q_rs, const T* __restrict__ k_new, int64_t k_rs,
     const T* __restrict__ v_new, int64_t v_rs, T* __restrict__ k_cache,
     T* __restrict__ v_cache, const int64_t* __restrict__ wslot,
     const int64_t* __restrict__ pos, T* __restrict__ out, int Hkv, int rep, int64_t S,
     float scale, bool vec) {
-  constexpr int D = E * kLanes;
+  constexpr int D = E * L;
+  constexpr int kThreads = kGroups * L;
   __shared__ float s_m[kGroups][R];
   __shared__ float s_l[kGroups][R];
   __shared__ float s_acc[kGroups][R][D];
@@ -72,7 +75,7 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(
   const int parts = rep / R;
   const int g = blockIdx.x / parts, part = blockIdx.x % parts, b = blockIdx.y;
   const int h0 = g * rep + part * R;  // first query head of this block
-  const int grp = threadIdx.x / kLanes, sub = threadIdx.x % kLanes;
+  const int grp = threadIdx.x / L, sub = threadIdx.x % L;
   const int64_t p = pos[b];
   const T* kn = k_new + b * k_rs + g * D;
   const T* vn = v_new + b * v_rs + g * D;
@@ -107,37 +110,36 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(
   for (int64_t t0 = 0; t0 <= p; t0 += kGroups) {
     const int64_t t = t0 + grp;
     const bool live = t <= p;
-    float kv[E];
+    float kk[E], vv[E];
     float s[R];
-    if (live) {
-      load<T, E>((t == p ? kn : k_cache + base + t * D) + sub * E, kv, vec);
+    if (live) {  // key and value loads issued together: two memory round trips overlap
+      load<T, E>((t == p ? kn : k_cache + base + t * D) + sub * E, kk, vec);
+      load<T, E>((t == p ? vn : v_cache + base + t * D) + sub * E, vv, vec);
     } else {
 #pragma unroll
-      for (int e = 0; e < E; ++e) kv[e] = 0.f;
+      for (int e = 0; e < E; ++e) kk[e] = vv[e] = 0.f;
     }
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       float d = 0.f;
 #pragma unroll
-      for (int e = 0; e < E; ++e) d += qv[r][e] * kv[e];
+      for (int e = 0; e < E; ++e) d += qv[r][e] * kk[e];
       s[r] = d;
     }
-    // the 8 lanes of a group are adjacent in the warp: reduce within them
+    // the L lanes of a group are adjacent in the warp: reduce within them
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      s[r] += __shfl_xor_sync(0xffffffff, s[r], 4);
-      s[r] += __shfl_xor_sync(0xffffffff, s[r], 2);
-      s[r] += __shfl_xor_sync(0xffffffff, s[r], 1);
+#pragma unroll
+      for (int o = L / 2; o >= 1; o /= 2) s[r] += __shfl_xor_sync(0xffffffff, s[r], o);
     }
     if (live) {
-      load<T, E>((t == p ? vn : v_cache + base + t * D) + sub * E, kv, vec);
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         const float mn = fmaxf(m[r], s[r]);
         const float c = __expf(m[r] - mn), w = __expf(s[r] - mn);
         l[r] = l[r] * c + w;
 #pragma unroll
-        for (int e = 0; e < E; ++e) acc[r][e] = acc[r][e] * c + w * kv[e];
+        for (int e = 0; e < E; ++e) acc[r][e] = acc[r][e] * c + w * vv[e];
         m[r] = mn;
       }
     }
@@ -158,24 +160,24 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(
     const int r = i / D, d = i % D;
     float M = -INFINITY;
     for (int j = 0; j < kGroups; ++j) M = fmaxf(M, s_m[j][r]);
-    float L = 0.f, o = 0.f;
+    float den = 0.f, o = 0.f;
     for (int j = 0; j < kGroups; ++j) {
       if (s_l[j][r] == 0.f) continue;  // a group that saw no position
       const float f = __expf(s_m[j][r] - M);
-      L += s_l[j][r] * f;
+      den += s_l[j][r] * f;
       o += s_acc[j][r][d] * f;
     }
-    out[(static_cast<int64_t>(b) * Hkv * rep + h0 + r) * D + d] = static_cast<T>(o / L);
+    out[(static_cast<int64_t>(b) * Hkv * rep + h0 + r) * D + d] = static_cast<T>(o / den);
   }
 }
 
-template <typename T, int E>
+template <typename T, int E, int L>
 void launch_e(int R, int rep, dim3 grid, cudaStream_t stream, const torch::Tensor& q,
               const torch::Tensor& k_new, const torch::Tensor& v_new, torch::Tensor& k_cache,
               torch::Tensor& v_cache, const torch::Tensor& wslot, const torch::Tensor& pos,
               torch::Tensor& out, float scale, bool vec) {
 #define RTV_LAUNCH(R_)                                                                      \
-  decode_attention_kernel<T, E, R_><<<grid, kThreads, 0, stream>>>(                         \
+  decode_attention_kernel<T, E, R_, L><<<grid, kGroups * L, 0, stream>>>(                         \
       q.data_ptr<T>(), q.stride(0), k_new.data_ptr<T>(), k_new.stride(0),                   \
       v_new.data_ptr<T>(), v_new.stride(0), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),   \
       wslot.data_ptr<int64_t>(), pos.data_ptr<int64_t>(), out.data_ptr<T>(),                \
@@ -214,11 +216,11 @@ void launch(const torch::Tensor& q, const torch::Tensor& k_new, const torch::Ten
   const bool vec = aligned16(q) && aligned16(k_new) && aligned16(v_new) && aligned16(k_cache) &&
                    aligned16(v_cache);
   auto stream = c10::cuda::getCurrentCUDAStream();
-  switch (D / kLanes) {
-    case 5: launch_e<T, 5>(R, rep, grid, stream, q, k_new, v_new, k_cache, v_cache, wslot, pos, out, scale, vec); break;
-    case 6: launch_e<T, 6>(R, rep, grid, stream, q, k_new, v_new, k_cache, v_cache, wslot, pos, out, scale, vec); break;
-    case 8: launch_e<T, 8>(R, rep, grid, stream, q, k_new, v_new, k_cache, v_cache, wslot, pos, out, scale, vec); break;
-    case 16: launch_e<T, 16>(R, rep, grid, stream, q, k_new, v_new, k_cache, v_cache, wslot, pos, out, scale, vec); break;
+  switch (D) {
+    case 40: launch_e<T, 5, 8>(R, rep, grid, stream, q, k_new, v_new, k_cache, v_cache, wslot, pos, out, scale, vec); break;
+    case 48: launch_e<T, 6, 8>(R, rep, grid, stream, q, k_new, v_new, k_cache, v_cache, wslot, pos, out, scale, vec); break;
+    case 64: launch_e<T, 8, 8>(R, rep, grid, stream, q, k_new, v_new, k_cache, v_cache, wslot, pos, out, scale, vec); break;
+    case 128: launch_e<T, 8, 16>(R, rep, grid, stream, q, k_new, v_new, k_cache, v_cache, wslot, pos, out, scale, vec); break;
     default: TORCH_CHECK(false, "decode_attention: head_dim ", D, " is not supported");
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -240,7 +242,7 @@ void decode_attention(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new,
   TORCH_CHECK(wslot.scalar_type() == at::kLong && pos.scalar_type() == at::kLong,
               "decode_attention: wslot and pos must be int64");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_new.size(1);
-  TORCH_CHECK(H % Hkv == 0 && D % kLanes == 0, "decode_attention: bad head counts/dim");
+  TORCH_CHECK(H % Hkv == 0 && D % kMinLanes == 0, "decode_attention: bad head counts/dim");
   TORCH_CHECK(k_cache.size(0) >= B && k_cache.size(1) == Hkv && k_cache.size(3) == D &&
                   v_cache.sizes() == k_cache.sizes(),
               "decode_attention: cache shape ", k_cache.sizes(), " does not fit q ", q.sizes());

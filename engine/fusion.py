@@ -66,19 +66,17 @@ def pack_ffn(m: nn.Module) -> int:
     return n
 
 
-def enable(mode: str = "compile", *, sampler_kernel: bool = False,
-           gemv_kernel: bool = False) -> str:
+def enable(mode: str = "compile", *, sampler_kernel: bool = False) -> str:
     """Switch the model's elementwise ops to fused versions; returns the mode in effect.
     `sampler_kernel`: the sampler's draw as the csrc kernel (engine.kernels.sample_topk,
-    when built) instead of its compiled version. `gemv_kernel`: linear layers of few rows
-    through csrc's gemv (engine.kernels.linear) instead of cuBLAS."""
+    when built) instead of its compiled version."""
     if mode == "reference":
         disable()
         return "reference"
     if mode != "compile":
         raise ValueError(f"unknown fusion mode {mode!r}; use 'compile' or 'reference'")
     if _state["mode"] == "compile":
-        _set_kernels(sampler_kernel, gemv_kernel)
+        _set_kernels(sampler_kernel)
         return "compile"
     import torch._dynamo
     import torch._inductor.config
@@ -97,18 +95,31 @@ def enable(mode: str = "compile", *, sampler_kernel: bool = False,
     model.OPS.swiglu = packed_swiglu
     _state["mode"] = "compile"
     _state["compiled_sample"] = sampler.SAMPLER_OPS.sample
-    _set_kernels(sampler_kernel, gemv_kernel)
+    _set_kernels(sampler_kernel)
     log.info("fused elementwise ops enabled (torch.compile)")
     return "compile"
 
 
-def _set_kernels(sampler_kernel: bool, gemv_kernel: bool) -> None:
+def _set_kernels(sampler_kernel: bool) -> None:
     from . import kernels
 
-    built = (sampler_kernel or gemv_kernel) and kernels.extension_available()
-    sampler.SAMPLER_OPS.sample = (kernels.sample_topk if sampler_kernel and built
-                                  else _state["compiled_sample"])
-    model.OPS.linear = kernels.linear if gemv_kernel and built else _REFERENCE["linear"]
+    built = sampler_kernel and kernels.extension_available()
+    sampler.SAMPLER_OPS.sample = kernels.sample_topk if built else _state["compiled_sample"]
+
+
+def codec_kernels(enabled: bool) -> bool:
+    """Route the codec's Snake activations (`engine.codec.layers.CODEC_OPS`) through csrc's
+    one-pass kernel (engine.kernels.snake / snake_cat; their wrappers fall back to the torch
+    formula for CPU tensors) or back to the plain torch ops. Returns whether the kernels are
+    in use."""
+    from . import kernels
+    from .codec import layers
+
+    on = enabled and kernels.extension_available()
+    layers.CODEC_OPS.snake = kernels.snake if on else layers.CodecOps.snake  # type: ignore[method-assign]
+    layers.CODEC_OPS.snake_cat = (kernels.snake_cat if on  # type: ignore[method-assign]
+                                  else layers.CodecOps.snake_cat)
+    return on
 
 
 def _guarded(name: str, ref, fused):  # type: ignore[no-untyped-def]

@@ -21,8 +21,8 @@ from torch import Tensor
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
-KERNEL_FILES = ("prev_tokens.cu", "decode_attention.cu", "sampling.cu", "gemv.cu")  # per family
-KERNEL_OPS = ("prev_tokens_shift_inplace", "decode_attention", "sample_topk", "gemv")
+KERNEL_FILES = ("prev_tokens.cu", "decode_attention.cu", "sampling.cu", "activation.cu")  # per family
+KERNEL_OPS = ("prev_tokens_shift_inplace", "decode_attention", "sample_topk", "snake")
 _lock = threading.Lock()
 _state: dict[str, object] = {"loaded": None}
 
@@ -212,33 +212,56 @@ def sample_topk(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tenso
     return sample(logits, temperature, top_p, top_k, seed, step, stream)
 
 
-# ---------------------------------------------------------------------- linear layers
-GEMV_MAX_ROWS = 16
+# ---------------------------------------------------------------------- snake activation
+def _check_snake(x: Tensor, alpha: Tensor) -> None:
+    if x.dim() != 3:
+        raise ValueError(f"snake needs x [B, C, T], got shape {list(x.shape)}")
+    if alpha.numel() != x.shape[1]:
+        raise ValueError(f"snake: alpha has {alpha.numel()} values for {x.shape[1]} channels")
+    if alpha.dtype != x.dtype or alpha.device != x.device:
+        raise TypeError(f"snake: alpha ({alpha.dtype}, {alpha.device}) must match x "
+                        f"({x.dtype}, {x.device})")
 
 
-def gemv_applies(x: Tensor, w: Tensor) -> bool:
-    """Whether `linear` runs csrc's gemv for these operands (else torch's F.linear)."""
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    return (x.is_cuda and x.device == w.device and x.dtype == torch.bfloat16
-            and w.dtype == torch.bfloat16 and w.dim() == 2 and w.is_contiguous()
-            and w.shape[0] >= 1 and w.shape[1] == x.shape[-1] and x.shape[-1] % 8 == 0
-            and 1 <= rows <= GEMV_MAX_ROWS and w.data_ptr() % 16 == 0 and extension_available())
+def snake_torch(x: Tensor, alpha: Tensor) -> Tensor:
+    """The fallback: the codec's own formula (engine.codec.layers.snake); alpha [C] or
+    [1, C, 1]."""
+    from .codec.layers import snake as formula
+
+    return formula(x, alpha.reshape(1, -1, 1))
 
 
-def linear(x: Tensor, w: Tensor) -> Tensor:
-    """x [..., K] @ w[N, K]^T, through csrc's gemv for the few rows of a decode step (bf16 on
-    CUDA, at most 16 rows), F.linear otherwise. Same math; float32 accumulation either way,
-    summed in another order."""
-    if not gemv_applies(x, w):
-        return torch.nn.functional.linear(x, w)
-    x2 = x.reshape(-1, x.shape[-1])
-    if x2.stride(-1) != 1 or (x2.shape[0] > 1 and (x2.stride(0) * 2) % 16) or x2.data_ptr() % 16:
-        # a fresh allocation (16-byte aligned): .contiguous() would keep a misaligned
-        # single-row view as it is
-        x2 = x2.clone(memory_format=torch.contiguous_format)
-    y = torch.empty(x2.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
-    torch.ops.rtvoice_kernels.gemv(x2, w, y)
-    return y.view(*x.shape[:-1], w.shape[0])
+def _snake_into(x: Tensor, alpha: Tensor, out: Tensor) -> None:
+    a = alpha.reshape(-1)
+    if x.is_cuda and x.dtype in (torch.float32, torch.bfloat16, torch.float16) \
+            and x.stride(-1) == 1 and a.is_contiguous() and extension_available():
+        torch.ops.rtvoice_kernels.snake(x, a, out)
+    else:
+        out.copy_(snake_torch(x, alpha))
+
+
+def snake(x: Tensor, alpha: Tensor) -> Tensor:
+    """The codec's Snake activation in one pass (csrc/activation.cu) on CUDA, the torch
+    formula elsewhere. x [B, C, T], alpha [C] or [1, C, 1] of x's dtype."""
+    _check_snake(x, alpha)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _snake_into(x, alpha, out)
+    return out
+
+
+def snake_cat(tail: Tensor, x: Tensor, alpha: Tensor) -> Tensor:
+    """torch.cat([tail, snake(x)], -1) with the activation written straight into its place in
+    the result (no separate concatenation pass): a streaming causal conv's input, its saved
+    tail [B, C, P] followed by the activated new samples [B, C, T]."""
+    _check_snake(x, alpha)
+    if tail.dim() != 3 or tail.shape[:2] != x.shape[:2] or tail.dtype != x.dtype:
+        raise ValueError(f"snake_cat: tail {list(tail.shape)} {tail.dtype} does not fit x "
+                         f"{list(x.shape)} {x.dtype}")
+    P = tail.shape[-1]
+    out = torch.empty((*x.shape[:2], P + x.shape[-1]), dtype=x.dtype, device=x.device)
+    out[..., :P] = tail
+    _snake_into(x, alpha, out[..., P:])
+    return out
 
 
 def _timed(fn, args: tuple, n: int, cuda: bool) -> float:  # type: ignore[no-untyped-def]
@@ -289,15 +312,14 @@ def _bench() -> None:
         for name, fn in ((kind, sample_topk), ("torch", sample)):
             us = _timed(fn, args, 200 if cuda else 20, cuda)
             print(f"sample_topk bs={bs:4d} {name:7s} {us:9.2f} us")
-    # S2-Pro's decode GEMMs: wqkv, wo, w1|w3 packed, w2, the fast output / semantic slice
-    for N, K in ((6144, 2560), (2560, 4096), (19456, 2560), (2560, 9728), (4096, 2560)):
-        w = torch.randn(N, K, device=dev, dtype=dt) / 50
-        for M in (1, 8, 16):
-            x = torch.randn(M, K, device=dev, dtype=dt)
-            for name, fn in ((kind, linear), ("torch", torch.nn.functional.linear)):
-                us = _timed(fn, (x, w), 200 if cuda else 5, cuda)
-                gbs = N * K * w.element_size() / us / 1e3
-                print(f"linear M={M:2d} N={N:5d} K={K:4d} {name:7s} {us:9.2f} us {gbs:7.1f} GB/s")
+    # the codec's Snake at its widest streaming shapes (64 streams x 8 frames)
+    for C, T in ((96, 16384), (192, 8192), (768, 256)):
+        x = torch.randn(64 if cuda else 2, C, T, device=dev, dtype=dt)
+        alpha = torch.rand(C, device=dev, dtype=dt) + 0.5
+        for name, fn in ((kind, snake), ("torch", snake_torch)):
+            us = _timed(fn, (x, alpha), 100 if cuda else 3, cuda)
+            gbs = 2 * x.numel() * x.element_size() / us / 1e3
+            print(f"snake C={C:4d} T={T:5d} {name:7s} {us:9.2f} us {gbs:7.1f} GB/s")
 
 
 if __name__ == "__main__":

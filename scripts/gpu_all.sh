@@ -9,7 +9,7 @@
 # Results under $OUT (default artifacts/gpu): tests.txt, server_c<N>.json, server.log,
 # gpu_bench.json, gpu_bench_log.txt. Knobs: TESTS_K (pytest -k), SERVER_LEVELS ("1 16 64"),
 # LEVEL_TIMEOUT, ENGINE_LEVELS ("1,16,64"), ENGINE_RUNS, SKIP (gpu_bench sections), TOTAL (s),
-# TRY_KERNELS=1 (profile the step again with csrc's sample_topk and gemv, off by default).
+# COMPILED_SAMPLER=1 (profile the step again with the compiled torch sampler, for comparison).
 set -uo pipefail
 OUT=${OUT:-artifacts/gpu}
 mkdir -p "$OUT"
@@ -21,7 +21,7 @@ echo "tests done at +$(( $(date +%s) - t0 ))s"
 MAX_LEN=${MAX_LEN:-1024} timeout 300 bash scripts/gpu_server_bench.sh 2>&1 | grep -v "^ \|^$" | tail -40
 echo "server bench done at +$(( $(date +%s) - t0 ))s"
 timeout -s ABRT $(( ${TOTAL:-570} - ($(date +%s) - t0) )) python3 -X faulthandler scripts/gpu_bench.py \
-    --skip "${SKIP:-decode}" ${TRY_KERNELS:+--try-kernels} \
+    --skip "${SKIP:-decode}" ${COMPILED_SAMPLER:+--compiled-sampler} \
     --levels "${ENGINE_LEVELS:-1,16,64}" --frames 64 \
     --engine-runs "${ENGINE_RUNS:-pingpong_codec,pingpong_nocodec,naive_nocodec}" --out "$OUT" \
     >"$OUT/gpu_bench_log.txt" 2>&1

@@ -119,24 +119,27 @@ def s2pro_decode(report: dict, device: str, batches: list[int], frames: int,
 
 
 def codec_bench(report: dict, device: str) -> None:
+    from engine import fusion
     from engine.codec import CodecConfig, StreamingDecoder, dummy_codec
 
     out = {}
     for dt_name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         codec = dummy_codec(CodecConfig.preset("s2-pro"), seed=0, device=device, dtype=dt)
         n_params = sum(p.numel() for p in codec.parameters())
-        for bs in (1, 16):
-            codes = torch.randint(0, 1024, (bs, 10, 64), device=device)
-            with torch.inference_mode():
-                codec.decode(codes)
-                _sync()
-                t = time.perf_counter()
-                codec.decode(codes)
-                _sync()
-            dt_s = time.perf_counter() - t
-            audio_s = bs * 64 * 2048 / 44100
-            out[f"offline_{dt_name}_b{bs}"] = {"x_realtime": round(audio_s / dt_s, 1),
-                                               "ms": round(1000 * dt_s, 1)}
+        for kern in (False, True):
+            fusion.codec_kernels(kern)
+            for bs in (1, 16):
+                codes = torch.randint(0, 1024, (bs, 10, 64), device=device)
+                with torch.inference_mode():
+                    codec.decode(codes)
+                    _sync()
+                    t = time.perf_counter()
+                    codec.decode(codes)
+                    _sync()
+                dt_s = time.perf_counter() - t
+                audio_s = bs * 64 * 2048 / 44100
+                out[f"offline_{dt_name}_b{bs}{'_kernels' if kern else ''}"] = {
+                    "x_realtime": round(audio_s / dt_s, 1), "ms": round(1000 * dt_s, 1)}
         graphed = None
         if device == "cuda" and dt == torch.bfloat16:  # the engine's setting on a GPU
             graphed = StreamingDecoder(codec, max_streams=64, buckets=True, max_frames=4096)
@@ -165,8 +168,77 @@ def codec_bench(report: dict, device: str) -> None:
                 "ms_per_tick": round(1000 * tick, 2),
                 "x_realtime": round(streams * frames * 2048 / 44100 / tick, 1)}
         out["params"] = n_params
+        out["codec_kernels"] = fusion.codec_kernels(True)
         del codec, dec
+    fusion.codec_kernels(False)
     report["codec_s2pro"] = out
+
+
+def codec_profile(report: dict, device: str) -> None:
+    """Where a batched streaming codec tick's GPU time goes (eager bf16, 64 streams x 8
+    frames and 16 x 4, by kernel category and by convolution shape), with the torch Snake and
+    with csrc's (EngineConfig.codec_kernels)."""
+    from engine import fusion
+    from engine.codec import CodecConfig, StreamingDecoder, dummy_codec
+
+    out: dict = {}
+    codec = dummy_codec(CodecConfig.preset("s2-pro"), seed=0, device=device, dtype=torch.bfloat16)
+    try:
+        for kern in (False, True):
+            fusion.codec_kernels(kern)
+            for streams, frames in ((64, 8), (16, 4)):
+                dec = StreamingDecoder(codec, max_streams=64)
+                sids = [dec.open() for _ in range(streams)]
+                chunk = {s: torch.randint(0, 1024, (10, frames)) for s in sids}
+                with torch.inference_mode():
+                    for _ in range(3):
+                        dec.decode(chunk)
+                    _sync()
+                    with torch.profiler.profile(
+                            activities=[torch.profiler.ProfilerActivity.CPU,
+                                        torch.profiler.ProfilerActivity.CUDA],
+                            record_shapes=True) as prof:
+                        dec.decode(chunk)
+                        _sync()
+                cats: dict[str, float] = {}
+                top = []
+                for e in prof.key_averages():
+                    if e.device_type != torch.autograd.DeviceType.CUDA:
+                        continue
+                    t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
+                    if not t:
+                        continue
+                    c = _codec_category(e.key)
+                    cats[c] = cats.get(c, 0.0) + t / 1000
+                    top.append((round(t / 1000, 3), e.count, e.key[:80]))
+                top.sort(reverse=True)
+                convs = []
+                for e in prof.key_averages(group_by_input_shape=True):
+                    if e.key == "aten::_convolution":  # conv and transposed conv, once each
+                        t = getattr(e, "device_time_total", None) or 0.0
+                        convs.append((round(t / 1000, 3), e.count, e.key[6:],
+                                      str(e.input_shapes[:2])[:70]))
+                convs.sort(reverse=True)
+                out[f"eager_{streams}x{frames}{'_kernels' if kern else ''}"] = {
+                    "gpu_ms": round(sum(cats.values()), 2),
+                    "ms_by_category": {k: round(v, 2) for k, v in sorted(cats.items())},
+                    "top_kernels": top[:12], "convs_by_shape": convs[:14]}
+                print(json.dumps({"codec_profile": out}, default=str)[-1500:], flush=True)
+    finally:
+        fusion.codec_kernels(False)
+    report["codec_profile"] = out
+
+
+def _codec_category(name: str) -> str:
+    n = name.lower()
+    if any(k in n for k in ("conv", "cudnn", "implicit", "xmma", "winograd", "fft", "wgrad",
+                            "dgrad", "fprop")):
+        return "conv"
+    if any(k in n for k in ("sin", "pow", "reciprocal", "snake")):
+        return "snake parts"
+    if "cat" in n:
+        return "cat"
+    return _category(name)
 
 
 def engine_sweep(report: dict, device: str, levels: list[int], frames: int,
@@ -214,14 +286,14 @@ def _category(name: str) -> str:
     return "elementwise/other"
 
 
-def profile_step(report: dict, device: str, try_kernels: bool = False) -> None:
+def profile_step(report: dict, device: str, sampler_kernel: bool = True) -> None:
     """Where one frame step's GPU time goes (eager, fused ops), and graph-replay step time."""
     from engine import fusion
     from engine.loader import load_bundle
     from engine.runner import ModelRunner
 
     b = load_bundle("s2-pro", device=device, dtype="bf16", max_seq_len=1024)
-    fusion.enable("compile", sampler_kernel=try_kernels, gemv_kernel=try_kernels)
+    fusion.enable("compile", sampler_kernel=sampler_kernel)
     fusion.pack_ffn(b.model)
     out = {}
     runner = ModelRunner(b.model, n_slots=64, max_len=1024)
@@ -272,7 +344,7 @@ def profile_step(report: dict, device: str, try_kernels: bool = False) -> None:
                   "most_launched": [list(x) for x in by_count]}
         print(json.dumps({B: out[B]})[:1500], flush=True)
         del g
-    report["profile_try_kernels" if try_kernels else "profile"] = out
+    report["profile" if sampler_kernel else "profile_compiled_sampler"] = out
     fusion.disable()
     del runner, b
     torch.cuda.empty_cache()
@@ -283,12 +355,12 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     ap.add_argument("--batches", default="1,4,16,64")
     ap.add_argument("--frames", type=int, default=40)
-    ap.add_argument("--skip", default="", help="comma list of: fixtures,decode,codec,profile,engine")
+    ap.add_argument("--skip", default="", help="comma list of: fixtures,decode,codec,codec_profile,profile,engine")
     ap.add_argument("--levels", default="1,4,16,32,64")
     ap.add_argument("--model", default="s2-pro", help="preset for the decode section")
-    ap.add_argument("--try-kernels", action="store_true",
-                    help="profile the step again with csrc's sample_topk and gemv on (key "
-                         "profile_try_kernels; both are off by default until verified)")
+    ap.add_argument("--compiled-sampler", action="store_true",
+                    help="profile the step again with the compiled torch sampler instead of "
+                         "csrc's sample_topk (key profile_compiled_sampler)")
     ap.add_argument("--engine-runs", default="", help="comma list of engine runs to keep "
                     "(pingpong_codec, pingpong_nocodec, pingpong_unfused_nocodec, "
                     "graphs_sync_nocodec, naive_nocodec); default all")
@@ -302,14 +374,15 @@ def main() -> int:
                                                      [int(x) for x in args.batches.split(",")],
                                                      args.frames, args.model)),
                      ("codec", lambda: codec_bench(report, device)),
+                     ("codec_profile", lambda: codec_profile(report, device)),
                      ("profile", lambda: profile_step(report, device)),
-                     ("profile_try_kernels",
-                      lambda: profile_step(report, device, try_kernels=True)),
+                     ("profile_compiled_sampler",
+                      lambda: profile_step(report, device, sampler_kernel=False)),
                      ("engine", lambda: engine_sweep(report, device,
                                                      [int(x) for x in args.levels.split(",")],
                                                      args.frames,
                                                      set(filter(None, args.engine_runs.split(",")))))):
-        if name in skip or (name == "profile_try_kernels" and not args.try_kernels):
+        if name in skip or (name == "profile_compiled_sampler" and not args.compiled_sampler):
             continue
         t = time.perf_counter()
         try:

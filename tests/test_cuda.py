@@ -99,6 +99,34 @@ def test_codec_graphs_match_eager_streaming():
                              f"(scale {float(np.abs(y).max()):.3g})"
 
 
+def test_codec_kernels_match_torch_ops():
+    """The graphed streaming codec with csrc's Snake (written into each conv's input) gives
+    the offline torch codec's audio (float32), at the tiny and the S2-Pro channel widths."""
+    from engine import fusion
+    from engine.codec import CodecConfig, StreamingDecoder, dummy_codec
+
+    torch.backends.cudnn.allow_tf32 = False
+    for preset, frames in (("tiny", 24), ("s2-pro", 6)):
+        codec = dummy_codec(CodecConfig.preset(preset), device="cuda", dtype=torch.float32)
+        codes = torch.randint(0, 1024, (1, 10, frames), generator=torch.Generator().manual_seed(1))
+        try:
+            assert not fusion.codec_kernels(False)
+            with torch.inference_mode():
+                want = codec.decode(codes.cuda())[0, 0].cpu()
+            assert fusion.codec_kernels(True), "the CUDA extension did not build"
+            dec = StreamingDecoder(codec, max_streams=2, buckets=True, max_frames=16)
+            dec.capture()
+            sid = dec.open()
+            with torch.inference_mode():
+                got = torch.cat([dec.decode({sid: codes[0, :, a:b]})[sid].cpu()
+                                 for a, b in ((0, 1), (1, 4), (4, frames))])
+        finally:
+            fusion.codec_kernels(False)
+        assert got.shape == want.shape
+        diff = float((got - want).abs().max())
+        assert diff <= 1e-4, f"{preset}: kernels+graphs vs torch offline max abs diff {diff:.3g}"
+
+
 def test_engine_audio_same_with_codec_graphs():
     torch.backends.cudnn.allow_tf32 = False  # compare float32 with float32
     bundle = load_bundle("tiny", device="cuda", dtype="fp32", codec_dtype="fp32", max_seq_len=1024)
@@ -123,19 +151,15 @@ def test_engine_audio_same_with_codec_graphs():
 
 
 def test_sampler_kernel_engine_matches(gpu_bundle):
-    """EngineConfig(sampler_kernel=True) puts csrc's sample_topk inside the captured step;
-    greedy frames equal the default (compiled torch draw) ones."""
-    from engine import sampler
+    """EngineConfig(sampler_kernel=True, the default) puts csrc's sample_topk inside the
+    captured step; greedy frames equal the compiled torch draw's."""
+    from engine import kernels, sampler
 
-    base, _ = _run(gpu_bundle, EngineConfig(max_running=8, max_len=512, pingpong=False), TEXTS)
-    got, _ = _run(gpu_bundle, EngineConfig(max_running=8, max_len=512, pingpong=False,
-                                             sampler_kernel=True), TEXTS)
-    from engine import kernels
-
+    base, _ = _run(gpu_bundle, EngineConfig(max_running=8, max_len=512, pingpong=False,
+                                              sampler_kernel=False), TEXTS)
+    assert sampler.SAMPLER_OPS.sample is not kernels.sample_topk
+    got, _ = _run(gpu_bundle, EngineConfig(max_running=8, max_len=512, pingpong=False), TEXTS)
     assert sampler.SAMPLER_OPS.sample is kernels.sample_topk
-    build_engine(gpu_bundle, EngineConfig(max_running=2, max_len=256, cuda_graphs=False,
-                                          codec_graphs=False, prefill_graphs=False))
-    assert sampler.SAMPLER_OPS.sample is not kernels.sample_topk  # the default restored
     for a, b in zip(base, got):
         assert torch.equal(a, b)
 

@@ -190,26 +190,86 @@ def test_sample_topk_cuda_bf16_ties():
     assert bool((rank < args[3]).all())
 
 
-# ---------------------------------------------------------------------- linear (gemv)
-def test_linear_falls_back_to_torch_off_the_gpu():
-    x, w = torch.randn(3, 2, 64), torch.randn(48, 64)
-    assert not kernels.gemv_applies(x, w)
-    torch.testing.assert_close(kernels.linear(x, w), torch.nn.functional.linear(x, w))
+# ---------------------------------------------------------------------- snake activation
+def test_snake_fallback_and_snake_cat_semantics():
+    from engine.codec.layers import snake as formula
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 5, 33, generator=g)
+    alpha = torch.rand(1, 5, 1, generator=g) + 0.2
+    assert torch.equal(kernels.snake(x, alpha), formula(x, alpha))
+    assert torch.equal(kernels.snake(x, alpha.reshape(5)), formula(x, alpha))
+    tail = torch.randn(2, 5, 6, generator=g)
+    assert torch.equal(kernels.snake_cat(tail, x, alpha),
+                       torch.cat([tail, formula(x, alpha)], dim=-1))
+    assert kernels.snake_cat(tail[..., :0], x, alpha).shape == (2, 5, 33)
+
+
+@pytest.mark.parametrize("x,alpha,err", [
+    (torch.zeros(5, 33), torch.ones(5), ValueError),                  # not [B, C, T]
+    (torch.zeros(2, 5, 33), torch.ones(4), ValueError),               # alpha per channel
+    (torch.zeros(2, 5, 33), torch.ones(5, dtype=torch.float64), TypeError),
+])
+def test_snake_contract(x, alpha, err):
+    with pytest.raises(err):
+        kernels.snake(x, alpha)
+    with pytest.raises(ValueError, match="tail"):
+        kernels.snake_cat(torch.zeros(2, 4, 6), torch.zeros(2, 5, 33), torch.ones(5))
+
+
+def test_streaming_snake_conv_pairs_match_offline():
+    """stream_sequential hands each Snake to the conv after it (its input built by snake_cat):
+    a decoder block streamed in uneven chunks equals the offline block."""
+    from engine.codec.layers import (
+        CausalConv1d,
+        ResidualUnit,
+        Snake1d,
+        StreamContext,
+        stream_sequential,
+    )
+
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(ResidualUnit(8, dilation=3), Snake1d(8),
+                                CausalConv1d(8, 4, kernel_size=7)).eval()
+    for m in block.modules():
+        if isinstance(m, Snake1d):
+            m.alpha.data = torch.rand_like(m.alpha) + 0.3
+    x = torch.randn(1, 8, 50)
+    with torch.no_grad():
+        want = block(x)
+        states = {}
+        for name, m in block.named_modules():
+            if hasattr(m, "state_shapes"):
+                m.state_key = name
+                for k, shape in m.state_shapes().items():
+                    states[f"{name}.{k}"] = torch.zeros(1, *shape)
+        got = []
+        for a, b in ((0, 7), (7, 8), (8, 31), (31, 50)):
+            ctx = StreamContext(torch.tensor([b - a]), torch.tensor([a]), b - a, a, states,
+                                uniform=True)
+            got.append(stream_sequential(block, x[..., a:b], ctx))
+            states = {**states, **ctx.new_state}
+    torch.testing.assert_close(torch.cat(got, -1), want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("M", [1, 2, 3, 8, 16])
-@pytest.mark.parametrize("N,K", [(1, 2560), (100, 40), (2560, 9728), (6144, 2560), (19456, 2560)])
-def test_gemv_cuda_kernel_matches_fp32_matmul(M, N, K):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("B,C,T,P", [(64, 96, 16384, 6), (3, 768, 256, 54), (2, 7, 33, 1),
+                                     (1, 192, 8, 0)])
+def test_snake_cuda_kernel_matches_fallback(dtype, B, C, T, P):
     assert kernels.extension_available(), "the CUDA extension did not build"
-    g = torch.Generator(device="cuda").manual_seed(M * N + K)
-    w = (torch.randn(N, K, device="cuda", generator=g) / K**0.5).bfloat16()
-    wide = torch.randn(M, K + 8, device="cuda", generator=g).bfloat16()
-    for x in (wide[:, :K], wide[:, 1: K + 1]):  # strided rows; then misaligned (copied)
-        assert kernels.gemv_applies(x, w)
-        got = kernels.linear(x, w)
-        want = x.float() @ w.float().t()
-        assert got.dtype == torch.bfloat16 and got.shape == (M, N)
-        torch.testing.assert_close(got.float(), want, rtol=1.6e-2, atol=1e-2)
-    assert not kernels.gemv_applies(torch.randn(17, K, device="cuda").bfloat16(), w)  # > 16 rows
+    g = torch.Generator(device="cuda").manual_seed(B * C + T)
+    x = (3 * torch.randn(B, C, T + 5, device="cuda", generator=g)).to(dtype)[..., 5:]  # strided
+    alpha = (torch.rand(C, device="cuda", generator=g) + 0.1).to(dtype)
+    want = kernels.snake_torch(x.float(), alpha.float())  # float32 math, as the kernel
+    got = kernels.snake(x, alpha)
+    if dtype == torch.float32:  # the same float32 ops in the same order: equal or within 1 ulp
+        torch.testing.assert_close(got, want, rtol=2e-7, atol=2e-6)
+    else:  # one rounding to bf16/fp16 at the end
+        torch.testing.assert_close(got.float(), want.to(dtype).float(), rtol=1e-2, atol=1e-2)
+        ulp = torch.finfo(dtype).eps
+        assert float(((got.float() - want).abs() / want.abs().clamp_min(1e-3)).max()) <= ulp
+    tail = torch.randn(B, C, P, device="cuda", generator=g).to(dtype)
+    both = kernels.snake_cat(tail, x, alpha)
+    assert torch.equal(both[..., :P], tail) and torch.equal(both[..., P:], got)

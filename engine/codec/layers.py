@@ -26,9 +26,11 @@ from torch import Tensor, nn
 from .config import WindowTransformerConfig
 
 __all__ = [
+    "CODEC_OPS",
     "Attention",
     "CausalConv1d",
     "CausalConvTranspose1d",
+    "CodecOps",
     "ConvNeXtBlock",
     "FeedForward",
     "LayerScale",
@@ -118,9 +120,21 @@ class StreamContext:
 
 def stream_sequential(seq: nn.Module, x: Tensor, ctx: StreamContext) -> Tensor:
     """Run an ``nn.Sequential`` (or a single module) in streaming mode: children with a
-    ``stream`` method continue from saved state, the others are pointwise and run as is."""
-    for m in seq.children() if isinstance(seq, nn.Sequential) else (seq,):
+    ``stream`` method continue from saved state, the others are pointwise and run as is. A
+    Snake followed by a causal (transposed) conv is handed to the conv as its input
+    activation, so the activation can be written straight into the conv's [tail | new] input
+    (``CODEC_OPS.snake_cat``) instead of being concatenated afterwards."""
+    mods = list(seq.children()) if isinstance(seq, nn.Sequential) else [seq]
+    i = 0
+    while i < len(mods):
+        m = mods[i]
+        nxt = mods[i + 1] if i + 1 < len(mods) else None
+        if isinstance(m, Snake1d) and isinstance(nxt, CausalConv1d | CausalConvTranspose1d):
+            x = nxt.stream(x, ctx, act=m.alpha)
+            i += 2
+            continue
         x = m.stream(x, ctx) if hasattr(m, "stream") else m(x)
+        i += 1
     return x
 
 
@@ -136,18 +150,43 @@ def snake(x: Tensor, alpha: Tensor) -> Tensor:
     return x + (alpha + 1e-9).reciprocal() * torch.sin(alpha * x).pow(2)
 
 
+class CodecOps:
+    """The codec's activation ops, called through `CODEC_OPS` so the engine can swap in the
+    one-pass csrc kernels (engine/fusion.py `codec_kernels`) while the layers keep the math."""
+
+    @staticmethod
+    def snake(x: Tensor, alpha: Tensor) -> Tensor:
+        return snake(x, alpha)
+
+    @staticmethod
+    def snake_cat(tail: Tensor, x: Tensor, alpha: Tensor) -> Tensor:
+        # a streaming conv's input: its saved tail [B, C, P], then the activated new samples
+        return torch.cat([tail, snake(x, alpha)], dim=-1)
+
+
+CODEC_OPS = CodecOps()
+
+
 class Snake1d(nn.Module):
     def __init__(self, channels: int) -> None:
         super().__init__()
         self.alpha = nn.Parameter(torch.ones(1, channels, 1))
 
     def forward(self, x: Tensor) -> Tensor:
-        return snake(x, self.alpha)
+        return CODEC_OPS.snake(x, self.alpha)
 
 
 # ---------------------------------------------------------------------------------------------
 # Causal convolutions
 # ---------------------------------------------------------------------------------------------
+def _stream_input(tail: Tensor, x: Tensor, act: Tensor | None) -> Tensor:
+    """A streaming conv's input: the saved tail, then the new samples (activated by the
+    preceding Snake when ``act`` is its alpha)."""
+    if act is None:
+        return torch.cat([tail, x], dim=-1)
+    return CODEC_OPS.snake_cat(tail, x, act)
+
+
 class CausalConv1d(Stateful, nn.Module):
     """Conv1d made causal by left padding ``span - stride`` zeros (span = (k-1)*dilation + 1),
     plus right padding that completes the last window (only non-zero for strided convs).
@@ -187,14 +226,14 @@ class CausalConv1d(Stateful, nn.Module):
             return {}
         return {"tail": (self.conv.in_channels, self.left_pad)}
 
-    def stream(self, x: Tensor, ctx: StreamContext) -> Tensor:
+    def stream(self, x: Tensor, ctx: StreamContext, act: Tensor | None = None) -> Tensor:
         # x: [B, Cin, T] new samples (padded) -> [B, Cout, T]; the saved tail replaces the zeros
-        # the offline conv pads on the left.
+        # the offline conv pads on the left. act: a preceding Snake's alpha, applied to x first.
         if self.stride != 1:
             raise RuntimeError("streaming is only defined for stride-1 causal convs")
         if self.left_pad == 0:
-            return self.conv(x)
-        xx = torch.cat([ctx.get(self, "tail"), x], dim=-1)  # [B, Cin, left_pad + T]
+            return self.conv(x if act is None else CODEC_OPS.snake(x, act))
+        xx = _stream_input(ctx.get(self, "tail"), x, act)  # [B, Cin, left_pad + T]
         ctx.put(self, "tail", ctx.take_last(xx, self.left_pad))
         return self.conv(xx)
 
@@ -235,11 +274,11 @@ class CausalConvTranspose1d(Stateful, nn.Module):
             return {}
         return {"tail": (self.conv.in_channels, self.history)}
 
-    def stream(self, x: Tensor, ctx: StreamContext) -> Tensor:
-        # x: [B, Cin, T] -> [B, Cout, T * stride]
+    def stream(self, x: Tensor, ctx: StreamContext, act: Tensor | None = None) -> Tensor:
+        # x: [B, Cin, T] -> [B, Cout, T * stride]; act: a preceding Snake's alpha
         if self.history == 0:
-            return self.forward(x)
-        xx = torch.cat([ctx.get(self, "tail"), x], dim=-1)  # [B, Cin, history + T]
+            return self.forward(x if act is None else CODEC_OPS.snake(x, act))
+        xx = _stream_input(ctx.get(self, "tail"), x, act)  # [B, Cin, history + T]
         ctx.put(self, "tail", ctx.take_last(xx, self.history))
         y = self.conv(xx)  # [B, Cout, (history + T - 1)*stride + kernel]
         start = self.history * self.stride  # outputs of the tail alone were emitted last call
