@@ -55,6 +55,11 @@ class StreamingDecoder:
     """
 
     FRAME_BUCKETS = (1, 2, 4, 8, 16)  # frames per pass in bucketed mode
+    # capture() lets cuDNN time its algorithms (cudnn.benchmark) for buckets of this many
+    # streams and more: its heuristic choice for the 384-channel dilation-9 conv at 64 streams
+    # is a generic kernel 9x slower than the best (9.4 vs 1.0 ms on the H200, docs/PERF.md);
+    # smaller buckets keep the heuristic, as timing all 40 buckets costs ~50 s of start-up
+    AUTOTUNE_MIN_STREAMS = 32
 
     def __init__(self, codec: Codec, max_streams: int = 64, *, buckets: bool = False,
                  max_frames: int = 4096) -> None:
@@ -250,9 +255,14 @@ class StreamingDecoder:
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream())
         keys = [(b, n) for b in self.stream_buckets for n in self.FRAME_BUCKETS]
-        with torch.cuda.stream(side):  # warm every shape once (cuDNN plans, allocator)
-            for b, n in keys:
-                self._static_pass(self._inputs(b, n))
+        tuned = torch.backends.cudnn.benchmark
+        try:
+            with torch.cuda.stream(side):  # warm every shape once (cuDNN plans, allocator)
+                for b, n in keys:  # plans are cached per shape: the first pass picks them
+                    torch.backends.cudnn.benchmark = tuned or b >= self.AUTOTUNE_MIN_STREAMS
+                    self._static_pass(self._inputs(b, n))
+        finally:
+            torch.backends.cudnn.benchmark = tuned
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize(self.device)
         with gc_paused():
