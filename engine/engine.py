@@ -67,8 +67,10 @@ class EngineConfig:
     codec_graphs: bool = True  # codec ticks as CUDA graphs per (streams, frames) bucket (CUDA only)
     # the codec's Snake activations as one-pass csrc kernels, written straight into the next
     # conv's input (CUDA with the extension built; the torch formula otherwise). Off by
-    # default: the decoder-level GPU tests pass with them, but the engine's graphed codec
-    # with them gave audio off the offline decode (docs/PERF.md, "open problems")
+    # default until a device run passes test_engine_audio_same_with_codec_graphs[True]: the
+    # decoder-level GPU tests pass with them, but the engine's graphed codec gave audio off
+    # the offline decode (docs/PERF.md, "open problems"; suspected: the shared cuBLAS
+    # workspace of graphs captured on one stream, fixed since, not yet re-run)
     codec_kernels: bool = False
     prefill_graphs: bool = True  # prefill chunks as CUDA graphs per (columns, span) bucket (CUDA only)
     stall_s: float = 10.0  # a device wait longer than this marks the engine stalled (/ready 503)
@@ -192,10 +194,10 @@ class Engine:
         self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
         self._running_pingpong = False
-        # All three streams at the same priority, on purpose: the one run with the prefill and
-        # codec streams at high priority stalled the GPU under the c=64 server bench (decode
-        # and codec threads both waiting on the device, no error); priorities are the suspected
-        # cause, not a confirmed one. See docs/PERF.md.
+        # One stream per thread, all at the same priority. Each family of CUDA graphs is
+        # captured on the stream that replays it: cuBLAS's workspace is per stream and is baked
+        # into a captured graph, so graphs captured on one stream and replayed concurrently on
+        # three would share one workspace (split-K GEMMs coordinate through it).
         self.prefill_stream = torch.cuda.Stream(runner.device) if self.cuda else None
         self.decode_stream = torch.cuda.Stream(runner.device) if self.cuda else None
         self.codec_stream = torch.cuda.Stream(runner.device) if self.cuda else None
@@ -234,12 +236,12 @@ class Engine:
             fusion.pack_ffn(runner.model)  # W1|W3 in one buffer: one GEMM per FFN input
             self._warm_prefill()
         if self.cfg.cuda_graphs and self.cuda:
-            self._capture_graphs()
+            self._capture_graphs(self.decode_stream)
         if self.cfg.prefill_graphs and self.cuda:
-            self.prefill_graphs.capture()
+            self.prefill_graphs.capture(self.prefill_stream)
         self.codec_capture_s = 0.0
         if self._graphed_codec:
-            self.codec_capture_s = self.decoder.capture()
+            self.codec_capture_s = self.decoder.capture(self.codec_stream)
             log.info("captured %d codec graphs (streams %s x frames %s) in %.1fs",
                      self.decoder.graphs, self.decoder.stream_buckets,
                      self.decoder.FRAME_BUCKETS, self.codec_capture_s)
@@ -714,15 +716,15 @@ class Engine:
             torch.cuda.synchronize()
         log.info("prefill shapes warmed in %.1fs", time.perf_counter() - t0)
 
-    def _capture_graphs(self) -> None:
-        """One graph per (batch bucket, span bucket) of the whole `runner.step`."""
+    def _capture_graphs(self, s: torch.cuda.Stream) -> None:
+        """One graph per (batch bucket, span bucket) of the whole `runner.step`, warmed and
+        captured on `s`, the stream that replays them."""
         t0 = time.perf_counter()
         r = self.runner
         saved = (r.active.clone(), r.pos.clone())
         r.active.zero_()  # capture with every row inactive: writes go to the scratch slot
         self.graphs = {}
         pool = None
-        s = torch.cuda.Stream(r.device)
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
             # Warm every kernel configuration once, eagerly: fused (compiled) ops specialise
@@ -737,7 +739,8 @@ class Engine:
             for span in reversed(self._decode_spans):  # largest first: the pool is sized once
                 for b in reversed(self._batches):
                     g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
+                    with torch.cuda.graph(g, pool=pool, stream=s,
+                                          capture_error_mode="thread_local"):
                         out = r.step(b, span)
                     pool = g.pool() if pool is None else pool
                     self.graphs[(b, span)] = (g, out)

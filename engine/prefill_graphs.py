@@ -53,11 +53,13 @@ class PrefillGraphs:
                  if T <= self.BATCHED_COLS]
         return keys
 
-    def capture(self) -> None:
+    def capture(self, side: torch.cuda.Stream | None = None) -> None:
+        """Warm and capture every key on `side`: the stream that will replay the graphs
+        (cuBLAS's per-stream workspace is baked into each graph)."""
         t0 = time.perf_counter()
         r = self.runner
         keys = self.keys()
-        side = torch.cuda.Stream(r.device)
+        side = side if side is not None else torch.cuda.Stream(r.device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm every shape once: nothing compiles inside a capture
             for N, T, span in keys:
@@ -69,7 +71,8 @@ class PrefillGraphs:
             for N, T, span in sorted(keys, key=lambda k: k[0] * k[1] * k[2], reverse=True):
                 inp = r.prefill_inputs(T, N)
                 g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
+                with torch.cuda.graph(g, pool=pool, stream=side,
+                                      capture_error_mode="thread_local"):
                     r.prefill_static(inp, span)
                 pool = g.pool() if pool is None else pool  # largest first: sized once
                 self.graphs[(N, T, span)] = (g, inp)
@@ -94,7 +97,9 @@ class PrefillGraphs:
                 eager.append(it)
                 continue
             T = self.cols[i]
-            if self.rows and T <= self.BATCHED_COLS and start + T <= full:
+            # a group replays at its widest chunk's columns (up to BATCHED_COLS): a chunk
+            # may join one only if that many columns from its start still fit the cache
+            if self.rows and T <= self.BATCHED_COLS and start + self.BATCHED_COLS <= full:
                 short.append((T, it))
                 continue
             j = bisect.bisect_left(self.spans, start + T)

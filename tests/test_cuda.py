@@ -130,7 +130,8 @@ def test_codec_kernels_match_torch_ops():
         assert diff <= 1e-4, f"{preset}: kernels+graphs vs torch offline max abs diff {diff:.3g}"
 
 
-def test_engine_audio_same_with_codec_graphs():
+@pytest.mark.parametrize("codec_kernels", [False, True])
+def test_engine_audio_same_with_codec_graphs(codec_kernels):
     torch.backends.cudnn.allow_tf32 = False  # compare float32 with float32
     bundle = load_bundle("tiny", device="cuda", dtype="fp32", codec_dtype="fp32", max_seq_len=1024)
 
@@ -138,7 +139,8 @@ def test_engine_audio_same_with_codec_graphs():
 
     def audio(codec_graphs: bool):
         eng = build_engine(bundle, EngineConfig(max_running=4, max_len=512,
-                                                   codec_graphs=codec_graphs))
+                                                   codec_graphs=codec_graphs,
+                                                   codec_kernels=codec_kernels))
         assert (eng.decoder.graphs > 0) == codec_graphs
         sinks = [CollectingSink() for _ in TEXTS[:3]]
         seqs = [eng.open([], SamplingParams.greedy(), s) for s in sinks]
@@ -321,3 +323,21 @@ def test_cancel_and_close_on_the_gpu_leave_no_trace(gpu_bundle):
         assert sc.slot == 1 and torch.equal(c.results[-1].codes, want)
     finally:
         eng.shutdown()
+
+
+def test_graph_families_captured_on_their_replay_streams(gpu_bundle, monkeypatch):
+    """Decode, prefill and codec graphs are captured on the decode, prefill and codec streams
+    (three distinct streams): cuBLAS's per-stream workspace is baked into a captured graph,
+    and graphs replayed concurrently must not share one."""
+    seen: list[torch.cuda.Stream | None] = []
+    real = torch.cuda.graph.__init__
+
+    def spy(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(kwargs.get("stream", args[2] if len(args) > 2 else None))
+        real(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.cuda.graph, "__init__", spy)
+    eng = build_engine(gpu_bundle, EngineConfig(max_running=4, max_len=512))
+    streams = {eng.decode_stream, eng.prefill_stream, eng.codec_stream}
+    assert len(streams) == 3 and seen and None not in seen
+    assert set(seen) == streams

@@ -378,5 +378,13 @@ def test_prefill_graph_plan_matches_eager(tiny_bundle):
     assert not eager and [k for k, _ in plan] == [(4, 32, 512)]  # three short chunks, one replay
     plan, _ = eng.prefill_graphs.plan([(0, torch.zeros(11, 5, dtype=torch.long), 40)])
     assert [k for k, _ in plan] == [(1, 8, 256)]  # alone: the single graph, smallest span
+    # a short chunk near the end of the context never joins a group padded to 64 columns
+    # (it would write past the cache): it gets its own graph
+    near, far = (0, torch.zeros(11, 5, dtype=torch.long), 500), \
+        (1, torch.zeros(11, 20, dtype=torch.long), 100)
+    plan, _ = eng.prefill_graphs.plan([near, far])
+    for (N, T, span), chunks in plan:
+        assert all(start + T <= 512 for _, _, start in chunks), (N, T, span)
+    assert sorted(k for k, _ in plan) == [(1, 8, 512), (1, 32, 256)]
     for a, b in zip(want, got):
         assert torch.equal(a, b)

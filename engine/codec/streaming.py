@@ -243,16 +243,19 @@ class StreamingDecoder:
                 "positions": torch.zeros(Bb, dtype=torch.long, device=d)}
 
     @torch.no_grad()
-    def capture(self) -> float:
+    def capture(self, side: torch.cuda.Stream | None = None) -> float:
         """Capture one CUDA graph per (streams, frames) bucket; returns the seconds it took.
-        Only the scratch state row is touched."""
+        Only the scratch state row is touched. Pass the stream that will replay the graphs:
+        they are warmed and captured on it (cuBLAS's per-stream workspace is baked into each
+        graph; graphs of two families captured on one stream and replayed concurrently would
+        share it)."""
         if not self.buckets or self.device.type != "cuda":
             raise RuntimeError("capture() needs buckets=True and a CUDA codec")
         import time
 
         t0 = time.perf_counter()
         pool = None
-        side = torch.cuda.Stream(self.device)
+        side = side if side is not None else torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream())
         keys = [(b, n) for b in self.stream_buckets for n in self.FRAME_BUCKETS]
         tuned = torch.backends.cudnn.benchmark
@@ -269,7 +272,8 @@ class StreamingDecoder:
             for b, n in sorted(keys, reverse=True):  # largest first: the pool is sized once
                 inp = self._inputs(b, n)
                 g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
+                with torch.cuda.graph(g, pool=pool, stream=side,
+                                      capture_error_mode="thread_local"):
                     audio = self._static_pass(inp)
                 pool = g.pool() if pool is None else pool
                 self._passes[(b, n)] = (g, inp, audio)

@@ -1,0 +1,38 @@
+"""Every CUDA graph capture in the engine names its stream.
+
+cuBLAS keeps one workspace per (handle, stream) and a captured graph keeps the workspace of
+the stream it was captured on. `torch.cuda.graph` without `stream=` captures on one shared
+side stream, so the decode, prefill and codec graphs would all carry the same workspace and
+race on it when their threads replay them at once (split-K GEMMs coordinate through it). Each
+family must be captured on the stream that replays it (engine/engine.py passes them)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _graph_calls(tree: ast.AST) -> list[ast.Call]:
+    return [n for n in ast.walk(tree) if isinstance(n, ast.Call)
+            and isinstance(n.func, ast.Attribute) and n.func.attr == "graph"
+            and isinstance(n.func.value, ast.Attribute) and n.func.value.attr == "cuda"]
+
+
+def test_every_engine_graph_capture_names_its_stream():
+    found = 0
+    for path in sorted((ROOT / "engine").rglob("*.py")):
+        for call in _graph_calls(ast.parse(path.read_text(encoding="utf-8"))):
+            found += 1
+            assert any(k.arg == "stream" for k in call.keywords), \
+                f"{path.relative_to(ROOT)}:{call.lineno}: torch.cuda.graph(...) without stream="
+    assert found >= 3  # decode, prefill and codec graphs
+
+
+def test_engine_passes_each_family_its_replay_stream():
+    src = (ROOT / "engine" / "engine.py").read_text(encoding="utf-8")
+    for call in ("self._capture_graphs(self.decode_stream)",
+                 "self.prefill_graphs.capture(self.prefill_stream)",
+                 "self.decoder.capture(self.codec_stream)"):
+        assert call in src, f"engine/engine.py should call {call}"
