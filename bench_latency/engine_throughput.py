@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import gc
 import json
+import threading
 import time
 from collections.abc import Iterator
 
@@ -56,13 +57,29 @@ MODES = {  # name: (cuda_graphs, pingpong threads)
 }
 
 
+class DeviceStalled(RuntimeError):
+    """The engine's device waits passed its stall limit: the GPU stopped making progress (the
+    process is wedged; later GPU work in it would hang too)."""
+
+
+def _wait(engine: Engine, event: threading.Event, what: str, c: int, limit_s: float) -> None:
+    """Wait for `event`, but give up early (DeviceStalled) when the engine's watchdog says
+    the GPU stopped making progress, instead of sitting out `limit_s`."""
+    deadline = time.perf_counter() + limit_s
+    while not event.wait(0.5):
+        if engine.stalled():
+            raise DeviceStalled(f"the GPU stopped making progress at c={c} ({what}; waited "
+                                f"{engine.device_wait_s():.0f}s on the device)")
+        if time.perf_counter() > deadline:
+            raise TimeoutError(f"{what} did not finish in {limit_s:.0f}s at c={c}")
+
+
 def run_level(engine: Engine, c: int, frames: int, *, threaded: bool) -> dict[str, float]:
     sinks = [CollectingSink() for _ in range(c)]
     seqs = [engine.open([], SamplingParams(seed=i), s) for i, s in enumerate(sinks)]
     if threaded:
         for s in sinks:
-            if not s.ready.wait(600):
-                raise TimeoutError("voice prefill did not finish")
+            _wait(engine, s.ready, "voice prefill", c, 600)
     else:
         engine.run_until_idle()
     if torch.cuda.is_available():
@@ -75,8 +92,7 @@ def run_level(engine: Engine, c: int, frames: int, *, threaded: bool) -> dict[st
         engine.submit(s, f"Benchmark sentence number {i}.", turn_id="b", max_frames=frames)
     if threaded:
         for s in sinks:
-            if not s.done.wait(3600):
-                raise TimeoutError("turn did not finish")
+            _wait(engine, s.done, "turn", c, 3600)
     else:
         engine.run_until_idle(timeout_s=3600)
     wall = time.perf_counter() - t0
@@ -137,8 +153,12 @@ def sweep(bundle: Bundle, levels: list[int], frames: int, *, mode: str = "pingpo
                 # warm-up at the measured length: codec chunk shapes and allocator pools too
                 run_level(eng, c, frames, threaded=threaded)
                 row = run_level(eng, c, frames, threaded=threaded)
-            finally:
+            except DeviceStalled:
+                raise  # no shutdown: its threads are stuck on the device and would not join
+            except BaseException:
                 eng.shutdown()
+                raise
+            eng.shutdown()
             row.update(mode=mode, codec=codec, capture_s=round(eng.capture_s, 1),
                        codec_capture_s=round(eng.codec_capture_s, 1),
                        fused_ops=eng.fusion)

@@ -244,7 +244,7 @@ def _codec_category(name: str) -> str:
 def engine_sweep(report: dict, device: str, levels: list[int], frames: int,
                  only: set[str] | None = None) -> None:
     """The engine end to end (frames -> batched codec -> PCM): pingpong vs graphs vs naive."""
-    from bench_latency.engine_throughput import sweep
+    from bench_latency.engine_throughput import DeviceStalled, sweep
     from engine.loader import load_bundle
 
     b = load_bundle("s2-pro", device=device, dtype="bf16", codec_dtype="bf16", max_seq_len=1024)
@@ -261,6 +261,10 @@ def engine_sweep(report: dict, device: str, levels: list[int], frames: int,
             continue
         try:
             out[name] = sweep(b, lv, frames if kw["mode"] != "naive" else frames // 2, **kw)
+        except DeviceStalled as e:  # the process is wedged: report and let main() exit
+            out[name] = f"{type(e).__name__}: {e}"
+            report["engine"] = out
+            raise
         except Exception as e:  # keep the other runs
             out[name] = f"{type(e).__name__}: {e}"
         print(json.dumps({name: out[name]})[:3000], flush=True)
@@ -389,6 +393,11 @@ def main() -> int:
             fn()
         except Exception as e:  # report and go on: one call should bring back everything it can
             report[f"{name}_error"] = f"{type(e).__name__}: {e}"
+            if type(e).__name__ == "DeviceStalled":  # the GPU is stuck: nothing more can run
+                args.out.mkdir(parents=True, exist_ok=True)
+                (args.out / "gpu_bench.json").write_text(json.dumps(report, indent=2, default=str))
+                print(json.dumps(report, default=str)[:2000], flush=True)
+                os._exit(3)
         report[f"{name}_wall_s"] = round(time.perf_counter() - t, 1)
         print(json.dumps({k: v for k, v in report.items()}, default=str)[:2000], flush=True)
         # after every section: a run cut short by its time limit still leaves its results

@@ -263,3 +263,33 @@ def test_bench_in_process(tmp_path: Path) -> None:
     lv = json.loads(f.read_text())["levels"][0]
     assert lv["turns"]["ok"] == 2 and 0 < lv["frames"] <= 12
     assert lv["server_ttfa_ms"]["p50"] is not None and not math.isnan(lv["aggregate_fps"])
+
+
+def test_engine_sweep_wait_gives_up_on_a_stalled_device() -> None:
+    """The in-process sweep stops waiting (DeviceStalled, naming the level) as soon as the
+    engine's watchdog reports the GPU stuck, instead of sitting out its hour-long limit; a
+    plain slow wait still ends in TimeoutError."""
+    import threading
+    import time
+
+    from bench_latency.engine_throughput import DeviceStalled, _wait
+
+    class FakeEngine:
+        def __init__(self, stalled: bool) -> None:
+            self._stalled = stalled
+
+        def stalled(self) -> bool:
+            return self._stalled
+
+        def device_wait_s(self) -> float:
+            return 12.0 if self._stalled else 0.0
+
+    t0 = time.perf_counter()
+    with pytest.raises(DeviceStalled, match="c=64"):
+        _wait(FakeEngine(True), threading.Event(), "turn", 64, 3600)  # type: ignore[arg-type]
+    assert time.perf_counter() - t0 < 5
+    with pytest.raises(TimeoutError, match="did not finish"):
+        _wait(FakeEngine(False), threading.Event(), "turn", 1, 0.6)  # type: ignore[arg-type]
+    done = threading.Event()
+    done.set()
+    _wait(FakeEngine(True), done, "turn", 1, 1)  # type: ignore[arg-type]  # done wins
