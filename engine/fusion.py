@@ -111,7 +111,7 @@ def codec_kernels(enabled: bool) -> bool:
     """Route the codec's Snake activations (`engine.codec.layers.CODEC_OPS`) through csrc's
     one-pass kernel (engine.kernels.snake / snake_cat; their wrappers fall back to the torch
     formula for CPU tensors) or back to the plain torch ops. Returns whether the kernels are
-    in use."""
+    in use. Process-wide, like the other fused ops: the engine built last decides."""
     from . import kernels
     from .codec import layers
 

@@ -63,14 +63,24 @@ def test_pingpong_matches_sync(gpu_bundle):
 def test_codec_graphs_match_eager_streaming():
     """Bucketed codec passes replayed as CUDA graphs give the eager streaming decoder's audio,
     for streams joining at different times with uneven chunks (one over the largest bucket)."""
-    import numpy as np
-
     from engine import fusion
-    from engine.codec import CodecConfig, StreamingDecoder, dummy_codec
+    from engine.codec import CodecConfig, dummy_codec
 
     torch.backends.cudnn.allow_tf32 = False  # compare float32 with float32
-    assert fusion.codec_kernels(True)  # csrc's Snake, as the engine runs it
     codec = dummy_codec(CodecConfig.preset("tiny"), device="cuda", dtype=torch.float32)
+    for kern in (False, True):  # the torch Snake, then csrc's (EngineConfig.codec_kernels)
+        try:
+            assert fusion.codec_kernels(kern) is kern
+            _graphed_vs_eager(codec)
+        finally:
+            fusion.codec_kernels(False)
+
+
+def _graphed_vs_eager(codec) -> None:  # type: ignore[no-untyped-def]
+    import numpy as np
+
+    from engine.codec import StreamingDecoder
+
     plain = StreamingDecoder(codec, max_streams=4)
     graphed = StreamingDecoder(codec, max_streams=4, buckets=True, max_frames=64)
     graphed.capture()
@@ -99,7 +109,6 @@ def test_codec_graphs_match_eager_streaming():
         diff = float(np.abs(x - y).max())
         assert diff <= 1e-4, f"stream {i}: graphed vs eager max abs diff {diff:.3g} " \
                              f"(scale {float(np.abs(y).max()):.3g})"
-    fusion.codec_kernels(False)
 
 
 def test_codec_kernels_match_torch_ops():
@@ -142,6 +151,7 @@ def test_engine_audio_same_with_codec_graphs(codec_kernels):
                                                    codec_graphs=codec_graphs,
                                                    codec_kernels=codec_kernels))
         assert (eng.decoder.graphs > 0) == codec_graphs
+        assert eng.codec_kernels is codec_kernels, "the CUDA extension did not build"
         sinks = [CollectingSink() for _ in TEXTS[:3]]
         seqs = [eng.open([], SamplingParams.greedy(), s) for s in sinks]
         eng.start()
@@ -155,7 +165,13 @@ def test_engine_audio_same_with_codec_graphs(codec_kernels):
     # Each engine's streamed audio against the offline decode of the codes it generated (the
     # two runs' codes may differ: in pingpong mode rows join the batch when their prefill
     # lands, and a float32 near-tie in a greedy draw can go either way between batch sizes).
-    for name, runs in (("eager", audio(False)), ("graphed", audio(True))):
+    from engine import fusion
+
+    try:
+        results = (("eager", audio(False)), ("graphed", audio(True)))
+    finally:
+        fusion.codec_kernels(False)  # the reference below: the torch ops, whatever was tested
+    for name, runs in results:
         for i, (codes, got) in enumerate(runs):
             with torch.inference_mode():
                 want = bundle.codec.decode(codes[None])[0, 0].float().cpu().numpy()  # [10, n]

@@ -260,16 +260,18 @@ def test_streaming_snake_conv_pairs_match_offline():
 def test_snake_cuda_kernel_matches_fallback(dtype, B, C, T, P):
     assert kernels.extension_available(), "the CUDA extension did not build"
     g = torch.Generator(device="cuda").manual_seed(B * C + T)
-    x = (3 * torch.randn(B, C, T + 5, device="cuda", generator=g)).to(dtype)[..., 5:]  # strided
     alpha = (torch.rand(C, device="cuda", generator=g) + 0.1).to(dtype)
-    want = kernels.snake_torch(x.float(), alpha.float())  # float32 math, as the kernel
-    got = kernels.snake(x, alpha)
-    if dtype == torch.float32:  # the same float32 ops in the same order: equal or within 1 ulp
-        torch.testing.assert_close(got, want, rtol=2e-7, atol=2e-6)
-    else:  # one rounding to bf16/fp16 at the end
-        torch.testing.assert_close(got.float(), want.to(dtype).float(), rtol=1e-2, atol=1e-2)
-        ulp = torch.finfo(dtype).eps
-        assert float(((got.float() - want).abs() / want.abs().clamp_min(1e-3)).max()) <= ulp
-    tail = torch.randn(B, C, P, device="cuda", generator=g).to(dtype)
-    both = kernels.snake_cat(tail, x, alpha)
-    assert torch.equal(both[..., :P], tail) and torch.equal(both[..., P:], got)
+    wide = (3 * torch.randn(B, C, T + 5, device="cuda", generator=g)).to(dtype)
+    # contiguous and aligned (16-byte vectors where T allows), then strided and misaligned
+    # (scalar path); snake_cat's output slice starts P elements in (2-wide or scalar)
+    for x in (wide[..., :T].contiguous(), wide[..., 5:]):
+        want = kernels.snake_torch(x.float(), alpha.float())  # float32 math, as the kernel
+        got = kernels.snake(x, alpha)
+        if dtype == torch.float32:  # the same float32 ops in the same order
+            torch.testing.assert_close(got, want, rtol=2e-7, atol=2e-6)
+        else:  # one rounding to bf16/fp16 at the end
+            ulp = torch.finfo(dtype).eps
+            assert float(((got.float() - want).abs() / want.abs().clamp_min(1e-3)).max()) <= ulp
+        tail = torch.randn(B, C, P, device="cuda", generator=g).to(dtype)
+        both = kernels.snake_cat(tail, x, alpha)
+        assert torch.equal(both[..., :P], tail) and torch.equal(both[..., P:], got)

@@ -261,7 +261,10 @@ class StreamingDecoder:
         tuned = torch.backends.cudnn.benchmark
         try:
             with torch.cuda.stream(side):  # warm every shape once (cuDNN plans, allocator)
-                for b, n in keys:  # plans are cached per shape: the first pass picks them
+                # cuDNN caches a plan per shape, chosen on the shape's first run in the
+                # process: a shape already run eagerly with the autotuner off keeps its
+                # heuristic plan (the engine captures before any tick, so none has)
+                for b, n in keys:
                     torch.backends.cudnn.benchmark = tuned or b >= self.AUTOTUNE_MIN_STREAMS
                     self._static_pass(self._inputs(b, n))
         finally:
