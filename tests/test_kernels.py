@@ -110,7 +110,10 @@ def test_decode_attention_contract(mutate, err):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
+# 16 lanes per position at head_dim 128 (one kv group per block at batch 64, R = 4 or 2; one
+# head per block at batch 1), 8 lanes otherwise (64, 48, 40)
 @pytest.mark.parametrize("B,H,Hkv,D,S", [(1, 32, 8, 128, 2048), (64, 32, 8, 128, 300),
+                                         (64, 16, 8, 128, 300), (64, 16, 8, 64, 300),
                                          (3, 4, 2, 48, 17), (5, 4, 1, 40, 10)])
 def test_decode_attention_cuda_kernel_matches_fallback(dtype, tol, B, H, Hkv, D, S):
     assert kernels.extension_available(), "the CUDA extension did not build"
