@@ -18,7 +18,7 @@ OUT=${OUT:-artifacts/gpu}
 mkdir -p "$OUT"
 export OUT PYTHONUNBUFFERED=1 RTVOICE_FIXTURES=${RTVOICE_FIXTURES:-.fixtures/fish_s2_tiny}
 t0=$(date +%s)
-timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_cuda.py \
+timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_kernels.py \
     ${TESTS_K:+-k "$TESTS_K"} 2>&1 | grep -v "Warning\|warn\|^  \|^$" | tail -15 | tee "$OUT/tests.txt"
 echo "tests done at +$(( $(date +%s) - t0 ))s"
 MAX_LEN=${MAX_LEN:-1024} timeout ${SERVER_TIMEOUT:-200} bash scripts/gpu_server_bench.sh 2>&1 | grep -v "^ \|^$" | tail -40
