@@ -1,51 +1,80 @@
-// snake: the codec decoder's activation, y = x + sin(alpha_c x)^2 / (alpha_c + 1e-9), in one
-// pass over the data.
+// The codec decoder's pointwise ops, one pass over the data each:
 //
-// Unfused, torch runs it as five elementwise kernels, three of them broadcasting alpha over
-// [B, C, T] on torch's non-vectorised path: at 64 streams x 8 frames they were ~23 ms of a
-// 52 ms codec tick. This kernel reads x once and writes y once, computing in float32.
+//   snake(x, alpha, bias?, out):      out = s + sin(alpha_c s)^2 / (alpha_c + 1e-9),
+//                                     s = x + bias_c (bias optional: a conv's bias folded in)
+//   bias_residual(x, y, bias, out):   out = x + (y + bias_c)  (a residual unit's output, its
+//                                     last conv's bias folded in)
 //
-// Contract (checked by the Python wrapper engine/kernels.py and again here):
-//   x      [B, C, T]  bf16/fp16/fp32, last dim contiguous (stride 1), any batch/channel strides
-//   alpha  [C]        same dtype, contiguous
-//   out    [B, C, T]  same dtype, last dim contiguous, any batch/channel strides: it may be a
-//                     slice of a wider buffer, e.g. the new-sample part of a causal conv's
-//                     [tail | new] input, which saves the concatenation's copy
-// float32 math in the reference's order (reciprocal, then multiply, then add; no fused
-// multiply-add), so float32 results equal torch's; bf16/fp16 round once instead of per op.
+// Unfused, torch runs the Snake as five elementwise kernels, three of them broadcasting alpha
+// over [B, C, T] on torch's non-vectorised path (~23 ms of a 52 ms codec tick at 64 streams x
+// 8 frames on the H200), and adds every cuDNN conv's bias as one more broadcast pass. These
+// read each input once and write once, computing in float32.
+//
+// Contract (checked by the Python wrappers in engine/kernels.py and again here):
+//   x, y, out   [B, C, T]  bf16/fp16/fp32, last dim contiguous (stride 1), any batch/channel
+//                          strides: out may be a slice of a wider buffer, e.g. the new-sample
+//                          part of a causal conv's [tail | new] input (no concatenation pass)
+//   alpha, bias [C]        same dtype, contiguous
+// float32 math in the reference's order (x + bias; reciprocal, then multiply, then add; no
+// fused multiply-add), so float32 results equal torch's; bf16/fp16 round once instead of per op.
 
-#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
+
+#include <optional>
 
 namespace {
 
-template <typename T>
-__device__ __forceinline__ float snake1(T xv, float a, float inv) {
-  const float x = static_cast<float>(xv);
+enum Op { kSnake = 0, kBiasResidual = 1 };
+
+__device__ __forceinline__ float snake1(float x, float a, float inv) {
   const float s = sinf(__fmul_rn(a, x));
   return __fadd_rn(x, __fmul_rn(inv, __fmul_rn(s, s)));
 }
 
+struct Rows {  // a [B, C, T] operand: base pointer and batch/channel strides (last dim stride 1)
+  const void* p;
+  int64_t sb, sc;
+};
+
 // One thread per V consecutive elements of a row (V = 1, 2 or 16 bytes' worth); rows are the
 // B*C (batch, channel) pairs, each T long.
-template <typename T, int V>
-__global__ void snake_kernel(const T* __restrict__ x, int64_t x_sb, int64_t x_sc,
-                             const T* __restrict__ alpha, T* __restrict__ out, int64_t o_sb,
-                             int64_t o_sc, int64_t rows, int64_t C, int64_t T_len) {
+template <typename T, int V, int OP>
+__global__ void pointwise_kernel(Rows x, Rows y, const T* __restrict__ alpha,
+                                 const T* __restrict__ bias, T* __restrict__ out,
+                                 int64_t o_sb, int64_t o_sc, int64_t rows, int64_t C,
+                                 int64_t T_len) {
   struct alignas(sizeof(T) * V) Pack { T v[V]; };
   const int64_t per_row = T_len / V;
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= per_row * rows) return;
   const int64_t row = i / per_row, t = (i % per_row) * V;
   const int64_t b = row / C, c = row % C;
-  const float a = static_cast<float>(alpha[c]);
-  const float inv = 1.f / (a + 1e-9f);
-  const Pack in = *reinterpret_cast<const Pack*>(x + b * x_sb + c * x_sc + t);
-  Pack y;
+  const float bc = bias != nullptr ? static_cast<float>(bias[c]) : 0.f;
+  const Pack in = *reinterpret_cast<const Pack*>(static_cast<const T*>(x.p) + b * x.sb +
+                                                 c * x.sc + t);
+  Pack res;
+  if constexpr (OP == kSnake) {
+    const float a = static_cast<float>(alpha[c]);
+    const float inv = 1.f / (a + 1e-9f);
 #pragma unroll
-  for (int e = 0; e < V; ++e) y.v[e] = static_cast<T>(snake1(in.v[e], a, inv));
-  *reinterpret_cast<Pack*>(out + b * o_sb + c * o_sc + t) = y;
+    for (int e = 0; e < V; ++e) {
+      float s = static_cast<float>(in.v[e]);
+      if (bias != nullptr) s = static_cast<float>(static_cast<T>(__fadd_rn(s, bc)));
+      res.v[e] = static_cast<T>(snake1(s, a, inv));
+    }
+  } else {
+    const Pack yv = *reinterpret_cast<const Pack*>(static_cast<const T*>(y.p) + b * y.sb +
+                                                   c * y.sc + t);
+#pragma unroll
+    for (int e = 0; e < V; ++e) {
+      // the reference rounds the conv output + bias to T before the residual add
+      const float yb = static_cast<float>(static_cast<T>(__fadd_rn(static_cast<float>(yv.v[e]), bc)));
+      res.v[e] = static_cast<T>(__fadd_rn(static_cast<float>(in.v[e]), yb));
+    }
+  }
+  *reinterpret_cast<Pack*>(out + b * o_sb + c * o_sc + t) = res;
 }
 
 template <typename T>
@@ -54,59 +83,95 @@ bool fits(const torch::Tensor& t, int v) {
          t.stride(0) % v == 0 && t.stride(1) % v == 0;
 }
 
-template <typename T>
-void launch(const torch::Tensor& x, const torch::Tensor& alpha, torch::Tensor& out) {
+template <typename T, int OP>
+void launch(const torch::Tensor& x, const torch::Tensor* y, const torch::Tensor* alpha,
+            const torch::Tensor* bias, torch::Tensor& out) {
   const int64_t B = x.size(0), C = x.size(1), T_len = x.size(2);
   constexpr int kWide = 16 / sizeof(T);
   int v = 1;
   for (int cand : {kWide, 2}) {
-    if (T_len % cand == 0 && fits<T>(x, cand) && fits<T>(out, cand)) {
+    if (T_len % cand == 0 && fits<T>(x, cand) && fits<T>(out, cand) &&
+        (y == nullptr || fits<T>(*y, cand))) {
       v = cand;
       break;
     }
   }
   const int threads = 256;
   const int64_t n = B * C * (T_len / v);  // threads needed
-  TORCH_CHECK(n / threads < (1ll << 31), "snake: tensor too large (", x.sizes(), ")");
+  TORCH_CHECK(n / threads < (1ll << 31), "codec pointwise op: tensor too large (", x.sizes(), ")");
   const unsigned grid = static_cast<unsigned>((n + threads - 1) / threads);
   auto stream = c10::cuda::getCurrentCUDAStream();
+  const Rows xr{x.data_ptr(), x.stride(0), x.stride(1)};
+  const Rows yr = y != nullptr ? Rows{y->data_ptr(), y->stride(0), y->stride(1)} : Rows{nullptr, 0, 0};
+  const T* ap = alpha != nullptr ? alpha->data_ptr<T>() : nullptr;
+  const T* bp = bias != nullptr ? bias->data_ptr<T>() : nullptr;
+#define RTV_POINTWISE(V_)                                                                   \
+  pointwise_kernel<T, V_, OP><<<grid, threads, 0, stream>>>(                                \
+      xr, yr, ap, bp, out.data_ptr<T>(), out.stride(0), out.stride(1), B * C, C, T_len)
   if (v == kWide) {
-    snake_kernel<T, kWide><<<grid, threads, 0, stream>>>(
-        x.data_ptr<T>(), x.stride(0), x.stride(1), alpha.data_ptr<T>(), out.data_ptr<T>(),
-        out.stride(0), out.stride(1), B * C, C, T_len);
+    RTV_POINTWISE(kWide);
   } else if (v == 2) {
-    snake_kernel<T, 2><<<grid, threads, 0, stream>>>(
-        x.data_ptr<T>(), x.stride(0), x.stride(1), alpha.data_ptr<T>(), out.data_ptr<T>(),
-        out.stride(0), out.stride(1), B * C, C, T_len);
+    RTV_POINTWISE(2);
   } else {
-    snake_kernel<T, 1><<<grid, threads, 0, stream>>>(
-        x.data_ptr<T>(), x.stride(0), x.stride(1), alpha.data_ptr<T>(), out.data_ptr<T>(),
-        out.stride(0), out.stride(1), B * C, C, T_len);
+    RTV_POINTWISE(1);
   }
+#undef RTV_POINTWISE
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void check_rows(const char* op, const torch::Tensor& x, const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.is_cuda() && t.device() == x.device(), op, ": ", name,
+              " must be a CUDA tensor on x's device");
+  TORCH_CHECK(t.dim() == 3 && t.sizes() == x.sizes(), op, ": ", name, " ", t.sizes(),
+              " must match x ", x.sizes());
+  TORCH_CHECK(t.scalar_type() == x.scalar_type(), op, ": ", name, " must have x's dtype");
+  TORCH_CHECK(t.numel() == 0 || t.stride(2) == 1, op, ": the last dimension of ", name,
+              " must be contiguous");
+}
+
+void check_channels(const char* op, const torch::Tensor& x, const torch::Tensor& t,
+                    const char* name) {
+  TORCH_CHECK(t.is_cuda() && t.device() == x.device(), op, ": ", name,
+              " must be a CUDA tensor on x's device");
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == x.size(1) && t.is_contiguous(), op, ": ", name,
+              " must be contiguous [C] with C = ", x.size(1), ", got ", t.sizes());
+  TORCH_CHECK(t.scalar_type() == x.scalar_type(), op, ": ", name, " must have x's dtype");
+}
+
+template <int OP>
+void dispatch(const torch::Tensor& x, const torch::Tensor* y, const torch::Tensor* alpha,
+              const torch::Tensor* bias, torch::Tensor& out, const char* op) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  switch (x.scalar_type()) {
+    case at::kFloat: launch<float, OP>(x, y, alpha, bias, out); break;
+    case at::kBFloat16: launch<at::BFloat16, OP>(x, y, alpha, bias, out); break;
+    case at::kHalf: launch<at::Half, OP>(x, y, alpha, bias, out); break;
+    default: TORCH_CHECK(false, op, ": dtype ", x.scalar_type(), " is not supported");
+  }
 }
 
 }  // namespace
 
-void snake(torch::Tensor x, torch::Tensor alpha, torch::Tensor out) {
-  TORCH_CHECK(x.is_cuda() && alpha.is_cuda() && out.is_cuda(), "snake: CUDA tensors expected");
-  TORCH_CHECK(x.device() == alpha.device() && x.device() == out.device(),
-              "snake: tensors on different devices");
-  TORCH_CHECK(x.dim() == 3 && out.dim() == 3, "snake: x and out must be [B, C, T], got ",
-              x.sizes(), " and ", out.sizes());
-  TORCH_CHECK(x.sizes() == out.sizes(), "snake: out ", out.sizes(), " must match x ", x.sizes());
-  TORCH_CHECK(alpha.dim() == 1 && alpha.size(0) == x.size(1) && alpha.is_contiguous(),
-              "snake: alpha must be contiguous [C] with C = ", x.size(1), ", got ", alpha.sizes());
-  TORCH_CHECK(x.scalar_type() == alpha.scalar_type() && x.scalar_type() == out.scalar_type(),
-              "snake: x, alpha and out must share a dtype");
-  TORCH_CHECK(x.numel() == 0 || (x.stride(2) == 1 && out.stride(2) == 1),
-              "snake: the last dimension of x and out must be contiguous");
+void snake(torch::Tensor x, torch::Tensor alpha, std::optional<torch::Tensor> bias,
+           torch::Tensor out) {
+  TORCH_CHECK(x.is_cuda() && x.dim() == 3, "snake: x must be a CUDA [B, C, T] tensor, got ",
+              x.sizes());
+  TORCH_CHECK(x.numel() == 0 || x.stride(2) == 1, "snake: the last dimension of x must be contiguous");
+  check_rows("snake", x, out, "out");
+  check_channels("snake", x, alpha, "alpha");
+  if (bias.has_value()) check_channels("snake", x, *bias, "bias");
   if (x.numel() == 0) return;
-  const c10::cuda::CUDAGuard guard(x.device());
-  switch (x.scalar_type()) {
-    case at::kFloat: launch<float>(x, alpha, out); break;
-    case at::kBFloat16: launch<at::BFloat16>(x, alpha, out); break;
-    case at::kHalf: launch<at::Half>(x, alpha, out); break;
-    default: TORCH_CHECK(false, "snake: dtype ", x.scalar_type(), " is not supported");
-  }
+  dispatch<kSnake>(x, nullptr, &alpha, bias.has_value() ? &*bias : nullptr, out, "snake");
+}
+
+void bias_residual(torch::Tensor x, torch::Tensor y, torch::Tensor bias, torch::Tensor out) {
+  TORCH_CHECK(x.is_cuda() && x.dim() == 3,
+              "bias_residual: x must be a CUDA [B, C, T] tensor, got ", x.sizes());
+  TORCH_CHECK(x.numel() == 0 || x.stride(2) == 1,
+              "bias_residual: the last dimension of x must be contiguous");
+  check_rows("bias_residual", x, y, "y");
+  check_rows("bias_residual", x, out, "out");
+  check_channels("bias_residual", x, bias, "bias");
+  if (x.numel() == 0) return;
+  dispatch<kBiasResidual>(x, &y, nullptr, &bias, out, "bias_residual");
 }

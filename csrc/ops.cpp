@@ -10,7 +10,9 @@ void decode_attention(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new,
 void sample_topk(torch::Tensor logits, torch::Tensor temperature, torch::Tensor top_p,
                  torch::Tensor top_k, torch::Tensor seed, torch::Tensor step,
                  torch::Tensor stream, torch::Tensor out);
-void snake(torch::Tensor x, torch::Tensor alpha, torch::Tensor out);
+void snake(torch::Tensor x, torch::Tensor alpha, std::optional<torch::Tensor> bias,
+           torch::Tensor out);
+void bias_residual(torch::Tensor x, torch::Tensor y, torch::Tensor bias, torch::Tensor out);
 
 TORCH_LIBRARY(rtvoice_kernels, m) {
   m.def("prev_tokens_shift_inplace(Tensor(a!) prev, Tensor next_tokens) -> ()");
@@ -18,7 +20,8 @@ TORCH_LIBRARY(rtvoice_kernels, m) {
         "Tensor(b!) v_cache, Tensor wslot, Tensor pos, Tensor(c!) out) -> ()");
   m.def("sample_topk(Tensor logits, Tensor temperature, Tensor top_p, Tensor top_k, "
         "Tensor seed, Tensor step, Tensor stream, Tensor(a!) out) -> ()");
-  m.def("snake(Tensor x, Tensor alpha, Tensor(a!) out) -> ()");
+  m.def("snake(Tensor x, Tensor alpha, Tensor? bias, Tensor(a!) out) -> ()");
+  m.def("bias_residual(Tensor x, Tensor y, Tensor bias, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(rtvoice_kernels, CUDA, m) {
@@ -26,6 +29,7 @@ TORCH_LIBRARY_IMPL(rtvoice_kernels, CUDA, m) {
   m.impl("decode_attention", &decode_attention);
   m.impl("sample_topk", &sample_topk);
   m.impl("snake", &snake);
+  m.impl("bias_residual", &bias_residual);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}

@@ -108,9 +108,10 @@ def _set_kernels(sampler_kernel: bool) -> None:
 
 
 def codec_kernels(enabled: bool) -> bool:
-    """Route the codec's Snake activations (`engine.codec.layers.CODEC_OPS`) through csrc's
-    one-pass kernel (engine.kernels.snake / snake_cat; their wrappers fall back to the torch
-    formula for CPU tensors) or back to the plain torch ops. Returns whether the kernels are
+    """Route the codec's pointwise ops (`engine.codec.layers.CODEC_OPS`) through csrc's
+    one-pass kernels (engine.kernels.snake / snake_cat / bias_residual, with the streaming
+    residual units' conv biases folded into them; the wrappers fall back to the torch
+    formulas for CPU tensors) or back to the plain torch ops. Returns whether the kernels are
     in use. Process-wide, like the other fused ops: the engine built last decides."""
     from . import kernels
     from .codec import layers
@@ -119,6 +120,11 @@ def codec_kernels(enabled: bool) -> bool:
     layers.CODEC_OPS.snake = kernels.snake if on else layers.CodecOps.snake  # type: ignore[method-assign]
     layers.CODEC_OPS.snake_cat = (kernels.snake_cat if on  # type: ignore[method-assign]
                                   else layers.CodecOps.snake_cat)
+    layers.CODEC_OPS.snake_bias = (kernels.snake if on  # type: ignore[method-assign]
+                                   else layers.CodecOps.snake_bias)
+    layers.CODEC_OPS.bias_residual = (kernels.bias_residual if on  # type: ignore[method-assign]
+                                      else layers.CodecOps.bias_residual)
+    layers.CODEC_OPS.fold_bias = on
     return on
 
 

@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
 KERNEL_FILES = ("prev_tokens.cu", "decode_attention.cu", "sampling.cu", "activation.cu")  # per family
-KERNEL_OPS = ("prev_tokens_shift_inplace", "decode_attention", "sample_topk", "snake")
+KERNEL_OPS = ("prev_tokens_shift_inplace", "decode_attention", "sample_topk", "snake", "bias_residual")
 _lock = threading.Lock()
 _state: dict[str, object] = {"loaded": None}
 
@@ -212,55 +212,92 @@ def sample_topk(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tenso
     return sample(logits, temperature, top_p, top_k, seed, step, stream)
 
 
-# ---------------------------------------------------------------------- snake activation
-def _check_snake(x: Tensor, alpha: Tensor) -> None:
-    if x.dim() != 3:
-        raise ValueError(f"snake needs x [B, C, T], got shape {list(x.shape)}")
-    if alpha.numel() != x.shape[1]:
-        raise ValueError(f"snake: alpha has {alpha.numel()} values for {x.shape[1]} channels")
-    if alpha.dtype != x.dtype or alpha.device != x.device:
-        raise TypeError(f"snake: alpha ({alpha.dtype}, {alpha.device}) must match x "
+# ---------------------------------------------------------------------- codec pointwise ops
+def _check_channels(x: Tensor, t: Tensor, what: str, op: str) -> None:
+    if t.numel() != x.shape[1]:
+        raise ValueError(f"{op}: {what} has {t.numel()} values for {x.shape[1]} channels")
+    if t.dtype != x.dtype or t.device != x.device:
+        raise TypeError(f"{op}: {what} ({t.dtype}, {t.device}) must match x "
                         f"({x.dtype}, {x.device})")
 
 
-def snake_torch(x: Tensor, alpha: Tensor) -> Tensor:
-    """The fallback: the codec's own formula (engine.codec.layers.snake); alpha [C] or
-    [1, C, 1]."""
+def _check_snake(x: Tensor, alpha: Tensor, bias: Tensor | None = None) -> None:
+    if x.dim() != 3:
+        raise ValueError(f"snake needs x [B, C, T], got shape {list(x.shape)}")
+    _check_channels(x, alpha, "alpha", "snake")
+    if bias is not None:
+        _check_channels(x, bias, "bias", "snake")
+
+
+def snake_torch(x: Tensor, alpha: Tensor, bias: Tensor | None = None) -> Tensor:
+    """The fallback: the codec's own formula (engine.codec.layers.snake), of x + bias when a
+    conv's bias is folded in; alpha and bias [C] or [1, C, 1]."""
     from .codec.layers import snake as formula
 
+    if bias is not None:
+        x = x + bias.reshape(1, -1, 1)
     return formula(x, alpha.reshape(1, -1, 1))
 
 
-def _snake_into(x: Tensor, alpha: Tensor, out: Tensor) -> None:
+def _kernel_ok(*ts: Tensor) -> bool:
+    return all(t.is_cuda and t.stride(-1) == 1 for t in ts) \
+        and ts[0].dtype in (torch.float32, torch.bfloat16, torch.float16) \
+        and extension_available()
+
+
+def _snake_into(x: Tensor, alpha: Tensor, bias: Tensor | None, out: Tensor) -> None:
     a = alpha.reshape(-1)
-    if x.is_cuda and x.dtype in (torch.float32, torch.bfloat16, torch.float16) \
-            and x.stride(-1) == 1 and a.is_contiguous() and extension_available():
-        torch.ops.rtvoice_kernels.snake(x, a, out)
+    b = bias.reshape(-1) if bias is not None else None
+    if _kernel_ok(x) and a.is_contiguous() and (b is None or b.is_contiguous()):
+        torch.ops.rtvoice_kernels.snake(x, a, b, out)
     else:
-        out.copy_(snake_torch(x, alpha))
+        out.copy_(snake_torch(x, alpha, bias))
 
 
-def snake(x: Tensor, alpha: Tensor) -> Tensor:
-    """The codec's Snake activation in one pass (csrc/activation.cu) on CUDA, the torch
-    formula elsewhere. x [B, C, T], alpha [C] or [1, C, 1] of x's dtype."""
-    _check_snake(x, alpha)
+def snake(x: Tensor, alpha: Tensor, bias: Tensor | None = None) -> Tensor:
+    """The codec's Snake activation (of x + bias, when given) in one pass
+    (csrc/activation.cu) on CUDA, the torch formula elsewhere. x [B, C, T]; alpha and bias
+    [C] or [1, C, 1] of x's dtype."""
+    _check_snake(x, alpha, bias)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    _snake_into(x, alpha, out)
+    _snake_into(x, alpha, bias, out)
     return out
 
 
-def snake_cat(tail: Tensor, x: Tensor, alpha: Tensor) -> Tensor:
-    """torch.cat([tail, snake(x)], -1) with the activation written straight into its place in
-    the result (no separate concatenation pass): a streaming causal conv's input, its saved
-    tail [B, C, P] followed by the activated new samples [B, C, T]."""
-    _check_snake(x, alpha)
-    if tail.dim() != 3 or tail.shape[:2] != x.shape[:2] or tail.dtype != x.dtype:
-        raise ValueError(f"snake_cat: tail {list(tail.shape)} {tail.dtype} does not fit x "
-                         f"{list(x.shape)} {x.dtype}")
+def snake_cat(tail: Tensor, x: Tensor, alpha: Tensor, bias: Tensor | None = None) -> Tensor:
+    """torch.cat([tail, snake(x + bias)], -1) with the activation written straight into its
+    place in the result (no separate concatenation pass): a streaming causal conv's input,
+    its saved tail [B, C, P] followed by the activated new samples [B, C, T]."""
+    _check_snake(x, alpha, bias)
+    if tail.dim() != 3 or tail.shape[:2] != x.shape[:2] or tail.dtype != x.dtype \
+            or tail.device != x.device:
+        raise ValueError(f"snake_cat: tail {list(tail.shape)} {tail.dtype} {tail.device} "
+                         f"does not fit x {list(x.shape)} {x.dtype} {x.device}")
     P = tail.shape[-1]
     out = torch.empty((*x.shape[:2], P + x.shape[-1]), dtype=x.dtype, device=x.device)
     out[..., :P] = tail
-    _snake_into(x, alpha, out[..., P:])
+    _snake_into(x, alpha, bias, out[..., P:])
+    return out
+
+
+def bias_residual_torch(x: Tensor, y: Tensor, bias: Tensor) -> Tensor:
+    """x + (y + bias): a residual unit's output with its last conv's bias added to the conv's
+    output first, as the conv would have (the reference's rounding order)."""
+    return x + (y + bias.reshape(1, -1, 1))
+
+
+def bias_residual(x: Tensor, y: Tensor, bias: Tensor) -> Tensor:
+    """x + (y + bias) in one pass (csrc/activation.cu) on CUDA, torch elsewhere. x, y
+    [B, C, T] of one dtype; bias [C] or [1, C, 1]."""
+    if x.dim() != 3 or y.shape != x.shape or y.dtype != x.dtype or y.device != x.device:
+        raise ValueError(f"bias_residual: x {list(x.shape)} {x.dtype} and y {list(y.shape)} "
+                         f"{y.dtype} must be [B, C, T] tensors of one shape, dtype and device")
+    _check_channels(x, bias, "bias", "bias_residual")
+    b = bias.reshape(-1)
+    if not (_kernel_ok(x, y) and b.is_contiguous()):
+        return bias_residual_torch(x, y, bias)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    torch.ops.rtvoice_kernels.bias_residual(x, y, b, out)
     return out
 
 
@@ -320,6 +357,11 @@ def _bench() -> None:
             us = _timed(fn, (x, alpha), 100 if cuda else 3, cuda)
             gbs = 2 * x.numel() * x.element_size() / us / 1e3
             print(f"snake C={C:4d} T={T:5d} {name:7s} {us:9.2f} us {gbs:7.1f} GB/s")
+        y, bias = torch.randn_like(x), torch.randn(C, device=dev, dtype=dt)
+        for name, fn in ((kind, bias_residual), ("torch", bias_residual_torch)):
+            us = _timed(fn, (x, y, bias), 100 if cuda else 3, cuda)
+            gbs = 3 * x.numel() * x.element_size() / us / 1e3
+            print(f"bias_residual C={C:4d} T={T:5d} {name:7s} {us:9.2f} us {gbs:7.1f} GB/s")
 
 
 if __name__ == "__main__":

@@ -220,10 +220,14 @@ def test_snake_contract(x, alpha, err):
         kernels.snake_cat(torch.zeros(2, 4, 6), torch.zeros(2, 5, 33), torch.ones(5))
 
 
-def test_streaming_snake_conv_pairs_match_offline():
+@pytest.mark.parametrize("kernel_ops", [False, True])
+def test_streaming_snake_conv_pairs_match_offline(kernel_ops, monkeypatch):
     """stream_sequential hands each Snake to the conv after it (its input built by snake_cat):
-    a decoder block streamed in uneven chunks equals the offline block."""
+    a decoder block streamed in uneven chunks equals the offline block — with the torch ops,
+    and with the kernel wrappers (their fallbacks here) and the residual units' conv biases
+    folded into snake_bias / bias_residual, as the engine runs them on a GPU."""
     from engine.codec.layers import (
+        CODEC_OPS,
         CausalConv1d,
         ResidualUnit,
         Snake1d,
@@ -231,6 +235,20 @@ def test_streaming_snake_conv_pairs_match_offline():
         stream_sequential,
     )
 
+    if kernel_ops:
+        calls = {"snake_bias": 0, "bias_residual": 0}
+
+        def counted(name, fn):  # type: ignore[no-untyped-def]
+            def call(*a):  # type: ignore[no-untyped-def]
+                calls[name] += 1
+                return fn(*a)
+            return call
+
+        for name, fn in (("snake", kernels.snake), ("snake_cat", kernels.snake_cat),
+                         ("snake_bias", counted("snake_bias", kernels.snake)),
+                         ("bias_residual", counted("bias_residual", kernels.bias_residual)),
+                         ("fold_bias", True)):
+            monkeypatch.setattr(CODEC_OPS, name, fn, raising=False)
     torch.manual_seed(0)
     block = torch.nn.Sequential(ResidualUnit(8, dilation=3), Snake1d(8),
                                 CausalConv1d(8, 4, kernel_size=7)).eval()
@@ -253,6 +271,23 @@ def test_streaming_snake_conv_pairs_match_offline():
             got.append(stream_sequential(block, x[..., a:b], ctx))
             states = {**states, **ctx.new_state}
     torch.testing.assert_close(torch.cat(got, -1), want, rtol=1e-5, atol=1e-6)
+    if kernel_ops:  # the folded path ran, once per chunk
+        assert calls == {"snake_bias": 4, "bias_residual": 4}
+
+
+def test_bias_residual_fallback_and_contract():
+    g = torch.Generator().manual_seed(4)
+    x, y = torch.randn(2, 5, 9, generator=g), torch.randn(2, 5, 9, generator=g)
+    b = torch.randn(5, generator=g)
+    assert torch.equal(kernels.bias_residual(x, y, b), x + (y + b[None, :, None]))
+    assert torch.equal(kernels.snake(y, torch.ones(5), b), kernels.snake_torch(y + b[:, None],
+                                                                                torch.ones(5)))
+    with pytest.raises(ValueError, match="one shape"):
+        kernels.bias_residual(x, y[..., :4], b)
+    with pytest.raises(ValueError, match="bias has 4 values"):
+        kernels.bias_residual(x, y, b[:4])
+    with pytest.raises(TypeError, match="bias"):
+        kernels.snake(y, torch.ones(5), b.double())
 
 
 @pytest.mark.cuda
@@ -278,3 +313,26 @@ def test_snake_cuda_kernel_matches_fallback(dtype, B, C, T, P):
         tail = torch.randn(B, C, P, device="cuda", generator=g).to(dtype)
         both = kernels.snake_cat(tail, x, alpha)
         assert torch.equal(both[..., :P], tail) and torch.equal(both[..., P:], got)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("B,C,T", [(64, 192, 8192), (3, 768, 256), (2, 7, 33)])
+def test_folded_bias_cuda_kernels_match_fallback(dtype, B, C, T):
+    """snake with a conv's bias folded in, and bias_residual, against the torch ops in the
+    reference's rounding order (conv output + bias rounded to the dtype first)."""
+    assert kernels.extension_available(), "the CUDA extension did not build"
+    g = torch.Generator(device="cuda").manual_seed(B + C + T)
+    x, y = ((2 * torch.randn(B, C, T + 3, device="cuda", generator=g)).to(dtype) for _ in range(2))
+    alpha = (torch.rand(C, device="cuda", generator=g) + 0.1).to(dtype)
+    bias = torch.randn(C, device="cuda", generator=g).to(dtype)
+    for xs, ys in ((x[..., :T].contiguous(), y[..., :T].contiguous()), (x[..., 3:], y[..., 3:])):
+        got = kernels.snake(ys, alpha, bias)
+        want = kernels.snake_torch((ys + bias[:, None]).float(), alpha.float())
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, rtol=2e-7, atol=2e-6)
+        else:
+            ulp = torch.finfo(dtype).eps
+            assert float(((got.float() - want).abs() / want.abs().clamp_min(1e-3)).max()) <= ulp
+        assert torch.equal(kernels.bias_residual(xs, ys, bias), xs + (ys + bias[:, None]))

@@ -151,8 +151,12 @@ def snake(x: Tensor, alpha: Tensor) -> Tensor:
 
 
 class CodecOps:
-    """The codec's activation ops, called through `CODEC_OPS` so the engine can swap in the
-    one-pass csrc kernels (engine/fusion.py `codec_kernels`) while the layers keep the math."""
+    """The codec's pointwise ops, called through `CODEC_OPS` so the engine can swap in the
+    one-pass csrc kernels (engine/fusion.py `codec_kernels`) while the layers keep the math.
+    With `fold_bias`, a streaming residual unit runs its convs without their biases and adds
+    them inside the next pointwise op (cuDNN adds a conv's bias as one more broadcast pass)."""
+
+    fold_bias = False
 
     @staticmethod
     def snake(x: Tensor, alpha: Tensor) -> Tensor:
@@ -162,6 +166,16 @@ class CodecOps:
     def snake_cat(tail: Tensor, x: Tensor, alpha: Tensor) -> Tensor:
         # a streaming conv's input: its saved tail [B, C, P], then the activated new samples
         return torch.cat([tail, snake(x, alpha)], dim=-1)
+
+    @staticmethod
+    def snake_bias(x: Tensor, alpha: Tensor, bias: Tensor) -> Tensor:
+        # x: a conv's output without its bias [B, C, T]; bias [C]
+        return snake(x + bias.reshape(1, -1, 1), alpha)
+
+    @staticmethod
+    def bias_residual(x: Tensor, y: Tensor, bias: Tensor) -> Tensor:
+        # x + (conv output y + its bias): the residual unit's sum
+        return x + (y + bias.reshape(1, -1, 1))
 
 
 CODEC_OPS = CodecOps()
@@ -226,16 +240,24 @@ class CausalConv1d(Stateful, nn.Module):
             return {}
         return {"tail": (self.conv.in_channels, self.left_pad)}
 
-    def stream(self, x: Tensor, ctx: StreamContext, act: Tensor | None = None) -> Tensor:
+    def stream(self, x: Tensor, ctx: StreamContext, act: Tensor | None = None,
+               bias: bool = True) -> Tensor:
         # x: [B, Cin, T] new samples (padded) -> [B, Cout, T]; the saved tail replaces the zeros
         # the offline conv pads on the left. act: a preceding Snake's alpha, applied to x first.
+        # bias=False: the conv's bias is left out (the caller adds it in a later op).
         if self.stride != 1:
             raise RuntimeError("streaming is only defined for stride-1 causal convs")
         if self.left_pad == 0:
-            return self.conv(x if act is None else CODEC_OPS.snake(x, act))
+            return self._conv(x if act is None else CODEC_OPS.snake(x, act), bias)
         xx = _stream_input(ctx.get(self, "tail"), x, act)  # [B, Cin, left_pad + T]
         ctx.put(self, "tail", ctx.take_last(xx, self.left_pad))
-        return self.conv(xx)
+        return self._conv(xx, bias)
+
+    def _conv(self, x: Tensor, bias: bool) -> Tensor:
+        if bias:
+            return self.conv(x)
+        c = self.conv
+        return F.conv1d(x, c.weight, None, c.stride, c.padding, c.dilation, c.groups)
 
 
 class CausalConvTranspose1d(Stateful, nn.Module):
@@ -308,7 +330,14 @@ class ResidualUnit(nn.Module):
         return x + y
 
     def stream(self, x: Tensor, ctx: StreamContext) -> Tensor:
-        return x + stream_sequential(self.block, x, ctx)
+        act1, conv7, act2, conv1 = self.block
+        if not (CODEC_OPS.fold_bias and conv7.conv.bias is not None
+                and conv1.conv.bias is not None):
+            return x + stream_sequential(self.block, x, ctx)
+        # the same math with both conv biases folded into the pointwise ops after them
+        y = conv7.stream(x, ctx, act=act1.alpha, bias=False)
+        y = conv1.stream(CODEC_OPS.snake_bias(y, act2.alpha, conv7.conv.bias), ctx, bias=False)
+        return CODEC_OPS.bias_residual(x, y, conv1.conv.bias)
 
 
 class ConvNeXtBlock(nn.Module):
