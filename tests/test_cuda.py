@@ -126,6 +126,9 @@ def test_codec_kernels_match_torch_ops():
             with torch.inference_mode():
                 want = codec.decode(codes.cuda())[0, 0].cpu()
             assert fusion.codec_kernels(True), "the CUDA extension did not build"
+            from engine.codec import layers
+
+            assert layers.CODEC_OPS.fold_bias  # the residual units' conv biases folded in
             dec = StreamingDecoder(codec, max_streams=2, buckets=True, max_frames=64)
             dec.capture()
             sid = dec.open()
@@ -357,3 +360,29 @@ def test_graph_families_captured_on_their_replay_streams(gpu_bundle, monkeypatch
     streams = {eng.decode_stream, eng.prefill_stream, eng.codec_stream}
     assert len(streams) == 3 and seen and None not in seen
     assert set(seen) == streams
+
+
+def test_codec_bias_folding_bf16_matches_unfolded(monkeypatch):
+    """bf16, csrc's Snake on: the streaming decoder with the residual units' conv biases folded
+    into the pointwise kernels gives the unfolded audio (same roundings: cuDNN returns the
+    conv without its bias and torch adds it as a separate bf16 op, as the kernels do)."""
+    from engine import fusion
+    from engine.codec import CodecConfig, StreamingDecoder, dummy_codec, layers
+
+    codec = dummy_codec(CodecConfig.preset("s2-pro"), device="cuda", dtype=torch.bfloat16)
+    codes = torch.randint(0, 1024, (10, 12), generator=torch.Generator().manual_seed(3))
+    out = {}
+    try:
+        assert fusion.codec_kernels(True), "the CUDA extension did not build"
+        for fold in (False, True):
+            monkeypatch.setattr(layers.CODEC_OPS, "fold_bias", fold)
+            dec = StreamingDecoder(codec, max_streams=2)
+            sid = dec.open()
+            with torch.inference_mode():
+                out[fold] = torch.cat([dec.decode({sid: codes[:, a:b]})[sid].cpu()
+                                       for a, b in ((0, 2), (2, 6), (6, 12))])
+    finally:
+        monkeypatch.undo()
+        fusion.codec_kernels(False)
+    diff = float((out[True] - out[False]).abs().max())
+    assert diff <= 1e-2, f"folded vs unfolded bf16 audio max abs diff {diff:.3g}"

@@ -220,12 +220,13 @@ def test_snake_contract(x, alpha, err):
         kernels.snake_cat(torch.zeros(2, 4, 6), torch.zeros(2, 5, 33), torch.ones(5))
 
 
-@pytest.mark.parametrize("kernel_ops", [False, True])
-def test_streaming_snake_conv_pairs_match_offline(kernel_ops, monkeypatch):
+@pytest.mark.parametrize("kernel_ops,fold", [(False, False), (False, True), (True, True)])
+def test_streaming_snake_conv_pairs_match_offline(kernel_ops, fold, monkeypatch):
     """stream_sequential hands each Snake to the conv after it (its input built by snake_cat):
     a decoder block streamed in uneven chunks equals the offline block — with the torch ops,
-    and with the kernel wrappers (their fallbacks here) and the residual units' conv biases
-    folded into snake_bias / bias_residual, as the engine runs them on a GPU."""
+    with the residual units' conv biases folded into snake_bias / bias_residual (the
+    reference versions of those ops), and with the kernel wrappers (their fallbacks here),
+    as the engine runs them on a GPU."""
     from engine.codec.layers import (
         CODEC_OPS,
         CausalConv1d,
@@ -235,20 +236,24 @@ def test_streaming_snake_conv_pairs_match_offline(kernel_ops, monkeypatch):
         stream_sequential,
     )
 
-    if kernel_ops:
-        calls = {"snake_bias": 0, "bias_residual": 0}
+    calls = {"snake_bias": 0, "bias_residual": 0}
 
-        def counted(name, fn):  # type: ignore[no-untyped-def]
-            def call(*a):  # type: ignore[no-untyped-def]
-                calls[name] += 1
-                return fn(*a)
-            return call
+    def counted(name, fn):  # type: ignore[no-untyped-def]
+        def call(*a):  # type: ignore[no-untyped-def]
+            calls[name] += 1
+            return fn(*a)
+        return call
 
-        for name, fn in (("snake", kernels.snake), ("snake_cat", kernels.snake_cat),
-                         ("snake_bias", counted("snake_bias", kernels.snake)),
-                         ("bias_residual", counted("bias_residual", kernels.bias_residual)),
-                         ("fold_bias", True)):
-            monkeypatch.setattr(CODEC_OPS, name, fn, raising=False)
+    from engine.codec.layers import CodecOps
+
+    ops = ((("snake", kernels.snake), ("snake_cat", kernels.snake_cat),
+            ("snake_bias", kernels.snake), ("bias_residual", kernels.bias_residual))
+           if kernel_ops else (("snake_bias", CodecOps.snake_bias),
+                               ("bias_residual", CodecOps.bias_residual)))
+    for name, fn in ops:
+        monkeypatch.setattr(CODEC_OPS, name, counted(name, fn) if name in calls else fn,
+                            raising=False)
+    monkeypatch.setattr(CODEC_OPS, "fold_bias", fold, raising=False)
     torch.manual_seed(0)
     block = torch.nn.Sequential(ResidualUnit(8, dilation=3), Snake1d(8),
                                 CausalConv1d(8, 4, kernel_size=7)).eval()
@@ -271,8 +276,9 @@ def test_streaming_snake_conv_pairs_match_offline(kernel_ops, monkeypatch):
             got.append(stream_sequential(block, x[..., a:b], ctx))
             states = {**states, **ctx.new_state}
     torch.testing.assert_close(torch.cat(got, -1), want, rtol=1e-5, atol=1e-6)
-    if kernel_ops:  # the folded path ran, once per chunk
-        assert calls == {"snake_bias": 4, "bias_residual": 4}
+    # the folded path ran once per chunk, or not at all
+    assert calls == ({"snake_bias": 4, "bias_residual": 4} if fold
+                     else {"snake_bias": 0, "bias_residual": 0})
 
 
 def test_bias_residual_fallback_and_contract():
@@ -336,3 +342,17 @@ def test_folded_bias_cuda_kernels_match_fallback(dtype, B, C, T):
             ulp = torch.finfo(dtype).eps
             assert float(((got.float() - want).abs() / want.abs().clamp_min(1e-3)).max()) <= ulp
         assert torch.equal(kernels.bias_residual(xs, ys, bias), xs + (ys + bias[:, None]))
+
+
+def test_codec_kernels_switch_restores_the_torch_ops():
+    """fusion.codec_kernels(False) puts back every reference op and turns bias folding off
+    (on a machine without the extension, asking for the kernels changes nothing)."""
+    from engine import fusion
+    from engine.codec.layers import CODEC_OPS, CodecOps
+
+    on = fusion.codec_kernels(True)
+    assert CODEC_OPS.fold_bias is on
+    assert fusion.codec_kernels(False) is False
+    assert CODEC_OPS.fold_bias is False
+    for name in ("snake", "snake_cat", "snake_bias", "bias_residual"):
+        assert getattr(CODEC_OPS, name) is getattr(CodecOps, name)
