@@ -1,16 +1,24 @@
-"""What every CUDA-graph capture in the engine needs around it.
+"""What every CUDA-graph capture in the engine needs around it (decode steps, prefill
+chunks and codec ticks all go through `capture_graphs`).
 
 A capture fails ("operation not permitted when stream is capturing") if anything frees a
 CUDA graph while it runs; the usual culprit is Python's cyclic garbage collector collecting
 an earlier engine's graphs at an allocation inside the capture. So: collect first, then keep
 the collector off until the capture is over.
+
+Each family of graphs is captured on the stream that will replay it: cuBLAS's workspace is
+per stream and its address is baked into a captured graph, so families captured on one
+stream and replayed concurrently on several would share one workspace.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
-from collections.abc import Iterator
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from typing import Any
+
+import torch
 
 
 @contextlib.contextmanager
@@ -23,3 +31,27 @@ def gc_paused() -> Iterator[None]:
     finally:
         if was:
             gc.enable()
+
+
+def capture_graphs(side: torch.cuda.Stream, keys: Sequence[Hashable],
+                   inputs: Callable[[Any], Any], run: Callable[[Any, Any], Any],
+                   ) -> dict[Any, tuple[torch.cuda.CUDAGraph, Any, Any]]:
+    """After the caller's eager warm-up on `side` (nothing may compile or autotune inside a
+    capture): `run(key, inputs(key))` captured as one CUDA graph per key on `side`, in the
+    order given — largest first, so the memory pool the graphs share is sized by the first.
+    The inputs are made before each capture (outside its pool). Returns
+    {key: (graph, inputs, outputs)}."""
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    pool = None
+    graphs: dict[Any, tuple[torch.cuda.CUDAGraph, Any, Any]] = {}
+    with gc_paused():
+        for key in keys:
+            inp = inputs(key)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool, stream=side, capture_error_mode="thread_local"):
+                out = run(key, inp)
+            pool = g.pool() if pool is None else pool
+            graphs[key] = (g, inp, out)
+    torch.cuda.synchronize()
+    return graphs

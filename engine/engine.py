@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from .cache import SlowKVCache
-from .capture import gc_paused
+from .capture import capture_graphs
 from .codec import Codec, StreamingDecoder
 from .loader import Bundle
 from .prefill_graphs import PrefillGraphs
@@ -723,8 +723,6 @@ class Engine:
         r = self.runner
         saved = (r.active.clone(), r.pos.clone())
         r.active.zero_()  # capture with every row inactive: writes go to the scratch slot
-        self.graphs = {}
-        pool = None
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
             # Warm every kernel configuration once, eagerly: fused (compiled) ops specialise
@@ -733,18 +731,10 @@ class Engine:
                 r.step(1, span)
             for b in self._batches:
                 r.step(b, self._decode_spans[0])
-        torch.cuda.current_stream().wait_stream(s)
-        torch.cuda.synchronize()
-        with gc_paused():
-            for span in reversed(self._decode_spans):  # largest first: the pool is sized once
-                for b in reversed(self._batches):
-                    g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g, pool=pool, stream=s,
-                                          capture_error_mode="thread_local"):
-                        out = r.step(b, span)
-                    pool = g.pool() if pool is None else pool
-                    self.graphs[(b, span)] = (g, out)
-        torch.cuda.synchronize()
+        keys = [(b, span) for span in reversed(self._decode_spans)  # largest first
+                for b in reversed(self._batches)]
+        graphs = capture_graphs(s, keys, lambda key: None, lambda key, _: r.step(*key))
+        self.graphs = {key: (g, out) for key, (g, _, out) in graphs.items()}
         r.active.copy_(saved[0])
         r.pos.copy_(saved[1])
         self.capture_s = time.perf_counter() - t0

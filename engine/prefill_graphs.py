@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .capture import gc_paused
+from .capture import capture_graphs
 from .runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -64,19 +64,11 @@ class PrefillGraphs:
         with torch.cuda.stream(side):  # warm every shape once: nothing compiles inside a capture
             for N, T, span in keys:
                 r.prefill_static(r.prefill_inputs(T, N), span)
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        pool = None
-        with gc_paused():
-            for N, T, span in sorted(keys, key=lambda k: k[0] * k[1] * k[2], reverse=True):
-                inp = r.prefill_inputs(T, N)
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool, stream=side,
-                                      capture_error_mode="thread_local"):
-                    r.prefill_static(inp, span)
-                pool = g.pool() if pool is None else pool  # largest first: sized once
-                self.graphs[(N, T, span)] = (g, inp)
-        torch.cuda.synchronize()
+        graphs = capture_graphs(
+            side, sorted(keys, key=lambda k: k[0] * k[1] * k[2], reverse=True),  # largest first
+            lambda key: r.prefill_inputs(key[1], key[0]),
+            lambda key, inp: r.prefill_static(inp, key[2]))
+        self.graphs.update({key: (g, inp) for key, (g, inp, _) in graphs.items()})
         self.capture_s = time.perf_counter() - t0
         log.info("captured %d prefill graphs (columns %s; batches of %s) in %.1fs",
                  len(self.graphs), self.cols, self.rows, self.capture_s)

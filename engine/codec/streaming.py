@@ -32,7 +32,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-from ..capture import gc_paused
+from ..capture import capture_graphs
 from .layers import StreamContext, WindowLimitedTransformer
 from .model import Codec
 
@@ -254,7 +254,6 @@ class StreamingDecoder:
         import time
 
         t0 = time.perf_counter()
-        pool = None
         side = side if side is not None else torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream())
         keys = [(b, n) for b in self.stream_buckets for n in self.FRAME_BUCKETS]
@@ -269,18 +268,9 @@ class StreamingDecoder:
                     self._static_pass(self._inputs(b, n))
         finally:
             torch.backends.cudnn.benchmark = tuned
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize(self.device)
-        with gc_paused():
-            for b, n in sorted(keys, reverse=True):  # largest first: the pool is sized once
-                inp = self._inputs(b, n)
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool, stream=side,
-                                      capture_error_mode="thread_local"):
-                    audio = self._static_pass(inp)
-                pool = g.pool() if pool is None else pool
-                self._passes[(b, n)] = (g, inp, audio)
-        torch.cuda.synchronize(self.device)
+        self._passes.update(capture_graphs(side, sorted(keys, reverse=True),  # largest first
+                                           lambda key: self._inputs(*key),
+                                           lambda key, inp: self._static_pass(inp)))
         return time.perf_counter() - t0
 
     def _decode_bucketed(self, active: list[tuple[int, int, Tensor]], lengths: list[int],
