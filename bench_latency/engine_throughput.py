@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import json
 import threading
 import time
@@ -164,10 +163,7 @@ def sweep(bundle: Bundle, levels: list[int], frames: int, *, mode: str = "pingpo
                        fused_ops=eng.fusion)
             rows.append(row)
             print(json.dumps(row), flush=True)
-            del eng
-            gc.collect()  # free this engine's graphs now, not inside the next one's capture
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            del eng  # build_engine collects it before sizing the next one's KV cache
     return rows
 
 

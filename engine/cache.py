@@ -34,8 +34,7 @@ class SlowKVCache:
     @staticmethod
     def slot_bytes(cfg: TransformerConfig, max_len: int, dtype: torch.dtype) -> int:
         """Bytes of one slot's keys and values over `max_len` positions, all layers."""
-        elem = torch.empty(0, dtype=dtype).element_size()
-        return 2 * cfg.n_layer * cfg.n_local_heads * max_len * cfg.head_dim * elem
+        return 2 * cfg.n_layer * cfg.n_local_heads * max_len * cfg.head_dim * dtype.itemsize
 
     @property
     def scratch(self) -> int:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import gc
 import itertools
 import logging
 import queue
@@ -983,7 +984,7 @@ class Engine:
                 self._device_wait["codec"] = t0
             out = self.decoder.decode({sid: c for sid, (_, _, c) in work.items()})
             # one device->host copy for the whole tick, then split per stream
-            flat = torch.cat([out[sid] for sid in work]).float().cpu().numpy()
+            flat = torch.cat([out[sid] for sid in work]).cpu().numpy()  # decode gives float32
             self._device_wait["codec"] = None
             host, at = {}, 0
             for sid in work:
@@ -1049,6 +1050,7 @@ def build_engine(bundle: Bundle, config: EngineConfig | None = None) -> Engine:
             from . import fusion
 
             fusion.pack_ffn(model)  # the engine would pack W1|W3 later: its copies first
+        gc.collect()  # an earlier engine waiting for the cycle collector still holds memory
         torch.cuda.empty_cache()  # cached, unused blocks (weight loading) count as free
         free, _ = torch.cuda.mem_get_info(device)
         slot = SlowKVCache.slot_bytes(model.cfg.slow, cfg.max_len, model.embeddings.weight.dtype)

@@ -70,7 +70,9 @@ class SequenceSink(Protocol):
 
     def on_ready(self, seq: Sequence, prefill_s: float) -> None: ...
 
-    def on_audio(self, seq: Sequence, turn_id: str, pcm: np.ndarray, offset_s: float) -> None: ...
+    def on_audio(self, seq: Sequence, turn_id: str, pcm: np.ndarray, offset_s: float) -> None:
+        """pcm: float32 samples in an array made for this codec tick, never reused by the
+        engine (the sink may keep it without copying)."""
 
     def on_turn_end(self, seq: Sequence, result: TurnResult) -> None: ...
 

@@ -438,8 +438,7 @@ class _Sink:
         self._post(self._session._on_engine_ready, prefill_s)
 
     def on_audio(self, seq: Sequence, turn_id: str, pcm: np.ndarray, offset_s: float) -> None:
-        # Copy: the engine may reuse the buffer behind this array for its next codec tick.
-        self._post(self._session._on_engine_audio, turn_id, np.array(pcm, dtype=np.float32))
+        self._post(self._session._on_engine_audio, turn_id, pcm)  # fresh per tick: no copy
 
     def on_turn_end(self, seq: Sequence, result: TurnResult) -> None:
         self._post(self._session._on_engine_turn_end, result)

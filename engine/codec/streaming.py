@@ -282,9 +282,7 @@ class StreamingDecoder:
         B = len(active)
         Bb = self._bucket(tuple(self.stream_buckets), B)
         codes_host = [c.detach().to("cpu", torch.long) for _, _, c in active]
-        for (sid, _, _), c in zip(active, codes_host):
-            if bool((c < 0).any()):  # checked on the host: no device sync
-                raise ValueError(f"codes for stream {sid} contain negative values")
+        self._check_values(torch.cat(codes_host, dim=-1), active)  # on the host: no device sync
         pin = self.device.type == "cuda"
         pieces: list[list[Tensor]] = [[] for _ in range(B)]
         done = [0] * B
@@ -314,7 +312,7 @@ class StreamingDecoder:
             else:
                 audio = self._static_pass(inp)
             # copy out now: the next pass overwrites the static output
-            flat = audio[:, 0].to(torch.float32, copy=True)  # [Bb, nb * 2048]
+            flat = audio[:B, 0].to(torch.float32, copy=True)  # [B, nb * 2048]: no padding rows
             for i in range(B):
                 if take[i] > 0:
                     pieces[i].append(flat[i, : take[i] * self.frame_length])
