@@ -49,6 +49,12 @@ from .tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
+# Positions a (re)built context keeps free beyond a turn's prompt: room for this many frames
+# of generation plus slack; the service sizes what a voice leaves for turns with the sum.
+TURN_FRAMES_ROOM = 64
+TURN_SLACK = 2
+TURN_MARGIN = TURN_FRAMES_ROOM + TURN_SLACK
+
 
 @dataclass(slots=True)
 class EngineConfig:
@@ -432,7 +438,8 @@ class Engine:
         cols = torch.cat([*close, new], dim=1)
         turn.closes_previous = bool(close)
         max_len = self.runner.cache.max_len
-        if seq.needs_rebuild or seq.pos + cols.shape[1] + min(turn.max_frames, 64) + 2 > max_len:
+        if seq.needs_rebuild or seq.pos + cols.shape[1] + min(turn.max_frames, TURN_FRAMES_ROOM) \
+                + TURN_SLACK > max_len:
             rebuilt = self._rebuild_context(seq, new)
             if rebuilt is None:
                 seq.turn = None
@@ -454,7 +461,7 @@ class Engine:
         system = seq.system_cols
         assert system is not None
         keep: list[Tensor] = []
-        budget = self.runner.cache.max_len - system.shape[1] - new.shape[1] - 66
+        budget = self.runner.cache.max_len - system.shape[1] - new.shape[1] - TURN_MARGIN
         if budget < 0:
             return None
         for text, codes in reversed(seq.history):

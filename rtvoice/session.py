@@ -57,7 +57,7 @@ import numpy as np
 import torch
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from engine.engine import Engine, EngineOverloaded, TurnTooLong
+from engine.engine import TURN_MARGIN, Engine, EngineOverloaded, TurnTooLong
 from engine.loader import Bundle
 from engine.prompt import Reference
 from engine.reference_audio import encode_reference
@@ -107,10 +107,6 @@ _FINAL_TIMEOUT_S: Final = 5.0  # last events + close to a client that may not re
 # Worst-case text tokens per character: a code point is at most 4 UTF-8 bytes, and both the
 # byte tokenizer (tiny) and a byte-level BPE (S2-Pro's Qwen3) need at most one token per byte.
 WORST_TOKENS_PER_CHAR: Final = 4
-# Positions the engine keeps free beyond a turn's prompt when it (re)builds a context: 64
-# frames of generation and 2 of slack (engine.Engine._rebuild_context).
-TURN_MARGIN: Final = 66
-
 
 # ============================================================================ shared runtime
 
