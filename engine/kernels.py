@@ -230,13 +230,12 @@ def _check_snake(x: Tensor, alpha: Tensor, bias: Tensor | None = None) -> None:
 
 
 def snake_torch(x: Tensor, alpha: Tensor, bias: Tensor | None = None) -> Tensor:
-    """The fallback: the codec's own formula (engine.codec.layers.snake), of x + bias when a
-    conv's bias is folded in; alpha and bias [C] or [1, C, 1]."""
-    from .codec.layers import snake as formula
+    """The fallback: the codec's own reference ops (engine.codec.layers.CodecOps), of x + bias
+    when a conv's bias is folded in; alpha and bias [C] or [1, C, 1]."""
+    from .codec.layers import CodecOps
 
-    if bias is not None:
-        x = x + bias.reshape(1, -1, 1)
-    return formula(x, alpha.reshape(1, -1, 1))
+    a = alpha.reshape(1, -1, 1)
+    return CodecOps.snake(x, a) if bias is None else CodecOps.snake_bias(x, a, bias)
 
 
 def _kernel_ok(*ts: Tensor) -> bool:
@@ -281,9 +280,11 @@ def snake_cat(tail: Tensor, x: Tensor, alpha: Tensor, bias: Tensor | None = None
 
 
 def bias_residual_torch(x: Tensor, y: Tensor, bias: Tensor) -> Tensor:
-    """x + (y + bias): a residual unit's output with its last conv's bias added to the conv's
-    output first, as the conv would have (the reference's rounding order)."""
-    return x + (y + bias.reshape(1, -1, 1))
+    """The fallback, the codec's reference op: x + (y + bias), a residual unit's output with
+    its last conv's bias added to the conv's output first (the reference's rounding order)."""
+    from .codec.layers import CodecOps
+
+    return CodecOps.bias_residual(x, y, bias)
 
 
 def bias_residual(x: Tensor, y: Tensor, bias: Tensor) -> Tensor:
