@@ -43,21 +43,9 @@ if bench:
     fusion.codec_kernels(True)
     codec = dummy_codec(CodecConfig.preset("s2-pro"), seed=0, device="cuda", dtype=dt)
     dec = StreamingDecoder(codec, max_streams=64, buckets=True, max_frames=4096)
-    res = {"capture_s": round(dec.capture(), 1)}
+    from gpu_bench import codec_tick  # this script's folder is on sys.path
+
+    res: dict = {"capture_s": round(dec.capture(), 1)}
     for streams, frames in ((16, 4), (64, 8), (64, 2), (1, 2)):
-        sids = [dec.open() for _ in range(streams)]
-        chunk = {s: torch.randint(0, 1024, (10, frames)) for s in sids}
-        with torch.inference_mode():
-            for _ in range(3):
-                torch.cat(list(dec.decode(chunk).values())).cpu()
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            for _ in range(5):
-                torch.cat(list(dec.decode(chunk).values())).cpu()
-            torch.cuda.synchronize()
-        tick = (time.perf_counter() - t) / 5
-        for s in sids:
-            dec.close(s)
-        res[f"graphs_{streams}x{frames}"] = {"ms": round(1000 * tick, 2),
-                                             "x_realtime": round(streams * frames * 2048 / 44100 / tick, 1)}
+        res[f"graphs_{streams}x{frames}"] = codec_tick(dec, streams, frames)
     print(json.dumps(res), flush=True)

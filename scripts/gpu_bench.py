@@ -118,6 +118,46 @@ def s2pro_decode(report: dict, device: str, batches: list[int], frames: int,
         torch.cuda.empty_cache()
 
 
+def codec_tick(dec, streams: int, frames: int, n: int = 5) -> dict:  # type: ignore[no-untyped-def]
+    """Time a streaming decoder's tick of `streams` x `frames` (after 3 warm-up ticks): codes
+    from the host, as the engine hands them over; the timing includes the copy out."""
+    sids = [dec.open() for _ in range(streams)]
+    chunk = {s: torch.randint(0, 1024, (10, frames)) for s in sids}
+    with torch.inference_mode():
+        for _ in range(3):
+            torch.cat(list(dec.decode(chunk).values())).cpu()
+        _sync()
+        t = time.perf_counter()
+        for _ in range(n):
+            torch.cat(list(dec.decode(chunk).values())).cpu()
+        _sync()
+    tick = (time.perf_counter() - t) / n
+    for sid in sids:
+        dec.close(sid)
+    return {"ms_per_tick": round(1000 * tick, 2),
+            "x_realtime": round(streams * frames * 2048 / 44100 / tick, 1)}
+
+
+def kernel_table(prof, categorize, cuda_only: bool = False):  # type: ignore[no-untyped-def]
+    """GPU time per category (ms), the kernels as (ms, launches, name), longest first, and the
+    number of launches, from a torch.profiler run."""
+    cats: dict[str, float] = {}
+    top = []
+    n_kernels = 0
+    for e in prof.key_averages():
+        if cuda_only and e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
+        if not t:
+            continue
+        n_kernels += e.count
+        c = categorize(e.key)
+        cats[c] = cats.get(c, 0.0) + t / 1000
+        top.append((t / 1000, e.count, e.key))
+    top.sort(reverse=True)
+    return cats, top, n_kernels
+
+
 def codec_bench(report: dict, device: str) -> None:
     from engine import fusion
     from engine.codec import CodecConfig, StreamingDecoder, dummy_codec
@@ -151,26 +191,9 @@ def codec_bench(report: dict, device: str) -> None:
         for name, dec, streams, frames in (("eager", StreamingDecoder(codec, max_streams=64), 16, 4),
                                            ("graphs", graphed, 16, 4), ("graphs", graphed, 64, 2),
                                            ("graphs", graphed, 64, 8), ("graphs", graphed, 1, 2)):
-            if dec is None:
-                continue
-            sids = [dec.open() for _ in range(streams)]
-            # codes on the host, as the engine hands them over; timing includes the copy out
-            chunk = {s: torch.randint(0, 1024, (10, frames)) for s in sids}
-            n = 5
-            with torch.inference_mode():
-                for _ in range(3):
-                    [o.cpu() for o in dec.decode(chunk).values()]
-                _sync()
-                t = time.perf_counter()
-                for _ in range(n):
-                    torch.cat(list(dec.decode(chunk).values())).cpu()
-                _sync()
-            tick = (time.perf_counter() - t) / n
-            for sid in sids:
-                dec.close(sid)
-            out[f"stream_{dt_name}_{name}_{streams}x{frames}frames{tag}"] = {
-                "ms_per_tick": round(1000 * tick, 2),
-                "x_realtime": round(streams * frames * 2048 / 44100 / tick, 1)}
+            if dec is not None:
+                out[f"stream_{dt_name}_{name}_{streams}x{frames}frames{tag}"] = \
+                    codec_tick(dec, streams, frames)
         out["params"] = n_params
         del codec, dec
     fusion.codec_kernels(False)
@@ -203,18 +226,8 @@ def codec_profile(report: dict, device: str) -> None:
                             record_shapes=True) as prof:
                         dec.decode(chunk)
                         _sync()
-                cats: dict[str, float] = {}
-                top = []
-                for e in prof.key_averages():
-                    if e.device_type != torch.autograd.DeviceType.CUDA:
-                        continue
-                    t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
-                    if not t:
-                        continue
-                    c = _codec_category(e.key)
-                    cats[c] = cats.get(c, 0.0) + t / 1000
-                    top.append((round(t / 1000, 3), e.count, e.key[:80]))
-                top.sort(reverse=True)
+                cats, kernels, _ = kernel_table(prof, _codec_category, cuda_only=True)
+                top = [(round(t, 3), c, k[:80]) for t, c, k in kernels]
                 convs = []
                 for e in prof.key_averages(group_by_input_shape=True):
                     if e.key == "aten::_convolution":  # conv and transposed conv, once each
@@ -315,18 +328,9 @@ def profile_step(report: dict, device: str, sampler_kernel: bool = True) -> None
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             runner.step(B, 256)
             _sync()
-        cats: dict[str, float] = {}
-        n_kernels = 0
-        top = []
-        for e in prof.key_averages():
-            t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
-            if not t:
-                continue
-            n_kernels += e.count
-            cats[_category(e.key)] = cats.get(_category(e.key), 0.0) + t / 1000
-            top.append((t / 1000, e.count, e.key[:90]))
+        cats, kernels, n_kernels = kernel_table(prof, _category)
+        top = [(t, c, k[:90]) for t, c, k in kernels]
         by_count = sorted(((c, round(t, 3), k) for t, c, k in top), reverse=True)[:15]
-        top.sort(reverse=True)
         g = torch.cuda.CUDAGraph()
         st = torch.cuda.Stream()
         st.wait_stream(torch.cuda.current_stream())
@@ -392,20 +396,19 @@ def main() -> int:
         if name in skip or (name == "profile_compiled_sampler" and not args.compiled_sampler):
             continue
         t = time.perf_counter()
+        stalled = False
         try:
             fn()
         except Exception as e:  # report and go on: one call should bring back everything it can
             report[f"{name}_error"] = f"{type(e).__name__}: {e}"
-            if type(e).__name__ == "DeviceStalled":  # the GPU is stuck: nothing more can run
-                args.out.mkdir(parents=True, exist_ok=True)
-                (args.out / "gpu_bench.json").write_text(json.dumps(report, indent=2, default=str))
-                print(json.dumps(report, default=str)[:2000], flush=True)
-                os._exit(3)
+            stalled = type(e).__name__ == "DeviceStalled"  # the GPU is stuck: nothing more runs
         report[f"{name}_wall_s"] = round(time.perf_counter() - t, 1)
         print(json.dumps({k: v for k, v in report.items()}, default=str)[:2000], flush=True)
         # after every section: a run cut short by its time limit still leaves its results
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "gpu_bench.json").write_text(json.dumps(report, indent=2, default=str))
+        if stalled:
+            os._exit(3)  # not a normal exit: the engine's threads are stuck on the device
     print(json.dumps(report, indent=2, default=str))
     return 0
 
