@@ -40,7 +40,6 @@ from starlette.websockets import WebSocket
 
 from engine.engine import EngineConfig, build_engine
 from engine.loader import Bundle, load_bundle
-from engine.prompt import Reference
 from protocol import ErrorCode, ProtocolError, error_spec
 from rtvoice.session import (
     Metrics,
@@ -283,13 +282,10 @@ async def _create_voice(request: Request, rt: Runtime) -> Response:
     if len(data) > limit:
         return _error(ErrorCode.TOO_LARGE, f"audio file is larger than {limit} bytes")
     try:
-        reference, rate, seconds = await encode_reference_bytes(rt, data, transcript, "audio")
+        reference, rate, seconds = await encode_reference_bytes(
+            rt, data, transcript.strip(), "audio")
         # A voice whose prompt leaves no room for a minimal segment could never be used.
-        check_voice_room(
-            rt.engine,
-            [Reference(transcript.strip(), reference.codes)],
-            rt.settings.limits.min_chunk_length,
-        )
+        check_voice_room(rt.engine, [reference], rt.settings.limits.min_chunk_length)
     except ProtocolError as exc:
         return _error(exc.code, exc.message)
     name_str = name if isinstance(name, str) and name.strip() else Path(filename).stem or "voice"
@@ -298,7 +294,7 @@ async def _create_voice(request: Request, rt: Runtime) -> Response:
         voice = await asyncio.to_thread(
             rt.store.add,
             name_str,
-            transcript.strip(),
+            reference.text,
             codes,
             {"filename": filename, "model": rt.bundle.name},
             sample_rate=rate,

@@ -87,7 +87,6 @@ from protocol import (
     encoding_of,
 )
 from rtvoice.audio_formats import (
-    FORMATS,
     MODEL_SAMPLE_RATE,
     AudioEncoder,
     EncoderConfig,
@@ -460,6 +459,7 @@ class Session:
         self._sm = SessionStateMachine()
         self._encoding: Encoding | None = None
         self._request: TTSRequest | None = None
+        self._output: EncoderConfig | None = None  # the validated output format of the request
         self._default_ctx: str | None = None
         self._seq: Sequence | None = None
         self._counted_live = False
@@ -744,7 +744,7 @@ class Session:
     async def _start(self, event: Start, req: TTSRequest) -> None:
         rt = self.rt
         try:  # validates format, rate and bitrates, with messages naming what is supported
-            EncoderConfig(
+            output = EncoderConfig(
                 req.format,
                 req.sample_rate,
                 mp3_bitrate=req.mp3_bitrate,
@@ -759,6 +759,7 @@ class Session:
         self._chunk_cap = check_voice_room(rt.engine, references, self.limits.min_chunk_length)
         self._sm.apply(event)  # -> prefilling: from here on text is buffered
         self._request = req
+        self._output = output
         self._default_ctx = req.context_id if req.context_id is not None else event.context_id
         rt.metrics.sessions_total += 1
         # Prefill starts now, before any text: it never counts in a turn's TTFA.
@@ -996,13 +997,13 @@ class Session:
         self._guard_callback(run)
 
     def _ready_event(self, prefill_s: float) -> Ready:
-        req = self._request
-        assert req is not None
+        req, output = self._request, self._output
+        assert req is not None and output is not None
         limits = self.limits
         return Ready(
             context_id=self._default_ctx,
             format=req.format,
-            sample_rate=req.sample_rate or FORMATS[req.format].default_sample_rate,
+            sample_rate=output.sample_rate,
             frame_rate_hz=self.rt.engine.frame_rate,
             prefill_ms=round(prefill_s * 1000, 3),
             limits=Limits(
