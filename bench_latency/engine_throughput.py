@@ -104,6 +104,9 @@ def run_level(engine: Engine, c: int, frames: int, *, threaded: bool) -> dict[st
     # TTFA that `ttfa_ms` (prefilled -> first audio) leaves out
     prefill = sorted(1000 * (r.ready_at - r.submitted_at) for s in sinks for r in s.results
                      if r.ready_at is not None)
+    # submit -> first PCM: the engine's whole share of a server's TTFA
+    to_audio = sorted(1000 * (r.first_audio_at - r.submitted_at) for s in sinks
+                      for r in s.results if r.first_audio_at is not None)
     steps = engine.stats["steps"]
     for s in seqs:
         engine.close(s)
@@ -121,6 +124,8 @@ def run_level(engine: Engine, c: int, frames: int, *, threaded: bool) -> dict[st
            "turn_prefill_ms_p50": pct(prefill, 0.5), "turn_prefill_ms_max": pct(prefill, 1.0),
            "ttfa_ms_p90": pct([1000 * t for t in ttfa], 0.9),
            "ttfa_ms_max": pct([1000 * t for t in ttfa], 1.0),
+           "submit_to_audio_ms_p50": pct(to_audio, 0.5),
+           "submit_to_audio_ms_p90": pct(to_audio, 0.9),
            "steps": steps, "wasted_rows": engine.stats["wasted_rows"],
            "codec_s": round(engine.stats["codec_s"], 3),
            "codec_ticks": engine.stats["codec_ticks"],
@@ -133,7 +138,9 @@ def run_level(engine: Engine, c: int, frames: int, *, threaded: bool) -> dict[st
 
 
 def sweep(bundle: Bundle, levels: list[int], frames: int, *, mode: str = "pingpong",
-          codec: bool = True, max_len: int = 1024, fused_ops: str = "auto") -> list[dict]:
+          codec: bool = True, max_len: int = 1024, fused_ops: str = "auto",
+          config: dict | None = None) -> list[dict]:
+    """One engine per level; `config`: further EngineConfig fields (variants to compare)."""
     graphs, threaded = MODES[mode]
     rows = []
     with no_eos(bundle.model):
@@ -143,7 +150,7 @@ def sweep(bundle: Bundle, levels: list[int], frames: int, *, mode: str = "pingpo
                                                    cuda_graphs=graphs, pingpong=threaded,
                                                    codec_graphs=graphs and codec,
                                                    prefill_graphs=graphs,
-                                                   fused_ops=fused_ops))
+                                                   fused_ops=fused_ops, **(config or {})))
             if not codec:
                 _silent_codec(eng)
             if threaded:
@@ -158,7 +165,8 @@ def sweep(bundle: Bundle, levels: list[int], frames: int, *, mode: str = "pingpo
                 eng.shutdown()
                 raise
             eng.shutdown()
-            row.update(mode=mode, codec=codec, capture_s=round(eng.capture_s, 1),
+            row.update(mode=mode, codec=codec, config=config or {},
+                       capture_s=round(eng.capture_s, 1),
                        codec_capture_s=round(eng.codec_capture_s, 1),
                        fused_ops=eng.fusion)
             rows.append(row)

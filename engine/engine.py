@@ -72,13 +72,12 @@ class EngineConfig:
     prefill_batch: int = 16  # sequences prefilled together in one forward
     fused_ops: str = "auto"  # "compile" | "reference" | "auto" (compile on CUDA only)
     codec_graphs: bool = True  # codec ticks as CUDA graphs per (streams, frames) bucket (CUDA only)
-    # the codec's Snake activations as one-pass csrc kernels, written straight into the next
-    # conv's input (CUDA with the extension built; the torch formula otherwise). Off by
-    # default until a device run passes test_engine_audio_same_with_codec_graphs[True]: the
-    # decoder-level GPU tests pass with them, but the engine's graphed codec gave audio off
-    # the offline decode (docs/PERF.md, "open problems"; suspected: the shared cuBLAS
-    # workspace of graphs captured on one stream, fixed since, not yet re-run)
-    codec_kernels: bool = False
+    # the codec's Snake activations (and the residual units' conv biases) as one-pass csrc
+    # kernels, written straight into the next conv's input (CUDA with the extension built;
+    # the torch formulas otherwise). The engine's graphed codec gives the offline decode's
+    # audio with them (test_engine_audio_same_with_codec_graphs[True], H200); a 64x8 tick
+    # 32.6 -> 27.6 ms (docs/PERF.md)
+    codec_kernels: bool = True
     prefill_graphs: bool = True  # prefill chunks as CUDA graphs per (columns, span) bucket (CUDA only)
     stall_s: float = 10.0  # a device wait longer than this marks the engine stalled (/ready 503)
     # GPU memory kept out of the KV cache (activations, CUDA graph pools, the codec): the cache
@@ -88,6 +87,10 @@ class EngineConfig:
     # version (on a GPU with the extension built; 0.57 -> 0.47 ms of top-k per step at batch
     # 1, 0.80 -> 0.62 at 64, docs/PERF.md)
     sampler_kernel: bool = True
+    # CUDA streams whose kernels the block scheduler starts first when several are waiting
+    # for SMs (the rest run at normal priority). The decode step is a chain of ~1,200 small
+    # dependent kernels: at equal priority each one queues behind the codec's wide convs.
+    high_priority_streams: tuple[str, ...] = ("decode", "prefill")
 
     def __post_init__(self) -> None:
         for name in ("max_running", "max_len", "prefill_chunk", "first_chunk_frames",
@@ -100,6 +103,13 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.stall_s must be > 0, got {self.stall_s}")
         if not self.kv_reserve_gib >= 0:
             raise ValueError(f"EngineConfig.kv_reserve_gib must be >= 0, got {self.kv_reserve_gib}")
+        if isinstance(self.high_priority_streams, str):
+            raise ValueError("EngineConfig.high_priority_streams must be a tuple of stream "
+                             f"names, got the string {self.high_priority_streams!r}")
+        bad = set(self.high_priority_streams) - {"decode", "prefill", "codec"}
+        if bad:
+            raise ValueError(f"EngineConfig.high_priority_streams: unknown stream(s) "
+                             f"{sorted(bad)}; choose from decode, prefill, codec")
         if self.fused_ops not in ("auto", "compile", "reference"):
             raise ValueError(f"EngineConfig.fused_ops must be auto, compile or reference, "
                              f"got {self.fused_ops!r}")
@@ -201,13 +211,14 @@ class Engine:
         self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
         self._running_pingpong = False
-        # One stream per thread, all at the same priority. Each family of CUDA graphs is
-        # captured on the stream that replays it: cuBLAS's workspace is per stream and is baked
-        # into a captured graph, so graphs captured on one stream and replayed concurrently on
-        # three would share one workspace (split-K GEMMs coordinate through it).
-        self.prefill_stream = torch.cuda.Stream(runner.device) if self.cuda else None
-        self.decode_stream = torch.cuda.Stream(runner.device) if self.cuda else None
-        self.codec_stream = torch.cuda.Stream(runner.device) if self.cuda else None
+        # One stream per thread; cfg.high_priority_streams get the device's higher priority.
+        # Each family of CUDA graphs is captured on the stream that replays it: cuBLAS's
+        # workspace is per stream and is baked into a captured graph, so graphs captured on
+        # one stream and replayed concurrently on three would share one workspace (split-K
+        # GEMMs coordinate through it).
+        self.prefill_stream = self._stream("prefill")
+        self.decode_stream = self._stream("decode")
+        self.codec_stream = self._stream("codec")
         W = runner.out_width
         self._bufs = [torch.zeros(runner.n_slots + 1, W, dtype=torch.long,
                                   pin_memory=self.cuda) for _ in range(2)]
@@ -331,6 +342,14 @@ class Engine:
             t.join(timeout=10)
         self._threads = []
         self._running_pingpong = False
+
+    def _stream(self, role: str) -> torch.cuda.Stream | None:
+        if not self.cuda:
+            return None
+        # lower is higher; torch clamps to the device's range (a graph replay runs at the
+        # priority of the stream it is launched into)
+        return torch.cuda.Stream(self.runner.device,
+                                 priority=-1 if role in self.cfg.high_priority_streams else 0)
 
     def _on(self, stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager:
         """Run on `stream` (CUDA), or nowhere in particular (CPU)."""

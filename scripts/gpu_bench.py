@@ -266,7 +266,15 @@ def engine_sweep(report: dict, device: str, levels: list[int], frames: int,
     b = load_bundle("s2-pro", device=device, dtype="bf16", codec_dtype="bf16", max_seq_len=1024)
     out = {}
     ends = [levels[0], 64] if 64 in levels else [levels[0], levels[-1]]
+    hi = max(levels)
     runs = [("pingpong_codec", levels, dict(mode="pingpong", codec=True)),
+            # the stream-priority and prefill-batch choices, at the top level only
+            ("pingpong_codec_equal_priority", [hi], dict(mode="pingpong", codec=True, config=dict(
+                high_priority_streams=()))),
+            ("pingpong_codec_codec_priority", [hi], dict(mode="pingpong", codec=True, config=dict(
+                high_priority_streams=("prefill", "codec")))),
+            ("pingpong_codec_prefill_batch_64", [hi], dict(mode="pingpong", codec=True,
+                                                           config=dict(prefill_batch=64))),
             ("pingpong_nocodec", ends, dict(mode="pingpong", codec=False)),
             ("pingpong_unfused_nocodec", ends, dict(mode="pingpong", codec=False,
                                                     fused_ops="reference")),
@@ -373,8 +381,10 @@ def main() -> int:
                     help="profile the step again with the compiled torch sampler instead of "
                          "csrc's sample_topk (key profile_compiled_sampler)")
     ap.add_argument("--engine-runs", default="", help="comma list of engine runs to keep "
-                    "(pingpong_codec, pingpong_nocodec, pingpong_unfused_nocodec, "
-                    "graphs_sync_nocodec, naive_nocodec); default all")
+                    "(pingpong_codec, pingpong_codec_equal_priority, "
+                    "pingpong_codec_codec_priority, pingpong_codec_prefill_batch_64, "
+                    "pingpong_nocodec, pingpong_unfused_nocodec, graphs_sync_nocodec, "
+                    "naive_nocodec); default all")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     report: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else platform.processor(),

@@ -388,3 +388,16 @@ def test_prefill_graph_plan_matches_eager(tiny_bundle):
     assert sorted(k for k, _ in plan) == [(1, 8, 512), (1, 32, 256)]
     for a, b in zip(want, got):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(max_running=0), "max_running must be >= 1"),
+    (dict(stall_s=0), "stall_s must be > 0"),
+    (dict(fused_ops="fast"), "fused_ops must be"),
+    (dict(high_priority_streams="decode"), "tuple of stream names"),
+    (dict(high_priority_streams=("decode", "audio")), "unknown stream(s) ['audio']"),
+])
+def test_engine_config_rejects_bad_values(kwargs, needle):
+    with pytest.raises(ValueError) as e:
+        EngineConfig(**kwargs)
+    assert needle in str(e.value)
