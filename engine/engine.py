@@ -88,9 +88,10 @@ class EngineConfig:
     # 1, 0.80 -> 0.62 at 64, docs/PERF.md)
     sampler_kernel: bool = True
     # CUDA streams whose kernels the block scheduler starts first when several are waiting
-    # for SMs (the rest run at normal priority). The decode step is a chain of ~1,200 small
-    # dependent kernels: at equal priority each one queues behind the codec's wide convs.
-    high_priority_streams: tuple[str, ...] = ("decode", "prefill")
+    # for SMs (the rest run at normal priority). Measured on the H200 at c=64 (docs/PERF.md):
+    # decode+prefill high, prefill+codec high and all equal gave the same frames/s within
+    # 4%; equal had the lowest submit->audio latency, so none is raised by default.
+    high_priority_streams: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("max_running", "max_len", "prefill_chunk", "first_chunk_frames",
@@ -150,6 +151,7 @@ class PrefillJob:
     slot: int = -1  # captured at queue time: the prefill thread never reads seq.slot
     done: int = 0
     event: object | None = None
+    landed_at: float = 0.0  # when the decode thread took it (launched, maybe not done)
 
 
 @dataclass(slots=True)
@@ -200,6 +202,7 @@ class Engine:
         self._prefill_jobs: deque[PrefillJob] = deque()  # sync mode
         self._prefill_in: queue.SimpleQueue[PrefillJob | None] = queue.SimpleQueue()
         self._prefill_out: queue.SimpleQueue[PrefillJob] = queue.SimpleQueue()
+        self._prefill_landing: list[PrefillJob] = []  # launched, the GPU not done with them yet
         self._k = 0  # decode steps launched
         self._processed = -1  # last decode step whose result was read
         # audio (codec thread, or inline)
@@ -306,13 +309,15 @@ class Engine:
                 "device_wait_s": round(self.device_wait_s(), 3)}
 
     def device_wait_s(self) -> float:
-        """How long the decode or codec thread has been waiting on the device right now (0
-        when neither is). Normal waits last one step or one codec tick (milliseconds); a
-        wait past `cfg.stall_s` means the GPU stopped making progress."""
+        """How long the decode or codec thread has been waiting on the device right now, or
+        a launched prefill has been waiting to land (0 when none is). Normal waits last one
+        step, one codec tick or one prefill round (milliseconds); a wait past `cfg.stall_s`
+        means the GPU stopped making progress."""
         now = time.perf_counter()
-        return max((now - t for t in (self._device_wait.get("decode"),
-                                      self._device_wait.get("codec")) if t is not None),
-                   default=0.0)
+        landing = self._prefill_landing  # the decode thread swaps the list; read it once
+        since = [self._device_wait.get("decode"), self._device_wait.get("codec"),
+                 min((j.landed_at for j in landing), default=None)]
+        return max((now - t for t in since if t is not None), default=0.0)
 
     def stalled(self) -> bool:
         return self.device_wait_s() > self.cfg.stall_s
@@ -666,14 +671,26 @@ class Engine:
         return done
 
     def _apply_prefill_completions(self) -> bool:
-        did = False
+        """Join the sequences whose prefill the GPU has finished. A job whose event has not
+        completed waits here (polled, not waited on): joining it at once would make the
+        decode stream wait for its prefill round, stalling every running sequence's next
+        frames behind a burst of prefills."""
         while True:
             try:
                 job = self._prefill_out.get_nowait()
             except queue.Empty:
-                return did
-            did = True
+                break
+            job.landed_at = time.perf_counter()
+            self._prefill_landing.append(job)
+        done: list[PrefillJob] = []
+        landing: list[PrefillJob] = []
+        for j in self._prefill_landing:
+            # an Exception (failed prefill) or None (CPU) is done; a CUDA event when it says so
+            (landing if hasattr(j.event, "query") and not j.event.query() else done).append(j)
+        self._prefill_landing = landing
+        for job in done:
             self._complete_prefill(job)
+        return bool(done)
 
     def _complete_prefill(self, job: PrefillJob) -> None:
         if isinstance(job.event, Exception):
@@ -941,7 +958,9 @@ class Engine:
                 pending, did = None, False
                 self._fail_all_decoding("decode step failed (see server log)")
             if not did:
-                self._wake.wait(timeout=0.02)
+                # a prefill still on the GPU is polled often: its sequence joins (and its
+                # TTFA clock runs) as soon as it lands
+                self._wake.wait(timeout=0.0005 if self._prefill_landing else 0.02)
                 self._wake.clear()
 
     def _fail_all_decoding(self, message: str) -> None:

@@ -356,15 +356,15 @@ def test_graph_families_captured_on_their_replay_streams(gpu_bundle, monkeypatch
         real(self, *args, **kwargs)
 
     monkeypatch.setattr(torch.cuda.graph, "__init__", spy)
-    eng = build_engine(gpu_bundle, EngineConfig(max_running=4, max_len=512))
+    eng = build_engine(gpu_bundle, EngineConfig(max_running=4, max_len=512,
+                                                high_priority_streams=("decode", "prefill")))
     streams = {eng.decode_stream, eng.prefill_stream, eng.codec_stream}
     assert len(streams) == 3 and seen and None not in seen
     assert set(seen) == streams
-    # the configured priorities (lower is higher): decode and prefill above the codec
+    # the configured priorities (lower is higher)
     assert eng.decode_stream.priority == eng.prefill_stream.priority < eng.codec_stream.priority
     eq = build_engine(gpu_bundle, EngineConfig(max_running=2, max_len=512, cuda_graphs=False,
-                                               codec_graphs=False, prefill_graphs=False,
-                                               high_priority_streams=()))
+                                               codec_graphs=False, prefill_graphs=False))
     assert eq.decode_stream.priority == eq.prefill_stream.priority == eq.codec_stream.priority
 
 

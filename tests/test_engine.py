@@ -208,6 +208,58 @@ def test_pingpong_threads_match_sync(tiny_bundle):
     assert eng.stats["wasted_rows"] >= 0
 
 
+def test_prefill_joins_when_it_lands_and_running_turns_go_on(tiny_bundle, monkeypatch):
+    """Pingpong: a launched prefill joins the batch only once its event says the GPU is done
+    (polled, never waited on), so a running turn keeps producing audio meanwhile; the
+    watchdog counts how long the prefill has been landing."""
+    import threading
+    import time
+
+    eng = build_engine(tiny_bundle, EngineConfig(max_running=2, max_len=512))
+    gate = threading.Event()
+
+    class Landing:  # stands in for the CUDA event of a prefill round still on the GPU
+        def query(self) -> bool:
+            return gate.is_set()
+
+    a_sink, b_sink = CollectingSink(), CollectingSink()
+    a = eng.open([], SamplingParams(seed=1), a_sink)
+    eng.start()
+    try:
+        assert a_sink.ready.wait(60)
+        eng.submit(a, "A long turn that keeps going.", turn_id="a", max_frames=400)
+        deadline = time.perf_counter() + 60
+        while not a_sink.audio and time.perf_counter() < deadline:
+            time.sleep(0.01)
+        assert a_sink.audio, "the running turn produced no audio"
+        real = eng._prefill_on_stream
+
+        def held(jobs):
+            done = real(jobs)
+            for j in done:
+                j.event = j.event if j.event is not None else Landing()
+            return done
+
+        monkeypatch.setattr(eng, "_prefill_on_stream", held)
+        b = eng.open([], SamplingParams(seed=2), b_sink)
+        while not eng._prefill_landing and time.perf_counter() < deadline:
+            time.sleep(0.005)
+        assert eng._prefill_landing, "b's voice prompt never reached the decode thread"
+        chunks = len(a_sink.audio)
+        time.sleep(0.3)
+        assert not b_sink.ready.is_set()  # not joined while its prefill is on the "GPU"
+        assert len(a_sink.audio) > chunks  # ...and a's turn went on meanwhile
+        assert eng.device_wait_s() >= 0.3
+        gate.set()
+        assert b_sink.ready.wait(10)
+        assert not eng._prefill_landing and eng.device_wait_s() < 0.3
+        eng.cancel(a)
+        assert a_sink.done.wait(60)
+        eng.close(b)
+    finally:
+        eng.shutdown()
+
+
 def test_pingpong_cancel_drains(tiny_bundle):
     eng = build_engine(tiny_bundle, EngineConfig(max_running=2, max_len=512, pingpong=True))
     sink = CollectingSink()
