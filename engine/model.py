@@ -159,8 +159,17 @@ def gqa_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tenso
 
     Each kv head serves n_head/n_kv consecutive query heads (repeat_interleave).
     """
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                          enable_gqa=q.shape[1] != k.shape[1])
+    B, H, T, Dh = q.shape
+    rep = H // k.shape[1]
+    if rep == 1 or mask is None:  # no mask: the flash kernel takes the GQA broadcast itself
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=rep > 1)
+    # With a mask, SDPA has no fused kernel for the GQA broadcast and falls back to its math
+    # path (K/V repeated, scores materialised: most of a batched prefill's extra time). The
+    # same attention without it: a kv head's `rep` query heads become `rep` blocks of rows.
+    qf = q.reshape(B, k.shape[1], rep * T, Dh)  # [B, Hkv, rep*T, Dh], head h = g*rep + r
+    mf = mask.unsqueeze(2).expand(-1, -1, rep, -1, -1).reshape(mask.shape[0], 1, rep * T, -1)
+    out = F.scaled_dot_product_attention(qf, k, v, attn_mask=mf)  # [B, Hkv, rep*T, Dh]
+    return out.reshape(B, H, T, Dh)
 
 
 def explicit_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:

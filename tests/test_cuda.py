@@ -39,6 +39,29 @@ def _run(bundle, cfg: EngineConfig, texts, frames=12):
 TEXTS = ["Hello there.", "مرحبا بالعالم.", "你好，世界。", "こんにちは。", "Five.", "Six!"]
 
 
+def test_masked_gqa_attention_keeps_a_fused_kernel():
+    """The prefill's masked GQA attention at S2-Pro's heads (32 query, 8 kv, head_dim 128,
+    bf16) runs without SDPA's math fallback (which repeats K/V and materialises the scores)
+    and matches the repeated-K/V math in fp32."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from engine.model import gqa_attention
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    N, T, S = 16, 32, 1024
+    q = torch.randn(N, 32, T, 128, device="cuda", generator=g, dtype=torch.bfloat16)
+    k, v = torch.randn(2, N, 8, S, 128, device="cuda", generator=g, dtype=torch.bfloat16)
+    pos = torch.randint(0, S, (N, T), device="cuda", generator=g)
+    mask = (torch.arange(S, device="cuda")[None, None, :] <= pos[:, :, None])[:, None]
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                      SDPBackend.CUDNN_ATTENTION]):  # no MATH: raises if it would be needed
+        got = gqa_attention(q, k, v, mask)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), k.float().repeat_interleave(4, 1), v.float().repeat_interleave(4, 1),
+        attn_mask=mask)
+    assert float((got.float() - want).abs().max()) < 2e-2
+
+
 def test_graphs_match_eager(gpu_bundle):
     torch.backends.cuda.matmul.allow_tf32 = False
     eager, _ = _run(gpu_bundle, EngineConfig(max_running=8, max_len=512, cuda_graphs=False,

@@ -247,3 +247,27 @@ def test_static_prefill_matches_reference(fixture_dir, fixture_model):
     runner.join(slot, prompt[:, -1], prompt.shape[1] - 1, 12, 0)
     got = torch.stack([runner.step(1, 256)[0, :11] for _ in range(12)], dim=1)
     assert torch.equal(got, want[:, :12])
+
+
+@pytest.mark.parametrize("B, H, Hkv, T, S, mask_rows", [
+    (3, 32, 8, 5, 64, 3),  # S2-Pro's 4 query heads per kv head, per-row masks (batched prefill)
+    (2, 4, 1, 1, 16, 2),  # one new position (the decode step's torch path)
+    (4, 6, 2, 7, 33, 1),  # one mask broadcast over the batch
+    (1, 8, 8, 3, 8, 1),  # no GQA
+])
+def test_masked_gqa_attention_matches_repeated_kv(B, H, Hkv, T, S, mask_rows):
+    """gqa_attention folds each kv head's query heads into rows (so SDPA keeps a fused kernel
+    with a mask): the same attention as repeating K/V per query head."""
+    from engine.model import gqa_attention
+
+    g = torch.Generator().manual_seed(B * 100 + T)
+    q = torch.randn(B, H, T, 16, generator=g)
+    k, v = torch.randn(2, B, Hkv, S, 16, generator=g)
+    pos = torch.randint(0, S, (mask_rows, T), generator=g)
+    mask = (torch.arange(S)[None, None, :] <= pos[:, :, None])[:, None]  # [rows, 1, T, S]
+    rep = H // Hkv
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), attn_mask=mask)
+    got = gqa_attention(q, k, v, mask)
+    assert got.shape == want.shape
+    assert float((got - want).abs().max()) < 1e-5
