@@ -8,7 +8,9 @@ Two ways to run the same code:
   drain, a bounded chunk of prefill, one decode step whose result it reads at once, and
   one codec tick.
 - **pingpong** (`start()` with `pingpong=True`): a prefill thread (own CUDA stream) runs
-  prefills and hands finished sequences over with a CUDA event; the decode thread launches
+  prefills and hands finished sequences over with a CUDA event, which the decode thread
+  polls between launches (a sequence joins once its prefill has landed: no stream waits
+  on another, so a burst of prefills never holds up running turns); the decode thread launches
   step N (a captured CUDA graph), queues a non-blocking copy of its result into pinned
   ping/pong buffer N%2, and only then reads step N-1's buffer — so the GPU always has the
   next step queued and the host never waits on the step it just launched. Stop conditions
