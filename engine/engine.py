@@ -65,6 +65,9 @@ class EngineConfig:
     prefill_chunk: int = 256  # columns per prefill call, so one long prompt cannot stall others
     first_chunk_frames: int = 2  # frames in a turn's first audio chunk (TTFA)
     chunk_frames: int = 8  # frames in later chunks
+    # a stream this far ahead of realtime playback (seconds of audio) lets its chunk wait
+    # for a fuller codec tick, up to two chunks; 0: every chunk goes as soon as it is ready
+    codec_hold_s: float = 1.0
     max_turn_frames: int = 2048  # hard cap per turn (~95 s of audio)
     max_waiting: int = 64  # sequences queued for a slot before `open` refuses
     seed: int = 0
@@ -102,6 +105,8 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.max_waiting < 0:
             raise ValueError("EngineConfig.max_waiting must be >= 0")
+        if not self.codec_hold_s >= 0:
+            raise ValueError(f"EngineConfig.codec_hold_s must be >= 0, got {self.codec_hold_s}")
         if not self.stall_s > 0:
             raise ValueError(f"EngineConfig.stall_s must be > 0, got {self.stall_s}")
         if not self.kv_reserve_gib >= 0:
@@ -1000,6 +1005,7 @@ class Engine:
         """Decode the pending frames of every turn that has a chunk's worth, in one batch."""
         work: dict[int, tuple[Sequence, Turn, Tensor]] = {}
         ended: list[tuple[Sequence, Turn]] = []
+        due, now = False, time.perf_counter()
         with self._audio_lock:
             audio = list(self._audio)
         for s, turn in audio:
@@ -1016,6 +1022,7 @@ class Engine:
             need = min(self.cfg.chunk_frames, max(self.cfg.first_chunk_frames, turn.decoded_frames))
             if pending == 0 or (pending < need and not finished):
                 continue
+            due |= finished or self._codec_due(turn, pending, now)
             if turn.codec_stream is None:
                 turn.codec_stream = self.decoder.open()
             codes = torch.stack(turn.frames[turn.decoded_frames: turn.decoded_frames + pending],
@@ -1023,7 +1030,7 @@ class Engine:
             work[turn.codec_stream] = (s, turn, codes)
         for s, turn in ended:
             self._finish_audio(s, turn)
-        if not work:
+        if not due:  # every ripe stream is far enough ahead: wait for a fuller tick
             return bool(ended)
         t0 = time.perf_counter()
         try:
@@ -1061,6 +1068,20 @@ class Engine:
             if turn.finished is not None and turn.decoded_frames == len(turn.frames):
                 self._finish_audio(s, turn)
         return True
+
+    def _codec_due(self, turn: Turn, pending: int, now: float) -> bool:
+        """Whether a stream with a chunk's worth of frames needs a tick now. One that is
+        more than `codec_hold_s` of audio ahead of realtime playback can wait: it rides
+        along in the next tick another stream needs, or goes once it has two chunks
+        pending — fewer, fuller ticks (each costs ~3 ms however few streams it carries).
+        First chunks never wait (TTFA)."""
+        if self.cfg.codec_hold_s == 0 or turn.decoded_frames < self.cfg.chunk_frames \
+                or pending >= 2 * self.cfg.chunk_frames:
+            return True
+        if turn.first_audio_at is None:
+            return True
+        ahead = turn.samples_out / self.sample_rate - (now - turn.first_audio_at)
+        return ahead < self.cfg.codec_hold_s
 
     def _drop_audio(self, seq: Sequence, turn: Turn) -> None:
         with self._audio_lock:

@@ -73,6 +73,7 @@ def engine_config(settings: Settings, bundle: Bundle) -> EngineConfig:
         prefill_chunk=eng.prefill_chunk,
         first_chunk_frames=eng.first_chunk_frames,
         chunk_frames=eng.chunk_frames,
+        codec_hold_s=eng.codec_hold_s,
         max_turn_frames=eng.max_turn_frames,
         max_waiting=eng.max_waiting,
         kv_reserve_gib=eng.kv_reserve_gib,

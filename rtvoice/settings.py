@@ -140,6 +140,7 @@ class EngineSettings:
     prefill_chunk: int = 256  # prefill columns per engine step (bounds decode stalls)
     first_chunk_frames: int = 2  # codec frames in a turn's first audio chunk (TTFA)
     chunk_frames: int = 8  # codec frames in later chunks
+    codec_hold_s: float = 1.0  # a stream this far ahead of realtime may wait for a fuller codec tick
     # Budget of one segment: ceil(estimated speech seconds * budget_multiplier * frame rate),
     # at least min_turn_frames, at most the request's max_new_tokens and max_turn_frames.
     budget_multiplier: float = 3.0
@@ -159,6 +160,9 @@ class EngineSettings:
         "prefill_chunk": "prefill columns per engine step",
         "first_chunk_frames": "codec frames in the first audio chunk of a turn",
         "chunk_frames": "codec frames in later audio chunks",
+        "codec_hold_s": "a stream more than this many seconds of audio ahead of realtime "
+        "playback lets its chunk wait (up to 2 x chunk_frames) for a fuller batched codec "
+        "tick; 0: every chunk is decoded as soon as it is ready",
         "budget_multiplier": "segment budget = this x estimated speech duration",
         "min_turn_frames": "smallest segment budget (frames)",
         "max_turn_frames": "hard cap of one segment (frames; 21.5 frames = 1 s)",
@@ -188,6 +192,8 @@ class EngineSettings:
             raise ValueError(f"max_len must be >= 128, got {self.max_len}")
         if not self.kv_reserve_gib >= 0:
             raise ValueError(f"kv_reserve_gib must be >= 0, got {self.kv_reserve_gib}")
+        if not self.codec_hold_s >= 0:
+            raise ValueError(f"codec_hold_s must be >= 0, got {self.codec_hold_s}")
 
 
 @dataclass(slots=True)

@@ -453,3 +453,47 @@ def test_engine_config_rejects_bad_values(kwargs, needle):
     with pytest.raises(ValueError) as e:
         EngineConfig(**kwargs)
     assert needle in str(e.value)
+
+
+def test_codec_holds_streams_far_ahead_for_a_fuller_tick(tiny_bundle):
+    """A stream more than codec_hold_s ahead of realtime waits (up to two chunks) and rides
+    along in the next tick another stream needs; first chunks never wait; 0 turns it off."""
+    import time
+
+    from engine.request import Sequence, Turn
+
+    eng = build_engine(tiny_bundle, EngineConfig(max_running=2, max_len=256, codec_hold_s=1.0))
+    K1, sr = eng.model_cfg.frame_rows, eng.sample_rate
+    g = torch.Generator().manual_seed(0)
+
+    def stream(frames: int, decoded: int, ahead_s: float) -> tuple[Sequence, Turn, CollectingSink]:
+        sink = CollectingSink()
+        seq = Sequence(len(eng._audio), (), SamplingParams(), 0, sink)
+        turn = Turn("t", "x", 64)
+        turn.frames = [torch.randint(0, 16, (K1,), generator=g) for _ in range(frames)]
+        turn.decoded_frames = decoded
+        if decoded:
+            turn.first_audio_at = time.perf_counter()
+            turn.samples_out = int(ahead_s * sr)
+        eng._audio.append((seq, turn))
+        return seq, turn, sink
+
+    _, a, a_sink = stream(16, 8, ahead_s=3.0)  # one chunk pending, 3 s ahead
+    assert eng._codec_tick() is False and a.decoded_frames == 8  # held
+    _, b, _ = stream(2, 0, ahead_s=0.0)  # a new turn's first chunk is due at once...
+    assert eng._codec_tick() is True
+    assert b.decoded_frames == 2 and a.decoded_frames == 16  # ...and a rides along
+    assert len(a_sink.audio) == 1 and len(a_sink.audio[0]) == 8 * eng.frame_samples
+    a.frames += [torch.randint(0, 16, (K1,), generator=g) for _ in range(15)]
+    assert eng._codec_tick() is False  # 15 pending, still far ahead
+    a.frames.append(torch.randint(0, 16, (K1,), generator=g))
+    assert eng._codec_tick() is True and a.decoded_frames == 32  # two chunks: goes alone
+    a.frames += [torch.randint(0, 16, (K1,), generator=g) for _ in range(8)]
+    a.samples_out = int(0.5 * sr) + int((time.perf_counter() - a.first_audio_at) * sr)
+    assert eng._codec_tick() is True and a.decoded_frames == 40  # only 0.5 s ahead: due
+    eng.cfg.codec_hold_s = 0.0
+    a.samples_out += 10 * sr
+    a.frames += [torch.randint(0, 16, (K1,), generator=g) for _ in range(8)]
+    assert eng._codec_tick() is True and a.decoded_frames == 48  # holding off
+    with pytest.raises(ValueError, match="codec_hold_s"):
+        EngineConfig(codec_hold_s=-1)
