@@ -140,17 +140,16 @@ def run_level(engine: Engine, c: int, frames: int, *, threaded: bool) -> dict[st
 def sweep(bundle: Bundle, levels: list[int], frames: int, *, mode: str = "pingpong",
           codec: bool = True, max_len: int = 1024, fused_ops: str = "auto",
           config: dict | None = None) -> list[dict]:
-    """One engine per level; `config`: further EngineConfig fields (variants to compare)."""
+    """One engine per level; `config`: EngineConfig fields that override the mode's (variants
+    to compare)."""
     graphs, threaded = MODES[mode]
     rows = []
     with no_eos(bundle.model):
         for c in levels:
-            eng = build_engine(bundle, EngineConfig(max_running=c, max_len=max_len,
-                                                   max_turn_frames=max(frames, 8),
-                                                   cuda_graphs=graphs, pingpong=threaded,
-                                                   codec_graphs=graphs and codec,
-                                                   prefill_graphs=graphs,
-                                                   fused_ops=fused_ops, **(config or {})))
+            fields = dict(max_running=c, max_len=max_len, max_turn_frames=max(frames, 8),
+                          cuda_graphs=graphs, pingpong=threaded, codec_graphs=graphs and codec,
+                          prefill_graphs=graphs, fused_ops=fused_ops)
+            eng = build_engine(bundle, EngineConfig(**{**fields, **(config or {})}))
             if not codec:
                 _silent_codec(eng)
             if threaded:

@@ -111,9 +111,9 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.stall_s must be > 0, got {self.stall_s}")
         if not self.kv_reserve_gib >= 0:
             raise ValueError(f"EngineConfig.kv_reserve_gib must be >= 0, got {self.kv_reserve_gib}")
-        if isinstance(self.high_priority_streams, str):
+        if not isinstance(self.high_priority_streams, (tuple, list)):
             raise ValueError("EngineConfig.high_priority_streams must be a tuple of stream "
-                             f"names, got the string {self.high_priority_streams!r}")
+                             f"names, got {self.high_priority_streams!r}")
         bad = set(self.high_priority_streams) - {"decode", "prefill", "codec"}
         if bad:
             raise ValueError(f"EngineConfig.high_priority_streams: unknown stream(s) "
@@ -321,7 +321,8 @@ class Engine:
         step, one codec tick or one prefill round (milliseconds); a wait past `cfg.stall_s`
         means the GPU stopped making progress."""
         now = time.perf_counter()
-        landing = self._prefill_landing  # the decode thread swaps the list; read it once
+        # the decode thread swaps the list; read it once. Stopped threads land nothing.
+        landing = self._prefill_landing if self._running_pingpong else []
         since = [self._device_wait.get("decode"), self._device_wait.get("codec"),
                  min((j.landed_at for j in landing), default=None)]
         return max((now - t for t in since if t is not None), default=0.0)
@@ -695,15 +696,27 @@ class Engine:
             # an Exception (failed prefill) or None (CPU) is done; a CUDA event when it says so
             (landing if hasattr(j.event, "query") and not j.event.query() else done).append(j)
         self._prefill_landing = landing
-        for job in done:
-            self._complete_prefill(job)
+        for job in done:  # one job's failure must not strand the others (they left the list)
+            try:
+                self._complete_prefill(job)
+            except Exception as e:
+                log.exception("joining sequence %d after its prefill failed", job.seq.seq_id)
+                self._fail_sequence(job.seq, f"joining after prefill failed: {e}")
         return bool(done)
+
+    def _fail_sequence(self, seq: Sequence, message: str) -> None:
+        """Tell the sink and close the sequence (its slot goes back), whatever state it is in."""
+        if seq.state is SeqState.CLOSED:
+            return
+        try:
+            seq.sink.on_error(seq, message)
+            self._close(seq)
+        except Exception:
+            log.exception("closing failed sequence %d failed too", seq.seq_id)
 
     def _complete_prefill(self, job: PrefillJob) -> None:
         if isinstance(job.event, Exception):
-            if job.seq.state is not SeqState.CLOSED:
-                job.seq.sink.on_error(job.seq, f"prefill failed: {job.event}")
-                self._close(job.seq)
+            self._fail_sequence(job.seq, f"prefill failed: {job.event}")
             return
         if job.event is not None and self.decode_stream is not None:
             self.decode_stream.wait_event(job.event)  # GPU-side ordering, no host wait
@@ -1005,6 +1018,7 @@ class Engine:
         """Decode the pending frames of every turn that has a chunk's worth, in one batch."""
         work: dict[int, tuple[Sequence, Turn, Tensor]] = {}
         ended: list[tuple[Sequence, Turn]] = []
+        ripe: list[tuple[Sequence, Turn, int]] = []
         due, now = False, time.perf_counter()
         with self._audio_lock:
             audio = list(self._audio)
@@ -1023,15 +1037,17 @@ class Engine:
             if pending == 0 or (pending < need and not finished):
                 continue
             due |= finished or self._codec_due(turn, pending, now)
+            ripe.append((s, turn, pending))
+        for s, turn in ended:
+            self._finish_audio(s, turn)
+        if not due:  # every ripe stream is far enough ahead: wait for a fuller tick
+            return bool(ended)
+        for s, turn, pending in ripe:
             if turn.codec_stream is None:
                 turn.codec_stream = self.decoder.open()
             codes = torch.stack(turn.frames[turn.decoded_frames: turn.decoded_frames + pending],
                                 dim=1)[1:]  # [K, n]
             work[turn.codec_stream] = (s, turn, codes)
-        for s, turn in ended:
-            self._finish_audio(s, turn)
-        if not due:  # every ripe stream is far enough ahead: wait for a fuller tick
-            return bool(ended)
         t0 = time.perf_counter()
         try:
             if self.cuda:  # on a CPU the codec's wait is its own compute, not a stall

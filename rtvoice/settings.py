@@ -162,7 +162,8 @@ class EngineSettings:
         "chunk_frames": "codec frames in later audio chunks",
         "codec_hold_s": "a stream more than this many seconds of audio ahead of realtime "
         "playback lets its chunk wait (up to 2 x chunk_frames) for a fuller batched codec "
-        "tick; 0: every chunk is decoded as soon as it is ready",
+        "tick; keep it well above the clients' jitter buffer; 0: every chunk is decoded as "
+        "soon as it is ready",
         "budget_multiplier": "segment budget = this x estimated speech duration",
         "min_turn_frames": "smallest segment budget (frames)",
         "max_turn_frames": "hard cap of one segment (frames; 21.5 frames = 1 s)",

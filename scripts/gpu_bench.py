@@ -268,9 +268,10 @@ def engine_sweep(report: dict, device: str, levels: list[int], frames: int,
     ends = [levels[0], 64] if 64 in levels else [levels[0], levels[-1]]
     hi = max(levels)
     runs = [("pingpong_codec", levels, dict(mode="pingpong", codec=True)),
-            # the stream-priority and prefill-batch choices, at the top level only
-            ("pingpong_codec_equal_priority", [hi], dict(mode="pingpong", codec=True, config=dict(
-                high_priority_streams=()))),
+            # the stream-priority and prefill-batch choices, at the top level only (the
+            # default: all streams at equal priority, prefill batches of 16)
+            ("pingpong_codec_decode_priority", [hi], dict(mode="pingpong", codec=True, config=dict(
+                high_priority_streams=("decode", "prefill")))),
             ("pingpong_codec_codec_priority", [hi], dict(mode="pingpong", codec=True, config=dict(
                 high_priority_streams=("prefill", "codec")))),
             ("pingpong_codec_prefill_batch_64", [hi], dict(mode="pingpong", codec=True,
@@ -383,7 +384,7 @@ def main() -> int:
                     help="profile the step again with the compiled torch sampler instead of "
                          "csrc's sample_topk (key profile_compiled_sampler)")
     ap.add_argument("--engine-runs", default="", help="comma list of engine runs to keep "
-                    "(pingpong_codec, pingpong_codec_equal_priority, "
+                    "(pingpong_codec, pingpong_codec_decode_priority, "
                     "pingpong_codec_codec_priority, pingpong_codec_prefill_batch_64, "
                     "pingpong_nocodec, pingpong_unfused_nocodec, graphs_sync_nocodec, "
                     "naive_nocodec); default all")

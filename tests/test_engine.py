@@ -250,12 +250,72 @@ def test_prefill_joins_when_it_lands_and_running_turns_go_on(tiny_bundle, monkey
         assert not b_sink.ready.is_set()  # not joined while its prefill is on the "GPU"
         assert len(a_sink.audio) > chunks  # ...and a's turn went on meanwhile
         assert eng.device_wait_s() >= 0.3
+        # a sequence closed while its prefill lands never joins, and frees its slot
+        c_sink = CollectingSink()
+        c = eng.open([], SamplingParams(seed=3), c_sink)  # waits for a slot (2 in use)
+        eng.close(b)
+        while len(eng._prefill_landing) < 2 and time.perf_counter() < deadline:
+            time.sleep(0.005)
+        assert len(eng._prefill_landing) == 2  # b's and c's voice prompts
+        eng.close(c)
         gate.set()
-        assert b_sink.ready.wait(10)
+        while eng._prefill_landing and time.perf_counter() < deadline:
+            time.sleep(0.005)
         assert not eng._prefill_landing and eng.device_wait_s() < 0.3
+        assert not b_sink.ready.is_set() and not c_sink.ready.is_set()
+        assert not b_sink.errors and not c_sink.errors
         eng.cancel(a)
         assert a_sink.done.wait(60)
-        eng.close(b)
+        d_sink = CollectingSink()
+        eng.open([], SamplingParams(seed=4), d_sink)  # both freed slots are usable
+        assert d_sink.ready.wait(10)
+    finally:
+        eng.shutdown()
+
+
+def test_a_failed_join_fails_only_its_sequence(tiny_bundle, monkeypatch):
+    """Several prefills land in one pass and joining one of them raises: that sequence gets
+    an error and is closed; the others join."""
+    import threading
+
+    eng = build_engine(tiny_bundle, EngineConfig(max_running=3, max_len=512))
+    gate = threading.Event()
+
+    class Landing:
+        def query(self) -> bool:
+            return gate.is_set()
+
+    real_round, real_done = eng._prefill_on_stream, eng._prefill_done
+
+    def held(jobs):
+        done = real_round(jobs)
+        for j in done:
+            j.event = j.event if j.event is not None else Landing()
+        return done
+
+    sinks = [CollectingSink() for _ in range(3)]
+    seqs = [eng.open([], SamplingParams(seed=i), s) for i, s in enumerate(sinks)]
+
+    def flaky(job):
+        if job.seq is seqs[1]:
+            raise RuntimeError("boom")
+        real_done(job)
+
+    monkeypatch.setattr(eng, "_prefill_on_stream", held)
+    monkeypatch.setattr(eng, "_prefill_done", flaky)
+    eng.start()
+    try:
+        import time
+
+        deadline = time.perf_counter() + 30
+        while len(eng._prefill_landing) < 3 and time.perf_counter() < deadline:
+            time.sleep(0.005)
+        assert len(eng._prefill_landing) == 3
+        gate.set()  # all three complete in one pass
+        assert sinks[0].ready.wait(10) and sinks[2].ready.wait(10)
+        assert sinks[1].ready.wait(10) and "joining after prefill failed: boom" in sinks[1].errors[0]
+        assert not sinks[0].errors and not sinks[2].errors
+        assert eng.free_slots() == 1  # the failed sequence gave its slot back
     finally:
         eng.shutdown()
 
@@ -447,6 +507,7 @@ def test_prefill_graph_plan_matches_eager(tiny_bundle):
     (dict(stall_s=0), "stall_s must be > 0"),
     (dict(fused_ops="fast"), "fused_ops must be"),
     (dict(high_priority_streams="decode"), "tuple of stream names"),
+    (dict(high_priority_streams=None), "tuple of stream names"),
     (dict(high_priority_streams=("decode", "audio")), "unknown stream(s) ['audio']"),
 ])
 def test_engine_config_rejects_bad_values(kwargs, needle):
