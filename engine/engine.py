@@ -1016,32 +1016,12 @@ class Engine:
 
     def _codec_tick(self) -> bool:
         """Decode the pending frames of every turn that has a chunk's worth, in one batch."""
-        work: dict[int, tuple[Sequence, Turn, Tensor]] = {}
-        ended: list[tuple[Sequence, Turn]] = []
-        ripe: list[tuple[Sequence, Turn, int]] = []
-        due, now = False, time.perf_counter()
-        with self._audio_lock:
-            audio = list(self._audio)
-        for s, turn in audio:
-            if turn.cancelled:
-                self._drop_audio(s, turn)
-                continue
-            finished = turn.finished is not None  # read before the frame count (see _process)
-            pending = len(turn.frames) - turn.decoded_frames
-            if finished and pending == 0:
-                ended.append((s, turn))
-                continue
-            # Chunks grow 2, 2, 4, 8, 8…: a small first chunk for TTFA, then doubling, so the
-            # listener's buffer is topped up before it drains, then full-size chunks.
-            need = min(self.cfg.chunk_frames, max(self.cfg.first_chunk_frames, turn.decoded_frames))
-            if pending == 0 or (pending < need and not finished):
-                continue
-            due |= finished or self._codec_due(turn, pending, now)
-            ripe.append((s, turn, pending))
+        ripe, ended, due = self._codec_candidates()
         for s, turn in ended:
             self._finish_audio(s, turn)
         if not due:  # every ripe stream is far enough ahead: wait for a fuller tick
             return bool(ended)
+        work: dict[int, tuple[Sequence, Turn, Tensor]] = {}
         for s, turn, pending in ripe:
             if turn.codec_stream is None:
                 turn.codec_stream = self.decoder.open()
@@ -1084,6 +1064,33 @@ class Engine:
             if turn.finished is not None and turn.decoded_frames == len(turn.frames):
                 self._finish_audio(s, turn)
         return True
+
+    def _codec_candidates(self) -> tuple[list[tuple[Sequence, Turn, int]],
+                                         list[tuple[Sequence, Turn]], bool]:
+        """The streams with a chunk's worth of frames (and how many frames), the turns whose
+        audio is complete, and whether any ripe stream needs a tick now."""
+        ripe: list[tuple[Sequence, Turn, int]] = []
+        ended: list[tuple[Sequence, Turn]] = []
+        due, now = False, time.perf_counter()
+        with self._audio_lock:
+            audio = list(self._audio)
+        for s, turn in audio:
+            if turn.cancelled:
+                self._drop_audio(s, turn)
+                continue
+            finished = turn.finished is not None  # read before the frame count (see _process)
+            pending = len(turn.frames) - turn.decoded_frames
+            if finished and pending == 0:
+                ended.append((s, turn))
+                continue
+            # Chunks grow 2, 2, 4, 8, 8…: a small first chunk for TTFA, then doubling, so the
+            # listener's buffer is topped up before it drains, then full-size chunks.
+            need = min(self.cfg.chunk_frames, max(self.cfg.first_chunk_frames, turn.decoded_frames))
+            if pending == 0 or (pending < need and not finished):
+                continue
+            due |= finished or self._codec_due(turn, pending, now)
+            ripe.append((s, turn, pending))
+        return ripe, ended, due
 
     def _codec_due(self, turn: Turn, pending: int, now: float) -> bool:
         """Whether a stream with a chunk's worth of frames needs a tick now. One that is
