@@ -4,8 +4,9 @@ kernel launches from Python (the host time that bounded TTFA).
 - One sequence: a graph per (columns bucket, span bucket); a turn's text or a voice-prompt
   chunk is padded to the next columns bucket and reads keys over the next span bucket.
 - N sequences: short chunks (turn texts, <= `BATCHED_COLS` columns) of up to `batch`
-  sequences in one replay, keys over the whole context, padding rows on the scratch slot: a
-  burst of turns (every session of a server starting to speak) takes a few replays.
+  sequences in one replay, grouped by start position, keys over the span bucket that holds
+  the group's rows, padding rows on the scratch slot: a burst of turns (every session of a
+  server starting to speak) takes a few replays.
 
 Padded columns write k/v past a sequence's end, where everything is written again before
 it is read (runner.prefill_static). Graphs are captured against the scratch slot; inputs
@@ -49,8 +50,8 @@ class PrefillGraphs:
     def keys(self) -> list[Key]:
         """Every graph this set captures."""
         keys = [(1, T, span) for T in self.cols for span in self.spans if T <= span]
-        keys += [(N, T, self.spans[-1]) for N in self.rows for T in self.cols
-                 if T <= self.BATCHED_COLS]
+        keys += [(N, T, span) for N in self.rows for T in self.cols if T <= self.BATCHED_COLS
+                 for span in self.spans if T <= span]
         return keys
 
     def capture(self, side: torch.cuda.Stream | None = None) -> None:
@@ -104,11 +105,17 @@ class PrefillGraphs:
             j = bisect.bisect_left(self.spans, it[2] + T)
             replays.append(((1, T, self.spans[j]), [it]))
         elif short:
+            # groups of neighbouring start positions, each reading keys over the smallest span
+            # that holds its rows (a group over the whole context would read every row's
+            # keys up to max_len: at 4,096 positions most of a round's memory traffic)
             most = self.rows[-1]
+            short.sort(key=lambda ti: ti[1][2])
             for k in range(0, len(short), most):
                 group = short[k: k + most]
                 N = self.rows[bisect.bisect_left(self.rows, len(group))]
-                replays.append(((N, max(t for t, _ in group), full), [it for _, it in group]))
+                T = max(t for t, _ in group)
+                span = self.spans[bisect.bisect_left(self.spans, max(it[2] for _, it in group) + T)]
+                replays.append(((N, T, span), [it for _, it in group]))
         return replays, eager
 
     def replay(self, key: Key, chunks: list[Chunk]) -> None:

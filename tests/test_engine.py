@@ -487,7 +487,15 @@ def test_prefill_graph_plan_matches_eager(tiny_bundle):
     plan, eager = eng.prefill_graphs.plan([(0, torch.zeros(11, 5, dtype=torch.long), 40),
                                      (1, torch.zeros(11, 20, dtype=torch.long), 30),
                                      (2, torch.zeros(11, 32, dtype=torch.long), 0)])
-    assert not eager and [k for k, _ in plan] == [(4, 32, 512)]  # three short chunks, one replay
+    # three short chunks, one replay, keys over the span that holds them (40 + 32 <= 256)
+    assert not eager and [k for k, _ in plan] == [(4, 32, 256)]
+    # more chunks than a replay takes: grouped by start, each group over its own span
+    many = [(i, torch.zeros(11, 5, dtype=torch.long), 300 if i % 3 == 0 else 10)
+            for i in range(24)]  # 16 early, 8 later in their contexts, interleaved
+    plan, eager = eng.prefill_graphs.plan(many)
+    assert not eager and sorted(k for k, _ in plan) == [(8, 8, 512), (16, 8, 256)]
+    for (N, T, span), chunks in plan:
+        assert len(chunks) <= N and all(start + T <= span for _, _, start in chunks)
     plan, _ = eng.prefill_graphs.plan([(0, torch.zeros(11, 5, dtype=torch.long), 40)])
     assert [k for k, _ in plan] == [(1, 8, 256)]  # alone: the single graph, smallest span
     # a short chunk near the end of the context never joins a group padded to 64 columns
