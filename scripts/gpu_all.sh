@@ -5,12 +5,13 @@
 #      engine codec's audio, pingpong == sync, capture streams, the fused masked attention;
 #      ~110 s incl. the ~70 s extension build); TESTS=all runs tests/test_cuda.py and
 #      tests/test_kernels.py whole (~230 s), TESTS_K picks by name;
-#   2. the server bench: `rtvoice serve` (S2-Pro shapes, bf16 dummy weights) driven by
+#   2. scripts/prefill_probe.py (PROBE=0 skips it): one prefill-graph replay per bucket alone;
+#   3. the server bench: `rtvoice serve` (S2-Pro shapes, bf16 dummy weights) driven by
 #      bench-latency over real WebSockets at c = 1, 4, 16, 32, 64, 200 ms jitter buffer;
-#   3. scripts/gpu_bench.py: reference fixtures on the GPU, codec speed (graphed ticks), the
+#   4. scripts/gpu_bench.py: reference fixtures on the GPU, codec speed (graphed ticks), the
 #      frame-step profile, and the engine sweep (pingpong with/without codec vs naive) at
 #      c = 1, 4, 16, 32, 64, 128.
-# Results under $OUT (default artifacts/gpu): tests.txt, server_c<N>.json, server.log,
+# Results under $OUT (default artifacts/gpu): tests.txt, prefill_probe.txt, server_c<N>.json, server.log,
 # gpu_bench.json, gpu_bench_log.txt. Knobs: TESTS, TESTS_K, SERVER_LEVELS, LEVEL_TIMEOUT,
 # TESTS_TIMEOUT, SERVER_TIMEOUT, ENGINE_LEVELS, ENGINE_RUNS, SKIP (gpu_bench sections;
 # default decode,codec_profile), TOTAL (s), COMPILED_SAMPLER=1 (profile the step again with
@@ -25,6 +26,9 @@ if [ "${TESTS:-smoke}" = all ]; then K=${TESTS_K:-}; else K=${TESTS_K:-$SMOKE}; 
 timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_kernels.py \
     ${K:+-k "$K"} 2>&1 | grep -v "Warning\|warn\|^  \|^$" | tail -15 | tee "$OUT/tests.txt"
 echo "tests done at +$(( $(date +%s) - t0 ))s"
+if [ "${PROBE:-1}" = 1 ]; then  # prefill graphs alone: what a burst of turns costs (~25 s)
+    timeout 90 python3 scripts/prefill_probe.py 2>&1 | grep -v "Warn\|warn" | tail -2 | tee "$OUT/prefill_probe.txt"
+fi
 MAX_LEN=${MAX_LEN:-1024} SERVER_LEVELS=${SERVER_LEVELS:-1 4 16 32 64} \
     timeout ${SERVER_TIMEOUT:-220} bash scripts/gpu_server_bench.sh 2>&1 | grep -v "^ \|^$" | tail -40
 echo "server bench done at +$(( $(date +%s) - t0 ))s"
