@@ -14,10 +14,19 @@
 //                             or a slot no row of this launch reads (>= B, e.g. scratch)
 //   pos      [B] int64        each row's position (0 <= pos < S; not checked on the device)
 //   out      [B, H, D]        contiguous
+//   splits   int              1: one block reads all of a row's positions; > 1: each row's
+//                             positions are cut into `splits` ranges read by separate blocks
+//                             (partial softmax states in float32, merged by a second kernel);
+//                             0: as many as it takes to fill the GPU when the batch is small
 // Row b attends to positions 0..pos[b] of slot b (row b's own slot: the engine's batch rows
 // are its slots); the key/value at pos[b] is taken from k_new/v_new, so blocks never read
 // what another block of the same launch writes. Query head h uses kv head h / (H / Hkv).
 // Scores and the softmax are computed in float32; scale = 1/sqrt(D).
+//
+// Why splits: at batch 1 a launch has only H (R = 1) blocks, each walking all positions one
+// dependent memory round trip after another — latency-bound (37 us per layer at position
+// 1,000 on an H200 for 4 MB of keys and values). Splitting the positions gives the GPU
+// enough blocks to overlap those round trips.
 
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -32,6 +41,7 @@ namespace {
 // blocks fit on an SM); a group owns one position at a time.
 constexpr int kGroups = 16;
 constexpr int kMinLanes = 8;
+constexpr int64_t kMaxSplits = 32;
 
 template <typename T>
 __device__ __forceinline__ float to_f(T x) { return static_cast<float>(x); }
@@ -56,16 +66,18 @@ __device__ __forceinline__ void load(const T* __restrict__ p, float (&out)[E], b
   for (int e = 0; e < E; ++e) out[e] = to_f(p[e]);
 }
 
-// One block per (row b, R query heads of one kv head g): with R = all the heads of g each
-// key/value row is read once (large batches); with R = 1 there are more, smaller blocks to
-// fill the GPU (small batches). E = D / L elements of the head dimension per lane.
+// One block per (row b, R query heads of one kv head g, range of positions): with R = all the
+// heads of g each key/value row is read once (large batches); with R = 1 there are more,
+// smaller blocks to fill the GPU (small batches). E = D / L elements of the head dimension
+// per lane. With splits > 1 the block writes its range's softmax state (max, sum, unnormalised
+// output, float32) to ws_ml / ws_o for decode_attention_combine.
 template <typename T, int E, int R, int L>
 __global__ void __launch_bounds__(kGroups * L) decode_attention_kernel(
     const T* __restrict__ q, int64_t q_rs, const T* __restrict__ k_new, int64_t k_rs,
     const T* __restrict__ v_new, int64_t v_rs, T* __restrict__ k_cache,
     T* __restrict__ v_cache, const int64_t* __restrict__ wslot,
     const int64_t* __restrict__ pos, T* __restrict__ out, int Hkv, int rep, int64_t S,
-    float scale, bool vec) {
+    float scale, bool vec, int splits, float* __restrict__ ws_o, float* __restrict__ ws_ml) {
   constexpr int D = E * L;
   constexpr int kThreads = kGroups * L;
   __shared__ float s_m[kGroups][R];
@@ -74,13 +86,17 @@ __global__ void __launch_bounds__(kGroups * L) decode_attention_kernel(
 
   const int parts = rep / R;
   const int g = blockIdx.x / parts, part = blockIdx.x % parts, b = blockIdx.y;
+  const int split = blockIdx.z;
   const int h0 = g * rep + part * R;  // first query head of this block
   const int grp = threadIdx.x / L, sub = threadIdx.x % L;
   const int64_t p = pos[b];
+  // this block's positions [t_begin, t_end) of 0..p (empty for a split past the row's end)
+  const int64_t n = p + 1, chunk = (n + splits - 1) / splits;
+  const int64_t t_begin = min(n, split * chunk), t_end = min(n, t_begin + chunk);
   const T* kn = k_new + b * k_rs + g * D;
   const T* vn = v_new + b * v_rs + g * D;
 
-  if (part == 0) {  // store this position (read back below from k_new/v_new, never the cache)
+  if (part == 0 && split == 0) {  // store this position (read back from k_new/v_new below)
     const int64_t w = ((wslot[b] * Hkv + g) * S + p) * D;
     for (int i = threadIdx.x; i < D; i += kThreads) {
       k_cache[w + i] = kn[i];
@@ -106,10 +122,10 @@ __global__ void __launch_bounds__(kGroups * L) decode_attention_kernel(
 
   const int64_t base = (static_cast<int64_t>(b) * Hkv + g) * S * D;
   // Trips are uniform across the block (t0 is), so every lane reaches every shuffle; a group
-  // whose position t is past p computes nothing and keeps its state.
-  for (int64_t t0 = 0; t0 <= p; t0 += kGroups) {
+  // whose position t is past the range computes nothing and keeps its state.
+  for (int64_t t0 = t_begin; t0 < t_end; t0 += kGroups) {
     const int64_t t = t0 + grp;
-    const bool live = t <= p;
+    const bool live = t < t_end;
     float kk[E], vv[E];
     float s[R];
     if (live) {  // key and value loads issued together: two memory round trips overlap
@@ -167,7 +183,40 @@ __global__ void __launch_bounds__(kGroups * L) decode_attention_kernel(
       den += s_l[j][r] * f;
       o += s_acc[j][r][d] * f;
     }
-    out[(static_cast<int64_t>(b) * Hkv * rep + h0 + r) * D + d] = static_cast<T>(o / den);
+    const int64_t bh = static_cast<int64_t>(b) * Hkv * rep + h0 + r;
+    if (splits == 1) {
+      out[bh * D + d] = static_cast<T>(o / den);
+    } else {  // an empty range leaves den = 0: the merge skips it
+      const int64_t w = bh * splits + split;
+      ws_o[w * D + d] = o;
+      if (d == 0) {
+        ws_ml[2 * w] = M;
+        ws_ml[2 * w + 1] = den;
+      }
+    }
+  }
+}
+
+// Merges the splits' softmax states of one (row, query head) per block: out = sum_s o_s e^(m_s
+// - M) / sum_s l_s e^(m_s - M). Split 0 always holds position 0, so some den is > 0.
+template <typename T>
+__global__ void decode_attention_combine(const float* __restrict__ ws_o,
+                                         const float* __restrict__ ws_ml, T* __restrict__ out,
+                                         int splits, int D) {
+  const int64_t bh = blockIdx.x;
+  const float* ml = ws_ml + 2 * bh * splits;
+  float M = -INFINITY;
+  for (int s = 0; s < splits; ++s)
+    if (ml[2 * s + 1] > 0.f) M = fmaxf(M, ml[2 * s]);
+  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    float num = 0.f, den = 0.f;
+    for (int s = 0; s < splits; ++s) {
+      if (ml[2 * s + 1] == 0.f) continue;
+      const float f = __expf(ml[2 * s] - M);
+      den += ml[2 * s + 1] * f;
+      num += ws_o[(bh * splits + s) * D + d] * f;
+    }
+    out[bh * D + d] = static_cast<T>(num / den);
   }
 }
 
@@ -175,13 +224,14 @@ template <typename T, int E, int L>
 void launch_e(int R, int rep, dim3 grid, cudaStream_t stream, const torch::Tensor& q,
               const torch::Tensor& k_new, const torch::Tensor& v_new, torch::Tensor& k_cache,
               torch::Tensor& v_cache, const torch::Tensor& wslot, const torch::Tensor& pos,
-              torch::Tensor& out, float scale, bool vec) {
+              torch::Tensor& out, float scale, bool vec, int splits, float* ws_o,
+              float* ws_ml) {
 #define RTV_LAUNCH(R_)                                                                      \
   decode_attention_kernel<T, E, R_, L><<<grid, kGroups * L, 0, stream>>>(                         \
       q.data_ptr<T>(), q.stride(0), k_new.data_ptr<T>(), k_new.stride(0),                   \
       v_new.data_ptr<T>(), v_new.stride(0), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),   \
       wslot.data_ptr<int64_t>(), pos.data_ptr<int64_t>(), out.data_ptr<T>(),                \
-      static_cast<int>(k_new.size(1)), rep, k_cache.size(2), scale, vec)
+      static_cast<int>(k_new.size(1)), rep, k_cache.size(2), scale, vec, splits, ws_o, ws_ml)
   switch (R) {
     case 1: RTV_LAUNCH(1); break;
     case 2: RTV_LAUNCH(2); break;
@@ -199,7 +249,7 @@ bool aligned16(const torch::Tensor& t) {
 template <typename T>
 void launch(const torch::Tensor& q, const torch::Tensor& k_new, const torch::Tensor& v_new,
             torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& wslot,
-            const torch::Tensor& pos, torch::Tensor& out) {
+            const torch::Tensor& pos, torch::Tensor& out, int64_t splits) {
   const int B = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_new.size(1);
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   const int rep = H / Hkv;
@@ -212,25 +262,47 @@ void launch(const torch::Tensor& q, const torch::Tensor& k_new, const torch::Ten
     if (dev < 64) sm_count[dev] = n_sm;
   }
   const int R = (static_cast<int64_t>(B) * Hkv >= 2 * n_sm) ? rep : 1;
-  const dim3 grid(Hkv * (rep / R), B);
+  const int64_t blocks = static_cast<int64_t>(B) * Hkv * (rep / R);
+  if (splits == 0) {  // auto: fill the GPU twice over, each range at least 64 positions long
+    const int64_t want = blocks >= n_sm ? 1 : (2 * n_sm + blocks - 1) / blocks;
+    splits = std::max<int64_t>(1, std::min<int64_t>({want, kMaxSplits, k_cache.size(2) / 64}));
+  }
+  const int ns = static_cast<int>(std::min<int64_t>(splits, kMaxSplits));
+  const dim3 grid(Hkv * (rep / R), B, ns);
   const bool vec = aligned16(q) && aligned16(k_new) && aligned16(v_new) && aligned16(k_cache) &&
                    aligned16(v_cache);
   auto stream = c10::cuda::getCurrentCUDAStream();
+  torch::Tensor ws_o, ws_ml;  // the splits' partial softmax states (float32)
+  float* o_ptr = nullptr;
+  float* ml_ptr = nullptr;
+  if (ns > 1) {
+    const auto f32 = q.options().dtype(at::kFloat);
+    ws_o = torch::empty({static_cast<int64_t>(B) * H * ns * D}, f32);
+    ws_ml = torch::empty({static_cast<int64_t>(B) * H * ns * 2}, f32);
+    o_ptr = ws_o.data_ptr<float>();
+    ml_ptr = ws_ml.data_ptr<float>();
+  }
   switch (D) {
-    case 40: launch_e<T, 5, 8>(R, rep, grid, stream, q, k_new, v_new, k_cache, v_cache, wslot, pos, out, scale, vec); break;
-    case 48: launch_e<T, 6, 8>(R, rep, grid, stream, q, k_new, v_new, k_cache, v_cache, wslot, pos, out, scale, vec); break;
-    case 64: launch_e<T, 8, 8>(R, rep, grid, stream, q, k_new, v_new, k_cache, v_cache, wslot, pos, out, scale, vec); break;
-    case 128: launch_e<T, 8, 16>(R, rep, grid, stream, q, k_new, v_new, k_cache, v_cache, wslot, pos, out, scale, vec); break;
+    case 40: launch_e<T, 5, 8>(R, rep, grid, stream, q, k_new, v_new, k_cache, v_cache, wslot, pos, out, scale, vec, ns, o_ptr, ml_ptr); break;
+    case 48: launch_e<T, 6, 8>(R, rep, grid, stream, q, k_new, v_new, k_cache, v_cache, wslot, pos, out, scale, vec, ns, o_ptr, ml_ptr); break;
+    case 64: launch_e<T, 8, 8>(R, rep, grid, stream, q, k_new, v_new, k_cache, v_cache, wslot, pos, out, scale, vec, ns, o_ptr, ml_ptr); break;
+    case 128: launch_e<T, 8, 16>(R, rep, grid, stream, q, k_new, v_new, k_cache, v_cache, wslot, pos, out, scale, vec, ns, o_ptr, ml_ptr); break;
     default: TORCH_CHECK(false, "decode_attention: head_dim ", D, " is not supported");
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (ns > 1) {
+    decode_attention_combine<T><<<static_cast<unsigned>(B * H), 128, 0, stream>>>(
+        o_ptr, ml_ptr, out.data_ptr<T>(), ns, D);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
 }
 
 }  // namespace
 
 void decode_attention(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new,
                       torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor wslot,
-                      torch::Tensor pos, torch::Tensor out) {
+                      torch::Tensor pos, torch::Tensor out, int64_t splits) {
+  TORCH_CHECK(splits >= 0, "decode_attention: splits must be >= 0 (0: automatic), got ", splits);
   TORCH_CHECK(q.is_cuda(), "decode_attention: CUDA tensors expected");
   TORCH_CHECK(q.dim() == 3 && k_new.dim() == 3 && v_new.dim() == 3 && out.dim() == 3,
               "decode_attention: q/k_new/v_new/out must be 3-d");
@@ -254,9 +326,9 @@ void decode_attention(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new,
   if (B == 0) return;
   const c10::cuda::CUDAGuard guard(q.device());
   switch (dt) {
-    case at::kBFloat16: launch<at::BFloat16>(q, k_new, v_new, k_cache, v_cache, wslot, pos, out); break;
-    case at::kHalf: launch<at::Half>(q, k_new, v_new, k_cache, v_cache, wslot, pos, out); break;
-    case at::kFloat: launch<float>(q, k_new, v_new, k_cache, v_cache, wslot, pos, out); break;
+    case at::kBFloat16: launch<at::BFloat16>(q, k_new, v_new, k_cache, v_cache, wslot, pos, out, splits); break;
+    case at::kHalf: launch<at::Half>(q, k_new, v_new, k_cache, v_cache, wslot, pos, out, splits); break;
+    case at::kFloat: launch<float>(q, k_new, v_new, k_cache, v_cache, wslot, pos, out, splits); break;
     default: TORCH_CHECK(false, "decode_attention: unsupported dtype ", dt);
   }
 }

@@ -92,6 +92,10 @@ class EngineConfig:
     # version (on a GPU with the extension built; 0.57 -> 0.47 ms of top-k per step at batch
     # 1, 0.80 -> 0.62 at 64, docs/PERF.md)
     sampler_kernel: bool = True
+    # decode_attention splits a row's positions over more blocks when the batch is too small
+    # to fill the GPU (batch <= 4 at S2-Pro's heads: a batch-1 launch is 32 blocks walking
+    # every position in turn, latency-bound at long contexts). Off until measured on a GPU.
+    split_kv: bool = False
     # CUDA streams whose kernels the block scheduler starts first when several are waiting
     # for SMs (the rest run at normal priority). Measured on the H200 at c=64 (docs/PERF.md):
     # decode+prefill high, prefill+codec high and all equal gave the same frames/s within
@@ -260,6 +264,7 @@ class Engine:
         self.fusion = fusion.enable(want, sampler_kernel=self.cfg.sampler_kernel and self.cuda)
         self.codec_kernels = fusion.codec_kernels(self.cfg.codec_kernels
                                                   and codec.device.type == "cuda")
+        self.split_kv = fusion.split_kv(self.cfg.split_kv and self.cuda)
         if self.fusion == "compile":
             fusion.pack_ffn(runner.model)  # W1|W3 in one buffer: one GEMM per FFN input
             self._warm_prefill()

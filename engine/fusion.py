@@ -107,6 +107,17 @@ def _set_kernels(sampler_kernel: bool) -> None:
     sampler.SAMPLER_OPS.sample = kernels.sample_topk if built else _state["compiled_sample"]
 
 
+def split_kv(enabled: bool) -> bool:
+    """Let csrc's decode_attention split each row's positions over more blocks when the batch
+    is too small to fill the GPU (engine.kernels.decode_attention, splits=0), or read each row
+    in one block (splits=1). Process-wide; set before the decode graphs are captured (a graph
+    keeps the launch it captured). Returns the setting."""
+    from . import kernels
+
+    kernels._state["splits"] = 0 if enabled else 1
+    return enabled
+
+
 def codec_kernels(enabled: bool) -> bool:
     """Route the codec's pointwise ops (`engine.codec.layers.CODEC_OPS`) through csrc's
     one-pass kernels (engine.kernels.snake / snake_cat / bias_residual, with the streaming

@@ -24,7 +24,9 @@ CSRC = Path(__file__).resolve().parents[1] / "csrc"
 KERNEL_FILES = ("prev_tokens.cu", "decode_attention.cu", "sampling.cu", "activation.cu")  # per family
 KERNEL_OPS = ("prev_tokens_shift_inplace", "decode_attention", "sample_topk", "snake", "bias_residual")
 _lock = threading.Lock()
-_state: dict[str, object] = {"loaded": None}
+# "splits": decode_attention's default position split (1: none; 0: automatic, small batches
+# spread over more blocks; engine.fusion.split_kv sets it, process-wide)
+_state: dict[str, object] = {"loaded": None, "splits": 1}
 
 
 def extension_available() -> bool:
@@ -155,20 +157,28 @@ def decode_attention_available(q: Tensor, k_heads: int) -> bool:
 
 
 def decode_attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_cache: Tensor,
-                     wslot: Tensor, pos: Tensor, span: int) -> Tensor:
+                     wslot: Tensor, pos: Tensor, span: int, splits: int | None = None) -> Tensor:
     """One query position per row, grouped-query attention, the new k/v stored in place.
 
     q [B, H, D]; k_new/v_new [B, Hkv, D]; k_cache/v_cache [N, Hkv, S, D] (written at
     (wslot[b], :, pos[b])); wslot/pos int64 [B]. Row b attends to positions 0..pos[b] of
     cache row b, the last one being k_new/v_new. wslot[b] must be b or a slot no row reads
     (>= B), and pos < S: values are not checked (that would need a device sync). `span` (> every pos) bounds the fallback's
-    reads; the kernel reads exactly 0..pos[b]. Returns out [B, H, D] in q's dtype.
+    reads; the kernel reads exactly 0..pos[b]. `splits` (kernel only; the result is the
+    same): each row's positions read by this many blocks and merged (1), 0 = as many as fill
+    the GPU at small batches; None = the process-wide setting (`engine.fusion.split_kv`).
+    Returns out [B, H, D] in q's dtype.
     """
     _check_decode_attention(q, k_new, v_new, k_cache, v_cache, wslot, pos)
+    if splits is None:
+        splits = int(_state["splits"])  # type: ignore[call-overload]
+    if isinstance(splits, bool) or not isinstance(splits, int) or splits < 0:
+        raise ValueError(f"decode_attention: splits must be an int >= 0 (0: automatic), "
+                         f"got {splits!r}")
     if decode_attention_available(q, k_new.shape[1]):
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         torch.ops.rtvoice_kernels.decode_attention(q, k_new, v_new, k_cache, v_cache, wslot,
-                                                   pos, out)
+                                                   pos, out, splits)
         return out
     return _decode_attention_torch(q, k_new, v_new, k_cache, v_cache, wslot, pos, span)
 
@@ -336,9 +346,11 @@ def _bench() -> None:
         kc, vc = (torch.randn(bs + 1, 8, S, 128, device=dev, dtype=dt) for _ in range(2))
         ws = torch.arange(bs, device=dev)
         ps = torch.full((bs,), pos, device=dev)
-        for name, fn in ((kind, decode_attention), ("torch", _decode_attention_torch)):
+        for name, fn in ((kind, lambda *a: decode_attention(*a, splits=1)),
+                         (f"{kind}-split", lambda *a: decode_attention(*a, splits=0)),
+                         ("torch", _decode_attention_torch)):
             us = _timed(fn, (q, kn, vn, kc, vc, ws, ps, pos + 1), 200 if cuda else 5, cuda)
-            print(f"decode_attention bs={bs:3d} pos={pos:5d} {name:7s} {us:9.2f} us")
+            print(f"decode_attention bs={bs:3d} pos={pos:5d} {name:12s} {us:9.2f} us")
     from .sampler import sample
 
     for bs in (1, 64, 128):  # a main-token draw: 4,096 semantic tokens + <|im_end|>

@@ -2,16 +2,19 @@
 # The whole GPU measurement of issue 5 in one device call (sized for 10 minutes on one H200;
 # the parts run under their own limits and the engine sweep gets what is left):
 #   1. CUDA tests: by default the smoke set (no host sync in steady state, the graphed
-#      engine codec's audio, pingpong == sync, capture streams, the fused masked attention;
+#      engine codec's audio, pingpong == sync, capture streams, the fused masked attention,
+#      decode attention with split positions;
 #      ~110 s incl. the ~70 s extension build); TESTS=all runs tests/test_cuda.py and
 #      tests/test_kernels.py whole (~230 s), TESTS_K picks by name;
-#   2. scripts/prefill_probe.py (PROBE=0 skips it): one prefill-graph replay per bucket alone;
+#   2. probes (PROBE=0 skips them): scripts/prefill_probe.py (one prefill-graph replay per
+#      bucket alone) and `python -m engine.kernels --bench` (csrc kernels vs torch);
 #   3. the server bench: `rtvoice serve` (S2-Pro shapes, bf16 dummy weights) driven by
 #      bench-latency over real WebSockets at c = 1, 4, 16, 32, 64, 200 ms jitter buffer;
 #   4. scripts/gpu_bench.py: reference fixtures on the GPU, codec speed (graphed ticks), the
 #      frame-step profile, and the engine sweep (pingpong with/without codec vs naive) at
 #      c = 1, 4, 16, 32, 64, 128.
-# Results under $OUT (default artifacts/gpu): tests.txt, prefill_probe.txt, server_c<N>.json, server.log,
+# Results under $OUT (default artifacts/gpu; 7-8 files, what one device call brings back):
+# tests.txt, probes.txt, server.json (+ server.png), server.log,
 # gpu_bench.json, gpu_bench_log.txt. Knobs: TESTS, TESTS_K, SERVER_LEVELS, LEVEL_TIMEOUT,
 # TESTS_TIMEOUT, SERVER_TIMEOUT, ENGINE_LEVELS, ENGINE_RUNS, SKIP (gpu_bench sections;
 # default decode,codec_profile), TOTAL (s), COMPILED_SAMPLER=1 (profile the step again with
@@ -21,16 +24,21 @@ OUT=${OUT:-artifacts/gpu}
 mkdir -p "$OUT"
 export OUT PYTHONUNBUFFERED=1 RTVOICE_FIXTURES=${RTVOICE_FIXTURES:-.fixtures/fish_s2_tiny}
 t0=$(date +%s)
-SMOKE="host_sync or engine_audio or pingpong or replay_streams or fused_kernel or bias_folding"
+SMOKE="host_sync or engine_audio or pingpong or replay_streams or fused_kernel or bias_folding or split"
 if [ "${TESTS:-smoke}" = all ]; then K=${TESTS_K:-}; else K=${TESTS_K:-$SMOKE}; fi
 timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_kernels.py \
     ${K:+-k "$K"} 2>&1 | grep -v "Warning\|warn\|^  \|^$" | tail -15 | tee "$OUT/tests.txt"
 echo "tests done at +$(( $(date +%s) - t0 ))s"
 if [ "${PROBE:-1}" = 1 ]; then  # prefill graphs alone: what a burst of turns costs (~25 s)
-    timeout 90 python3 scripts/prefill_probe.py 2>&1 | grep -v "Warn\|warn" | tail -2 | tee "$OUT/prefill_probe.txt"
+    timeout 90 python3 scripts/prefill_probe.py 2>&1 | grep -v "Warn\|warn" | tail -2 | tee "$OUT/probes.txt"
+    # the csrc kernels vs torch (decode attention with and without split positions, ~15 s)
+    timeout 60 python3 -m engine.kernels --bench 2>&1 | grep -v "Warn\|warn" | tee -a "$OUT/probes.txt" | grep decode_attention
 fi
 MAX_LEN=${MAX_LEN:-1024} SERVER_LEVELS=${SERVER_LEVELS:-1 4 16 32 64} \
     timeout ${SERVER_TIMEOUT:-220} bash scripts/gpu_server_bench.sh 2>&1 | grep -v "^ \|^$" | tail -40
+# one merged report (+ plot where matplotlib is installed): the device returns 8 files at most
+python3 scripts/plot_server_levels.py "$OUT/server.json" "$OUT/server.png" "$OUT"/server_c*.json \
+    >/dev/null 2>&1; [ -s "$OUT/server.json" ] && rm -f "$OUT"/server_c*.json
 echo "server bench done at +$(( $(date +%s) - t0 ))s"
 timeout -s ABRT $(( ${TOTAL:-570} - ($(date +%s) - t0) )) python3 -X faulthandler scripts/gpu_bench.py \
     --skip "${SKIP:-decode,codec_profile}" ${COMPILED_SAMPLER:+--compiled-sampler} \

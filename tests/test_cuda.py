@@ -220,6 +220,23 @@ def test_sampler_kernel_engine_matches(gpu_bundle):
         assert torch.equal(a, b)
 
 
+def test_split_kv_engine_matches(gpu_bundle):
+    """EngineConfig(split_kv=True): the captured step's decode attention splits positions
+    over more blocks at this small batch; greedy frames equal the one-block kernel's."""
+    from engine import kernels
+
+    base, _ = _run(gpu_bundle, EngineConfig(max_running=8, max_len=512, pingpong=False), TEXTS)
+    assert kernels._state["splits"] == 1
+    try:
+        got, eng = _run(gpu_bundle, EngineConfig(max_running=8, max_len=512, pingpong=False,
+                                                 split_kv=True), TEXTS)
+        assert eng.split_kv and kernels._state["splits"] == 0
+    finally:
+        kernels._state["splits"] = 1
+    for a, b in zip(base, got):
+        assert torch.equal(a, b)
+
+
 def test_steady_state_decode_has_no_host_sync(gpu_bundle):
     """Launching a decode step (graph replay, result copy to pinned memory, event record)
     never synchronises with the GPU; only reading step N-1 waits, while step N runs."""

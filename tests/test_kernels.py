@@ -107,6 +107,32 @@ def test_decode_attention_contract(mutate, err):
         kernels.decode_attention(*args, span=6)
 
 
+@pytest.mark.parametrize("splits", [-1, 1.5, True, "2"])
+def test_decode_attention_rejects_bad_splits(splits):
+    args = _attention_case(3, 4, 2, 16, 4, 6, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="splits must be an int >= 0"):
+        kernels.decode_attention(*args, span=6, splits=splits)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("B,H,Hkv,D,S", [(1, 32, 8, 128, 2048), (2, 32, 8, 128, 300),
+                                         (3, 4, 2, 48, 17), (4, 4, 1, 40, 130)])
+@pytest.mark.parametrize("splits", [0, 2, 7, 32])  # 0: automatic; 32 > positions: empty ranges
+def test_decode_attention_split_positions_match_fallback(dtype, tol, B, H, Hkv, D, S, splits):
+    """Rows' positions split over several blocks and merged (small batches, long contexts)
+    give the one-block result; the new k/v is written once."""
+    assert kernels.extension_available(), "the CUDA extension did not build"
+    q, kn, vn, kc, vc, ws, pos = _attention_case(B, H, Hkv, D, B + 1, S, dtype, "cuda")
+    pos[-1] = S - 1  # the longest read; _attention_case puts row 0 at position 0 when B > 1
+    kc2, vc2 = kc.clone(), vc.clone()
+    got = kernels.decode_attention(q, kn, vn, kc, vc, ws, pos, span=S, splits=splits)
+    want = kernels._decode_attention_torch(q, kn, vn, kc2, vc2, ws, pos, S)
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
