@@ -91,7 +91,8 @@ __global__ void __launch_bounds__(kGroups * L) decode_attention_kernel(
   const int grp = threadIdx.x / L, sub = threadIdx.x % L;
   const int64_t p = pos[b];
   // this block's positions [t_begin, t_end) of 0..p (empty for a split past the row's end)
-  const int64_t n = p + 1, chunk = (n + splits - 1) / splits;
+  // ranges in whole passes of kGroups positions, so only a range's last pass runs part-empty
+  const int64_t n = p + 1, chunk = ((n + splits - 1) / splits + kGroups - 1) / kGroups * kGroups;
   const int64_t t_begin = min(n, split * chunk), t_end = min(n, t_begin + chunk);
   const T* kn = k_new + b * k_rs + g * D;
   const T* vn = v_new + b * v_rs + g * D;
@@ -263,11 +264,13 @@ void launch(const torch::Tensor& q, const torch::Tensor& k_new, const torch::Ten
   }
   const int R = (static_cast<int64_t>(B) * Hkv >= 2 * n_sm) ? rep : 1;
   const int64_t blocks = static_cast<int64_t>(B) * Hkv * (rep / R);
-  if (splits == 0) {  // auto: fill the GPU twice over, each range at least 64 positions long
+  // auto: fill the GPU twice over, at most one split per 64 cache positions (the count must
+  // not depend on pos: a captured graph replays it at every position)
+  if (splits == 0) {
     const int64_t want = blocks >= n_sm ? 1 : (2 * n_sm + blocks - 1) / blocks;
     splits = std::max<int64_t>(1, std::min<int64_t>({want, kMaxSplits, k_cache.size(2) / 64}));
   }
-  const int ns = static_cast<int>(std::min<int64_t>(splits, kMaxSplits));
+  const int ns = static_cast<int>(std::min<int64_t>(splits, kMaxSplits));  // documented cap
   const dim3 grid(Hkv * (rep / R), B, ns);
   const bool vec = aligned16(q) && aligned16(k_new) && aligned16(v_new) && aligned16(k_cache) &&
                    aligned16(v_cache);

@@ -165,8 +165,8 @@ def decode_attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v
     cache row b, the last one being k_new/v_new. wslot[b] must be b or a slot no row reads
     (>= B), and pos < S: values are not checked (that would need a device sync). `span` (> every pos) bounds the fallback's
     reads; the kernel reads exactly 0..pos[b]. `splits` (kernel only; the result is the
-    same): each row's positions read by this many blocks and merged (1), 0 = as many as fill
-    the GPU at small batches; None = the process-wide setting (`engine.fusion.split_kv`).
+    same): each row's positions read by this many blocks (at most 32) and merged (1: one
+    block), 0 = as many as fill the GPU at small batches; None = the process-wide setting (`engine.fusion.split_kv`).
     Returns out [B, H, D] in q's dtype.
     """
     _check_decode_attention(q, k_new, v_new, k_cache, v_cache, wslot, pos)

@@ -117,8 +117,10 @@ def test_decode_attention_rejects_bad_splits(splits):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
+# (34, 32, 8, 128): 272 kv groups fill the H200 twice, so blocks hold all 4 heads (R = 4)
 @pytest.mark.parametrize("B,H,Hkv,D,S", [(1, 32, 8, 128, 2048), (2, 32, 8, 128, 300),
-                                         (3, 4, 2, 48, 17), (4, 4, 1, 40, 130)])
+                                         (34, 32, 8, 128, 256), (3, 4, 2, 48, 17),
+                                         (4, 4, 1, 40, 130)])
 @pytest.mark.parametrize("splits", [0, 2, 7, 32])  # 0: automatic; 32 > positions: empty ranges
 def test_decode_attention_split_positions_match_fallback(dtype, tol, B, H, Hkv, D, S, splits):
     """Rows' positions split over several blocks and merged (small batches, long contexts)
