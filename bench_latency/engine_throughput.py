@@ -128,6 +128,9 @@ def run_level(engine: Engine, c: int, frames: int, *, threaded: bool) -> dict[st
            "submit_to_audio_ms_p90": pct(to_audio, 0.9),
            "steps": steps, "wasted_rows": engine.stats["wasted_rows"],
            "codec_s": round(engine.stats["codec_s"], 3),
+           # the codec thread's busy share of the wall time (its ticks run on the GPU
+           # alongside the decode steps): a proxy for the codec's share of GPU time
+           "codec_share": round(engine.stats["codec_s"] / wall, 3) if wall > 0 else None,
            "codec_ticks": engine.stats["codec_ticks"],
            "prefill_s": round(engine.stats["prefill_s"], 3)}
     if gaps:

@@ -293,3 +293,19 @@ def test_engine_sweep_wait_gives_up_on_a_stalled_device() -> None:
     done = threading.Event()
     done.set()
     _wait(FakeEngine(True), done, "turn", 1, 1)  # type: ignore[arg-type]  # done wins
+
+
+def test_engine_sweep_reports_one_row_per_level(tiny_bundle):
+    """bench_latency.engine_throughput.sweep: fixed-length turns (EOS masked), one row per
+    level with the latency split (submit -> prefilled -> first audio) and the codec share;
+    `config` overrides the mode's engine settings."""
+    from bench_latency.engine_throughput import sweep
+
+    rows = sweep(tiny_bundle, [1, 2], 6, config=dict(first_chunk_frames=1, max_len=512))
+    assert [r["concurrency"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["frames"] == 6 * r["concurrency"]  # every turn ran to exactly 6 frames
+        assert r["aggregate_fps"] > 0 and r["decode_tps_p50"] > 0
+        assert r["submit_to_audio_ms_p50"] >= r["turn_prefill_ms_p50"] >= 0
+        assert 0 < r["codec_share"] <= 1
+        assert r["config"] == {"first_chunk_frames": 1, "max_len": 512}
