@@ -16,16 +16,19 @@ import matplotlib.pyplot as plt
 
 
 def main(src: str, dst: str) -> None:
-    runs = json.load(open(src))["engine"]
+    runs = {k: v for k, v in json.load(open(src))["engine"].items() if isinstance(v, list)}
+    # newer sweeps time the whole engine share of TTFA (submit -> first PCM, incl. the turn's
+    # prefill); older ones only ready -> first PCM
+    whole = all("submit_to_audio_ms_p50" in r for rows in runs.values() for r in rows)
+    key, label = (("submit_to_audio_ms_p50", "submit -> first PCM") if whole
+                  else ("ttfa_ms_p50", "turn ready -> first PCM"))
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
     for name, rows in runs.items():
-        if not isinstance(rows, list):
-            continue
         c = [r["concurrency"] for r in rows]
         ax1.plot(c, [r["aggregate_fps"] for r in rows], marker="o", label=name)
-        ax2.plot(c, [r["ttfa_ms_p50"] for r in rows], marker="o", label=name)
+        ax2.plot(c, [r[key] for r in rows], marker="o", label=name)
     for ax, title, ylab in ((ax1, "Aggregate throughput", "frames / s"),
-                            (ax2, "Engine TTFA p50 (turn ready -> first PCM)", "ms")):
+                            (ax2, f"Engine TTFA p50 ({label})", "ms")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrent sequences")
         ax.set_ylabel(ylab)
