@@ -23,6 +23,7 @@ import torch
 from engine.engine import CollectingSink, Engine, EngineConfig, build_engine
 from engine.loader import Bundle, load_bundle
 from engine.model import DualAR
+from engine.prompt import Reference
 from engine.sampler import SamplingParams
 
 
@@ -73,9 +74,23 @@ def _wait(engine: Engine, event: threading.Event, what: str, c: int, limit_s: fl
             raise TimeoutError(f"{what} did not finish in {limit_s:.0f}s at c={c}")
 
 
-def run_level(engine: Engine, c: int, frames: int, *, threaded: bool) -> dict[str, float]:
+def voice_reference(engine: Engine, frames: int) -> list[Reference]:
+    """A cloned voice's prompt for benchmarks: `frames` frames of random codes (~21.5 per
+    second of reference audio) and a one-sentence transcript; [] for 0. Real sessions carry
+    one, so the turns decode at positions past it (longer attention, fuller prefill spans)."""
+    if frames <= 0:
+        return []
+    cfg = engine.model_cfg
+    g = torch.Generator().manual_seed(frames)
+    codes = torch.randint(0, cfg.codebook_size, (cfg.num_codebooks, frames), generator=g)
+    return [Reference("This is the reference speaker reading a sentence aloud.", codes)]
+
+
+def run_level(engine: Engine, c: int, frames: int, *, threaded: bool,
+              ref_frames: int = 0) -> dict[str, float]:
     sinks = [CollectingSink() for _ in range(c)]
-    seqs = [engine.open([], SamplingParams(seed=i), s) for i, s in enumerate(sinks)]
+    refs = voice_reference(engine, ref_frames)
+    seqs = [engine.open(refs, SamplingParams(seed=i), s) for i, s in enumerate(sinks)]
     if threaded:
         for s in sinks:
             _wait(engine, s.ready, "voice prefill", c, 600)
@@ -83,6 +98,7 @@ def run_level(engine: Engine, c: int, frames: int, *, threaded: bool) -> dict[st
         engine.run_until_idle()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+    prompt_len = max(s.pos for s in seqs)  # positions the voice prompts take
     for k in engine.stats:
         engine.stats[k] = 0 if isinstance(engine.stats[k], int) else 0.0
     engine.measure_gaps = threaded and engine.cuda
@@ -126,6 +142,7 @@ def run_level(engine: Engine, c: int, frames: int, *, threaded: bool) -> dict[st
            "ttfa_ms_max": pct([1000 * t for t in ttfa], 1.0),
            "submit_to_audio_ms_p50": pct(to_audio, 0.5),
            "submit_to_audio_ms_p90": pct(to_audio, 0.9),
+           "voice_prompt_frames": ref_frames, "prompt_positions": prompt_len,
            "steps": steps, "wasted_rows": engine.stats["wasted_rows"],
            "codec_s": round(engine.stats["codec_s"], 3),
            # the codec thread's busy share of the wall time (its ticks run on the GPU
@@ -142,9 +159,9 @@ def run_level(engine: Engine, c: int, frames: int, *, threaded: bool) -> dict[st
 
 def sweep(bundle: Bundle, levels: list[int], frames: int, *, mode: str = "pingpong",
           codec: bool = True, max_len: int = 1024, fused_ops: str = "auto",
-          config: dict | None = None) -> list[dict]:
+          config: dict | None = None, ref_frames: int = 0) -> list[dict]:
     """One engine per level; `config`: EngineConfig fields that override the mode's (variants
-    to compare)."""
+    to compare); `ref_frames`: every sequence carries a voice prompt of that many frames."""
     graphs, threaded = MODES[mode]
     rows = []
     with no_eos(bundle.model):
@@ -159,8 +176,8 @@ def sweep(bundle: Bundle, levels: list[int], frames: int, *, mode: str = "pingpo
                 eng.start()
             try:
                 # warm-up at the measured length: codec chunk shapes and allocator pools too
-                run_level(eng, c, frames, threaded=threaded)
-                row = run_level(eng, c, frames, threaded=threaded)
+                run_level(eng, c, frames, threaded=threaded, ref_frames=ref_frames)
+                row = run_level(eng, c, frames, threaded=threaded, ref_frames=ref_frames)
             except DeviceStalled:
                 raise  # no shutdown: its threads are stuck on the device and would not join
             except BaseException:
@@ -187,13 +204,15 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
     ap.add_argument("--mode", choices=list(MODES), default="pingpong")
     ap.add_argument("--no-codec", action="store_true", help="AR decode only")
+    ap.add_argument("--voice-frames", type=int, default=0,
+                    help="a voice prompt of this many frames per sequence (215 = 10 s)")
     ap.add_argument("--json")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     bundle = load_bundle(args.model, device=args.device, max_seq_len=1024)
     rows = sweep(bundle, [int(x) for x in args.concurrency.split(",")], args.frames,
-                 mode=args.mode, codec=not args.no_codec)
+                 mode=args.mode, codec=not args.no_codec, ref_frames=args.voice_frames)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "device": args.device,

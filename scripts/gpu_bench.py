@@ -281,6 +281,9 @@ def engine_sweep(report: dict, device: str, levels: list[int], frames: int,
                                                                    config=dict(first_chunk_frames=1))),
             ("pingpong_codec_split_kv", levels[:1], dict(mode="pingpong", codec=True,
                                                          config=dict(split_kv=True))),
+            # every sequence with a 10 s cloned voice (215 frames): turns decode past it
+            ("pingpong_codec_voice", [levels[0], hi], dict(mode="pingpong", codec=True,
+                                                           ref_frames=215)),
             ("pingpong_nocodec", ends, dict(mode="pingpong", codec=False)),
             ("pingpong_unfused_nocodec", ends, dict(mode="pingpong", codec=False,
                                                     fused_ops="reference")),
@@ -391,7 +394,7 @@ def main() -> int:
     ap.add_argument("--engine-runs", default="", help="comma list of engine runs to keep "
                     "(pingpong_codec, pingpong_codec_decode_priority, "
                     "pingpong_codec_codec_priority, pingpong_codec_prefill_batch_64, "
-                    "pingpong_codec_first_chunk_1, pingpong_codec_split_kv, "
+                    "pingpong_codec_first_chunk_1, pingpong_codec_split_kv, pingpong_codec_voice, "
                     "pingpong_nocodec, pingpong_unfused_nocodec, graphs_sync_nocodec, "
                     "naive_nocodec); default all")
     args = ap.parse_args()

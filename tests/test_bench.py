@@ -309,3 +309,7 @@ def test_engine_sweep_reports_one_row_per_level(tiny_bundle):
         assert r["submit_to_audio_ms_p50"] >= r["turn_prefill_ms_p50"] >= 0
         assert 0 < r["codec_share"] <= 1
         assert r["config"] == {"first_chunk_frames": 1, "max_len": 512}
+    # with a cloned voice: the turns start past the voice prompt
+    row, = sweep(tiny_bundle, [2], 6, ref_frames=40, config=dict(max_len=512))
+    assert row["frames"] == 12 and row["voice_prompt_frames"] == 40
+    assert row["prompt_positions"] >= rows[1]["prompt_positions"] + 40
