@@ -10,15 +10,18 @@
 #      bucket alone) and `python -m engine.kernels --bench` (csrc kernels vs torch);
 #   3. the server bench: `rtvoice serve` (S2-Pro shapes, bf16 dummy weights) driven by
 #      bench-latency over real WebSockets at c = 1, 4, 16, 32, 64, 200 ms jitter buffer;
-#   4. scripts/gpu_bench.py: reference fixtures on the GPU, codec speed (graphed ticks), the
-#      frame-step profile, and the engine sweep (pingpong with/without codec vs naive) at
-#      c = 1, 4, 16, 32, 64, 128.
+#   4. scripts/gpu_bench.py: codec speed (graphed ticks) and the engine sweep (pingpong
+#      with/without codec vs naive) at c = 1, 4, 16, 32, 64 (ENGINE_LEVELS=...,128 adds the
+#      128-slot engine, ~60 s more); SKIP=decode,codec_profile drops only the two slowest
+#      sections, adding the reference fixtures on the GPU and the frame-step profile (~55 s).
+# Estimated ~590 s with the defaults (not yet timed as a whole): the sweep's last runs are
+# the first cut if it overruns; its rows are in gpu_bench_log.txt as they finish.
 # Results under $OUT (default artifacts/gpu; 7-8 files, what one device call brings back):
 # tests.txt, probes.txt, server.json (+ server.png), server.log,
 # gpu_bench.json, gpu_bench_log.txt. Knobs: TESTS, TESTS_K, SERVER_LEVELS, LEVEL_TIMEOUT,
 # TESTS_TIMEOUT, SERVER_TIMEOUT, ENGINE_LEVELS, ENGINE_RUNS, SKIP (gpu_bench sections;
-# default decode,codec_profile), TOTAL (s), COMPILED_SAMPLER=1 (profile the step again with
-# the compiled torch sampler, for comparison).
+# default decode,codec_profile,fixtures,profile), TOTAL (s, default 580), PROBE,
+# COMPILED_SAMPLER=1 (profile the step again with the compiled torch sampler).
 set -uo pipefail
 OUT=${OUT:-artifacts/gpu}
 mkdir -p "$OUT"
@@ -40,9 +43,9 @@ MAX_LEN=${MAX_LEN:-1024} SERVER_LEVELS=${SERVER_LEVELS:-1 4 16 32 64} \
 python3 scripts/plot_server_levels.py "$OUT/server.json" "$OUT/server.png" "$OUT"/server_c*.json \
     >/dev/null 2>&1; [ -s "$OUT/server.json" ] && rm -f "$OUT"/server_c*.json
 echo "server bench done at +$(( $(date +%s) - t0 ))s"
-timeout -s ABRT $(( ${TOTAL:-570} - ($(date +%s) - t0) )) python3 -X faulthandler scripts/gpu_bench.py \
-    --skip "${SKIP:-decode,codec_profile}" ${COMPILED_SAMPLER:+--compiled-sampler} \
-    --levels "${ENGINE_LEVELS:-1,4,16,32,64,128}" --frames 64 \
+timeout -s ABRT $(( ${TOTAL:-580} - ($(date +%s) - t0) )) python3 -X faulthandler scripts/gpu_bench.py \
+    --skip "${SKIP:-decode,codec_profile,fixtures,profile}" ${COMPILED_SAMPLER:+--compiled-sampler} \
+    --levels "${ENGINE_LEVELS:-1,4,16,32,64}" --frames 64 \
     --engine-runs "${ENGINE_RUNS:-pingpong_codec,pingpong_nocodec,naive_nocodec}" --out "$OUT" \
     >"$OUT/gpu_bench_log.txt" 2>&1
 grep '^{"' "$OUT/gpu_bench_log.txt" | cut -c1-400 | tail -14
