@@ -215,7 +215,8 @@ def test_prefill_joins_when_it_lands_and_running_turns_go_on(tiny_bundle, monkey
     import threading
     import time
 
-    eng = build_engine(tiny_bundle, EngineConfig(max_running=2, max_len=512))
+    # codec_hold_s=0: every chunk goes at once (a held stream could go quiet for a while)
+    eng = build_engine(tiny_bundle, EngineConfig(max_running=2, max_len=512, codec_hold_s=0))
     gate = threading.Event()
 
     class Landing:  # stands in for the CUDA event of a prefill round still on the GPU
@@ -245,11 +246,14 @@ def test_prefill_joins_when_it_lands_and_running_turns_go_on(tiny_bundle, monkey
         while not eng._prefill_landing and time.perf_counter() < deadline:
             time.sleep(0.005)
         assert eng._prefill_landing, "b's voice prompt never reached the decode thread"
+        seen = time.perf_counter()  # b's job landed before this
         chunks = len(a_sink.audio)
-        time.sleep(0.3)
-        assert not b_sink.ready.is_set()  # not joined while its prefill is on the "GPU"
-        assert len(a_sink.audio) > chunks  # ...and a's turn went on meanwhile
-        assert eng.device_wait_s() >= 0.3
+        while len(a_sink.audio) <= chunks + 1 and time.perf_counter() < deadline:
+            time.sleep(0.01)
+        assert len(a_sink.audio) > chunks + 1  # a's turn goes on...
+        assert not b_sink.ready.is_set()  # ...while b's prefill is still on the "GPU"
+        waited = time.perf_counter() - seen
+        assert eng.device_wait_s() >= waited > 0  # the watchdog sees how long it has landed
         # a sequence closed while its prefill lands never joins, and frees its slot
         c_sink = CollectingSink()
         c = eng.open([], SamplingParams(seed=3), c_sink)  # waits for a slot (2 in use)
@@ -261,13 +265,13 @@ def test_prefill_joins_when_it_lands_and_running_turns_go_on(tiny_bundle, monkey
         gate.set()
         while eng._prefill_landing and time.perf_counter() < deadline:
             time.sleep(0.005)
-        assert not eng._prefill_landing and eng.device_wait_s() < 0.3
+        assert not eng._prefill_landing
         assert not b_sink.ready.is_set() and not c_sink.ready.is_set()
         assert not b_sink.errors and not c_sink.errors
         eng.cancel(a)
         assert a_sink.done.wait(60)
         d_sink = CollectingSink()
-        eng.open([], SamplingParams(seed=4), d_sink)  # both freed slots are usable
+        eng.open([], SamplingParams(seed=4), d_sink)  # the slot b and then c held is usable
         assert d_sink.ready.wait(10)
     finally:
         eng.shutdown()
