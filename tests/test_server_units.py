@@ -57,11 +57,23 @@ def test_settings_env_then_overrides(tmp_path):
         ({"dtype": "int3"}, "dtype"),
         ({"graceful_shutdown_s": -1.0}, "graceful_shutdown_s"),
         ({"send_queue_events": 0}, "send_queue_events"),
+        ({"codec_hold_s": -0.5}, "codec_hold_s"),
     ],
 )
 def test_settings_validation(overrides, match):
     with pytest.raises(ValueError, match=match):
         Settings().replace(**overrides)
+
+
+def test_engine_settings_reach_the_engine_config(tiny_bundle):
+    """Every engine setting the server exposes ends up in the EngineConfig it builds."""
+    from rtvoice.app import engine_config
+
+    s = Settings().replace(codec_hold_s=0.25, chunk_frames=6, first_chunk_frames=1,
+                           max_running=3, max_len=512, kv_reserve_gib=2.0)
+    cfg = engine_config(s, tiny_bundle)
+    assert (cfg.codec_hold_s, cfg.chunk_frames, cfg.first_chunk_frames) == (0.25, 6, 1)
+    assert (cfg.max_running, cfg.max_len, cfg.kv_reserve_gib) == (3, 512, 2.0)
 
 
 def test_settings_env_known_non_settings_are_not_warned_about(caplog):
