@@ -695,6 +695,8 @@ class Engine:
                 break
             job.landed_at = time.perf_counter()
             self._prefill_landing.append(job)
+        if not self._prefill_landing:  # the usual case, once per decode-loop iteration
+            return False
         done: list[PrefillJob] = []
         landing: list[PrefillJob] = []
         for j in self._prefill_landing:
@@ -1104,9 +1106,7 @@ class Engine:
         pending — fewer, fuller ticks (each costs ~3 ms however few streams it carries).
         First chunks never wait (TTFA)."""
         if self.cfg.codec_hold_s == 0 or turn.decoded_frames < self.cfg.chunk_frames \
-                or pending >= 2 * self.cfg.chunk_frames:
-            return True
-        if turn.first_audio_at is None:
+                or pending >= 2 * self.cfg.chunk_frames or turn.first_audio_at is None:
             return True
         ahead = turn.samples_out / self.sample_rate - (now - turn.first_audio_at)
         return ahead < self.cfg.codec_hold_s

@@ -163,10 +163,11 @@ def decode_attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v
     q [B, H, D]; k_new/v_new [B, Hkv, D]; k_cache/v_cache [N, Hkv, S, D] (written at
     (wslot[b], :, pos[b])); wslot/pos int64 [B]. Row b attends to positions 0..pos[b] of
     cache row b, the last one being k_new/v_new. wslot[b] must be b or a slot no row reads
-    (>= B), and pos < S: values are not checked (that would need a device sync). `span` (> every pos) bounds the fallback's
-    reads; the kernel reads exactly 0..pos[b]. `splits` (kernel only; the result is the
-    same): each row's positions read by this many blocks (at most 32) and merged (1: one
-    block), 0 = as many as fill the GPU at small batches; None = the process-wide setting (`engine.fusion.split_kv`).
+    (>= B), and pos < S: values are not checked (that would need a device sync). `span`
+    (> every pos) bounds the fallback's reads; the kernel reads exactly 0..pos[b].
+    `splits` (kernel only; the result is the same): each row's positions read by this many
+    blocks (at most 32) and merged (1: one block), 0 = as many as fill the GPU at small
+    batches; None = the process-wide setting (`engine.fusion.split_kv`).
     Returns out [B, H, D] in q's dtype.
     """
     _check_decode_attention(q, k_new, v_new, k_cache, v_cache, wslot, pos)

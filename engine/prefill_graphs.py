@@ -74,6 +74,11 @@ class PrefillGraphs:
         log.info("captured %d prefill graphs (columns %s; batches of %s) in %.1fs",
                  len(self.graphs), self.cols, self.rows, self.capture_s)
 
+    def _span(self, end: int) -> int | None:
+        """The smallest span bucket holding positions [0, end); None past the cache."""
+        j = bisect.bisect_left(self.spans, end)
+        return self.spans[j] if j < len(self.spans) else None
+
     def plan(self, items: list[Chunk]) -> tuple[list[tuple[Key, list[Chunk]]], list[Chunk]]:
         """Split one round's chunks into graph replays (key, its chunks) and the rest (for
         the eager batched prefill)."""
@@ -95,15 +100,14 @@ class PrefillGraphs:
             if self.rows and T <= self.BATCHED_COLS and start + self.BATCHED_COLS <= full:
                 short.append((T, it))
                 continue
-            j = bisect.bisect_left(self.spans, start + T)
-            if j == len(self.spans):  # the padded chunk would run past the cache
+            span = self._span(start + T)
+            if span is None:  # the padded chunk would run past the cache
                 eager.append(it)
             else:
-                replays.append(((1, T, self.spans[j]), [it]))
+                replays.append(((1, T, span), [it]))
         if len(short) == 1:  # alone: the single-sequence graph with the smallest span
             T, it = short[0]
-            j = bisect.bisect_left(self.spans, it[2] + T)
-            replays.append(((1, T, self.spans[j]), [it]))
+            replays.append(((1, T, self._span(it[2] + T)), [it]))
         elif short:
             # groups of neighbouring start positions, each reading keys over the smallest span
             # that holds its rows (a group over the whole context would read every row's
@@ -114,7 +118,7 @@ class PrefillGraphs:
                 group = short[k: k + most]
                 N = self.rows[bisect.bisect_left(self.rows, len(group))]
                 T = max(t for t, _ in group)
-                span = self.spans[bisect.bisect_left(self.spans, max(it[2] for _, it in group) + T)]
+                span = self._span(max(it[2] for _, it in group) + T)
                 replays.append(((N, T, span), [it for _, it in group]))
         return replays, eager
 

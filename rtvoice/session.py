@@ -195,10 +195,11 @@ def frame_budget(settings: Settings, text: str, request_max: int | None, frame_r
 
 def encode_backlog_chunks(settings: Settings) -> int:
     """Raw audio chunks (float32 PCM, usually ``chunk_frames`` x 2048 samples: 64 KiB by
-    default; up to twice that for a stream far ahead of realtime) that may wait for a session's encoder: the chunks of two longest segments
-    (``max_turn_frames``), 528 by default. The encoder falls this far behind the engine only
-    when its thread pool is starved; the session is then dropped like a slow reader (the
-    engine never waits for a session)."""
+    default; up to twice that for a stream far ahead of realtime) that may wait for a
+    session's encoder: the chunks of two longest segments (``max_turn_frames``), 528 by
+    default. The encoder falls this far behind the engine only when its thread pool is
+    starved; the session is then dropped like a slow reader (the engine never waits for a
+    session)."""
     eng = settings.engine
     return 2 * math.ceil(eng.max_turn_frames / eng.chunk_frames) + 16
 

@@ -180,8 +180,8 @@ def codec_bench(report: dict, device: str) -> None:
                 audio_s = bs * 64 * 2048 / 44100
                 out[f"offline_{dt_name}_b{bs}{'_kernels' if kern else ''}"] = {
                     "x_realtime": round(audio_s / dt_s, 1), "ms": round(1000 * dt_s, 1)}
-        # streaming ticks below: with csrc's Snake (EngineConfig.codec_kernels; off by default
-        # until the engine-level GPU test passes with it), keys say "_kernels"
+        # streaming ticks below: with csrc's Snake and bias kernels (EngineConfig.codec_kernels,
+        # the engine's default), keys say "_kernels"
         kern = fusion.codec_kernels(True)
         tag = "_kernels" if kern else ""
         graphed = None
