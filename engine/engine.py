@@ -68,6 +68,15 @@ class EngineConfig:
     # a stream this far ahead of realtime playback (seconds of audio) lets its chunk wait
     # for a fuller codec tick, up to two chunks; 0: every chunk goes as soon as it is ready
     codec_hold_s: float = 1.0
+    # Prefill first (pingpong): while prompts are prefilling, decode steps pause if no
+    # running turn needs one, so a burst of prefills gets the GPU to itself instead of
+    # sharing it with steps that only build up lead. A turn needs a step when its
+    # generated audio is less than `prefill_first_lead_s` ahead of realtime playback (above
+    # a chunk's 0.37 s: the codec lags generation by up to a chunk), or when it joined
+    # without its first chunk's frames `prefill_first_wait_s` ago (the bound on what it
+    # waits for other prefills). prefill_first_lead_s = 0: decode never pauses.
+    prefill_first_lead_s: float = 0.5
+    prefill_first_wait_s: float = 0.05
     max_turn_frames: int = 2048  # hard cap per turn (~95 s of audio)
     max_waiting: int = 64  # sequences queued for a slot before `open` refuses
     seed: int = 0
@@ -109,8 +118,9 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.max_waiting < 0:
             raise ValueError("EngineConfig.max_waiting must be >= 0")
-        if not self.codec_hold_s >= 0:
-            raise ValueError(f"EngineConfig.codec_hold_s must be >= 0, got {self.codec_hold_s}")
+        for name in ("codec_hold_s", "prefill_first_lead_s", "prefill_first_wait_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"EngineConfig.{name} must be >= 0, got {getattr(self, name)}")
         if not self.stall_s > 0:
             raise ValueError(f"EngineConfig.stall_s must be > 0, got {self.stall_s}")
         if not self.kv_reserve_gib >= 0:
@@ -214,6 +224,7 @@ class Engine:
         self._prefill_in: queue.SimpleQueue[PrefillJob | None] = queue.SimpleQueue()
         self._prefill_out: queue.SimpleQueue[PrefillJob] = queue.SimpleQueue()
         self._prefill_landing: list[PrefillJob] = []  # launched, the GPU not done with them yet
+        self._prefill_outstanding = 0  # jobs queued to the prefill thread and not joined yet
         self._k = 0  # decode steps launched
         self._processed = -1  # last decode step whose result was read
         # audio (codec thread, or inline)
@@ -280,7 +291,7 @@ class Engine:
                      self.decoder.FRAME_BUCKETS, self.codec_capture_s)
         self.stats = {"steps": 0, "frames": 0, "prefill_cols": 0, "decode_s": 0.0,
                       "prefill_s": 0.0, "codec_s": 0.0, "codec_ticks": 0, "wasted_rows": 0,
-                      "prefill_calls": 0}
+                      "prefill_calls": 0, "decode_pauses": 0}
 
     # ================================================================ public, thread-safe
     def open(self, references: list[Reference] | tuple[Reference, ...], params: SamplingParams,
@@ -450,6 +461,7 @@ class Engine:
         assert job.seq.slot is not None
         job.slot = job.seq.slot
         if self._running_pingpong:
+            self._prefill_outstanding += 1
             self._prefill_in.put(job)
         else:
             self._prefill_jobs.append(job)
@@ -703,6 +715,7 @@ class Engine:
             # an Exception (failed prefill) or None (CPU) is done; a CUDA event when it says so
             (landing if hasattr(j.event, "query") and not j.event.query() else done).append(j)
         self._prefill_landing = landing
+        self._prefill_outstanding = max(0, self._prefill_outstanding - len(done))
         for job in done:  # one job's failure must not strand the others (they left the list)
             try:
                 self._complete_prefill(job)
@@ -973,7 +986,12 @@ class Engine:
             try:
                 did = self._drain_commands()
                 did |= self._apply_prefill_completions()
-                launched = self._launch() if self._owner else None
+                launched = None
+                if self._owner:
+                    if self._yield_to_prefill(time.perf_counter()):
+                        self.stats["decode_pauses"] += 1
+                    else:
+                        launched = self._launch()
                 if pending is not None:
                     self._process(pending)  # step N-1, while step N runs on the GPU
                     did = True
@@ -986,9 +1004,35 @@ class Engine:
                 self._fail_all_decoding("decode step failed (see server log)")
             if not did:
                 # a prefill still on the GPU is polled often: its sequence joins (and its
-                # TTFA clock runs) as soon as it lands
-                self._wake.wait(timeout=0.0005 if self._prefill_landing else 0.02)
+                # TTFA clock runs) as soon as it lands; a paused batch resumes in time
+                self._wake.wait(timeout=0.0005 if self._prefill_landing
+                                else 0.002 if self._prefill_outstanding else 0.02)
                 self._wake.clear()
+
+    def _yield_to_prefill(self, now: float) -> bool:
+        """Prefill first: whether the next decode step waits because prompts are
+        prefilling and no running turn needs a frame yet (EngineConfig.prefill_first_*).
+        LLM servers run a prefill batch alone for the same reason: sharing the GPU with
+        decode steps and codec ticks, 64 turns submitted at once spent 166 ms p50 in
+        prefill (H200, docs/PERF.md) for ~75 ms of replays on an idle GPU."""
+        if not self._prefill_outstanding or self.cfg.prefill_first_lead_s == 0:
+            return False
+        first = self.cfg.first_chunk_frames
+        for seq in self._owner.values():
+            turn = seq.decoding
+            if seq.draining:  # a cancelled turn leaves its slot after a step: at once
+                return False
+            if turn is None or turn.finished is not None:
+                continue
+            n = len(turn.frames)
+            if n < first:  # joined, first chunk not generated yet: waits a bounded time
+                if turn.ready_at is None or now - turn.ready_at >= self.cfg.prefill_first_wait_s:
+                    return False
+                continue
+            start = turn.first_audio_at  # set by the codec thread; None: first chunk in flight
+            if start is not None and n / self.frame_rate - (now - start) < self.cfg.prefill_first_lead_s:
+                return False
+        return True
 
     def _fail_all_decoding(self, message: str) -> None:
         for slot, seq in list(self._owner.items()):

@@ -74,6 +74,8 @@ def engine_config(settings: Settings, bundle: Bundle) -> EngineConfig:
         first_chunk_frames=eng.first_chunk_frames,
         chunk_frames=eng.chunk_frames,
         codec_hold_s=eng.codec_hold_s,
+        prefill_first_lead_s=eng.prefill_first_lead_s,
+        prefill_first_wait_s=eng.prefill_first_wait_s,
         max_turn_frames=eng.max_turn_frames,
         max_waiting=eng.max_waiting,
         kv_reserve_gib=eng.kv_reserve_gib,

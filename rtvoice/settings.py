@@ -141,6 +141,9 @@ class EngineSettings:
     first_chunk_frames: int = 2  # codec frames in a turn's first audio chunk (TTFA)
     chunk_frames: int = 8  # codec frames in later chunks
     codec_hold_s: float = 1.0  # a stream this far ahead of realtime may wait for a fuller codec tick
+    # prefill first: decode pauses for a burst of prefills while every turn is this far ahead
+    prefill_first_lead_s: float = 0.5
+    prefill_first_wait_s: float = 0.05  # ...and a joined turn waits at most this for its first frames
     # Budget of one segment: ceil(estimated speech seconds * budget_multiplier * frame rate),
     # at least min_turn_frames, at most the request's max_new_tokens and max_turn_frames.
     budget_multiplier: float = 3.0
@@ -164,6 +167,12 @@ class EngineSettings:
         "playback lets its chunk wait (up to 2 x chunk_frames) for a fuller batched codec "
         "tick; keep it well above the clients' jitter buffer; 0: every chunk is decoded as "
         "soon as it is ready",
+        "prefill_first_lead_s": "while prompts are prefilling, decode steps pause if every "
+        "running turn's audio is at least this many seconds ahead of realtime playback (a "
+        "burst of new turns gets the GPU to itself: lower TTFA); keep it above a chunk's "
+        "duration; 0: prefill and decode always share the GPU",
+        "prefill_first_wait_s": "longest a turn whose prompt is in waits for its first frames "
+        "while other prompts prefill (seconds)",
         "budget_multiplier": "segment budget = this x estimated speech duration",
         "min_turn_frames": "smallest segment budget (frames)",
         "max_turn_frames": "hard cap of one segment (frames; 21.5 frames = 1 s)",
@@ -193,8 +202,9 @@ class EngineSettings:
             raise ValueError(f"max_len must be >= 128, got {self.max_len}")
         if not self.kv_reserve_gib >= 0:
             raise ValueError(f"kv_reserve_gib must be >= 0, got {self.kv_reserve_gib}")
-        if not self.codec_hold_s >= 0:
-            raise ValueError(f"codec_hold_s must be >= 0, got {self.codec_hold_s}")
+        for name in ("codec_hold_s", "prefill_first_lead_s", "prefill_first_wait_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
 
 @dataclass(slots=True)

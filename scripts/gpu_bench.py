@@ -276,6 +276,9 @@ def engine_sweep(report: dict, device: str, levels: list[int], frames: int,
                 high_priority_streams=("prefill", "codec")))),
             ("pingpong_codec_prefill_batch_64", [hi], dict(mode="pingpong", codec=True,
                                                            config=dict(prefill_batch=64))),
+            # decode and prefill always sharing the GPU (no pause for a burst of prefills)
+            ("pingpong_codec_no_prefill_first", [hi], dict(mode="pingpong", codec=True,
+                                                           config=dict(prefill_first_lead_s=0.0))),
             # a one-frame first chunk: first audio one decode step sooner, one more tick
             ("pingpong_codec_first_chunk_1", [levels[0], hi], dict(mode="pingpong", codec=True,
                                                                    config=dict(first_chunk_frames=1))),
@@ -394,6 +397,7 @@ def main() -> int:
     ap.add_argument("--engine-runs", default="", help="comma list of engine runs to keep "
                     "(pingpong_codec, pingpong_codec_decode_priority, "
                     "pingpong_codec_codec_priority, pingpong_codec_prefill_batch_64, "
+                    "pingpong_codec_no_prefill_first, "
                     "pingpong_codec_first_chunk_1, pingpong_codec_split_kv, pingpong_codec_voice, "
                     "pingpong_nocodec, pingpong_unfused_nocodec, graphs_sync_nocodec, "
                     "naive_nocodec); default all")

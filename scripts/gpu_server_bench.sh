@@ -14,9 +14,11 @@ LEVELS=${SERVER_LEVELS:-1 16 64}
 MAX_LEN=${MAX_LEN:-2048}
 JITTER_MS=${JITTER_MS:-200}
 LEVEL_TIMEOUT=${LEVEL_TIMEOUT:-120}
+MAX_RUNNING=${MAX_RUNNING:-64}
+# SERVER_ARGS: more `rtvoice serve` options, e.g. "--prefill-first-lead-s 0"
 mkdir -p "$OUT"
 python3 -X faulthandler -m rtvoice.cli serve --model s2-pro --device cuda --port "$PORT" \
-    --max-running 64 --max-len "$MAX_LEN" --data-dir /tmp/rtvoice-bench >"$OUT/server.log" 2>&1 &
+    --max-running "$MAX_RUNNING" --max-len "$MAX_LEN" ${SERVER_ARGS:-} --data-dir /tmp/rtvoice-bench >"$OUT/server.log" 2>&1 &
 SRV=$!
 python3 - "$PORT" <<'PY'
 import sys, time, urllib.request

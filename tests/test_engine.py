@@ -490,8 +490,9 @@ def test_prefill_graph_plan_matches_eager(tiny_bundle):
     assert _EagerGraph.replays.get(4, 0) >= 2  # voice prompts and turns, four at a time
     plan, eager = eng.prefill_graphs.plan([(0, torch.zeros(11, 5, dtype=torch.long), 40),
                                      (1, torch.zeros(11, 20, dtype=torch.long), 30),
-                                     (2, torch.zeros(11, 32, dtype=torch.long), 0)])
-    # three short chunks, one replay, keys over the span that holds them (40 + 32 <= 256)
+                                     (2, torch.zeros(11, 30, dtype=torch.long), 0)])
+    # three short chunks, one replay at the widest one's bucket (30 -> 32 columns), keys
+    # over the span that holds them (40 + 32 <= 256)
     assert not eager and [k for k, _ in plan] == [(4, 32, 256)]
     # more chunks than a replay takes: grouped by start, each group over its own span
     many = [(i, torch.zeros(11, 5, dtype=torch.long), 300 if i % 3 == 0 else 10)
@@ -509,7 +510,7 @@ def test_prefill_graph_plan_matches_eager(tiny_bundle):
     plan, _ = eng.prefill_graphs.plan([near, far])
     for (N, T, span), chunks in plan:
         assert all(start + T <= 512 for _, _, start in chunks), (N, T, span)
-    assert sorted(k for k, _ in plan) == [(1, 8, 512), (1, 32, 256)]
+    assert sorted(k for k, _ in plan) == [(1, 8, 512), (1, 24, 256)]
     for a, b in zip(want, got):
         assert torch.equal(a, b)
 
@@ -570,3 +571,85 @@ def test_codec_holds_streams_far_ahead_for_a_fuller_tick(tiny_bundle):
     assert eng._codec_tick() is True and a.decoded_frames == 48  # holding off
     with pytest.raises(ValueError, match="codec_hold_s"):
         EngineConfig(codec_hold_s=-1)
+
+
+def test_decode_pauses_for_prefills_while_every_turn_is_ahead(tiny_bundle):
+    """Prefill first: with prompts prefilling, the decode step waits unless a running turn
+    needs it (audio less than prefill_first_lead_s ahead, a joined turn without its first
+    chunk for prefill_first_wait_s, a cancelled turn draining); no prefill: it never waits;
+    prefill_first_lead_s=0 turns it off."""
+    import time
+
+    from engine.request import Sequence, Turn
+
+    eng = build_engine(tiny_bundle, EngineConfig(max_running=4, max_len=256,
+                                                 prefill_first_lead_s=0.5,
+                                                 prefill_first_wait_s=0.05))
+    fr = eng.frame_rate
+    now = time.perf_counter()
+
+    def running(slot: int, frames: int, *, ready_ago: float, audio_ago: float | None) -> Turn:
+        seq = Sequence(slot, (), SamplingParams(), 0, CollectingSink())
+        turn = Turn("t", "x", 64)
+        turn.frames = [torch.zeros(eng.model_cfg.frame_rows, dtype=torch.long)] * frames
+        turn.ready_at = now - ready_ago
+        turn.first_audio_at = None if audio_ago is None else now - audio_ago
+        seq.decoding = turn
+        eng._owner[slot] = seq
+        return turn
+
+    # 2 s of audio generated, 1 s played: 1 s ahead
+    ahead = running(0, int(2 * fr), ready_ago=1.1, audio_ago=1.0)
+    assert not eng._yield_to_prefill(now)  # nothing prefilling: never wait
+    eng._prefill_outstanding = 1
+    assert eng._yield_to_prefill(now)
+    new = running(1, 0, ready_ago=0.01, audio_ago=None)  # just joined: may wait 50 ms
+    assert eng._yield_to_prefill(now)
+    assert not eng._yield_to_prefill(now + 0.05)  # ...but not longer
+    new.frames = [ahead.frames[0]] * eng.cfg.first_chunk_frames  # first chunk at the codec
+    assert eng._yield_to_prefill(now + 0.05)
+    new.first_audio_at = now  # its audio is out: 2 frames (93 ms) ahead < 0.5 s
+    assert not eng._yield_to_prefill(now)
+    new.finished = FinishReason.LENGTH  # a finished turn needs nothing
+    assert eng._yield_to_prefill(now)
+    assert not eng._yield_to_prefill(now + 0.6)  # the 1 s lead is down to 0.4 s
+    eng._owner[1].draining = True  # a cancelled turn leaves after a step: no waiting
+    assert not eng._yield_to_prefill(now)
+    eng._owner.pop(1)
+    eng.cfg.prefill_first_lead_s = 0.0
+    assert not eng._yield_to_prefill(now)
+    for bad in ({"prefill_first_lead_s": -1}, {"prefill_first_wait_s": float("nan")}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            EngineConfig(**bad)
+
+
+def test_prefill_first_keeps_every_turn_and_its_audio(tiny_bundle):
+    """Pingpong with prefill first at a tiny lead (running turns ahead of realtime pause
+    for any prefill): a second wave of turns arriving while the first runs, every turn
+    ends with all its audio, and the decode thread did pause."""
+    import time
+
+    eng = build_engine(tiny_bundle, EngineConfig(max_running=4, max_len=256,
+                                                 prefill_first_lead_s=1e-3))
+    sinks = [CollectingSink() for _ in range(4)]
+    frames = {"a": 40, "b": 12}
+    eng.start()
+    try:
+        seqs = [eng.open([], SamplingParams(seed=i, temperature=0.0), s) for i, s in enumerate(sinks)]
+        for i, seq in enumerate(seqs[:2]):
+            eng.submit(seq, "first wave of text", turn_id=f"a{i}", max_frames=frames["a"])
+        deadline = time.time() + 60
+        # the first wave well ahead of realtime (tiny decodes at ~3x realtime here)
+        while (min(len(s.pcm()) for s in sinks[:2]) < 8 * eng.frame_samples
+               and time.time() < deadline):
+            time.sleep(0.005)
+        for i, seq in enumerate(seqs[2:]):
+            eng.submit(seq, "a second wave arrives", turn_id=f"b{i}", max_frames=frames["b"])
+        while sum(len(s.results) for s in sinks) < 4 and time.time() < deadline:
+            time.sleep(0.01)
+    finally:
+        eng.shutdown()
+    for s, wave in zip(sinks, "aabb"):
+        assert [r.reason for r in s.results] == [FinishReason.LENGTH]
+        assert len(s.pcm()) == frames[wave] * eng.frame_samples
+    assert eng.stats["decode_pauses"] > 0

@@ -58,6 +58,8 @@ def test_settings_env_then_overrides(tmp_path):
         ({"graceful_shutdown_s": -1.0}, "graceful_shutdown_s"),
         ({"send_queue_events": 0}, "send_queue_events"),
         ({"codec_hold_s": -0.5}, "codec_hold_s"),
+        ({"prefill_first_lead_s": -0.1}, "prefill_first_lead_s"),
+        ({"prefill_first_wait_s": float("nan")}, "prefill_first_wait_s"),
     ],
 )
 def test_settings_validation(overrides, match):
@@ -70,8 +72,10 @@ def test_engine_settings_reach_the_engine_config(tiny_bundle):
     from rtvoice.app import engine_config
 
     s = Settings().replace(codec_hold_s=0.25, chunk_frames=6, first_chunk_frames=1,
-                           max_running=3, max_len=512, kv_reserve_gib=2.0)
+                           max_running=3, max_len=512, kv_reserve_gib=2.0,
+                           prefill_first_lead_s=0.7, prefill_first_wait_s=0.02)
     cfg = engine_config(s, tiny_bundle)
+    assert (cfg.prefill_first_lead_s, cfg.prefill_first_wait_s) == (0.7, 0.02)
     assert (cfg.codec_hold_s, cfg.chunk_frames, cfg.first_chunk_frames) == (0.25, 6, 1)
     assert (cfg.max_running, cfg.max_len, cfg.kv_reserve_gib) == (3, 512, 2.0)
 
