@@ -63,7 +63,9 @@ class EngineConfig:
     max_running: int = 8  # KV slots: sequences (sessions) resident at once
     max_len: int = 2048  # KV positions per sequence (voice prompt + turns)
     prefill_chunk: int = 256  # columns per prefill call, so one long prompt cannot stall others
-    first_chunk_frames: int = 2  # frames in a turn's first audio chunk (TTFA)
+    # frames in a turn's first audio chunk (TTFA): one frame is first audio one decode step
+    # sooner (H200, c=64 burst: submit->audio 161 -> 104 ms p50, docs/PERF.md)
+    first_chunk_frames: int = 1
     chunk_frames: int = 8  # frames in later chunks
     # a stream this far ahead of realtime playback (seconds of audio) lets its chunk wait
     # for a fuller codec tick, up to two chunks; 0: every chunk goes as soon as it is ready
@@ -1134,8 +1136,8 @@ class Engine:
             if finished and pending == 0:
                 ended.append((s, turn))
                 continue
-            # Chunks grow 2, 2, 4, 8, 8…: a small first chunk for TTFA, then doubling, so the
-            # listener's buffer is topped up before it drains, then full-size chunks.
+            # Chunks grow 1, 1, 2, 4, 8, 8…: a small first chunk for TTFA, then doubling, so
+            # the listener's buffer is topped up before it drains, then full-size chunks.
             need = min(self.cfg.chunk_frames, max(self.cfg.first_chunk_frames, turn.decoded_frames))
             if pending == 0 or (pending < need and not finished):
                 continue

@@ -138,7 +138,7 @@ class EngineSettings:
     max_len: int | None = None  # KV positions per session; None: min(4096, model context)
     max_waiting: int = 64  # sessions queued for a slot before new ones are refused
     prefill_chunk: int = 256  # prefill columns per engine step (bounds decode stalls)
-    first_chunk_frames: int = 2  # codec frames in a turn's first audio chunk (TTFA)
+    first_chunk_frames: int = 1  # codec frames in a turn's first audio chunk (TTFA)
     chunk_frames: int = 8  # codec frames in later chunks
     codec_hold_s: float = 1.0  # a stream this far ahead of realtime may wait for a fuller codec tick
     # prefill first: decode pauses for a burst of prefills while every turn is this far ahead

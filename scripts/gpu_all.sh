@@ -6,16 +6,17 @@
 #      decode attention with split positions;
 #      ~110 s incl. the ~70 s extension build); TESTS=all runs tests/test_cuda.py and
 #      tests/test_kernels.py whole (~230 s), TESTS_K picks by name;
-#   2. probes (PROBE=0 skips them): scripts/prefill_probe.py (one prefill-graph replay per
-#      bucket alone) and `python -m engine.kernels --bench` (csrc kernels vs torch);
-#   3. the server bench: `rtvoice serve` (S2-Pro shapes, bf16 dummy weights) driven by
-#      bench-latency over real WebSockets at c = 1, 4, 16, 32, 64, 200 ms jitter buffer;
+#   2. diagnostics, only with PROBE=1 (~40 s): scripts/prefill_probe.py (one prefill-graph
+#      replay per bucket alone) and `python -m engine.kernels --bench` (csrc kernels vs torch);
+#   3. the server bench: `rtvoice serve` (S2-Pro shapes, bf16 dummy weights, 128 KV slots)
+#      driven by bench-latency over real WebSockets at c = 1, 4, 16, 32, 64, 128, 200 ms
+#      jitter buffer;
 #   4. scripts/gpu_bench.py: codec speed (graphed ticks) and the engine sweep (pingpong
-#      with/without codec vs naive) at c = 1, 4, 16, 32, 64 (ENGINE_LEVELS=...,128 adds the
-#      128-slot engine, ~60 s more); SKIP=decode,codec_profile drops only the two slowest
-#      sections, adding the reference fixtures on the GPU and the frame-step profile (~55 s).
-# Estimated ~590 s with the defaults (not yet timed as a whole): the sweep's last runs are
-# the first cut if it overruns; its rows are in gpu_bench_log.txt as they finish.
+#      with codec at c = 1, 4, 16, 32, 64, 128, the naive loop at 1, pingpong without codec at
+#      1 and 64); SKIP=decode,codec_profile drops only the two slowest sections, adding the
+#      reference fixtures on the GPU and the frame-step profile (~55 s).
+# The sweep is time-boxed (TOTAL): its last runs are the first cut if it overruns; its rows
+# are in gpu_bench_log.txt as they finish.
 # Results under $OUT (default artifacts/gpu; 7-8 files, what one device call brings back):
 # tests.txt, probes.txt, server.json (+ server.png), server.log,
 # gpu_bench.json, gpu_bench_log.txt. Knobs: TESTS, TESTS_K, SERVER_LEVELS, LEVEL_TIMEOUT,
@@ -30,14 +31,14 @@ t0=$(date +%s)
 SMOKE="host_sync or engine_audio or pingpong or replay_streams or fused_kernel or bias_folding or split"
 if [ "${TESTS:-smoke}" = all ]; then K=${TESTS_K:-}; else K=${TESTS_K:-$SMOKE}; fi
 timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_kernels.py \
-    ${K:+-k "$K"} 2>&1 | grep -v "Warning\|warn\|^  \|^$" | tail -15 | tee "$OUT/tests.txt"
+    ${K:+-k "$K"} 2>&1 | grep -Ev '^ |^$|site-packages|Warning:|warnings.html' | tail -15 | tee "$OUT/tests.txt"
 echo "tests done at +$(( $(date +%s) - t0 ))s"
-if [ "${PROBE:-1}" = 1 ]; then  # prefill graphs alone: what a burst of turns costs (~25 s)
+if [ "${PROBE:-0}" = 1 ]; then  # prefill graphs alone: what a burst of turns costs (~25 s)
     timeout 90 python3 scripts/prefill_probe.py 2>&1 | grep -v "Warn\|warn" | tail -2 | tee "$OUT/probes.txt"
     # the csrc kernels vs torch (decode attention with and without split positions, ~15 s)
     timeout 60 python3 -m engine.kernels --bench 2>&1 | grep -v "Warn\|warn" | tee -a "$OUT/probes.txt" | grep decode_attention
 fi
-MAX_LEN=${MAX_LEN:-1024} SERVER_LEVELS=${SERVER_LEVELS:-1 4 16 32 64} \
+MAX_LEN=${MAX_LEN:-1024} MAX_RUNNING=${MAX_RUNNING:-128} SERVER_LEVELS=${SERVER_LEVELS:-1 4 16 32 64 128} \
     timeout ${SERVER_TIMEOUT:-220} bash scripts/gpu_server_bench.sh 2>&1 | grep -v "^ \|^$" | tail -40
 # one merged report (+ plot where matplotlib is installed): the device returns 8 files at most
 python3 scripts/plot_server_levels.py "$OUT/server.json" "$OUT/server.png" "$OUT"/server_c*.json \
@@ -45,7 +46,7 @@ python3 scripts/plot_server_levels.py "$OUT/server.json" "$OUT/server.png" "$OUT
 echo "server bench done at +$(( $(date +%s) - t0 ))s"
 timeout -s ABRT $(( ${TOTAL:-580} - ($(date +%s) - t0) )) python3 -X faulthandler scripts/gpu_bench.py \
     --skip "${SKIP:-decode,codec_profile,fixtures,profile}" ${COMPILED_SAMPLER:+--compiled-sampler} \
-    --levels "${ENGINE_LEVELS:-1,4,16,32,64}" --frames 64 \
+    --levels "${ENGINE_LEVELS:-1,4,16,32,64,128}" --frames 64 \
     --engine-runs "${ENGINE_RUNS:-pingpong_codec,pingpong_nocodec,naive_nocodec}" --out "$OUT" \
     >"$OUT/gpu_bench_log.txt" 2>&1
 grep '^{"' "$OUT/gpu_bench_log.txt" | cut -c1-400 | tail -14

@@ -71,12 +71,12 @@ def test_engine_settings_reach_the_engine_config(tiny_bundle):
     """Every engine setting the server exposes ends up in the EngineConfig it builds."""
     from rtvoice.app import engine_config
 
-    s = Settings().replace(codec_hold_s=0.25, chunk_frames=6, first_chunk_frames=1,
+    s = Settings().replace(codec_hold_s=0.25, chunk_frames=6, first_chunk_frames=3,
                            max_running=3, max_len=512, kv_reserve_gib=2.0,
                            prefill_first_lead_s=0.7, prefill_first_wait_s=0.02)
     cfg = engine_config(s, tiny_bundle)
     assert (cfg.prefill_first_lead_s, cfg.prefill_first_wait_s) == (0.7, 0.02)
-    assert (cfg.codec_hold_s, cfg.chunk_frames, cfg.first_chunk_frames) == (0.25, 6, 1)
+    assert (cfg.codec_hold_s, cfg.chunk_frames, cfg.first_chunk_frames) == (0.25, 6, 3)
     assert (cfg.max_running, cfg.max_len, cfg.kv_reserve_gib) == (3, 512, 2.0)
 
 
