@@ -15,8 +15,11 @@ Two ways to run the same code:
   ping/pong buffer N%2, and only then reads step N-1's buffer — so the GPU always has the
   next step queued and the host never waits on the step it just launched. Stop conditions
   and the next step's inputs live on the device (see `ModelRunner.step`); a sequence that
-  stopped on the GPU costs at most one masked row. A codec thread (own stream) decodes the
-  new frames of all streams in one batched call per tick and calls the sinks.
+  stopped on the GPU costs at most one masked row. While prompts are prefilling, the
+  decode thread launches no step that no running turn needs yet (every turn far enough
+  ahead of realtime: `prefill_first_lead_s`), so a burst of prefills has the GPU to itself.
+  A codec thread (own stream) decodes the new frames of all streams in one batched call per
+  tick and calls the sinks.
 """
 
 from __future__ import annotations
