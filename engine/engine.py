@@ -641,7 +641,14 @@ class Engine:
                     active.append(job)
             except queue.Empty:
                 pass
-            finished = self._prefill_on_stream(active[: self.cfg.prefill_batch])
+            batch = active[: self.cfg.prefill_batch]
+            try:
+                finished = self._prefill_on_stream(batch)
+            except Exception as e:  # outside the per-job handling (e.g. recording the event):
+                log.exception("prefill round failed")  # fail this batch, keep the thread
+                for job in batch:
+                    job.event = e
+                finished = batch
             for job in finished:
                 active.remove(job)
                 self._prefill_out.put(job)
@@ -720,7 +727,11 @@ class Engine:
             # an Exception (failed prefill) or None (CPU) is done; a CUDA event when it says so
             (landing if hasattr(j.event, "query") and not j.event.query() else done).append(j)
         self._prefill_landing = landing
-        self._prefill_outstanding = max(0, self._prefill_outstanding - len(done))
+        self._prefill_outstanding -= len(done)
+        if self._prefill_outstanding < 0:  # every job is counted when queued: a bug if seen
+            log.warning("prefill bookkeeping: %d more jobs landed than were queued",
+                        -self._prefill_outstanding)
+            self._prefill_outstanding = 0
         for job in done:  # one job's failure must not strand the others (they left the list)
             try:
                 self._complete_prefill(job)
@@ -1025,9 +1036,8 @@ class Engine:
         first = self.cfg.first_chunk_frames
         for seq in self._owner.values():
             turn = seq.decoding
-            if seq.draining:  # a cancelled turn leaves its slot after a step: at once
-                return False
-            if turn is None or turn.finished is not None:
+            # a draining (cancelled) turn needs no new step: reading the one in flight frees it
+            if seq.draining or turn is None or turn.finished is not None:
                 continue
             n = len(turn.frames)
             if n < first:  # joined, first chunk not generated yet: waits a bounded time

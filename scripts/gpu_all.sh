@@ -44,7 +44,9 @@ MAX_LEN=${MAX_LEN:-1024} MAX_RUNNING=${MAX_RUNNING:-128} SERVER_LEVELS=${SERVER_
 python3 scripts/plot_server_levels.py "$OUT/server.json" "$OUT/server.png" "$OUT"/server_c*.json \
     >/dev/null 2>&1; [ -s "$OUT/server.json" ] && rm -f "$OUT"/server_c*.json
 echo "server bench done at +$(( $(date +%s) - t0 ))s"
-timeout -s ABRT $(( ${TOTAL:-590} - ($(date +%s) - t0) )) python3 -X faulthandler scripts/gpu_bench.py \
+LEFT=$(( ${TOTAL:-590} - ($(date +%s) - t0) ))
+[ "$LEFT" -lt 30 ] && echo "only ${LEFT}s left of TOTAL: gpu_bench gets 30s" && LEFT=30  # timeout 0 = no limit
+timeout -s ABRT "$LEFT" python3 -X faulthandler scripts/gpu_bench.py \
     --skip "${SKIP:-decode,codec_profile,fixtures,profile}" ${COMPILED_SAMPLER:+--compiled-sampler} \
     --levels "${ENGINE_LEVELS:-1,4,16,32,64,128}" --frames 64 \
     --engine-runs "${ENGINE_RUNS:-pingpong_codec,pingpong_nocodec,naive_nocodec}" --out "$OUT" \

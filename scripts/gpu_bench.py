@@ -17,6 +17,7 @@ import json
 import os
 import platform
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -258,7 +259,7 @@ def _codec_category(name: str) -> str:
 
 
 def engine_sweep(report: dict, device: str, levels: list[int], frames: int,
-                 only: set[str] | None = None) -> None:
+                 only: set[str] | None = None, save: Callable[[], None] | None = None) -> None:
     """The engine end to end (frames -> batched codec -> PCM): pingpong vs graphs vs naive."""
     from bench_latency.engine_throughput import DeviceStalled, sweep
     from engine.loader import load_bundle
@@ -266,8 +267,8 @@ def engine_sweep(report: dict, device: str, levels: list[int], frames: int,
     b = load_bundle("s2-pro", device=device, dtype="bf16", codec_dtype="bf16", max_seq_len=1024)
     out = {}
     ends = [levels[0], 64] if 64 in levels else [levels[0], levels[-1]]
-    hi = max(levels)
     low, high = [c for c in levels if c <= 64], [c for c in levels if c > 64]
+    hi = max(low or levels)  # the variants' level: 64 where the sweep reaches it
     runs = [("pingpong_codec", low, dict(mode="pingpong", codec=True)),
             # the naive loop at the lowest level only (at 64 its eager steps, ~100 ms each,
             # would take the rest of a 10-minute device call); early, so that a time-boxed
@@ -301,17 +302,19 @@ def engine_sweep(report: dict, device: str, levels: list[int], frames: int,
     for name, lv, kw in runs:
         if (only and name not in only) or not lv:
             continue
+        rows: list = out.setdefault(name, [])  # a name may run twice (levels above 64 last)
         try:
-            rows = sweep(b, lv, frames if kw["mode"] != "naive" else frames // 2, **kw)
-            out[name] = out[name] + rows if isinstance(out.get(name), list) else rows
+            rows += sweep(b, lv, frames if kw["mode"] != "naive" else frames // 2, **kw)
         except DeviceStalled as e:  # the process is wedged: report and let main() exit
-            out[name] = f"{type(e).__name__}: {e}"
+            rows.append({"levels": lv, "error": f"{type(e).__name__}: {e}"})
             report["engine"] = out
             raise
-        except Exception as e:  # keep the other runs
-            out[name] = f"{type(e).__name__}: {e}"
-        print(json.dumps({name: out[name]}), flush=True)
-    report["engine"] = out
+        except Exception as e:  # keep the other runs (and this run's earlier rows)
+            rows.append({"levels": lv, "error": f"{type(e).__name__}: {e}"})
+        print(json.dumps({name: rows}), flush=True)
+        report["engine"] = out
+        if save is not None:  # a sweep cut by its time box still leaves the finished runs
+            save()
     del b
     torch.cuda.empty_cache()
 
@@ -411,6 +414,10 @@ def main() -> int:
     report: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else platform.processor(),
                     "torch": torch.__version__, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
     skip = set(filter(None, args.skip.split(",")))
+
+    def save() -> None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "gpu_bench.json").write_text(json.dumps(report, indent=2, default=str))
     for name, fn in (("fixtures", lambda: fixture_check(report, device)),
                      ("decode", lambda: s2pro_decode(report, device,
                                                      [int(x) for x in args.batches.split(",")],
@@ -423,7 +430,8 @@ def main() -> int:
                      ("engine", lambda: engine_sweep(report, device,
                                                      [int(x) for x in args.levels.split(",")],
                                                      args.frames,
-                                                     set(filter(None, args.engine_runs.split(",")))))):
+                                                     set(filter(None, args.engine_runs.split(","))),
+                                                     save))):
         if name in skip or (name == "profile_compiled_sampler" and not args.compiled_sampler):
             continue
         t = time.perf_counter()
@@ -435,9 +443,7 @@ def main() -> int:
             stalled = type(e).__name__ == "DeviceStalled"  # the GPU is stuck: nothing more runs
         report[f"{name}_wall_s"] = round(time.perf_counter() - t, 1)
         print(json.dumps({k: v for k, v in report.items()}, default=str)[:2000], flush=True)
-        # after every section: a run cut short by its time limit still leaves its results
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "gpu_bench.json").write_text(json.dumps(report, indent=2, default=str))
+        save()  # after every section: a run cut short by its time limit leaves its results
         if stalled:
             os._exit(3)  # not a normal exit: the engine's threads are stuck on the device
     print(json.dumps(report, indent=2, default=str))

@@ -16,7 +16,9 @@ import matplotlib.pyplot as plt
 
 
 def main(src: str, dst: str) -> None:
-    runs = {k: v for k, v in json.load(open(src))["engine"].items() if isinstance(v, list)}
+    runs = {k: [r for r in v if "concurrency" in r]  # rows; a failed run leaves {"error"}
+            for k, v in json.load(open(src))["engine"].items() if isinstance(v, list)}
+    runs = {k: v for k, v in runs.items() if v}
     # newer sweeps time the whole engine share of TTFA (submit -> first PCM, incl. the turn's
     # prefill); older ones only ready -> first PCM
     whole = all("submit_to_audio_ms_p50" in r for rows in runs.values() for r in rows)

@@ -576,8 +576,8 @@ def test_codec_holds_streams_far_ahead_for_a_fuller_tick(tiny_bundle):
 def test_decode_pauses_for_prefills_while_every_turn_is_ahead(tiny_bundle):
     """Prefill first: with prompts prefilling, the decode step waits unless a running turn
     needs it (audio less than prefill_first_lead_s ahead, a joined turn without its first
-    chunk for prefill_first_wait_s, a cancelled turn draining); no prefill: it never waits;
-    prefill_first_lead_s=0 turns it off."""
+    chunk for prefill_first_wait_s); a draining (cancelled) turn needs none; no prefill: it
+    never waits; prefill_first_lead_s=0 turns it off."""
     import time
 
     from engine.request import Sequence, Turn
@@ -608,13 +608,14 @@ def test_decode_pauses_for_prefills_while_every_turn_is_ahead(tiny_bundle):
     assert not eng._yield_to_prefill(now + 0.05)  # ...but not longer
     new.frames = [ahead.frames[0]] * eng.cfg.first_chunk_frames  # first chunk at the codec
     assert eng._yield_to_prefill(now + 0.05)
-    new.first_audio_at = now  # its audio is out: 2 frames (93 ms) ahead < 0.5 s
+    new.first_audio_at = now  # its audio is out: one chunk (46 ms) ahead < 0.5 s
     assert not eng._yield_to_prefill(now)
+    eng._owner[1].draining = True  # cancelled: leaves when the step in flight is read
+    assert eng._yield_to_prefill(now)
+    eng._owner[1].draining = False
     new.finished = FinishReason.LENGTH  # a finished turn needs nothing
     assert eng._yield_to_prefill(now)
     assert not eng._yield_to_prefill(now + 0.6)  # the 1 s lead is down to 0.4 s
-    eng._owner[1].draining = True  # a cancelled turn leaves after a step: no waiting
-    assert not eng._yield_to_prefill(now)
     eng._owner.pop(1)
     eng.cfg.prefill_first_lead_s = 0.0
     assert not eng._yield_to_prefill(now)
@@ -624,32 +625,52 @@ def test_decode_pauses_for_prefills_while_every_turn_is_ahead(tiny_bundle):
 
 
 def test_prefill_first_keeps_every_turn_and_its_audio(tiny_bundle):
-    """Pingpong with prefill first at a tiny lead (running turns ahead of realtime pause
-    for any prefill): a second wave of turns arriving while the first runs, every turn
-    ends with all its audio, and the decode thread did pause."""
+    """Pingpong with prefill first at a tiny lead: while a second wave of turns is being
+    prefilled (held in its prefill round until the decode thread has paused for it), the
+    first wave, ahead of realtime, waits; afterwards every turn ends with all its audio."""
+    import threading
     import time
 
     eng = build_engine(tiny_bundle, EngineConfig(max_running=4, max_len=256,
                                                  prefill_first_lead_s=1e-3))
     sinks = [CollectingSink() for _ in range(4)]
     frames = {"a": 40, "b": 12}
+    release, held = threading.Event(), threading.Event()
+    real_round = eng._prefill_round
+
+    def held_round(jobs):  # the prefill thread: wave two's prompt waits for `release`
+        if any(j.turn is not None and j.turn.turn_id.startswith("b") for j in jobs):
+            held.set()
+            release.wait(30)
+        return real_round(jobs)
+
+    eng._prefill_round = held_round
     eng.start()
     try:
         seqs = [eng.open([], SamplingParams(seed=i, temperature=0.0), s) for i, s in enumerate(sinks)]
+        deadline = time.time() + 60
+        for s in sinks:
+            assert s.ready.wait(30)
         for i, seq in enumerate(seqs[:2]):
             eng.submit(seq, "first wave of text", turn_id=f"a{i}", max_frames=frames["a"])
-        deadline = time.time() + 60
-        # the first wave well ahead of realtime (tiny decodes at ~3x realtime here)
-        while (min(len(s.pcm()) for s in sinks[:2]) < 8 * eng.frame_samples
+        # the first wave a few chunks in, ahead of realtime (tiny decodes ~3x realtime here)
+        while (min(len(s.pcm()) for s in sinks[:2]) < 4 * eng.frame_samples
                and time.time() < deadline):
             time.sleep(0.005)
+        eng.stats["decode_pauses"] = 0
         for i, seq in enumerate(seqs[2:]):
             eng.submit(seq, "a second wave arrives", turn_id=f"b{i}", max_frames=frames["b"])
+        assert held.wait(30)
+        while eng.stats["decode_pauses"] == 0 and time.time() < deadline:
+            time.sleep(0.005)
+        paused_for_wave_two = eng.stats["decode_pauses"]
+        release.set()
         while sum(len(s.results) for s in sinks) < 4 and time.time() < deadline:
             time.sleep(0.01)
     finally:
+        release.set()
         eng.shutdown()
+    assert paused_for_wave_two > 0
     for s, wave in zip(sinks, "aabb"):
         assert [r.reason for r in s.results] == [FinishReason.LENGTH]
         assert len(s.pcm()) == frames[wave] * eng.frame_samples
-    assert eng.stats["decode_pauses"] > 0
