@@ -69,6 +69,12 @@ class EngineConfig:
     # frames in a turn's first audio chunk (TTFA): one frame is first audio one decode step
     # sooner (H200, c=64 burst: submit->audio 161 -> 104 ms p50, docs/PERF.md)
     first_chunk_frames: int = 1
+    # Slow start: while the running batch generates less than this many times realtime per
+    # stream, a turn's first chunk is twice first_chunk_frames. Chunks grow from the first
+    # one, and a one-frame start leaves too thin a buffer when the first full-size chunk is
+    # due at a slow rate (2-core CPU, c=8 at 1.7x realtime: 5 and 9 underruns of 24 turns
+    # with one frame, 0 and 0 with two; docs/PERF.md). 0: never.
+    slow_start_x: float = 2.0
     chunk_frames: int = 8  # frames in later chunks
     # a stream this far ahead of realtime playback (seconds of audio) lets its chunk wait
     # for a fuller codec tick, up to two chunks; 0: every chunk goes as soon as it is ready
@@ -123,7 +129,7 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.max_waiting < 0:
             raise ValueError("EngineConfig.max_waiting must be >= 0")
-        for name in ("codec_hold_s", "prefill_first_lead_s", "prefill_first_wait_s"):
+        for name in ("codec_hold_s", "prefill_first_lead_s", "prefill_first_wait_s", "slow_start_x"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"EngineConfig.{name} must be >= 0, got {getattr(self, name)}")
         if not self.stall_s > 0:
@@ -231,6 +237,10 @@ class Engine:
         self._prefill_landing: list[PrefillJob] = []  # launched, the GPU not done with them yet
         self._prefill_outstanding = 0  # jobs queued to the prefill thread and not joined yet
         self._k = 0  # decode steps launched
+        # seconds per decode step (EMA over back-to-back launches; None until measured):
+        # each step gives every running stream one frame, so it sets their speed
+        self._step_s: float | None = None
+        self._last_launch: float | None = None
         self._processed = -1  # last decode step whose result was read
         # audio (codec thread, or inline)
         self._audio: list[tuple[Sequence, Turn]] = []
@@ -422,11 +432,11 @@ class Engine:
     def step(self) -> bool:
         did = self._drain_commands()
         did |= self._prefill_inline()
-        if self._owner:
-            pend = self._launch()
-            if pend is not None:
-                self._process(pend)
-                did = True
+        pend = self._launch() if self._owner else None
+        self._note_launch(pend)
+        if pend is not None:
+            self._process(pend)
+            did = True
         did |= self._codec_tick()
         return did
 
@@ -1008,6 +1018,7 @@ class Engine:
                         self.stats["decode_pauses"] += 1
                     else:
                         launched = self._launch()
+                self._note_launch(launched)
                 if pending is not None:
                     self._process(pending)  # step N-1, while step N runs on the GPU
                     did = True
@@ -1025,6 +1036,26 @@ class Engine:
                                 else 0.002 if self._prefill_outstanding else 0.02)
                 self._wake.clear()
 
+    def _note_launch(self, pend: _Pending | None) -> None:
+        """Time back-to-back step launches (the decode rate every running stream gets); a
+        pass without a launch (idle, paused) breaks the chain."""
+        if pend is None:
+            self._last_launch = None
+            return
+        if self._last_launch is not None:
+            dt = pend.t_launch - self._last_launch
+            self._step_s = dt if self._step_s is None else 0.9 * self._step_s + 0.1 * dt
+        self._last_launch = pend.t_launch
+
+    def _first_chunk(self) -> int:
+        """Frames in a turn's first audio chunk now: twice first_chunk_frames while the
+        streams generate slower than slow_start_x times realtime (EngineConfig)."""
+        first, step_s = self.cfg.first_chunk_frames, self._step_s  # step_s: the decode thread's
+        if self.cfg.slow_start_x and step_s is not None \
+                and step_s * self.frame_rate * self.cfg.slow_start_x > 1.0:
+            return 2 * first
+        return first
+
     def _yield_to_prefill(self, now: float) -> bool:
         """Prefill first: whether the next decode step waits because prompts are
         prefilling and no running turn needs a frame yet (EngineConfig.prefill_first_*).
@@ -1033,7 +1064,7 @@ class Engine:
         prefill (H200, docs/PERF.md) for ~75 ms of replays on an idle GPU."""
         if not self._prefill_outstanding or self.cfg.prefill_first_lead_s == 0:
             return False
-        first = self.cfg.first_chunk_frames
+        first = self._first_chunk()
         for seq in self._owner.values():
             turn = seq.decoding
             # a draining (cancelled) turn needs no new step: reading the one in flight frees it
@@ -1137,7 +1168,7 @@ class Engine:
         audio is complete, and whether any ripe stream needs a tick now."""
         ripe: list[tuple[Sequence, Turn, int]] = []
         ended: list[tuple[Sequence, Turn]] = []
-        due, now = False, time.perf_counter()
+        due, now, first = False, time.perf_counter(), self._first_chunk()
         with self._audio_lock:
             audio = list(self._audio)
         for s, turn in audio:
@@ -1151,7 +1182,7 @@ class Engine:
                 continue
             # Chunks grow 1, 1, 2, 4, 8, 8…: a small first chunk for TTFA, then doubling, so
             # the listener's buffer is topped up before it drains, then full-size chunks.
-            need = min(self.cfg.chunk_frames, max(self.cfg.first_chunk_frames, turn.decoded_frames))
+            need = min(self.cfg.chunk_frames, max(first, turn.decoded_frames))
             if pending == 0 or (pending < need and not finished):
                 continue
             due |= finished or self._codec_due(turn, pending, now)

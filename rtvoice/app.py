@@ -72,6 +72,7 @@ def engine_config(settings: Settings, bundle: Bundle) -> EngineConfig:
         max_len=max_len,
         prefill_chunk=eng.prefill_chunk,
         first_chunk_frames=eng.first_chunk_frames,
+        slow_start_x=eng.slow_start_x,
         chunk_frames=eng.chunk_frames,
         codec_hold_s=eng.codec_hold_s,
         prefill_first_lead_s=eng.prefill_first_lead_s,

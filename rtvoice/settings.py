@@ -139,6 +139,7 @@ class EngineSettings:
     max_waiting: int = 64  # sessions queued for a slot before new ones are refused
     prefill_chunk: int = 256  # prefill columns per engine step (bounds decode stalls)
     first_chunk_frames: int = 1  # codec frames in a turn's first audio chunk (TTFA)
+    slow_start_x: float = 2.0  # below this many x realtime per stream, first chunks are doubled
     chunk_frames: int = 8  # codec frames in later chunks
     codec_hold_s: float = 1.0  # a stream this far ahead of realtime may wait for a fuller codec tick
     # prefill first: decode pauses for a burst of prefills while every turn is this far ahead
@@ -162,6 +163,9 @@ class EngineSettings:
         "max_waiting": "sessions that may wait for a KV slot before new ones get 'overloaded'",
         "prefill_chunk": "prefill columns per engine step",
         "first_chunk_frames": "codec frames in the first audio chunk of a turn",
+        "slow_start_x": "while streams generate slower than this many times realtime, a "
+        "turn's first chunk is twice first_chunk_frames (a thicker start buffer where "
+        "generation has little headroom); 0: never",
         "chunk_frames": "codec frames in later audio chunks",
         "codec_hold_s": "a stream more than this many seconds of audio ahead of realtime "
         "playback lets its chunk wait (up to 2 x chunk_frames) for a fuller batched codec "
@@ -202,7 +206,7 @@ class EngineSettings:
             raise ValueError(f"max_len must be >= 128, got {self.max_len}")
         if not self.kv_reserve_gib >= 0:
             raise ValueError(f"kv_reserve_gib must be >= 0, got {self.kv_reserve_gib}")
-        for name in ("codec_hold_s", "prefill_first_lead_s", "prefill_first_wait_s"):
+        for name in ("codec_hold_s", "prefill_first_lead_s", "prefill_first_wait_s", "slow_start_x"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 

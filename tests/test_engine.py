@@ -26,6 +26,7 @@ def _turn(engine, sink, seq, text, n, tid="t"):
 
 
 def test_turn_streams_exact_audio(engine, tiny_bundle):
+    engine.cfg.slow_start_x = 0.0  # the chunk sizes below, however fast this machine decodes
     sink = CollectingSink()
     seq = engine.open([], SamplingParams(seed=5), sink)
     engine.run_until_idle()
@@ -674,3 +675,43 @@ def test_prefill_first_keeps_every_turn_and_its_audio(tiny_bundle):
     for s, wave in zip(sinks, "aabb"):
         assert [r.reason for r in s.results] == [FinishReason.LENGTH]
         assert len(s.pcm()) == frames[wave] * eng.frame_samples
+
+
+def test_slow_start_doubles_the_first_chunk_while_streams_are_slow(tiny_bundle):
+    """The first chunk is first_chunk_frames while the measured decode rate gives every
+    stream at least slow_start_x times realtime, twice that below it (and before any rate is
+    known: first_chunk_frames); the chunks of a turn then grow from it."""
+    import time
+
+    from engine.request import Sequence, Turn
+
+    eng = build_engine(tiny_bundle, EngineConfig(max_running=2, max_len=256, first_chunk_frames=1,
+                                                 slow_start_x=2.0, codec_hold_s=0))
+    fr = eng.frame_rate
+    assert eng._first_chunk() == 1  # no rate measured yet
+    eng._step_s = 1 / (2.5 * fr)  # 2.5x realtime per stream
+    assert eng._first_chunk() == 1
+    eng._step_s = 1 / (1.7 * fr)  # 1.7x: a thicker start
+    assert eng._first_chunk() == 2
+    K1 = eng.model_cfg.frame_rows
+    seq = Sequence(1, (), SamplingParams(), 0, CollectingSink())
+    turn = Turn("t", "x", 64)
+    turn.frames = [torch.zeros(K1, dtype=torch.long)]
+    eng._audio.append((seq, turn))
+    assert eng._codec_tick() is False and turn.decoded_frames == 0  # one frame: not yet
+    turn.frames.append(torch.zeros(K1, dtype=torch.long))
+    assert eng._codec_tick() is True and turn.decoded_frames == 2
+    eng.cfg.slow_start_x = 0.0  # off: one frame whatever the rate
+    assert eng._first_chunk() == 1
+
+    # the rate comes from back-to-back launches; a pass without one breaks the chain
+    from engine.engine import _Pending
+
+    eng._step_s, eng._last_launch = None, None
+    t = time.perf_counter()
+    for k in range(3):
+        eng._note_launch(_Pending(k, 1, None, None, t + 0.02 * k))
+    assert eng._step_s == pytest.approx(0.02)
+    eng._note_launch(None)
+    eng._note_launch(_Pending(3, 1, None, None, t + 5.0))  # after an idle gap: not a step
+    assert eng._step_s == pytest.approx(0.02)

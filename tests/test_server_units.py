@@ -59,6 +59,7 @@ def test_settings_env_then_overrides(tmp_path):
         ({"send_queue_events": 0}, "send_queue_events"),
         ({"codec_hold_s": -0.5}, "codec_hold_s"),
         ({"prefill_first_lead_s": -0.1}, "prefill_first_lead_s"),
+        ({"slow_start_x": -1.0}, "slow_start_x"),
         ({"prefill_first_wait_s": float("nan")}, "prefill_first_wait_s"),
     ],
 )
@@ -73,9 +74,10 @@ def test_engine_settings_reach_the_engine_config(tiny_bundle):
 
     s = Settings().replace(codec_hold_s=0.25, chunk_frames=6, first_chunk_frames=3,
                            max_running=3, max_len=512, kv_reserve_gib=2.0,
-                           prefill_first_lead_s=0.7, prefill_first_wait_s=0.02)
+                           prefill_first_lead_s=0.7, prefill_first_wait_s=0.02, slow_start_x=1.5)
     cfg = engine_config(s, tiny_bundle)
     assert (cfg.prefill_first_lead_s, cfg.prefill_first_wait_s) == (0.7, 0.02)
+    assert cfg.slow_start_x == 1.5
     assert (cfg.codec_hold_s, cfg.chunk_frames, cfg.first_chunk_frames) == (0.25, 6, 3)
     assert (cfg.max_running, cfg.max_len, cfg.kv_reserve_gib) == (3, 512, 2.0)
 
