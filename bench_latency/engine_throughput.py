@@ -150,8 +150,10 @@ def run_level(engine: Engine, c: int, frames: int, *, threaded: bool,
            "codec_share": round(engine.stats["codec_s"] / wall, 3) if wall > 0 else None,
            "codec_ticks": engine.stats["codec_ticks"],
            "prefill_s": round(engine.stats["prefill_s"], 3),
-           # decode-loop passes that left the GPU to prefills (EngineConfig.prefill_first_*)
-           "decode_pauses": engine.stats["decode_pauses"]}
+           # times the decode thread left the GPU to prefills, and for how long in all
+           # (EngineConfig.prefill_first_*)
+           "decode_pauses": engine.stats["decode_pauses"],
+           "decode_paused_ms": round(1000 * engine.stats["decode_paused_s"], 1)}
     if gaps:
         gs = sorted(gaps[2:]) or sorted(gaps)
         row.update(gpu_gap_ms_p50=pct(gs, 0.5), gpu_gap_ms_p90=pct(gs, 0.9),

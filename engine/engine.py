@@ -306,7 +306,7 @@ class Engine:
                      self.decoder.FRAME_BUCKETS, self.codec_capture_s)
         self.stats = {"steps": 0, "frames": 0, "prefill_cols": 0, "decode_s": 0.0,
                       "prefill_s": 0.0, "codec_s": 0.0, "codec_ticks": 0, "wasted_rows": 0,
-                      "prefill_calls": 0, "decode_pauses": 0}
+                      "prefill_calls": 0, "decode_pauses": 0, "decode_paused_s": 0.0}
 
     # ================================================================ public, thread-safe
     def open(self, references: list[Reference] | tuple[Reference, ...], params: SamplingParams,
@@ -1008,16 +1008,23 @@ class Engine:
     def _decode_loop(self) -> None:
         torch.set_grad_enabled(False)
         pending: _Pending | None = None
+        paused_at: float | None = None  # when the current pause for prefills began
         while not self._stop.is_set():
             try:
                 did = self._drain_commands()
                 did |= self._apply_prefill_completions()
                 launched = None
                 if self._owner:
-                    if self._yield_to_prefill(time.perf_counter()):
-                        self.stats["decode_pauses"] += 1
+                    now = time.perf_counter()
+                    if self._yield_to_prefill(now):
+                        if paused_at is None:  # a pause starts
+                            paused_at = now
+                            self.stats["decode_pauses"] += 1
                     else:
                         launched = self._launch()
+                if paused_at is not None and (launched is not None or not self._owner):
+                    self.stats["decode_paused_s"] += time.perf_counter() - paused_at
+                    paused_at = None  # the pause ended: a step went, or nothing runs
                 self._note_launch(launched)
                 if pending is not None:
                     self._process(pending)  # step N-1, while step N runs on the GPU

@@ -671,7 +671,7 @@ def test_prefill_first_keeps_every_turn_and_its_audio(tiny_bundle):
     finally:
         release.set()
         eng.shutdown()
-    assert paused_for_wave_two > 0
+    assert paused_for_wave_two > 0 and eng.stats["decode_paused_s"] > 0
     for s, wave in zip(sinks, "aabb"):
         assert [r.reason for r in s.results] == [FinishReason.LENGTH]
         assert len(s.pcm()) == frames[wave] * eng.frame_samples
