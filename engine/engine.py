@@ -241,6 +241,7 @@ class Engine:
         # each step gives every running stream one frame, so it sets their speed
         self._step_s: float | None = None
         self._last_launch: float | None = None
+        self._paused_at: float | None = None  # when the current pause for prefills began
         self._processed = -1  # last decode step whose result was read
         # audio (codec thread, or inline)
         self._audio: list[tuple[Sequence, Turn]] = []
@@ -1008,24 +1009,11 @@ class Engine:
     def _decode_loop(self) -> None:
         torch.set_grad_enabled(False)
         pending: _Pending | None = None
-        paused_at: float | None = None  # when the current pause for prefills began
         while not self._stop.is_set():
             try:
                 did = self._drain_commands()
                 did |= self._apply_prefill_completions()
-                launched = None
-                if self._owner:
-                    now = time.perf_counter()
-                    if self._yield_to_prefill(now):
-                        if paused_at is None:  # a pause starts
-                            paused_at = now
-                            self.stats["decode_pauses"] += 1
-                    else:
-                        launched = self._launch()
-                if paused_at is not None and (launched is not None or not self._owner):
-                    self.stats["decode_paused_s"] += time.perf_counter() - paused_at
-                    paused_at = None  # the pause ended: a step went, or nothing runs
-                self._note_launch(launched)
+                launched = self._launch_or_pause()
                 if pending is not None:
                     self._process(pending)  # step N-1, while step N runs on the GPU
                     did = True
@@ -1042,6 +1030,23 @@ class Engine:
                 self._wake.wait(timeout=0.0005 if self._prefill_landing
                                 else 0.002 if self._prefill_outstanding else 0.02)
                 self._wake.clear()
+
+    def _launch_or_pause(self) -> _Pending | None:
+        """The decode thread's launch: the next step, or none while the batch pauses for
+        prefills (counted, and timed, in stats)."""
+        launched = None
+        if self._owner:
+            now = time.perf_counter()
+            if not self._yield_to_prefill(now):
+                launched = self._launch()
+            elif self._paused_at is None:  # a pause starts
+                self._paused_at = now
+                self.stats["decode_pauses"] += 1
+        if self._paused_at is not None and (launched is not None or not self._owner):
+            self.stats["decode_paused_s"] += time.perf_counter() - self._paused_at
+            self._paused_at = None  # the pause ended: a step went, or nothing runs
+        self._note_launch(launched)
+        return launched
 
     def _note_launch(self, pend: _Pending | None) -> None:
         """Time back-to-back step launches (the decode rate every running stream gets); a

@@ -3,9 +3,9 @@
 # the parts run under their own limits and the engine sweep gets what is left):
 #   1. CUDA tests: by default the smoke set (no host sync in steady state, the graphed
 #      engine codec's audio, pingpong == sync, capture streams, the fused masked attention,
-#      decode attention with split positions;
-#      ~110 s incl. the ~70 s extension build); TESTS=all runs tests/test_cuda.py and
-#      tests/test_kernels.py whole (~230 s), TESTS_K picks by name;
+#      decode attention with split positions; 136-148 s with the extension build on a fresh
+#      machine); TESTS=all runs tests/test_cuda.py and tests/test_kernels.py whole, TESTS_K
+#      picks by name;
 #   2. diagnostics, only with PROBE=1 (~40 s): scripts/prefill_probe.py (one prefill-graph
 #      replay per bucket alone) and `python -m engine.kernels --bench` (csrc kernels vs torch);
 #   3. the server bench: `rtvoice serve` (S2-Pro shapes, bf16 dummy weights, 128 KV slots)
@@ -13,8 +13,9 @@
 #      jitter buffer;
 #   4. scripts/gpu_bench.py: codec speed (graphed ticks) and the engine sweep (pingpong
 #      with codec at c = 1, 4, 16, 32, 64, the naive loop at 1, pingpong without codec at 1
-#      and 64, then pingpong with codec at 128: the first cut if time runs out); SKIP=decode,codec_profile drops only the two slowest sections, adding the
-#      reference fixtures on the GPU and the frame-step profile (~55 s).
+#      and 64, then pingpong with codec at 128: the first cut if time runs out);
+#      SKIP=decode,codec_profile drops only the two slowest sections, adding the reference
+#      fixtures on the GPU and the frame-step profile (~55 s).
 # The sweep is time-boxed (TOTAL): its last runs are the first cut if it overruns; its rows
 # are in gpu_bench_log.txt as they finish.
 # Results under $OUT (default artifacts/gpu; 7-8 files, what one device call brings back):

@@ -265,7 +265,8 @@ def engine_sweep(report: dict, device: str, levels: list[int], frames: int,
     from engine.loader import load_bundle
 
     b = load_bundle("s2-pro", device=device, dtype="bf16", codec_dtype="bf16", max_seq_len=1024)
-    out = {}
+    out: dict = {}
+    report["engine"] = out  # filled run by run: a cut or failed sweep keeps what finished
     ends = [levels[0], 64] if 64 in levels else [levels[0], levels[-1]]
     low, high = [c for c in levels if c <= 64], [c for c in levels if c > 64]
     hi = max(low or levels)  # the variants' level: 64 where the sweep reaches it
@@ -307,12 +308,10 @@ def engine_sweep(report: dict, device: str, levels: list[int], frames: int,
             rows += sweep(b, lv, frames if kw["mode"] != "naive" else frames // 2, **kw)
         except DeviceStalled as e:  # the process is wedged: report and let main() exit
             rows.append({"levels": lv, "error": f"{type(e).__name__}: {e}"})
-            report["engine"] = out
             raise
         except Exception as e:  # keep the other runs (and this run's earlier rows)
             rows.append({"levels": lv, "error": f"{type(e).__name__}: {e}"})
         print(json.dumps({name: rows}), flush=True)
-        report["engine"] = out
         if save is not None:  # a sweep cut by its time box still leaves the finished runs
             save()
     del b
