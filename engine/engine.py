@@ -216,7 +216,7 @@ class Engine:
         self.codec = codec
         self._graphed_codec = self.cfg.codec_graphs and codec.device.type == "cuda"
         self.decoder = StreamingDecoder(codec, max_streams=max(2, 2 * runner.n_slots),
-                                        buckets=self._graphed_codec,
+                                        buckets=self._graphed_codec, graph_streams=runner.n_slots,
                                         max_frames=self.cfg.max_turn_frames)
         self.frame_samples = codec.cfg.hop_length
         self.sample_rate = codec.cfg.sample_rate

@@ -202,48 +202,59 @@ def codec_bench(report: dict, device: str) -> None:
 
 
 def codec_profile(report: dict, device: str) -> None:
-    """Where a batched streaming codec tick's GPU time goes (eager bf16, 64 streams x 8
-    frames and 16 x 4, by kernel category and by convolution shape), with the torch Snake and
-    with csrc's (EngineConfig.codec_kernels)."""
+    """Where a batched streaming codec tick's GPU time goes, in the engine's setting (bf16,
+    csrc kernels): per (streams, frames) shape the graphed tick's time and kernels (one
+    profiled replay), and the eager tick's GPU time by kernel category and convolution shape.
+    Shapes 64x2 against 64x8 split a tick into a fixed and a per-frame part."""
     from engine import fusion
     from engine.codec import CodecConfig, StreamingDecoder, dummy_codec
 
     out: dict = {}
+    report["codec_profile"] = out
     codec = dummy_codec(CodecConfig.preset("s2-pro"), seed=0, device=device, dtype=torch.bfloat16)
+    kern = fusion.codec_kernels(True)
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     try:
-        for kern in (False, True):
-            fusion.codec_kernels(kern)
-            for streams, frames in ((64, 8), (16, 4)):
-                dec = StreamingDecoder(codec, max_streams=64)
+        graphed = None
+        if device == "cuda":
+            graphed = StreamingDecoder(codec, max_streams=64, buckets=True, max_frames=4096)
+            out["capture_s"] = round(graphed.capture(), 2)
+        for streams, frames in ((64, 8), (64, 2), (16, 4), (1, 2)):
+            row: dict = {"kernels": kern}
+            chunk = {}
+            for name, dec in (("graphs", graphed), ("eager", StreamingDecoder(codec, max_streams=64))):
+                if dec is None:
+                    continue
+                row[f"{name}_tick"] = codec_tick(dec, streams, frames)
                 sids = [dec.open() for _ in range(streams)]
                 chunk = {s: torch.randint(0, 1024, (10, frames)) for s in sids}
                 with torch.inference_mode():
                     for _ in range(3):
                         dec.decode(chunk)
                     _sync()
-                    with torch.profiler.profile(
-                            activities=[torch.profiler.ProfilerActivity.CPU,
-                                        torch.profiler.ProfilerActivity.CUDA],
-                            record_shapes=True) as prof:
+                    with torch.profiler.profile(activities=acts, record_shapes=True) as prof:
                         dec.decode(chunk)
                         _sync()
-                cats, kernels, _ = kernel_table(prof, _codec_category, cuda_only=True)
-                top = [(round(t, 3), c, k[:80]) for t, c, k in kernels]
-                convs = []
-                for e in prof.key_averages(group_by_input_shape=True):
-                    if e.key == "aten::_convolution":  # conv and transposed conv, once each
-                        t = getattr(e, "device_time_total", None) or 0.0
-                        convs.append((round(t / 1000, 3), e.count, e.key[6:],
-                                      str(e.input_shapes[:2])[:70]))
-                convs.sort(reverse=True)
-                out[f"eager_{streams}x{frames}{'_kernels' if kern else ''}"] = {
-                    "gpu_ms": round(sum(cats.values()), 2),
-                    "ms_by_category": {k: round(v, 2) for k, v in sorted(cats.items())},
-                    "top_kernels": top[:12], "convs_by_shape": convs[:14]}
-                print(json.dumps({"codec_profile": out}, default=str)[-1500:], flush=True)
+                for sid in sids:
+                    dec.close(sid)
+                cats, kernels, n = kernel_table(prof, _codec_category, cuda_only=True)
+                row[name] = {"gpu_ms": round(sum(cats.values()), 2), "kernel_launches": n,
+                             "ms_by_category": {k: round(v, 2) for k, v in sorted(cats.items())},
+                             "top_kernels": [(round(t, 3), c, k[:90]) for t, c, k in kernels[:16]]}
+                if name == "eager":
+                    convs = []
+                    for e in prof.key_averages(group_by_input_shape=True):
+                        if e.key == "aten::_convolution":  # conv and transposed conv, once each
+                            t = getattr(e, "device_time_total", None) or 0.0
+                            convs.append((round(t / 1000, 3), e.count,
+                                          str(e.input_shapes[:2])[:70]))
+                    convs.sort(reverse=True)
+                    row[name]["convs_by_shape"] = convs[:16]
+            out[f"{streams}x{frames}"] = row
+            print(json.dumps({"codec_profile": {f"{streams}x{frames}": row}}, default=str)[:3000],
+                  flush=True)
     finally:
         fusion.codec_kernels(False)
-    report["codec_profile"] = out
 
 
 def _codec_category(name: str) -> str:

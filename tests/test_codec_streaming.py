@@ -79,8 +79,10 @@ def test_one_frame_chunks_past_the_window(codec: Codec) -> None:
     assert _max_diff(got, want) <= STREAM_ATOL
 
 
-@pytest.mark.parametrize("buckets", [False, True])
-def test_three_streams_batched_at_different_offsets(codec: Codec, buckets: bool) -> None:
+@pytest.mark.parametrize(("buckets", "graph_streams"), [(False, None), (True, None), (True, 2)])
+def test_three_streams_batched_at_different_offsets(codec: Codec, buckets: bool,
+                                                    graph_streams: int | None) -> None:
+    """graph_streams=2: three streams decode as two bucketed groups (2 + 1) in one call."""
     lengths = {"a": 17, "b": 11, "c": 14}
     codes = {
         k: _codes(n, seed=i + 20, overflow=k == "c") for i, (k, n) in enumerate(lengths.items())
@@ -88,7 +90,7 @@ def test_three_streams_batched_at_different_offsets(codec: Codec, buckets: bool)
     sizes = {"a": [1], "b": [3, 2], "c": [7, 1, 4]}
     with deterministic():
         want = {k: _offline(codec, c) for k, c in codes.items()}
-        dec = StreamingDecoder(codec, max_streams=4, buckets=buckets)
+        dec = StreamingDecoder(codec, max_streams=4, buckets=buckets, graph_streams=graph_streams)
         sids, pos, parts, step = {}, dict.fromkeys(lengths, 0), {k: [] for k in lengths}, 0
         sids["a"] = dec.open()
         while any(pos[k] < lengths[k] for k in lengths):
@@ -127,6 +129,18 @@ def test_bucketed_limits_and_errors(codec: Codec) -> None:
     with pytest.raises(ValueError, match=f"codes for stream {b} contain negative values"):
         dec.decode({b: bad})
     assert dec.position(a) == 6 and dec.position(b) == 2  # failed calls changed nothing
+    # more streams than the largest bucket: groups, checked as a whole before the first pass
+    grouped = StreamingDecoder(codec, max_streams=3, buckets=True, max_frames=10, graph_streams=1)
+    assert grouped.stream_buckets == [1]
+    x, y = grouped.open(), grouped.open()
+    with pytest.raises(ValueError, match=f"codes for stream {y} contain negative values"):
+        grouped.decode({x: _codes(2, seed=5), y: bad})
+    with pytest.raises(ValueError, match="max_frames=10"):
+        grouped.decode({x: _codes(2, seed=5), y: _codes(11, seed=6)})
+    assert grouped.position(x) == 0 and grouped.position(y) == 0
+    for g in (0, 4, 2.0):
+        with pytest.raises(ValueError, match="graph_streams"):
+            StreamingDecoder(codec, max_streams=3, buckets=True, graph_streams=g)  # type: ignore[arg-type]
     with pytest.raises(RuntimeError, match="CUDA"):
         dec.capture()
 

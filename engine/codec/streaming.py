@@ -15,8 +15,9 @@ sequence up to float rounding (kernels sum in different orders for different len
 :data:`STREAM_ATOL` is the tolerance the tests and reference checks use.
 
 With ``buckets=True`` every call is padded to a (streams, frames) bucket: missing rows are
-the scratch state row, missing frames are padding the lengths mask out, and a chunk longer
-than the largest frame bucket is decoded in several passes. On a CUDA device each bucket's
+the scratch state row, missing frames are padding the lengths mask out, a chunk longer
+than the largest frame bucket is decoded in several passes, and more streams than the largest
+stream bucket (``graph_streams``) in several groups. On a CUDA device each bucket's
 pass (state gather, the whole decode, state scatter) is then captured once as a CUDA graph
 (``capture()``) and a tick is one graph replay instead of ~2,000 kernel launches from Python.
 Buckets need the transformer's RoPE table sized up front, so a stream may decode at most
@@ -62,13 +63,17 @@ class StreamingDecoder:
     AUTOTUNE_MIN_STREAMS = 32
 
     def __init__(self, codec: Codec, max_streams: int = 64, *, buckets: bool = False,
-                 max_frames: int = 4096) -> None:
+                 max_frames: int = 4096, graph_streams: int | None = None) -> None:
         if not isinstance(codec, Codec):
             raise TypeError(f"codec must be an engine.codec.Codec, got {type(codec).__name__}")
         if isinstance(max_streams, bool) or not isinstance(max_streams, int) or max_streams < 1:
             raise ValueError(f"max_streams must be a positive int, got {max_streams!r}")
         if not (isinstance(max_frames, int) and max_frames >= 1):
             raise ValueError(f"max_frames must be a positive int, got {max_frames!r}")
+        graph_streams = max_streams if graph_streams is None else graph_streams
+        if not (isinstance(graph_streams, int) and 1 <= graph_streams <= max_streams):
+            raise ValueError(f"graph_streams must be an int in [1, max_streams={max_streams}], "
+                             f"got {graph_streams!r}")
         self.codec = codec.eval()
         self.max_streams = max_streams
         self.device = codec.device
@@ -84,8 +89,11 @@ class StreamingDecoder:
                     (max_streams + 1, *shape), device=self.device, dtype=self.dtype
                 )
         self.buckets = buckets
+        # stream buckets stop at graph_streams: the engine opens twice its slots (turns still
+        # draining) but rarely decodes more than its slots at once, and the biggest buckets
+        # cost the most to capture (64 -> 128 -> 256 streams: most of the start-up)
         self.stream_buckets = sorted({*(b for b in (1, 2, 4, 8, 16, 32, 64, 128)
-                                        if b < max_streams), max_streams})
+                                        if b < graph_streams), graph_streams})
         # (streams, frames) -> (graph or None, static inputs, static audio output)
         self._passes: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph | None, dict[str, Tensor],
                                                   Tensor | None]] = {}
@@ -180,7 +188,19 @@ class StreamingDecoder:
         slots = [slot for _, slot, _ in active]
         positions = [self._position[s] for s in slots]
         if self.buckets:
-            return {**out, **self._decode_bucketed(active, lengths, slots, positions)}
+            # every check before the first pass: a failed call changes no stream's state
+            for (sid, _, _), p, n in zip(active, positions, lengths):
+                if p + n > self.max_frames:
+                    raise ValueError(f"stream {sid} would reach frame {p + n}, over this decoder's "
+                                     f"max_frames={self.max_frames} (build it with a larger limit)")
+            codes_host = [c.detach().to("cpu", torch.long) for _, _, c in active]
+            self._check_values(torch.cat(codes_host, dim=-1), active)  # on the host: no sync
+            g = self.stream_buckets[-1]  # in groups of at most the largest stream bucket
+            for i in range(0, len(active), g):
+                out.update(self._decode_bucketed(active[i: i + g], codes_host[i: i + g],
+                                                 lengths[i: i + g], slots[i: i + g],
+                                                 positions[i: i + g]))
+            return out
         n_max = max(lengths)
         n_cb = self.codec.n_codebooks_total
         # batch: [B, 10, n_max] right-padded with code 0 (never reaches a valid output)
@@ -273,16 +293,11 @@ class StreamingDecoder:
                                            lambda key, inp: self._static_pass(inp)))
         return time.perf_counter() - t0
 
-    def _decode_bucketed(self, active: list[tuple[int, int, Tensor]], lengths: list[int],
-                         slots: list[int], positions: list[int]) -> dict[int, Tensor]:
-        for (sid, _, _), p, n in zip(active, positions, lengths):
-            if p + n > self.max_frames:
-                raise ValueError(f"stream {sid} would reach frame {p + n}, over this decoder's "
-                                 f"max_frames={self.max_frames} (build it with a larger limit)")
+    def _decode_bucketed(self, active: list[tuple[int, int, Tensor]], codes_host: list[Tensor],
+                         lengths: list[int], slots: list[int],
+                         positions: list[int]) -> dict[int, Tensor]:
         B = len(active)
         Bb = self._bucket(tuple(self.stream_buckets), B)
-        codes_host = [c.detach().to("cpu", torch.long) for _, _, c in active]
-        self._check_values(torch.cat(codes_host, dim=-1), active)  # on the host: no device sync
         pin = self.device.type == "cuda"
         pieces: list[list[Tensor]] = [[] for _ in range(B)]
         done = [0] * B
