@@ -4,6 +4,9 @@
 //                                     s = x + bias_c (bias optional: a conv's bias folded in)
 //   bias_residual(x, y, bias, out):   out = x + (y + bias_c)  (a residual unit's output, its
 //                                     last conv's bias folded in)
+//   snake_cat(tail, x, alpha, bias?, out):
+//                                     out = [tail | snake(x + bias)] along T: a streaming
+//                                     causal conv's input, built in one pass
 //
 // Unfused, torch runs the Snake as five elementwise kernels, three of them broadcasting alpha
 // over [B, C, T] on torch's non-vectorised path (~23 ms of a 52 ms codec tick at 64 streams x
@@ -12,8 +15,9 @@
 //
 // Contract (checked by the Python wrappers in engine/kernels.py and again here):
 //   x, y, out   [B, C, T]  bf16/fp16/fp32, last dim contiguous (stride 1), any batch/channel
-//                          strides: out may be a slice of a wider buffer, e.g. the new-sample
-//                          part of a causal conv's [tail | new] input (no concatenation pass)
+//                          strides: out may be a slice of a wider buffer
+//   tail        [B, C, P]  (snake_cat) same dtype, last dim contiguous; out is then a
+//                          contiguous [B, C, P + T]
 //   alpha, bias [C]        same dtype, contiguous
 // float32 math in the reference's order (x + bias; reciprocal, then multiply, then add; no
 // fused multiply-add), so float32 results equal torch's; bf16/fp16 round once instead of per op.
@@ -75,6 +79,68 @@ __global__ void pointwise_kernel(Rows x, Rows y, const T* __restrict__ alpha,
     }
   }
   *reinterpret_cast<Pack*>(out + b * o_sb + c * o_sc + t) = res;
+}
+
+// snake_cat as one flat pass over the contiguous out [B, C, P + T]: each thread stores V
+// consecutive elements (16-byte stores however the rows fall: P is 1..54 and rows are P + T
+// long, so a per-row layout would be 2-wide or scalar), reading tail and x element by element
+// (a warp's reads of one element index stay within a few cache lines).
+template <typename T, int V>
+__global__ void snake_cat_kernel(Rows tail, Rows x, const T* __restrict__ alpha,
+                                 const T* __restrict__ bias, T* __restrict__ out, int64_t C,
+                                 int64_t P, int64_t T_len, int64_t n_vec) {
+  struct alignas(sizeof(T) * V) Pack { T v[V]; };
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n_vec) return;
+  const int64_t L = P + T_len;
+  int64_t row = (i * V) / L, col = (i * V) % L;
+  int64_t b = row / C, c = row % C;
+  float a = static_cast<float>(alpha[c]), inv = 1.f / (a + 1e-9f);
+  float bc = bias != nullptr ? static_cast<float>(bias[c]) : 0.f;
+  Pack res;
+#pragma unroll
+  for (int e = 0; e < V; ++e) {
+    if (col < P) {
+      res.v[e] = static_cast<const T*>(tail.p)[b * tail.sb + c * tail.sc + col];
+    } else {
+      float s = static_cast<float>(static_cast<const T*>(x.p)[b * x.sb + c * x.sc + col - P]);
+      if (bias != nullptr) s = static_cast<float>(static_cast<T>(__fadd_rn(s, bc)));
+      res.v[e] = static_cast<T>(snake1(s, a, inv));
+    }
+    if (++col == L && e + 1 < V) {  // the next row: its channel's alpha and bias
+      col = 0;
+      if (++c == C) { c = 0; ++b; }
+      a = static_cast<float>(alpha[c]);
+      inv = 1.f / (a + 1e-9f);
+      bc = bias != nullptr ? static_cast<float>(bias[c]) : 0.f;
+    }
+  }
+  *reinterpret_cast<Pack*>(out + i * V) = res;
+}
+
+template <typename T>
+void launch_snake_cat(const torch::Tensor& tail, const torch::Tensor& x,
+                      const torch::Tensor& alpha, const torch::Tensor* bias, torch::Tensor& out) {
+  const int64_t C = x.size(1), P = tail.size(2), T_len = x.size(2), n = out.numel();
+  constexpr int kWide = 16 / sizeof(T);
+  const bool wide = n % kWide == 0 && reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0;
+  const int v = wide ? kWide : 1;
+  const int threads = 256;
+  const int64_t n_vec = n / v;
+  TORCH_CHECK(n_vec / threads < (1ll << 31), "snake_cat: tensor too large (", out.sizes(), ")");
+  const unsigned grid = static_cast<unsigned>((n_vec + threads - 1) / threads);
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  const Rows tr{tail.data_ptr(), tail.stride(0), tail.stride(1)};
+  const Rows xr{x.data_ptr(), x.stride(0), x.stride(1)};
+  const T* bp = bias != nullptr ? bias->data_ptr<T>() : nullptr;
+  if (wide) {
+    snake_cat_kernel<T, kWide><<<grid, threads, 0, stream>>>(
+        tr, xr, alpha.data_ptr<T>(), bp, out.data_ptr<T>(), C, P, T_len, n_vec);
+  } else {
+    snake_cat_kernel<T, 1><<<grid, threads, 0, stream>>>(
+        tr, xr, alpha.data_ptr<T>(), bp, out.data_ptr<T>(), C, P, T_len, n_vec);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <typename T>
@@ -174,4 +240,36 @@ void bias_residual(torch::Tensor x, torch::Tensor y, torch::Tensor bias, torch::
   check_channels("bias_residual", x, bias, "bias");
   if (x.numel() == 0) return;
   dispatch<kBiasResidual>(x, &y, nullptr, &bias, out, "bias_residual");
+}
+
+void snake_cat(torch::Tensor tail, torch::Tensor x, torch::Tensor alpha,
+               std::optional<torch::Tensor> bias, torch::Tensor out) {
+  TORCH_CHECK(x.is_cuda() && x.dim() == 3, "snake_cat: x must be a CUDA [B, C, T] tensor, got ",
+              x.sizes());
+  TORCH_CHECK(x.numel() == 0 || x.stride(2) == 1,
+              "snake_cat: the last dimension of x must be contiguous");
+  TORCH_CHECK(tail.is_cuda() && tail.device() == x.device() && tail.dim() == 3 &&
+                  tail.size(0) == x.size(0) && tail.size(1) == x.size(1) &&
+                  tail.scalar_type() == x.scalar_type(),
+              "snake_cat: tail ", tail.sizes(), " must be a [B, C, P] tensor of x's batch, ",
+              "channels, dtype and device (x ", x.sizes(), ")");
+  TORCH_CHECK(tail.numel() == 0 || tail.stride(2) == 1,
+              "snake_cat: the last dimension of tail must be contiguous");
+  TORCH_CHECK(out.is_cuda() && out.device() == x.device() && out.is_contiguous() &&
+                  out.scalar_type() == x.scalar_type() && out.dim() == 3 &&
+                  out.size(0) == x.size(0) && out.size(1) == x.size(1) &&
+                  out.size(2) == tail.size(2) + x.size(2),
+              "snake_cat: out must be a contiguous [B, C, P + T] tensor of x's dtype, got ",
+              out.sizes());
+  check_channels("snake_cat", x, alpha, "alpha");
+  if (bias.has_value()) check_channels("snake_cat", x, *bias, "bias");
+  if (out.numel() == 0) return;
+  const c10::cuda::CUDAGuard guard(x.device());
+  const torch::Tensor* bp = bias.has_value() ? &*bias : nullptr;
+  switch (x.scalar_type()) {
+    case at::kFloat: launch_snake_cat<float>(tail, x, alpha, bp, out); break;
+    case at::kBFloat16: launch_snake_cat<at::BFloat16>(tail, x, alpha, bp, out); break;
+    case at::kHalf: launch_snake_cat<at::Half>(tail, x, alpha, bp, out); break;
+    default: TORCH_CHECK(false, "snake_cat: dtype ", x.scalar_type(), " is not supported");
+  }
 }

@@ -13,6 +13,8 @@ void sample_topk(torch::Tensor logits, torch::Tensor temperature, torch::Tensor 
 void snake(torch::Tensor x, torch::Tensor alpha, std::optional<torch::Tensor> bias,
            torch::Tensor out);
 void bias_residual(torch::Tensor x, torch::Tensor y, torch::Tensor bias, torch::Tensor out);
+void snake_cat(torch::Tensor tail, torch::Tensor x, torch::Tensor alpha,
+               std::optional<torch::Tensor> bias, torch::Tensor out);
 
 TORCH_LIBRARY(rtvoice_kernels, m) {
   m.def("prev_tokens_shift_inplace(Tensor(a!) prev, Tensor next_tokens) -> ()");
@@ -22,6 +24,7 @@ TORCH_LIBRARY(rtvoice_kernels, m) {
         "Tensor seed, Tensor step, Tensor stream, Tensor(a!) out) -> ()");
   m.def("snake(Tensor x, Tensor alpha, Tensor? bias, Tensor(a!) out) -> ()");
   m.def("bias_residual(Tensor x, Tensor y, Tensor bias, Tensor(a!) out) -> ()");
+  m.def("snake_cat(Tensor tail, Tensor x, Tensor alpha, Tensor? bias, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(rtvoice_kernels, CUDA, m) {
@@ -30,6 +33,7 @@ TORCH_LIBRARY_IMPL(rtvoice_kernels, CUDA, m) {
   m.impl("sample_topk", &sample_topk);
   m.impl("snake", &snake);
   m.impl("bias_residual", &bias_residual);
+  m.impl("snake_cat", &snake_cat);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}

@@ -22,7 +22,8 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
 KERNEL_FILES = ("prev_tokens.cu", "decode_attention.cu", "sampling.cu", "activation.cu")  # per family
-KERNEL_OPS = ("prev_tokens_shift_inplace", "decode_attention", "sample_topk", "snake", "bias_residual")
+KERNEL_OPS = ("prev_tokens_shift_inplace", "decode_attention", "sample_topk", "snake", "bias_residual",
+              "snake_cat")
 _lock = threading.Lock()
 # "splits": decode_attention's default position split (1: none; 0: automatic, small batches
 # spread over more blocks; engine.fusion.split_kv sets it, process-wide)
@@ -285,6 +286,13 @@ def snake_cat(tail: Tensor, x: Tensor, alpha: Tensor, bias: Tensor | None = None
                          f"does not fit x {list(x.shape)} {x.dtype} {x.device}")
     P = tail.shape[-1]
     out = torch.empty((*x.shape[:2], P + x.shape[-1]), dtype=x.dtype, device=x.device)
+    a = alpha.reshape(-1)
+    b = bias.reshape(-1) if bias is not None else None
+    if _kernel_ok(x, tail) and a.is_contiguous() and (b is None or b.is_contiguous()):
+        # one flat pass with 16-byte stores (the per-row path would start each row's new
+        # samples P elements in: 2-wide or scalar)
+        torch.ops.rtvoice_kernels.snake_cat(tail, x, a, b, out)
+        return out
     out[..., :P] = tail
     _snake_into(x, alpha, bias, out[..., P:])
     return out
@@ -371,6 +379,13 @@ def _bench() -> None:
             us = _timed(fn, (x, alpha), 100 if cuda else 3, cuda)
             gbs = 2 * x.numel() * x.element_size() / us / 1e3
             print(f"snake C={C:4d} T={T:5d} {name:7s} {us:9.2f} us {gbs:7.1f} GB/s")
+        for P in (1, 54):  # a streaming conv's input [tail | snake(x)]: transposed / dilated
+            tail = torch.randn(x.shape[0], C, P, device=dev, dtype=dt)
+            for name, fn in ((kind, snake_cat),
+                             ("torch", lambda t, x, a: torch.cat([t, snake_torch(x, a)], -1))):
+                us = _timed(fn, (tail, x, alpha), 100 if cuda else 3, cuda)
+                gbs = 2 * (x.numel() + tail.numel()) * x.element_size() / us / 1e3
+                print(f"snake_cat C={C:4d} T={T:5d} P={P:2d} {name:7s} {us:9.2f} us {gbs:7.1f} GB/s")
         y, bias = torch.randn_like(x), torch.randn(C, device=dev, dtype=dt)
         for name, fn in ((kind, bias_residual), ("torch", bias_residual_torch)):
             us = _timed(fn, (x, y, bias), 100 if cuda else 3, cuda)

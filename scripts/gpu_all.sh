@@ -11,18 +11,19 @@
 #   3. the server bench: `rtvoice serve` (S2-Pro shapes, bf16 dummy weights, 128 KV slots)
 #      driven by bench-latency over real WebSockets at c = 1, 4, 16, 32, 64, 128, 200 ms
 #      jitter buffer;
-#   4. scripts/gpu_bench.py: codec speed (graphed ticks) and the engine sweep (pingpong
+#   4. scripts/gpu_bench.py: the codec profile (graphed and eager ticks at 64x8, 64x2, 16x4
+#      and 1x2 streams x frames, their kernels by category) and the engine sweep (pingpong
 #      with codec at c = 1, 4, 16, 32, 64, the naive loop at 1, pingpong without codec at 1
 #      and 64, then pingpong with codec at 128: the first cut if time runs out);
 #      SKIP=decode,codec_profile drops only the two slowest sections, adding the reference
-#      fixtures on the GPU and the frame-step profile (~55 s).
+#      fixtures on the GPU, the offline codec bench and the frame-step profile (~55 s).
 # The sweep is time-boxed (TOTAL): its last runs are the first cut if it overruns; its rows
 # are in gpu_bench_log.txt as they finish.
 # Results under $OUT (default artifacts/gpu; 7-8 files, what one device call brings back):
 # tests.txt, probes.txt, server.json (+ server.png), server.log,
 # gpu_bench.json, gpu_bench_log.txt. Knobs: TESTS, TESTS_K, SERVER_LEVELS, LEVEL_TIMEOUT,
 # TESTS_TIMEOUT, SERVER_TIMEOUT, ENGINE_LEVELS, ENGINE_RUNS, SKIP (gpu_bench sections;
-# default decode,codec_profile,fixtures,profile), TOTAL (s, default 590), PROBE,
+# default decode,codec,fixtures,profile), TOTAL (s, default 585), PROBE,
 # COMPILED_SAMPLER=1 (profile the step again with the compiled torch sampler).
 set -uo pipefail
 OUT=${OUT:-artifacts/gpu}
@@ -45,10 +46,10 @@ MAX_LEN=${MAX_LEN:-1024} MAX_RUNNING=${MAX_RUNNING:-128} SERVER_LEVELS=${SERVER_
 python3 scripts/plot_server_levels.py "$OUT/server.json" "$OUT/server.png" "$OUT"/server_c*.json \
     >/dev/null 2>&1; [ -s "$OUT/server.json" ] && rm -f "$OUT"/server_c*.json
 echo "server bench done at +$(( $(date +%s) - t0 ))s"
-LEFT=$(( ${TOTAL:-590} - ($(date +%s) - t0) ))
+LEFT=$(( ${TOTAL:-585} - ($(date +%s) - t0) ))
 [ "$LEFT" -lt 30 ] && echo "only ${LEFT}s left of TOTAL: gpu_bench gets 30s" && LEFT=30  # timeout 0 = no limit
 timeout -s ABRT "$LEFT" python3 -X faulthandler scripts/gpu_bench.py \
-    --skip "${SKIP:-decode,codec_profile,fixtures,profile}" ${COMPILED_SAMPLER:+--compiled-sampler} \
+    --skip "${SKIP:-decode,codec,fixtures,profile}" ${COMPILED_SAMPLER:+--compiled-sampler} \
     --levels "${ENGINE_LEVELS:-1,4,16,32,64,128}" --frames 64 \
     --engine-runs "${ENGINE_RUNS:-pingpong_codec,pingpong_nocodec,naive_nocodec}" --out "$OUT" \
     >"$OUT/gpu_bench_log.txt" 2>&1

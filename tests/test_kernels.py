@@ -344,9 +344,12 @@ def test_snake_cuda_kernel_matches_fallback(dtype, B, C, T, P):
         else:  # one rounding to bf16/fp16 at the end
             ulp = torch.finfo(dtype).eps
             assert float(((got.float() - want).abs() / want.abs().clamp_min(1e-3)).max()) <= ulp
-        tail = torch.randn(B, C, P, device="cuda", generator=g).to(dtype)
-        both = kernels.snake_cat(tail, x, alpha)
-        assert torch.equal(both[..., :P], tail) and torch.equal(both[..., P:], got)
+        # snake_cat: one flat pass over [B, C, P + T] (16-byte stores across row ends); a
+        # strided tail too
+        tail = torch.randn(B, C, P + 3, device="cuda", generator=g).to(dtype)
+        for t in (tail[..., :P].contiguous(), tail[..., 3:]):
+            both = kernels.snake_cat(t, x, alpha)
+            assert torch.equal(both[..., :P], t) and torch.equal(both[..., P:], got)
 
 
 @pytest.mark.cuda
@@ -370,6 +373,10 @@ def test_folded_bias_cuda_kernels_match_fallback(dtype, B, C, T):
             ulp = torch.finfo(dtype).eps
             assert float(((got.float() - want).abs() / want.abs().clamp_min(1e-3)).max()) <= ulp
         assert torch.equal(kernels.bias_residual(xs, ys, bias), xs + (ys + bias[:, None]))
+        for P in (0, 1, 6, 54):  # the flat snake_cat pass with a folded bias
+            tail = torch.randn(B, C, P, device="cuda", generator=g).to(dtype)
+            both = kernels.snake_cat(tail, ys, alpha, bias)
+            assert torch.equal(both[..., :P], tail) and torch.equal(both[..., P:], got)
 
 
 def test_codec_kernels_switch_restores_the_torch_ops():

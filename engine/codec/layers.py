@@ -509,6 +509,13 @@ class TransformerBlock(nn.Module):
         return self._ffn(x + self.attention_layer_scale(a))
 
 
+def _time_major(x: Tensor) -> Tensor:
+    # [B, C, T] -> contiguous [B, T, C]. A transposed view would carry its layout through every
+    # residual add, so each norm output fed to a GEMM would have a leading dimension of T: at
+    # T = 2 frames cuBLAS falls back to a 2-element-aligned kernel (3.3 of a 64x2 tick's 15 ms)
+    return x.transpose(1, 2).contiguous()
+
+
 class WindowLimitedTransformer(nn.Module):
     """Causal transformer over [B, C, T] (channels first) where frame i attends to frames
     max(0, i-window+1)..i (all earlier frames when ``window_size`` is None)."""
@@ -571,7 +578,7 @@ class WindowLimitedTransformer(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         # x: [B, C, T] -> [B, C, T]
-        x = self.input_proj(x.transpose(1, 2))  # [B, T, D]
+        x = self.input_proj(_time_major(x))  # [B, T, D]
         length = x.shape[1]
         rope = self.rope_rows(length, x.device)[:length][None, :, None]  # [1, T, 1, hd/2, 2]
         mask = self.window_mask(length, x.device)
@@ -584,7 +591,7 @@ class WindowLimitedTransformer(nn.Module):
         # x: [B, C, n] new frames (padded to ctx.n_max) -> [B, C, n]
         if self.window_size is None:
             raise RuntimeError("streaming needs a window-limited transformer")
-        x = self.input_proj(x.transpose(1, 2))  # [B, n, D]
+        x = self.input_proj(_time_major(x))  # [B, n, D]
         n = x.shape[1]
         keep = self.window_size - 1
         dev = x.device
