@@ -82,9 +82,9 @@ __global__ void pointwise_kernel(Rows x, Rows y, const T* __restrict__ alpha,
 }
 
 // snake_cat as one flat pass over the contiguous out [B, C, P + T]: each thread stores V
-// consecutive elements (16-byte stores however the rows fall: P is 1..54 and rows are P + T
-// long, so a per-row layout would be 2-wide or scalar), reading tail and x element by element
-// (a warp's reads of one element index stay within a few cache lines).
+// consecutive elements (16-byte stores however the rows fall: the codec's P is 1..54 and rows
+// are P + T long, so a per-row layout would be 2-wide or scalar), reading tail and x element
+// by element (a warp's reads of one element index stay within a few cache lines).
 template <typename T, int V>
 __global__ void snake_cat_kernel(Rows tail, Rows x, const T* __restrict__ alpha,
                                  const T* __restrict__ bias, T* __restrict__ out, int64_t C,

@@ -138,7 +138,7 @@ def test_bucketed_limits_and_errors(codec: Codec) -> None:
     with pytest.raises(ValueError, match="max_frames=10"):
         grouped.decode({x: _codes(2, seed=5), y: _codes(11, seed=6)})
     assert grouped.position(x) == 0 and grouped.position(y) == 0
-    for g in (0, 4, 2.0):
+    for g in (0, 4, 2.0, True):
         with pytest.raises(ValueError, match="graph_streams"):
             StreamingDecoder(codec, max_streams=3, buckets=True, graph_streams=g)  # type: ignore[arg-type]
     with pytest.raises(RuntimeError, match="CUDA"):

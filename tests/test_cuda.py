@@ -91,21 +91,24 @@ def test_codec_graphs_match_eager_streaming():
 
     torch.backends.cudnn.allow_tf32 = False  # compare float32 with float32
     codec = dummy_codec(CodecConfig.preset("tiny"), device="cuda", dtype=torch.float32)
-    for kern in (False, True):  # the torch Snake, then csrc's (EngineConfig.codec_kernels)
-        try:
+    # graph_streams=2: from tick 2 on, three streams decode as two groups, one graph
+    # replayed twice in a call (the first group's audio copied out before the second's run)
+    for kern, groups in ((False, None), (True, None), (True, 2)):
+        try:  # the torch Snake, then csrc's (EngineConfig.codec_kernels)
             assert fusion.codec_kernels(kern) is kern
-            _graphed_vs_eager(codec)
+            _graphed_vs_eager(codec, groups)
         finally:
             fusion.codec_kernels(False)
 
 
-def _graphed_vs_eager(codec) -> None:  # type: ignore[no-untyped-def]
+def _graphed_vs_eager(codec, graph_streams: int | None = None) -> None:  # type: ignore[no-untyped-def]
     import numpy as np
 
     from engine.codec import StreamingDecoder
 
     plain = StreamingDecoder(codec, max_streams=4)
-    graphed = StreamingDecoder(codec, max_streams=4, buckets=True, max_frames=64)
+    graphed = StreamingDecoder(codec, max_streams=4, buckets=True, max_frames=64,
+                               graph_streams=graph_streams)
     graphed.capture()
     assert graphed.graphs == len(graphed.stream_buckets) * len(graphed.FRAME_BUCKETS)
     g = torch.Generator().manual_seed(5)

@@ -327,8 +327,10 @@ def test_bias_residual_fallback_and_contract():
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+# (3, 8, 1, 1), (2, 4, 2, 1): snake_cat rows shorter than a 16-byte store; (1, 3, 2, 1): its
+# scalar path in every dtype (9 elements)
 @pytest.mark.parametrize("B,C,T,P", [(64, 96, 16384, 6), (3, 768, 256, 54), (2, 7, 33, 1),
-                                     (1, 192, 8, 0)])
+                                     (1, 192, 8, 0), (3, 8, 1, 1), (2, 4, 2, 1), (1, 3, 2, 1)])
 def test_snake_cuda_kernel_matches_fallback(dtype, B, C, T, P):
     assert kernels.extension_available(), "the CUDA extension did not build"
     g = torch.Generator(device="cuda").manual_seed(B * C + T)
@@ -350,6 +352,7 @@ def test_snake_cuda_kernel_matches_fallback(dtype, B, C, T, P):
         for t in (tail[..., :P].contiguous(), tail[..., 3:]):
             both = kernels.snake_cat(t, x, alpha)
             assert torch.equal(both[..., :P], t) and torch.equal(both[..., P:], got)
+            assert torch.equal(kernels.snake_cat(t, x[..., :0], alpha), t)  # no new samples
 
 
 @pytest.mark.cuda

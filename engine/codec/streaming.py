@@ -71,7 +71,8 @@ class StreamingDecoder:
         if not (isinstance(max_frames, int) and max_frames >= 1):
             raise ValueError(f"max_frames must be a positive int, got {max_frames!r}")
         graph_streams = max_streams if graph_streams is None else graph_streams
-        if not (isinstance(graph_streams, int) and 1 <= graph_streams <= max_streams):
+        if isinstance(graph_streams, bool) or not isinstance(graph_streams, int) \
+                or not 1 <= graph_streams <= max_streams:
             raise ValueError(f"graph_streams must be an int in [1, max_streams={max_streams}], "
                              f"got {graph_streams!r}")
         self.codec = codec.eval()
