@@ -221,7 +221,6 @@ def codec_profile(report: dict, device: str) -> None:
             out["capture_s"] = round(graphed.capture(), 2)
         for streams, frames in ((64, 8), (64, 2), (16, 4), (1, 2)):
             row: dict = {"kernels": kern}
-            chunk = {}
             for name, dec in (("graphs", graphed), ("eager", StreamingDecoder(codec, max_streams=64))):
                 if dec is None:
                     continue
@@ -262,8 +261,8 @@ def _codec_category(name: str) -> str:
     if any(k in n for k in ("conv", "cudnn", "implicit", "xmma", "winograd", "fft", "wgrad",
                             "dgrad", "fprop")):
         return "conv"
-    if any(k in n for k in ("sin", "pow", "reciprocal", "snake")):
-        return "snake parts"
+    if any(k in n for k in ("sin", "pow", "reciprocal", "snake", "pointwise_kernel")):
+        return "snake/pointwise"  # torch's Snake parts, or csrc's Snake and bias kernels
     if "cat" in n:
         return "cat"
     return _category(name)
