@@ -256,11 +256,21 @@ def _kernel_ok(*ts: Tensor) -> bool:
         and extension_available()
 
 
-def _snake_into(x: Tensor, alpha: Tensor, bias: Tensor | None, out: Tensor) -> None:
+def _channel_args(alpha: Tensor, bias: Tensor | None,
+                  *ts: Tensor) -> tuple[Tensor, Tensor | None] | None:
+    """alpha and bias as the kernels take them (contiguous [C]), or None where the torch
+    fallback runs instead (CPU tensors, other dtypes, no extension, strided last dims)."""
     a = alpha.reshape(-1)
     b = bias.reshape(-1) if bias is not None else None
-    if _kernel_ok(x) and a.is_contiguous() and (b is None or b.is_contiguous()):
-        torch.ops.rtvoice_kernels.snake(x, a, b, out)
+    if _kernel_ok(*ts) and a.is_contiguous() and (b is None or b.is_contiguous()):
+        return a, b
+    return None
+
+
+def _snake_into(x: Tensor, alpha: Tensor, bias: Tensor | None, out: Tensor) -> None:
+    args = _channel_args(alpha, bias, x)
+    if args is not None:
+        torch.ops.rtvoice_kernels.snake(x, *args, out)
     else:
         out.copy_(snake_torch(x, alpha, bias))
 
@@ -286,12 +296,11 @@ def snake_cat(tail: Tensor, x: Tensor, alpha: Tensor, bias: Tensor | None = None
                          f"does not fit x {list(x.shape)} {x.dtype} {x.device}")
     P = tail.shape[-1]
     out = torch.empty((*x.shape[:2], P + x.shape[-1]), dtype=x.dtype, device=x.device)
-    a = alpha.reshape(-1)
-    b = bias.reshape(-1) if bias is not None else None
-    if _kernel_ok(x, tail) and a.is_contiguous() and (b is None or b.is_contiguous()):
+    args = _channel_args(alpha, bias, x, tail)
+    if args is not None:
         # one flat pass with 16-byte stores (the per-row path would start each row's new
         # samples P elements in: 2-wide or scalar)
-        torch.ops.rtvoice_kernels.snake_cat(tail, x, a, b, out)
+        torch.ops.rtvoice_kernels.snake_cat(tail, x, *args, out)
         return out
     out[..., :P] = tail
     _snake_into(x, alpha, bias, out[..., P:])

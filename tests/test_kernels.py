@@ -324,6 +324,15 @@ def test_bias_residual_fallback_and_contract():
         kernels.snake(y, torch.ones(5), b.double())
 
 
+def _assert_kernel_rounding(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    """A codec kernel's result against the float32 reference it computes."""
+    if dtype == torch.float32:  # the same float32 ops in the same order
+        torch.testing.assert_close(got, want, rtol=2e-7, atol=2e-6)
+    else:  # one rounding to bf16/fp16 at the end
+        ulp = torch.finfo(dtype).eps
+        assert float(((got.float() - want).abs() / want.abs().clamp_min(1e-3)).max()) <= ulp
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -337,15 +346,11 @@ def test_snake_cuda_kernel_matches_fallback(dtype, B, C, T, P):
     alpha = (torch.rand(C, device="cuda", generator=g) + 0.1).to(dtype)
     wide = (3 * torch.randn(B, C, T + 5, device="cuda", generator=g)).to(dtype)
     # contiguous and aligned (16-byte vectors where T allows), then strided and misaligned
-    # (scalar path); snake_cat's output slice starts P elements in (2-wide or scalar)
+    # (the per-row kernel's scalar path)
     for x in (wide[..., :T].contiguous(), wide[..., 5:]):
         want = kernels.snake_torch(x.float(), alpha.float())  # float32 math, as the kernel
         got = kernels.snake(x, alpha)
-        if dtype == torch.float32:  # the same float32 ops in the same order
-            torch.testing.assert_close(got, want, rtol=2e-7, atol=2e-6)
-        else:  # one rounding to bf16/fp16 at the end
-            ulp = torch.finfo(dtype).eps
-            assert float(((got.float() - want).abs() / want.abs().clamp_min(1e-3)).max()) <= ulp
+        _assert_kernel_rounding(got, want, dtype)
         # snake_cat: one flat pass over [B, C, P + T] (16-byte stores across row ends); a
         # strided tail too
         tail = torch.randn(B, C, P + 3, device="cuda", generator=g).to(dtype)
@@ -370,11 +375,7 @@ def test_folded_bias_cuda_kernels_match_fallback(dtype, B, C, T):
     for xs, ys in ((x[..., :T].contiguous(), y[..., :T].contiguous()), (x[..., 3:], y[..., 3:])):
         got = kernels.snake(ys, alpha, bias)
         want = kernels.snake_torch((ys + bias[:, None]).float(), alpha.float())
-        if dtype == torch.float32:
-            torch.testing.assert_close(got, want, rtol=2e-7, atol=2e-6)
-        else:
-            ulp = torch.finfo(dtype).eps
-            assert float(((got.float() - want).abs() / want.abs().clamp_min(1e-3)).max()) <= ulp
+        _assert_kernel_rounding(got, want, dtype)
         assert torch.equal(kernels.bias_residual(xs, ys, bias), xs + (ys + bias[:, None]))
         for P in (0, 1, 6, 54):  # the flat snake_cat pass with a folded bias
             tail = torch.randn(B, C, P, device="cuda", generator=g).to(dtype)
