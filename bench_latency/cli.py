@@ -283,7 +283,7 @@ class InProcessBackend:
             import soundfile as sf
 
             audio, sr = sf.read(args.reference, dtype="float32", always_2d=True)
-            self.refs.append(encode_reference(self.bundle, audio.mean(axis=1), sr,
+            self.refs.append(encode_reference(self.bundle.codec, audio.mean(axis=1), sr,
                                               args.reference_text or ""))
         self.engine.start()
         self.info = {"mode": "in-process", "model": args.model, "device": args.device,

@@ -23,6 +23,7 @@ import torch
 from engine.engine import CollectingSink, Engine, EngineConfig, build_engine
 from engine.loader import Bundle, load_bundle
 from engine.model import DualAR
+from engine.ops import REFERENCE, Ops
 from engine.prompt import Reference
 from engine.sampler import SamplingParams
 
@@ -32,8 +33,8 @@ def no_eos(model: DualAR) -> Iterator[None]:
     """Fixed-length turns for benchmarks: <|im_end|>'s logit is -inf (it is the last column)."""
     orig = model.semantic_logits
 
-    def masked(h: torch.Tensor) -> torch.Tensor:
-        out = orig(h)
+    def masked(h: torch.Tensor, ops: Ops = REFERENCE) -> torch.Tensor:
+        out = orig(h, ops)
         out[..., -1] = float("-inf")
         return out
 
@@ -46,7 +47,7 @@ def no_eos(model: DualAR) -> Iterator[None]:
 
 def _silent_codec(engine: Engine) -> None:
     hop = engine.frame_samples
-    engine.decoder.decode = lambda chunks: {  # type: ignore[method-assign]
+    engine.codec_worker.decoder.decode = lambda chunks: {  # type: ignore[method-assign]
         sid: torch.zeros(c.shape[1] * hop) for sid, c in chunks.items()}
 
 
@@ -135,7 +136,7 @@ def run_level(engine: Engine, c: int, frames: int, *, threaded: bool,
     row = {"concurrency": c, "frames": total, "wall_s": round(wall, 3),
            "aggregate_fps": round(total / wall, 1),
            "decode_tps_p50": pct(dtps, 0.5), "decode_tps_min": pct(dtps, 0.0),
-           "x_realtime_per_seq": round(total / wall / c / (44100 / 2048), 2),
+           "x_realtime_per_seq": round(total / wall / c / engine.frame_rate, 2),
            "ttfa_ms_p50": pct([1000 * t for t in ttfa], 0.5),
            "turn_prefill_ms_p50": pct(prefill, 0.5), "turn_prefill_ms_max": pct(prefill, 1.0),
            "ttfa_ms_p90": pct([1000 * t for t in ttfa], 0.9),
@@ -191,7 +192,7 @@ def sweep(bundle: Bundle, levels: list[int], frames: int, *, mode: str = "pingpo
             row.update(mode=mode, codec=codec, config=config or {},
                        capture_s=round(eng.capture_s, 1),
                        codec_capture_s=round(eng.codec_capture_s, 1),
-                       fused_ops=eng.fusion)
+                       fused_ops=eng.ops.fused)
             rows.append(row)
             print(json.dumps(row), flush=True)
             del eng  # build_engine collects it before sizing the next one's KV cache

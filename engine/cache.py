@@ -1,22 +1,27 @@
-"""KV storage for the slow AR (per-sequence slots) and the fast AR (one frame's 10 positions).
+"""KV storage for the slow AR (per-sequence slots) and the fast AR (one frame's 10 positions),
+and the `Attend` objects through which the model's attention layers reach it.
 
 Slots: each live sequence owns one row of the cache for its whole life (voice prompt, turns,
 generated frames), so a session keeps its context between turns without re-prefill. The
-last row is a scratch slot that padded batch rows write into.
+last row is a scratch slot that padded batch rows write into. Which sequence owns which row
+is the scheduler's business (engine/scheduler.py), not the cache's.
+
+The one-position attends (decode) take an optional `kernel`: csrc's decode_attention, which
+stores the new k/v and attends in one launch (engine/ops.py decides); without it they write
+and run the model's attention.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
-from . import kernels
 from .config import ModelConfig, TransformerConfig
 from .model import explicit_attention, gqa_attention
 
-
-class OutOfSlots(RuntimeError):
-    pass
+Kernel = Callable[..., Tensor] | None  # engine.kernels.decode_attention.decode_attention
 
 
 class SlowKVCache:
@@ -29,7 +34,6 @@ class SlowKVCache:
         # k, v: [L, slots+1, Hkv, S, Dh]; slot n_slots is the scratch row for padding.
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self._free = list(range(n_slots))
 
     @staticmethod
     def slot_bytes(cfg: TransformerConfig, max_len: int, dtype: torch.dtype) -> int:
@@ -39,21 +43,6 @@ class SlowKVCache:
     @property
     def scratch(self) -> int:
         return self.n_slots
-
-    @property
-    def free_slots(self) -> int:
-        return len(self._free)
-
-    def alloc(self) -> int:
-        if not self._free:
-            raise OutOfSlots(f"all {self.n_slots} KV slots are in use")
-        self._free.sort()
-        return self._free.pop(0)  # lowest first keeps live slots dense
-
-    def release(self, slot: int) -> None:
-        if slot in self._free or not (0 <= slot < self.n_slots):
-            raise ValueError(f"slot {slot} is not allocated")
-        self._free.append(slot)
 
 
 class PrefillAttend:
@@ -141,17 +130,17 @@ class DenseDecodeAttend:
     (wslots[b], positions[b]) and attends to [0, positions[b]] of slot b, read in place."""
 
     def __init__(self, cache: SlowKVCache, B: int, wslots: Tensor, positions: Tensor,
-                 span: int) -> None:
+                 span: int, kernel: Kernel = None) -> None:
         self.cache, self.B, self.wslots, self.positions, self.span = cache, B, wslots, positions, span
+        self.kernel = kernel
         k_pos = torch.arange(span, device=positions.device)
         self.mask = (k_pos[None, :] <= positions[:, None])[:, None, None, :]  # [B, 1, 1, S]
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         c = self.cache
-        if kernels.decode_attention_available(q, k.shape[1]):  # write + attend in one csrc launch
-            return kernels.decode_attention(q[:, :, 0], k[:, :, 0], v[:, :, 0], c.k[layer],
-                                            c.v[layer], self.wslots, self.positions,
-                                            self.span)[:, :, None]
+        if self.kernel is not None:  # write + attend in one csrc launch
+            return self.kernel(q[:, :, 0], k[:, :, 0], v[:, :, 0], c.k[layer], c.v[layer],
+                               self.wslots, self.positions, self.span)[:, :, None]
         c.k[layer, self.wslots, :, self.positions] = k[:, :, 0]
         c.v[layer, self.wslots, :, self.positions] = v[:, :, 0]
         keys = c.k[layer, : self.B, :, : self.span]  # [B, Hkv, S, Dh], a view
@@ -163,8 +152,9 @@ class FastKV:
     """The fast AR's cache: 10 positions, rewritten from position 0 for every frame."""
 
     def __init__(self, cfg: ModelConfig, batch: int, *, device: torch.device | str,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, kernel: Kernel = None) -> None:
         f = cfg.fast
+        self.kernel = kernel
         shape = (f.n_layer, batch, f.n_local_heads, cfg.num_codebooks, f.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
@@ -181,10 +171,9 @@ class FastKV:
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         p, b = self.pos, self.batch
-        if kernels.decode_attention_available(q, k.shape[1]):
-            return kernels.decode_attention(q[:, :, 0], k[:, :, 0], v[:, :, 0], self.k[layer],
-                                            self.v[layer], self._rows[:b], self._pos[p, :b],
-                                            p + 1)[:, :, None]
+        if self.kernel is not None:
+            return self.kernel(q[:, :, 0], k[:, :, 0], v[:, :, 0], self.k[layer], self.v[layer],
+                               self._rows[:b], self._pos[p, :b], p + 1)[:, :, None]
         self.k[layer, :b, :, p] = k[:, :, 0]
         self.v[layer, :b, :, p] = v[:, :, 0]
         mask = self._masks[p: p + 1, : p + 1][None, None]  # [1, 1, 1, p+1]

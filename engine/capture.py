@@ -9,16 +9,37 @@ the collector off until the capture is over.
 Each family of graphs is captured on the stream that will replay it: cuBLAS's workspace is
 per stream and its address is baked into a captured graph, so families captured on one
 stream and replayed concurrently on several would share one workspace.
+
+Graphs have static shapes, so every graphed call is padded to a bucket: `buckets` builds
+each family's list, `bucket` picks the one a call runs in.
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import gc
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
 
 import torch
+
+
+def on_stream(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager:
+    """Run on `stream` (CUDA: a worker's own stream), or nowhere in particular (CPU)."""
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+def buckets(ladder: Sequence[int], top: int) -> list[int]:
+    """The sizes of `ladder` below `top`, then `top` itself: every size up to `top` has a
+    bucket, and the largest is exactly the limit."""
+    return sorted({*(b for b in ladder if b < top), top})
+
+
+def bucket(sizes: Sequence[int], n: int) -> int | None:
+    """The smallest of the ascending `sizes` that holds `n`; None past the largest."""
+    i = bisect.bisect_left(sizes, n)
+    return sizes[i] if i < len(sizes) else None
 
 
 @contextlib.contextmanager

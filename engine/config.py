@@ -1,4 +1,5 @@
-"""Model configuration: one slotted dataclass per concern, named presets, checkpoint reader.
+"""Configuration: the model's (one slotted dataclass per concern, named presets, the
+checkpoint reader) and the engine's (`EngineConfig`, options declared once).
 
 The field names follow the S2 `config.json` (`fish_qwen3_omni`): `text_config` becomes the
 slow AR, `audio_decoder_config` the fast AR, and the token ids sit at the top level.
@@ -10,6 +11,8 @@ import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+from .options import option, validate
 
 
 def _positive(obj: object, *names: str) -> None:
@@ -244,3 +247,99 @@ def preset(name: str) -> ModelConfig:
         return PRESETS[name]()
     except KeyError:
         raise ValueError(f"unknown model preset {name!r}; known: {', '.join(PRESETS)}") from None
+
+
+# ----------------------------------------------------------------------------- the engine
+DTYPE_NAMES = ("bf16", "bfloat16", "fp32", "float32", "fp16", "float16")  # engine.loader.DTYPES
+
+@dataclass(slots=True)
+class EngineConfig:
+    """How an engine batches, schedules, chunks audio and which speed-ups it applies. Each
+    field is declared once here (engine/options.py); the service's `--flags` and
+    `RTVOICE_*` variables are derived from these declarations."""
+
+    max_running: int | None = option(
+        None, "KV slots = sessions resident at once: a session holds its slot from 'start' "
+        "until it closes, idle or not; later sessions wait for a slot (up to max_waiting), "
+        "then get 'overloaded'. Default: 8 on a CPU, 64 on a GPU (fewer when their KV cache "
+        "does not fit, see kv_reserve_gib)", ge=1)
+    max_len: int | None = option(
+        None, "KV positions per session (voice prompt + turns); default min(4096, the "
+        "model's context). A session's chunk_length is capped so that a segment always fits",
+        ge=128)
+    max_waiting: int = option(64, "sessions that may wait for a KV slot before new ones get "
+                              "'overloaded'", ge=0)
+    prefill_chunk: int = option(256, "prompt columns per prefill round and sequence, so one "
+                                "long prompt cannot hold up the others", ge=1)
+    prefill_batch: int = option(16, "sequences prefilled together in one forward", ge=1)
+    first_chunk_frames: int = option(
+        1, "codec frames in a turn's first audio chunk: one frame is first audio one decode "
+        "step sooner (H200, c=64 burst: submit->audio 161 -> 104 ms p50)", ge=1)
+    slow_start_x: float = option(
+        2.0, "while streams generate slower than this many times realtime, a turn's first "
+        "chunk is twice first_chunk_frames: chunks grow from the first one, and a one-frame "
+        "start leaves too thin a buffer when the first full-size chunk is due at a slow rate "
+        "(2-core CPU, c=8 at 1.7x realtime: 5 and 9 of 24 turns starved with one frame, 0 "
+        "with two); 0: never", ge=0)
+    chunk_frames: int = option(8, "codec frames in later audio chunks", ge=1)
+    codec_hold_s: float = option(
+        1.0, "a stream more than this many seconds of audio ahead of realtime playback lets "
+        "its chunk wait (up to 2 x chunk_frames) for a fuller batched codec tick; keep it well "
+        "above the clients' jitter buffer; 0: every chunk is decoded as soon as it is ready",
+        ge=0)
+    prefill_first_lead_s: float = option(
+        0.5, "prefill first: while prompts are prefilling, decode steps pause if every running "
+        "turn's audio is at least this many seconds ahead of realtime playback (a burst of new "
+        "turns gets the GPU to itself: lower TTFA); keep it above a chunk's duration (the "
+        "codec lags generation by up to a chunk); 0: prefill and decode always share the GPU",
+        ge=0)
+    prefill_first_wait_s: float = option(
+        0.05, "longest a turn whose prompt is in waits for its first frames while other "
+        "prompts prefill (seconds)", ge=0)
+    max_turn_frames: int = option(2048, "hard cap of one turn (segment) in frames; 21.5 "
+                                  "frames = 1 s of audio", ge=1)
+    seed: int = option(0, "seed of the random-weight presets and of sessions that send none",
+                       ge=0)
+    pingpong: bool = option(True, "prefill, decode and codec on their own threads and CUDA "
+                            "streams; off: one thread runs them in turn (the naive loop)")
+    cuda_graphs: bool = option(True, "the decode step as CUDA graphs, one per (batch, span) "
+                               "bucket (CUDA only)")
+    prefill_graphs: bool = option(True, "prefill chunks as CUDA graphs per (rows, columns, "
+                                  "span) bucket (CUDA only)")
+    codec_graphs: bool = option(True, "codec ticks as CUDA graphs per (streams, frames) "
+                                "bucket (CUDA only)")
+    span_step: int = option(256, "attention-span bucket of the decode step's torch attention "
+                            "(with csrc's attention one span is captured)", ge=1)
+    fused_ops: str = option("auto", "the model's elementwise ops: compile (torch.compile'd, "
+                            "and one GEMM over W1|W3), reference, or auto (compile on CUDA)",
+                            choices=("auto", "compile", "reference"))
+    cuda_kernels: bool = option(True, "csrc's CUDA kernels where the extension builds (false: "
+                                "the torch fallbacks everywhere)")
+    sampler_kernel: bool = option(True, "the sampler's draw as csrc's sample_topk instead of "
+                                  "the compiled torch version (with fused ops; H200 top-k per "
+                                  "step 0.57 -> 0.47 ms at batch 1, 0.80 -> 0.62 at 64)")
+    codec_kernels: bool = option(True, "the codec's Snake activations and the residual units' "
+                                 "conv biases as csrc's one-pass kernels, written straight "
+                                 "into the next conv's input (64x8 tick 32.6 -> 27.6 ms)")
+    split_kv: bool = option(False, "decode attention splits a row's positions over more "
+                            "blocks when the batch is too small to fill the GPU (measured: "
+                            "no gain on the H200)")
+    stall_s: float = option(10.0, "a device wait longer than this marks the engine stalled "
+                            "(/ready 503)", gt=0)
+    kv_reserve_gib: float = option(
+        8.0, "GPU memory (GiB) kept out of the KV cache for activations, CUDA graphs and the "
+        "codec; the cache takes min(max_running, what fits in the rest) slots", ge=0)
+    high_priority_streams: tuple[str, ...] = option(
+        (), "CUDA streams whose kernels the block scheduler starts first (measured at c=64: "
+        "any choice within 4 % frames/s; none had the lowest latency)",
+        choices=("decode", "prefill", "codec"))
+
+    def __post_init__(self) -> None:
+        if isinstance(self.high_priority_streams, list):
+            self.high_priority_streams = tuple(self.high_priority_streams)
+        validate(self)
+
+    def resolved(self, *, cuda: bool, model_len: int) -> EngineConfig:
+        """A copy with the device-dependent defaults filled in."""
+        return replace(self, max_running=self.max_running or (64 if cuda else 8),
+                       max_len=min(self.max_len or 4096, model_len))

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from .codec import Codec, CodecConfig, dummy_codec, load_codec
-from .config import PRESETS, ModelConfig, preset
+from .config import DTYPE_NAMES, PRESETS, ModelConfig, preset
 from .model import DualAR
 from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from .weights import dummy_model, load_model
@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32,
           "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16}
+assert tuple(DTYPES) == DTYPE_NAMES
 
 
 @dataclass(slots=True)

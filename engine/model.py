@@ -3,7 +3,9 @@
 Slow AR: a Qwen3-style decoder over frame columns `[t, c0..c9]` that predicts the next
 semantic token. Fast AR: a small decoder run across the 10 codebooks of one frame.
 Caching is not the model's business: every attention layer hands its rotated q/k/v to an
-`Attend` object supplied by the runner, which owns the KV storage and the masking.
+`Attend` object supplied by the runner, which owns the KV storage and the masking. Nor is
+speed: the elementwise pieces and the linear layers are called through the `ops` the
+caller passes (engine/ops.py; the reference math by default).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import ModelConfig, TransformerConfig
+from .functional import rope_table
+from .ops import REFERENCE, Ops
 
 
 class Attend(Protocol):
@@ -27,82 +31,14 @@ class Attend(Protocol):
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor: ...
 
 
-def rope_table(n_pos: int, head_dim: int, base: float) -> Tensor:
-    """cos/sin table [n_pos, head_dim/2, 2], rounded to bf16 as the reference does.
-
-    Angles are float32 on purpose: float64 angles change hundreds of bf16 entries from
-    position ~100 on, which moves logits enough to flip codes at real lengths.
-    """
-    freqs = 1.0 / (base ** (torch.arange(0, head_dim, 2)[: head_dim // 2].float() / head_dim))
-    angles = torch.outer(torch.arange(n_pos, dtype=torch.float32), freqs)
-    return torch.stack([torch.cos(angles), torch.sin(angles)], dim=-1).to(torch.bfloat16)
-
-
-def apply_rope(x: Tensor, cs: Tensor) -> Tensor:
-    """Interleaved (GPT-J) rotation of adjacent pairs, computed in float32.
-
-    x: [B, T, H, Dh]; cs: [B, T, Dh/2, 2] (bf16 values, promoted to float32 here)
-    """
-    xp = x.float().reshape(*x.shape[:-1], -1, 2)  # [B, T, H, Dh/2, 2]
-    cs = cs.unsqueeze(2)  # [B, T, 1, Dh/2, 2]
-    out = torch.stack([xp[..., 0] * cs[..., 0] - xp[..., 1] * cs[..., 1],
-                       xp[..., 1] * cs[..., 0] + xp[..., 0] * cs[..., 1]], dim=-1)
-    return out.flatten(3).type_as(x)
-
-
-def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
-    """x * rsqrt(mean(x^2) + eps) * w, normalised in float32 whatever the activation dtype."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x) * w
-
-
-def add_rms_norm(x: Tensor, y: Tensor, w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """The residual sum and its norm: (x + y, rms_norm(x + y))."""
-    h = x + y
-    return h, rms_norm(h, w, eps)
-
-
-def norm_rope_qk(q: Tensor, k: Tensor, qw: Tensor | None, kw: Tensor | None, cs: Tensor,
-                 eps: float) -> tuple[Tensor, Tensor]:
-    """Per-head RMSNorm of q and k (when the weights are given), then the rotation."""
-    if qw is not None and kw is not None:
-        q, k = rms_norm(q, qw, eps), rms_norm(k, kw, eps)
-    return apply_rope(q, cs), apply_rope(k, cs)
-
-
-def silu_mul(a: Tensor, b: Tensor) -> Tensor:
-    return F.silu(a) * b
-
-
-def swiglu(x: Tensor, w1: Tensor, w3: Tensor) -> Tensor:
-    """The FFN's gated input: silu(x W1^T) * (x W3^T). x: [..., D] -> [..., I]."""
-    return OPS.silu_mul(OPS.linear(x, w1), OPS.linear(x, w3))
-
-
-class Ops:
-    """The elementwise pieces and the linear layers of the model. The runner may swap any of
-    them for a fused implementation of the same math (engine/fusion.py); the model only
-    calls through here."""
-
-    rms_norm = staticmethod(rms_norm)
-    add_rms_norm = staticmethod(add_rms_norm)
-    norm_rope_qk = staticmethod(norm_rope_qk)
-    silu_mul = staticmethod(silu_mul)
-    swiglu = staticmethod(swiglu)
-    linear = staticmethod(F.linear)  # x [..., K] @ w [N, K]^T
-
-
-OPS = Ops()
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: Tensor) -> Tensor:
-        return OPS.rms_norm(x, self.weight, self.eps)
+    def forward(self, x: Tensor, ops: Ops = REFERENCE) -> Tensor:
+        return ops.rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -115,18 +51,18 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
 
-    def forward(self, x: Tensor, cs: Tensor, attend: Attend, layer: int) -> Tensor:
+    def forward(self, x: Tensor, cs: Tensor, attend: Attend, layer: int, ops: Ops) -> Tensor:
         c = self.cfg
         B, T, _ = x.shape  # x: [B, T, D]
-        q, k, v = OPS.linear(x, self.wqkv.weight).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q, k, v = ops.linear(x, self.wqkv.weight).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
         q = q.view(B, T, c.n_head, c.head_dim)
         k = k.view(B, T, c.n_local_heads, c.head_dim)
         v = v.view(B, T, c.n_local_heads, c.head_dim)
         # per-head q/k norm (slow AR only) before the rotation
         qw, kw = (self.q_norm.weight, self.k_norm.weight) if c.qk_norm else (None, None)
-        q, k = OPS.norm_rope_qk(q, k, qw, kw, cs, c.norm_eps)
+        q, k = ops.norm_rope_qk(q, k, qw, kw, cs, c.norm_eps)
         y = attend(layer, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-        return OPS.linear(y.transpose(1, 2).reshape(B, T, c.q_size), self.wo.weight)
+        return ops.linear(y.transpose(1, 2).reshape(B, T, c.q_size), self.wo.weight)
 
 
 class FeedForward(nn.Module):
@@ -136,8 +72,8 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(cfg.dim, cfg.intermediate_size, bias=False)
         self.w2 = nn.Linear(cfg.intermediate_size, cfg.dim, bias=False)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return OPS.linear(OPS.swiglu(x, self.w1.weight, self.w3.weight), self.w2.weight)
+    def forward(self, x: Tensor, ops: Ops) -> Tensor:
+        return ops.linear(ops.swiglu(x, self.w1.weight, self.w3.weight), self.w2.weight)
 
 
 class Block(nn.Module):
@@ -148,10 +84,10 @@ class Block(nn.Module):
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
 
-    def forward(self, x: Tensor, cs: Tensor, attend: Attend, layer: int) -> Tensor:
-        a = self.attention(self.attention_norm(x), cs, attend, layer)
-        h, hn = OPS.add_rms_norm(x, a, self.ffn_norm.weight, self.ffn_norm.eps)  # h = x + a
-        return h + self.feed_forward(hn)
+    def forward(self, x: Tensor, cs: Tensor, attend: Attend, layer: int, ops: Ops) -> Tensor:
+        a = self.attention(self.attention_norm(x, ops), cs, attend, layer, ops)
+        h, hn = ops.add_rms_norm(x, a, self.ffn_norm.weight, self.ffn_norm.eps)  # h = x + a
+        return h + self.feed_forward(hn, ops)
 
 
 def gqa_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
@@ -233,23 +169,24 @@ class DualAR(nn.Module):
         scale = math.sqrt(self.cfg.num_codebooks + 1)
         return torch.where(semantic.unsqueeze(-1), x / scale, x)
 
-    def forward_slow(self, cols: Tensor, positions: Tensor, attend: Attend) -> Tensor:
+    def forward_slow(self, cols: Tensor, positions: Tensor, attend: Attend,
+                     ops: Ops = REFERENCE) -> Tensor:
         """cols: [B, 1+K, T]; positions: [B, T] -> final-normed hidden states h: [B, T, D]."""
         x = self.embed(cols)
         cs = self.rope[positions]  # [B, T, Dh/2, 2]
         for i, layer in enumerate(self.layers):
-            x = layer(x, cs, attend, i)
-        return self.norm(x)
+            x = layer(x, cs, attend, i, ops)
+        return self.norm(x, ops)
 
-    def semantic_logits(self, h: Tensor) -> Tensor:
+    def semantic_logits(self, h: Tensor, ops: Ops = REFERENCE) -> Tensor:
         """h: [..., D] -> logits over [semantic 0..N-1, <|im_end|>]: [..., N+1].
 
         Only these 4,097 rows of the tied 155,776-row head can ever be sampled.
         """
         ids = self.cfg.ids
         w = self.embeddings.weight
-        sem = OPS.linear(h, w[ids.semantic_start: ids.semantic_end + 1])
-        end = OPS.linear(h, w[ids.im_end: ids.im_end + 1])
+        sem = ops.linear(h, w[ids.semantic_start: ids.semantic_end + 1])
+        end = ops.linear(h, w[ids.im_end: ids.im_end + 1])
         return torch.cat([sem, end], dim=-1)
 
     def full_logits(self, h: Tensor) -> Tensor:
@@ -257,9 +194,9 @@ class DualAR(nn.Module):
         return F.linear(h, self.embeddings.weight)
 
     # ------------------------------------------------------------------ fast AR
-    def forward_fast(self, x: Tensor, pos: int, attend: Attend) -> Tensor:
+    def forward_fast(self, x: Tensor, pos: int, attend: Attend, ops: Ops = REFERENCE) -> Tensor:
         """One fast-AR position for a batch. x: [B, 1, D]; pos in 0..K-1 -> logits [B, 4096]."""
         cs = self.fast_rope[pos: pos + 1].unsqueeze(0).expand(x.shape[0], -1, -1, -1)
         for i, layer in enumerate(self.fast_layers):
-            x = layer(x, cs, attend, i)
-        return OPS.linear(self.fast_norm(x), self.fast_output.weight)[:, 0]
+            x = layer(x, cs, attend, i, ops)
+        return ops.linear(self.fast_norm(x, ops), self.fast_output.weight)[:, 0]

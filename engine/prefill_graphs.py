@@ -16,7 +16,6 @@ stream (the prefill thread's), then the graph is replayed there.
 
 from __future__ import annotations
 
-import bisect
 import logging
 import time
 from typing import Any
@@ -24,7 +23,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .capture import capture_graphs
+from . import staging
+from .capture import bucket, buckets, capture_graphs
 from .runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -41,8 +41,8 @@ class PrefillGraphs:
         self.spans = spans  # ascending; the last is the whole context
         # 24 and 48 for turn texts: a batched replay is compute-bound (16 x 64 columns cost
         # 18.4 ms vs 11.2 for 16 x 32 on the H200), and a typical turn is 30-48 columns
-        self.cols = [t for t in (8, 16, 24, 32, 48, 64, 128, 256) if t < chunk] + [chunk]
-        self.rows = [n for n in (2, 4, 8, 16, 32) if n < batch] + ([batch] if batch > 1 else [])
+        self.cols = buckets((8, 16, 24, 32, 48, 64, 128, 256), chunk)
+        self.rows = buckets((2, 4, 8, 16, 32), batch) if batch > 1 else []
         self.graphs: dict[Key, tuple[Any, dict[str, Tensor]]] = {}
         self.capture_s = 0.0
 
@@ -78,8 +78,7 @@ class PrefillGraphs:
 
     def _span(self, end: int) -> int | None:
         """The smallest span bucket holding positions [0, end); None past the cache."""
-        j = bisect.bisect_left(self.spans, end)
-        return self.spans[j] if j < len(self.spans) else None
+        return bucket(self.spans, end)
 
     def plan(self, items: list[Chunk]) -> tuple[list[tuple[Key, list[Chunk]]], list[Chunk]]:
         """Split one round's chunks into graph replays (key, its chunks) and the rest (for
@@ -92,11 +91,10 @@ class PrefillGraphs:
         short: list[tuple[int, Chunk]] = []
         for it in items:
             n, start = it[1].shape[1], it[2]
-            i = bisect.bisect_left(self.cols, n)
-            if i == len(self.cols):
+            T = bucket(self.cols, n)
+            if T is None:
                 eager.append(it)
                 continue
-            T = self.cols[i]
             # a group replays at its widest chunk's columns (up to BATCHED_COLS): a chunk
             # may join one only if that many columns from its start still fit the cache
             if self.rows and T <= self.BATCHED_COLS and start + self.BATCHED_COLS <= full:
@@ -118,7 +116,8 @@ class PrefillGraphs:
             short.sort(key=lambda ti: ti[1][2])
             for k in range(0, len(short), most):
                 group = short[k: k + most]
-                N = self.rows[bisect.bisect_left(self.rows, len(group))]
+                N = bucket(self.rows, len(group))
+                assert N is not None
                 T = max(t for t, _ in group)
                 span = self._span(max(it[2] for _, it in group) + T)
                 replays.append(((N, T, span), [it for _, it in group]))
@@ -127,16 +126,12 @@ class PrefillGraphs:
     def replay(self, key: Key, chunks: list[Chunk]) -> None:
         g, inp = self.graphs[key]
         N, T, _ = key
-        pin = self.runner.device.type == "cuda"
-        host = torch.zeros(N, self.runner.cfg.frame_rows, T, dtype=torch.long, pin_memory=pin)
-        meta = [[self.runner.cache.scratch] * N, [0] * N]  # padding rows: scratch slot, pos 0
+        host = staging.host((N, self.runner.cfg.frame_rows, T), torch.long, self.runner.device)
+        meta = [[self.runner.scratch] * N, [0] * N]  # padding rows: scratch slot, pos 0
         for i, (slot, cols, start) in enumerate(chunks):
             host[i, :, : cols.shape[1]] = cols
             meta[0][i], meta[1][i] = slot, start
-        meta_t = torch.tensor(meta, dtype=torch.long)
-        meta_t = meta_t.pin_memory() if pin else meta_t
-        # fresh pinned tensors each call: an earlier copy may still be in flight
-        inp["cols"].copy_(host, non_blocking=pin)
-        inp["slot"].copy_(meta_t[0], non_blocking=pin)
-        inp["start"].copy_(meta_t[1], non_blocking=pin)
+        staging.stage(inp["cols"], host)
+        staging.stage(inp["slot"], meta[0])
+        staging.stage(inp["start"], meta[1])
         g.replay()

@@ -1,16 +1,19 @@
 """The one request object passed between engine parts: a `Sequence` (a voice session's
-conversation, living in one KV slot) and its current `Turn`."""
+conversation, living in one KV slot) and its current `Turn`; and the two messages the
+scheduler sends its workers about them: a `PrefillJob` (columns to write into a slot) and
+a `SlotOp` (a change to a slot's device-side decode state)."""
 
 from __future__ import annotations
 
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol
 
 import numpy as np
 from torch import Tensor
 
+from .errors import TurnError
 from .prompt import Reference
 from .sampler import SamplingParams
 
@@ -43,10 +46,7 @@ class TurnResult:
     finished_at: float
     codes: Tensor | None = None  # [K, frames] generated codes (all frames, im_end excluded)
     error: str | None = None
-    # With reason ERROR: whose fault. "too_large" (the text does not fit the context: the
-    # client's), "invalid_state" (a turn while one runs, or on a closed sequence: the
-    # caller's), "internal" (prefill/decode/codec failed: ours).
-    error_code: str | None = None
+    error_code: TurnError | None = None  # with reason ERROR: whose fault
 
     @property
     def ttfa_s(self) -> float | None:
@@ -120,9 +120,46 @@ class Sequence:
     turns_started: int = 0
     next_col: Tensor | None = None  # the column the next decode step feeds [1+K]
     turn_start_pos: int = 0  # cache position where the running turn's prompt began
-    closed_turn: bool = True
-    needs_rebuild: bool = False  # the cache lost its prompt (rollback past a rebuild)  # the last assistant turn has been closed with <|im_end|>
+    closed_turn: bool = True  # the last assistant turn has been closed with <|im_end|>
+    needs_rebuild: bool = False  # the cache lost its prompt (rollback past a rebuild)
     prefill_s: float = 0.0
 
     def __repr__(self) -> str:
         return f"Sequence({self.seq_id}, {self.state.value}, slot={self.slot}, pos={self.pos})"
+
+
+@dataclass(slots=True, eq=False)
+class PrefillJob:
+    """Prompt columns to write into a sequence's slot, a chunk per prefill round."""
+
+    seq: Sequence
+    cols: Tensor  # [1+K, n] columns to write at `start`
+    start: int
+    turn: Turn | None  # None: the voice prompt
+    slot: int  # fixed at creation: the prefill thread never reads seq.slot
+    done: int = 0  # columns written so far
+    # set by the prefill worker: a CUDA event the decode stream waits on before the sequence
+    # joins, None (CPU, or nothing to wait for), or the exception that failed it
+    event: object | None = None
+    landed_at: float = 0.0  # when the decode thread took it (launched, maybe not done)
+
+    @property
+    def abandoned(self) -> bool:
+        """Its sequence closed or its turn was cancelled: nothing more to write."""
+        return self.seq.state is SeqState.CLOSED or (self.turn is not None and self.turn.cancelled)
+
+
+@dataclass(slots=True, frozen=True)
+class SlotOp:
+    """A change to one slot's device-side decode state, in the order the scheduler decided
+    it; the decode worker applies the queued ops on the decode stream before its next step.
+    assign: sampling parameters (a new sequence); join: feed `col` at `pos` from the next
+    step on, for at most `max_frames` frames; leave: stop decoding the slot."""
+
+    kind: Literal["assign", "join", "leave"]
+    slot: int
+    params: SamplingParams | None = None
+    seed: int = 0
+    col: Tensor | None = None  # [1+K]
+    pos: int = 0
+    max_frames: int = 0

@@ -1,22 +1,24 @@
-"""Batched sampling with per-row parameters and no host synchronisation.
-
-The rule is the reference's: top-k / top-p mask computed on the un-tempered logits, then
-temperature, softmax and an exponential race `argmax(p / E)`, E ~ Exponential(1). The noise
-is counter-based (a hash of seed, step, stream and index), so a request's draws depend only
-on its own seed and step, never on which other requests share the batch, and the whole
-thing is plain tensor ops (CUDA-graph friendly). Temperature 0 means greedy.
+"""Batched sampling with per-row parameters and no host synchronisation: per-request
+settings, and the per-slot state on the device (parameters, seeds, step counters, the
+repetition-aware window). The draw itself — the reference's rule with counter-based noise,
+so a request's draws depend only on its own seed and step — is
+`engine.kernels.sampling.sample` (or the csrc kernel, when the engine's ops say so).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from .kernels import prev_tokens_shift_inplace
+from .kernels.prev_tokens import prev_tokens_shift_checked
+from .kernels.sampling import TOPK_MAX, exponential_noise, sample
 
-_M32 = 0xFFFFFFFF
+__all__ = ["STREAM_FAST", "STREAM_MAIN", "STREAM_RAS", "TOPK_MAX", "SamplingParams",
+           "SlotSampling", "exponential_noise", "sample"]
+
 # Noise streams: independent draws per purpose within one frame.
 STREAM_MAIN, STREAM_RAS, STREAM_FAST = 1, 2, 16
 
@@ -52,74 +54,18 @@ class SamplingParams:
         return cls(temperature=0.0, top_p=1.0, top_k=1)
 
 
-def _mix32(x: Tensor) -> Tensor:
-    """A 32-bit integer finaliser (lowbias32) in int64 arithmetic; wraps are masked off."""
-    x = x & _M32
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _M32
-    x = x ^ (x >> 15)
-    x = (x * 0x846CA68B) & _M32
-    return x ^ (x >> 16)
-
-
-TOPK_MAX = 128  # candidates kept per draw; top_k is capped here (the reference default is 30)
-
-
-def exponential_noise(seed: Tensor, step: Tensor, stream: int | Tensor, idx: Tensor | int) -> Tensor:
-    """E ~ Exponential(1) for vocabulary indices `idx` ([B, n], or n for 0..n-1), a pure
-    function of (seed[b], step[b], stream, index): a token's noise does not depend on which
-    other tokens are candidates or which other requests share the batch. `stream` is one
-    int for all rows or an int64 [B] tensor."""
-    if isinstance(idx, int):
-        idx = torch.arange(idx, device=seed.device, dtype=torch.int64)[None, :]
-    key = _mix32(seed.to(torch.int64) * 0x9E3779B1 + stream * 0x632BE5AB)
-    key = _mix32(key + step.to(torch.int64) * 0x85EBCA77)
-    x = _mix32(key[:, None] + idx.to(torch.int64) * 0xC2B2AE3D)
-    # uniform in (0, 1): the top hash value would round to exactly 1.0 in float32 (E = 0,
-    # race = -inf), so it is clamped to the largest float below 1
-    u = (((x >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))).clamp(max=1.0 - 2.0**-24)
-    return -torch.log(u)
-
-
-def sample(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor, seed: Tensor,
-           step: Tensor, stream: int | Tensor) -> Tensor:
-    """logits [B, V]; temperature/top_p [B] float; top_k [B] int (<= TOPK_MAX) -> ids [B].
-
-    The reference's rule on the TOPK_MAX best candidates (everything past top_k is masked
-    anyway): top-p on the un-tempered softmax of the whole row, then temperature, then the
-    exponential race. Rows with temperature 0 take the argmax.
-    """
-    logits = logits.float()
-    K = min(TOPK_MAX, logits.shape[-1])
-    vals, idx = torch.topk(logits, K, dim=-1)  # [B, K], best first
-    cum = torch.softmax(logits, dim=-1).gather(1, idx).cumsum(dim=-1)
-    remove = cum > top_p[:, None]
-    remove[:, 0] = False  # always keep the best
-    rank = torch.arange(K, device=logits.device)
-    remove |= rank[None, :] >= top_k[:, None]
-    t = temperature.clamp(min=1e-5)[:, None]
-    probs = torch.softmax(vals.masked_fill(remove, float("-inf")) / t, dim=-1)
-    race = probs / exponential_noise(seed, step, stream, idx)
-    drawn = idx.gather(1, race.argmax(dim=-1, keepdim=True))[:, 0]
-    return torch.where(temperature > 0, drawn, idx[:, 0])
-
-
-class SamplerOps:
-    """The sampling math, called through here so the runner can swap in a fused (compiled)
-    version of the very same function (engine/fusion.py)."""
-
-    sample = staticmethod(sample)
-
-
-SAMPLER_OPS = SamplerOps()
-
-
 class SlotSampling:
     """Per-slot sampling state held on the device: parameters, seeds, step counters and the
-    RAS window of recent main tokens (-1 = empty)."""
+    RAS window of recent main tokens (-1 = empty). `draw` is the sampling rule's
+    implementation and `shift` the window update (the engine's ops; the torch versions by
+    default)."""
 
-    def __init__(self, n_slots: int, device: torch.device | str, max_window: int = 16) -> None:
+    def __init__(self, n_slots: int, device: torch.device | str, max_window: int = 16, *,
+                 draw: Callable[..., Tensor] = sample,
+                 shift: Callable[[Tensor, Tensor], None] | None = None) -> None:
         d = torch.device(device)
+        self.draw = draw
+        self.shift = shift or prev_tokens_shift_checked
         self.temperature = torch.zeros(n_slots, device=d)
         self.top_p = torch.ones(n_slots, device=d)
         self.top_k = torch.ones(n_slots, dtype=torch.int64, device=d)
@@ -164,7 +110,7 @@ class SlotSampling:
         # as one batch of 2B rows (one top-k, one launch sequence), each with its own stream.
         B = logits.shape[0]
         greedy = self.temperature[slots] == 0
-        both = SAMPLER_OPS.sample(
+        both = self.draw(
             torch.cat([logits, logits]),
             torch.cat([self.temperature[slots], torch.where(greedy, 0.0, self.ras_temperature[slots])]),
             torch.cat([self.top_p[slots], self.ras_top_p[slots]]),
@@ -182,10 +128,10 @@ class SlotSampling:
         # leaves its freshly reset all -1 window unchanged.
         nxt = torch.where(step > 0, chosen, -1).to(torch.int32)[:, None]  # [B, 1]
         if isinstance(slots, slice):  # dense rows: the window rows are a contiguous view
-            prev_tokens_shift_inplace(self.window[slots].unsqueeze(-1), nxt)
+            self.shift(self.window[slots].unsqueeze(-1), nxt)
         else:
             rows = self.window[slots].unsqueeze(-1).contiguous()
-            prev_tokens_shift_inplace(rows, nxt)
+            self.shift(rows, nxt)
             self.window[slots] = rows[..., 0]
         return chosen
 
@@ -200,8 +146,8 @@ class SlotSampling:
 
     def sample_fast(self, slots: Tensor | slice, logits: Tensor, codebook: int) -> Tensor:
         """A residual codebook: logits [B, 4096] -> codes [B] (no bias, no RAS)."""
-        return SAMPLER_OPS.sample(logits, self.temperature[slots], self.top_p[slots], self.top_k[slots],
-                      self.seed[slots], self.step[slots], STREAM_FAST + codebook)
+        return self.draw(logits, self.temperature[slots], self.top_p[slots], self.top_k[slots],
+                         self.seed[slots], self.step[slots], STREAM_FAST + codebook)
 
     def advance(self, slots: Tensor | slice) -> None:
         self.step[slots] += 1

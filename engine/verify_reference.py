@@ -25,6 +25,7 @@ from torch import Tensor
 from .config import ModelConfig
 from .loader import reconcile_ids
 from .model import DualAR
+from .ops import REFERENCE, Ops
 from .prompt import PromptBuilder, Reference
 from .runner import ModelRunner
 from .sampler import SamplingParams
@@ -48,12 +49,12 @@ class _Recorder:
         self._orig_sem = model.semantic_logits
         self._orig_fast = model.forward_fast
 
-        def sem(h: Tensor) -> Tensor:
+        def sem(h: Tensor, ops: Ops = REFERENCE) -> Tensor:
             self.hidden.append(h.detach().clone())
-            return self._orig_sem(h)
+            return self._orig_sem(h, ops)
 
-        def fast(x: Tensor, pos: int, attend) -> Tensor:  # type: ignore[no-untyped-def]
-            out = self._orig_fast(x, pos, attend)
+        def fast(x: Tensor, pos: int, attend, ops: Ops = REFERENCE) -> Tensor:  # type: ignore[no-untyped-def]
+            out = self._orig_fast(x, pos, attend, ops)
             self.fast.append(out.detach().clone())
             return out
 
@@ -69,7 +70,10 @@ def _diff(a: Tensor, b: Tensor) -> float:
     return float((a.float() - b.float()).abs().max()) if a.shape == b.shape else float("inf")
 
 
-def model_checks(root: Path, device: str = "cpu") -> Iterator[Check]:
+def model_checks(root: Path, device: str = "cpu", ops: Ops = REFERENCE) -> Iterator[Check]:
+    """The engine's model path (prompt building, prefill, the device-resident decode step)
+    against the reference's recorded prompts, greedy frames, hidden states and logits, with
+    `ops` (the reference math by default; the GPU tests pass the fused ops too)."""
     cfg = ModelConfig.from_checkpoint(root)
     tok = HFTokenizer(root)
     cfg = reconcile_ids(cfg, tok)
@@ -77,7 +81,7 @@ def model_checks(root: Path, device: str = "cpu") -> Iterator[Check]:
            f"{tok.ids.semantic_start}..{tok.ids.semantic_end}, <|im_end|>={tok.ids.im_end}")
     model = load_model(root, cfg, dtype=torch.float32, device=device)
     builder = PromptBuilder(tok, cfg.num_codebooks)
-    runner = ModelRunner(model, n_slots=1, max_len=cfg.slow.max_seq_len)
+    runner = ModelRunner(model, n_slots=1, max_len=cfg.slow.max_seq_len, ops=ops)
     case_files = sorted((root / "cases").glob("*.json"))
     if not case_files:
         yield ("cases", False, f"no cases/*.json under {root}")
@@ -87,60 +91,57 @@ def model_checks(root: Path, device: str = "cpu") -> Iterator[Check]:
         t = load_file(str(case_path.with_suffix(".safetensors")))
         refs = [Reference(r["text"], t[r["tensor"]]) for r in case.get("references", [])]
         n_new = int(case["sampling"]["max_new_tokens"])
-        slot = runner.cache.alloc()
+        slot = 0  # the runner's one slot, reused case after case
         runner.assign(slot, SamplingParams.greedy(), 0)
         history: list[tuple[str, Tensor]] = []
         pos = 0
-        try:
-            for k, batch in enumerate(case["batches"]):
-                tag = f"{name}.b{k}"
-                want = t[f"b{k}.prompt"]
-                prompt = builder.build(batch["batch_text"], refs, history)
-                ok = prompt.shape == want.shape and torch.equal(prompt, want)
-                yield (f"{tag}.prompt", ok, f"{list(prompt.shape)} vs {list(want.shape)}")
-                if not ok:
-                    break
-                # Keep the KV cache across batches: only the new columns are prefilled.
-                T = prompt.shape[1]
-                new = prompt[:, pos:]
-                if new.shape[1] > 1:
-                    runner.prefill(slot, new[:, :-1], pos)
-                pos, col = T - 1, new[:, -1][None]
-                # The frame loop the engine runs: device-resident state, one dense step per frame.
-                # As many steps as the reference took (fewer than max_new_tokens when it chose
-                # <|im_end|>, whose frame is the last one it recorded).
-                want_gen = t[f"b{k}.generated"]
-                steps = min(n_new, want_gen.shape[1])
-                runner.join(slot, col[0], pos, steps, 0)
-                rec = _Recorder(model)
-                frames = []
-                try:
-                    for _ in range(steps):
-                        out = runner.step(slot + 1, pos + 1)
-                        frames.append(out[slot, : cfg.frame_rows].cpu())
-                        pos += 1
-                finally:
-                    rec.restore()
-                got = torch.stack(frames, 1)
-                bad = int((got != want_gen).sum()) if got.shape == want_gen.shape else -1
-                yield (f"{tag}.generated", bad == 0,
-                       f"{got.shape[1]} frames, {bad} mismatching values" if bad >= 0
-                       else f"shape {list(got.shape)} vs {list(want_gen.shape)}")
-                hid = torch.stack([h[0] for h in rec.hidden[:3]])
-                want_hid = t[f"b{k}.slow_hidden"].to(device)
-                d = _diff(hid, want_hid)
-                yield (f"{tag}.slow_hidden", d <= LOGIT_TOL, f"max|diff| {d:.2e} (tol {LOGIT_TOL:.0e})")
-                logits = model.full_logits(hid)
-                d = _diff(logits, t[f"b{k}.slow_logits"].to(device))
-                yield (f"{tag}.slow_logits", d <= LOGIT_TOL, f"max|diff| {d:.2e} (tol {LOGIT_TOL:.0e})")
-                fast0 = torch.stack([f[0] for f in rec.fast[: cfg.num_codebooks]])
-                d = _diff(fast0, t[f"b{k}.fast_logits_step0"].to(device))
-                yield (f"{tag}.fast_logits_step0", d <= LOGIT_TOL,
-                       f"max|diff| {d:.2e} (tol {LOGIT_TOL:.0e})")
-                history.append((batch["batch_text"], t[f"b{k}.codes"]))
-                pos = T + got.shape[1] - 1  # every frame but the last went back into the cache
-        finally:
-            runner.cache.release(slot)
+        for k, batch in enumerate(case["batches"]):
+            tag = f"{name}.b{k}"
+            want = t[f"b{k}.prompt"]
+            prompt = builder.build(batch["batch_text"], refs, history)
+            ok = prompt.shape == want.shape and torch.equal(prompt, want)
+            yield (f"{tag}.prompt", ok, f"{list(prompt.shape)} vs {list(want.shape)}")
+            if not ok:
+                break
+            # Keep the KV cache across batches: only the new columns are prefilled.
+            T = prompt.shape[1]
+            new = prompt[:, pos:]
+            if new.shape[1] > 1:
+                runner.prefill(slot, new[:, :-1], pos)
+            pos, col = T - 1, new[:, -1][None]
+            # The frame loop the engine runs: device-resident state, one dense step per frame.
+            # As many steps as the reference took (fewer than max_new_tokens when it chose
+            # <|im_end|>, whose frame is the last one it recorded).
+            want_gen = t[f"b{k}.generated"]
+            steps = min(n_new, want_gen.shape[1])
+            runner.join(slot, col[0], pos, steps, 0)
+            rec = _Recorder(model)
+            frames = []
+            try:
+                for _ in range(steps):
+                    out = runner.step(slot + 1, pos + 1)
+                    frames.append(out[slot, : cfg.frame_rows].cpu())
+                    pos += 1
+            finally:
+                rec.restore()
+            got = torch.stack(frames, 1)
+            bad = int((got != want_gen).sum()) if got.shape == want_gen.shape else -1
+            yield (f"{tag}.generated", bad == 0,
+                   f"{got.shape[1]} frames, {bad} mismatching values" if bad >= 0
+                   else f"shape {list(got.shape)} vs {list(want_gen.shape)}")
+            hid = torch.stack([h[0] for h in rec.hidden[:3]])
+            want_hid = t[f"b{k}.slow_hidden"].to(device)
+            d = _diff(hid, want_hid)
+            yield (f"{tag}.slow_hidden", d <= LOGIT_TOL, f"max|diff| {d:.2e} (tol {LOGIT_TOL:.0e})")
+            logits = model.full_logits(hid)
+            d = _diff(logits, t[f"b{k}.slow_logits"].to(device))
+            yield (f"{tag}.slow_logits", d <= LOGIT_TOL, f"max|diff| {d:.2e} (tol {LOGIT_TOL:.0e})")
+            fast0 = torch.stack([f[0] for f in rec.fast[: cfg.num_codebooks]])
+            d = _diff(fast0, t[f"b{k}.fast_logits_step0"].to(device))
+            yield (f"{tag}.fast_logits_step0", d <= LOGIT_TOL,
+                   f"max|diff| {d:.2e} (tol {LOGIT_TOL:.0e})")
+            history.append((batch["batch_text"], t[f"b{k}.codes"]))
+            pos = T + got.shape[1] - 1  # every frame but the last went back into the cache
 
 
 def codec_checks_for(root: Path, chunks: list[int]) -> Iterator[Check]:

@@ -22,11 +22,9 @@ import hmac
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import torch
 import uvicorn
 from starlette.applications import Starlette
 from starlette.datastructures import UploadFile
@@ -38,50 +36,21 @@ from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket
 
-from engine.engine import EngineConfig, build_engine
-from engine.loader import Bundle, load_bundle
+from engine.loader import Bundle
 from protocol import ErrorCode, ProtocolError, error_spec
-from rtvoice.session import (
-    Metrics,
-    Runtime,
-    Session,
-    check_voice_room,
-    encode_reference_bytes,
-    segment_room,
-)
+from rtvoice.metrics import render_metrics
+from rtvoice.runtime import Runtime
+from rtvoice.session import Session
 from rtvoice.settings import Settings
-from rtvoice.voices import UnknownVoice, VoiceLimitError, VoiceStore, VoiceStoreConfig
+from rtvoice.voices import UnknownVoice, VoiceLimitError
 
-__all__ = ["create_app", "engine_config", "render_metrics", "uvicorn_config"]
+__all__ = ["create_app", "uvicorn_config"]
 
 log = logging.getLogger(__name__)
 
 _FIELD_BYTES = 64 * 1024  # non-file multipart fields (transcript, name)
 _MULTIPART_OVERHEAD = 64 * 1024  # boundaries and headers on top of the file itself
 _STATIC_DIR = Path(__file__).resolve().parent / "static"  # the browser demo page
-
-
-def engine_config(settings: Settings, bundle: Bundle) -> EngineConfig:
-    """The engine configuration for ``settings`` on ``bundle``'s model and device."""
-    eng = settings.engine
-    on_cpu = torch.device(settings.model.device).type == "cpu"
-    model_len = bundle.model.cfg.slow.max_seq_len
-    max_len = min(eng.max_len or 4096, model_len)
-    return EngineConfig(
-        max_running=eng.max_running or (8 if on_cpu else 64),
-        max_len=max_len,
-        prefill_chunk=eng.prefill_chunk,
-        first_chunk_frames=eng.first_chunk_frames,
-        slow_start_x=eng.slow_start_x,
-        chunk_frames=eng.chunk_frames,
-        codec_hold_s=eng.codec_hold_s,
-        prefill_first_lead_s=eng.prefill_first_lead_s,
-        prefill_first_wait_s=eng.prefill_first_wait_s,
-        max_turn_frames=eng.max_turn_frames,
-        max_waiting=eng.max_waiting,
-        kv_reserve_gib=eng.kv_reserve_gib,
-        seed=settings.model.seed,
-    )
 
 
 def create_app(settings: Settings | None = None, *, bundle: Bundle | None = None) -> Starlette:
@@ -91,14 +60,14 @@ def create_app(settings: Settings | None = None, *, bundle: Bundle | None = None
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        runtime = await _start_runtime(settings, bundle)
+        runtime = await Runtime.start(settings, bundle)
         app.state.runtime = runtime
         app.state.started_at = time.time()
         try:
             yield
         finally:
             app.state.runtime = None
-            await _stop_runtime(runtime)
+            await runtime.stop()
 
     routes = [
         WebSocketRoute("/v1/tts/live", _live),
@@ -116,67 +85,6 @@ def create_app(settings: Settings | None = None, *, bundle: Bundle | None = None
     app.state.settings = settings
     app.state.runtime = None
     return app
-
-
-async def _start_runtime(settings: Settings, bundle: Bundle | None) -> Runtime:
-    m = settings.model
-    if m.torch_threads:
-        torch.set_num_threads(m.torch_threads)
-    elif m.device == "cpu":
-        # The engine runs prefill, decode and codec on their own threads; intra-op threads on
-        # top of them only oversubscribe the cores (the tiny model's matmuls are too small).
-        torch.set_num_threads(1)
-    if bundle is None:
-        bundle = await asyncio.to_thread(
-            load_bundle,
-            m.model,
-            device=m.device,
-            dtype=m.dtype,
-            seed=m.seed,
-            max_seq_len=m.max_seq_len,
-        )
-    cfg = engine_config(settings, bundle)
-    engine = build_engine(bundle, cfg)
-    # Cross-check the limits: even the plain voice prompt (no reference) must leave room for
-    # a segment of min_chunk_length characters, or no session could ever speak.
-    room = segment_room(engine, [])
-    if room < settings.limits.min_chunk_length:
-        raise ValueError(
-            f"max_len={cfg.max_len} leaves room for {max(0, room)} characters per segment next "
-            f"to the plain voice prompt; min_chunk_length is {settings.limits.min_chunk_length}: "
-            "raise max_len"
-        )
-    store = VoiceStore(
-        settings.voices.data_dir, VoiceStoreConfig(max_voices=settings.voices.max_voices)
-    )
-    engine.start()
-    log.info(
-        "engine ready: model %s%s on %s, %d KV slots x %d positions, voices in %s",
-        bundle.name,
-        " (RANDOM WEIGHTS)" if bundle.random_weights else "",
-        m.device,
-        engine.runner.n_slots,  # fewer than max_running when GPU memory is short
-        cfg.max_len,
-        settings.voices.data_dir,
-    )
-    return Runtime(
-        settings=settings,
-        bundle=bundle,
-        engine=engine,
-        store=store,
-        encode_pool=ThreadPoolExecutor(settings.engine.encode_threads, "rtvoice-encode"),
-        # One worker: the codec encoder is a big torch op that already uses every core; running
-        # two at once only makes both slower, and it bounds the memory of concurrent uploads.
-        codec_pool=ThreadPoolExecutor(1, "rtvoice-codec"),
-        metrics=Metrics(),
-    )
-
-
-async def _stop_runtime(rt: Runtime) -> None:
-    await asyncio.to_thread(rt.engine.shutdown)
-    rt.encode_pool.shutdown(wait=False, cancel_futures=True)
-    rt.codec_pool.shutdown(wait=False, cancel_futures=True)
-    rt.store.close()
 
 
 def _runtime(scope_app: Any) -> Runtime | None:
@@ -286,10 +194,9 @@ async def _create_voice(request: Request, rt: Runtime) -> Response:
     if len(data) > limit:
         return _error(ErrorCode.TOO_LARGE, f"audio file is larger than {limit} bytes")
     try:
-        reference, rate, seconds = await encode_reference_bytes(
-            rt, data, transcript.strip(), "audio")
+        reference, rate, seconds = await rt.reference(data, transcript.strip(), "audio")
         # A voice whose prompt leaves no room for a minimal segment could never be used.
-        check_voice_room(rt.engine, [reference], rt.settings.limits.min_chunk_length)
+        rt.voice_room([reference])
     except ProtocolError as exc:
         return _error(exc.code, exc.message)
     name_str = name if isinstance(name, str) and name.strip() else Path(filename).stem or "voice"
@@ -387,86 +294,9 @@ async def _metrics(request: Request) -> Response:
     rt = _runtime(request.app)
     if rt is None:
         return PlainTextResponse("", status_code=503)
-    return PlainTextResponse(
-        render_metrics(rt), media_type="text/plain; version=0.0.4; charset=utf-8"
-    )
-
-
-def _label(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def render_metrics(rt: Runtime) -> str:
-    """Prometheus text exposition (format 0.0.4) of the service's counters."""
-    m = rt.metrics
-    out: list[str] = []
-
-    def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
-        out.append(f"# HELP {name} {help_}")
-        out.append(f"# TYPE {name} {kind}")
-        for labels, value in samples:
-            out.append(f"{name}{labels} {value:.9g}" if isinstance(value, float) else
-                       f"{name}{labels} {value}")
-
-    def histogram(name: str, help_: str, buckets: tuple[float, ...], counts: list[int],
-                  total: float) -> None:
-        out.append(f"# HELP {name} {help_}")
-        out.append(f"# TYPE {name} histogram")
-        acc = 0
-        for b, c in zip(buckets, counts):
-            acc += c
-            out.append(f'{name}_bucket{{le="{b:g}"}} {acc}')
-        acc += counts[-1]
-        out.append(f'{name}_bucket{{le="+Inf"}} {acc}')
-        out.append(f"{name}_sum {total:.9g}")
-        out.append(f"{name}_count {acc}")
-
-    b = rt.bundle
-    metric("rtvoice_model_info", "gauge", "The served model.", [
-        (f'{{model="{_label(b.name)}",device="{_label(rt.settings.model.device)}",'
-         f'random_weights="{str(b.random_weights).lower()}"}}', 1)])
-    metric("rtvoice_connections_total", "counter", "WebSocket connections accepted.",
-           [("", m.connections_total)])
-    metric("rtvoice_connections_open", "gauge", "WebSocket connections open now.",
-           [("", m.connections_open)])
-    metric("rtvoice_sessions_total", "counter", "Sessions started (a 'start' accepted).",
-           [("", m.sessions_total)])
-    metric("rtvoice_sessions_live", "gauge", "Sessions started and not yet closed.",
-           [("", m.sessions_live)])
-    metric("rtvoice_turns_total", "counter", "Turns (utterances) ended, by done reason.",
-           [(f'{{reason="{_label(r)}"}}', n) for r, n in sorted(m.turns.items())])
-    metric("rtvoice_segments_total", "counter", "Segments handed to the engine.",
-           [("", m.segments_total)])
-    metric("rtvoice_frames_total", "counter", "Codec frames generated.", [("", m.frames_total)])
-    metric("rtvoice_audio_seconds_total", "counter", "Seconds of audio delivered in finished turns.",
-           [("", float(m.audio_seconds_total))])
-    metric("rtvoice_audio_bytes_total", "counter", "Encoded audio bytes sent.",
-           [("", m.audio_bytes_total)])
-    metric("rtvoice_errors_total", "counter", "Error events sent, by code.",
-           [(f'{{code="{_label(c)}"}}', n) for c, n in sorted(m.errors.items())])
-    metric("rtvoice_slow_clients_total", "counter", "Sessions dropped (error timeout) because "
-           "the client did not read fast enough (send queue or encoder backlog full).",
-           [("", m.slow_clients)])
-    histogram("rtvoice_ttfa_seconds", "Time to first audio per segment (segment handed to "
-              "the engine, i.e. ready to generate -> its first audio chunk handed to the "
-              "socket).", Metrics.TTFA_BUCKETS, m.ttfa_counts, m.ttfa_sum)
-    metric("rtvoice_ttfa_recent_seconds", "summary",
-           f"TTFA quantiles over the last {Metrics.RECENT} segments.",
-           [(f'{{quantile="{q:g}"}}', float(v)) for q, v in m.ttfa_quantiles().items()])
-    histogram("rtvoice_prefill_seconds", "Voice prompt prefill time (open -> ready).",
-              Metrics.PREFILL_BUCKETS, m.prefill_counts, m.prefill_sum)
-    load = rt.engine.load()
-    metric("rtvoice_engine_sequences", "gauge", "Engine sequences by state.",
-           [('{state="live"}', load["live"]), ('{state="waiting"}', load["waiting"])])
-    metric("rtvoice_engine_free_slots", "gauge", "Free KV slots.", [("", load["free_slots"])])
-    metric("rtvoice_engine_device_wait_seconds", "gauge",
-           "How long the engine has been waiting on the device right now (a stall if large).",
-           [("", load["device_wait_s"])])
-    stats = rt.engine.stats
-    metric("rtvoice_engine_steps_total", "counter", "Engine steps.", [("", int(stats["steps"]))])
-    metric("rtvoice_engine_seconds_total", "counter", "Engine time by phase.",
-           [(f'{{phase="{p}"}}', float(stats[f"{p}_s"])) for p in ("prefill", "decode", "codec")])
-    return "\n".join(out) + "\n"
+    text = render_metrics(rt.metrics, rt.engine, model=rt.bundle.name,
+                          device=rt.settings.model.device, random_weights=rt.bundle.random_weights)
+    return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 # ------------------------------------------------------------------------------- uvicorn

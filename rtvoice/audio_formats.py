@@ -1,6 +1,6 @@
-"""Streaming output encoders (pcm, wav, mulaw, mp3, opus) and reference-audio decoding.
+"""Streaming output encoders (pcm, wav, mulaw, mp3, opus).
 
-The codec produces float32 mono PCM at 44.1 kHz in chunks. An :class:`AudioEncoder` turns
+The codec produces float32 mono PCM (at its own rate: 44.1 kHz for S2) in chunks. An :class:`AudioEncoder` turns
 those chunks into bytes of the requested format *as they come*: ``encode(chunk)`` returns what
 can be emitted now, ``finish()`` flushes the rest. One encoder serves one turn: the bytes of a
 turn concatenated form one standalone stream that standard decoders read (a WAV header, an
@@ -31,11 +31,10 @@ Choices and their reasons:
 
 from __future__ import annotations
 
-import io
 import os
 import struct
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final
 
 import numpy as np
@@ -44,25 +43,20 @@ import soxr
 
 __all__ = [
     "FORMATS",
-    "MODEL_SAMPLE_RATE",
     "AudioEncoder",
     "EncoderConfig",
     "FormatInfo",
-    "ReferenceAudioTooLong",
-    "decode_reference_audio",
     "make_encoder",
     "mulaw_encode",
     "wav_stream_header",
 ]
-
-MODEL_SAMPLE_RATE: Final = 44100  # the codec's output rate; every encoder's input rate
 
 
 @dataclass(frozen=True, slots=True)
 class FormatInfo:
     name: str
     sample_rates: tuple[int, ...]
-    default_sample_rate: int
+    default_sample_rate: int | None  # None: the input's rate (the codec's, no resampling)
     content_type: str
 
 
@@ -70,10 +64,10 @@ class FormatInfo:
 # writes; Opus only exists at 8/12/16/24/48 kHz, so 44.1 kHz input is resampled.
 _PCM_RATES: Final = (8000, 16000, 22050, 24000, 44100, 48000)
 FORMATS: Final[dict[str, FormatInfo]] = {
-    "pcm": FormatInfo("pcm", _PCM_RATES, 44100, "audio/pcm;encoding=s16le;channels=1"),
-    "wav": FormatInfo("wav", _PCM_RATES, 44100, "audio/wav"),
+    "pcm": FormatInfo("pcm", _PCM_RATES, None, "audio/pcm;encoding=s16le;channels=1"),
+    "wav": FormatInfo("wav", _PCM_RATES, None, "audio/wav"),
     "mulaw": FormatInfo("mulaw", (8000,), 8000, "audio/basic"),  # RFC 2046: 8 kHz G.711 u-law
-    "mp3": FormatInfo("mp3", (8000, 16000, 22050, 24000, 32000, 44100, 48000), 44100, "audio/mpeg"),
+    "mp3": FormatInfo("mp3", (8000, 16000, 22050, 24000, 32000, 44100, 48000), None, "audio/mpeg"),
     "opus": FormatInfo("opus", (8000, 12000, 16000, 24000, 48000), 48000, "audio/ogg;codecs=opus"),
 }
 
@@ -88,13 +82,15 @@ def _supported_text() -> str:
 
 @dataclass(slots=True)
 class EncoderConfig:
-    """A validated output format request. ``sample_rate=None`` takes the format's default."""
+    """A validated output format request for PCM at ``input_sample_rate`` (the codec's rate).
+    ``sample_rate=None`` takes the format's default: the input's own rate where the format
+    has it (pcm, wav, mp3), else 48 kHz (opus) or 8 kHz (mulaw)."""
 
     format: str
     sample_rate: int | None = None
     mp3_bitrate: int = 128  # kbps; clamped to what the MPEG version at this rate allows
     opus_bitrate: int = 32  # kbps, 6..256, or -1000 for libopus' automatic choice
-    input_sample_rate: int = MODEL_SAMPLE_RATE
+    input_sample_rate: int = field(kw_only=True)
 
     def __post_init__(self) -> None:
         info = FORMATS.get(self.format)
@@ -104,7 +100,7 @@ class EncoderConfig:
                 f"{_supported_text()}"
             )
         if self.sample_rate is None:
-            self.sample_rate = info.default_sample_rate
+            self.sample_rate = info.default_sample_rate or self.input_sample_rate
         if self.sample_rate not in info.sample_rates:
             raise ValueError(
                 f"unsupported sample rate {self.sample_rate} Hz for {self.format}; supported: "
@@ -514,9 +510,10 @@ def make_encoder(
     *,
     mp3_bitrate: int = 128,
     opus_bitrate: int = 32,
-    input_sample_rate: int = MODEL_SAMPLE_RATE,
+    input_sample_rate: int,
 ) -> AudioEncoder:
-    """A fresh encoder for one turn. Raises ``ValueError`` naming the supported combinations."""
+    """A fresh encoder for one turn of PCM at `input_sample_rate`. Raises ``ValueError``
+    naming the supported combinations."""
     config = EncoderConfig(
         format=format,
         sample_rate=sample_rate,
@@ -525,47 +522,3 @@ def make_encoder(
         input_sample_rate=input_sample_rate,
     )
     return _ENCODERS[config.format](config)
-
-
-# --------------------------------------------------------------------------------------------
-# Reference audio
-# --------------------------------------------------------------------------------------------
-
-
-class ReferenceAudioTooLong(ValueError):
-    """The clip decodes but exceeds the length limit (the service reports ``too_large``)."""
-
-
-def decode_reference_audio(
-    data: bytes,
-    *,
-    max_seconds: float = 30.0,
-    target_sample_rate: int | None = None,
-) -> tuple[np.ndarray, int]:
-    """Decode a reference clip in any format libsndfile reads (wav, flac, ogg, opus, mp3, ...).
-
-    Returns ``(audio, sample_rate)``: float32 mono (channels averaged), resampled to
-    ``target_sample_rate`` when given. Raises ``ValueError("could not decode reference audio:
-    ...")`` for anything undecodable or empty, and :class:`ReferenceAudioTooLong` (a
-    ``ValueError``) above ``max_seconds``. At most ``max_seconds`` of audio is ever decoded,
-    so a tiny file claiming hours of audio costs nothing.
-    """
-    if not data:
-        raise ValueError("could not decode reference audio: no data")
-    try:
-        with sf.SoundFile(io.BytesIO(bytes(data))) as f:
-            rate = int(f.samplerate)
-            limit = int(max_seconds * rate)
-            audio = f.read(frames=limit + 1, dtype="float32", always_2d=True)
-    except Exception as exc:  # untrusted input: any decoder failure means "bad audio"
-        raise ValueError(f"could not decode reference audio: {exc}") from None
-    if audio.shape[0] > limit:
-        raise ReferenceAudioTooLong(f"reference audio is longer than the {max_seconds:g} s limit")
-    if audio.shape[0] == 0 or rate <= 0:
-        raise ValueError("could not decode reference audio: it holds no audio frames")
-    mono = audio.mean(axis=1, dtype=np.float32) if audio.shape[1] > 1 else audio[:, 0]
-    mono = np.nan_to_num(mono, nan=0.0, posinf=1.0, neginf=-1.0)
-    if target_sample_rate is not None and target_sample_rate != rate:
-        mono = soxr.resample(mono, rate, target_sample_rate, quality="HQ").astype(np.float32)
-        rate = target_sample_rate
-    return np.ascontiguousarray(mono, dtype=np.float32), rate

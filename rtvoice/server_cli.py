@@ -13,7 +13,9 @@ from typing import Any
 
 from rtvoice.settings import (
     ENV_PREFIX,
+    GROUP_TITLES,
     Settings,
+    default_text,
     option_help,
     option_names,
     option_type,
@@ -23,14 +25,6 @@ from rtvoice.settings import (
 __all__ = ["add_serve_parser", "serve"]
 
 log = logging.getLogger("rtvoice.serve")
-
-_GROUP_TITLES = {
-    "network": "network",
-    "model": "model",
-    "engine": "engine (batching, chunking, turn budget)",
-    "limits": "limits (per server and per socket)",
-    "voices": "voice store",
-}
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -45,14 +39,14 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         f"({ENV_PREFIX}<FLAG>, e.g. {ENV_PREFIX}PORT=9000).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    defaults = Settings().as_dict()
     for group, names in option_names().items():
-        g = p.add_argument_group(_GROUP_TITLES.get(group, group))
+        g = p.add_argument_group(GROUP_TITLES.get(group, group))
         for name in names:
             base, _ = option_type(name)
             flag = "--" + name.replace("_", "-")
             env = f"{ENV_PREFIX}{name.upper()}"
-            help_ = f"{option_help(name)} [env {env}; default {defaults[group][name]!r}]"
+            help_ = f"{option_help(name)} [env {env}; default {default_text(name)}]"
+            help_ = help_.replace("%", "%%")  # argparse formats help strings
             if base is bool:
                 g.add_argument(
                     flag, dest=name, action=argparse.BooleanOptionalAction,

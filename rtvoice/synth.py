@@ -28,7 +28,7 @@ def synthesize(text: str, out: Path, *, model: str = "tiny", device: str = "cpu"
         if not reference_text:
             raise ValueError("--reference needs --reference-text (the transcript of the clip)")
         audio, sr = sf.read(str(reference), dtype="float32", always_2d=True)
-        refs.append(encode_reference(bundle, audio.mean(axis=1), sr, reference_text))
+        refs.append(encode_reference(bundle.codec, audio.mean(axis=1), sr, reference_text))
     engine = build_engine(bundle, EngineConfig(max_running=1, max_len=bundle.model.cfg.slow.max_seq_len
                                               if device != "cpu" else 4096))
     sink = CollectingSink()

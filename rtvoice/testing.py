@@ -70,11 +70,12 @@ def _shared_bundle(settings: Settings) -> Bundle | None:
     m = settings.model
     if not m.is_preset:
         return None  # a checkpoint: let the app load it (no point caching big weights here)
-    key = (m.model, m.device, m.dtype, m.seed, m.max_seq_len)
+    seed = settings.engine.seed
+    key = (m.model, m.device, m.dtype, seed, m.max_seq_len)
     with _bundles_lock:
         if key not in _bundles:
             _bundles[key] = load_bundle(
-                m.model, device=m.device, dtype=m.dtype, seed=m.seed, max_seq_len=m.max_seq_len
+                m.model, device=m.device, dtype=m.dtype, seed=seed, max_seq_len=m.max_seq_len
             )
         return _bundles[key]
 

@@ -201,14 +201,13 @@ class VoiceStore:
         codes: np.ndarray,
         meta: Mapping[str, Any] | None = None,
         *,
-        sample_rate: int = 44100,
-        duration_s: float | None = None,
+        sample_rate: int,
+        duration_s: float,
     ) -> Voice:
         """Store a voice and return it with its new id.
 
         ``codes``: integer array ``[num_codebooks, frames]`` with values in 0..32767.
-        ``sample_rate``/``duration_s`` describe the uploaded reference audio (``duration_s``
-        defaults to the codes' duration at the codec's 2048-sample frames). ``meta``: any
+        ``sample_rate``/``duration_s`` describe the uploaded reference audio. ``meta``: any
         JSON-serialisable extra data. Raises ``VoiceLimitError`` / ``ValueError``.
         """
         cfg = self.config
@@ -224,8 +223,8 @@ class VoiceStore:
         blob, dtype, frames = self._pack_codes(codes)
         if sample_rate <= 0:
             raise ValueError(f"sample_rate must be positive, got {sample_rate}")
-        if duration_s is None:
-            duration_s = frames * 2048 / 44100
+        if not duration_s >= 0:
+            raise ValueError(f"duration_s must be >= 0, got {duration_s}")
         meta_json = json.dumps(dict(meta or {}), ensure_ascii=False, allow_nan=False)
         created = time.time()
 

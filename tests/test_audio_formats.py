@@ -1,7 +1,9 @@
-"""Streaming output encoders and reference-audio decoding, checked by decoding with soundfile."""
+"""Streaming output encoders (rtvoice/audio_formats.py) and reference-audio decoding
+(engine/reference_audio.py), checked by decoding with soundfile."""
 
 from __future__ import annotations
 
+import functools
 import io
 import struct
 import warnings
@@ -12,17 +14,12 @@ import pytest
 import soundfile as sf
 import soxr
 
-from rtvoice.audio_formats import (
-    FORMATS,
-    MODEL_SAMPLE_RATE,
-    EncoderConfig,
-    ReferenceAudioTooLong,
-    decode_reference_audio,
-    make_encoder,
-    mulaw_encode,
-)
+from engine.errors import ReferenceAudioTooLong
+from engine.reference_audio import decode_reference_audio
+from rtvoice.audio_formats import FORMATS, EncoderConfig, make_encoder, mulaw_encode
 
-SR = MODEL_SAMPLE_RATE
+SR = 44100  # the S2 codec's rate: what the encoders get
+_make_encoder = functools.partial(make_encoder, input_sample_rate=SR)
 # A codec-like chunk pattern: small first chunk (2 frames of 2048), larger later ones.
 CHUNKS = [4096, 6144] + [12288] * 40
 
@@ -61,7 +58,7 @@ ALL = [(fmt, rate) for fmt, info in FORMATS.items() for rate in info.sample_rate
 @pytest.mark.parametrize(("fmt", "rate"), ALL, ids=[f"{f}-{r}" for f, r in ALL])
 def test_every_format_and_rate_decodes_with_right_rate_and_duration(fmt: str, rate: int) -> None:
     x = _signal(1.2)
-    enc = make_encoder(fmt, rate)
+    enc = _make_encoder(fmt, rate)
     assert (enc.format, enc.sample_rate, enc.channels) == (fmt, rate, 1)
     assert enc.content_type
     data = b"".join(_stream(enc, x))
@@ -79,7 +76,7 @@ def test_every_format_and_rate_decodes_with_right_rate_and_duration(fmt: str, ra
 @pytest.mark.parametrize("rate", FORMATS["pcm"].sample_rates)
 def test_streamed_resampling_equals_one_shot(rate: int) -> None:
     x = _signal(1.0, seed=1)
-    enc = make_encoder("pcm", rate)
+    enc = _make_encoder("pcm", rate)
     # Irregular chunk sizes, including tiny and empty ones, must not change a single sample.
     chunks = [1, 0, 4096, 333, 2048, 7, 8192] + [10_000] * 10
     streamed = np.frombuffer(b"".join(_stream(enc, x, chunks)), "<i2")
@@ -92,7 +89,7 @@ def test_streamed_resampling_equals_one_shot(rate: int) -> None:
 
 def test_pcm_44k_is_exact_passthrough() -> None:
     x = np.array([0.0, 0.5, -0.5, 1.0, -1.0, 2.0, -2.0, np.nan], dtype=np.float32)
-    enc = make_encoder("pcm")
+    enc = _make_encoder("pcm")
     data = enc.encode(x) + enc.finish()
     assert np.frombuffer(data, "<i2").tolist() == [
         0,
@@ -107,7 +104,7 @@ def test_pcm_44k_is_exact_passthrough() -> None:
 
 
 def test_wav_stream_header() -> None:
-    enc = make_encoder("wav", 16000)
+    enc = _make_encoder("wav", 16000)
     first = enc.encode(np.zeros(10, np.float32))  # header goes out with the first call
     assert first[:4] == b"RIFF" and first[8:16] == b"WAVEfmt " and first[36:40] == b"data"
     # Unknown-length convention: RIFF and data sizes are 0xFFFFFFFF.
@@ -123,7 +120,7 @@ def test_wav_stream_header() -> None:
 
 
 def test_wav_without_audio_is_header_only() -> None:
-    enc = make_encoder("wav")
+    enc = _make_encoder("wav")
     data = enc.finish()
     assert len(data) == 44
     y, rate = sf.read(io.BytesIO(data))
@@ -160,7 +157,7 @@ def test_mulaw_matches_g711_reference() -> None:
 
 def test_mulaw_decodes_back_to_the_signal() -> None:
     x = _signal(0.5)
-    enc = make_encoder("mulaw")
+    enc = _make_encoder("mulaw")
     assert enc.content_type == "audio/basic"
     y, _ = _decode("mulaw", b"".join(_stream(enc, x)), 8000)
     ref = soxr.resample(x, SR, 8000, quality="HQ")
@@ -172,7 +169,7 @@ def test_mp3_stream_starts_with_audio_and_bitrate_is_honoured() -> None:
     x = _signal(1.0)
     sizes = {}
     for kbps in (64, 128, 192):
-        enc = make_encoder("mp3", mp3_bitrate=kbps)
+        enc = _make_encoder("mp3", mp3_bitrate=kbps)
         data = b"".join(_stream(enc, x))
         # No LAME Info-tag placeholder (a header followed by zeros) at the start.
         assert data[:2] == b"\xff\xfb" and any(data[4:40])
@@ -184,7 +181,7 @@ def test_mp3_stream_starts_with_audio_and_bitrate_is_honoured() -> None:
 
 def test_opus_bitrate_and_streaming_latency() -> None:
     x = _signal(2.0)
-    enc = make_encoder("opus", opus_bitrate=24)
+    enc = _make_encoder("opus", opus_bitrate=24)
     parts = _stream(enc, x)
     # Pages are flushed per packet: audio flows with every chunk, not once a second.
     assert all(len(part) > 0 for part in parts[1:-1])
@@ -194,7 +191,7 @@ def test_opus_bitrate_and_streaming_latency() -> None:
 
 def test_cancelled_turn_can_close_without_finish() -> None:
     for fmt in FORMATS:
-        enc = make_encoder(fmt)
+        enc = _make_encoder(fmt)
         enc.encode(_signal(0.2))
         enc.close()
         enc.close()  # idempotent
@@ -203,7 +200,7 @@ def test_cancelled_turn_can_close_without_finish() -> None:
 
 
 def test_finish_twice_and_bad_input() -> None:
-    enc = make_encoder("pcm")
+    enc = _make_encoder("pcm")
     with pytest.raises(ValueError, match="mono"):
         enc.encode(np.zeros((4, 2), np.float32))
     with pytest.raises(ValueError, match="float"):
@@ -227,17 +224,19 @@ def test_finish_twice_and_bad_input() -> None:
 )
 def test_unsupported_combinations_are_rejected_clearly(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match) as info:
-        make_encoder(**kwargs)
+        _make_encoder(**kwargs)
     if "bitrate" not in match:  # format/rate errors list every supported combination
         assert "pcm: 8000, 16000, 22050, 24000, 44100, 48000" in str(info.value)
 
 
 def test_defaults() -> None:
-    assert EncoderConfig("opus").sample_rate == 48000
-    assert EncoderConfig("mulaw").sample_rate == 8000
-    assert EncoderConfig("pcm").sample_rate == 44100
+    assert EncoderConfig("opus", input_sample_rate=SR).sample_rate == 48000
+    assert EncoderConfig("mulaw", input_sample_rate=SR).sample_rate == 8000
+    assert EncoderConfig("pcm", input_sample_rate=SR).sample_rate == 44100
+    # pcm, wav and mp3 default to the codec's own rate: no resampling
+    assert EncoderConfig("wav", input_sample_rate=24000).sample_rate == 24000
     assert (
-        make_encoder("pcm", 24000).content_type == "audio/pcm;encoding=s16le;channels=1;rate=24000"
+        _make_encoder("pcm", 24000).content_type == "audio/pcm;encoding=s16le;channels=1;rate=24000"
     )
 
 

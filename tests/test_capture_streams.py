@@ -29,13 +29,17 @@ def test_every_engine_graph_capture_names_its_stream():
                 f"{path.relative_to(ROOT)}:{call.lineno}: torch.cuda.graph(...) without stream="
     assert found >= 1
     # decode, prefill and codec graphs all go through that one routine
-    for family in ("engine/engine.py", "engine/prefill_graphs.py", "engine/codec/streaming.py"):
+    for family in ("engine/runner.py", "engine/prefill_graphs.py", "engine/codec/streaming.py"):
         assert "capture_graphs(" in (ROOT / family).read_text(encoding="utf-8"), family
 
 
 def test_engine_passes_each_family_its_replay_stream():
+    """Each worker gets its own stream from the engine and captures its graphs on it."""
     src = (ROOT / "engine" / "engine.py").read_text(encoding="utf-8")
-    for call in ("self._capture_graphs(self.decode_stream)",
-                 "self.prefill_graphs.capture(self.prefill_stream)",
-                 "self.decoder.capture(self.codec_stream)"):
-        assert call in src, f"engine/engine.py should call {call}"
+    for role in ("decode", "prefill", "codec"):
+        assert f'self._stream("{role}")' in src, f"engine/engine.py should make a {role} stream"
+    for path, call in (("decode_worker.py", "self.runner.capture_steps(self.stream,"),
+                       ("prefill_worker.py", "self.graphs.capture(self.stream)"),
+                       ("codec_worker.py", "self.decoder.capture(self.stream)")):
+        src = (ROOT / "engine" / path).read_text(encoding="utf-8")
+        assert call in src, f"engine/{path} should call {call}"

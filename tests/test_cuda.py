@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.engine import CollectingSink, EngineConfig, build_engine
+from engine.config import EngineConfig
+from engine.engine import CollectingSink, build_engine
 from engine.loader import load_bundle
+from engine.ops import build_ops
 from engine.sampler import SamplingParams
 
 pytestmark = [pytest.mark.cuda,
@@ -70,8 +72,11 @@ def test_graphs_match_eager(gpu_bundle):
     graphed, eng = _run(gpu_bundle, EngineConfig(max_running=8, max_len=512, cuda_graphs=True,
                                                  pingpong=False), TEXTS)
     # every batch bucket captured (one span when the attention kernel reads exactly 0..pos)
-    assert eng.graphs and {b for b, _ in eng.graphs} == set(eng._batches)
-    assert len(eng.prefill_graphs) and eng.decoder.graphs  # prefill chunks and codec ticks too
+    graphs = eng.runner.step_graphs
+    assert graphs and {b for b, _ in graphs} == set(eng.decode_worker.batches)
+    assert len(eng.decode_worker.spans) == 1  # csrc's attention: one span serves every step
+    # prefill chunks and codec ticks too
+    assert len(eng.prefill_worker.graphs) and eng.codec_worker.decoder.graphs
     for a, b in zip(eager, graphed):
         assert torch.equal(a, b)
 
@@ -86,29 +91,27 @@ def test_pingpong_matches_sync(gpu_bundle):
 def test_codec_graphs_match_eager_streaming():
     """Bucketed codec passes replayed as CUDA graphs give the eager streaming decoder's audio,
     for streams joining at different times with uneven chunks (one over the largest bucket)."""
-    from engine import fusion
     from engine.codec import CodecConfig, dummy_codec
+    from engine.codec.layers import CodecOps
 
     torch.backends.cudnn.allow_tf32 = False  # compare float32 with float32
     codec = dummy_codec(CodecConfig.preset("tiny"), device="cuda", dtype=torch.float32)
+    kernels = build_ops("cuda").codec  # csrc's Snake (EngineConfig.codec_kernels)
+    assert kernels.fold_bias, "the CUDA extension did not build"
     # graph_streams=2: from tick 2 on, three streams decode as two groups, one graph
     # replayed twice in a call (the first group's audio copied out before the second's run)
-    for kern, groups in ((False, None), (True, None), (True, 2)):
-        try:  # the torch Snake, then csrc's (EngineConfig.codec_kernels)
-            assert fusion.codec_kernels(kern) is kern
-            _graphed_vs_eager(codec, groups)
-        finally:
-            fusion.codec_kernels(False)
+    for ops, groups in ((CodecOps(), None), (kernels, None), (kernels, 2)):
+        _graphed_vs_eager(codec, ops, groups)
 
 
-def _graphed_vs_eager(codec, graph_streams: int | None = None) -> None:  # type: ignore[no-untyped-def]
+def _graphed_vs_eager(codec, ops, graph_streams: int | None = None) -> None:  # type: ignore[no-untyped-def]
     import numpy as np
 
     from engine.codec import StreamingDecoder
 
-    plain = StreamingDecoder(codec, max_streams=4)
+    plain = StreamingDecoder(codec, max_streams=4, ops=ops)
     graphed = StreamingDecoder(codec, max_streams=4, buckets=True, max_frames=64,
-                               graph_streams=graph_streams)
+                               graph_streams=graph_streams, ops=ops)
     graphed.capture()
     assert graphed.graphs == len(graphed.stream_buckets) * len(graphed.FRAME_BUCKETS)
     g = torch.Generator().manual_seed(5)
@@ -140,29 +143,22 @@ def _graphed_vs_eager(codec, graph_streams: int | None = None) -> None:  # type:
 def test_codec_kernels_match_torch_ops():
     """The graphed streaming codec with csrc's Snake (written into each conv's input) gives
     the offline torch codec's audio (float32), at the tiny and the S2-Pro channel widths."""
-    from engine import fusion
     from engine.codec import CodecConfig, StreamingDecoder, dummy_codec
 
     torch.backends.cudnn.allow_tf32 = False
+    ops = build_ops("cuda").codec
+    assert ops.fold_bias, "the CUDA extension did not build"  # conv biases folded in too
     for preset, frames in (("tiny", 24), ("s2-pro", 6)):
         codec = dummy_codec(CodecConfig.preset(preset), device="cuda", dtype=torch.float32)
         codes = torch.randint(0, 1024, (1, 10, frames), generator=torch.Generator().manual_seed(1))
-        try:
-            assert not fusion.codec_kernels(False)
-            with torch.inference_mode():
-                want = codec.decode(codes.cuda())[0, 0].cpu()
-            assert fusion.codec_kernels(True), "the CUDA extension did not build"
-            from engine.codec import layers
-
-            assert layers.CODEC_OPS.fold_bias  # the residual units' conv biases folded in
-            dec = StreamingDecoder(codec, max_streams=2, buckets=True, max_frames=64)
-            dec.capture()
-            sid = dec.open()
-            with torch.inference_mode():
-                got = torch.cat([dec.decode({sid: codes[0, :, a:b]})[sid].cpu()
-                                 for a, b in ((0, 1), (1, 4), (4, frames))])
-        finally:
-            fusion.codec_kernels(False)
+        with torch.inference_mode():
+            want = codec.decode(codes.cuda())[0, 0].cpu()  # offline: the torch ops
+        dec = StreamingDecoder(codec, max_streams=2, buckets=True, max_frames=64, ops=ops)
+        dec.capture()
+        sid = dec.open()
+        with torch.inference_mode():
+            got = torch.cat([dec.decode({sid: codes[0, :, a:b]})[sid].cpu()
+                             for a, b in ((0, 1), (1, 4), (4, frames))])
         assert got.shape == want.shape
         diff = float((got - want).abs().max())
         assert diff <= 1e-4, f"{preset}: kernels+graphs vs torch offline max abs diff {diff:.3g}"
@@ -179,8 +175,8 @@ def test_engine_audio_same_with_codec_graphs(codec_kernels):
         eng = build_engine(bundle, EngineConfig(max_running=4, max_len=512,
                                                    codec_graphs=codec_graphs,
                                                    codec_kernels=codec_kernels))
-        assert (eng.decoder.graphs > 0) == codec_graphs
-        assert eng.codec_kernels is codec_kernels, "the CUDA extension did not build"
+        assert (eng.codec_worker.decoder.graphs > 0) == codec_graphs
+        assert eng.ops.codec.fold_bias is codec_kernels, "the CUDA extension did not build"
         sinks = [CollectingSink() for _ in TEXTS[:3]]
         seqs = [eng.open([], SamplingParams.greedy(), s) for s in sinks]
         eng.start()
@@ -191,15 +187,11 @@ def test_engine_audio_same_with_codec_graphs(codec_kernels):
         eng.shutdown()
         return [(s.results[-1].codes, np.concatenate(s.audio)) for s in sinks]
 
-    # Each engine's streamed audio against the offline decode of the codes it generated (the
-    # two runs' codes may differ: in pingpong mode rows join the batch when their prefill
-    # lands, and a float32 near-tie in a greedy draw can go either way between batch sizes).
-    from engine import fusion
-
-    try:
-        results = (("eager", audio(False)), ("graphed", audio(True)))
-    finally:
-        fusion.codec_kernels(False)  # the reference below: the torch ops, whatever was tested
+    # Each engine's streamed audio against the offline decode (the torch ops) of the codes it
+    # generated (the two runs' codes may differ: in pingpong mode rows join the batch when
+    # their prefill lands, and a float32 near-tie in a greedy draw can go either way between
+    # batch sizes).
+    results = (("eager", audio(False)), ("graphed", audio(True)))
     for name, runs in results:
         for i, (codes, got) in enumerate(runs):
             with torch.inference_mode():
@@ -212,13 +204,13 @@ def test_engine_audio_same_with_codec_graphs(codec_kernels):
 def test_sampler_kernel_engine_matches(gpu_bundle):
     """EngineConfig(sampler_kernel=True, the default) puts csrc's sample_topk inside the
     captured step; greedy frames equal the compiled torch draw's."""
-    from engine import kernels, sampler
+    from engine.kernels import sampling
 
-    base, _ = _run(gpu_bundle, EngineConfig(max_running=8, max_len=512, pingpong=False,
+    base, eng = _run(gpu_bundle, EngineConfig(max_running=8, max_len=512, pingpong=False,
                                               sampler_kernel=False), TEXTS)
-    assert sampler.SAMPLER_OPS.sample is not kernels.sample_topk
-    got, _ = _run(gpu_bundle, EngineConfig(max_running=8, max_len=512, pingpong=False), TEXTS)
-    assert sampler.SAMPLER_OPS.sample is kernels.sample_topk
+    assert eng.ops.sample is not sampling.sample_topk
+    got, eng = _run(gpu_bundle, EngineConfig(max_running=8, max_len=512, pingpong=False), TEXTS)
+    assert eng.ops.sample is sampling.sample_topk
     for a, b in zip(base, got):
         assert torch.equal(a, b)
 
@@ -226,16 +218,11 @@ def test_sampler_kernel_engine_matches(gpu_bundle):
 def test_split_kv_engine_matches(gpu_bundle):
     """EngineConfig(split_kv=True): the captured step's decode attention splits positions
     over more blocks at this small batch; greedy frames equal the one-block kernel's."""
-    from engine import kernels
-
-    base, _ = _run(gpu_bundle, EngineConfig(max_running=8, max_len=512, pingpong=False), TEXTS)
-    assert kernels._state["splits"] == 1
-    try:
-        got, eng = _run(gpu_bundle, EngineConfig(max_running=8, max_len=512, pingpong=False,
-                                                 split_kv=True), TEXTS)
-        assert eng.split_kv and kernels._state["splits"] == 0
-    finally:
-        kernels._state["splits"] = 1
+    base, eng = _run(gpu_bundle, EngineConfig(max_running=8, max_len=512, pingpong=False), TEXTS)
+    assert eng.ops.decode_attention.keywords["splits"] == 1
+    got, eng = _run(gpu_bundle, EngineConfig(max_running=8, max_len=512, pingpong=False,
+                                             split_kv=True), TEXTS)
+    assert eng.ops.decode_attention.keywords["splits"] == 0
     for a, b in zip(base, got):
         assert torch.equal(a, b)
 
@@ -250,27 +237,28 @@ def test_steady_state_decode_has_no_host_sync(gpu_bundle):
         eng.submit(seq, "Steady state.", turn_id="s", max_frames=200)
     for _ in range(40):  # prefill and join everything first
         eng.step()
-        if len(eng._owner) == 5:
+        if len(eng.scheduler.running) == 5:
             break
-    assert len(eng._owner) == 5
+    assert len(eng.scheduler.running) == 5
     eng.measure_gaps = False
     prev = None
     for _ in range(30):
         torch.cuda.set_sync_debug_mode("error")
         try:
-            pend = eng._launch()
+            pend = eng._launch(pause=False)
         finally:
             torch.cuda.set_sync_debug_mode(0)
         if prev is not None:
-            eng._process(prev)
+            eng._read(prev)
         prev = pend
-    eng._process(prev)
+    eng._read(prev)
     assert all(len(s.turn.frames) >= 25 for s in seqs if s.turn is not None)
 
 
 def test_fused_ops_match_reference():
-    from engine import fusion, model
+    from engine import functional as model
 
+    o = build_ops("cuda", fused="compile")
     g = torch.Generator(device="cuda").manual_seed(0)
     for dt, tol in ((torch.float32, 2e-6), (torch.bfloat16, 2e-2)):
         x = torch.randn(3, 5, 256, device="cuda", generator=g).to(dt)
@@ -283,14 +271,9 @@ def test_fused_ops_match_reference():
         ref = [model.rms_norm(x, w, 1e-6), *model.add_rms_norm(x, y, w, 1e-6),
                *model.norm_rope_qk(q, k, hw, hw, cs, 1e-6), *model.norm_rope_qk(q, k, None, None, cs, 1e-6),
                model.silu_mul(x, y)]
-        fusion.enable("compile")
-        try:
-            o = model.OPS
-            got = [o.rms_norm(x, w, 1e-6), *o.add_rms_norm(x, y, w, 1e-6),
-                   *o.norm_rope_qk(q, k, hw, hw, cs, 1e-6), *o.norm_rope_qk(q, k, None, None, cs, 1e-6),
-                   o.silu_mul(x, y)]
-        finally:
-            fusion.disable()
+        got = [o.rms_norm(x, w, 1e-6), *o.add_rms_norm(x, y, w, 1e-6),
+               *o.norm_rope_qk(q, k, hw, hw, cs, 1e-6), *o.norm_rope_qk(q, k, None, None, cs, 1e-6),
+               o.silu_mul(x, y)]
         for a, b in zip(ref, got):
             assert a.dtype == b.dtype and a.shape == b.shape
             assert (a.float() - b.float()).abs().max() <= tol
@@ -299,7 +282,8 @@ def test_fused_ops_match_reference():
 def test_fused_sampler_and_packed_ffn_match_reference():
     """The compiled draw equals the eager one (greedy always; sampled rows but for rare
     top-p boundary ties of float rounding), and the packed W1|W3 GEMM equals two GEMMs."""
-    from engine import fusion, model, sampler
+    from engine import sampler
+    from engine.ops import REFERENCE
 
     g = torch.Generator(device="cuda").manual_seed(1)
     B, V = 64, 4097
@@ -313,14 +297,11 @@ def test_fused_sampler_and_packed_ffn_match_reference():
     want = sampler.sample(logits, temp, top_p, top_k, seed, step, sampler.STREAM_MAIN)
     x = torch.randn(5, 2560, device="cuda", generator=g, dtype=torch.bfloat16)
     w13 = torch.randn(2 * 512, 2560, device="cuda", generator=g, dtype=torch.bfloat16) / 50
-    ref_ffn = model.swiglu(x, w13[:512], w13[512:])
-    fusion.enable("compile")
-    try:
-        got = sampler.SAMPLER_OPS.sample(logits, temp, top_p, top_k, seed, step,
-                                         sampler.STREAM_MAIN)
-        got_ffn = model.OPS.swiglu(x, w13[:512], w13[512:])
-    finally:
-        fusion.disable()
+    ref_ffn = REFERENCE.swiglu(x, w13[:512], w13[512:])
+    ops = build_ops("cuda", fused="compile", sampler_kernel=False)
+    assert ops.packed_ffn and ops.sample.__name__ == "compiled_sample"
+    got = ops.sample(logits, temp, top_p, top_k, seed, step, sampler.STREAM_MAIN)
+    got_ffn = ops.swiglu(x, w13[:512], w13[512:])
     assert torch.equal(got[:8], want[:8])
     assert (got == want).float().mean() >= 0.95
     assert (got_ffn.float() - ref_ffn.float()).abs().max() <= 3e-2
@@ -332,17 +313,14 @@ def test_reference_fixtures_with_fused_ops_on_gpu():
     import os
     from pathlib import Path
 
-    from engine import fusion, verify_reference
+    from engine import verify_reference
 
     root = Path(os.environ.get("RTVOICE_FIXTURES", ".fixtures/fish_s2_tiny"))
     if not (root / "config.json").is_file():
         pytest.skip("no fixture set")
     torch.backends.cuda.matmul.allow_tf32 = False
-    fusion.enable("compile")
-    try:
-        checks = list(verify_reference.model_checks(root, device="cuda"))
-    finally:
-        fusion.disable()
+    ops = build_ops("cuda", fused="compile")
+    checks = list(verify_reference.model_checks(root, device="cuda", ops=ops))
     assert checks and all(ok for _, ok, _ in checks), [c for c in checks if not c[1]]
 
 
@@ -401,37 +379,66 @@ def test_graph_families_captured_on_their_replay_streams(gpu_bundle, monkeypatch
     monkeypatch.setattr(torch.cuda.graph, "__init__", spy)
     eng = build_engine(gpu_bundle, EngineConfig(max_running=4, max_len=512,
                                                 high_priority_streams=("decode", "prefill")))
-    streams = {eng.decode_stream, eng.prefill_stream, eng.codec_stream}
-    assert len(streams) == 3 and seen and None not in seen
-    assert set(seen) == streams
+    decode, prefill, codec = (eng.decode_worker.stream, eng.prefill_worker.stream,
+                              eng.codec_worker.stream)
+    assert len({decode, prefill, codec}) == 3 and seen and None not in seen
+    assert set(seen) == {decode, prefill, codec}
     # the configured priorities (lower is higher)
-    assert eng.decode_stream.priority == eng.prefill_stream.priority < eng.codec_stream.priority
+    assert decode.priority == prefill.priority < codec.priority
     eq = build_engine(gpu_bundle, EngineConfig(max_running=2, max_len=512, cuda_graphs=False,
                                                codec_graphs=False, prefill_graphs=False))
-    assert eq.decode_stream.priority == eq.prefill_stream.priority == eq.codec_stream.priority
+    w = (eq.decode_worker, eq.prefill_worker, eq.codec_worker)
+    assert w[0].stream.priority == w[1].stream.priority == w[2].stream.priority
 
 
-def test_codec_bias_folding_bf16_matches_unfolded(monkeypatch):
+def test_codec_bias_folding_bf16_matches_unfolded():
     """bf16, csrc's Snake on: the streaming decoder with the residual units' conv biases folded
     into the pointwise kernels gives the unfolded audio (same roundings: cuDNN returns the
     conv without its bias and torch adds it as a separate bf16 op, as the kernels do)."""
-    from engine import fusion
-    from engine.codec import CodecConfig, StreamingDecoder, dummy_codec, layers
+    import dataclasses
+
+    from engine.codec import CodecConfig, StreamingDecoder, dummy_codec
 
     codec = dummy_codec(CodecConfig.preset("s2-pro"), device="cuda", dtype=torch.bfloat16)
     codes = torch.randint(0, 1024, (10, 12), generator=torch.Generator().manual_seed(3))
+    kernels = build_ops("cuda").codec
+    assert kernels.fold_bias, "the CUDA extension did not build"
     out = {}
-    try:
-        assert fusion.codec_kernels(True), "the CUDA extension did not build"
-        for fold in (False, True):
-            monkeypatch.setattr(layers.CODEC_OPS, "fold_bias", fold)
-            dec = StreamingDecoder(codec, max_streams=2)
-            sid = dec.open()
-            with torch.inference_mode():
-                out[fold] = torch.cat([dec.decode({sid: codes[:, a:b]})[sid].cpu()
-                                       for a, b in ((0, 2), (2, 6), (6, 12))])
-    finally:
-        monkeypatch.undo()
-        fusion.codec_kernels(False)
+    for fold in (False, True):
+        dec = StreamingDecoder(codec, max_streams=2,
+                               ops=dataclasses.replace(kernels, fold_bias=fold))
+        sid = dec.open()
+        with torch.inference_mode():
+            out[fold] = torch.cat([dec.decode({sid: codes[:, a:b]})[sid].cpu()
+                                   for a, b in ((0, 2), (2, 6), (6, 12))])
     diff = float((out[True] - out[False]).abs().max())
     assert diff <= 1e-2, f"folded vs unfolded bf16 audio max abs diff {diff:.3g}"
+
+
+def test_two_engines_with_different_ops_in_one_process(gpu_bundle):
+    """Ops are the engine's, not the process's: an engine with every speed-up (compiled ops,
+    csrc's attention, sampler and codec kernels, graphs) and one with the reference math
+    and no graphs, built and run side by side over one model, each give the greedy frames
+    of a fresh engine of their own kind."""
+    fast_cfg = EngineConfig(max_running=4, max_len=512, pingpong=False)
+    ref_cfg = EngineConfig(max_running=4, max_len=512, pingpong=False, fused_ops="reference",
+                           cuda_kernels=False, cuda_graphs=False, prefill_graphs=False,
+                           codec_graphs=False)
+    alone_fast, _ = _run(gpu_bundle, fast_cfg, TEXTS[:4])
+    alone_ref, _ = _run(gpu_bundle, ref_cfg, TEXTS[:4])
+    fast, ref = build_engine(gpu_bundle, fast_cfg), build_engine(gpu_bundle, ref_cfg)
+    assert fast.ops.fused == "compile" and fast.ops.decode_attention is not None
+    assert ref.ops.fused == "reference" and ref.ops.decode_attention is None
+    assert not ref.ops.codec.fold_bias and fast.ops.codec.fold_bias
+    sinks = {eng: [CollectingSink() for _ in TEXTS[:4]] for eng in (fast, ref)}
+    for eng, ss in sinks.items():
+        seqs = [eng.open([], SamplingParams.greedy(), s) for s in ss]
+        for seq, t in zip(seqs, TEXTS):
+            eng.submit(seq, t, turn_id="a", max_frames=12)
+    for _ in range(400):  # interleaved: one step of each at a time
+        busy = [eng.step() for eng in (fast, ref)]
+        if not any(busy):
+            break
+    got = {eng: [s.results[-1].codes for s in ss] for eng, ss in sinks.items()}
+    for a, b, c, d in zip(got[fast], alone_fast, got[ref], alone_ref):
+        assert torch.equal(a, b) and torch.equal(c, d)

@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine.engine import CollectingSink, EngineConfig, EngineOverloaded, build_engine
+from engine.config import EngineConfig
+from engine.engine import CollectingSink, build_engine
+from engine.errors import EngineOverloaded, TurnError
 from engine.request import FinishReason
 from engine.sampler import SamplingParams
 
@@ -234,7 +236,7 @@ def test_prefill_joins_when_it_lands_and_running_turns_go_on(tiny_bundle, monkey
         while not a_sink.audio and time.perf_counter() < deadline:
             time.sleep(0.01)
         assert a_sink.audio, "the running turn produced no audio"
-        real = eng._prefill_on_stream
+        real = eng.prefill_worker.round
 
         def held(jobs):
             done = real(jobs)
@@ -242,11 +244,11 @@ def test_prefill_joins_when_it_lands_and_running_turns_go_on(tiny_bundle, monkey
                 j.event = j.event if j.event is not None else Landing()
             return done
 
-        monkeypatch.setattr(eng, "_prefill_on_stream", held)
+        monkeypatch.setattr(eng.prefill_worker, "round", held)
         b = eng.open([], SamplingParams(seed=2), b_sink)
-        while not eng._prefill_landing and time.perf_counter() < deadline:
+        while not eng._landing and time.perf_counter() < deadline:
             time.sleep(0.005)
-        assert eng._prefill_landing, "b's voice prompt never reached the decode thread"
+        assert eng._landing, "b's voice prompt never reached the decode thread"
         seen = time.perf_counter()  # b's job landed before this
         chunks = len(a_sink.audio)
         while len(a_sink.audio) <= chunks + 1 and time.perf_counter() < deadline:
@@ -259,14 +261,14 @@ def test_prefill_joins_when_it_lands_and_running_turns_go_on(tiny_bundle, monkey
         c_sink = CollectingSink()
         c = eng.open([], SamplingParams(seed=3), c_sink)  # waits for a slot (2 in use)
         eng.close(b)
-        while len(eng._prefill_landing) < 2 and time.perf_counter() < deadline:
+        while len(eng._landing) < 2 and time.perf_counter() < deadline:
             time.sleep(0.005)
-        assert len(eng._prefill_landing) == 2  # b's and c's voice prompts
+        assert len(eng._landing) == 2  # b's and c's voice prompts
         eng.close(c)
         gate.set()
-        while eng._prefill_landing and time.perf_counter() < deadline:
+        while eng._landing and time.perf_counter() < deadline:
             time.sleep(0.005)
-        assert not eng._prefill_landing
+        assert not eng._landing
         assert not b_sink.ready.is_set() and not c_sink.ready.is_set()
         assert not b_sink.errors and not c_sink.errors
         eng.cancel(a)
@@ -290,7 +292,7 @@ def test_a_failed_join_fails_only_its_sequence(tiny_bundle, monkeypatch):
         def query(self) -> bool:
             return gate.is_set()
 
-    real_round, real_done = eng._prefill_on_stream, eng._prefill_done
+    real_round, real_land = eng.prefill_worker.round, eng.scheduler._land
 
     def held(jobs):
         done = real_round(jobs)
@@ -304,18 +306,18 @@ def test_a_failed_join_fails_only_its_sequence(tiny_bundle, monkeypatch):
     def flaky(job):
         if job.seq is seqs[1]:
             raise RuntimeError("boom")
-        real_done(job)
+        real_land(job)
 
-    monkeypatch.setattr(eng, "_prefill_on_stream", held)
-    monkeypatch.setattr(eng, "_prefill_done", flaky)
+    monkeypatch.setattr(eng.prefill_worker, "round", held)
+    monkeypatch.setattr(eng.scheduler, "_land", flaky)
     eng.start()
     try:
         import time
 
         deadline = time.perf_counter() + 30
-        while len(eng._prefill_landing) < 3 and time.perf_counter() < deadline:
+        while len(eng._landing) < 3 and time.perf_counter() < deadline:
             time.sleep(0.005)
-        assert len(eng._prefill_landing) == 3
+        assert len(eng._landing) == 3
         gate.set()  # all three complete in one pass
         assert sinks[0].ready.wait(10) and sinks[2].ready.wait(10)
         assert sinks[1].ready.wait(10) and "joining after prefill failed: boom" in sinks[1].errors[0]
@@ -396,33 +398,35 @@ def test_codec_failure_ends_the_turn_with_an_internal_error(tiny_bundle):
     eng = build_engine(tiny_bundle, EngineConfig(max_running=2, max_len=512))
     sink = CollectingSink()
     seq = eng.open([], SamplingParams(seed=1), sink)
-    orig = eng.decoder.decode
+    decoder = eng.codec_worker.decoder
+    orig = decoder.decode
     calls = {"n": 0}
 
     def broken(chunks):
         calls["n"] += 1
         raise RuntimeError("codec exploded")
 
-    eng.decoder.decode = broken
+    decoder.decode = broken
     eng.submit(seq, "This turn loses its audio.", turn_id="bad", max_frames=100)
     eng.run_until_idle()
     res = sink.results[-1]
     assert res.turn_id == "bad" and res.reason is FinishReason.ERROR
-    assert res.error_code == "internal" and "codec exploded" in res.error
-    assert eng.runner.active.sum() == 0 and not eng._owner  # taken off the device batch
-    eng.decoder.decode = orig
+    assert res.error_code is TurnError.INTERNAL and "codec exploded" in res.error
+    assert eng.runner.active.sum() == 0 and not eng.scheduler.running  # off the device batch
+    assert decoder.n_open == 0  # its codec stream closed
+    decoder.decode = orig
     eng.submit(seq, "The next turn works.", turn_id="good", max_frames=5)
     eng.run_until_idle()
     assert sink.results[-1].turn_id == "good" and sink.results[-1].frames == 5
 
 
 def test_turn_too_long_is_the_clients_fault(tiny_bundle):
-    eng = build_engine(tiny_bundle, EngineConfig(max_running=1, max_len=128))
+    eng = build_engine(tiny_bundle, EngineConfig(max_running=1, max_len=160))
     sink = CollectingSink()
     seq = eng.open([], SamplingParams(), sink)
     eng.submit(seq, "x" * 500, turn_id="long", max_frames=5)
     eng.run_until_idle()
-    assert sink.results[-1].error_code == "too_large"
+    assert sink.results[-1].error_code is TurnError.TOO_LARGE
 
 
 def test_kv_cache_is_sized_from_free_memory():
@@ -430,7 +434,8 @@ def test_kv_cache_is_sized_from_free_memory():
     even one slot fits the engine refuses to build with the numbers and what to change."""
     from engine.cache import SlowKVCache
     from engine.config import preset
-    from engine.engine import EngineOutOfMemory, fit_kv_slots
+    from engine.engine import fit_kv_slots
+    from engine.errors import EngineOutOfMemory
 
     cfg = preset("s2-pro").slow
     slot = SlowKVCache.slot_bytes(cfg, 2048, torch.bfloat16)
@@ -473,10 +478,10 @@ def test_prefill_graph_plan_matches_eager(tiny_bundle):
                                                      prefill_chunk=32))
         if graphs:
             r = eng.runner
-            for key in eng.prefill_graphs.keys():
+            for key in eng.prefill_worker.graphs.keys():
                 N, T, span = key
                 inp = r.prefill_inputs(T, N)
-                eng.prefill_graphs.graphs[key] = (_EagerGraph(r, inp, span), inp)
+                eng.prefill_worker.graphs.graphs[key] = (_EagerGraph(r, inp, span), inp)
         sinks = [CollectingSink() for _ in texts]
         seqs = [eng.open([], SamplingParams.greedy(), s) for s in sinks]
         eng.run_until_idle()
@@ -489,7 +494,7 @@ def test_prefill_graph_plan_matches_eager(tiny_bundle):
     _EagerGraph.replays.clear()
     got, eng = run(True)
     assert _EagerGraph.replays.get(4, 0) >= 2  # voice prompts and turns, four at a time
-    plan, eager = eng.prefill_graphs.plan([(0, torch.zeros(11, 5, dtype=torch.long), 40),
+    plan, eager = eng.prefill_worker.graphs.plan([(0, torch.zeros(11, 5, dtype=torch.long), 40),
                                      (1, torch.zeros(11, 20, dtype=torch.long), 30),
                                      (2, torch.zeros(11, 30, dtype=torch.long), 0)])
     # three short chunks, one replay at the widest one's bucket (30 -> 32 columns), keys
@@ -498,17 +503,17 @@ def test_prefill_graph_plan_matches_eager(tiny_bundle):
     # more chunks than a replay takes: grouped by start, each group over its own span
     many = [(i, torch.zeros(11, 5, dtype=torch.long), 300 if i % 3 == 0 else 10)
             for i in range(24)]  # 16 early, 8 later in their contexts, interleaved
-    plan, eager = eng.prefill_graphs.plan(many)
+    plan, eager = eng.prefill_worker.graphs.plan(many)
     assert not eager and sorted(k for k, _ in plan) == [(8, 8, 512), (16, 8, 256)]
     for (N, T, span), chunks in plan:
         assert len(chunks) <= N and all(start + T <= span for _, _, start in chunks)
-    plan, _ = eng.prefill_graphs.plan([(0, torch.zeros(11, 5, dtype=torch.long), 40)])
+    plan, _ = eng.prefill_worker.graphs.plan([(0, torch.zeros(11, 5, dtype=torch.long), 40)])
     assert [k for k, _ in plan] == [(1, 8, 256)]  # alone: the single graph, smallest span
     # a short chunk near the end of the context never joins a group padded to 64 columns
     # (it would write past the cache): it gets its own graph
     near, far = (0, torch.zeros(11, 5, dtype=torch.long), 500), \
         (1, torch.zeros(11, 20, dtype=torch.long), 100)
-    plan, _ = eng.prefill_graphs.plan([near, far])
+    plan, _ = eng.prefill_worker.graphs.plan([near, far])
     for (N, T, span), chunks in plan:
         assert all(start + T <= 512 for _, _, start in chunks), (N, T, span)
     assert sorted(k for k, _ in plan) == [(1, 8, 512), (1, 24, 256)]
@@ -519,110 +524,17 @@ def test_prefill_graph_plan_matches_eager(tiny_bundle):
 @pytest.mark.parametrize("kwargs, needle", [
     (dict(max_running=0), "max_running must be >= 1"),
     (dict(stall_s=0), "stall_s must be > 0"),
-    (dict(fused_ops="fast"), "fused_ops must be"),
-    (dict(high_priority_streams="decode"), "tuple of stream names"),
-    (dict(high_priority_streams=None), "tuple of stream names"),
-    (dict(high_priority_streams=("decode", "audio")), "unknown stream(s) ['audio']"),
+    (dict(fused_ops="fast"), "fused_ops: unknown value(s) ['fast']"),
+    (dict(high_priority_streams="decode"), "must be a tuple of names"),
+    (dict(high_priority_streams=None), "high_priority_streams must be set"),
+    (dict(high_priority_streams=("decode", "audio")), "unknown value(s) ['audio']"),
+    (dict(max_waiting=True), "max_waiting must be int"),
+    (dict(prefill_first_wait_s=float("nan")), "prefill_first_wait_s must be a number"),
 ])
 def test_engine_config_rejects_bad_values(kwargs, needle):
     with pytest.raises(ValueError) as e:
         EngineConfig(**kwargs)
     assert needle in str(e.value)
-
-
-def test_codec_holds_streams_far_ahead_for_a_fuller_tick(tiny_bundle):
-    """A stream more than codec_hold_s ahead of realtime waits (up to two chunks) and rides
-    along in the next tick another stream needs; first chunks never wait; 0 turns it off."""
-    import time
-
-    from engine.request import Sequence, Turn
-
-    eng = build_engine(tiny_bundle, EngineConfig(max_running=2, max_len=256, codec_hold_s=1.0))
-    K1, sr = eng.model_cfg.frame_rows, eng.sample_rate
-    g = torch.Generator().manual_seed(0)
-
-    def stream(frames: int, decoded: int, ahead_s: float) -> tuple[Sequence, Turn, CollectingSink]:
-        sink = CollectingSink()
-        seq = Sequence(len(eng._audio), (), SamplingParams(), 0, sink)
-        turn = Turn("t", "x", 64)
-        turn.frames = [torch.randint(0, 16, (K1,), generator=g) for _ in range(frames)]
-        turn.decoded_frames = decoded
-        if decoded:
-            turn.first_audio_at = time.perf_counter()
-            turn.samples_out = int(ahead_s * sr)
-        eng._audio.append((seq, turn))
-        return seq, turn, sink
-
-    _, a, a_sink = stream(16, 8, ahead_s=3.0)  # one chunk pending, 3 s ahead
-    assert eng._codec_tick() is False and a.decoded_frames == 8  # held
-    _, b, _ = stream(2, 0, ahead_s=0.0)  # a new turn's first chunk is due at once...
-    assert eng._codec_tick() is True
-    assert b.decoded_frames == 2 and a.decoded_frames == 16  # ...and a rides along
-    assert len(a_sink.audio) == 1 and len(a_sink.audio[0]) == 8 * eng.frame_samples
-    a.frames += [torch.randint(0, 16, (K1,), generator=g) for _ in range(15)]
-    assert eng._codec_tick() is False  # 15 pending, still far ahead
-    a.frames.append(torch.randint(0, 16, (K1,), generator=g))
-    assert eng._codec_tick() is True and a.decoded_frames == 32  # two chunks: goes alone
-    a.frames += [torch.randint(0, 16, (K1,), generator=g) for _ in range(8)]
-    a.samples_out = int(0.5 * sr) + int((time.perf_counter() - a.first_audio_at) * sr)
-    assert eng._codec_tick() is True and a.decoded_frames == 40  # only 0.5 s ahead: due
-    eng.cfg.codec_hold_s = 0.0
-    a.samples_out += 10 * sr
-    a.frames += [torch.randint(0, 16, (K1,), generator=g) for _ in range(8)]
-    assert eng._codec_tick() is True and a.decoded_frames == 48  # holding off
-    with pytest.raises(ValueError, match="codec_hold_s"):
-        EngineConfig(codec_hold_s=-1)
-
-
-def test_decode_pauses_for_prefills_while_every_turn_is_ahead(tiny_bundle):
-    """Prefill first: with prompts prefilling, the decode step waits unless a running turn
-    needs it (audio less than prefill_first_lead_s ahead, a joined turn without its first
-    chunk for prefill_first_wait_s); a draining (cancelled) turn needs none; no prefill: it
-    never waits; prefill_first_lead_s=0 turns it off."""
-    import time
-
-    from engine.request import Sequence, Turn
-
-    eng = build_engine(tiny_bundle, EngineConfig(max_running=4, max_len=256,
-                                                 prefill_first_lead_s=0.5,
-                                                 prefill_first_wait_s=0.05))
-    fr = eng.frame_rate
-    now = time.perf_counter()
-
-    def running(slot: int, frames: int, *, ready_ago: float, audio_ago: float | None) -> Turn:
-        seq = Sequence(slot, (), SamplingParams(), 0, CollectingSink())
-        turn = Turn("t", "x", 64)
-        turn.frames = [torch.zeros(eng.model_cfg.frame_rows, dtype=torch.long)] * frames
-        turn.ready_at = now - ready_ago
-        turn.first_audio_at = None if audio_ago is None else now - audio_ago
-        seq.decoding = turn
-        eng._owner[slot] = seq
-        return turn
-
-    # 2 s of audio generated, 1 s played: 1 s ahead
-    ahead = running(0, int(2 * fr), ready_ago=1.1, audio_ago=1.0)
-    assert not eng._yield_to_prefill(now)  # nothing prefilling: never wait
-    eng._prefill_outstanding = 1
-    assert eng._yield_to_prefill(now)
-    new = running(1, 0, ready_ago=0.01, audio_ago=None)  # just joined: may wait 50 ms
-    assert eng._yield_to_prefill(now)
-    assert not eng._yield_to_prefill(now + 0.05)  # ...but not longer
-    new.frames = [ahead.frames[0]] * eng.cfg.first_chunk_frames  # first chunk at the codec
-    assert eng._yield_to_prefill(now + 0.05)
-    new.first_audio_at = now  # its audio is out: one chunk (46 ms) ahead < 0.5 s
-    assert not eng._yield_to_prefill(now)
-    eng._owner[1].draining = True  # cancelled: leaves when the step in flight is read
-    assert eng._yield_to_prefill(now)
-    eng._owner[1].draining = False
-    new.finished = FinishReason.LENGTH  # a finished turn needs nothing
-    assert eng._yield_to_prefill(now)
-    assert not eng._yield_to_prefill(now + 0.6)  # the 1 s lead is down to 0.4 s
-    eng._owner.pop(1)
-    eng.cfg.prefill_first_lead_s = 0.0
-    assert not eng._yield_to_prefill(now)
-    for bad in ({"prefill_first_lead_s": -1}, {"prefill_first_wait_s": float("nan")}):
-        with pytest.raises(ValueError, match=next(iter(bad))):
-            EngineConfig(**bad)
 
 
 def test_prefill_first_keeps_every_turn_and_its_audio(tiny_bundle):
@@ -637,7 +549,7 @@ def test_prefill_first_keeps_every_turn_and_its_audio(tiny_bundle):
     sinks = [CollectingSink() for _ in range(4)]
     frames = {"a": 40, "b": 12}
     release, held = threading.Event(), threading.Event()
-    real_round = eng._prefill_round
+    real_round = eng.prefill_worker._round
 
     def held_round(jobs):  # the prefill thread: wave two's prompt waits for `release`
         if any(j.turn is not None and j.turn.turn_id.startswith("b") for j in jobs):
@@ -645,7 +557,7 @@ def test_prefill_first_keeps_every_turn_and_its_audio(tiny_bundle):
             release.wait(30)
         return real_round(jobs)
 
-    eng._prefill_round = held_round
+    eng.prefill_worker._round = held_round
     eng.start()
     try:
         seqs = [eng.open([], SamplingParams(seed=i, temperature=0.0), s) for i, s in enumerate(sinks)]
@@ -677,41 +589,58 @@ def test_prefill_first_keeps_every_turn_and_its_audio(tiny_bundle):
         assert len(s.pcm()) == frames[wave] * eng.frame_samples
 
 
-def test_slow_start_doubles_the_first_chunk_while_streams_are_slow(tiny_bundle):
-    """The first chunk is first_chunk_frames while the measured decode rate gives every
-    stream at least slow_start_x times realtime, twice that below it (and before any rate is
-    known: first_chunk_frames); the chunks of a turn then grow from it."""
-    import time
+def test_two_engines_with_different_ops_in_one_process(tiny_bundle):
+    """The kernels an engine runs are its own `Ops`: two engines over one model, one with
+    the reference math and one whose linear layers compute in float64 (and count their
+    calls), run interleaved in one process; each gives the frames of a fresh engine of its
+    own kind, and neither's ops are ever called by the other."""
+    import dataclasses
 
-    from engine.request import Sequence, Turn
+    import torch.nn.functional as F
 
-    eng = build_engine(tiny_bundle, EngineConfig(max_running=2, max_len=256, first_chunk_frames=1,
-                                                 slow_start_x=2.0, codec_hold_s=0))
-    fr = eng.frame_rate
-    assert eng._first_chunk() == 1  # no rate measured yet
-    eng._step_s = 1 / (2.5 * fr)  # 2.5x realtime per stream
-    assert eng._first_chunk() == 1
-    eng._step_s = 1 / (1.7 * fr)  # 1.7x: a thicker start
-    assert eng._first_chunk() == 2
-    K1 = eng.model_cfg.frame_rows
-    seq = Sequence(1, (), SamplingParams(), 0, CollectingSink())
-    turn = Turn("t", "x", 64)
-    turn.frames = [torch.zeros(K1, dtype=torch.long)]
-    eng._audio.append((seq, turn))
-    assert eng._codec_tick() is False and turn.decoded_frames == 0  # one frame: not yet
-    turn.frames.append(torch.zeros(K1, dtype=torch.long))
-    assert eng._codec_tick() is True and turn.decoded_frames == 2
-    eng.cfg.slow_start_x = 0.0  # off: one frame whatever the rate
-    assert eng._first_chunk() == 1
+    from engine.ops import REFERENCE
 
-    # the rate comes from back-to-back launches; a pass without one breaks the chain
-    from engine.engine import _Pending
+    calls = {"f64": 0}
 
-    eng._step_s, eng._last_launch = None, None
-    t = time.perf_counter()
-    for k in range(3):
-        eng._note_launch(_Pending(k, 1, None, None, t + 0.02 * k))
-    assert eng._step_s == pytest.approx(0.02)
-    eng._note_launch(None)
-    eng._note_launch(_Pending(3, 1, None, None, t + 5.0))  # after an idle gap: not a step
-    assert eng._step_s == pytest.approx(0.02)
+    def linear64(x, w):  # type: ignore[no-untyped-def]
+        calls["f64"] += 1
+        return F.linear(x.double(), w.double()).to(x.dtype)
+
+    f64 = dataclasses.replace(REFERENCE, linear=linear64)
+    cfg = EngineConfig(max_running=2, max_len=512)
+    texts = ["Hello there.", "A second voice."]
+
+    def run(engines):  # type: ignore[no-untyped-def]
+        sinks = {e: [CollectingSink() for _ in texts] for e in engines}
+        for e, ss in sinks.items():
+            for s, t in zip(ss, texts):
+                e.submit(e.open([], SamplingParams.greedy(), s), t, turn_id="a", max_frames=10)
+        while any([e.step() for e in engines]):
+            pass
+        return {e: [s.results[-1].codes for s in ss] for e, ss in sinks.items()}
+
+    ref_alone = run([build_engine(tiny_bundle, cfg)])
+    f64_alone = run([build_engine(tiny_bundle, cfg, ops=f64)])
+    n_alone = calls["f64"]
+    ref, wide = build_engine(tiny_bundle, cfg), build_engine(tiny_bundle, cfg, ops=f64)
+    assert ref.ops.linear is F.linear and wide.ops is f64 and wide.runner.ops is f64
+    both = run([ref, wide])
+    assert calls["f64"] == 2 * n_alone  # the same calls as alone: none came from `ref`
+    for a, b in zip(both[ref], next(iter(ref_alone.values()))):
+        assert torch.equal(a, b)
+    for a, b in zip(both[wide], next(iter(f64_alone.values()))):
+        assert torch.equal(a, b)
+
+
+def test_a_voice_that_leaves_no_room_is_refused_at_open(tiny_bundle):
+    """The engine's one room rule (Engine.text_room, also what the service caps segments
+    with): a voice prompt that leaves no room for a turn is refused when opened."""
+    from engine.errors import PromptTooLong
+    from engine.prompt import Reference
+
+    eng = build_engine(tiny_bundle, EngineConfig(max_running=1, max_len=256))
+    assert eng.text_room([]) > 0
+    big = [Reference("A long transcript.", torch.zeros(10, 200, dtype=torch.long))]
+    assert eng.text_room(big) < 0
+    with pytest.raises(PromptTooLong, match="leaves no room"):
+        eng.open(big, SamplingParams(), CollectingSink())

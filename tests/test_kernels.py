@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import kernels
+from engine.kernels import activation, extension_available, prev_tokens, sampling
+from engine.kernels import decode_attention as attention
 
 
 def _reference_shift(prev: torch.Tensor, nxt: torch.Tensor) -> torch.Tensor:
@@ -18,7 +19,7 @@ def test_prev_tokens_shift_fallback_semantics():
     prev = torch.randint(0, 4096, (5, 10, 10), dtype=torch.int32, generator=g)
     nxt = torch.randint(0, 4096, (5, 10), dtype=torch.int32, generator=g)
     want = _reference_shift(prev, nxt)
-    kernels.prev_tokens_shift_inplace(prev, nxt)
+    prev_tokens.prev_tokens_shift_inplace(prev, nxt)
     assert torch.equal(prev, want)
 
 
@@ -33,18 +34,18 @@ def test_prev_tokens_shift_fallback_semantics():
 ])
 def test_prev_tokens_shift_contract(prev, nxt, err):
     with pytest.raises(err):
-        kernels.prev_tokens_shift_inplace(prev, nxt)
+        prev_tokens.prev_tokens_shift_inplace(prev, nxt)
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_prev_tokens_shift_cuda_kernel_matches_fallback():
-    assert kernels.extension_available(), "the CUDA extension did not build"
+    assert extension_available(), "the CUDA extension did not build"
     for bs, W, cw in ((1, 10, 10), (64, 16, 10), (129, 10, 1), (3, 1, 7)):
         prev = torch.randint(0, 4096, (bs, W, cw), dtype=torch.int32, device="cuda")
         nxt = torch.randint(0, 4096, (bs, cw), dtype=torch.int32, device="cuda")
         want = _reference_shift(prev, nxt)
-        kernels.prev_tokens_shift_inplace(prev, nxt)
+        prev_tokens.prev_tokens_shift_inplace(prev, nxt)
         assert torch.equal(prev, want)
 
 
@@ -87,7 +88,7 @@ def _sdpa_reference(q, k_new, v_new, k_cache, v_cache, wslot, pos, span):
 def test_decode_attention_fallback_matches_sdpa():
     q, kn, vn, kc, vc, ws, pos = _attention_case(5, 8, 2, 16, 7, 12, torch.float32, "cpu")
     kc2, vc2 = kc.clone(), vc.clone()
-    got = kernels.decode_attention(q, kn, vn, kc, vc, ws, pos, span=12)
+    got = attention.decode_attention(q, kn, vn, kc, vc, ws, pos, span=12)
     want = _sdpa_reference(q, kn, vn, kc2, vc2, ws, pos, 12)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)  # the same cache writes
@@ -104,14 +105,14 @@ def test_decode_attention_contract(mutate, err):
     args = list(_attention_case(3, 4, 2, 16, 4, 6, torch.float32, "cpu"))
     mutate(args)
     with pytest.raises(err):
-        kernels.decode_attention(*args, span=6)
+        attention.decode_attention(*args, span=6)
 
 
 @pytest.mark.parametrize("splits", [-1, 1.5, True, "2"])
 def test_decode_attention_rejects_bad_splits(splits):
     args = _attention_case(3, 4, 2, 16, 4, 6, torch.float32, "cpu")
     with pytest.raises(ValueError, match="splits must be an int >= 0"):
-        kernels.decode_attention(*args, span=6, splits=splits)
+        attention.decode_attention(*args, span=6, splits=splits)
 
 
 @pytest.mark.cuda
@@ -125,12 +126,12 @@ def test_decode_attention_rejects_bad_splits(splits):
 def test_decode_attention_split_positions_match_fallback(dtype, tol, B, H, Hkv, D, S, splits):
     """Rows' positions split over several blocks and merged (small batches, long contexts)
     give the one-block result; the new k/v is written once."""
-    assert kernels.extension_available(), "the CUDA extension did not build"
+    assert extension_available(), "the CUDA extension did not build"
     q, kn, vn, kc, vc, ws, pos = _attention_case(B, H, Hkv, D, B + 1, S, dtype, "cuda")
     pos[-1] = S - 1  # the longest read; _attention_case puts row 0 at position 0 when B > 1
     kc2, vc2 = kc.clone(), vc.clone()
-    got = kernels.decode_attention(q, kn, vn, kc, vc, ws, pos, span=S, splits=splits)
-    want = kernels._decode_attention_torch(q, kn, vn, kc2, vc2, ws, pos, S)
+    got = attention.decode_attention(q, kn, vn, kc, vc, ws, pos, span=S, splits=splits)
+    want = attention.decode_attention_torch(q, kn, vn, kc2, vc2, ws, pos, S)
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
 
@@ -144,12 +145,12 @@ def test_decode_attention_split_positions_match_fallback(dtype, tol, B, H, Hkv, 
                                          (64, 16, 8, 128, 300), (64, 16, 8, 64, 300),
                                          (3, 4, 2, 48, 17), (5, 4, 1, 40, 10)])
 def test_decode_attention_cuda_kernel_matches_fallback(dtype, tol, B, H, Hkv, D, S):
-    assert kernels.extension_available(), "the CUDA extension did not build"
+    assert extension_available(), "the CUDA extension did not build"
     q, kn, vn, kc, vc, ws, pos = _attention_case(B, H, Hkv, D, B + 1, S, dtype, "cuda")
     pos[-1] = S - 1  # the longest read
     kc2, vc2 = kc.clone(), vc.clone()
-    got = kernels.decode_attention(q, kn, vn, kc, vc, ws, pos, span=S)
-    want = kernels._decode_attention_torch(q, kn, vn, kc2, vc2, ws, pos, S)
+    got = attention.decode_attention(q, kn, vn, kc, vc, ws, pos, span=S)
+    want = attention.decode_attention_torch(q, kn, vn, kc2, vc2, ws, pos, S)
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
 
@@ -172,16 +173,16 @@ def test_sample_topk_fallback_and_contract():
     from engine.sampler import sample
 
     args = _draw_case(16, 300, "cpu")
-    assert torch.equal(kernels.sample_topk(*args), sample(*args))
+    assert torch.equal(sampling.sample_topk(*args), sample(*args))
     a = list(args)
     a[6] = 3  # one stream for all rows, as an int
-    assert torch.equal(kernels.sample_topk(*a), sample(*args[:6], 3))
+    assert torch.equal(sampling.sample_topk(*a), sample(*args[:6], 3))
     for i, bad, err in ((1, args[1].double(), TypeError), (3, args[3].int(), TypeError),
                         (4, args[4][:3], TypeError), (0, args[0][None], TypeError)):
         a = list(args)
         a[i] = bad
         with pytest.raises(err):
-            kernels.sample_topk(*a)
+            sampling.sample_topk(*a)
 
 
 @pytest.mark.cuda
@@ -190,11 +191,11 @@ def test_sample_topk_fallback_and_contract():
 def test_sample_topk_cuda_kernel_matches_fallback(B, V):
     from engine.sampler import sample
 
-    assert kernels.extension_available(), "the CUDA extension did not build"
+    assert extension_available(), "the CUDA extension did not build"
     args = list(_draw_case(B, V, "cuda", seed=B + V))
     if B == 33:  # strided rows: a view into wider logits
         args[0] = torch.cat([args[0], args[0][:, :7]], dim=1)[:, :V]
-    got, want = kernels.sample_topk(*args), sample(*args)
+    got, want = sampling.sample_topk(*args), sample(*args)
     greedy = args[1] == 0
     assert torch.equal(got[greedy], want[greedy])
     if B >= 20:  # a float-rounding flip at a top-p boundary is rare, not impossible
@@ -209,10 +210,10 @@ def test_sample_topk_cuda_kernel_matches_fallback(B, V):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_sample_topk_cuda_bf16_ties():
     """bf16 logits tie often: greedy takes a maximum, draws stay within top_k by value."""
-    assert kernels.extension_available(), "the CUDA extension did not build"
+    assert extension_available(), "the CUDA extension did not build"
     args = list(_draw_case(64, 4097, "cuda", dtype=torch.bfloat16, seed=7))
     args[0] = (args[0].float() * 4).round().to(torch.bfloat16) / 4  # many exact ties
-    got = kernels.sample_topk(*args)
+    got = sampling.sample_topk(*args)
     logits = args[0].float()
     greedy = args[1] == 0
     assert torch.equal(logits[greedy].gather(1, got[greedy][:, None])[:, 0],
@@ -228,12 +229,12 @@ def test_snake_fallback_and_snake_cat_semantics():
     g = torch.Generator().manual_seed(3)
     x = torch.randn(2, 5, 33, generator=g)
     alpha = torch.rand(1, 5, 1, generator=g) + 0.2
-    assert torch.equal(kernels.snake(x, alpha), formula(x, alpha))
-    assert torch.equal(kernels.snake(x, alpha.reshape(5)), formula(x, alpha))
+    assert torch.equal(activation.snake(x, alpha), formula(x, alpha))
+    assert torch.equal(activation.snake(x, alpha.reshape(5)), formula(x, alpha))
     tail = torch.randn(2, 5, 6, generator=g)
-    assert torch.equal(kernels.snake_cat(tail, x, alpha),
+    assert torch.equal(activation.snake_cat(tail, x, alpha),
                        torch.cat([tail, formula(x, alpha)], dim=-1))
-    assert kernels.snake_cat(tail[..., :0], x, alpha).shape == (2, 5, 33)
+    assert activation.snake_cat(tail[..., :0], x, alpha).shape == (2, 5, 33)
 
 
 @pytest.mark.parametrize("x,alpha,err", [
@@ -243,21 +244,21 @@ def test_snake_fallback_and_snake_cat_semantics():
 ])
 def test_snake_contract(x, alpha, err):
     with pytest.raises(err):
-        kernels.snake(x, alpha)
+        activation.snake(x, alpha)
     with pytest.raises(ValueError, match="tail"):
-        kernels.snake_cat(torch.zeros(2, 4, 6), torch.zeros(2, 5, 33), torch.ones(5))
+        activation.snake_cat(torch.zeros(2, 4, 6), torch.zeros(2, 5, 33), torch.ones(5))
 
 
 @pytest.mark.parametrize("kernel_ops,fold", [(False, False), (False, True), (True, True)])
-def test_streaming_snake_conv_pairs_match_offline(kernel_ops, fold, monkeypatch):
+def test_streaming_snake_conv_pairs_match_offline(kernel_ops, fold):
     """stream_sequential hands each Snake to the conv after it (its input built by snake_cat):
     a decoder block streamed in uneven chunks equals the offline block — with the torch ops,
-    with the residual units' conv biases folded into snake_bias / bias_residual (the
-    reference versions of those ops), and with the kernel wrappers (their fallbacks here),
-    as the engine runs them on a GPU."""
+    with the residual units' conv biases folded into the Snake / bias_residual ops after
+    them, and with the kernel wrappers (their fallbacks here), as the engine's ops run them
+    on a GPU."""
     from engine.codec.layers import (
-        CODEC_OPS,
         CausalConv1d,
+        CodecOps,
         ResidualUnit,
         Snake1d,
         StreamContext,
@@ -265,23 +266,18 @@ def test_streaming_snake_conv_pairs_match_offline(kernel_ops, fold, monkeypatch)
     )
 
     calls = {"snake_bias": 0, "bias_residual": 0}
+    base = (CodecOps(activation.snake, activation.snake_cat, activation.bias_residual)
+            if kernel_ops else CodecOps())
 
-    def counted(name, fn):  # type: ignore[no-untyped-def]
-        def call(*a):  # type: ignore[no-untyped-def]
-            calls[name] += 1
-            return fn(*a)
-        return call
+    def snake(x, alpha, bias=None):  # type: ignore[no-untyped-def]
+        calls["snake_bias"] += bias is not None
+        return base.snake(x, alpha, bias)
 
-    from engine.codec.layers import CodecOps
+    def bias_residual(x, y, bias):  # type: ignore[no-untyped-def]
+        calls["bias_residual"] += 1
+        return base.bias_residual(x, y, bias)
 
-    ops = ((("snake", kernels.snake), ("snake_cat", kernels.snake_cat),
-            ("snake_bias", kernels.snake), ("bias_residual", kernels.bias_residual))
-           if kernel_ops else (("snake_bias", CodecOps.snake_bias),
-                               ("bias_residual", CodecOps.bias_residual)))
-    for name, fn in ops:
-        monkeypatch.setattr(CODEC_OPS, name, counted(name, fn) if name in calls else fn,
-                            raising=False)
-    monkeypatch.setattr(CODEC_OPS, "fold_bias", fold, raising=False)
+    ops = CodecOps(snake, base.snake_cat, bias_residual, fold_bias=fold)
     torch.manual_seed(0)
     block = torch.nn.Sequential(ResidualUnit(8, dilation=3), Snake1d(8),
                                 CausalConv1d(8, 4, kernel_size=7)).eval()
@@ -300,7 +296,7 @@ def test_streaming_snake_conv_pairs_match_offline(kernel_ops, fold, monkeypatch)
         got = []
         for a, b in ((0, 7), (7, 8), (8, 31), (31, 50)):
             ctx = StreamContext(torch.tensor([b - a]), torch.tensor([a]), b - a, a, states,
-                                uniform=True)
+                                uniform=True, ops=ops)
             got.append(stream_sequential(block, x[..., a:b], ctx))
             states = {**states, **ctx.new_state}
     torch.testing.assert_close(torch.cat(got, -1), want, rtol=1e-5, atol=1e-6)
@@ -313,15 +309,15 @@ def test_bias_residual_fallback_and_contract():
     g = torch.Generator().manual_seed(4)
     x, y = torch.randn(2, 5, 9, generator=g), torch.randn(2, 5, 9, generator=g)
     b = torch.randn(5, generator=g)
-    assert torch.equal(kernels.bias_residual(x, y, b), x + (y + b[None, :, None]))
-    assert torch.equal(kernels.snake(y, torch.ones(5), b), kernels.snake_torch(y + b[:, None],
+    assert torch.equal(activation.bias_residual(x, y, b), x + (y + b[None, :, None]))
+    assert torch.equal(activation.snake(y, torch.ones(5), b), activation.snake_torch(y + b[:, None],
                                                                                 torch.ones(5)))
     with pytest.raises(ValueError, match="one shape"):
-        kernels.bias_residual(x, y[..., :4], b)
+        activation.bias_residual(x, y[..., :4], b)
     with pytest.raises(ValueError, match="bias has 4 values"):
-        kernels.bias_residual(x, y, b[:4])
+        activation.bias_residual(x, y, b[:4])
     with pytest.raises(TypeError, match="bias"):
-        kernels.snake(y, torch.ones(5), b.double())
+        activation.snake(y, torch.ones(5), b.double())
 
 
 def _assert_kernel_rounding(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
@@ -341,23 +337,23 @@ def _assert_kernel_rounding(got: torch.Tensor, want: torch.Tensor, dtype: torch.
 @pytest.mark.parametrize("B,C,T,P", [(64, 96, 16384, 6), (3, 768, 256, 54), (2, 7, 33, 1),
                                      (1, 192, 8, 0), (3, 8, 1, 1), (2, 4, 2, 1), (1, 3, 2, 1)])
 def test_snake_cuda_kernel_matches_fallback(dtype, B, C, T, P):
-    assert kernels.extension_available(), "the CUDA extension did not build"
+    assert extension_available(), "the CUDA extension did not build"
     g = torch.Generator(device="cuda").manual_seed(B * C + T)
     alpha = (torch.rand(C, device="cuda", generator=g) + 0.1).to(dtype)
     wide = (3 * torch.randn(B, C, T + 5, device="cuda", generator=g)).to(dtype)
     # contiguous and aligned (16-byte vectors where T allows), then strided and misaligned
     # (the per-row kernel's scalar path)
     for x in (wide[..., :T].contiguous(), wide[..., 5:]):
-        want = kernels.snake_torch(x.float(), alpha.float())  # float32 math, as the kernel
-        got = kernels.snake(x, alpha)
+        want = activation.snake_torch(x.float(), alpha.float())  # float32 math, as the kernel
+        got = activation.snake(x, alpha)
         _assert_kernel_rounding(got, want, dtype)
         # snake_cat: one flat pass over [B, C, P + T] (16-byte stores across row ends); a
         # strided tail too
         tail = torch.randn(B, C, P + 3, device="cuda", generator=g).to(dtype)
         for t in (tail[..., :P].contiguous(), tail[..., 3:]):
-            both = kernels.snake_cat(t, x, alpha)
+            both = activation.snake_cat(t, x, alpha)
             assert torch.equal(both[..., :P], t) and torch.equal(both[..., P:], got)
-            assert torch.equal(kernels.snake_cat(t, x[..., :0], alpha), t)  # no new samples
+            assert torch.equal(activation.snake_cat(t, x[..., :0], alpha), t)  # no new samples
 
 
 @pytest.mark.cuda
@@ -367,31 +363,37 @@ def test_snake_cuda_kernel_matches_fallback(dtype, B, C, T, P):
 def test_folded_bias_cuda_kernels_match_fallback(dtype, B, C, T):
     """snake with a conv's bias folded in, and bias_residual, against the torch ops in the
     reference's rounding order (conv output + bias rounded to the dtype first)."""
-    assert kernels.extension_available(), "the CUDA extension did not build"
+    assert extension_available(), "the CUDA extension did not build"
     g = torch.Generator(device="cuda").manual_seed(B + C + T)
     x, y = ((2 * torch.randn(B, C, T + 3, device="cuda", generator=g)).to(dtype) for _ in range(2))
     alpha = (torch.rand(C, device="cuda", generator=g) + 0.1).to(dtype)
     bias = torch.randn(C, device="cuda", generator=g).to(dtype)
     for xs, ys in ((x[..., :T].contiguous(), y[..., :T].contiguous()), (x[..., 3:], y[..., 3:])):
-        got = kernels.snake(ys, alpha, bias)
-        want = kernels.snake_torch((ys + bias[:, None]).float(), alpha.float())
+        got = activation.snake(ys, alpha, bias)
+        want = activation.snake_torch((ys + bias[:, None]).float(), alpha.float())
         _assert_kernel_rounding(got, want, dtype)
-        assert torch.equal(kernels.bias_residual(xs, ys, bias), xs + (ys + bias[:, None]))
+        assert torch.equal(activation.bias_residual(xs, ys, bias), xs + (ys + bias[:, None]))
         for P in (0, 1, 6, 54):  # the flat snake_cat pass with a folded bias
             tail = torch.randn(B, C, P, device="cuda", generator=g).to(dtype)
-            both = kernels.snake_cat(tail, ys, alpha, bias)
+            both = activation.snake_cat(tail, ys, alpha, bias)
             assert torch.equal(both[..., :P], tail) and torch.equal(both[..., P:], got)
 
 
-def test_codec_kernels_switch_restores_the_torch_ops():
-    """fusion.codec_kernels(False) puts back every reference op and turns bias folding off
-    (on a machine without the extension, asking for the kernels changes nothing)."""
-    from engine import fusion
-    from engine.codec.layers import CODEC_OPS, CodecOps
+def test_ops_are_chosen_once_per_engine():
+    """build_ops decides every kernel an engine runs: on a CPU the reference math and the
+    torch fallbacks (whatever is asked for), no process-wide switch involved."""
+    import functools
 
-    on = fusion.codec_kernels(True)
-    assert CODEC_OPS.fold_bias is on
-    assert fusion.codec_kernels(False) is False
-    assert CODEC_OPS.fold_bias is False
-    for name in ("snake", "snake_cat", "snake_bias", "bias_residual"):
-        assert getattr(CODEC_OPS, name) is getattr(CodecOps, name)
+    from engine import functional
+    from engine.codec.layers import CodecOps
+    from engine.ops import REFERENCE, build_ops
+
+    cpu = build_ops("cpu", fused="auto", kernels=True, sampler_kernel=True, codec_kernels=True,
+                    split_kv=True)
+    assert cpu.fused == "reference" and cpu.decode_attention is None and not cpu.packed_ffn
+    assert cpu.rms_norm is functional.rms_norm and cpu.sample is sampling.sample
+    assert cpu.codec == CodecOps() and not cpu.codec.fold_bias
+    assert isinstance(cpu.shift_window, functools.partial)
+    assert REFERENCE.codec == CodecOps() and REFERENCE.fused == "reference"
+    with pytest.raises(ValueError, match="fused ops must be one of"):
+        build_ops("cpu", fused="fast")

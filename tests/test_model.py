@@ -135,8 +135,7 @@ def test_batched_decode_matches_reference_per_sequence(fixture_dir, fixture_mode
     prompts = _prompts(fixture_dir)
     budgets = [25, 25, 10, 25]
     items = []
-    for p, _ in prompts:
-        s = runner.cache.alloc()
+    for s, (p, _) in enumerate(prompts):  # slots 0..3, one per prompt
         runner.assign(s, SamplingParams.greedy(), 0)
         items.append((s, p[:, :-1], 0))
     # all four prompts prefilled in one padded forward, the longest split in two chunks
@@ -162,7 +161,7 @@ def test_ras_condition_matches_reference_frames(fixture_dir, fixture_model):
         case = json.loads((fixture_dir / "cases" / f"{name}.json").read_text())
         t = load_file(str(fixture_dir / "cases" / f"{name}.safetensors"))
         p = t["b0.prompt"]
-        s = runner.cache.alloc()
+        s = 0  # the runner's one slot, reused case after case
         runner.assign(s, SamplingParams.greedy(), 0)
         runner.prefill(s, p[:, :-1], 0)
         runner.join(s, p[:, -1], p.shape[1] - 1, 25, 0)
@@ -171,7 +170,6 @@ def test_ras_condition_matches_reference_frames(fixture_dir, fixture_model):
             runner.step(1, 200)
             if bool(runner.sampling.last_ras_condition[0]):
                 flagged.append(n)
-        runner.cache.release(s)
         assert flagged == case["batches"][0]["ras_condition_frames"], name
 
 
@@ -197,10 +195,12 @@ def test_s2_pro_builds_on_meta():
 
 def test_packed_ffn_keeps_the_frames(fixture_dir, fixture_model):
     """fusion.pack_ffn re-lays W1|W3 as one buffer (one GEMM per FFN input); the weights and
-    the greedy frames of a fixture case stay the same."""
+    the greedy frames of a fixture case (run with ops that use the packed GEMM) stay the
+    same."""
     import copy
 
     from engine import fusion, model
+    from engine.ops import REFERENCE, Ops
 
     m = copy.deepcopy(fixture_model)
     before = [(ff.w1.weight.clone(), ff.w3.weight.clone()) for ff in
@@ -210,21 +210,26 @@ def test_packed_ffn_keeps_the_frames(fixture_dir, fixture_model):
     ffs = [mod for mod in m.modules() if isinstance(mod, model.FeedForward)]
     for ff, (w1, w3) in zip(ffs, before):
         assert torch.equal(ff.w1.weight, w1) and torch.equal(ff.w3.weight, w3)
-        assert fusion._packed(ff.w1.weight, ff.w3.weight) is not None
+        assert fusion.packed(ff.w1.weight, ff.w3.weight) is not None
+    packed = Ops(packed_ffn=True)
+    gemms: list[int] = []
+
+    def counting_linear(x, w):  # type: ignore[no-untyped-def]
+        gemms.append(w.shape[0])
+        return torch.nn.functional.linear(x, w)
+
     x = torch.randn(3, 2, m.cfg.slow.dim)
     ff = ffs[0]
-    torch.testing.assert_close(fusion.packed_swiglu(x, ff.w1.weight, ff.w3.weight),
-                               model.swiglu(x, ff.w1.weight, ff.w3.weight), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(Ops(packed_ffn=True, linear=counting_linear).swiglu(
+        x, ff.w1.weight, ff.w3.weight), REFERENCE.swiglu(x, ff.w1.weight, ff.w3.weight),
+        rtol=1e-5, atol=1e-6)
+    assert gemms == [2 * ff.w1.weight.shape[0]]  # one GEMM over both halves
     prompt, want = _prompts(fixture_dir)[0]
-    model.OPS.swiglu = fusion.packed_swiglu
-    try:
-        runner = ModelRunner(m, n_slots=1, max_len=512)
-        runner.assign(0, SamplingParams.greedy(), 0)
-        runner.prefill(0, prompt[:, :-1], 0)
-        runner.join(0, prompt[:, -1], prompt.shape[1] - 1, 12, 0)
-        got = torch.stack([runner.step(1, 256)[0, :11] for _ in range(12)], dim=1)
-    finally:
-        model.OPS.swiglu = model.Ops.swiglu
+    runner = ModelRunner(m, n_slots=1, max_len=512, ops=packed)
+    runner.assign(0, SamplingParams.greedy(), 0)
+    runner.prefill(0, prompt[:, :-1], 0)
+    runner.join(0, prompt[:, -1], prompt.shape[1] - 1, 12, 0)
+    got = torch.stack([runner.step(1, 256)[0, :11] for _ in range(12)], dim=1)
     assert torch.equal(got, want[:, :12])
 
 
@@ -234,7 +239,7 @@ def test_static_prefill_matches_reference(fixture_dir, fixture_model):
     prompt, want = _prompts(fixture_dir)[1]
     cols = prompt[:, :-1]
     runner = ModelRunner(fixture_model, n_slots=2, max_len=512)
-    slot = runner.cache.alloc()
+    slot = 0
     runner.assign(slot, SamplingParams.greedy(), 0)
     at = 0
     for n, T, span in ((20, 32, 256), (cols.shape[1] - 20, 64, 256)):  # padded chunks

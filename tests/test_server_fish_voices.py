@@ -72,7 +72,7 @@ def check_duration(fmt: str, data: bytes, frames: int, rate: int = 44100) -> Non
     assert sr == rate
     expected = frames * 2048 / 44100
     got = len(x) / sr
-    bound = make_encoder(fmt, rate).padding_bound_s
+    bound = make_encoder(fmt, rate, input_sample_rate=44100).padding_bound_s
     assert -1 / rate - 1e-9 <= got - expected <= bound + 1e-9, (fmt, got, expected)
 
 

@@ -24,7 +24,7 @@ import soundfile as sf
 import websockets
 from _audio import wav_bytes
 
-import rtvoice.session
+import rtvoice.turns
 from protocol import (
     Audio,
     Cancel,
@@ -43,8 +43,8 @@ from protocol import (
     encode_client,
 )
 from rtvoice.audio_formats import FORMATS, make_encoder
-from rtvoice.session import segment_room
 from rtvoice.testing import running_server
+from rtvoice.turns import segment_chars
 
 FRAME_S = 2048 / 44100
 RECV_TIMEOUT = 60.0
@@ -370,7 +370,7 @@ async def test_every_format_decodes_to_the_generated_duration(server, fmt, rate)
     data = b"".join(a.audio for a in audio_of(events))
     expected = done.frames * 2048 / 44100
     got = _decoded_seconds(fmt, rate, data)
-    bound = make_encoder(fmt, rate).padding_bound_s
+    bound = make_encoder(fmt, rate, input_sample_rate=44100).padding_bound_s
     assert -1.0 / rate - 1e-9 <= got - expected <= bound + 1e-9, (fmt, rate, got, expected)
     # chunk durations add up to the generated audio
     assert sum(a.duration_s for a in audio_of(events)) == pytest.approx(expected, abs=1e-4)
@@ -544,7 +544,7 @@ def _engine_at_rest(url: Any) -> Callable[[], bool]:
     def check() -> bool:
         load = engine.load()
         return (load["live"] == 0 and load["waiting"] == 0
-                and engine.free_slots() == engine.runner.n_slots and engine.decoder.n_open == 0)
+                and engine.free_slots() == engine.n_slots and engine.codec_worker.decoder.n_open == 0)
 
     return check
 
@@ -556,11 +556,11 @@ async def test_disconnect_mid_turn_releases_everything(server):
     await c.send(Text(text="Talking and talking until the client vanishes."))
     await c.send(Flush())
     await c.until(lambda e: isinstance(e, Audio))
-    assert engine.load()["live"] == 1 and engine.decoder.n_open == 1  # mid-turn, really
+    assert engine.load()["live"] == 1 and engine.codec_worker.decoder.n_open == 1  # mid-turn, really
     c.ws.transport.abort()  # vanish without a close handshake
     # its KV slot, its engine sequence and its codec stream are all given back
     await _poll(_engine_at_rest(server), f"not released: {engine.load()}, "
-                f"{engine.decoder.n_open} codec streams open")
+                f"{engine.codec_worker.decoder.n_open} codec streams open")
     assert server.app.state.runtime.metrics.sessions_live == 0
     await _still_serving(server.ws_url)
 
@@ -639,12 +639,12 @@ async def test_ready_reports_a_stalled_device(server):
 
     engine = _runtime(server.app).engine
     async with httpx.AsyncClient(base_url=server, timeout=30) as http:
-        engine._device_wait["decode"] = _time.perf_counter() - (engine.cfg.stall_s + 5)
+        engine.decode_worker.waiting_since = _time.perf_counter() - (engine.cfg.stall_s + 5)
         try:
             r = await http.get("/ready")
             text = (await http.get("/metrics")).text
         finally:
-            engine._device_wait["decode"] = None
+            engine.decode_worker.waiting_since = None
         assert r.status_code == 503 and r.json()["ready"] is False
         assert "device stalled" in r.json()["reason"]
         wait = next(float(line.split()[1]) for line in text.splitlines()
@@ -693,7 +693,7 @@ async def _wait_at_rest(url: Any) -> None:
 
 
 async def test_segments_are_capped_to_what_the_context_holds(small_server):
-    room = segment_room(small_server.app.state.runtime.engine, [])
+    room = segment_chars(small_server.app.state.runtime.engine.text_room([]))
     assert 10 <= room < 100
     # 100 CJK characters without a boundary = 300 byte tokens: more than the whole context
     events, code = await speak(small_server.ws_url, ["字" * 100], chunk_length=1000,
@@ -708,7 +708,7 @@ async def test_segments_are_capped_to_what_the_context_holds(small_server):
 async def test_segment_the_engine_cannot_fit_ends_its_turn_not_the_session(small_server,
                                                                            monkeypatch):
     # Pretend 1 token per character: the cap lets through a segment the engine refuses.
-    monkeypatch.setattr(rtvoice.session, "WORST_TOKENS_PER_CHAR", 1, raising=False)
+    monkeypatch.setattr(rtvoice.turns, "WORST_TOKENS_PER_CHAR", 1)
     c = await Client.connect(small_server.ws_url)
     await c.send(Start(request=request(chunk_length=1000, max_new_tokens=2)))
     assert isinstance(await c.recv(), Ready)
@@ -804,13 +804,13 @@ async def test_client_that_reads_no_events_is_dropped(small_server, monkeypatch)
 
 
 def test_startup_refuses_a_context_too_small_for_any_segment():
-    from rtvoice.app import _start_runtime
+    from rtvoice.runtime import Runtime
     from rtvoice.settings import Settings
     from rtvoice.testing import _shared_bundle
 
     settings = Settings().replace(max_len=128, max_running=1)
     with pytest.raises(ValueError, match="max_len=128 leaves room for 0 characters"):
-        asyncio.run(_start_runtime(settings, _shared_bundle(settings)))
+        asyncio.run(Runtime.start(settings, _shared_bundle(settings)))
 
 
 def test_shutdown_tells_live_sessions():

@@ -1,5 +1,5 @@
-"""Pure parts of the service: settings, the segmenter, the frame budget, the CLI parser and
-the bounded outbox. No server needed."""
+"""Pure parts of the service: settings (declared once: CLI, environment and docs derived),
+the segmenter, the frame budget, the CLI parser, the bounded outbox. No server needed."""
 
 from __future__ import annotations
 
@@ -11,9 +11,13 @@ from pathlib import Path
 import pytest
 
 from protocol import Done
+from rtvoice.outbox import Out as _Out
+from rtvoice.outbox import Outbox as _Outbox
+from rtvoice.outbox import SlowReader as _SlowReader
 from rtvoice.segmenter import Segmenter, estimate_speech_seconds, is_speakable
-from rtvoice.session import Session, _Job, _Out, _Outbox, _SlowReader, frame_budget
+from rtvoice.session import Session, _Job
 from rtvoice.settings import Settings
+from rtvoice.turns import frame_budget
 
 # ------------------------------------------------------------------------------ settings
 
@@ -41,7 +45,7 @@ def test_settings_env_then_overrides(tmp_path):
     s = Settings.from_env(env, port=9002)
     assert s.network.port == 9002  # override beats env
     assert s.model.model == "/models/s2-pro" and s.model.device == "cuda"
-    assert s.engine.max_turn_frames == 1000 and s.engine.budget_multiplier == 2.5
+    assert s.engine.max_turn_frames == 1000 and s.service.budget_multiplier == 2.5
     assert s.network.access_log is True and s.engine.max_running is None
     assert s.voices.data_dir == Path(tmp_path)
     assert s.as_dict()["network"]["port"] == 9002
@@ -68,27 +72,96 @@ def test_settings_validation(overrides, match):
         Settings().replace(**overrides)
 
 
-def test_engine_settings_reach_the_engine_config(tiny_bundle):
-    """Every engine setting the server exposes ends up in the EngineConfig it builds."""
-    from rtvoice.app import engine_config
+def test_engine_settings_are_the_engine_config(tiny_bundle):
+    """The server's engine group is the engine's own EngineConfig (declared once): what a
+    flag sets is what the engine it builds runs with, device defaults filled in."""
+    from engine.config import EngineConfig
+    from engine.engine import build_engine
 
     s = Settings().replace(codec_hold_s=0.25, chunk_frames=6, first_chunk_frames=3,
                            max_running=3, max_len=512, kv_reserve_gib=2.0,
                            prefill_first_lead_s=0.7, prefill_first_wait_s=0.02, slow_start_x=1.5)
-    cfg = engine_config(s, tiny_bundle)
+    assert isinstance(s.engine, EngineConfig)
+    cfg = build_engine(tiny_bundle, s.engine).cfg
     assert (cfg.prefill_first_lead_s, cfg.prefill_first_wait_s) == (0.7, 0.02)
     assert cfg.slow_start_x == 1.5
     assert (cfg.codec_hold_s, cfg.chunk_frames, cfg.first_chunk_frames) == (0.25, 6, 3)
     assert (cfg.max_running, cfg.max_len, cfg.kv_reserve_gib) == (3, 512, 2.0)
+    auto = build_engine(tiny_bundle, Settings().engine).cfg  # 'auto': the CPU's defaults
+    assert (auto.max_running, auto.max_len) == (8, min(4096, tiny_bundle.model.cfg.slow.max_seq_len))
+
+
+def _flag_value(name: str):  # type: ignore[no-untyped-def]
+    """A valid non-default value of option `name`, as a string and as parsed."""
+    from rtvoice.settings import option_type
+
+    default = getattr(next(getattr(Settings(), g) for g in Settings.__dataclass_fields__
+                           if hasattr(getattr(Settings(), g), name)), name)
+    base, _ = option_type(name)
+    special = {"host": ("0.0.0.0", "0.0.0.0"), "model": ("s2-pro", "s2-pro"),
+               "device": ("cuda:1", "cuda:1"), "dtype": ("fp16", "fp16"),
+               "fused_ops": ("reference", "reference"), "api_keys": ("k1,k2", "k1,k2"),
+               "high_priority_streams": ("decode,codec", ("decode", "codec")),
+               "data_dir": ("/tmp/rtvoice-x", Path("/tmp/rtvoice-x")),
+               "max_chunk_length": ("999", 999), "min_chunk_length": ("11", 11),
+               "port": ("9123", 9123)}
+    if name in special:
+        return special[name]
+    if base is bool:
+        return ("false", False) if default else ("true", True)
+    if base is int:
+        v = (default or 3) + 131
+        return (str(v), v)
+    if base is float:
+        v = (default or 1.0) + 0.25
+        return (repr(v), v)
+    raise AssertionError(f"no test value for option {name} ({base})")
+
+
+def test_every_option_is_reachable_from_the_cli_and_the_environment():
+    """Each option, declared once, is a `rtvoice serve` flag and an RTVOICE_* variable with
+    the same meaning, and shows up in --help and docs/OPTIONS.md."""
+    from rtvoice.cli import build_parser
+    from rtvoice.settings import ENV_PREFIX, option_names, option_type
+
+    ap = build_parser()
+    help_text = ap._subparsers._group_actions[0].choices["serve"].format_help()  # type: ignore[union-attr]
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "OPTIONS.md").read_text()
+    names = [n for ns in option_names().values() for n in ns]
+    assert len(names) == len(set(names)) >= 50
+    for name in names:
+        raw, want = _flag_value(name)
+        flag = "--" + name.replace("_", "-")
+        base, _ = option_type(name)
+        argv = ["serve", flag] if base is bool and want else \
+            ["serve", f"--no-{name.replace('_', '-')}"] if base is bool else ["serve", flag, raw]
+        args = ap.parse_args(argv)
+        from_cli = Settings.from_env({}, **{name: getattr(args, name)})
+        from_env = Settings.from_env({ENV_PREFIX + name.upper(): raw})
+        for s in (from_cli, from_env):
+            group = next(g for g, ns in option_names().items() if name in ns)
+            assert getattr(getattr(s, group), name) == want, (name, s)
+        assert flag in help_text and ENV_PREFIX + name.upper() in help_text, name
+        assert f"`{flag}`" in docs and f"`{ENV_PREFIX}{name.upper()}`" in docs, name
+
+
+def test_options_doc_is_current():
+    """docs/OPTIONS.md is generated from the declarations: regenerate it with
+    `python -m rtvoice.settings --markdown > docs/OPTIONS.md` when an option changes."""
+    from rtvoice.settings import markdown
+
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "OPTIONS.md").read_text()
+    assert docs == markdown()
 
 
 def test_settings_env_known_non_settings_are_not_warned_about(caplog):
     env = {"RTVOICE_CUDA_KERNELS": "0", "RTVOICE_FIXTURES": "/x", "RTVOICE_MAX_TURN_FRAMEZ": "3"}
     with caplog.at_level(logging.WARNING, logger="rtvoice.settings"):
-        Settings.from_env(env)
+        s = Settings.from_env(env)
     warned = " ".join(r.getMessage().split(" (known")[0] for r in caplog.records)
     assert "RTVOICE_MAX_TURN_FRAMEZ" in warned  # a typo is still visible
     assert "RTVOICE_CUDA_KERNELS" not in warned and "RTVOICE_FIXTURES" not in warned
+    assert s.engine.cuda_kernels is False  # an engine option like any other
 
 
 def test_settings_unknown_option_and_bad_env():
@@ -212,15 +285,18 @@ def test_speech_estimate_per_script():
 
 
 def test_frame_budget_bounds():
-    s = Settings().replace(budget_multiplier=3.0, min_turn_frames=32, max_turn_frames=500)
     rate = 44100 / 2048
-    short = frame_budget(s, "Hi.", None, rate)
-    long = frame_budget(s, "A much longer sentence that takes several seconds to say.", None, rate)
+
+    def budget(text: str, request_max: int | None, lo: int = 32, hi: int = 500) -> int:
+        return frame_budget(text, multiplier=3.0, min_frames=lo, max_frames=hi,
+                            request_max=request_max, frame_rate=rate)
+
+    short = budget("Hi.", None)
+    long = budget("A much longer sentence that takes several seconds to say.", None)
     assert short == 32 and 32 < long <= 500
-    assert frame_budget(s, "x " * 1000, None, rate) == 500  # the hard cap
-    assert frame_budget(s, "A much longer sentence.", 10, rate) == 10  # the request's max
-    tiny = Settings().replace(min_turn_frames=2, max_turn_frames=4)
-    assert frame_budget(tiny, "Hello there, how are you?", 1024, rate) == 4
+    assert budget("x " * 1000, None) == 500  # the hard cap
+    assert budget("A much longer sentence.", 10) == 10  # the request's max
+    assert budget("Hello there, how are you?", 1024, lo=2, hi=4) == 4
 
 
 # ------------------------------------------------------------------------------ outbox

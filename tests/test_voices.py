@@ -50,7 +50,7 @@ def test_add_get_list_delete(store: VoiceStore) -> None:
     assert got.codes.shape == (10, 40) and got.codes.dtype == np.int16
     assert not got.codes.flags.writeable  # shared between sessions
 
-    w = store.add("Bob", "مرحبا بكم", _codes(seed=1))
+    w = store.add("Bob", "مرحبا بكم", _codes(seed=1), sample_rate=44100, duration_s=40 * 2048 / 44100)
     assert [i.id for i in store.list()] == [v.id, w.id]
     assert store.info(w.id).name == "Bob"
     assert store.info(w.id).duration_s == pytest.approx(40 * 2048 / 44100)
@@ -64,7 +64,7 @@ def test_add_get_list_delete(store: VoiceStore) -> None:
 
 
 def test_int32_codes_keep_their_dtype(store: VoiceStore) -> None:
-    v = store.add("x", "t", _codes(dtype=np.int32))
+    v = store.add("x", "t", _codes(dtype=np.int32), sample_rate=44100, duration_s=1.0)
     assert store.get(v.id).codes.dtype == np.int32
 
 
@@ -78,8 +78,8 @@ def test_unknown_id_is_named(store: VoiceStore) -> None:
 
 def test_persists_across_reopen(tmp_path: Path) -> None:
     with VoiceStore(tmp_path) as first:
-        kept = first.add("kept", "one", _codes(seed=2))
-        gone = first.add("gone", "two", _codes(seed=3))
+        kept = first.add("kept", "one", _codes(seed=2), sample_rate=44100, duration_s=1.0)
+        gone = first.add("gone", "two", _codes(seed=3), sample_rate=44100, duration_s=1.0)
         first.delete(gone.id)
     assert (tmp_path / DB_FILENAME).exists()
     with VoiceStore(tmp_path) as second:  # a "restart"
@@ -92,14 +92,14 @@ def test_persists_across_reopen(tmp_path: Path) -> None:
 
 def test_limits(tmp_path: Path) -> None:
     store = VoiceStore(tmp_path, VoiceStoreConfig(max_voices=2, max_frames=50, max_name_chars=5))
-    store.add("a", "t", _codes(50))
+    store.add("a", "t", _codes(50), sample_rate=44100, duration_s=1.0)
     with pytest.raises(VoiceLimitError, match="51 frames; the limit is 50"):
-        store.add("b", "t", _codes(51))
+        store.add("b", "t", _codes(51), sample_rate=44100, duration_s=1.0)
     with pytest.raises(VoiceLimitError, match="name"):
-        store.add("toolong", "t", _codes())
-    store.add("b", "t", _codes())
+        store.add("toolong", "t", _codes(), sample_rate=44100, duration_s=1.0)
+    store.add("b", "t", _codes(), sample_rate=44100, duration_s=1.0)
     with pytest.raises(VoiceLimitError, match="full"):
-        store.add("c", "t", _codes())
+        store.add("c", "t", _codes(), sample_rate=44100, duration_s=1.0)
     assert len(store) == 2
     with pytest.raises(ValueError):
         VoiceStoreConfig(max_voices=0)
@@ -118,16 +118,17 @@ def test_limits(tmp_path: Path) -> None:
 )
 def test_invalid_codes(store: VoiceStore, codes: np.ndarray, match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        store.add("x", "t", codes)
+        store.add("x", "t", codes, sample_rate=44100, duration_s=1.0)
     assert len(store) == 0
 
 
 def test_invalid_transcript_and_meta(store: VoiceStore) -> None:
     with pytest.raises(ValueError, match="transcript"):
-        store.add("x", "   ", _codes())
+        store.add("x", "   ", _codes(), sample_rate=44100, duration_s=1.0)
     with pytest.raises(TypeError):
-        store.add("x", "t", _codes(), {"not": object()})
-    assert store.add("   ", "t", _codes()).name == "voice"  # blank name gets a default
+        store.add("x", "t", _codes(), {"not": object()}, sample_rate=44100, duration_s=1.0)
+    blank = store.add("   ", "t", _codes(), sample_rate=44100, duration_s=1.0)
+    assert blank.name == "voice"  # blank name gets a default
     assert len(store) == 1
 
 
@@ -138,7 +139,7 @@ def test_thread_safe_concurrent_adds(tmp_path: Path) -> None:
 
     def worker(seed: int) -> None:
         for k in range(10):
-            v = store.add(f"v{seed}-{k}", "t", _codes(8, seed))
+            v = store.add(f"v{seed}-{k}", "t", _codes(8, seed), sample_rate=44100, duration_s=1.0)
             store.get(v.id)
             with lock:
                 ids.append(v.id)

@@ -19,14 +19,18 @@ Shapes: conv-side tensors are channels-first ``[B, C, T]``; transformer internal
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..functional import apply_rope, rms_norm, rope_table
+from ..kernels.activation import bias_residual_torch, snake_cat_torch, snake_formula, snake_torch
 from .config import WindowTransformerConfig
 
 __all__ = [
-    "CODEC_OPS",
     "Attention",
     "CausalConv1d",
     "CausalConvTranspose1d",
@@ -41,8 +45,6 @@ __all__ = [
     "StreamContext",
     "TransformerBlock",
     "WindowLimitedTransformer",
-    "apply_rope",
-    "rope_table",
     "snake",
     "stream_sequential",
 ]
@@ -71,7 +73,8 @@ class StreamContext:
     ``lengths``: [B] int64 new code frames per stream (all >= 1); the batch is right-padded to
     ``n_max`` frames. ``positions``: [B] int64 frames each stream had decoded before this call
     (absolute RoPE positions start there). ``max_position``: host-side max of ``positions``
-    (so RoPE tables can be sized without a device sync).
+    (so RoPE tables can be sized without a device sync). ``ops``: the pointwise ops the
+    streaming layers call (:class:`CodecOps`; the torch formulas by default).
     """
 
     def __init__(
@@ -82,7 +85,9 @@ class StreamContext:
         max_position: int,
         state: dict[str, Tensor],
         uniform: bool,
+        ops: CodecOps | None = None,
     ) -> None:
+        self.ops = ops if ops is not None else CodecOps()
         self.lengths = lengths
         self.positions = positions
         self.n_max = n_max
@@ -123,7 +128,7 @@ def stream_sequential(seq: nn.Module, x: Tensor, ctx: StreamContext) -> Tensor:
     ``stream`` method continue from saved state, the others are pointwise and run as is. A
     Snake followed by a causal (transposed) conv is handed to the conv as its input
     activation, so the activation can be written straight into the conv's [tail | new] input
-    (``CODEC_OPS.snake_cat``) instead of being concatenated afterwards."""
+    (``ctx.ops.snake_cat``) instead of being concatenated afterwards."""
     mods = list(seq.children()) if isinstance(seq, nn.Sequential) else [seq]
     i = 0
     while i < len(mods):
@@ -139,46 +144,23 @@ def stream_sequential(seq: nn.Module, x: Tensor, ctx: StreamContext) -> Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# Snake
+# Snake and the pointwise ops of the streaming path
 # ---------------------------------------------------------------------------------------------
-def snake(x: Tensor, alpha: Tensor) -> Tensor:
-    """Snake activation ``x + sin(alpha x)^2 / (alpha + 1e-9)``.
-
-    x: [B, C, T], alpha: [1, C, 1]. Written as descript-audio-codec computes it (reciprocal,
-    then multiply), which is what the fixtures were made with.
-    """
-    return x + (alpha + 1e-9).reciprocal() * torch.sin(alpha * x).pow(2)
+snake = snake_formula  # x [B, C, T], alpha [1, C, 1]: x + sin(alpha x)^2 / (alpha + 1e-9)
 
 
+@dataclass(frozen=True, slots=True)
 class CodecOps:
-    """The codec's pointwise ops, called through `CODEC_OPS` so the engine can swap in the
-    one-pass csrc kernels (engine/fusion.py `codec_kernels`) while the layers keep the math.
-    With `fold_bias`, a streaming residual unit runs its convs without their biases and adds
-    them inside the next pointwise op (cuDNN adds a conv's bias as one more broadcast pass)."""
+    """The pointwise ops of the streaming decode path, handed to the layers in the
+    :class:`StreamContext` (engine/ops.py builds the one-pass csrc versions; the defaults are
+    the torch formulas). With ``fold_bias``, a streaming residual unit runs its convs
+    without their biases and adds them inside the next pointwise op (cuDNN adds a conv's
+    bias as one more broadcast pass)."""
 
-    fold_bias = False
-
-    @staticmethod
-    def snake(x: Tensor, alpha: Tensor) -> Tensor:
-        return snake(x, alpha)
-
-    @staticmethod
-    def snake_cat(tail: Tensor, x: Tensor, alpha: Tensor) -> Tensor:
-        # a streaming conv's input: its saved tail [B, C, P], then the activated new samples
-        return torch.cat([tail, snake(x, alpha)], dim=-1)
-
-    @staticmethod
-    def snake_bias(x: Tensor, alpha: Tensor, bias: Tensor) -> Tensor:
-        # x: a conv's output without its bias [B, C, T]; bias [C]
-        return snake(x + bias.reshape(1, -1, 1), alpha)
-
-    @staticmethod
-    def bias_residual(x: Tensor, y: Tensor, bias: Tensor) -> Tensor:
-        # x + (conv output y + its bias): the residual unit's sum
-        return x + (y + bias.reshape(1, -1, 1))
-
-
-CODEC_OPS = CodecOps()
+    snake: Callable[..., Tensor] = snake_torch  # (x, alpha, bias=None): Snake of x (+ bias)
+    snake_cat: Callable[..., Tensor] = snake_cat_torch  # (tail, x, alpha): [tail | Snake(x)]
+    bias_residual: Callable[..., Tensor] = bias_residual_torch  # (x, y, bias): x + (y + bias)
+    fold_bias: bool = False
 
 
 class Snake1d(nn.Module):
@@ -187,18 +169,21 @@ class Snake1d(nn.Module):
         self.alpha = nn.Parameter(torch.ones(1, channels, 1))
 
     def forward(self, x: Tensor) -> Tensor:
-        return CODEC_OPS.snake(x, self.alpha)
+        return snake(x, self.alpha)
+
+    def stream(self, x: Tensor, ctx: StreamContext) -> Tensor:
+        return ctx.ops.snake(x, self.alpha)
 
 
 # ---------------------------------------------------------------------------------------------
 # Causal convolutions
 # ---------------------------------------------------------------------------------------------
-def _stream_input(tail: Tensor, x: Tensor, act: Tensor | None) -> Tensor:
+def _stream_input(tail: Tensor, x: Tensor, act: Tensor | None, ctx: StreamContext) -> Tensor:
     """A streaming conv's input: the saved tail, then the new samples (activated by the
     preceding Snake when ``act`` is its alpha)."""
     if act is None:
         return torch.cat([tail, x], dim=-1)
-    return CODEC_OPS.snake_cat(tail, x, act)
+    return ctx.ops.snake_cat(tail, x, act)
 
 
 class CausalConv1d(Stateful, nn.Module):
@@ -248,8 +233,8 @@ class CausalConv1d(Stateful, nn.Module):
         if self.stride != 1:
             raise RuntimeError("streaming is only defined for stride-1 causal convs")
         if self.left_pad == 0:
-            return self._conv(x if act is None else CODEC_OPS.snake(x, act), bias)
-        xx = _stream_input(ctx.get(self, "tail"), x, act)  # [B, Cin, left_pad + T]
+            return self._conv(x if act is None else ctx.ops.snake(x, act), bias)
+        xx = _stream_input(ctx.get(self, "tail"), x, act, ctx)  # [B, Cin, left_pad + T]
         ctx.put(self, "tail", ctx.take_last(xx, self.left_pad))
         return self._conv(xx, bias)
 
@@ -299,8 +284,8 @@ class CausalConvTranspose1d(Stateful, nn.Module):
     def stream(self, x: Tensor, ctx: StreamContext, act: Tensor | None = None) -> Tensor:
         # x: [B, Cin, T] -> [B, Cout, T * stride]; act: a preceding Snake's alpha
         if self.history == 0:
-            return self.forward(x if act is None else CODEC_OPS.snake(x, act))
-        xx = _stream_input(ctx.get(self, "tail"), x, act)  # [B, Cin, history + T]
+            return self.forward(x if act is None else ctx.ops.snake(x, act))
+        xx = _stream_input(ctx.get(self, "tail"), x, act, ctx)  # [B, Cin, history + T]
         ctx.put(self, "tail", ctx.take_last(xx, self.history))
         y = self.conv(xx)  # [B, Cout, (history + T - 1)*stride + kernel]
         start = self.history * self.stride  # outputs of the tail alone were emitted last call
@@ -331,13 +316,13 @@ class ResidualUnit(nn.Module):
 
     def stream(self, x: Tensor, ctx: StreamContext) -> Tensor:
         act1, conv7, act2, conv1 = self.block
-        if not (CODEC_OPS.fold_bias and conv7.conv.bias is not None
-                and conv1.conv.bias is not None):
+        ops = ctx.ops
+        if not (ops.fold_bias and conv7.conv.bias is not None and conv1.conv.bias is not None):
             return x + stream_sequential(self.block, x, ctx)
         # the same math with both conv biases folded into the pointwise ops after them
         y = conv7.stream(x, ctx, act=act1.alpha, bias=False)
-        y = conv1.stream(CODEC_OPS.snake_bias(y, act2.alpha, conv7.conv.bias), ctx, bias=False)
-        return CODEC_OPS.bias_residual(x, y, conv1.conv.bias)
+        y = conv1.stream(ops.snake(y, act2.alpha, conv7.conv.bias), ctx, bias=False)
+        return ops.bias_residual(x, y, conv1.conv.bias)
 
 
 class ConvNeXtBlock(nn.Module):
@@ -370,34 +355,6 @@ class ConvNeXtBlock(nn.Module):
 # ---------------------------------------------------------------------------------------------
 # Transformer (window-limited, causal)
 # ---------------------------------------------------------------------------------------------
-def rope_table(n_positions: int, head_dim: int, base: float) -> Tensor:
-    """cos/sin of RoPE angles for positions 0..n-1: [n, head_dim/2, 2] (cos, sin).
-
-    Angles are computed in float32 and the table is rounded to bfloat16 (as the reference
-    stores it); returned as float32 holding those bf16 values, which multiplies exactly like
-    the reference's mixed-dtype product.
-    """
-    freqs = 1.0 / (base ** (torch.arange(0, head_dim, 2)[: head_dim // 2].float() / head_dim))
-    t = torch.arange(n_positions)
-    angles = torch.outer(t, freqs)  # [n, hd/2] float32
-    cis = torch.polar(torch.ones_like(angles), angles)
-    table = torch.stack([cis.real, cis.imag], dim=-1)
-    return table.to(torch.bfloat16).float()
-
-
-def apply_rope(x: Tensor, table: Tensor) -> Tensor:
-    """Interleaved (GPT-J) rotation of adjacent pairs (2i, 2i+1).
-
-    x: [B, T, H, hd]; table: [B or 1, T, 1, hd/2, 2]. Computed in float32, cast back.
-    """
-    xs = x.float().reshape(*x.shape[:-1], -1, 2)  # [B, T, H, hd/2, 2]
-    cos, sin = table[..., 0], table[..., 1]
-    out = torch.stack(
-        [xs[..., 0] * cos - xs[..., 1] * sin, xs[..., 1] * cos + xs[..., 0] * sin], dim=-1
-    )
-    return out.flatten(3).type_as(x)
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-5) -> None:
         super().__init__()
@@ -405,9 +362,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        xf = x.float()
-        normed = xf * torch.rsqrt(torch.mean(xf * xf, dim=-1, keepdim=True) + self.eps)
-        return normed.type_as(x) * self.weight
+        return rms_norm(x, self.weight, self.eps)
 
 
 class LayerScale(nn.Module):
@@ -462,7 +417,7 @@ class Attention(Stateful, nn.Module):
         )
 
     def forward(self, x: Tensor, rope: Tensor, mask: Tensor) -> Tensor:
-        # x: [B, T, D], rope: [1, T, 1, hd/2, 2], mask: [1, 1, T, T] bool (True = attend)
+        # x: [B, T, D], rope: [1, T, hd/2, 2], mask: [1, 1, T, T] bool (True = attend)
         q, k, v = self._qkv(x, rope)
         return self._out(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
 
@@ -473,7 +428,7 @@ class Attention(Stateful, nn.Module):
         return {"k": (self.n_head, keep, self.head_dim), "v": (self.n_head, keep, self.head_dim)}
 
     def stream(self, x: Tensor, rope: Tensor, mask: Tensor, ctx: StreamContext) -> Tensor:
-        # x: [B, n, D]; rope: [B, n, 1, hd/2, 2]; mask: [B, 1, n, window-1+n] bool
+        # x: [B, n, D]; rope: [B, n, hd/2, 2]; mask: [B, 1, n, window-1+n] bool
         q, k, v = self._qkv(x, rope)
         keep = self.window - 1
         kk = torch.cat([ctx.get(self, "k"), k], dim=2)  # [B, H, keep + n, hd]
@@ -557,7 +512,7 @@ class WindowLimitedTransformer(nn.Module):
                 self.block_size,
                 2 * (0 if self._rope_cpu is None else self._rope_cpu.shape[0]),
             )
-            self._rope_cpu = rope_table(size, self.head_dim, self.rope_base)
+            self._rope_cpu = rope_table(size, self.head_dim, self.rope_base).float()
             if self._rope_dev is not None and self._rope_dev.is_cuda:
                 self._rope_old.append(self._rope_dev)
             self._rope_dev = None
@@ -580,7 +535,7 @@ class WindowLimitedTransformer(nn.Module):
         # x: [B, C, T] -> [B, C, T]
         x = self.input_proj(_time_major(x))  # [B, T, D]
         length = x.shape[1]
-        rope = self.rope_rows(length, x.device)[:length][None, :, None]  # [1, T, 1, hd/2, 2]
+        rope = self.rope_rows(length, x.device)[:length][None]  # [1, T, hd/2, 2]
         mask = self.window_mask(length, x.device)
         for layer in self.layers:
             x = layer(x, rope, mask)
@@ -597,7 +552,7 @@ class WindowLimitedTransformer(nn.Module):
         dev = x.device
         table = self.rope_rows(ctx.max_position + ctx.n_max, dev)
         pos = ctx.positions[:, None] + torch.arange(n, device=dev)  # [B, n] absolute frames
-        rope = table[pos][:, :, None]  # [B, n, 1, hd/2, 2]
+        rope = table[pos]  # [B, n, hd/2, 2]
         # Absolute positions of the keys: the cached window, then the new frames.
         key_pos = torch.cat(
             [ctx.positions[:, None] - keep + torch.arange(keep, device=dev), pos], dim=1

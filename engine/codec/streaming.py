@@ -33,8 +33,9 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-from ..capture import capture_graphs
-from .layers import StreamContext, WindowLimitedTransformer
+from .. import capture as graphs
+from .. import staging
+from .layers import CodecOps, StreamContext, WindowLimitedTransformer
 from .model import Codec
 
 __all__ = ["STREAM_ATOL", "StreamingDecoder"]
@@ -53,6 +54,9 @@ class StreamingDecoder:
     >>> dec = StreamingDecoder(codec, max_streams=64)
     >>> sid = dec.open()
     >>> out = dec.decode({sid: codes_chunk})   # codes_chunk: int [10, n] -> {sid: [n*2048]}
+
+    ``ops``: the pointwise ops of the streaming layers (engine/ops.py builds the csrc
+    kernels' set; the torch formulas by default).
     """
 
     FRAME_BUCKETS = (1, 2, 4, 8, 16)  # frames per pass in bucketed mode
@@ -63,7 +67,8 @@ class StreamingDecoder:
     AUTOTUNE_MIN_STREAMS = 32
 
     def __init__(self, codec: Codec, max_streams: int = 64, *, buckets: bool = False,
-                 max_frames: int = 4096, graph_streams: int | None = None) -> None:
+                 max_frames: int = 4096, graph_streams: int | None = None,
+                 ops: CodecOps | None = None) -> None:
         if not isinstance(codec, Codec):
             raise TypeError(f"codec must be an engine.codec.Codec, got {type(codec).__name__}")
         if isinstance(max_streams, bool) or not isinstance(max_streams, int) or max_streams < 1:
@@ -76,6 +81,7 @@ class StreamingDecoder:
             raise ValueError(f"graph_streams must be an int in [1, max_streams={max_streams}], "
                              f"got {graph_streams!r}")
         self.codec = codec.eval()
+        self.ops = ops if ops is not None else CodecOps()
         self.max_streams = max_streams
         self.device = codec.device
         self.dtype = codec.dtype
@@ -93,8 +99,7 @@ class StreamingDecoder:
         # stream buckets stop at graph_streams: the engine opens twice its slots (turns still
         # draining) but rarely decodes more than its slots at once, and the biggest buckets
         # cost the most to capture (64 -> 128 -> 256 streams: most of the start-up)
-        self.stream_buckets = sorted({*(b for b in (1, 2, 4, 8, 16, 32, 64, 128)
-                                        if b < graph_streams), graph_streams})
+        self.stream_buckets = graphs.buckets((1, 2, 4, 8, 16, 32, 64, 128), graph_streams)
         # (streams, frames) -> (graph or None, static inputs, static audio output)
         self._passes: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph | None, dict[str, Tensor],
                                                   Tensor | None]] = {}
@@ -218,6 +223,7 @@ class StreamingDecoder:
             max_position=max(positions),
             state={k: buf.index_select(0, slots_t) for k, buf in self._state.items()},
             uniform=all(n == n_max for n in lengths),
+            ops=self.ops,
         )
         with torch.no_grad():
             audio = self.codec.stream_decode(batch, ctx)  # [B, 1, n_max * 2048]
@@ -241,9 +247,6 @@ class StreamingDecoder:
             buf.index_copy_(0, slots_t, ctx.new_state[k])
 
     # -- bucketed passes (CUDA graphs on a GPU) ------------------------------------------------------
-    def _bucket(self, values: tuple[int, ...], n: int) -> int:
-        return next(v for v in values if v >= n)
-
     def _static_pass(self, inp: dict[str, Tensor]) -> Tensor:
         """Gather state, decode, scatter state for fixed-shape inputs; graph-capturable (no
         host sync, no shape that depends on values)."""
@@ -251,7 +254,8 @@ class StreamingDecoder:
         ctx = StreamContext(lengths=inp["lengths"], positions=inp["positions"],
                             n_max=codes.shape[-1], max_position=0,
                             state={k: buf.index_select(0, inp["slots"])
-                                   for k, buf in self._state.items()}, uniform=False)
+                                   for k, buf in self._state.items()}, uniform=False,
+                            ops=self.ops)
         audio = self.codec.stream_decode(codes, ctx)  # [Bb, 1, nb * 2048]
         self._store_state(ctx, inp["slots"])
         return audio
@@ -289,7 +293,7 @@ class StreamingDecoder:
                     self._static_pass(self._inputs(b, n))
         finally:
             torch.backends.cudnn.benchmark = tuned
-        self._passes.update(capture_graphs(side, sorted(keys, reverse=True),  # largest first
+        self._passes.update(graphs.capture_graphs(side, sorted(keys, reverse=True),  # largest first
                                            lambda key: self._inputs(*key),
                                            lambda key, inp: self._static_pass(inp)))
         return time.perf_counter() - t0
@@ -298,31 +302,28 @@ class StreamingDecoder:
                          lengths: list[int], slots: list[int],
                          positions: list[int]) -> dict[int, Tensor]:
         B = len(active)
-        Bb = self._bucket(tuple(self.stream_buckets), B)
-        pin = self.device.type == "cuda"
+        Bb = graphs.bucket(self.stream_buckets, B)
+        assert Bb is not None  # decode() passes at most the largest bucket's streams
         pieces: list[list[Tensor]] = [[] for _ in range(B)]
         done = [0] * B
         while (left := max(n - d for n, d in zip(lengths, done))) > 0:
-            nb = self._bucket(self.FRAME_BUCKETS, min(left, self.FRAME_BUCKETS[-1]))
+            nb = graphs.bucket(self.FRAME_BUCKETS, min(left, self.FRAME_BUCKETS[-1]))
+            assert nb is not None
             graph, inp, audio = self._passes.get((Bb, nb), (None, None, None))
             if inp is None:
                 inp = self._inputs(Bb, nb)
             take = [min(n - d, nb) for n, d in zip(lengths, done)]
-            # this pass's inputs, built on the host and sent in two copies (fresh pinned
-            # tensors each pass: an earlier copy may still be in flight)
-            codes = torch.zeros(Bb, self.codec.n_codebooks_total, nb, dtype=torch.long,
-                                pin_memory=pin)
+            # this pass's inputs, built on the host and staged in two copies
+            codes = staging.host((Bb, self.codec.n_codebooks_total, nb), torch.long, self.device)
             # padding rows (and streams with nothing left): the scratch state row, 1 frame
             meta = [[self.max_streams] * Bb, [1] * Bb, [0] * Bb]
             for i in range(B):
                 if take[i] > 0:
                     codes[i, :, : take[i]] = codes_host[i][:, done[i]: done[i] + take[i]]
                     meta[0][i], meta[1][i], meta[2][i] = slots[i], take[i], positions[i] + done[i]
-            meta_t = torch.tensor(meta, dtype=torch.long)
-            meta_t = meta_t.pin_memory() if pin else meta_t
-            inp["codes"].copy_(codes, non_blocking=pin)
+            staging.stage(inp["codes"], codes)
             for row, key in enumerate(("slots", "lengths", "positions")):
-                inp[key].copy_(meta_t[row], non_blocking=pin)
+                staging.stage(inp[key], meta[row])
             if graph is not None:
                 graph.replay()
             else:

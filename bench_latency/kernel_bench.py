@@ -1,0 +1,99 @@
+"""csrc kernels against their torch fallbacks, on this machine (CUDA-event-free wall timing
+after a warm-up, synchronised):
+
+    python -m bench_latency.kernel_bench
+
+Shapes are S2-Pro's decode shapes (32 query heads, 8 kv heads, head_dim 128; a main-token
+draw over 4,097 logits) and the codec's widest streaming shapes (64 streams x 8 frames).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from engine.kernels import extension_available
+from engine.kernels.activation import (
+    bias_residual,
+    bias_residual_torch,
+    snake,
+    snake_cat,
+    snake_torch,
+)
+from engine.kernels.decode_attention import decode_attention, decode_attention_torch
+from engine.kernels.prev_tokens import prev_tokens_shift_inplace, prev_tokens_shift_torch
+from engine.kernels.sampling import sample, sample_topk
+
+
+def timed(fn: Callable[..., object], args: tuple, n: int, cuda: bool) -> float:
+    """Microseconds per call of fn(*args), after 5 warm-up calls."""
+    for _ in range(5):
+        fn(*args)
+    if cuda:
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn(*args)
+    if cuda:
+        torch.cuda.synchronize()
+    return 1e6 * (time.perf_counter() - t) / n
+
+
+def main() -> int:
+    cuda = torch.cuda.is_available()
+    dev = "cuda" if cuda else "cpu"
+    kind = "kernel" if cuda and extension_available() else "wrapper"
+    for bs in (1, 64, 128):
+        prev = torch.randint(0, 4096, (bs, 16, 10), dtype=torch.int32, device=dev)
+        nxt = torch.randint(0, 4096, (bs, 10), dtype=torch.int32, device=dev)
+        for name, fn in ((kind, prev_tokens_shift_inplace), ("torch", prev_tokens_shift_torch)):
+            us = timed(fn, (prev, nxt), 1000, cuda)
+            print(f"prev_tokens_shift bs={bs:4d} {name:7s} {us:8.2f} us")
+    dt = torch.bfloat16 if cuda else torch.float32
+    for bs, pos in ((1, 200), (1, 1000), (64, 200), (64, 1000)):
+        S = 1024
+        q = torch.randn(bs, 32, 128, device=dev, dtype=dt)
+        kn, vn = (torch.randn(bs, 8, 128, device=dev, dtype=dt) for _ in range(2))
+        kc, vc = (torch.randn(bs + 1, 8, S, 128, device=dev, dtype=dt) for _ in range(2))
+        ws = torch.arange(bs, device=dev)
+        ps = torch.full((bs,), pos, device=dev)
+        for name, fn in ((kind, lambda *a: decode_attention(*a, splits=1)),
+                         (f"{kind}-split", lambda *a: decode_attention(*a, splits=0)),
+                         ("torch", decode_attention_torch)):
+            us = timed(fn, (q, kn, vn, kc, vc, ws, ps, pos + 1), 200 if cuda else 5, cuda)
+            print(f"decode_attention bs={bs:3d} pos={pos:5d} {name:12s} {us:9.2f} us")
+    for bs in (1, 64, 128):  # a main-token draw: 4,096 semantic tokens + <|im_end|>
+        logits = 3 * torch.randn(bs, 4097, device=dev)
+        args = (logits, torch.full((bs,), 0.8, device=dev), torch.full((bs,), 0.8, device=dev),
+                torch.full((bs,), 30, device=dev), torch.arange(bs, device=dev),
+                torch.zeros(bs, dtype=torch.int64, device=dev),
+                torch.ones(bs, dtype=torch.int64, device=dev))
+        for name, fn in ((kind, sample_topk), ("torch", sample)):
+            us = timed(fn, args, 200 if cuda else 20, cuda)
+            print(f"sample_topk bs={bs:4d} {name:7s} {us:9.2f} us")
+    for C, T in ((96, 16384), (192, 8192), (768, 256)):
+        x = torch.randn(64 if cuda else 2, C, T, device=dev, dtype=dt)
+        alpha = torch.rand(C, device=dev, dtype=dt) + 0.5
+        for name, fn in ((kind, snake), ("torch", snake_torch)):
+            us = timed(fn, (x, alpha), 100 if cuda else 3, cuda)
+            gbs = 2 * x.numel() * x.element_size() / us / 1e3
+            print(f"snake C={C:4d} T={T:5d} {name:7s} {us:9.2f} us {gbs:7.1f} GB/s")
+        for P in (1, 54):  # a streaming conv's input [tail | snake(x)]: transposed / dilated
+            tail = torch.randn(x.shape[0], C, P, device=dev, dtype=dt)
+            for name, fn in ((kind, snake_cat),
+                             ("torch", lambda t, x, a: torch.cat([t, snake_torch(x, a)], -1))):
+                us = timed(fn, (tail, x, alpha), 100 if cuda else 3, cuda)
+                gbs = 2 * (x.numel() + tail.numel()) * x.element_size() / us / 1e3
+                print(f"snake_cat C={C:4d} T={T:5d} P={P:2d} {name:7s} {us:9.2f} us {gbs:7.1f} GB/s")
+        y, bias = torch.randn_like(x), torch.randn(C, device=dev, dtype=dt)
+        for name, fn in ((kind, bias_residual), ("torch", bias_residual_torch)):
+            us = timed(fn, (x, y, bias), 100 if cuda else 3, cuda)
+            gbs = 3 * x.numel() * x.element_size() / us / 1e3
+            print(f"bias_residual C={C:4d} T={T:5d} {name:7s} {us:9.2f} us {gbs:7.1f} GB/s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

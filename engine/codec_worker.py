@@ -1,0 +1,66 @@
+"""The codec thread's device side: the new frames of every stream with a chunk due, decoded
+in one batched call of the streaming decoder (a CUDA graph replay per bucket on a GPU) on
+the codec stream, copied to the host in one transfer and cut per stream."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .capture import on_stream
+from .codec import Codec, StreamingDecoder
+from .codec.layers import CodecOps
+from .request import Sequence, Turn
+
+
+class CodecWorker:
+    def __init__(self, codec: Codec, ops: CodecOps, stream: torch.cuda.Stream | None, *,
+                 n_slots: int, graphed: bool, max_frames: int, stats: dict[str, float]) -> None:
+        self.stream = stream
+        self.stats = stats
+        self.graphed = graphed
+        self.cuda = codec.device.type == "cuda"
+        # twice the slots: turns whose audio still drains while their sequences speak again;
+        # graphs up to the slots only (the biggest buckets cost the most to capture)
+        self.decoder = StreamingDecoder(codec, max_streams=max(2, 2 * n_slots), buckets=graphed,
+                                        graph_streams=n_slots, max_frames=max_frames, ops=ops)
+        self.waiting_since: float | None = None  # a tick waiting on the device (watchdog)
+
+    def capture(self) -> float:
+        return self.decoder.capture(self.stream)
+
+    def decode(self, work: list[tuple[Sequence, Turn, Tensor]]) -> list[np.ndarray]:
+        """codes [K, n] per (sequence, turn) -> float32 host samples [n * frame] per item."""
+        chunks: dict[int, Tensor] = {}
+        for _, turn, codes in work:
+            if turn.codec_stream is None:
+                turn.codec_stream = self.decoder.open()
+            chunks[turn.codec_stream] = codes
+        t0 = time.perf_counter()
+        if self.cuda:  # on a CPU the codec's wait is its own compute, not a stall
+            self.waiting_since = t0
+        try:
+            with on_stream(self.stream):
+                out = self.decoder.decode(chunks)
+            # one device->host copy for the whole tick, then split per stream
+            flat = torch.cat([out[sid] for sid in chunks]).cpu().numpy()  # decode gives float32
+        finally:
+            self.waiting_since = None
+        pcm, at = [], 0
+        for _, turn, _ in work:
+            n = out[turn.codec_stream].shape[0]  # type: ignore[index]
+            pcm.append(flat[at: at + n])
+            at += n
+        self.stats["codec_s"] += time.perf_counter() - t0
+        self.stats["codec_ticks"] += 1
+        return pcm
+
+    def release(self, turns: list[Turn]) -> None:
+        """Close the codec streams of turns whose audio is over."""
+        for turn in turns:
+            if turn.codec_stream is not None:
+                self.decoder.close(turn.codec_stream)
+                turn.codec_stream = None

@@ -1,0 +1,34 @@
+"""What the engine raises at its callers, and how it says whose fault a failed turn was."""
+
+from __future__ import annotations
+
+import enum
+
+
+class EngineOverloaded(RuntimeError):
+    """`open` refused: every KV slot is taken and the wait queue is full."""
+
+
+class PromptTooLong(ValueError):
+    """`open` refused: the voice prompt leaves no room in the context for a turn."""
+
+
+class EngineOutOfMemory(RuntimeError):
+    """Not even one KV slot fits in the GPU memory left after the weights."""
+
+
+class TurnError(enum.StrEnum):
+    """Why a turn ended with `FinishReason.ERROR`, by whose fault."""
+
+    TOO_LARGE = "too_large"  # its text does not fit the context: the client's
+    INVALID_STATE = "invalid_state"  # a turn while one runs, or on a closed sequence: the caller's
+    INTERNAL = "internal"  # prefill, decode or the codec failed: ours
+
+
+class BadReferenceAudio(ValueError):
+    """A reference clip that cannot be used (undecodable, empty, too short, or the codec's
+    encoder failed on it); the message says which."""
+
+
+class ReferenceAudioTooLong(BadReferenceAudio):
+    """A reference clip that decodes but exceeds the length limit."""

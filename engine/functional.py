@@ -1,0 +1,56 @@
+"""The elementwise math shared by the DualAR model and the codec: RoPE and RMSNorm (one
+implementation each), and the model's other pointwise pieces. These are the reference
+functions; engine/ops.py may hand the model fused versions of the same math."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def rope_table(n_pos: int, head_dim: int, base: float) -> Tensor:
+    """cos/sin table [n_pos, head_dim/2, 2], rounded to bf16 as the reference does.
+
+    Angles are float32 on purpose: float64 angles change hundreds of bf16 entries from
+    position ~100 on, which moves logits enough to flip codes at real lengths.
+    """
+    freqs = 1.0 / (base ** (torch.arange(0, head_dim, 2)[: head_dim // 2].float() / head_dim))
+    angles = torch.outer(torch.arange(n_pos, dtype=torch.float32), freqs)
+    return torch.stack([torch.cos(angles), torch.sin(angles)], dim=-1).to(torch.bfloat16)
+
+
+def apply_rope(x: Tensor, cs: Tensor) -> Tensor:
+    """Interleaved (GPT-J) rotation of adjacent pairs (2i, 2i+1), computed in float32.
+
+    x: [B, T, H, Dh]; cs: [B or 1, T, Dh/2, 2] (bf16 values, promoted to float32 here)
+    """
+    xp = x.float().reshape(*x.shape[:-1], -1, 2)  # [B, T, H, Dh/2, 2]
+    cs = cs.unsqueeze(2)  # [B, T, 1, Dh/2, 2]
+    out = torch.stack([xp[..., 0] * cs[..., 0] - xp[..., 1] * cs[..., 1],
+                       xp[..., 1] * cs[..., 0] + xp[..., 0] * cs[..., 1]], dim=-1)
+    return out.flatten(3).type_as(x)
+
+
+def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    """x * rsqrt(mean(x^2) + eps) * w, normalised in float32 whatever the activation dtype."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x) * w
+
+
+def add_rms_norm(x: Tensor, y: Tensor, w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """The residual sum and its norm: (x + y, rms_norm(x + y))."""
+    h = x + y
+    return h, rms_norm(h, w, eps)
+
+
+def norm_rope_qk(q: Tensor, k: Tensor, qw: Tensor | None, kw: Tensor | None, cs: Tensor,
+                 eps: float) -> tuple[Tensor, Tensor]:
+    """Per-head RMSNorm of q and k (when the weights are given), then the rotation."""
+    if qw is not None and kw is not None:
+        q, k = rms_norm(q, qw, eps), rms_norm(k, kw, eps)
+    return apply_rope(q, cs), apply_rope(k, cs)
+
+
+def silu_mul(a: Tensor, b: Tensor) -> Tensor:
+    return F.silu(a) * b

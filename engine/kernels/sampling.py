@@ -1,0 +1,100 @@
+"""`sample_topk` (csrc/sampling.cu) and the sampling rule it implements, in torch.
+
+The rule is the reference's: top-k / top-p mask computed on the un-tempered logits, then
+temperature, softmax and an exponential race `argmax(p / E)`, E ~ Exponential(1). The noise
+is counter-based (a hash of seed, step, stream and index), so a request's draws depend only
+on its own seed and step, never on which other requests share the batch, and the whole
+thing is plain tensor ops (CUDA-graph friendly). Temperature 0 means greedy.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .build import kernel_ok
+
+_M32 = 0xFFFFFFFF
+TOPK_MAX = 128  # candidates kept per draw; top_k is capped here (the reference default is 30)
+MAX_V = 8192  # the kernel's widest row
+
+
+def _mix32(x: Tensor) -> Tensor:
+    """A 32-bit integer finaliser (lowbias32) in int64 arithmetic; wraps are masked off."""
+    x = x & _M32
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _M32
+    return x ^ (x >> 16)
+
+
+def exponential_noise(seed: Tensor, step: Tensor, stream: int | Tensor, idx: Tensor | int) -> Tensor:
+    """E ~ Exponential(1) for vocabulary indices `idx` ([B, n], or n for 0..n-1), a pure
+    function of (seed[b], step[b], stream, index): a token's noise does not depend on which
+    other tokens are candidates or which other requests share the batch. `stream` is one
+    int for all rows or an int64 [B] tensor."""
+    if isinstance(idx, int):
+        idx = torch.arange(idx, device=seed.device, dtype=torch.int64)[None, :]
+    key = _mix32(seed.to(torch.int64) * 0x9E3779B1 + stream * 0x632BE5AB)
+    key = _mix32(key + step.to(torch.int64) * 0x85EBCA77)
+    x = _mix32(key[:, None] + idx.to(torch.int64) * 0xC2B2AE3D)
+    # uniform in (0, 1): the top hash value would round to exactly 1.0 in float32 (E = 0,
+    # race = -inf), so it is clamped to the largest float below 1
+    u = (((x >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))).clamp(max=1.0 - 2.0**-24)
+    return -torch.log(u)
+
+
+def sample(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor, seed: Tensor,
+           step: Tensor, stream: int | Tensor) -> Tensor:
+    """logits [B, V]; temperature/top_p [B] float; top_k [B] int (<= TOPK_MAX) -> ids [B].
+
+    The reference's rule on the TOPK_MAX best candidates (everything past top_k is masked
+    anyway): top-p on the un-tempered softmax of the whole row, then temperature, then the
+    exponential race. Rows with temperature 0 take the argmax.
+    """
+    logits = logits.float()
+    K = min(TOPK_MAX, logits.shape[-1])
+    vals, idx = torch.topk(logits, K, dim=-1)  # [B, K], best first
+    cum = torch.softmax(logits, dim=-1).gather(1, idx).cumsum(dim=-1)
+    remove = cum > top_p[:, None]
+    remove[:, 0] = False  # always keep the best
+    rank = torch.arange(K, device=logits.device)
+    remove |= rank[None, :] >= top_k[:, None]
+    t = temperature.clamp(min=1e-5)[:, None]
+    probs = torch.softmax(vals.masked_fill(remove, float("-inf")) / t, dim=-1)
+    race = probs / exponential_noise(seed, step, stream, idx)
+    drawn = idx.gather(1, race.argmax(dim=-1, keepdim=True))[:, 0]
+    return torch.where(temperature > 0, drawn, idx[:, 0])
+
+
+def check(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor,
+          seed: Tensor, step: Tensor, stream: Tensor) -> None:
+    if logits.dim() != 2 or logits.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"logits must be float32 or bfloat16 [B, V], got {logits.dtype} "
+                        f"{list(logits.shape)}")
+    B = logits.shape[0]
+    for name, t, dt in (("temperature", temperature, torch.float32), ("top_p", top_p, torch.float32),
+                        ("top_k", top_k, torch.int64), ("seed", seed, torch.int64),
+                        ("step", step, torch.int64), ("stream", stream, torch.int64)):
+        if t.dtype != dt or t.shape != (B,):
+            raise TypeError(f"{name} must be {dt} [{B}], got {t.dtype} {list(t.shape)}")
+        if t.device != logits.device:
+            raise ValueError(f"{name} is on {t.device}, logits on {logits.device}")
+
+
+def sample_topk(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor, seed: Tensor,
+                step: Tensor, stream: int | Tensor, *, kernel: bool = True) -> Tensor:
+    """`sample` in one launch per batch: the same rule and noise, equal results but for float
+    rounding at top-p boundaries and race near-ties. Runs `sample` off CUDA, for V > 8192,
+    without the extension, or with `kernel=False`."""
+    if isinstance(stream, int):
+        stream = torch.full((logits.shape[0],), stream, dtype=torch.int64, device=logits.device)
+    check(logits, temperature, top_p, top_k, seed, step, stream)
+    if logits.shape[1] <= MAX_V and logits.stride(1) == 1 and kernel_ok(kernel, logits):
+        out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+        torch.ops.rtvoice_kernels.sample_topk(logits, temperature.contiguous(), top_p.contiguous(),
+                                              top_k.contiguous(), seed.contiguous(),
+                                              step.contiguous(), stream.contiguous(), out)
+        return out
+    return sample(logits, temperature, top_p, top_k, seed, step, stream)

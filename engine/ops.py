@@ -1,0 +1,98 @@
+"""The kernels one engine runs, chosen once: `build_ops(...)` makes an `Ops` when the engine
+is built, and the engine hands it to the runner (model calls, attention, sampler) and to
+its codec worker (the streaming decoder's pointwise ops). The model and the codec keep the
+plain math (engine/functional.py, engine/kernels/activation.py) as the defaults; no module
+state decides which kernel runs, so two engines in one process can run different ops.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import functional, fusion
+from .codec.layers import CodecOps
+from .kernels import activation, extension_available, sampling
+from .kernels.decode_attention import decode_attention
+from .kernels.prev_tokens import prev_tokens_shift_checked, prev_tokens_shift_inplace
+
+FUSED_MODES = ("auto", "compile", "reference")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Ops:
+    """Every swappable piece of the decode and prefill math. Defaults: the reference torch
+    functions (what the fixtures check), no csrc kernel."""
+
+    fused: str = "reference"  # "compile": the elementwise ops below are torch.compile'd
+    linear: Callable[[Tensor, Tensor], Tensor] = F.linear  # x [..., K] @ w [N, K]^T
+    rms_norm: Callable[..., Tensor] = functional.rms_norm
+    add_rms_norm: Callable[..., tuple[Tensor, Tensor]] = functional.add_rms_norm
+    norm_rope_qk: Callable[..., tuple[Tensor, Tensor]] = functional.norm_rope_qk
+    silu_mul: Callable[[Tensor, Tensor], Tensor] = functional.silu_mul
+    # one GEMM over W1|W3 where fusion.pack_ffn laid them out as one buffer
+    packed_ffn: bool = False
+    # csrc's one-position attention (store k/v + attend, one launch); None: the model's
+    # attention over the cache (write, then SDPA)
+    decode_attention: Callable[..., Tensor] | None = None
+    sample: Callable[..., Tensor] = sampling.sample  # the sampler's draw
+    shift_window: Callable[[Tensor, Tensor], None] = prev_tokens_shift_checked  # RAS window
+    codec: CodecOps = field(default_factory=CodecOps)
+
+    def swiglu(self, x: Tensor, w1: Tensor, w3: Tensor) -> Tensor:
+        """The FFN's gated input: silu(x W1^T) * (x W3^T). x: [..., D] -> [..., I]."""
+        w13 = fusion.packed(w1, w3) if self.packed_ffn else None
+        if w13 is None:
+            return self.silu_mul(self.linear(x, w1), self.linear(x, w3))
+        h = self.linear(x, w13)  # [..., 2I]: the gate and the up projection side by side
+        n = w1.shape[0]
+        return self.silu_mul(h[..., :n], h[..., n:])
+
+    def describe(self) -> dict[str, object]:
+        """What runs, for logs and bench reports."""
+        return {"fused": self.fused, "decode_attention": self.decode_attention is not None,
+                "sampler": getattr(self.sample, "__name__", str(self.sample)),
+                "codec_kernels": self.codec.fold_bias}
+
+
+REFERENCE = Ops()
+
+
+def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool = True,
+              sampler_kernel: bool = True, codec_kernels: bool = True,
+              split_kv: bool = False) -> Ops:
+    """The ops an engine on `device` runs. `fused`: "compile" (torch.compile'd elementwise ops
+    and the packed FFN GEMM), "reference", or "auto" (compile on CUDA only). `kernels`: use
+    csrc's kernels where the extension is built (CUDA; False: the torch fallbacks
+    everywhere); `sampler_kernel` / `codec_kernels` / `split_kv` select the sampler's draw,
+    the codec's Snake/bias kernels and decode attention's split positions among them."""
+    if fused not in FUSED_MODES:
+        raise ValueError(f"fused ops must be one of {', '.join(FUSED_MODES)}, got {fused!r}")
+    cuda = torch.device(device).type == "cuda"
+    if fused == "auto":
+        fused = "compile" if cuda else "reference"
+    built = kernels and cuda and extension_available()  # nvcc builds it once, at start-up
+    sample = sampling.sample
+    parts: dict[str, object] = {}
+    if fused == "compile":
+        parts = {name: fusion.compiled(name, getattr(functional, name))
+                 for name in ("rms_norm", "add_rms_norm", "norm_rope_qk", "silu_mul")}
+        sample = fusion.compiled("sample", sampling.sample)
+    if built and sampler_kernel and fused == "compile":  # the kernel replaces the compiled draw
+        sample = sampling.sample_topk
+    codec = CodecOps()
+    if built and codec_kernels:
+        codec = CodecOps(snake=activation.snake, snake_cat=activation.snake_cat,
+                         bias_residual=activation.bias_residual, fold_bias=True)
+    return Ops(
+        fused=fused, packed_ffn=fused == "compile", sample=sample, codec=codec,
+        decode_attention=(functools.partial(decode_attention, splits=0 if split_kv else 1)
+                          if built else None),
+        shift_window=functools.partial(prev_tokens_shift_inplace, kernel=built),
+        **parts,  # type: ignore[arg-type]
+    )

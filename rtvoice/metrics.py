@@ -1,0 +1,145 @@
+"""The service's counters and their Prometheus text exposition (``GET /metrics``)."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from typing import Final
+
+import numpy as np
+
+from engine.engine import Engine
+
+__all__ = ["Metrics", "render_metrics"]
+
+
+class Metrics:
+    """Service counters for ``/metrics``. Updated and read on the event loop only."""
+
+    TTFA_BUCKETS: Final = (0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0)
+    PREFILL_BUCKETS: Final = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+    RECENT: Final = 2048  # TTFA values (one per segment) kept for the quantiles
+
+    def __init__(self) -> None:
+        self.connections_total = 0
+        self.connections_open = 0
+        self.sessions_total = 0  # sessions that got past ``start``
+        self.sessions_live = 0
+        self.turns: dict[str, int] = {}  # by done reason
+        self.segments_total = 0
+        self.frames_total = 0
+        self.audio_seconds_total = 0.0
+        self.audio_bytes_total = 0
+        self.errors: dict[str, int] = {}  # by error code
+        self.slow_clients = 0  # sessions dropped because a send/encode bound overflowed
+        self.ttfa_counts = [0] * (len(self.TTFA_BUCKETS) + 1)
+        self.ttfa_sum = 0.0
+        self.ttfa_recent: deque[float] = deque(maxlen=self.RECENT)
+        self.prefill_counts = [0] * (len(self.PREFILL_BUCKETS) + 1)
+        self.prefill_sum = 0.0
+
+    @staticmethod
+    def _observe(buckets: tuple[float, ...], counts: list[int], value: float) -> None:
+        for i, b in enumerate(buckets):
+            if value <= b:
+                counts[i] += 1
+                return
+        counts[-1] += 1
+
+    def observe_ttfa(self, seconds: float) -> None:
+        """One segment's TTFA (handed to the engine -> first audio handed to the socket)."""
+        self._observe(self.TTFA_BUCKETS, self.ttfa_counts, seconds)
+        self.ttfa_sum += seconds
+        self.ttfa_recent.append(seconds)
+
+    def observe_prefill(self, seconds: float) -> None:
+        self._observe(self.PREFILL_BUCKETS, self.prefill_counts, seconds)
+        self.prefill_sum += seconds
+
+    def turn_done(self, reason: str) -> None:
+        self.turns[reason] = self.turns.get(reason, 0) + 1
+
+    def error(self, code: str) -> None:
+        self.errors[code] = self.errors.get(code, 0) + 1
+
+    def ttfa_quantiles(self, qs: Iterable[float] = (0.5, 0.9, 0.99)) -> dict[float, float]:
+        if not self.ttfa_recent:
+            return {}
+        arr = np.fromiter(self.ttfa_recent, dtype=np.float64)
+        return {q: float(np.quantile(arr, q)) for q in qs}
+
+
+def _label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def render_metrics(m: Metrics, engine: Engine, *, model: str, device: str,
+                   random_weights: bool) -> str:
+    """Prometheus text exposition (format 0.0.4) of the service's and the engine's counters."""
+    out: list[str] = []
+
+    def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
+        out.append(f"# HELP {name} {help_}")
+        out.append(f"# TYPE {name} {kind}")
+        for labels, value in samples:
+            out.append(f"{name}{labels} {value:.9g}" if isinstance(value, float) else
+                       f"{name}{labels} {value}")
+
+    def histogram(name: str, help_: str, buckets: tuple[float, ...], counts: list[int],
+                  total: float) -> None:
+        out.append(f"# HELP {name} {help_}")
+        out.append(f"# TYPE {name} histogram")
+        acc = 0
+        for b, c in zip(buckets, counts):
+            acc += c
+            out.append(f'{name}_bucket{{le="{b:g}"}} {acc}')
+        acc += counts[-1]
+        out.append(f'{name}_bucket{{le="+Inf"}} {acc}')
+        out.append(f"{name}_sum {total:.9g}")
+        out.append(f"{name}_count {acc}")
+
+    metric("rtvoice_model_info", "gauge", "The served model.", [
+        (f'{{model="{_label(model)}",device="{_label(device)}",'
+         f'random_weights="{str(random_weights).lower()}"}}', 1)])
+    metric("rtvoice_connections_total", "counter", "WebSocket connections accepted.",
+           [("", m.connections_total)])
+    metric("rtvoice_connections_open", "gauge", "WebSocket connections open now.",
+           [("", m.connections_open)])
+    metric("rtvoice_sessions_total", "counter", "Sessions started (a 'start' accepted).",
+           [("", m.sessions_total)])
+    metric("rtvoice_sessions_live", "gauge", "Sessions started and not yet closed.",
+           [("", m.sessions_live)])
+    metric("rtvoice_turns_total", "counter", "Turns (utterances) ended, by done reason.",
+           [(f'{{reason="{_label(r)}"}}', n) for r, n in sorted(m.turns.items())])
+    metric("rtvoice_segments_total", "counter", "Segments handed to the engine.",
+           [("", m.segments_total)])
+    metric("rtvoice_frames_total", "counter", "Codec frames generated.", [("", m.frames_total)])
+    metric("rtvoice_audio_seconds_total", "counter", "Seconds of audio delivered in finished turns.",
+           [("", float(m.audio_seconds_total))])
+    metric("rtvoice_audio_bytes_total", "counter", "Encoded audio bytes sent.",
+           [("", m.audio_bytes_total)])
+    metric("rtvoice_errors_total", "counter", "Error events sent, by code.",
+           [(f'{{code="{_label(c)}"}}', n) for c, n in sorted(m.errors.items())])
+    metric("rtvoice_slow_clients_total", "counter", "Sessions dropped (error timeout) because "
+           "the client did not read fast enough (send queue or encoder backlog full).",
+           [("", m.slow_clients)])
+    histogram("rtvoice_ttfa_seconds", "Time to first audio per segment (segment handed to "
+              "the engine, i.e. ready to generate -> its first audio chunk handed to the "
+              "socket).", Metrics.TTFA_BUCKETS, m.ttfa_counts, m.ttfa_sum)
+    metric("rtvoice_ttfa_recent_seconds", "summary",
+           f"TTFA quantiles over the last {Metrics.RECENT} segments.",
+           [(f'{{quantile="{q:g}"}}', float(v)) for q, v in m.ttfa_quantiles().items()])
+    histogram("rtvoice_prefill_seconds", "Voice prompt prefill time (open -> ready).",
+              Metrics.PREFILL_BUCKETS, m.prefill_counts, m.prefill_sum)
+    load = engine.load()
+    metric("rtvoice_engine_sequences", "gauge", "Engine sequences by state.",
+           [('{state="live"}', load["live"]), ('{state="waiting"}', load["waiting"])])
+    metric("rtvoice_engine_free_slots", "gauge", "Free KV slots.", [("", load["free_slots"])])
+    metric("rtvoice_engine_device_wait_seconds", "gauge",
+           "How long the engine has been waiting on the device right now (a stall if large).",
+           [("", load["device_wait_s"])])
+    stats = engine.stats
+    metric("rtvoice_engine_steps_total", "counter", "Engine steps.", [("", int(stats["steps"]))])
+    metric("rtvoice_engine_seconds_total", "counter", "Engine time by phase.",
+           [(f'{{phase="{p}"}}', float(stats[f"{p}_s"])) for p in ("prefill", "decode", "codec")])
+    return "\n".join(out) + "\n"

@@ -1,0 +1,124 @@
+"""What every session of one server shares — settings, the loaded model, the engine, the voice
+store, the thread pools, the counters — with its start and stop, and the two questions a
+session or the voices API asks of the model: a reference clip's codes, and how much text a
+voice leaves room for."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from engine.engine import Engine, build_engine
+from engine.errors import BadReferenceAudio, ReferenceAudioTooLong
+from engine.loader import Bundle, load_bundle
+from engine.prompt import Reference
+from engine.reference_audio import reference_from_bytes
+from protocol import ErrorCode, ProtocolError
+from rtvoice.metrics import Metrics
+from rtvoice.settings import Settings
+from rtvoice.turns import segment_chars
+from rtvoice.voices import VoiceStore, VoiceStoreConfig
+
+__all__ = ["LiveSession", "Runtime"]
+
+log = logging.getLogger(__name__)
+
+
+class LiveSession(Protocol):
+    """A connected session, as the server's shutdown sees it."""
+
+    def server_stopping(self) -> None: ...
+
+
+@dataclass(slots=True)
+class Runtime:
+    settings: Settings
+    bundle: Bundle
+    engine: Engine
+    store: VoiceStore
+    encode_pool: ThreadPoolExecutor  # audio encoders (mp3/opus/resampling)
+    codec_pool: ThreadPoolExecutor  # reference decoding + codec encoder (one worker)
+    metrics: Metrics = field(default_factory=Metrics)
+    session_ids: itertools.count[int] = field(default_factory=itertools.count)
+    sessions: set[LiveSession] = field(default_factory=set)  # connected now (shutdown notices)
+    stopping: bool = False  # the server is shutting down: new sockets are refused
+
+    @classmethod
+    async def start(cls, settings: Settings, bundle: Bundle | None = None) -> Runtime:
+        """Load the model (unless `bundle` is given), build and start the engine, open the
+        voice store."""
+        m = settings.model
+        if m.torch_threads:
+            torch.set_num_threads(m.torch_threads)
+        elif m.device == "cpu":
+            # The engine runs prefill, decode and codec on their own threads; intra-op threads
+            # on top of them only oversubscribe the cores (the tiny model's matmuls are small).
+            torch.set_num_threads(1)
+        if bundle is None:
+            bundle = await asyncio.to_thread(load_bundle, m.model, device=m.device, dtype=m.dtype,
+                                             seed=settings.engine.seed, max_seq_len=m.max_seq_len)
+        engine = build_engine(bundle, settings.engine)
+        # Even the plain voice prompt (no reference) must leave room for a segment of
+        # min_chunk_length characters, or no session could ever speak.
+        room = segment_chars(engine.text_room([]))
+        if room < settings.limits.min_chunk_length:
+            raise ValueError(
+                f"max_len={engine.max_len} leaves room for {max(0, room)} characters per "
+                f"segment next to the plain voice prompt; min_chunk_length is "
+                f"{settings.limits.min_chunk_length}: raise max_len")
+        store = VoiceStore(settings.voices.data_dir,
+                           VoiceStoreConfig(max_voices=settings.voices.max_voices))
+        engine.start()
+        log.info("engine ready: model %s%s on %s, %d KV slots x %d positions, voices in %s",
+                 bundle.name, " (RANDOM WEIGHTS)" if bundle.random_weights else "", m.device,
+                 engine.n_slots, engine.max_len, settings.voices.data_dir)
+        return cls(
+            settings=settings, bundle=bundle, engine=engine, store=store,
+            encode_pool=ThreadPoolExecutor(settings.service.encode_threads, "rtvoice-encode"),
+            # One worker: the codec encoder is a big torch op that already uses every core;
+            # two at once only make both slower, and it bounds the memory of uploads.
+            codec_pool=ThreadPoolExecutor(1, "rtvoice-codec"),
+        )
+
+    async def stop(self) -> None:
+        await asyncio.to_thread(self.engine.shutdown)
+        self.encode_pool.shutdown(wait=False, cancel_futures=True)
+        self.codec_pool.shutdown(wait=False, cancel_futures=True)
+        self.store.close()
+
+    async def reference(self, audio: bytes, text: str, what: str) -> tuple[Reference, int, float]:
+        """Reference clip bytes -> (prompt `Reference` with codes, clip sample rate, clip
+        seconds), decoded and encoded in the codec pool. Raises `ProtocolError`
+        (bad_reference_audio / too_large, the message starting with `what`)."""
+        loop = asyncio.get_running_loop()
+        codec = self.bundle.codec
+        max_s = self.settings.limits.max_reference_s
+        try:
+            return await loop.run_in_executor(
+                self.codec_pool, lambda: reference_from_bytes(codec, audio, text, max_seconds=max_s))
+        except ReferenceAudioTooLong as exc:
+            raise ProtocolError(ErrorCode.TOO_LARGE, f"{what}: {exc}") from None
+        except BadReferenceAudio as exc:
+            raise ProtocolError(ErrorCode.BAD_REFERENCE_AUDIO, f"{what}: {exc}") from None
+
+    def voice_room(self, references: Iterable[Reference]) -> int:
+        """Characters per segment this voice leaves room for in the engine's context;
+        `ProtocolError(too_large)` when that is less than ``min_chunk_length`` (the voice
+        cannot be served)."""
+        room = segment_chars(self.engine.text_room(tuple(references)))
+        need = self.settings.limits.min_chunk_length
+        if room < need:
+            raise ProtocolError(
+                ErrorCode.TOO_LARGE,
+                f"the voice prompt (transcript + reference codes) leaves room for {max(0, room)} "
+                f"characters per segment in the engine's context of {self.engine.max_len} "
+                f"positions; at least {need} are needed: use a shorter clip or transcript",
+            )
+        return room

@@ -1,0 +1,491 @@
+"""The scheduler alone: no threads, no torch device, no model. A few lines of Python stand in
+for the runner (`FakeDevice`: the slot ops and the step's stop rules, frames made up), so
+the tests drive admission, joins, cancels, drains, context overflow, closes and the chunk
+policy step by step — including the pingpong order (step N launched before step N-1 is
+read)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from engine.config import TINY_IDS, EngineConfig
+from engine.engine import CollectingSink
+from engine.errors import TurnError
+from engine.prompt import PromptBuilder
+from engine.request import FinishReason, SeqState, Sequence, SlotOp, Turn
+from engine.sampler import SamplingParams
+from engine.scheduler import TURN_MARGIN, Scheduler, StepPlan
+from engine.tokenizer import ByteTokenizer
+
+K = 10  # codebooks
+K1 = K + 1
+SR, HOP = 44100, 2048
+
+
+class FakeDevice:
+    """The runner's device state and step, in plain Python: what a launched step would
+    write into its output row, computed at launch (the GPU runs steps in order)."""
+
+    def __init__(self, n_slots: int, eos_after: dict[int, int] | None = None) -> None:
+        self.active = [False] * (n_slots + 1)
+        self.pos = [0] * (n_slots + 1)
+        self.left = [0] * (n_slots + 1)
+        self.made = [0] * (n_slots + 1)  # frames made in the slot's current turn
+        self.eos_after = eos_after or {}  # slot -> frames before it emits <|im_end|>
+        self.ops: list[SlotOp] = []
+
+    def apply(self, ops: list[SlotOp]) -> None:
+        for op in ops:
+            self.ops.append(op)
+            if op.kind == "join":
+                self.active[op.slot], self.pos[op.slot] = True, op.pos
+                self.left[op.slot], self.made[op.slot] = op.max_frames, 0
+            elif op.kind == "leave":
+                self.active[op.slot] = False
+
+    def step(self, plan: StepPlan) -> torch.Tensor:
+        out = torch.zeros(plan.B, K1 + 2, dtype=torch.long)
+        for b in range(plan.B):
+            if not self.active[b]:
+                continue
+            eos = self.eos_after.get(b) == self.made[b]
+            code = (7 * b + self.made[b]) % 4096
+            out[b, 0] = TINY_IDS.im_end if eos else TINY_IDS.semantic_start + code
+            out[b, 1:K1] = torch.tensor([code if not eos else 0] + [code % 1024] * (K - 1))
+            self.made[b] += 1
+            self.pos[b] += 1
+            self.left[b] -= 1
+            stop = eos or self.left[b] <= 0
+            out[b, K1], out[b, K1 + 1] = 1, int(stop)
+            self.active[b] = not stop
+        return out
+
+
+def make(n_slots: int = 2, **cfg: object) -> tuple[Scheduler, FakeDevice]:
+    config = EngineConfig(**{"max_len": 512, "max_running": n_slots, **cfg}).resolved(  # type: ignore[arg-type]
+        cuda=False, model_len=4096)
+    prompts = PromptBuilder(ByteTokenizer(special_base=TINY_IDS.semantic_start - 35), K)
+    sched = Scheduler(config, prompts, n_slots=n_slots, sample_rate=SR, frame_samples=HOP,
+                      ids=TINY_IDS)
+    return sched, FakeDevice(n_slots)
+
+
+def new_seq(sched: Scheduler, sink: CollectingSink | None = None, seed: int = 0) -> Sequence:
+    system = sched.prompts.system(())
+    return Sequence(seed + 1, (), SamplingParams(seed=seed), seed, sink or CollectingSink(),
+                    system_cols=system)
+
+
+def prefill_all(sched: Scheduler) -> int:
+    """Every prefill job lands at once (the prefill worker's part, done)."""
+    jobs = sched.take_prefill_jobs()
+    for job in jobs:
+        job.done = job.cols.shape[1]
+        sched.prefill_done(job)
+    return len(jobs)
+
+
+def sync_step(sched: Scheduler, dev: FakeDevice) -> bool:
+    """One decode step launched and read at once (the sync loop)."""
+    dev.apply(sched.take_slot_ops())
+    plan = sched.plan_step(time.perf_counter())
+    if plan is None:
+        return False
+    sched.step_done(plan.k, plan.B, dev.step(plan))
+    return True
+
+
+def codec_all(sched: Scheduler, now: float | None = None) -> list[int]:
+    """One codec tick with silent audio; returns the frames decoded per stream."""
+    plan = sched.plan_codec(time.perf_counter() if now is None else now)
+    pcm = [np.zeros(codes.shape[1] * HOP, np.float32) for _, _, codes in plan.work]
+    sched.codec_done(plan, pcm)
+    return [codes.shape[1] for _, _, codes in plan.work]
+
+
+def run_idle(sched: Scheduler, dev: FakeDevice, limit: int = 2000) -> None:
+    for _ in range(limit):
+        did = prefill_all(sched) > 0
+        did |= sync_step(sched, dev)
+        did |= bool(codec_all(sched))
+        if not did and not sched.plan_codec(time.perf_counter()).busy:
+            return
+    raise AssertionError("the scheduler did not go idle")
+
+
+def ready(sched: Scheduler, sink: CollectingSink | None = None, seed: int = 0) -> Sequence:
+    seq = new_seq(sched, sink, seed)
+    sched.admit(seq)
+    prefill_all(sched)
+    assert seq.state is SeqState.IDLE
+    return seq
+
+
+def test_admission_assigns_slots_lowest_first_and_queues_the_rest():
+    sched, _ = make(n_slots=2, max_waiting=1)
+    sinks = [CollectingSink() for _ in range(3)]
+    seqs = [new_seq(sched, s, i) for i, s in enumerate(sinks)]
+    for seq in seqs:
+        assert sched.has_room()
+        sched.admit(seq)
+    assert [s.slot for s in seqs] == [0, 1, None] and list(sched.waiting) == [seqs[2]]
+    assert not sched.has_room()  # two slots taken, the one queue place taken
+    assert [op.kind for op in sched.take_slot_ops()] == ["assign", "assign"]
+    jobs = sched.take_prefill_jobs()
+    assert [(j.slot, j.start, j.turn) for j in jobs] == [(0, 0, None), (1, 0, None)]
+    assert sched.prefill_outstanding == 2
+    for job in jobs:
+        sched.prefill_done(job)
+    assert sched.prefill_outstanding == 0
+    assert sinks[0].ready.is_set() and sinks[1].ready.is_set() and not sinks[2].ready.is_set()
+    assert seqs[0].pos == seqs[0].system_cols.shape[1]
+    sched.close(seqs[1])  # idle: its slot goes back at once, to the waiting sequence
+    assert seqs[2].slot == 1 and not sched.waiting
+    assert [op.kind for op in sched.take_slot_ops()] == ["assign"]
+
+
+def test_a_waiting_sequence_that_closes_gives_its_place_back():
+    sched, _ = make(n_slots=1, max_waiting=1)
+    a, b = ready(sched), new_seq(sched, seed=1)
+    sched.admit(b)
+    assert not sched.has_room()
+    sched.close(b)
+    assert sched.has_room() and not sched.waiting and b.state is SeqState.CLOSED
+    sched.close(a)
+    assert sched.free_slots == 1
+
+
+def test_a_turn_streams_in_growing_chunks_then_ends():
+    sched, dev = make(slow_start_x=0.0)
+    sink = CollectingSink()
+    seq = ready(sched, sink)
+    pos0 = seq.pos
+    sched.start_turn(seq, Turn("t1", "Hello world.", 12))
+    job = sched.take_prefill_jobs()[0]
+    assert job.turn is not None and job.start == pos0 and seq.state is SeqState.TURN_PREFILL
+    job.done = job.cols.shape[1]
+    sched.prefill_done(job)
+    ops = sched.take_slot_ops()
+    assert [o.kind for o in ops] == ["assign", "join"]  # the voice's parameters, then the turn
+    join = ops[1]
+    assert join.slot == seq.slot and join.max_frames == 12 and join.pos == seq.pos
+    assert sched.running == {seq.slot: seq} and seq.state is SeqState.DECODING
+    dev.apply(ops)
+    sizes = []
+    for _ in range(20):
+        sync_step(sched, dev)
+        sizes += codec_all(sched)
+    assert sizes == [1, 1, 2, 4, 4]  # 12 frames: 1, 1, 2, 4, then the remaining 4
+    res = sink.results[-1]
+    assert (res.turn_id, res.reason, res.frames) == ("t1", FinishReason.LENGTH, 12)
+    assert res.codes.shape == (K, 12) and res.audio_s == pytest.approx(12 * HOP / SR)
+    assert seq.state is SeqState.IDLE and not sched.running
+    assert len(seq.history) == 1 and seq.history[0][1].shape == (K, 11)  # all but the last fed
+    assert [o for o in sink.offsets] == pytest.approx(np.cumsum([0, 1, 1, 2, 4])[:5] * HOP / SR)
+
+
+def test_eos_ends_a_turn_and_its_frame_is_not_audio():
+    sched, dev = make()
+    dev.eos_after = {0: 3}
+    sink = CollectingSink()
+    seq = ready(sched, sink)
+    sched.start_turn(seq, Turn("t", "Hi.", 50))
+    run_idle(sched, dev)
+    res = sink.results[-1]
+    assert res.reason is FinishReason.EOS and res.frames == 3 and len(sink.pcm()) == 3 * HOP
+    assert seq.history[0][1].shape == (K, 3)  # after an EOS every audible frame was fed
+
+
+def test_cancel_while_decoding_drains_the_steps_in_flight():
+    """Pingpong order: step k+1 is launched before step k is read. A cancel takes the slot
+    off the batch (a leave op); rows the launched steps still produce are wasted; the turn
+    ends at once, with no audio after it; a queued turn starts once the slot has drained."""
+    sched, dev = make()
+    sink = CollectingSink()
+    seq = ready(sched, sink)
+    sched.start_turn(seq, Turn("a", "A long turn.", 400))
+    prefill_all(sched)
+    dev.apply(sched.take_slot_ops())
+    pending = None
+    for _ in range(6):  # steps run ahead of what the host reads by one
+        plan = sched.plan_step(time.perf_counter())
+        out = dev.step(plan)
+        if pending is not None:
+            sched.step_done(*pending)
+        pending = (plan.k, plan.B, out)
+        codec_all(sched)
+    n_audio = len(sink.audio)
+    sched.cancel(seq)
+    assert seq.draining and sink.results[-1].reason is FinishReason.CANCELLED
+    sched.start_turn(seq, Turn("b", "Next.", 5))  # queued behind the drain
+    assert seq.queued_turn is not None and not sched.take_prefill_jobs()
+    dev.apply(sched.take_slot_ops())  # the leave lands before the next step
+    plan = sched.plan_step(time.perf_counter())  # the draining row is still in the batch
+    out = dev.step(plan)
+    wasted = sched.stats["wasted_rows"]
+    # the step launched before the cancel is the last that can produce the row: once it is
+    # read (wasted) the slot has drained, and the queued turn starts
+    sched.step_done(*pending)
+    assert sched.stats["wasted_rows"] == wasted + 1
+    assert not seq.draining and seq.state is SeqState.TURN_PREFILL
+    assert sched.take_prefill_jobs()[0].turn.turn_id == "b"
+    frames = sched.stats["frames"]
+    sched.step_done(plan.k, plan.B, out)  # after the leave: the row was inactive
+    assert sched.stats["frames"] == frames and sched.stats["wasted_rows"] == wasted + 1
+    codec_all(sched)
+    assert len(sink.audio) == n_audio  # nothing of the cancelled turn after the cancel
+    assert [t for t, _ in seq.history] == ["A long turn."]
+
+
+def test_cancel_during_turn_prefill_rolls_back():
+    sched, dev = make()
+    sink = CollectingSink()
+    seq = ready(sched, sink)
+    pos0 = seq.pos
+    sched.start_turn(seq, Turn("x", "Never spoken.", 50))
+    job = sched.take_prefill_jobs()[0]
+    sched.cancel(seq)
+    assert job.abandoned and seq.pos == pos0 and seq.state is SeqState.IDLE
+    assert sink.results[-1].reason is FinishReason.CANCELLED and sink.results[-1].frames == 0
+    sched.prefill_done(job)  # lands anyway: nothing joins
+    assert not sched.running and not [o for o in sched.take_slot_ops() if o.kind == "join"]
+    sched.start_turn(seq, Turn("y", "Spoken.", 3))
+    run_idle(sched, dev)
+    assert sink.results[-1].turn_id == "y" and sink.results[-1].frames == 3
+    assert seq.history[0][0] == "Spoken."
+
+
+def test_one_turn_at_a_time_and_none_on_a_closed_sequence():
+    sched, _ = make()
+    sink = CollectingSink()
+    seq = ready(sched, sink)
+    sched.start_turn(seq, Turn("a", "One.", 10))
+    sched.start_turn(seq, Turn("b", "Two.", 10))
+    err = sink.results[-1]
+    assert err.turn_id == "b" and err.error_code is TurnError.INVALID_STATE
+    assert "already running" in err.error
+    sched.close(seq)
+    sched.start_turn(seq, Turn("c", "Three.", 10))
+    assert sink.results[-1].error_code is TurnError.INVALID_STATE
+
+
+def test_a_full_context_drops_the_oldest_turns_and_re_prefills():
+    sched, dev = make(n_slots=1, max_len=200)
+    sink = CollectingSink()
+    seq = ready(sched, sink)
+    starts = []
+    for i in range(6):
+        sched.start_turn(seq, Turn(str(i), f"Turn number {i}.", 30))
+        jobs = sched.take_prefill_jobs()
+        starts.append(jobs[0].start)
+        for job in jobs:
+            job.done = job.cols.shape[1]
+            sched.prefill_done(job)
+        run_idle(sched, dev)
+        assert sink.results[-1].error is None and seq.pos <= 200
+    assert 0 in starts[1:]  # a rebuild prefilled from position 0
+    assert len(seq.history) < 6
+
+
+def test_text_too_long_for_the_context_is_the_clients_fault():
+    sched, _ = make(n_slots=1, max_len=160)
+    sink = CollectingSink()
+    seq = ready(sched, sink)
+    sched.start_turn(seq, Turn("long", "x" * 500, 5))
+    res = sink.results[-1]
+    assert res.reason is FinishReason.ERROR and res.error_code is TurnError.TOO_LARGE
+    assert seq.state is SeqState.IDLE and seq.turn is None
+
+
+def test_turn_room_counts_the_wrapper_and_the_margin():
+    sched, _ = make(max_len=512)
+    system = sched.prompts.system(()).shape[1]
+    wrapper = sched.prompts.user_turn("").shape[1]
+    assert sched.turn_room(system) == 512 - system - wrapper - TURN_MARGIN
+    assert sched.turn_room(512) < 0
+
+
+def test_close_while_decoding_frees_the_slot_after_the_drain():
+    sched, dev = make(n_slots=1, max_waiting=2)
+    a_sink, b_sink = CollectingSink(), CollectingSink()
+    a = ready(sched, a_sink)
+    b = new_seq(sched, b_sink, 1)
+    sched.admit(b)  # waits for a's slot
+    sched.start_turn(a, Turn("a", "A long turn.", 400))
+    prefill_all(sched)
+    sync_step(sched, dev)
+    plan = sched.plan_step(time.perf_counter())
+    out = dev.step(plan)  # in flight when a closes
+    sched.close(a)
+    assert a.state is SeqState.CLOSED and a.slot == 0 and b.slot is None  # still in flight
+    sched.step_done(plan.k, plan.B, out)
+    assert a.slot is None and b.slot == 0  # released after the drain, handed to b
+    assert prefill_all(sched) == 1 and b_sink.ready.is_set()
+    assert [r.turn_id for r in a_sink.results] == []  # a close reports nothing
+
+
+def test_a_failed_step_ends_every_decoding_turn_and_resets_their_context():
+    sched, dev = make()
+    sinks = [CollectingSink(), CollectingSink()]
+    seqs = [ready(sched, s, i) for i, s in enumerate(sinks)]
+    for i, seq in enumerate(seqs):
+        sched.start_turn(seq, Turn("t", f"Turn {i}.", 100))
+    prefill_all(sched)
+    sync_step(sched, dev)
+    sched.fail_all_decoding("decode step failed")
+    for seq, sink in zip(seqs, sinks):
+        res = sink.results[-1]
+        assert res.reason is FinishReason.ERROR and res.error_code is TurnError.INTERNAL
+        assert seq.needs_rebuild and seq.state is SeqState.IDLE and not sched.running
+    assert {op.kind for op in sched.take_slot_ops()} == {"leave"}
+
+
+def test_a_failed_prefill_fails_only_its_sequence():
+    sched, _ = make(n_slots=3)
+    sinks = [CollectingSink() for _ in range(3)]
+    seqs = [new_seq(sched, s, i) for i, s in enumerate(sinks)]
+    for seq in seqs:
+        sched.admit(seq)
+    jobs = sched.take_prefill_jobs()
+    jobs[1].event = RuntimeError("boom in slot 1")
+    for job in jobs:
+        sched.prefill_done(job)
+    assert sinks[0].ready.is_set() and sinks[2].ready.is_set()
+    assert "boom" in sinks[1].errors[0] and seqs[1].state is SeqState.CLOSED
+    assert sched.free_slots == 1
+
+
+def _audio_turn(sched: Scheduler, frames: int, decoded: int, ahead_s: float,
+                sink: CollectingSink | None = None) -> Turn:
+    g = torch.Generator().manual_seed(frames)
+    seq = Sequence(100 + frames, (), SamplingParams(), 0, sink or CollectingSink())
+    turn = Turn("t", "x", 64)
+    turn.frames = [torch.randint(0, 16, (K1,), generator=g) for _ in range(frames)]
+    turn.decoded_frames = decoded
+    if decoded:
+        turn.first_audio_at = time.perf_counter()
+        turn.samples_out = int(ahead_s * SR)
+    sched._audio.append((seq, turn))
+    return turn
+
+
+def test_codec_holds_streams_far_ahead_for_a_fuller_tick():
+    """A stream more than codec_hold_s ahead of realtime waits (up to two chunks) and rides
+    along in the next tick another stream needs; first chunks never wait; 0 turns it off."""
+    sched, _ = make(codec_hold_s=1.0)
+    a_sink = CollectingSink()
+    a = _audio_turn(sched, 16, 8, ahead_s=3.0, sink=a_sink)  # one chunk pending, 3 s ahead
+    assert codec_all(sched) == [] and a.decoded_frames == 8  # held
+    b = _audio_turn(sched, 2, 0, ahead_s=0.0)  # a new turn's first chunk is due at once...
+    assert sorted(codec_all(sched)) == [2, 8]
+    assert b.decoded_frames == 2 and a.decoded_frames == 16  # ...and a rides along
+    assert len(a_sink.audio) == 1 and len(a_sink.audio[0]) == 8 * HOP
+    g = torch.Generator().manual_seed(1)
+    a.frames += [torch.randint(0, 16, (K1,), generator=g) for _ in range(15)]
+    assert codec_all(sched) == []  # 15 pending, still far ahead
+    a.frames.append(torch.randint(0, 16, (K1,), generator=g))
+    assert codec_all(sched) == [16] and a.decoded_frames == 32  # two chunks: goes alone
+    a.frames += [torch.randint(0, 16, (K1,), generator=g) for _ in range(8)]
+    a.samples_out = int(0.5 * SR) + int((time.perf_counter() - a.first_audio_at) * SR)
+    assert codec_all(sched) == [8] and a.decoded_frames == 40  # only 0.5 s ahead: due
+    sched.cfg.codec_hold_s = 0.0
+    a.samples_out += 10 * SR
+    a.frames += [torch.randint(0, 16, (K1,), generator=g) for _ in range(8)]
+    assert codec_all(sched) == [8] and a.decoded_frames == 48  # holding off
+
+
+def test_decode_pauses_for_prefills_while_every_turn_is_ahead():
+    """Prefill first: with prompts prefilling, the decode step waits unless a running turn
+    needs it (audio less than prefill_first_lead_s ahead, a joined turn without its first
+    chunk for prefill_first_wait_s); a draining (cancelled) turn needs none; no prefill: it
+    never waits; prefill_first_lead_s=0 turns it off."""
+    sched, _ = make(n_slots=4, prefill_first_lead_s=0.5, prefill_first_wait_s=0.05)
+    fr = sched.frame_rate
+    now = time.perf_counter()
+
+    def running(slot: int, frames: int, *, ready_ago: float, audio_ago: float | None) -> Turn:
+        seq = Sequence(slot, (), SamplingParams(), 0, CollectingSink())
+        turn = Turn("t", "x", 64)
+        turn.frames = [torch.zeros(K1, dtype=torch.long)] * frames
+        turn.ready_at = now - ready_ago
+        turn.first_audio_at = None if audio_ago is None else now - audio_ago
+        seq.decoding = turn
+        sched.running[slot] = seq
+        return turn
+
+    ahead = running(0, int(2 * fr), ready_ago=1.1, audio_ago=1.0)  # 1 s ahead
+    assert not sched._yield_to_prefill(now)  # nothing prefilling: never wait
+    sched.prefill_outstanding = 1
+    assert sched._yield_to_prefill(now)
+    new = running(1, 0, ready_ago=0.01, audio_ago=None)  # just joined: may wait 50 ms
+    assert sched._yield_to_prefill(now)
+    assert not sched._yield_to_prefill(now + 0.05)  # ...but not longer
+    new.frames = [ahead.frames[0]] * sched.cfg.first_chunk_frames  # first chunk at the codec
+    assert sched._yield_to_prefill(now + 0.05)
+    new.first_audio_at = now  # its audio is out: one chunk (46 ms) ahead < 0.5 s
+    assert not sched._yield_to_prefill(now)
+    sched.running[1].draining = True  # cancelled: leaves when the step in flight is read
+    assert sched._yield_to_prefill(now)
+    sched.running[1].draining = False
+    new.finished = FinishReason.LENGTH  # a finished turn needs nothing
+    assert sched._yield_to_prefill(now)
+    assert not sched._yield_to_prefill(now + 0.6)  # the 1 s lead is down to 0.4 s
+    # the pause is counted and timed when the decode thread asks for a step
+    assert sched.plan_step(now, may_pause=True) is None and sched.stats["decode_pauses"] == 1
+    assert sched.plan_step(now, may_pause=False) is not None
+    assert sched.stats["decode_paused_s"] > 0
+    sched.running.pop(1)
+    sched.cfg.prefill_first_lead_s = 0.0
+    assert not sched._yield_to_prefill(now)
+
+
+def test_slow_start_doubles_the_first_chunk_while_streams_are_slow():
+    """The first chunk is first_chunk_frames while the measured decode rate gives every
+    stream at least slow_start_x times realtime, twice that below it (and before any rate is
+    known: first_chunk_frames); the rate comes from back-to-back launches."""
+    sched, _ = make(first_chunk_frames=1, slow_start_x=2.0, codec_hold_s=0)
+    fr = sched.frame_rate
+    assert sched.first_chunk() == 1  # no rate measured yet
+    sched.step_s = 1 / (2.5 * fr)  # 2.5x realtime per stream
+    assert sched.first_chunk() == 1
+    sched.step_s = 1 / (1.7 * fr)  # 1.7x: a thicker start
+    assert sched.first_chunk() == 2
+    turn = _audio_turn(sched, 1, 0, 0.0)
+    assert codec_all(sched) == [] and turn.decoded_frames == 0  # one frame: not yet
+    turn.frames.append(torch.zeros(K1, dtype=torch.long))
+    assert codec_all(sched) == [2]
+    sched.cfg.slow_start_x = 0.0  # off: one frame whatever the rate
+    assert sched.first_chunk() == 1
+    sched.step_s, sched._last_launch = None, None
+    t = time.perf_counter()
+    for k in range(3):
+        sched._note_launch(StepPlan(k, 1, 1, t + 0.02 * k))
+    assert sched.step_s == pytest.approx(0.02)
+    sched._note_launch(None)
+    sched._note_launch(StepPlan(3, 1, 1, t + 5.0))  # after an idle gap: not a step
+    assert sched.step_s == pytest.approx(0.02)
+
+
+def test_a_failed_codec_tick_ends_its_turns_with_an_internal_error():
+    sched, dev = make()
+    sink = CollectingSink()
+    seq = ready(sched, sink)
+    sched.start_turn(seq, Turn("t", "Text.", 100))
+    prefill_all(sched)
+    for _ in range(3):
+        sync_step(sched, dev)
+    plan = sched.plan_codec(time.perf_counter())
+    assert plan.work
+    failed = sched.codec_failed(plan, RuntimeError("codec exploded"))
+    assert [t.turn_id for _, t in failed] == ["t"]
+    res = sink.results[-1]
+    assert res.error_code is TurnError.INTERNAL and "codec exploded" in res.error
+    for s, t in failed:
+        sched.abort_decoding(s, t)  # sync: every launched step was read, it leaves at once
+    assert not seq.draining and SlotOp("leave", 0) in sched.take_slot_ops()
+    run_idle(sched, dev)
+    assert not sched.running and seq.state is SeqState.IDLE and sched.audio_streams == 0
