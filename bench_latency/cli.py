@@ -270,7 +270,8 @@ class InProcessBackend:
     """Drives ``engine.Engine`` directly: the same figures without the server's cost."""
 
     def __init__(self, args: argparse.Namespace, max_running: int) -> None:
-        from engine.engine import EngineConfig, build_engine
+        from engine.config import EngineConfig
+        from engine.engine import build_engine
         from engine.loader import load_bundle
         from engine.reference_audio import encode_reference
 

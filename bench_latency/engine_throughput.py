@@ -20,7 +20,8 @@ from collections.abc import Iterator
 
 import torch
 
-from engine.engine import CollectingSink, Engine, EngineConfig, build_engine
+from engine.config import EngineConfig
+from engine.engine import CollectingSink, Engine, build_engine
 from engine.loader import Bundle, load_bundle
 from engine.model import DualAR
 from engine.ops import REFERENCE, Ops

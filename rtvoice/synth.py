@@ -7,7 +7,8 @@ import logging
 import time
 from pathlib import Path
 
-from engine.engine import CollectingSink, EngineConfig, build_engine
+from engine.config import EngineConfig
+from engine.engine import CollectingSink, build_engine
 from engine.loader import load_bundle
 from engine.prompt import Reference
 from engine.reference_audio import encode_reference

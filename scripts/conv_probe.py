@@ -37,12 +37,12 @@ for B, C, T, d in ((64, 384, 2048, 9), (64, 384, 2048, 3), (64, 384, 2048, 1), (
     out[f"{B}x{C}x{T}_d{d}"] = {"ms": round(e0.elapsed_time(e1) / 10, 3), "first_s": round(first, 2)}
 print(json.dumps(out), flush=True)
 if bench:
-    from engine import fusion
     from engine.codec import CodecConfig, StreamingDecoder, dummy_codec
+    from engine.ops import build_ops
 
-    fusion.codec_kernels(True)
     codec = dummy_codec(CodecConfig.preset("s2-pro"), seed=0, device="cuda", dtype=dt)
-    dec = StreamingDecoder(codec, max_streams=64, buckets=True, max_frames=4096)
+    dec = StreamingDecoder(codec, max_streams=64, buckets=True, max_frames=4096,
+                           ops=build_ops("cuda").codec)
     from gpu_bench import codec_tick  # this script's folder is on sys.path
 
     res: dict = {"capture_s": round(dec.capture(), 1)}

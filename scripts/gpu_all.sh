@@ -3,11 +3,13 @@
 # the parts run under their own limits and the engine sweep gets what is left):
 #   1. CUDA tests: by default the smoke set (no host sync in steady state, the graphed
 #      engine codec's audio, pingpong == sync, capture streams, the fused masked attention,
-#      decode attention with split positions; 136-148 s with the extension build on a fresh
-#      machine); TESTS=all runs tests/test_cuda.py and tests/test_kernels.py whole, TESTS_K
-#      picks by name;
+#      decode attention with split positions, two engines with different ops in one process,
+#      the reference fixtures with the fused ops; 136-148 s with the extension build on a
+#      fresh machine); TESTS=all runs tests/test_cuda.py and tests/test_kernels.py whole,
+#      TESTS_K picks by name; GATE=1 then runs scripts/gpu_gate.sh (this tree against
+#      .baseline at c=1 and 64: the ±5 % performance gate of a change);
 #   2. diagnostics, only with PROBE=1 (~40 s): scripts/prefill_probe.py (one prefill-graph
-#      replay per bucket alone) and `python -m engine.kernels --bench` (csrc kernels vs torch);
+#      replay per bucket alone) and `python -m bench_latency.kernel_bench` (csrc kernels vs torch);
 #   3. the server bench: `rtvoice serve` (S2-Pro shapes, bf16 dummy weights, 128 KV slots)
 #      driven by bench-latency over real WebSockets at c = 1, 4, 16, 32, 64, 128, 200 ms
 #      jitter buffer;
@@ -30,15 +32,19 @@ OUT=${OUT:-artifacts/gpu}
 mkdir -p "$OUT"
 export OUT PYTHONUNBUFFERED=1 RTVOICE_FIXTURES=${RTVOICE_FIXTURES:-.fixtures/fish_s2_tiny}
 t0=$(date +%s)
-SMOKE="host_sync or engine_audio or pingpong or replay_streams or fused_kernel or bias_folding or split"
+SMOKE="host_sync or engine_audio or pingpong or replay_streams or fused_kernel or bias_folding or split or two_engines or fixtures_with_fused"
 if [ "${TESTS:-smoke}" = all ]; then K=${TESTS_K:-}; else K=${TESTS_K:-$SMOKE}; fi
 timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_kernels.py \
     ${K:+-k "$K"} 2>&1 | grep -Ev '^ |^$|site-packages|Warning:|warnings.html' | tail -15 | tee "$OUT/tests.txt"
 echo "tests done at +$(( $(date +%s) - t0 ))s"
+if [ "${GATE:-0}" = 1 ]; then  # the change's ±5 % gate against .baseline (~200 s)
+    OUT="$OUT" bash scripts/gpu_gate.sh 2>&1 | tail -12
+    echo "gate done at +$(( $(date +%s) - t0 ))s"
+fi
 if [ "${PROBE:-0}" = 1 ]; then  # prefill graphs alone: what a burst of turns costs (~25 s)
     timeout 90 python3 scripts/prefill_probe.py 2>&1 | grep -v "Warn\|warn" | tail -2 | tee "$OUT/probes.txt"
     # the csrc kernels vs torch (decode attention with and without split positions, ~15 s)
-    timeout 60 python3 -m engine.kernels --bench 2>&1 | grep -v "Warn\|warn" | tee -a "$OUT/probes.txt" | grep decode_attention
+    timeout 60 python3 -m bench_latency.kernel_bench 2>&1 | grep -v "Warn\|warn" | tee -a "$OUT/probes.txt" | grep decode_attention
 fi
 MAX_LEN=${MAX_LEN:-1024} MAX_RUNNING=${MAX_RUNNING:-128} SERVER_LEVELS=${SERVER_LEVELS:-1 4 16 32 64 128} \
     timeout ${SERVER_TIMEOUT:-220} bash scripts/gpu_server_bench.sh 2>&1 | grep -v "^ \|^$" | tail -40

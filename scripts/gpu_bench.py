@@ -34,19 +34,17 @@ def fixture_check(report: dict, device: str) -> None:
         report["fixtures"] = f"skipped: no fixture set at {root}"
         return
     from engine import verify_reference
+    from engine.ops import build_ops
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    from engine import fusion
-
     for mode in ("reference", "compile"):
-        fusion.enable(mode)
-        checks = list(verify_reference.model_checks(root, device=device))
+        ops = build_ops(device, fused=mode)
+        checks = list(verify_reference.model_checks(root, device=device, ops=ops))
         failed = [c for c in checks if not c[1]]
         report[f"fixtures_{mode}"] = {"device": device, "checks": len(checks),
                                       "failed": [list(c) for c in failed],
                                       "details": {c[0]: c[2] for c in checks}}
-    fusion.disable()
 
 
 def s2pro_decode(report: dict, device: str, batches: list[int], frames: int,
@@ -70,11 +68,9 @@ def s2pro_decode(report: dict, device: str, batches: list[int], frames: int,
     prompt = torch.cat([pb.system(), pb.user_turn("Hello world, this is a benchmark of the "
                                                   "S2-Pro shapes on one GPU.")], dim=1)
     T = prompt.shape[1]
-    slots = []
-    for _ in range(max_b):
-        s = runner.cache.alloc()
+    slots = list(range(max_b))
+    for s in slots:
         runner.assign(s, SamplingParams.greedy(), 0)
-        slots.append(s)
     # prefill (warm once, then timed); slots are 0..max_b-1, so batch rows = slots
     runner.prefill(slots[0], prompt[:, :-1], 0)
     _sync()
@@ -160,36 +156,36 @@ def kernel_table(prof, categorize, cuda_only: bool = False):  # type: ignore[no-
 
 
 def codec_bench(report: dict, device: str) -> None:
-    from engine import fusion
     from engine.codec import CodecConfig, StreamingDecoder, dummy_codec
+    from engine.ops import build_ops
 
     out = {}
     for dt_name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         codec = dummy_codec(CodecConfig.preset("s2-pro"), seed=0, device=device, dtype=dt)
         n_params = sum(p.numel() for p in codec.parameters())
-        for kern in (False, True):
-            fusion.codec_kernels(kern)
-            for bs in (1, 16):
-                codes = torch.randint(0, 1024, (bs, 10, 64), device=device)
-                with torch.inference_mode():
-                    codec.decode(codes)
-                    _sync()
-                    t = time.perf_counter()
-                    codec.decode(codes)
-                    _sync()
-                dt_s = time.perf_counter() - t
-                audio_s = bs * 64 * 2048 / 44100
-                out[f"offline_{dt_name}_b{bs}{'_kernels' if kern else ''}"] = {
-                    "x_realtime": round(audio_s / dt_s, 1), "ms": round(1000 * dt_s, 1)}
+        for bs in (1, 16):  # offline: the torch ops (the reference path)
+            codes = torch.randint(0, 1024, (bs, 10, 64), device=device)
+            with torch.inference_mode():
+                codec.decode(codes)
+                _sync()
+                t = time.perf_counter()
+                codec.decode(codes)
+                _sync()
+            dt_s = time.perf_counter() - t
+            audio_s = bs * 64 * 2048 / 44100
+            out[f"offline_{dt_name}_b{bs}"] = {
+                "x_realtime": round(audio_s / dt_s, 1), "ms": round(1000 * dt_s, 1)}
         # streaming ticks below: with csrc's Snake and bias kernels (EngineConfig.codec_kernels,
         # the engine's default), keys say "_kernels"
-        kern = fusion.codec_kernels(True)
-        tag = "_kernels" if kern else ""
+        ops = build_ops(device).codec
+        tag = "_kernels" if ops.fold_bias else ""
         graphed = None
         if device == "cuda" and dt == torch.bfloat16:  # the engine's setting on a GPU
-            graphed = StreamingDecoder(codec, max_streams=64, buckets=True, max_frames=4096)
+            graphed = StreamingDecoder(codec, max_streams=64, buckets=True, max_frames=4096,
+                                       ops=ops)
             out["graphs_capture_s"] = round(graphed.capture(), 2)
-        for name, dec, streams, frames in (("eager", StreamingDecoder(codec, max_streams=64), 16, 4),
+        for name, dec, streams, frames in (("eager", StreamingDecoder(codec, max_streams=64,
+                                                                      ops=ops), 16, 4),
                                            ("graphs", graphed, 16, 4), ("graphs", graphed, 64, 2),
                                            ("graphs", graphed, 64, 8), ("graphs", graphed, 1, 2)):
             if dec is not None:
@@ -197,7 +193,6 @@ def codec_bench(report: dict, device: str) -> None:
                     codec_tick(dec, streams, frames)
         out["params"] = n_params
         del codec, dec
-    fusion.codec_kernels(False)
     report["codec_s2pro"] = out
 
 
@@ -206,54 +201,53 @@ def codec_profile(report: dict, device: str) -> None:
     csrc kernels): per (streams, frames) shape the graphed tick's time and kernels (one
     profiled replay), and the eager tick's GPU time by kernel category and convolution shape.
     Shapes 64x2 against 64x8 split a tick into a fixed and a per-frame part."""
-    from engine import fusion
     from engine.codec import CodecConfig, StreamingDecoder, dummy_codec
+    from engine.ops import build_ops
 
     out: dict = {}
     report["codec_profile"] = out
     codec = dummy_codec(CodecConfig.preset("s2-pro"), seed=0, device=device, dtype=torch.bfloat16)
-    kern = fusion.codec_kernels(True)
+    ops = build_ops(device).codec
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    try:
-        graphed = None
-        if device == "cuda":
-            graphed = StreamingDecoder(codec, max_streams=64, buckets=True, max_frames=4096)
-            out["capture_s"] = round(graphed.capture(), 2)
-        for streams, frames in ((64, 8), (64, 2), (16, 4), (1, 2)):
-            row: dict = {"kernels": kern}
-            for name, dec in (("graphs", graphed), ("eager", StreamingDecoder(codec, max_streams=64))):
-                if dec is None:
-                    continue
-                row[f"{name}_tick"] = codec_tick(dec, streams, frames)
-                sids = [dec.open() for _ in range(streams)]
-                chunk = {s: torch.randint(0, 1024, (10, frames)) for s in sids}
-                with torch.inference_mode():
-                    for _ in range(3):
-                        dec.decode(chunk)
+    graphed = None
+    if device == "cuda":
+        graphed = StreamingDecoder(codec, max_streams=64, buckets=True, max_frames=4096,
+                                   ops=ops)
+        out["capture_s"] = round(graphed.capture(), 2)
+    for streams, frames in ((64, 8), (64, 2), (16, 4), (1, 2)):
+        row: dict = {"kernels": ops.fold_bias}
+        for name, dec in (("graphs", graphed),
+                          ("eager", StreamingDecoder(codec, max_streams=64, ops=ops))):
+            if dec is None:
+                continue
+            row[f"{name}_tick"] = codec_tick(dec, streams, frames)
+            sids = [dec.open() for _ in range(streams)]
+            chunk = {s: torch.randint(0, 1024, (10, frames)) for s in sids}
+            with torch.inference_mode():
+                for _ in range(3):
+                    dec.decode(chunk)
+                _sync()
+                with torch.profiler.profile(activities=acts, record_shapes=True) as prof:
+                    dec.decode(chunk)
                     _sync()
-                    with torch.profiler.profile(activities=acts, record_shapes=True) as prof:
-                        dec.decode(chunk)
-                        _sync()
-                for sid in sids:
-                    dec.close(sid)
-                cats, kernels, n = kernel_table(prof, _codec_category, cuda_only=True)
-                row[name] = {"gpu_ms": round(sum(cats.values()), 2), "kernel_launches": n,
-                             "ms_by_category": {k: round(v, 2) for k, v in sorted(cats.items())},
-                             "top_kernels": [(round(t, 3), c, k[:90]) for t, c, k in kernels[:16]]}
-                if name == "eager":
-                    convs = []
-                    for e in prof.key_averages(group_by_input_shape=True):
-                        if e.key == "aten::_convolution":  # conv and transposed conv, once each
-                            t = getattr(e, "device_time_total", None) or 0.0
-                            convs.append((round(t / 1000, 3), e.count,
-                                          str(e.input_shapes[:2])[:70]))
-                    convs.sort(reverse=True)
-                    row[name]["convs_by_shape"] = convs[:16]
-            out[f"{streams}x{frames}"] = row
-            print(json.dumps({"codec_profile": {f"{streams}x{frames}": row}}, default=str)[:3000],
-                  flush=True)
-    finally:
-        fusion.codec_kernels(False)
+            for sid in sids:
+                dec.close(sid)
+            cats, kernels, n = kernel_table(prof, _codec_category, cuda_only=True)
+            row[name] = {"gpu_ms": round(sum(cats.values()), 2), "kernel_launches": n,
+                         "ms_by_category": {k: round(v, 2) for k, v in sorted(cats.items())},
+                         "top_kernels": [(round(t, 3), c, k[:90]) for t, c, k in kernels[:16]]}
+            if name == "eager":
+                convs = []
+                for e in prof.key_averages(group_by_input_shape=True):
+                    if e.key == "aten::_convolution":  # conv and transposed conv, once each
+                        t = getattr(e, "device_time_total", None) or 0.0
+                        convs.append((round(t / 1000, 3), e.count,
+                                      str(e.input_shapes[:2])[:70]))
+                convs.sort(reverse=True)
+                row[name]["convs_by_shape"] = convs[:16]
+        out[f"{streams}x{frames}"] = row
+        print(json.dumps({"codec_profile": {f"{streams}x{frames}": row}}, default=str)[:3000],
+              flush=True)
 
 
 def _codec_category(name: str) -> str:
@@ -347,15 +341,16 @@ def _category(name: str) -> str:
 
 def profile_step(report: dict, device: str, sampler_kernel: bool = True) -> None:
     """Where one frame step's GPU time goes (eager, fused ops), and graph-replay step time."""
-    from engine import fusion
+    from engine.fusion import pack_ffn
     from engine.loader import load_bundle
+    from engine.ops import build_ops
     from engine.runner import ModelRunner
 
     b = load_bundle("s2-pro", device=device, dtype="bf16", max_seq_len=1024)
-    fusion.enable("compile", sampler_kernel=sampler_kernel)
-    fusion.pack_ffn(b.model)
+    ops = build_ops(device, fused="compile", sampler_kernel=sampler_kernel)
+    pack_ffn(b.model)
     out = {}
-    runner = ModelRunner(b.model, n_slots=64, max_len=1024)
+    runner = ModelRunner(b.model, n_slots=64, max_len=1024, ops=ops)
     col = torch.zeros(11, dtype=torch.long)
     col[0] = b.model.cfg.ids.semantic_start + 5
     for B in (1, 16, 64):
@@ -395,7 +390,6 @@ def profile_step(report: dict, device: str, sampler_kernel: bool = True) -> None
         print(json.dumps({B: out[B]})[:1500], flush=True)
         del g
     report["profile" if sampler_kernel else "profile_compiled_sampler"] = out
-    fusion.disable()
     del runner, b
     torch.cuda.empty_cache()
 

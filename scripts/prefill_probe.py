@@ -12,7 +12,8 @@ import time
 
 import torch
 
-from engine.engine import EngineConfig, build_engine
+from engine.config import EngineConfig
+from engine.engine import build_engine
 from engine.loader import load_bundle
 
 
@@ -23,11 +24,12 @@ def main() -> None:
                                        codec_graphs=False))
     print(f"built in {time.time() - t:.1f}s", flush=True)
     res = {}
-    for key in sorted(eng.prefill_graphs.graphs):
+    graphs = eng.prefill_worker.graphs.graphs
+    for key in sorted(graphs):
         if key[0] not in (1, 16) or key[1] > 64:
             continue
-        g, _ = eng.prefill_graphs.graphs[key]
-        with torch.cuda.stream(eng.prefill_stream):
+        g, _ = graphs[key]
+        with torch.cuda.stream(eng.prefill_worker.stream):
             g.replay()  # warm
             torch.cuda.synchronize()
             e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
