@@ -6,6 +6,9 @@ Layout (DESIGN.md §3, pinned down by the reference fixtures):
   <|im_start|>assistant\\n<|voice|>            <- generation starts here
 Each text part is tokenized on its own (joined strings would merge differently under BPE).
 A VQ part contributes one column per frame: [semantic_start + c0, c0, ..., c9].
+Multi-speaker text (`<|speaker:N|>` tags) is prepared as the reference prepares it: split at
+each tag, each piece stripped, joined with "\n" (`turn_text`); a long one is generated in
+groups of at most 5 speaker turns and chunk_length bytes (`speaker_batches`).
 """
 
 from __future__ import annotations
@@ -22,6 +25,52 @@ SYSTEM_PLAIN = "convert the provided text to speech"
 SYSTEM_WITH_REFERENCE = "convert the provided text to speech reference to the following:\n\nText:\n"
 SPEECH_HEADER = "\n\nSpeech:\n"
 SPEAKER_TAG = re.compile(r"<\|speaker:\d+\|>")
+_SPEAKER_SPLIT = re.compile(r"(<\|speaker:\d+\|>)")
+# the reference's grouping of speaker turns into one generation: at most this many turns...
+BATCH_SPEAKERS = 5
+
+
+def speaker_turns(text: str) -> list[str]:
+    """A text's speaker turns as the reference splits them: each `<|speaker:N|>` tag with the
+    text up to the next tag, stripped; [] when the text has no tag. Text before the first
+    tag is kept as a turn of its own (the reference drops it; losing words silently is worse
+    than a prompt the reference would not build)."""
+    parts = _SPEAKER_SPLIT.split(text)
+    if len(parts) == 1:
+        return []
+    turns = [parts[0].strip()] if parts[0].strip() else []
+    for i in range(1, len(parts), 2):
+        turns.append((parts[i] + parts[i + 1]).strip())
+    return turns
+
+
+def turn_text(text: str) -> str:
+    """The user text of one turn as the reference writes it: speaker turns joined with
+    "\n"; text without a speaker tag as it is."""
+    turns = speaker_turns(text)
+    return "\n".join(turns) if turns else text
+
+
+def speaker_batches(text: str, max_bytes: int, max_speakers: int = BATCH_SPEAKERS) -> list[str]:
+    """A long multi-speaker text in the turns of generation the reference makes of it: its
+    speaker turns grouped (each group at most `max_speakers` turns and, unless a single turn
+    is longer, `max_bytes` UTF-8 bytes — the request's chunk_length) and joined with "\n".
+    Text without a speaker tag is one batch, as it is."""
+    turns = speaker_turns(text)
+    if not turns:
+        return [text]
+    batches: list[str] = []
+    current: list[str] = []
+    size = 0
+    for turn in turns:
+        n = len(turn.encode("utf-8"))
+        if current and (len(current) >= max_speakers or size + n > max_bytes):
+            batches.append("\n".join(current))
+            current, size = [], 0
+        current.append(turn)
+        size += n
+    batches.append("\n".join(current))
+    return batches
 
 
 @dataclass(slots=True)
@@ -92,8 +141,9 @@ class PromptBuilder:
         return torch.cat(self._message("system", parts), dim=1)
 
     def user_turn(self, text: str) -> Tensor:
-        """User message + the open assistant prefix `<|im_start|>assistant\\n<|voice|>`."""
-        msgs = self._message("user", [self.text(text)])
+        """User message (its text prepared as the reference does: `turn_text`) + the open
+        assistant prefix `<|im_start|>assistant\\n<|voice|>`."""
+        msgs = self._message("user", [self.text(turn_text(text))])
         msgs += self._message("assistant", [], voice=True, close=False)
         return torch.cat(msgs, dim=1)
 

@@ -26,7 +26,7 @@ from .config import ModelConfig
 from .loader import reconcile_ids
 from .model import DualAR
 from .ops import REFERENCE, Ops
-from .prompt import PromptBuilder, Reference
+from .prompt import PromptBuilder, Reference, speaker_batches
 from .runner import ModelRunner
 from .sampler import SamplingParams
 from .tokenizer import HFTokenizer
@@ -91,14 +91,20 @@ def model_checks(root: Path, device: str = "cpu", ops: Ops = REFERENCE) -> Itera
         t = load_file(str(case_path.with_suffix(".safetensors")))
         refs = [Reference(r["text"], t[r["tensor"]]) for r in case.get("references", [])]
         n_new = int(case["sampling"]["max_new_tokens"])
+        # the case's whole text in the turns the reference generated (speaker batches)
+        texts = speaker_batches(case["text"], int(case["chunk_length"]))
+        want_texts = [b["batch_text"] for b in case["batches"]]
+        yield (f"{name}.batches", texts == want_texts, f"{texts!r} vs {want_texts!r}")
+        if texts != want_texts:
+            continue
         slot = 0  # the runner's one slot, reused case after case
         runner.assign(slot, SamplingParams.greedy(), 0)
         history: list[tuple[str, Tensor]] = []
         pos = 0
-        for k, batch in enumerate(case["batches"]):
+        for k in range(len(texts)):
             tag = f"{name}.b{k}"
             want = t[f"b{k}.prompt"]
-            prompt = builder.build(batch["batch_text"], refs, history)
+            prompt = builder.build(texts[k], refs, history)
             ok = prompt.shape == want.shape and torch.equal(prompt, want)
             yield (f"{tag}.prompt", ok, f"{list(prompt.shape)} vs {list(want.shape)}")
             if not ok:
@@ -140,7 +146,7 @@ def model_checks(root: Path, device: str = "cpu", ops: Ops = REFERENCE) -> Itera
             d = _diff(fast0, t[f"b{k}.fast_logits_step0"].to(device))
             yield (f"{tag}.fast_logits_step0", d <= LOGIT_TOL,
                    f"max|diff| {d:.2e} (tol {LOGIT_TOL:.0e})")
-            history.append((batch["batch_text"], t[f"b{k}.codes"]))
+            history.append((texts[k], t[f"b{k}.codes"]))
             pos = T + got.shape[1] - 1  # every frame but the last went back into the cache
 
 

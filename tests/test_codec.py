@@ -160,12 +160,58 @@ def test_load_missing_key(tmp_path: Path) -> None:
 
 
 @needs_fixture
-def test_load_unexpected_key(tmp_path: Path) -> None:
+def test_load_skips_unknown_tensors_with_one_warning(tmp_path: Path, fixture_codec: Codec,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """Like the reference (strict=False): an unknown extra tensor is skipped with one warning
+    naming it; rebuilt buffers are skipped silently; the audio is the fixture codec's."""
+    import logging
+
     sd = load_file(str(FIXTURE / "codec.safetensors"))
     sd["decoder.extra.weight"] = torch.zeros(3)
-    sd["quantizer.post_module.freqs_cis"] = torch.zeros(4, 2)  # reference buffer: ignored
-    with pytest.raises(ValueError, match=r"unexpected codec tensor 'decoder\.extra\.weight'"):
-        load_codec(_copy_fixture(tmp_path, sd))
+    sd["quantizer.post_module.freqs_cis"] = torch.zeros(4, 2)  # reference buffer: rebuilt
+    with caplog.at_level(logging.WARNING, logger="engine.codec.weights"):
+        codec = load_codec(_copy_fixture(tmp_path, sd))
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "decoder.extra.weight" in warnings[0]
+    assert "freqs_cis" not in warnings[0]
+    assert torch.equal(_decode_small(codec), _decode_small(fixture_codec))
+
+
+@needs_fixture
+@pytest.mark.parametrize("naming", ["parametrizations", "weight_g_v"])
+def test_load_codec_pth_as_the_real_file_holds_it(tmp_path: Path, fixture_codec: Codec,
+                                                  naming: str,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """The real codec.pth's layout: {"state_dict": {"generator.*": ...}} with the
+    discriminator's weights beside it, bool causal masks and bf16 RoPE tables (buffers the
+    reference saves and rebuilds), in either weight-norm naming. It loads (memory-mapped),
+    warns about nothing, and decodes like the fixture codec; codec_keys groups the keys."""
+    import logging
+
+    from engine.codec import CodecConfig, codec_keys, fold_weight_norm, read_checkpoint
+
+    sd = load_file(str(FIXTURE / "codec.safetensors"))
+    real = {}
+    for k, v in sd.items():
+        if naming == "weight_g_v":
+            k = k.replace(".parametrizations.weight.original0", ".weight_g")
+            k = k.replace(".parametrizations.weight.original1", ".weight_v")
+        real["generator." + k] = v
+    real["generator.quantizer.post_module.causal_mask"] = torch.ones(64, 64, dtype=torch.bool)
+    real["generator.quantizer.pre_module.causal_mask"] = torch.ones(32, 32, dtype=torch.bool)
+    real["generator.quantizer.post_module.freqs_cis"] = torch.zeros(64, 8, 2, dtype=torch.bfloat16)
+    real["discriminator.convs.0.weight"] = torch.zeros(4, 4)
+    d = _copy_fixture(tmp_path, {"state_dict": real}, name="codec.pth")
+    with caplog.at_level(logging.WARNING, logger="engine.codec.weights"):
+        codec = load_codec(d)
+    assert not caplog.records
+    assert torch.equal(_decode_small(codec), _decode_small(fixture_codec))
+    keys = codec_keys(fold_weight_norm(read_checkpoint(d / "codec.pth")),
+                      CodecConfig.from_file(d / "codec_config.json"))
+    assert not keys.problems and not keys.ignored and len(keys.loaded) > 100
+    assert sorted(keys.rebuilt) == ["quantizer.post_module.causal_mask",
+                                    "quantizer.post_module.freqs_cis",
+                                    "quantizer.pre_module.causal_mask"]
 
 
 @needs_fixture

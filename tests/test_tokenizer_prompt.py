@@ -90,3 +90,68 @@ def test_prompt_rejects_bad_codes():
         pb.vq(torch.full((10, 3), 5000))
     with pytest.raises(ValueError):
         Reference("x", torch.zeros(10, 3))  # float codes
+
+
+@pytest.mark.parametrize("name", ["a_text_en", "b_ref_zh", "c_multispeaker", "d_two_turns"])
+def test_case_text_is_split_into_the_reference_batches(name, fixture_dir):
+    """A case's whole text becomes the turns the reference generated: speaker turns split at
+    each tag, stripped, joined with a newline, grouped by chunk_length (d_two_turns: 30
+    bytes, two batches); text without a tag is one batch as it is."""
+    from engine.prompt import speaker_batches
+
+    case = json.loads((fixture_dir / "cases" / f"{name}.json").read_text())
+    want = [b["batch_text"] for b in case["batches"]]
+    assert speaker_batches(case["text"], case["chunk_length"]) == want
+
+
+def test_two_speaker_turn_token_ids_match_the_reference(fixture_dir):
+    """The raw two-speaker text, given as one turn, is prepared like the reference's and
+    tokenizes to the reference prompt's ids exactly (c_multispeaker: its prompt was built from
+    '<|speaker:0|>Hi.\\n<|speaker:1|>Hello.')."""
+    tok = HFTokenizer(fixture_dir)
+    pb = PromptBuilder(tok)
+    case = json.loads((fixture_dir / "cases" / "c_multispeaker.json").read_text())
+    t = load_file(str(fixture_dir / "cases" / "c_multispeaker.safetensors"))
+    refs = [Reference(r["text"], t[r["tensor"]]) for r in case["references"]]
+    assert "\n" not in case["text"]  # the joining newline is ours to add, as upstream does
+    prompt = pb.build(case["text"], refs)
+    assert torch.equal(prompt, t["b0.prompt"])
+    # spaces around the tags are stripped too; the same ids
+    assert torch.equal(pb.user_turn("  <|speaker:0|>Hi. \n <|speaker:1|>Hello.  "),
+                       pb.user_turn(case["text"]))
+
+
+def test_speaker_turns_edge_cases():
+    from engine.prompt import speaker_batches, speaker_turns, turn_text
+
+    assert speaker_turns("Plain text.") == [] and turn_text(" Plain ") == " Plain "
+    # text before the first tag is kept (the reference would drop it)
+    assert speaker_turns("Intro. <|speaker:1|> Hi <|speaker:0|>") == [
+        "Intro.", "<|speaker:1|> Hi", "<|speaker:0|>"]
+    six = "".join(f"<|speaker:{i % 2}|>Line {i}." for i in range(6))
+    assert [b.count("<|speaker") for b in speaker_batches(six, 10_000)] == [5, 1]  # 5 a batch
+    long = "<|speaker:0|>" + "x" * 40 + "<|speaker:1|>short"
+    assert speaker_batches(long, 30) == ["<|speaker:0|>" + "x" * 40, "<|speaker:1|>short"]
+
+
+def test_pair_format_merges_load(tmp_path):
+    """tokenizer.json with merges stored as [left, right] pairs (the fixtures' format, and the
+    one newer `tokenizers` writes) loads and encodes: needs tokenizers >= 0.20."""
+    vocab = {c: i for i, c in enumerate("abcdehlo ")}
+    vocab.update({"he": 9, "ll": 10, "hell": 11})
+    doc = {
+        "version": "1.0", "truncation": None, "padding": None,
+        "added_tokens": [{"id": 12 + i, "content": name, "single_word": False, "lstrip": False,
+                          "rstrip": False, "normalized": False, "special": True}
+                         for i, name in enumerate(("<|im_start|>", "<|im_end|>"))],
+        "normalizer": None, "pre_tokenizer": None, "post_processor": None, "decoder": None,
+        "model": {"type": "BPE", "dropout": None, "unk_token": None,
+                  "continuing_subword_prefix": None, "end_of_word_suffix": None,
+                  "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                  "vocab": vocab, "merges": [["h", "e"], ["l", "l"], ["he", "ll"]]},
+    }
+    (tmp_path / "tokenizer.json").write_text(json.dumps(doc))
+    from tokenizers import Tokenizer as HF
+
+    tok = HF.from_file(str(tmp_path / "tokenizer.json"))
+    assert tok.encode("hello", add_special_tokens=False).ids == [vocab["hell"], vocab["o"]]

@@ -16,20 +16,31 @@ from .model import Codec
 from .reference_checks import ENCODER_ATOL, OFFLINE_ATOL, codec_checks
 from .resample import resample_to_codec_rate
 from .streaming import STREAM_ATOL, StreamingDecoder
-from .weights import dummy_codec, fold_weight_norm, load_codec, read_checkpoint
+from .weights import (
+    REBUILT_SUFFIXES,
+    CodecKeys,
+    codec_keys,
+    dummy_codec,
+    fold_weight_norm,
+    load_codec,
+    read_checkpoint,
+)
 
 __all__ = [
     "ENCODER_ATOL",
     "OFFLINE_ATOL",
+    "REBUILT_SUFFIXES",
     "STREAM_ATOL",
     "Codec",
     "CodecConfig",
+    "CodecKeys",
     "QuantizerConfig",
     "StreamingDecoder",
     "TransformerConfig",
     "TransformerGeneralConfig",
     "WindowTransformerConfig",
     "codec_checks",
+    "codec_keys",
     "dummy_codec",
     "fold_weight_norm",
     "load_codec",

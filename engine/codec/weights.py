@@ -3,9 +3,16 @@
 Checkpoint forms accepted by :func:`load_codec`:
 
 - ``codec.safetensors`` (the fixtures): keys = the codec module's state dict;
-- ``codec.pth`` (the real S2 checkpoint): a torch pickle read with ``weights_only=True``; may be
+- ``codec.pth`` (the real S2 checkpoint): a torch pickle read with ``weights_only=True``
+  (memory-mapped where the file allows, so tensors never used are never read); may be
   ``{"state_dict": {...}}``; when keys carry a ``generator.`` prefix only those are kept (the
   reference loader does the same) and the prefix is stripped.
+
+Loaded the way the reference loads it (``strict=False``): buffers the codec rebuilds at load
+(causal masks, RoPE tables, KV caches: ``REBUILT_SUFFIXES``) are skipped by name, and any
+other unexpected tensor is skipped with one warning listing them. A missing, mis-shaped or
+non-float weight is an error naming the tensor (and both shapes). ``codec_keys`` groups a
+checkpoint's keys this way without loading anything (``rtvoice inspect``).
 
 Weight norm is folded at load: ``X.parametrizations.weight.original0/original1`` (g/v, torch's
 parametrization names) and ``X.weight_g/X.weight_v`` (the older names) become
@@ -16,8 +23,10 @@ dim 0 is the input channel, which is what the reference normalises over.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -28,11 +37,14 @@ from .layers import CausalConv1d, CausalConvTranspose1d, ConvNeXtBlock, LayerSca
 from .model import Codec
 from .quantizer import VectorQuantizer
 
-__all__ = ["dummy_codec", "fold_weight_norm", "load_codec", "read_checkpoint"]
+__all__ = ["REBUILT_SUFFIXES", "CodecKeys", "codec_keys", "dummy_codec", "fold_weight_norm",
+           "load_codec", "read_checkpoint"]
 
-# Non-parameter entries some reference checkpoints carry (persistent buffers of the reference
-# transformer): recomputed here, so they are accepted and ignored.
-_IGNORED_SUFFIXES = (".freqs_cis", ".causal_mask", ".kv_cache.k_cache", ".kv_cache.v_cache")
+log = logging.getLogger(__name__)
+
+# Persistent buffers of the reference's transformers that the real codec.pth carries (bool
+# causal masks of 16384^2 and 4096^2, bf16 RoPE tables) and KV caches: rebuilt here at load.
+REBUILT_SUFFIXES = (".freqs_cis", ".causal_mask", ".kv_cache.k_cache", ".kv_cache.v_cache")
 
 _WN_PAIRS = (
     (".parametrizations.weight.original0", ".parametrizations.weight.original1"),
@@ -50,7 +62,10 @@ def read_checkpoint(path: str | Path) -> dict[str, Tensor]:
 
         sd: object = load_file(str(p), device="cpu")
     else:
-        sd = torch.load(str(p), map_location="cpu", weights_only=True)
+        try:  # memory-mapped: the 1.9 GB real file is mostly buffers that are never read
+            sd = torch.load(str(p), map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:  # a legacy (non-zip) pickle cannot be mapped
+            sd = torch.load(str(p), map_location="cpu", weights_only=True)
     if isinstance(sd, Mapping) and "state_dict" in sd and isinstance(sd["state_dict"], Mapping):
         sd = sd["state_dict"]
     if not isinstance(sd, Mapping):
@@ -122,6 +137,47 @@ def _resolve(path: str | Path, cfg: CodecConfig | None) -> tuple[Path, CodecConf
     return weights, cfg
 
 
+@dataclass(slots=True)
+class CodecKeys:
+    """A codec checkpoint's tensors (after weight-norm folding) against the model's."""
+
+    loaded: list[str] = field(default_factory=list)  # model weights found, right shape
+    rebuilt: list[str] = field(default_factory=list)  # buffers rebuilt at load: skipped
+    ignored: list[str] = field(default_factory=list)  # unknown: skipped with a warning
+    missing: list[str] = field(default_factory=list)  # model weights not in the checkpoint
+    # (name, checkpoint shape, model shape) of weights with the wrong shape
+    misshaped: list[tuple[str, list[int], list[int]]] = field(default_factory=list)
+    not_float: list[str] = field(default_factory=list)
+
+    @property
+    def problems(self) -> list[str]:
+        """What stops the codec from loading, one line each (empty: it loads)."""
+        return ([f"missing codec tensor {k!r}" for k in self.missing]
+                + [f"codec tensor {k!r} has shape {got} in the checkpoint, the model (its codec "
+                   f"config) expects {want}" for k, got, want in self.misshaped]
+                + [f"codec tensor {k!r} is not a float tensor" for k in self.not_float])
+
+
+def codec_keys(sd: Mapping[str, Tensor], cfg: CodecConfig) -> CodecKeys:
+    """Group a folded codec state dict's keys against `cfg`'s model (nothing is loaded)."""
+    with torch.device("meta"):
+        expected = Codec(cfg).state_dict()
+    keys = CodecKeys()
+    for k, ref in expected.items():
+        if k not in sd:
+            keys.missing.append(k)
+        elif tuple(sd[k].shape) != tuple(ref.shape):
+            keys.misshaped.append((k, list(sd[k].shape), list(ref.shape)))
+        elif not sd[k].dtype.is_floating_point:
+            keys.not_float.append(k)
+        else:
+            keys.loaded.append(k)
+    for k in sd:
+        if k not in expected:
+            (keys.rebuilt if k.endswith(REBUILT_SUFFIXES) else keys.ignored).append(k)
+    return keys
+
+
 def load_codec(
     path: str | Path,
     cfg: CodecConfig | None = None,
@@ -131,33 +187,22 @@ def load_codec(
     """Load a codec from a directory (``codec_config.json`` + ``codec.safetensors`` or
     ``codec.pth``) or a weights file. Returns an eval-mode :class:`Codec` on ``device``/``dtype``.
 
-    Raises ValueError naming the tensor on a missing or unexpected key or a shape mismatch.
+    Raises ValueError naming the tensor (and both shapes) on a missing, mis-shaped or
+    non-float weight; unknown extra tensors are skipped with one warning.
     """
     weights, cfg = _resolve(path, cfg)
     sd = fold_weight_norm(read_checkpoint(weights))
+    keys = codec_keys(sd, cfg)
+    if keys.problems:
+        more = f" ({len(keys.problems)} problems in all)" if len(keys.problems) > 1 else ""
+        raise ValueError(f"{weights}: {keys.problems[0]}{more}")
+    if keys.ignored:
+        log.warning("%s: %d tensors the codec does not use were skipped (the reference loads "
+                    "non-strictly too): %s", weights, len(keys.ignored),
+                    ", ".join(keys.ignored[:12]) + (" ..." if len(keys.ignored) > 12 else ""))
     with torch.device("meta"):
         model = Codec(cfg)
     expected = model.state_dict()
-    missing = [k for k in expected if k not in sd]
-    unexpected = [k for k in sd if k not in expected and not k.endswith(_IGNORED_SUFFIXES)]
-    if missing:
-        raise ValueError(
-            f"{weights}: missing codec tensor {missing[0]!r} "
-            f"({len(missing)} missing in all: {missing[:8]})"
-        )
-    if unexpected:
-        raise ValueError(
-            f"{weights}: unexpected codec tensor {unexpected[0]!r} "
-            f"({len(unexpected)} unexpected in all: {unexpected[:8]})"
-        )
-    for k, ref in expected.items():
-        if tuple(sd[k].shape) != tuple(ref.shape):
-            raise ValueError(
-                f"{weights}: codec tensor {k!r} has shape {list(sd[k].shape)} in the checkpoint, "
-                f"the model (its codec config) expects {list(ref.shape)}"
-            )
-        if not sd[k].dtype.is_floating_point:
-            raise ValueError(f"{weights}: codec tensor {k!r} has non-float dtype {sd[k].dtype}")
     # The meta-device model takes the checkpoint tensors as its parameters (no second copy).
     model.load_state_dict({k: sd[k].float() for k in expected}, strict=True, assign=True)
     return model.requires_grad_(False).to(device=device, dtype=dtype).eval()
