@@ -1,8 +1,9 @@
 """Build everything a service needs from one model spec: weights, tokenizer, codec.
 
-Specs: a preset name (`tiny`, `s2-pro`) with dummy weights, or a checkpoint directory
-holding config.json, model*.safetensors (+ index), tokenizer.json and the codec
-(codec.pth or codec.safetensors, with codec_config.json when it is not the real size).
+Specs: a preset name (`tiny`, `s2-pro`) with dummy weights, a checkpoint directory holding
+config.json, model*.safetensors (+ index), tokenizer.json and the codec (codec.pth or
+codec.safetensors, with codec_config.json when it is not the real size), or a Hub model id
+(`org/name[@revision]`) already in the local Hub cache (engine/hub.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 
 from .codec import Codec, CodecConfig, dummy_codec, load_codec
 from .config import DTYPE_NAMES, PRESETS, ModelConfig, preset
+from .hub import parse_repo_id, resolve_local
 from .model import DualAR
 from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from .weights import dummy_model, load_model
@@ -59,6 +61,17 @@ def reconcile_ids(cfg: ModelConfig, tok: Tokenizer) -> ModelConfig:
     return replace(cfg, ids=tok.ids)
 
 
+def checkpoint_dir(spec: str) -> Path:
+    """A checkpoint directory, or a Hub model id's snapshot in the local cache."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return path
+    if parse_repo_id(spec) is not None:
+        return resolve_local(spec)
+    raise FileNotFoundError(f"model {spec!r} is neither a preset ({', '.join(PRESETS)}), a "
+                            "checkpoint directory nor a Hub model id (org/name[@revision])")
+
+
 def load_bundle(spec: str = "tiny", *, device: str = "cpu", dtype: str | torch.dtype | None = None,
                 codec_dtype: str | torch.dtype | None = None, seed: int = 0,
                 max_seq_len: int | None = None) -> Bundle:
@@ -78,10 +91,7 @@ def load_bundle(spec: str = "tiny", *, device: str = "cpu", dtype: str | torch.d
         log.info("model %s: deterministic random weights (seed %d) — it exercises the whole "
                  "pipeline but does not speak; pass a checkpoint directory for real speech", spec, seed)
         return Bundle(model, tok, codec, spec, True)
-    path = Path(spec)
-    if not path.is_dir():
-        raise FileNotFoundError(f"model {spec!r} is neither a preset ({', '.join(PRESETS)}) nor a "
-                                "checkpoint directory")
+    path = checkpoint_dir(spec)
     cfg = ModelConfig.from_checkpoint(path)
     if max_seq_len:
         cfg = cfg.with_max_seq_len(max_seq_len)
@@ -89,4 +99,5 @@ def load_bundle(spec: str = "tiny", *, device: str = "cpu", dtype: str | torch.d
     cfg = reconcile_ids(cfg, tok)
     model = load_model(path, cfg, device=device, dtype=dt)
     codec = load_codec(path, device=device, dtype=cdt)
-    return Bundle(model, tok, codec, path.name, False)
+    name = path.name if Path(spec).expanduser().is_dir() else spec  # a Hub id: as given
+    return Bundle(model, tok, codec, name, False)

@@ -1,4 +1,5 @@
-"""`rtvoice` command line: `serve` (the WebSocket service) and `synth` (offline, to a WAV)."""
+"""`rtvoice` command line: `serve` (the WebSocket service), `synth` (offline, to a WAV) and
+`inspect` (what a checkpoint holds and how it will load)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,14 @@ def _synth(args: argparse.Namespace) -> int:
     return 0
 
 
+def _inspect(args: argparse.Namespace) -> int:
+    from engine.inspect_checkpoint import inspect_checkpoint
+
+    report = inspect_checkpoint(args.checkpoint)
+    print(report.text())
+    return 1 if report.problems else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="rtvoice", description="Realtime streaming TTS for Fish "
                                  "Audio S2-style DualAR models.")
@@ -35,6 +44,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-frames", type=int, default=600)
     s.add_argument("--temperature", type=float, default=0.8)
     s.set_defaults(fn=_synth)
+    i = sub.add_parser(
+        "inspect", help="show what a checkpoint holds and how it will load (exit 1 on problems)",
+        description="Print what a checkpoint holds and how it will be loaded — config summary, "
+        "weight shards and parameter count against the S2-Pro preset, dtypes, tokenizer special "
+        "ids, the codec's keys (loaded / rebuilt / ignored / missing), estimated GPU memory at "
+        "bf16 and FP8 — without loading it. Exits 1 and names each problem when anything would "
+        "fail to load.")
+    i.add_argument("checkpoint", help="a checkpoint directory, or a Hub model id "
+                   "(org/name[@revision]) in the local Hub cache")
+    i.set_defaults(fn=_inspect)
     try:
         from .server_cli import add_serve_parser
     except ImportError:  # the service module is optional until it lands

@@ -84,7 +84,8 @@ class ModelSettings:
     """Which model to load and where."""
 
     model: str = option("tiny", "'tiny' (built-in, random weights), 's2-pro' (random weights "
-                        "at real size) or an S2-Pro checkpoint directory")
+                        "at real size), an S2-Pro checkpoint directory, or a Hub model id "
+                        "(org/name[@revision]) in the local Hub cache")
     device: str = option("cpu", "cpu, cuda, cuda:1, ...")
     dtype: str | None = option(None, "bf16, fp16 or fp32 (default: fp32 on CPU, bf16 "
                                "otherwise)", choices=DTYPE_NAMES)
