@@ -33,20 +33,22 @@ class CodecWorker:
         return self.decoder.capture(self.stream)
 
     def decode(self, work: list[tuple[Sequence, Turn, Tensor]]) -> list[np.ndarray]:
-        """codes [K, n] per (sequence, turn) -> float32 host samples [n * frame] per item."""
-        chunks: dict[int, Tensor] = {}
-        for _, turn, codes in work:
-            if turn.codec_stream is None:
-                turn.codec_stream = self.decoder.open()
-            chunks[turn.codec_stream] = codes
+        """codes [K, n] per (sequence, turn) -> float32 host samples [n * frame] per item. All
+        of it on the codec stream: opening a stream zeroes its state rows, and the copy to
+        the host must follow the tick's replay on the same stream."""
         t0 = time.perf_counter()
         if self.cuda:  # on a CPU the codec's wait is its own compute, not a stall
             self.waiting_since = t0
         try:
             with on_stream(self.stream):
+                chunks: dict[int, Tensor] = {}
+                for _, turn, codes in work:
+                    if turn.codec_stream is None:
+                        turn.codec_stream = self.decoder.open()
+                    chunks[turn.codec_stream] = codes
                 out = self.decoder.decode(chunks)
-            # one device->host copy for the whole tick, then split per stream
-            flat = torch.cat([out[sid] for sid in chunks]).cpu().numpy()  # decode gives float32
+                # one device->host copy for the whole tick, then split per stream
+                flat = torch.cat([out[sid] for sid in chunks]).cpu().numpy()  # float32
         finally:
             self.waiting_since = None
         pcm, at = [], 0

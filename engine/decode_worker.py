@@ -72,14 +72,20 @@ class DecodeWorker:
     def graphs(self) -> int:
         return len(self.runner.step_graphs)
 
-    def apply(self, ops: list[SlotOp]) -> None:
+    def apply(self, ops: list[SlotOp]) -> list[tuple[SlotOp, Exception]]:
         """The scheduler's slot updates, on the decode stream: they land between two steps,
         in launch order (a write on another stream could race a step in flight and be
-        overwritten by it)."""
+        overwritten by it). An op that fails is returned with its error (the others are
+        applied): only its sequence is affected."""
+        failed: list[tuple[SlotOp, Exception]] = []
         if ops:
             with on_stream(self.stream):
                 for op in ops:
-                    self.runner.apply(op)
+                    try:
+                        self.runner.apply(op)
+                    except Exception as e:
+                        failed.append((op, e))
+        return failed
 
     def wait_for(self, event: object) -> None:
         """Later steps wait (on the GPU, not the host) for a prefill round's event."""

@@ -150,6 +150,9 @@ class Engine:
         """Queue a session's voice prompt for prefill. `sink.on_ready` fires when it is in."""
         if not self.scheduler.has_room():
             raise EngineOverloaded(f"{len(self.scheduler.waiting)} sessions already wait for a slot")
+        if params.ras_window > self.runner.sampling.max_window:
+            raise ValueError(f"ras_window {params.ras_window} exceeds the engine's "
+                             f"{self.runner.sampling.max_window}")
         system = self.prompts.system(tuple(references))
         if self.scheduler.turn_room(system.shape[1]) < 0:
             raise PromptTooLong(f"the voice prompt has {system.shape[1]} positions and leaves no "
@@ -254,6 +257,7 @@ class Engine:
         """One pass of the sync loop: commands, a prefill round, a decode step read at once,
         a codec tick. Returns whether there was anything to do."""
         did = self._run_commands()
+        self._apply_slot_ops()  # before the prefill: a sequence whose slot fails is not ready
         self._sync_prefill += self.scheduler.take_prefill_jobs()
         if self._sync_prefill:
             for job in self.prefill_worker.round(self._sync_prefill):
@@ -286,10 +290,16 @@ class Engine:
                 self._wake.clear()
 
     # ================================================================ decode side
+    def _apply_slot_ops(self) -> None:
+        """The slot updates the scheduler decided so far, on the decode stream."""
+        for op, e in self.decode_worker.apply(self.scheduler.take_slot_ops()):
+            log.error("slot %d: %s failed: %s", op.slot, op.kind, e)
+            self.scheduler.slot_failed(op.slot, f"setting up its decode state failed: {e}")
+
     def _launch(self, *, pause: bool) -> Launched | None:
         """Schedule -> run: the slot updates decided so far, then the next step (none while
         nothing runs, or while the batch pauses for prefills)."""
-        self.decode_worker.apply(self.scheduler.take_slot_ops())
+        self._apply_slot_ops()
         plan = self.scheduler.plan_step(time.perf_counter(), may_pause=pause)
         return self.decode_worker.launch(plan) if plan is not None else None
 
@@ -299,9 +309,14 @@ class Engine:
             self._codec_wake.set()
 
     def _land(self, job: PrefillJob) -> None:
-        """A finished prefill job: later steps wait for its event on the GPU; it joins."""
+        """A finished prefill job: later steps wait for its event on the GPU; it joins (a
+        failure fails only its sequence)."""
         if job.event is not None and not isinstance(job.event, Exception):
-            self.decode_worker.wait_for(job.event)
+            try:
+                self.decode_worker.wait_for(job.event)
+            except Exception as e:
+                log.exception("waiting for sequence %d's prefill failed", job.seq.seq_id)
+                job.event = e
         self.scheduler.prefill_done(job)
 
     def _decode_loop(self) -> None:

@@ -312,6 +312,13 @@ class Scheduler:
         except Exception:
             log.exception("closing failed sequence %d failed too", seq.seq_id)
 
+    def slot_failed(self, slot: int, message: str) -> None:
+        """A slot op the decode worker could not apply: the sequence holding the slot fails
+        (its device state is unknown), no other."""
+        for seq in list(self.live.values()):
+            if seq.slot == slot:
+                self.fail_sequence(seq, message)
+
     def fail_all_decoding(self, message: str) -> None:
         """A decode step failed: every turn on the device ends with an error, every sequence
         leaves the batch (its cache is suspect: the next turn re-prefills its context)."""
@@ -329,7 +336,6 @@ class Scheduler:
                 self._slot_ops.append(SlotOp("leave", seq.slot))
                 if seq.state is SeqState.CLOSED:
                     self._release(seq)
-        self._assign_slots()
 
     # ================================================================ prefill
     def take_prefill_jobs(self) -> list[PrefillJob]:

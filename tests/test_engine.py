@@ -644,3 +644,34 @@ def test_a_voice_that_leaves_no_room_is_refused_at_open(tiny_bundle):
     assert eng.text_room(big) < 0
     with pytest.raises(PromptTooLong, match="leaves no room"):
         eng.open(big, SamplingParams(), CollectingSink())
+
+
+def test_a_failed_slot_op_fails_only_its_sequence(tiny_bundle, monkeypatch):
+    """The decode worker applies the scheduler's slot ops one by one: one that fails fails
+    its own sequence (closed, its slot back), and a turn running beside it goes on."""
+    eng = build_engine(tiny_bundle, EngineConfig(max_running=3, max_len=512, pingpong=False))
+    a_sink, b_sink = CollectingSink(), CollectingSink()
+    a = eng.open([], SamplingParams(seed=1), a_sink)
+    eng.submit(a, "A turn that keeps going.", turn_id="a", max_frames=20)
+    for _ in range(10):
+        eng.step()
+    real = eng.runner.apply
+
+    def broken(op):  # the second sequence's parameters cannot be set
+        if op.kind == "assign" and op.slot == 1:
+            raise RuntimeError("device write failed")
+        real(op)
+
+    monkeypatch.setattr(eng.runner, "apply", broken)
+    eng.open([], SamplingParams(seed=2), b_sink)
+    eng.run_until_idle()
+    assert "setting up its decode state failed: device write failed" in b_sink.errors[0]
+    assert b_sink.prefill_s == 0  # on_error, never on_ready
+    assert a_sink.results[-1].reason is FinishReason.LENGTH and a_sink.results[-1].frames == 20
+    assert eng.free_slots() == 2  # b's slot went back
+
+
+def test_open_refuses_a_window_the_engine_cannot_hold(tiny_bundle):
+    eng = build_engine(tiny_bundle, EngineConfig(max_running=1, max_len=256))
+    with pytest.raises(ValueError, match="ras_window 20 exceeds the engine's 16"):
+        eng.open([], SamplingParams(ras_window=20), CollectingSink())
