@@ -102,14 +102,15 @@ class Engine:
         # workspace is per stream and is baked into a captured graph, so graphs captured on
         # one stream and replayed concurrently on three would share one workspace (split-K
         # GEMMs coordinate through it).
-        self.decode_worker = DecodeWorker(runner, self._stream("decode"), span_step=config.span_step,
-                                   stats=self.stats)
-        self.prefill_worker = PrefillWorker(runner, self._stream("prefill"), chunk=config.prefill_chunk,
-                                     batch=config.prefill_batch, stats=self.stats)
+        self.decode_worker = DecodeWorker(runner, self._stream("decode"),
+                                          span_step=config.span_step, stats=self.stats)
+        self.prefill_worker = PrefillWorker(runner, self._stream("prefill"),
+                                            chunk=config.prefill_chunk,
+                                            batch=config.prefill_batch, stats=self.stats)
         graphed_codec = config.codec_graphs and codec.device.type == "cuda"
         self.codec_worker = CodecWorker(codec, self.ops.codec, self._stream("codec"),
-                                 n_slots=runner.n_slots, graphed=graphed_codec,
-                                 max_frames=config.max_turn_frames, stats=self.stats)
+                                        n_slots=runner.n_slots, graphed=graphed_codec,
+                                        max_frames=config.max_turn_frames, stats=self.stats)
         # prefill thread state: jobs handed over / finished, and on the decode thread the
         # finished ones whose event has not completed yet
         self._prefill_in: queue.SimpleQueue[PrefillJob | None] = queue.SimpleQueue()
@@ -121,8 +122,9 @@ class Engine:
             self.prefill_worker.warm()
         if config.cuda_graphs and self.cuda:
             self.capture_s = self.decode_worker.capture()
-            log.info("captured %d decode graphs (batches %s; spans %s) in %.1fs",
-                     self.decode_worker.graphs, self.decode_worker.batches, self.decode_worker.spans, self.capture_s)
+            w = self.decode_worker
+            log.info("captured %d decode graphs (batches %s; spans %s) in %.1fs", w.graphs,
+                     w.batches, w.spans, self.capture_s)
         if config.prefill_graphs and self.cuda:
             self.prefill_worker.capture()
         if graphed_codec:

@@ -151,7 +151,7 @@ def model_checks(root: Path, device: str = "cpu", ops: Ops = REFERENCE) -> Itera
 
 
 def codec_checks_for(root: Path, chunks: list[int]) -> Iterator[Check]:
-    from .codec import codec_checks
+    from .codec.reference_checks import codec_checks
 
     yield from codec_checks(root, chunk_sizes=tuple(chunks))
 

@@ -10,15 +10,16 @@ OUT=${OUT:-artifacts/gate}
 BASE=${BASE:-.baseline}
 LEVELS=${GATE_LEVELS:-1,64}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)  # the sweeps run from the trees' own folders
 export PYTHONUNBUFFERED=1
 sweep() {  # tree, json
     (cd "$1" && timeout "${SWEEP_TIMEOUT:-240}" python3 -m bench_latency.engine_throughput \
         --model s2-pro --device cuda --concurrency "$LEVELS" --frames 64 --json "$2") \
         2>&1 | grep '^{"' | cut -c1-300
 }
-echo "== this tree"; sweep . "$PWD/$OUT/gate_new.json"
+echo "== this tree"; sweep . "$OUT/gate_new.json"
 if [ -d "$BASE/engine" ]; then
-    echo "== base ($BASE)"; sweep "$BASE" "$PWD/$OUT/gate_base.json"
+    echo "== base ($BASE)"; sweep "$BASE" "$OUT/gate_base.json"
 fi
 python3 - "$OUT" <<'PY' | tee "$OUT/gate.txt"
 import json, sys

@@ -12,15 +12,8 @@ import torch
 from _paths import fixture_set
 from safetensors.torch import load_file, save_file
 
-from engine.codec import (
-    Codec,
-    CodecConfig,
-    codec_checks,
-    dummy_codec,
-    load_codec,
-    resample_to_codec_rate,
-)
-from engine.codec.reference_checks import deterministic
+from engine.codec import Codec, CodecConfig, dummy_codec, load_codec, resample_to_codec_rate
+from engine.codec.reference_checks import codec_checks, deterministic
 
 FIXTURE = fixture_set()
 needs_fixture = pytest.mark.skipif(

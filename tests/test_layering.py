@@ -71,6 +71,20 @@ def test_packages_depend_one_way():
             assert not top & {"rtvoice", "protocol", "clients"}, (mod, deps)
 
 
+def test_test_and_bench_tools_stay_off_the_runtime_path():
+    """What only tests, benches and the fixture check use is imported by nothing else:
+    the runtime (the service, the engine) never loads it."""
+    graph = _graph()
+    tools = {"engine.codec.reference_checks": {"engine.verify_reference"},
+             "rtvoice.testing": set()}
+    for tool, allowed in tools.items():
+        users = {m for m, deps in graph.items() if tool in deps}
+        assert users <= allowed, (tool, users - allowed)
+    for mod, deps in graph.items():
+        if mod.split(".")[0] in ("engine", "rtvoice", "protocol"):
+            assert not any(d.startswith("bench_latency") for d in deps), mod
+
+
 def test_no_import_circles():
     graph = _graph()
     # Tarjan's strongly connected components: any with more than one module is a circle
