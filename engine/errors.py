@@ -31,4 +31,9 @@ class BadReferenceAudio(ValueError):
 
 
 class ReferenceAudioTooLong(BadReferenceAudio):
-    """A reference clip that decodes but exceeds the length limit."""
+    """A reference clip that decodes but exceeds a limit: ``bound`` is ``"seconds"`` (its
+    duration) or ``"samples"`` (samples x channels it would decode to)."""
+
+    def __init__(self, message: str, bound: str = "seconds") -> None:
+        super().__init__(message)
+        self.bound = bound

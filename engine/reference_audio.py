@@ -26,23 +26,35 @@ log = logging.getLogger(__name__)
 
 
 def decode_reference_audio(data: bytes, *, max_seconds: float = 30.0,
+                           max_samples: int = 48000 * 30 * 2,
                            target_sample_rate: int | None = None) -> tuple[np.ndarray, int]:
     """Decode a reference clip (wav, flac, ogg, opus, mp3, ...).
 
     Returns ``(audio, sample_rate)``: float32 mono (channels averaged), resampled to
     ``target_sample_rate`` when given. Raises `BadReferenceAudio` ("could not decode
     reference audio: ...") for anything undecodable or empty, `ReferenceAudioTooLong` above
-    ``max_seconds``.
+    ``max_seconds`` or when what would be decoded (frames x channels, up to ``max_seconds``)
+    exceeds ``max_samples`` — checked from the header, before decoding: a small file that
+    claims many channels at a high rate costs nothing.
     """
     if not data:
         raise BadReferenceAudio("could not decode reference audio: no data")
     try:
-        with sf.SoundFile(io.BytesIO(bytes(data))) as f:
-            rate = int(f.samplerate)
-            limit = int(max_seconds * rate)
-            audio = f.read(frames=limit + 1, dtype="float32", always_2d=True)
+        f = sf.SoundFile(io.BytesIO(bytes(data)))
     except Exception as exc:  # untrusted input: any decoder failure means "bad audio"
         raise BadReferenceAudio(f"could not decode reference audio: {exc}") from None
+    with f:
+        rate, channels = int(f.samplerate), int(f.channels)
+        limit = int(max_seconds * rate)
+        frames = f.frames if 0 < f.frames < limit + 1 else limit + 1  # unknown: the bound
+        if channels * frames > max_samples:
+            raise ReferenceAudioTooLong(
+                f"reference audio would decode to {channels} channels x {frames} frames at "
+                f"{rate} Hz: more than the limit of {max_samples} samples x channels", "samples")
+        try:
+            audio = f.read(frames=limit + 1, dtype="float32", always_2d=True)
+        except Exception as exc:
+            raise BadReferenceAudio(f"could not decode reference audio: {exc}") from None
     if audio.shape[0] > limit:
         raise ReferenceAudioTooLong(f"reference audio is longer than the {max_seconds:g} s limit")
     if audio.shape[0] == 0 or rate <= 0:
@@ -65,11 +77,11 @@ def encode_reference(codec: Codec, audio: np.ndarray, sample_rate: int, text: st
     return Reference(text, codes[0, :, : int(lengths[0])].cpu())
 
 
-def reference_from_bytes(codec: Codec, data: bytes, text: str, *,
-                         max_seconds: float) -> tuple[Reference, int, float]:
+def reference_from_bytes(codec: Codec, data: bytes, text: str, *, max_seconds: float,
+                         max_samples: int = 48000 * 30 * 2) -> tuple[Reference, int, float]:
     """A clip's bytes and transcript -> (its `Reference`, the clip's sample rate, its
     seconds). Raises `BadReferenceAudio` / `ReferenceAudioTooLong`."""
-    wav, rate = decode_reference_audio(data, max_seconds=max_seconds)
+    wav, rate = decode_reference_audio(data, max_seconds=max_seconds, max_samples=max_samples)
     frame_s = codec.cfg.hop_length / codec.cfg.sample_rate
     if wav.shape[0] / rate < frame_s:
         raise BadReferenceAudio(f"the clip is shorter than one codec frame "

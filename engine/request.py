@@ -107,6 +107,7 @@ class Sequence:
     seed: int
     sink: SequenceSink
     created_at: float = field(default_factory=time.perf_counter)
+    slot_at: float = 0.0  # when it got a KV slot (its wait in the queue: slot_at - created_at)
     state: SeqState = SeqState.WAITING
     slot: int | None = None
     pos: int = 0  # positions filled in the KV cache

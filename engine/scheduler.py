@@ -153,6 +153,7 @@ class Scheduler:
                 continue
             self._free.sort()
             seq.slot = self._free.pop(0)  # lowest first keeps live slots dense
+            seq.slot_at = time.perf_counter()
             self._slot_ops.append(SlotOp("assign", seq.slot, params=seq.params, seed=seq.seed))
             self.live[seq.seq_id] = seq
             seq.pos = 0

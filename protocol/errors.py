@@ -107,7 +107,7 @@ def error_spec(code: ErrorCode | str) -> ErrorSpec:
 class ProtocolError(Exception):
     """An error to report to the client as an ``error`` event (and, if fatal, to close on)."""
 
-    __slots__ = ("code", "context_id", "event", "message")
+    __slots__ = ("code", "context_id", "event", "limit", "message")
 
     def __init__(
         self,
@@ -116,11 +116,13 @@ class ProtocolError(Exception):
         *,
         context_id: str | None = None,
         event: str | None = None,
+        limit: str | None = None,
     ) -> None:
         self.code: ErrorCode = ErrorCode(code)
         self.message: str = message
         self.context_id: str | None = context_id
         self.event: str | None = event  # the client event that caused it, when known
+        self.limit: str | None = limit  # the configured limit that refused it (its name)
         super().__init__(f"{self.code}: {message}")
 
     @property

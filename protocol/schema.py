@@ -182,6 +182,13 @@ class Limits(msgspec.Struct, kw_only=True, gc=False):
     max_new_tokens: int | None = None  # frames per segment
     max_reference_s: float | None = None
     idle_timeout_s: float | None = None
+    max_context_id_chars: int | None = None
+    max_nesting_depth: int | None = None  # a flat map is 1
+    max_reference_samples: int | None = None  # samples x channels one clip may decode to
+    max_references: int | None = None
+    max_chunk_length: int | None = None
+    send_queue_bytes: int | None = None  # audio queued for a slow reader before it is dropped
+    send_timeout_s: float | None = None
 
 
 class Ready(_ServerEventBase, tag="ready"):

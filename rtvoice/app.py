@@ -8,7 +8,7 @@ store; shutdown stops them. Routes:
 - ``POST /v1/voices``            multipart: ``audio`` file, ``transcript``, optional ``name``
 - ``GET  /v1/voices``            list; ``GET/DELETE /v1/voices/{id}``
 - ``GET  /health``               liveness
-- ``GET  /ready``                model loaded and capacity left (200) or not (503)
+- ``GET  /ready``                model loaded, not draining, a KV slot free (200) or not (503)
 - ``GET  /metrics``              Prometheus text format
 - ``GET  /``                     the browser demo page (``rtvoice/static/index.html``)
 - ``GET  /static/...``           its scripts (``rtvoice/static/``)
@@ -38,13 +38,14 @@ from starlette.websockets import WebSocket
 
 from engine.loader import Bundle
 from protocol import ErrorCode, ProtocolError, error_spec
+from rtvoice import logs
 from rtvoice.metrics import render_metrics
 from rtvoice.runtime import Runtime
 from rtvoice.session import Session
 from rtvoice.settings import Settings
 from rtvoice.voices import UnknownVoice, VoiceLimitError
 
-__all__ = ["create_app", "uvicorn_config"]
+__all__ = ["Server", "create_app", "drain", "startup_warnings", "uvicorn_config"]
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,8 @@ def create_app(settings: Settings | None = None, *, bundle: Bundle | None = None
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        for warning in startup_warnings(settings):
+            log.warning("%s", warning)
         runtime = await Runtime.start(settings, bundle)
         app.state.runtime = runtime
         app.state.started_at = time.time()
@@ -94,17 +97,44 @@ def _runtime(scope_app: Any) -> Runtime | None:
 # ------------------------------------------------------------------------------- websocket
 
 
-def _authorized(settings: Settings, headers: Any, query: Any) -> bool:
-    """True when authentication is off, or the request presents one of the API keys as
-    ``Authorization: Bearer KEY`` (what Fish's SDK sends) or ``?api_key=KEY`` (browsers
-    cannot set headers on a WebSocket). Constant-time comparisons."""
+def startup_warnings(settings: Settings) -> list[str]:
+    """What an operator should hear about at start: listening beyond this machine without
+    API keys (anyone who can reach the port can use the GPU and the voice store), and a
+    keepalive that would drop a client that stops reading before the slow-client rule does
+    (uncounted, with no error event)."""
+    net, lim = settings.network, settings.limits
+    out = []
+    if not net.keys() and net.host not in _LOOPBACK and not net.host.startswith("127."):
+        out.append(f"listening on {net.host} WITHOUT API KEYS: anyone who can reach port "
+                   f"{net.port} can synthesize and read, add or delete voices. Set --api-keys "
+                   "(RTVOICE_API_KEYS), or bind to 127.0.0.1 behind an authenticating proxy")
+    if net.ws_ping_timeout_s <= lim.send_timeout_s:
+        out.append(f"ws_ping_timeout_s ({net.ws_ping_timeout_s:g}) is not above send_timeout_s "
+                   f"({lim.send_timeout_s:g}): a client that stops reading will be cut by the "
+                   "keepalive (close 1011, no error event, not counted as a slow client)")
+    return out
+
+
+_LOOPBACK = frozenset({"localhost", "::1", "[::1]"})
+_OPEN = -1  # _credential's answer when authentication is off
+
+
+def _credential(settings: Settings, headers: Any, query: Any) -> int | None:
+    """Which API key the request presents (its index; `_OPEN` when authentication is off),
+    as ``Authorization: Bearer KEY`` (what Fish's SDK sends) or ``?api_key=KEY`` (browsers
+    cannot set headers on a WebSocket); None when it presents none of them. Constant-time
+    comparisons, every key compared."""
     keys = settings.network.keys()
     if not keys:
-        return True
+        return _OPEN
     scheme, _, token = (headers.get("authorization") or "").partition(" ")
     offered = token.strip() if scheme.lower() == "bearer" else ""
-    offered = offered or (query.get("api_key") or "")
-    return bool(offered) and any(hmac.compare_digest(offered.encode(), k.encode()) for k in keys)
+    offered = (offered or (query.get("api_key") or "")).encode()
+    found = None
+    for i, key in enumerate(keys):
+        if hmac.compare_digest(offered, key.encode()) and found is None:
+            found = i
+    return found if offered else None
 
 
 _UNAUTHORIZED = ("missing or invalid API key: send 'Authorization: Bearer <key>' "
@@ -113,15 +143,26 @@ _UNAUTHORIZED = ("missing or invalid API key: send 'Authorization: Bearer <key>'
 
 async def _live(ws: WebSocket) -> None:
     rt = _runtime(ws.app)
-    if rt is None:  # not started or shutting down
-        await ws.close(code=1013)
+    if rt is None or rt.stopping:
+        # Draining (or not started): refused before the upgrade, with an HTTP 503 that a load
+        # balancer retries on another instance (nginx: proxy_next_upstream http_503).
+        if "websocket.http.response" in ws.scope.get("extensions", {}):
+            response = _error(ErrorCode.SHUTTING_DOWN, "the server is shutting down; connect "
+                              "to another instance")
+            response.headers["Retry-After"] = "1"
+            await ws.send_denial_response(response)
+        else:  # pragma: no cover - uvicorn supports denial responses
+            await ws.close(code=1013)
         return
     denied = None
-    if rt.stopping:
-        denied = ProtocolError(ErrorCode.SHUTTING_DOWN, "the server is shutting down")
-    elif not _authorized(rt.settings, ws.headers, ws.query_params):
+    key = _credential(rt.settings, ws.headers, ws.query_params)
+    limit = rt.settings.limits.max_unstarted
+    if key is None:
         denied = ProtocolError(ErrorCode.UNAUTHORIZED, _UNAUTHORIZED)
-    await Session(ws, rt, denied=denied).run()
+    elif rt.metrics.unstarted >= limit:
+        denied = ProtocolError(ErrorCode.OVERLOADED, f"{limit} connections are open without "
+                               "'start' (max_unstarted); retry later", limit="max_unstarted")
+    await Session(ws, rt, denied=denied, key=None if key == _OPEN else key).run()
 
 
 # ------------------------------------------------------------------------------- voices REST
@@ -147,7 +188,7 @@ def _voices_endpoint(
         rt = _runtime(request.app)
         if rt is None:
             return _unavailable()
-        if not _authorized(rt.settings, request.headers, request.query_params):
+        if _credential(rt.settings, request.headers, request.query_params) is None:
             rt.metrics.error(str(ErrorCode.UNAUTHORIZED))
             return _error(ErrorCode.UNAUTHORIZED, _UNAUTHORIZED)
         return await handler(request, rt)
@@ -268,26 +309,49 @@ async def _ready(request: Request) -> Response:
     load = rt.engine.load()
     limits = rt.settings.limits
     sessions = rt.metrics.sessions_live
-    stalled = rt.engine.stalled()
-    has_room = not stalled and sessions < limits.max_sessions and (
-        load["free_slots"] > 0 or load["waiting"] < rt.engine.cfg.max_waiting
-    )
-    body = {
-        "ready": has_room,
+    reason = None
+    if rt.stopping:
+        reason = "draining: the server is shutting down"
+    elif rt.engine.stalled():
+        reason = (f"device stalled: the engine has waited {load['device_wait_s']:.1f} s on the "
+                  f"GPU (limit {rt.engine.cfg.stall_s:g} s); restart the server")
+        log.error("/ready: %s", reason)
+    elif sessions >= limits.max_sessions:
+        reason = f"at capacity: {sessions} live sessions (max_sessions)"
+    elif load["free_slots"] <= 0:
+        # A new session would only queue behind the ones already waiting: send it elsewhere.
+        reason = (f"at capacity: every KV slot is in use ({load['max_running']}), "
+                  f"{load['waiting']} sessions wait for one")
+    body: dict[str, Any] = {
+        "ready": reason is None,
         "model": rt.bundle.name,
         "random_weights": rt.bundle.random_weights,
         "device": rt.settings.model.device,
         "sessions": sessions,
         "max_sessions": limits.max_sessions,
+        "unstarted": rt.metrics.unstarted,
         "engine": load,
+        "limits": _limits(rt),
     }
-    if stalled:
-        body["reason"] = (f"device stalled: the engine has waited {load['device_wait_s']:.1f} s "
-                          f"on the GPU (limit {rt.engine.cfg.stall_s:g} s); restart the server")
-        log.error("/ready: %s", body["reason"])
-    elif not has_room:
-        body["reason"] = "at capacity"
-    return JSONResponse(body, status_code=200 if has_room else 503)
+    if reason is not None:
+        body["reason"] = reason
+    return JSONResponse(body, status_code=200 if reason is None else 503)
+
+
+def _limits(rt: Runtime) -> dict[str, Any]:
+    """Every limit a client or an operator may run into, by its option name."""
+    lim, eng = rt.settings.limits, rt.engine.cfg
+    names = ("max_sessions", "max_sessions_per_key", "max_unstarted", "start_timeout_s",
+             "max_message_bytes", "max_nesting_depth", "max_text_chars", "max_contexts",
+             "max_context_id_chars", "max_references", "max_reference_s",
+             "max_reference_samples", "reference_workers", "min_chunk_length",
+             "max_chunk_length", "idle_timeout_s", "send_queue_bytes", "send_queue_events",
+             "send_timeout_s")
+    out: dict[str, Any] = {n: getattr(lim, n) for n in names}
+    out.update(max_waiting=eng.max_waiting, max_turn_frames=eng.max_turn_frames,
+               kv_slots=rt.engine.n_slots, max_upload_bytes=rt.settings.voices.max_upload_bytes,
+               drain_timeout_s=rt.settings.network.drain_timeout_s)
+    return out
 
 
 async def _metrics(request: Request) -> Response:
@@ -302,45 +366,66 @@ async def _metrics(request: Request) -> Response:
 # ------------------------------------------------------------------------------- uvicorn
 
 
-async def notify_shutdown(app: Starlette, timeout_s: float) -> int:
-    """Tell every connected session that the server is stopping (each gets a
-    ``shutting_down`` error and a 1001 close) and wait up to `timeout_s` for them to finish;
-    new sockets are refused from now on. Returns the sessions told."""
+_CLOSE_WAIT_S = 5.0  # after the drain: sessions told to stop get this long to close
+
+
+async def drain(app: Starlette, timeout_s: float) -> dict[str, int]:
+    """Drain the server: from now on /ready answers 503 and new connections are refused
+    (HTTP 503, shutting_down); each session ends (``shutting_down``, close 1001) as soon as
+    its turns are done; after `timeout_s` the rest are ended mid-turn. Returns how many
+    sessions there were, how many ended on their own, how many were cut."""
     rt = _runtime(app)
     if rt is None:
-        return 0
-    rt.stopping = True
+        return {"sessions": 0, "finished": 0, "cut": 0}
+    rt.metrics.draining = True
     sessions = list(rt.sessions)
+    log.info("draining: %d sessions open; new connections are refused; waiting up to %g s "
+             "for their turns to finish", len(sessions), timeout_s)
     for session in sessions:
-        session.server_stopping()
+        session.drain()
     deadline = time.monotonic() + timeout_s
     while rt.sessions and time.monotonic() < deadline:
         await asyncio.sleep(0.02)
-    if sessions:
-        log.info("shutdown: told %d sessions; %d still open", len(sessions), len(rt.sessions))
-    return len(sessions)
+    cut = list(rt.sessions)
+    for session in cut:
+        session.server_stopping()
+    deadline = time.monotonic() + _CLOSE_WAIT_S
+    while rt.sessions and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    result = {"sessions": len(sessions), "finished": len(sessions) - len(cut), "cut": len(cut)}
+    log.info("drained: %(finished)d sessions finished their turns, %(cut)d were cut at the "
+             "deadline", result)
+    return result
 
 
 class Server(uvicorn.Server):
-    """uvicorn's server, plus a ``shutting_down`` notice to every live session before
-    uvicorn closes the sockets (which alone would drop them with a bare 1012)."""
+    """uvicorn's server with a drain before its shutdown: uvicorn alone would stop
+    listening at once and drop every socket with a bare 1012. Its request-line loggers
+    redact secrets (logs.protect)."""
 
     def __init__(self, config: uvicorn.Config, app: Starlette) -> None:
         super().__init__(config)
         self.rtvoice_app = app
+        logs.protect(app.state.settings.network.keys())
 
     async def shutdown(self, sockets: Any = None) -> None:
         settings: Settings = self.rtvoice_app.state.settings
-        with contextlib.suppress(Exception):  # a notice must never block the shutdown
-            await notify_shutdown(self.rtvoice_app, min(5.0, settings.network.graceful_shutdown_s))
+        try:  # a failing drain must never block the shutdown
+            await drain(self.rtvoice_app, settings.network.drain_timeout_s)
+        except Exception:
+            log.exception("drain failed; shutting down anyway")
         await super().shutdown(sockets=sockets)
+
+
+_WS_SLACK = 64 * 1024  # transport bytes above max_message_bytes: still a too_large event
 
 
 def uvicorn_config(app: Starlette, settings: Settings, **overrides: Any) -> uvicorn.Config:
     """uvicorn settings for the service: uvloop when installed, no per-message deflate (audio
-    does not compress; it would only cost CPU), a transport frame limit above the protocol's
-    own ``max_message_bytes`` so that oversized messages get a ``too_large`` error event
-    rather than a bare close."""
+    does not compress; it would only cost CPU), a transport message limit just above the
+    protocol's own ``max_message_bytes``: a message a little too large gets a ``too_large``
+    error event, a far larger one is refused by the transport (close 1009) without being
+    buffered whole."""
     try:
         import uvloop  # noqa: F401
 
@@ -352,7 +437,7 @@ def uvicorn_config(app: Starlette, settings: Settings, **overrides: Any) -> uvic
         "host": net.host,
         "port": net.port,
         "loop": loop,
-        "ws_max_size": 2 * settings.limits.max_message_bytes,
+        "ws_max_size": settings.limits.max_message_bytes + _WS_SLACK,
         "ws_ping_interval": net.ws_ping_interval_s,
         "ws_ping_timeout": net.ws_ping_timeout_s,
         "ws_per_message_deflate": False,
@@ -360,7 +445,8 @@ def uvicorn_config(app: Starlette, settings: Settings, **overrides: Any) -> uvic
         "log_config": None,  # keep the process's logging setup (``rtvoice --log-level``)
         "log_level": None,  # uvicorn's loggers inherit the root level
         "access_log": net.access_log,
-        "timeout_graceful_shutdown": max(1, round(net.graceful_shutdown_s)),
+        # the drain (Server.shutdown) has closed the sessions; this bounds what is left
+        "timeout_graceful_shutdown": max(1, round(_CLOSE_WAIT_S)),
     }
     kwargs.update(overrides)
     return uvicorn.Config(app, **kwargs)

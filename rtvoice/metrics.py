@@ -18,6 +18,7 @@ class Metrics:
 
     TTFA_BUCKETS: Final = (0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0)
     PREFILL_BUCKETS: Final = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+    WAIT_BUCKETS: Final = (0.001, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0)
     RECENT: Final = 2048  # TTFA values (one per segment) kept for the quantiles
 
     def __init__(self) -> None:
@@ -32,6 +33,14 @@ class Metrics:
         self.audio_bytes_total = 0
         self.errors: dict[str, int] = {}  # by error code
         self.slow_clients = 0  # sessions dropped because a send/encode bound overflowed
+        self.limit_hits: dict[str, int] = {}  # by limit (option name): refused or cut by it
+        self.drops: dict[str, int] = {}  # sessions the server ended, by cause
+        self.unstarted = 0  # connections open that have not sent 'start' yet
+        self.draining = False
+        self.references_running = 0  # reference clips decoding/encoding now (bounded pool)
+        self.references_waiting = 0  # ... and waiting for a worker
+        self.slot_wait_counts = [0] * (len(self.WAIT_BUCKETS) + 1)
+        self.slot_wait_sum = 0.0
         self.ttfa_counts = [0] * (len(self.TTFA_BUCKETS) + 1)
         self.ttfa_sum = 0.0
         self.ttfa_recent: deque[float] = deque(maxlen=self.RECENT)
@@ -55,6 +64,19 @@ class Metrics:
     def observe_prefill(self, seconds: float) -> None:
         self._observe(self.PREFILL_BUCKETS, self.prefill_counts, seconds)
         self.prefill_sum += seconds
+
+    def observe_slot_wait(self, seconds: float) -> None:
+        """How long a session waited in the engine's queue for a KV slot."""
+        self._observe(self.WAIT_BUCKETS, self.slot_wait_counts, seconds)
+        self.slot_wait_sum += seconds
+
+    def limit_hit(self, limit: str) -> None:
+        """Something was refused or cut because of the configured limit `limit`."""
+        self.limit_hits[limit] = self.limit_hits.get(limit, 0) + 1
+
+    def dropped(self, cause: str) -> None:
+        """The server ended a session, for `cause`."""
+        self.drops[cause] = self.drops.get(cause, 0) + 1
 
     def turn_done(self, reason: str) -> None:
         self.turns[reason] = self.turns.get(reason, 0) + 1
@@ -121,8 +143,22 @@ def render_metrics(m: Metrics, engine: Engine, *, model: str, device: str,
     metric("rtvoice_errors_total", "counter", "Error events sent, by code.",
            [(f'{{code="{_label(c)}"}}', n) for c, n in sorted(m.errors.items())])
     metric("rtvoice_slow_clients_total", "counter", "Sessions dropped (error timeout) because "
-           "the client did not read fast enough (send queue or encoder backlog full).",
-           [("", m.slow_clients)])
+           "the client did not read fast enough (send queue or encoder backlog full, or no "
+           "data accepted for send_timeout_s).", [("", m.slow_clients)])
+    metric("rtvoice_limit_hits_total", "counter", "Requests refused or cut by a configured "
+           "limit, by limit (the option's name).",
+           [(f'{{limit="{_label(k)}"}}', n) for k, n in sorted(m.limit_hits.items())])
+    metric("rtvoice_drops_total", "counter", "Sessions the server ended, by cause (slow_reader, "
+           "idle, no_start, shutdown, error).",
+           [(f'{{cause="{_label(k)}"}}', n) for k, n in sorted(m.drops.items())])
+    metric("rtvoice_connections_unstarted", "gauge", "Connections open that have not sent "
+           "'start' yet (bounded by max_unstarted).", [("", m.unstarted)])
+    metric("rtvoice_draining", "gauge", "1 while the server drains (after SIGTERM).",
+           [("", int(m.draining))])
+    metric("rtvoice_reference_jobs", "gauge", "Reference clips being decoded and encoded, and "
+           "waiting for a worker (reference_workers).",
+           [('{state="running"}', m.references_running),
+            ('{state="waiting"}', m.references_waiting)])
     histogram("rtvoice_ttfa_seconds", "Time to first audio per segment (segment handed to "
               "the engine, i.e. ready to generate -> its first audio chunk handed to the "
               "socket).", Metrics.TTFA_BUCKETS, m.ttfa_counts, m.ttfa_sum)
@@ -131,10 +167,19 @@ def render_metrics(m: Metrics, engine: Engine, *, model: str, device: str,
            [(f'{{quantile="{q:g}"}}', float(v)) for q, v in m.ttfa_quantiles().items()])
     histogram("rtvoice_prefill_seconds", "Voice prompt prefill time (open -> ready).",
               Metrics.PREFILL_BUCKETS, m.prefill_counts, m.prefill_sum)
+    histogram("rtvoice_slot_wait_seconds", "Time a session waited in the engine's queue for "
+              "a KV slot (part of its prefill time).", Metrics.WAIT_BUCKETS, m.slot_wait_counts,
+              m.slot_wait_sum)
     load = engine.load()
     metric("rtvoice_engine_sequences", "gauge", "Engine sequences by state.",
            [('{state="live"}', load["live"]), ('{state="waiting"}', load["waiting"])])
     metric("rtvoice_engine_free_slots", "gauge", "Free KV slots.", [("", load["free_slots"])])
+    metric("rtvoice_engine_slots", "gauge", "KV slots (sequences decoding at once), by use.",
+           [('{state="used"}', load["max_running"] - load["free_slots"]),
+            ('{state="free"}', load["free_slots"])])
+    metric("rtvoice_engine_slot_utilization", "gauge", "Share of KV slots in use (0..1): the "
+           "autoscaling signal.", [("", float((load["max_running"] - load["free_slots"])
+                                               / max(1, load["max_running"])))])
     metric("rtvoice_engine_device_wait_seconds", "gauge",
            "How long the engine has been waiting on the device right now (a stall if large).",
            [("", load["device_wait_s"])])

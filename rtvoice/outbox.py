@@ -18,7 +18,12 @@ __all__ = ["CLOSE", "Out", "Outbox", "SlowReader"]
 
 
 class SlowReader(Exception):
-    """The client is not reading fast enough: a send or encode bound overflowed."""
+    """The client is not reading fast enough: a send or encode bound overflowed. `limit`
+    names the bound (an option name) for the metrics."""
+
+    def __init__(self, message: str, limit: str) -> None:
+        super().__init__(message)
+        self.limit = limit
 
 
 @dataclass(slots=True, eq=False)
@@ -63,13 +68,11 @@ class Outbox:
         if self._bytes > self._max:
             raise SlowReader(
                 f"the client is not reading its audio: {self._bytes} bytes are queued "
-                f"(limit {self._max})"
-            )
+                f"(limit {self._max})", "send_queue_bytes")
         if len(self) > self._max_events:
             raise SlowReader(
                 f"the client is not reading its events: {len(self)} are queued "
-                f"(limit {self._max_events})"
-            )
+                f"(limit {self._max_events})", "send_queue_events")
 
     def release(self) -> None:
         """Move the held-back items to the end of the queue, in order."""

@@ -44,11 +44,16 @@ class Runtime:
     engine: Engine
     store: VoiceStore
     encode_pool: ThreadPoolExecutor  # audio encoders (mp3/opus/resampling)
-    codec_pool: ThreadPoolExecutor  # reference decoding + codec encoder (one worker)
+    codec_pool: ThreadPoolExecutor  # reference decoding + codec encoder (reference_workers)
     metrics: Metrics = field(default_factory=Metrics)
     session_ids: itertools.count[int] = field(default_factory=itertools.count)
     sessions: set[LiveSession] = field(default_factory=set)  # connected now (shutdown notices)
-    stopping: bool = False  # the server is shutting down: new sockets are refused
+    sessions_by_key: dict[int, int] = field(default_factory=dict)  # API key index -> live
+
+    @property
+    def stopping(self) -> bool:
+        """The server drains: new connections are refused, sessions end when their turns do."""
+        return self.metrics.draining
 
     @classmethod
     async def start(cls, settings: Settings, bundle: Bundle | None = None) -> Runtime:
@@ -82,9 +87,9 @@ class Runtime:
         return cls(
             settings=settings, bundle=bundle, engine=engine, store=store,
             encode_pool=ThreadPoolExecutor(settings.service.encode_threads, "rtvoice-encode"),
-            # One worker: the codec encoder is a big torch op that already uses every core;
-            # two at once only make both slower, and it bounds the memory of uploads.
-            codec_pool=ThreadPoolExecutor(1, "rtvoice-codec"),
+            # bounded: the codec encoder is a big torch op that already uses every core, and
+            # the pool bounds the memory of clips decoding at once
+            codec_pool=ThreadPoolExecutor(settings.limits.reference_workers, "rtvoice-codec"),
         )
 
     async def stop(self) -> None:
@@ -98,15 +103,26 @@ class Runtime:
         seconds), decoded and encoded in the codec pool. Raises `ProtocolError`
         (bad_reference_audio / too_large, the message starting with `what`)."""
         loop = asyncio.get_running_loop()
-        codec = self.bundle.codec
-        max_s = self.settings.limits.max_reference_s
+        codec, lim, m = self.bundle.codec, self.settings.limits, self.metrics
+        workers = lim.reference_workers
+
+        def run() -> tuple[Reference, int, float]:
+            return reference_from_bytes(codec, audio, text, max_seconds=lim.max_reference_s,
+                                        max_samples=lim.max_reference_samples)
+
+        jobs = m.references_running + m.references_waiting + 1
+        m.references_running, m.references_waiting = min(jobs, workers), max(0, jobs - workers)
         try:
-            return await loop.run_in_executor(
-                self.codec_pool, lambda: reference_from_bytes(codec, audio, text, max_seconds=max_s))
+            return await loop.run_in_executor(self.codec_pool, run)
         except ReferenceAudioTooLong as exc:
+            m.limit_hit("max_reference_samples" if exc.bound == "samples" else "max_reference_s")
             raise ProtocolError(ErrorCode.TOO_LARGE, f"{what}: {exc}") from None
         except BadReferenceAudio as exc:
             raise ProtocolError(ErrorCode.BAD_REFERENCE_AUDIO, f"{what}: {exc}") from None
+        finally:
+            jobs = m.references_running + m.references_waiting - 1
+            m.references_running = min(jobs, workers)
+            m.references_waiting = max(0, jobs - workers)
 
     def voice_room(self, references: Iterable[Reference]) -> int:
         """Characters per segment this voice leaves room for in the engine's context;

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 from typing import Any
 
+from rtvoice import logs
 from rtvoice.settings import (
     ENV_PREFIX,
     GROUP_TITLES,
@@ -81,6 +83,7 @@ def serve(args: argparse.Namespace) -> int:
     overrides = {k: v for k, v in vars(args).items() if k in names}
     settings = Settings.from_env(**overrides)
     m, net = settings.model, settings.network
+    logs.setup(net.log_format, net.keys())
     if m.is_preset:
         log.warning(
             "serving the built-in %r model with RANDOM WEIGHTS: it exercises the whole pipeline "
@@ -96,6 +99,9 @@ def serve(args: argparse.Namespace) -> int:
         "(model %s on %s; voice store %s)",
         host, net.port, host, net.port, m.model, m.device, settings.voices.data_dir,
     )
+    # uvicorn drains on SIGTERM, then raises the signal again under the handler found at
+    # start: this one makes that a clean exit (status 0) rather than death by signal.
+    signal.signal(signal.SIGTERM, _exit_cleanly)
     try:
         Server(uvicorn_config(app, settings), app).run()
     except KeyboardInterrupt:
@@ -103,3 +109,8 @@ def serve(args: argparse.Namespace) -> int:
         # exit for a server, not a crash.
         log.info("rtvoice: stopped")
     return 0
+
+
+def _exit_cleanly(signum: int, frame: Any) -> None:
+    log.info("rtvoice: stopped (signal %d)", signum)
+    raise SystemExit(0)

@@ -40,6 +40,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, Final
 
+import msgspec
 import numpy as np
 import torch
 from starlette.websockets import WebSocket, WebSocketDisconnect
@@ -71,7 +72,9 @@ from protocol import (
     decode_client,
     encode_server,
     encoding_of,
+    event_name,
 )
+from rtvoice import logs
 from rtvoice.audio_formats import AudioEncoder, EncoderConfig, make_encoder
 from rtvoice.outbox import CLOSE, Out, Outbox, SlowReader
 from rtvoice.runtime import Runtime
@@ -145,10 +148,11 @@ class Session:
     """Serves one WebSocket from accept to close. Create one per connection, ``await run()``."""
 
     def __init__(self, ws: WebSocket, runtime: Runtime, *,
-                 denied: ProtocolError | None = None) -> None:
+                 denied: ProtocolError | None = None, key: int | None = None) -> None:
         self.ws = ws
         self.rt = runtime
         self._denied = denied  # refused at the door (bad credentials): told why, then closed
+        self._key = key  # which API key it presented (its index), None: authentication off
         self.settings = runtime.settings
         self.limits = runtime.settings.limits
         self.id = f"s{next(runtime.session_ids)}-{secrets.token_hex(4)}"
@@ -160,6 +164,9 @@ class Session:
         self._default_ctx: str | None = None
         self._seq: Sequence | None = None
         self._counted_live = False
+        self._unstarted = False  # counted in metrics.unstarted (connected, no 'start' yet)
+        self._draining = False  # the server drains: end once the turns are done
+        self._drained = False  # ... and they are: the last audio goes out before the error
         self.turns: Turns | None = None  # from `start` on
         self._jobs: asyncio.Queue[Any] = asyncio.Queue(
             maxsize=encode_backlog_chunks(self.settings.engine))
@@ -173,6 +180,7 @@ class Session:
     # ------------------------------------------------------------------------- lifecycle
 
     async def run(self) -> None:
+        logs.SESSION.set(self.id)  # every line this session's tasks log names it
         metrics = self.rt.metrics
         metrics.connections_total += 1
         metrics.connections_open += 1
@@ -182,6 +190,9 @@ class Session:
                 await self.ws.accept()
             except Exception:  # handshake lost: nothing to clean up yet
                 return
+            if self._denied is None:
+                self._unstarted = True
+                metrics.unstarted += 1
             # a refused session reads nothing: its "receiver" fails at once with the reason
             receiver = self._spawn(self._receive_loop() if self._denied is None
                                    else self._refuse(self._denied), "receive")
@@ -199,19 +210,75 @@ class Session:
                 error = self._to_protocol_error(exc)
             await self._shutdown(error, gone, receiver, sender, encoder)
         finally:
+            self._closing = True
+            self._started()
             self.rt.sessions.discard(self)
             metrics.connections_open -= 1
             if self._counted_live:
-                metrics.sessions_live -= 1
+                self._count_live(-1)
             if self._seq is not None:  # idempotent; covers a handler cancelled mid-shutdown
                 self.rt.engine.close(self._seq)
             for task in self._tasks:
                 if not task.done():
                     task.cancel()
+            self._release()
+
+    def _release(self) -> None:
+        """Let go of what the session held (text, contexts, the request's reference audio),
+        so that its memory is freed when the socket closes, not when the cycle collector
+        next runs."""
+        if self.turns is not None:
+            self.turns.close()
+        # the session refers to these and they to it (turns: their port; the engine
+        # sequence: its sink): break the cycles
+        self.turns = None
+        self._seq = None
+        self._tasks.clear()
+        self._outbox.clear()
+        self._request = None
+        if self._end.done() and not self._end.cancelled():
+            # the error that ended it, and those it was raised from: their tracebacks' frames
+            # refer to the session
+            exc: BaseException | None = self._end.exception()
+            for _ in range(8):
+                if exc is None:
+                    break
+                exc.__traceback__ = None
+                exc = exc.__cause__ or exc.__context__
+
+    def _count_live(self, delta: int) -> None:
+        """A session counts against max_sessions (and its key's max_sessions_per_key) from
+        its 'start' until it closes."""
+        rt = self.rt
+        rt.metrics.sessions_live += delta
+        self._counted_live = delta > 0
+        if self._key is not None:
+            n = rt.sessions_by_key.get(self._key, 0) + delta
+            if n > 0:
+                rt.sessions_by_key[self._key] = n
+            else:
+                rt.sessions_by_key.pop(self._key, None)
 
     @staticmethod
     async def _refuse(error: ProtocolError) -> None:
         raise error
+
+    def _started(self) -> None:
+        """No longer a connection waiting to send 'start' (it did, or it ended)."""
+        if self._unstarted:
+            self._unstarted = False
+            self.rt.metrics.unstarted -= 1
+
+    def drain(self) -> None:
+        """The server drains: the session ends (``shutting_down``, close 1001) as soon as its
+        turns are done — at once when it has none. Call on the event loop."""
+        self._draining = True
+        self._end_if_drained()
+
+    def _end_if_drained(self) -> None:
+        if self._draining and not self._closing and (self.turns is None or self.turns.drained):
+            self._drained = True
+            self.server_stopping()
 
     def server_stopping(self) -> None:
         """The server is shutting down: end the session now with a ``shutting_down`` error
@@ -243,6 +310,8 @@ class Session:
         encoder: asyncio.Task[None],
     ) -> None:
         self._closing = True
+        if error is not None and self._denied is None:
+            self.rt.metrics.dropped(_drop_cause(error))
         if self.turns is not None:
             self.turns.accepting = False
         if self._sm.is_open:
@@ -259,7 +328,10 @@ class Session:
         else:
             box = self._outbox
             if error is not None:
-                box.clear()  # pending audio is moot; say what went wrong at once
+                if not self._drained:
+                    box.clear()  # pending audio is moot; say what went wrong at once
+                else:
+                    box.release()
                 box.put(Out(event=error.to_event()), force=True)
                 box.put(Out(event=Finish(reason="error", context_id=self._default_ctx)), force=True)
                 self.rt.metrics.error(str(error.code))
@@ -271,7 +343,7 @@ class Session:
             # After ``stop`` the client is owed all its audio, however slowly it reads (each
             # write is bounded by send_timeout_s); after an error only two small events remain.
             try:
-                if error is None:
+                if error is None or self._drained:  # owed all its audio, then the close
                     await asyncio.shield(sender)
                 else:
                     await asyncio.wait_for(asyncio.shield(sender), _FINAL_TIMEOUT_S)
@@ -318,6 +390,8 @@ class Session:
                 self._end.set_exception(ClientGone())
             return
         error = self._to_protocol_error(exc)
+        if error.limit is not None:
+            self.rt.metrics.limit_hit(error.limit)
         if error.fatal:
             if not self._end.done():
                 self._end.set_exception(error)
@@ -337,7 +411,8 @@ class Session:
         if isinstance(exc, ProtocolError):
             return exc
         if isinstance(exc, EngineOverloaded):
-            return ProtocolError(ErrorCode.OVERLOADED, f"the engine is at capacity: {exc}")
+            return ProtocolError(ErrorCode.OVERLOADED, f"the engine is at capacity: {exc}",
+                                 limit="max_waiting")
         if isinstance(exc, PromptTooLong | VoiceLimitError | ReferenceAudioTooLong):
             return ProtocolError(ErrorCode.TOO_LARGE, str(exc))
         if isinstance(exc, BadReferenceAudio):
@@ -347,7 +422,7 @@ class Session:
         if isinstance(exc, SlowReader):
             self.rt.metrics.slow_clients += 1
             log.warning("session %s: dropping a slow client: %s", self.id, exc)
-            return ProtocolError(ErrorCode.TIMEOUT, str(exc))
+            return ProtocolError(ErrorCode.TIMEOUT, str(exc), limit=exc.limit)
         if isinstance(exc, TimeoutError):
             return ProtocolError(ErrorCode.TIMEOUT, str(exc) or "operation timed out")
         log.error("session %s: internal error", self.id, exc_info=exc)
@@ -356,17 +431,25 @@ class Session:
     # ------------------------------------------------------------------------- receiving
 
     async def _receive_loop(self) -> None:
-        idle = self.limits.idle_timeout_s
         while True:
+            started = self._sm.state is not SessionState.CONNECTING
+            idle = self.limits.idle_timeout_s if started else self.limits.start_timeout_s
             try:
                 async with asyncio.timeout(idle):
                     message = await self.ws.receive()
             except TimeoutError:
-                if self.turns is not None and self.turns.busy:
-                    continue  # generating for this client is activity too: wait another period
+                if not started:
+                    raise ProtocolError(ErrorCode.TIMEOUT,
+                                        f"no 'start' within {idle:g} s of connecting",
+                                        limit="start_timeout_s") from None
+                if (self.turns is not None and self.turns.busy) \
+                        or self._sm.state is SessionState.PREFILLING:
+                    # generating for this client is activity too, and waiting for its voice
+                    # (queued for a KV slot, or prefilling) is the server's doing
+                    continue
                 raise ProtocolError(
-                    ErrorCode.TIMEOUT, f"no message for {idle:g} s and nothing to generate"
-                ) from None
+                    ErrorCode.TIMEOUT, f"no message for {idle:g} s and nothing to generate",
+                    limit="idle_timeout_s") from None
             if message["type"] == "websocket.disconnect":
                 raise ClientGone()
             data = message.get("bytes")
@@ -375,7 +458,8 @@ class Session:
             if data is None:
                 continue
             try:
-                event = decode_client(data, max_bytes=self.limits.max_message_bytes)
+                event = decode_client(data, max_bytes=self.limits.max_message_bytes,
+                                      max_depth=self.limits.max_nesting_depth)
                 if self._encoding is None:
                     self._encoding = encoding_of(data)
                 await self._dispatch(event)
@@ -396,6 +480,7 @@ class Session:
                 await asyncio.sleep(0)
 
     async def _dispatch(self, event: ClientEvent) -> None:
+        self._check_context_id(event)
         if isinstance(event, Start):
             await self._on_start(event)
             return
@@ -416,6 +501,19 @@ class Session:
             turns.stop()
         self._after_turns()
 
+    def _check_context_id(self, event: ClientEvent) -> None:
+        """context_id is echoed on every event of its context and kept per context: bounded."""
+        most = self.limits.max_context_id_chars
+        ids = [event.context_id]
+        if isinstance(event, Start):
+            ids.append(event.request.context_id)
+        for cid in ids:
+            if cid is not None and len(cid) > most:
+                raise ProtocolError(
+                    ErrorCode.INVALID_FIELD,
+                    f"context_id is {len(cid)} characters long; the limit is {most}",
+                    event=event_name(event), limit="max_context_id_chars")
+
     # ------------------------------------------------------------------------- start
 
     async def _on_start(self, event: Start) -> None:
@@ -426,16 +524,21 @@ class Session:
             raise ProtocolError(
                 ErrorCode.OVERLOADED,
                 f"the server is at its session limit ({self.limits.max_sessions}); retry later",
-            )
+                limit="max_sessions")
+        per_key = self.limits.max_sessions_per_key
+        if per_key and self._key is not None and rt.sessions_by_key.get(self._key, 0) >= per_key:
+            raise ProtocolError(
+                ErrorCode.OVERLOADED,
+                f"this API key holds {per_key} live sessions, its limit; close one or retry "
+                "later", limit="max_sessions_per_key")
         # Reserve the session slot before the first await, so that concurrent starts cannot
-        # all pass the check above; a start that fails gives it back.
-        rt.metrics.sessions_live += 1
-        self._counted_live = True
+        # all pass the checks above; a start that fails gives it back.
+        self._count_live(+1)
+        self._started()
         try:
             await self._start(event, req)
         except BaseException:
-            rt.metrics.sessions_live -= 1
-            self._counted_live = False
+            self._count_live(-1)
             raise
 
     async def _start(self, event: Start, req: TTSRequest) -> None:
@@ -452,7 +555,7 @@ class Session:
         # (the engine would otherwise refuse a long segment of wide characters: too_large).
         chunk_cap = rt.voice_room(references)
         self._sm.apply(event)  # -> prefilling: from here on text is buffered
-        self._request = req
+        self._request = msgspec.structs.replace(req, references=[])  # the clips are encoded
         self._output = output
         self._default_ctx = req.context_id if req.context_id is not None else event.context_id
         svc, eng = self.settings.service, self.settings.engine
@@ -497,16 +600,23 @@ class Session:
             raise ProtocolError(
                 ErrorCode.TOO_LARGE,
                 f"{len(req.references)} references; the limit is {self.limits.max_references}",
-            )
-        refs: list[Reference] = []
+                limit="max_references")
         for i, ref in enumerate(req.references):
             if not ref.text.strip():
                 raise ProtocolError(
                     ErrorCode.BAD_REFERENCE_AUDIO, f"references[{i}].text (the transcript) is empty"
                 )
-            reference, _, _ = await rt.reference(ref.audio, ref.text, f"references[{i}]")
-            refs.append(reference)
-        return refs
+        # decoded at once, up to reference_workers in parallel (the pool bounds the rest)
+        jobs = [asyncio.ensure_future(rt.reference(ref.audio, ref.text, f"references[{i}]"))
+                for i, ref in enumerate(req.references)]
+        try:
+            done = await asyncio.gather(*jobs)
+        except BaseException:
+            for job in jobs:
+                job.cancel()
+            await asyncio.gather(*jobs, return_exceptions=True)
+            raise
+        return [reference for reference, _, _ in done]
 
     # ------------------------------------------------------------------------- TurnPort
 
@@ -545,6 +655,7 @@ class Session:
             self._sm.transition(SessionState.IDLE)
         if self._sm.stopping and turns.drained:
             self._finish_ok()
+        self._end_if_drained()
 
     # ------------------------------------------------------------------------- engine side
 
@@ -562,6 +673,9 @@ class Session:
                 return
             self._sm.transition(SessionState.READY)
             self.rt.metrics.observe_prefill(prefill_s)
+            seq = self._seq
+            if seq is not None and seq.slot_at:
+                self.rt.metrics.observe_slot_wait(max(0.0, seq.slot_at - seq.created_at))
             self._put(Out(event=self._ready_event(prefill_s)))
             self._ready_sent = True
             self._outbox.release()  # ``done`` events of cancels during the prefill
@@ -589,6 +703,13 @@ class Session:
                 max_new_tokens=min(req.max_new_tokens, self.settings.engine.max_turn_frames),
                 max_reference_s=limits.max_reference_s,
                 idle_timeout_s=limits.idle_timeout_s,
+                max_context_id_chars=limits.max_context_id_chars,
+                max_nesting_depth=limits.max_nesting_depth,
+                max_reference_samples=limits.max_reference_samples,
+                max_references=limits.max_references,
+                max_chunk_length=limits.max_chunk_length,
+                send_queue_bytes=limits.send_queue_bytes,
+                send_timeout_s=limits.send_timeout_s,
             ),
             model=self.rt.bundle.name,
             session_id=self.id,
@@ -626,8 +747,8 @@ class Session:
             self._jobs.put_nowait(job)
         except asyncio.QueueFull:
             raise SlowReader(
-                f"the audio encoder is {self._jobs.maxsize} chunks behind the engine"
-            ) from None
+                f"the audio encoder is {self._jobs.maxsize} chunks behind the engine",
+                "encode_backlog") from None
 
     # ------------------------------------------------------------------------- encoding
 
@@ -741,12 +862,22 @@ class Session:
                     else:
                         await self.ws.send_text(frame)
             except TimeoutError:
-                raise ProtocolError(
-                    ErrorCode.TIMEOUT,
-                    f"the client accepted no data for {timeout:g} s (it is not reading)",
-                ) from None
+                raise SlowReader(f"the client accepted no data for {timeout:g} s (it is not "
+                                 "reading)", "send_timeout_s") from None
             except (OSError, RuntimeError, WebSocketDisconnect):
                 raise ClientGone() from None
+
+
+_DROP_CAUSES: Final = {"idle_timeout_s": "idle", "start_timeout_s": "no_start",
+                       "send_queue_bytes": "slow_reader", "send_queue_events": "slow_reader",
+                       "send_timeout_s": "slow_reader", "encode_backlog": "slow_reader"}
+
+
+def _drop_cause(error: ProtocolError) -> str:
+    """Why the server ended a session, for ``rtvoice_drops_total``."""
+    if error.code is ErrorCode.SHUTTING_DOWN:
+        return "shutdown"
+    return _DROP_CAUSES.get(error.limit or "", "error")
 
 
 def _new_encoder(output: EncoderConfig) -> AudioEncoder:

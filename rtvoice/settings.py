@@ -59,13 +59,23 @@ class NetworkSettings:
     port: int = option(8000, "TCP port (0 = any free port)", ge=0, le=65535)
     access_log: bool = option(False, "log every HTTP request and WebSocket connection")
     ws_ping_interval_s: float = option(20.0, "seconds between keepalive pings", gt=0)
-    ws_ping_timeout_s: float = option(20.0, "seconds to wait for a pong before dropping the "
-                                      "socket", gt=0)
-    graceful_shutdown_s: float = option(10.0, "seconds shutdown waits for open sessions", ge=0)
+    ws_ping_timeout_s: float = option(
+        60.0, "seconds to wait for a pong before dropping the socket; keep it above "
+        "send_timeout_s, so that a client that stops reading is dropped by the slow-client "
+        "rule (error 'timeout', counted) rather than by the keepalive", gt=0)
+    drain_timeout_s: float = option(
+        30.0, "drain on SIGTERM (or Ctrl-C): /ready turns 503 and new connections are refused "
+        "(HTTP 503, code shutting_down) at once; sessions end as soon as their turns are done, "
+        "for up to this many seconds, then every socket closes with 1001 ('shutting_down') and "
+        "the process exits 0", ge=0)
     api_keys: str | None = option(
         None, "comma-separated API keys; when set, /v1/tts/live and /v1/voices need "
         "'Authorization: Bearer KEY' (or ?api_key=KEY, for browsers); /health, /ready and "
-        "/metrics stay open. Unset: no authentication (bind to 127.0.0.1 only)")
+        "/metrics stay open. Unset: no authentication (bind to 127.0.0.1 only: the server "
+        "warns when it listens elsewhere without keys)")
+    log_format: str = option("text", "log lines as plain text, or as JSON objects (one per "
+                             "line, with session and turn ids) for a log collector",
+                             choices=("text", "json"))
 
     def __post_init__(self) -> None:
         validate(self)
@@ -133,12 +143,28 @@ class LimitSettings:
 
     max_sessions: int = option(128, "live sessions (after 'start'); further ones get "
                                "'overloaded'", ge=1)
+    max_sessions_per_key: int = option(0, "live sessions one API key may hold (0: only "
+                                       "max_sessions applies)", ge=0)
+    max_unstarted: int = option(64, "connections that have not sent 'start' yet; more are "
+                                "refused ('overloaded', close 1013)", ge=1)
+    start_timeout_s: float = option(15.0, "a connection that sends no 'start' for this long is "
+                                    "closed ('timeout')", gt=0)
     max_message_bytes: int = option(8 * 1024 * 1024, "largest client message (bytes); inline "
                                     "references need room", ge=1)
+    max_nesting_depth: int = option(32, "deepest nesting of a client message (a flat map "
+                                    "is 1; events need 4); deeper ones get "
+                                    "'malformed_message'", ge=4, le=256)
     max_text_chars: int = option(50_000, "unspoken text per context (characters)", ge=1)
     max_contexts: int = option(8, "contexts with unfinished work per socket", ge=1)
+    max_context_id_chars: int = option(128, "longest context_id (characters); it is echoed "
+                                       "on every event of its context", ge=1, le=1024)
     max_references: int = option(4, "inline reference clips per session", ge=1)
     max_reference_s: float = option(30.0, "longest reference clip (seconds)", gt=0)
+    max_reference_samples: int = option(
+        48000 * 30 * 2, "most samples x channels one reference clip may decode to (its memory "
+        "while decoding: 4 bytes each)", ge=1)
+    reference_workers: int = option(2, "reference clips decoded and encoded at once (a bounded "
+                                    "pool off the event loop; others wait their turn)", ge=1)
     min_chunk_length: int = option(10, "smallest chunk_length honoured (characters)", ge=1)
     max_chunk_length: int = option(1000, "largest chunk_length honoured (characters)", ge=1)
     idle_timeout_s: float = option(120.0, "close sockets idle this long: no client message and "

@@ -188,6 +188,22 @@ class Turns:
         self._turn_ids = itertools.count()
         self._utt_ids = itertools.count()
 
+    def close(self) -> None:
+        """The session is over: drop every context, utterance and segment. Contexts and their
+        utterances refer to each other; without this their memory (text, encoders, audio
+        awaiting the encoder) would wait for the cycle collector after the session ends."""
+        self.accepting = False
+        for ctx in self.contexts.values():
+            ctx.open = None
+            ctx.pending.clear()
+        for utt in self.open_utterances:
+            utt.awaiting_audio.clear()
+        self.contexts.clear()
+        self.open_utterances.clear()
+        self.fifo.clear()
+        self.by_turn.clear()
+        self.running = None
+
     # ------------------------------------------------------------------------- queries
     @property
     def busy(self) -> bool:
@@ -226,6 +242,7 @@ class Turns:
                 "flush or cancel one first",
                 context_id=ctx.id,
                 event="text",
+                limit="max_contexts",
             )
         if ctx.unspoken_chars + len(text) > self.limits.max_text_chars:
             raise ProtocolError(
@@ -234,6 +251,7 @@ class Turns:
                 f"characters; the limit is {self.limits.max_text_chars}",
                 context_id=ctx.id,
                 event="text",
+                limit="max_text_chars",
             )
         utt = ctx.open
         if utt is None:

@@ -489,3 +489,56 @@ def test_protocol_is_sans_io() -> None:
                 names = [node.module]
             for name in names:
                 assert name.split(".")[0] not in forbidden, f"{path.name} imports {name}"
+
+
+def _nested_text_event(encoding: str, n: int) -> bytes | str:
+    """A ``text`` event with an unknown field ``x`` holding `n` nested one-element arrays."""
+    if encoding == "msgpack":
+        import msgspec
+
+        head = msgspec.msgpack.encode
+        return (bytes([0x83]) + head("event") + head("text") + head("text") + head("hi")
+                + head("x") + bytes([0x91]) * n + bytes([0xC0]))
+    return '{"event":"text","text":"hi","x":' + "[" * n + "null" + "]" * n + "}"
+
+
+@pytest.mark.parametrize("encoding", ["msgpack", "json"])
+@pytest.mark.parametrize("max_depth", [None, 32])
+def test_deeply_nested_message_is_malformed_not_a_crash(encoding, max_depth):
+    """A 1 KB frame nested 1,000 deep (even inside an unknown field) is a non-fatal
+    malformed_message naming the limit — with the depth check, and without it (the decoder's
+    own bound: no RecursionError escapes)."""
+    with pytest.raises(ProtocolError) as e:
+        decode_client(_nested_text_event(encoding, 1000), max_depth=max_depth)
+    assert e.value.code == "malformed_message" and not e.value.fatal
+    assert "nested" in e.value.message and e.value.limit == "max_nesting_depth"
+
+
+@pytest.mark.parametrize("encoding", ["msgpack", "json"])
+def test_nesting_limit_is_exact(encoding):
+    """The event map is level 1, so x holding n arrays is n + 1 levels deep."""
+    assert decode_client(_nested_text_event(encoding, 7), max_depth=8).text == "hi"
+    with pytest.raises(ProtocolError):
+        decode_client(_nested_text_event(encoding, 8), max_depth=8)
+
+
+def test_too_deep_scanners():
+    import msgspec
+
+    from protocol.codec import MAX_VALUES, too_deep
+
+    cases = [({"a": 1}, 1), ({"a": [1, 2, {"b": []}]}, 4), ([[], [[]]], 3), ({}, 1),
+             ({"t": 'a\\"[[[[[{{{', "u": [[]]}, 3), ({"t": "\\\\", "u": [[[[]]]]}, 5),
+             ({"event": "start", "request": {"references": [{"audio": b"x" * 70000}]}}, 4)]
+    for value, depth in cases:
+        for frame in (msgspec.msgpack.encode(value), msgspec.json.encode(value).decode()):
+            assert not too_deep(frame, depth), (value, frame[:40])
+            assert too_deep(frame, depth - 1), (value, frame[:40])
+    # more values than any event has: refused without walking them all
+    assert too_deep(msgspec.msgpack.encode({"x": list(range(MAX_VALUES + 10))}), 32)
+    assert too_deep(msgspec.json.encode({"x": [[]] * (MAX_VALUES + 10)}).decode(), 32)
+    # but a long flat list of scalars in JSON, or brackets inside strings, are fine
+    assert not too_deep(msgspec.json.encode({"x": [1] * 100_000}).decode(), 32)
+    assert not too_deep(msgspec.json.encode({"t": "[" * 100_000}).decode(), 32)
+    # truncated input is left to the decoder
+    assert not too_deep(msgspec.msgpack.encode({"a": [1, 2, 3]})[:-2], 32)

@@ -14,15 +14,27 @@ import json
 import math
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import httpx
 import msgspec
 import pytest
 import soundfile as sf
-import websockets
 from _audio import wav_bytes
+from _live import (
+    Client,
+    audio_of,
+    check_audio_sequence,
+    engine_at_rest,
+    is_done,
+    is_finish,
+    next_error,
+    poll,
+    request,
+    speak,
+    still_serving,
+    wait_at_rest,
+)
 
 import rtvoice.turns
 from protocol import (
@@ -38,8 +50,6 @@ from protocol import (
     Start,
     Stop,
     Text,
-    TTSRequest,
-    decode_server,
     encode_client,
 )
 from rtvoice.audio_formats import FORMATS, make_encoder
@@ -47,104 +57,8 @@ from rtvoice.testing import running_server
 from rtvoice.turns import segment_chars
 
 FRAME_S = 2048 / 44100
-RECV_TIMEOUT = 60.0
 
 pytestmark = pytest.mark.timeout(120)
-
-
-# ------------------------------------------------------------------------------ client helpers
-
-
-class Client:
-    """A minimal protocol client over ``websockets`` (msgpack binary or JSON text frames)."""
-
-    def __init__(self, ws: Any, encoding: Encoding) -> None:
-        self.ws = ws
-        self.encoding = encoding
-        self.events: list[Any] = []
-
-    @classmethod
-    async def connect(cls, url: str, encoding: Encoding = Encoding.MSGPACK) -> Client:
-        ws = await websockets.connect(url, max_size=None, open_timeout=30)
-        return cls(ws, encoding)
-
-    async def send(self, event: Any) -> None:
-        await self.ws.send(encode_client(event, self.encoding))
-
-    async def send_raw(self, data: bytes | str) -> None:
-        await self.ws.send(data)
-
-    async def recv(self) -> Any:
-        frame = await asyncio.wait_for(self.ws.recv(), RECV_TIMEOUT)
-        # The server answers in the client's encoding: text frames for JSON, binary for msgpack.
-        assert isinstance(frame, str) == (self.encoding is Encoding.JSON), type(frame)
-        event = decode_server(frame)
-        self.events.append(event)
-        return event
-
-    async def until(self, stop: Callable[[Any], bool]) -> list[Any]:
-        """Receive until ``stop(event)``; returns the events received, that one included."""
-        out = []
-        while True:
-            ev = await self.recv()
-            out.append(ev)
-            if stop(ev):
-                return out
-
-    async def closed(self) -> int | None:
-        """Wait for the server to close; returns the close code."""
-        try:
-            while True:
-                await asyncio.wait_for(self.ws.recv(), RECV_TIMEOUT)
-        except websockets.ConnectionClosed:
-            pass
-        return self.ws.close_code
-
-    async def close(self) -> None:
-        await self.ws.close()
-
-
-def is_done(ctx: str | None = None) -> Callable[[Any], bool]:
-    return lambda e: isinstance(e, Done) and e.context_id == ctx
-
-
-def is_finish(e: Any) -> bool:
-    return isinstance(e, Finish)
-
-
-def audio_of(events: list[Any], ctx: str | None = None) -> list[Audio]:
-    return [e for e in events if isinstance(e, Audio) and e.context_id == ctx]
-
-
-def check_audio_sequence(audio: list[Audio]) -> None:
-    """seq numbers 0.. with no gaps; offsets are the running sum of durations."""
-    assert [a.seq for a in audio] == list(range(len(audio)))
-    t = 0.0
-    for a in audio:
-        assert a.offset_s == pytest.approx(t, abs=1e-5)
-        t += a.duration_s
-
-
-
-
-def request(**kw: Any) -> TTSRequest:
-    kw.setdefault("format", "pcm")
-    kw.setdefault("max_new_tokens", 6)
-    return TTSRequest(**kw)
-
-
-async def speak(url: str, texts: list[str], *, encoding: Encoding = Encoding.MSGPACK,
-                **req: Any) -> tuple[list[Any], int | None]:
-    """One session: start, texts, flush, stop; returns (events, close code)."""
-    c = await Client.connect(url, encoding)
-    await c.send(Start(request=request(**req)))
-    for t in texts:
-        await c.send(Text(text=t))
-    await c.send(Flush())
-    await c.send(Stop())
-    events = await c.until(is_finish)
-    code = await c.closed()
-    return events, code
 
 
 # ------------------------------------------------------------------------------ the server
@@ -379,15 +293,6 @@ async def test_every_format_decodes_to_the_generated_duration(server, fmt, rate)
 # ------------------------------------------------------------------------------ bad input
 
 
-async def _still_serving(url: str) -> None:
-    events, code = await speak(url, ["Still here."], max_new_tokens=2)
-    assert code == 1000 and any(isinstance(e, Done) for e in events)
-
-
-async def _error(c: Client) -> Error:
-    return (await c.until(lambda e: isinstance(e, Error)))[-1]
-
-
 @pytest.mark.parametrize(
     ("frame", "code"),
     [
@@ -403,7 +308,7 @@ async def test_bad_messages_are_reported_and_the_session_survives(server, frame,
     c = await Client.connect(server.ws_url, Encoding.JSON if isinstance(frame, str)
                              else Encoding.MSGPACK)
     await c.send_raw(frame)
-    err = await _error(c)
+    err = await next_error(c)
     assert err.code == code and not err.fatal
     # the same socket still works
     await c.send(Start(request=request(max_new_tokens=2)))
@@ -417,16 +322,16 @@ async def test_bad_messages_are_reported_and_the_session_survives(server, frame,
 async def test_text_before_start_is_invalid_state(server):
     c = await Client.connect(server.ws_url)
     await c.send(Text(text="too early"))
-    err = await _error(c)
+    err = await next_error(c)
     assert err.code == "invalid_state" and not err.fatal and "start" in err.message
     await c.send(Start(request=request(max_new_tokens=6)))
     assert isinstance(await c.recv(), Ready)
     await c.send(Start(request=request()))  # a second start
-    assert (await _error(c)).code == "invalid_state"
+    assert (await next_error(c)).code == "invalid_state"
     await c.send(Text(text="Pending words keep the session draining for a while."))
     await c.send(Stop())
     await c.send(Text(text="after stop"))
-    assert (await _error(c)).code == "invalid_state"
+    assert (await next_error(c)).code == "invalid_state"
     assert (await c.until(is_finish))[-1].reason == "stop"
     await c.close()
 
@@ -447,14 +352,14 @@ async def _fatal(url: str, first: Any, *, encoding: Encoding = Encoding.MSGPACK)
 async def test_unknown_voice_is_fatal_with_policy_close(server):
     err, code = await _fatal(server.ws_url, Start(request=request(reference_id="no-such-voice")))
     assert err.code == "unknown_voice" and code == 1008
-    await _still_serving(server.ws_url)
+    await still_serving(server.ws_url)
 
 
 async def test_undecodable_reference_audio(server):
     bad = Start(request=request(references=[ReferenceAudio(audio=b"not audio at all", text="x")]))
     err, code = await _fatal(server.ws_url, bad)
     assert err.code == "bad_reference_audio" and code == 1007
-    await _still_serving(server.ws_url)
+    await still_serving(server.ws_url)
 
 
 async def test_unsupported_format(server):
@@ -473,7 +378,7 @@ async def test_oversized_message_is_too_large(server):
     err = next(e for e in events if isinstance(e, Error))
     assert err.code == "too_large" and err.fatal and events[-1].reason == "error"
     assert await c.closed() == 1009
-    await _still_serving(server.ws_url)
+    await still_serving(server.ws_url)
 
 
 async def test_too_much_unspoken_text_and_too_many_contexts(server):
@@ -482,7 +387,7 @@ async def test_too_much_unspoken_text_and_too_many_contexts(server):
     for ctx in ("c1", "c2", "c3"):
         await c.send(Text(context_id=ctx, text="open"))
     await c.send(Text(context_id="c4", text="one too many"))
-    err = await _error(c)
+    err = await next_error(c)
     assert err.code == "bad_request" and not err.fatal and err.context_id == "c4"
     await c.send(Text(context_id="c1", text="y" * 2500))  # max_text_chars=2000
     events = await c.until(is_finish)
@@ -508,7 +413,7 @@ async def test_bad_input_does_not_disturb_a_running_session(server):
     for frame, code in neighbours:
         bad = await Client.connect(server.ws_url)
         await bad.send_raw(frame)
-        assert (await _error(bad)).code == code
+        assert (await next_error(bad)).code == code
         await bad.close()
     evs = await good.until(is_done())
     done = evs[-1]
@@ -531,24 +436,6 @@ async def test_inline_reference_clip(server):
     assert done.frames == 3
 
 
-async def _poll(check: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, what
-        await asyncio.sleep(0.01)
-
-
-def _engine_at_rest(url: Any) -> Callable[[], bool]:
-    engine = url.app.state.runtime.engine
-
-    def check() -> bool:
-        load = engine.load()
-        return (load["live"] == 0 and load["waiting"] == 0
-                and engine.free_slots() == engine.n_slots and engine.codec_worker.decoder.n_open == 0)
-
-    return check
-
-
 async def test_disconnect_mid_turn_releases_everything(server):
     engine = server.app.state.runtime.engine
     c = await Client.connect(server.ws_url)
@@ -559,10 +446,10 @@ async def test_disconnect_mid_turn_releases_everything(server):
     assert engine.load()["live"] == 1 and engine.codec_worker.decoder.n_open == 1  # mid-turn, really
     c.ws.transport.abort()  # vanish without a close handshake
     # its KV slot, its engine sequence and its codec stream are all given back
-    await _poll(_engine_at_rest(server), f"not released: {engine.load()}, "
+    await poll(engine_at_rest(server), f"not released: {engine.load()}, "
                 f"{engine.codec_worker.decoder.n_open} codec streams open")
     assert server.app.state.runtime.metrics.sessions_live == 0
-    await _still_serving(server.ws_url)
+    await still_serving(server.ws_url)
 
 
 async def test_nothing_to_say_is_a_no_op_and_ready_comes_first(server):
@@ -608,7 +495,7 @@ async def test_every_segment_ttfa_goes_to_metrics(server):
 
 
 async def test_health_ready_metrics(server):
-    await _still_serving(server.ws_url)
+    await still_serving(server.ws_url)
     async with httpx.AsyncClient(base_url=server, timeout=30) as http:
         r = await http.get("/health")
         assert r.status_code == 200 and r.json()["status"] == "ok"
@@ -673,7 +560,7 @@ def test_overloaded_and_idle_timeout():
         silent = await Client.connect(url)
         assert await silent.closed() == 1008
 
-    with running_server(max_sessions=1, idle_timeout_s=1.0) as url:
+    with running_server(max_sessions=1, idle_timeout_s=1.0, start_timeout_s=1.0) as url:
         asyncio.run(run(url, url.ws_url))
 
 
@@ -688,10 +575,6 @@ def small_server():
         yield url
 
 
-async def _wait_at_rest(url: Any) -> None:
-    await _poll(_engine_at_rest(url), "the engine still holds a session")
-
-
 async def test_segments_are_capped_to_what_the_context_holds(small_server):
     room = segment_chars(small_server.app.state.runtime.engine.text_room([]))
     assert 10 <= room < 100
@@ -702,7 +585,7 @@ async def test_segments_are_capped_to_what_the_context_holds(small_server):
     done = next(e for e in events if isinstance(e, Done))
     assert done.reason == "length" and done.segments == math.ceil(100 / room)
     assert done.frames == 2 * done.segments
-    await _wait_at_rest(small_server)
+    await wait_at_rest(small_server)
 
 
 async def test_segment_the_engine_cannot_fit_ends_its_turn_not_the_session(small_server,
@@ -726,7 +609,7 @@ async def test_segment_the_engine_cannot_fit_ends_its_turn_not_the_session(small
     await c.send(Stop())
     assert (await c.until(is_finish))[-1].reason == "stop"
     assert await c.closed() == 1000
-    await _wait_at_rest(small_server)
+    await wait_at_rest(small_server)
 
 
 async def test_voice_too_large_for_the_context(small_server):
@@ -742,7 +625,7 @@ async def test_voice_too_large_for_the_context(small_server):
     err, code = await _fatal(small_server.ws_url, Start(request=request(
         references=[ReferenceAudio(audio=clip, text="word " * 60)])))
     assert err.code == "too_large" and code == 1009 and "leaves room for" in err.message
-    await _wait_at_rest(small_server)
+    await wait_at_rest(small_server)
 
 
 async def test_waiting_session_that_leaves_gives_its_place_back(small_server):
@@ -752,23 +635,26 @@ async def test_waiting_session_that_leaves_gives_its_place_back(small_server):
     assert isinstance(await a.recv(), Ready)
     b = await Client.connect(small_server.ws_url)
     await b.send(Start(request=request()))
-    await _poll(lambda: engine.load()["waiting"] == 1, "B does not wait for the slot")
+    await poll(lambda: engine.load()["waiting"] == 1, "B does not wait for the slot")
     async with httpx.AsyncClient(base_url=small_server, timeout=30) as http:
-        assert (await http.get("/ready")).status_code == 503  # slot taken, queue full
+        r = await http.get("/ready")  # the only slot taken, one waiting: send others elsewhere
+        assert r.status_code == 503 and "KV slot" in r.json()["reason"], r.json()
         await b.close()  # B gives up before it got a slot
-        await _poll(lambda: engine.load()["waiting"] == 0, "B still holds its place in the queue")
-        r = await http.get("/ready")
-        assert r.status_code == 200, r.json()
-    c = await Client.connect(small_server.ws_url)
-    await c.send(Start(request=request()))  # waits for A's slot (not overloaded)
-    await a.send(Stop())
-    await a.until(is_finish)
-    assert await a.closed() == 1000
-    assert isinstance(await c.recv(), Ready)
-    await c.send(Stop())
-    await c.until(is_finish)
-    assert await c.closed() == 1000
-    await _wait_at_rest(small_server)
+        await poll(lambda: engine.load()["waiting"] == 0, "B still holds its place in the queue")
+        r = await http.get("/ready")  # no free slot yet: still not ready, truthfully
+        assert r.status_code == 503 and r.json()["engine"]["waiting"] == 0, r.json()
+        c = await Client.connect(small_server.ws_url)
+        await c.send(Start(request=request()))  # waits for A's slot (not overloaded)
+        await a.send(Stop())
+        await a.until(is_finish)
+        assert await a.closed() == 1000
+        assert isinstance(await c.recv(), Ready)
+        await c.send(Stop())
+        await c.until(is_finish)
+        assert await c.closed() == 1000
+        await wait_at_rest(small_server)
+        r = await http.get("/ready")  # the slot is free again
+        assert r.status_code == 200 and r.json()["ready"], r.json()
 
 
 async def test_client_that_reads_no_events_is_dropped(small_server, monkeypatch):
@@ -793,14 +679,14 @@ async def test_client_that_reads_no_events_is_dropped(small_server, monkeypatch)
     stalled.set()
     for _ in range(200):
         await c.send(Cancel())
-    await _poll(lambda: metrics.slow_clients > slow, "the client was not dropped")
+    await poll(lambda: metrics.slow_clients > slow, "the client was not dropped")
     stalled.clear()
     events = await c.until(is_finish)
     err = next(e for e in events if isinstance(e, Error))
     assert err.code == "timeout" and err.fatal and "not reading its events" in err.message
     assert len(events) <= 3  # the done in flight, error, finish: the queue was dropped
     assert await c.closed() == 1008
-    await _wait_at_rest(small_server)
+    await wait_at_rest(small_server)
 
 
 def test_startup_refuses_a_context_too_small_for_any_segment():

@@ -59,7 +59,9 @@ def test_settings_env_then_overrides(tmp_path):
         ({"budget_multiplier": -1.0}, "budget_multiplier"),
         ({"min_chunk_length": 500, "max_chunk_length": 100}, "min_chunk_length"),
         ({"dtype": "int3"}, "dtype"),
-        ({"graceful_shutdown_s": -1.0}, "graceful_shutdown_s"),
+        ({"drain_timeout_s": -1.0}, "drain_timeout_s"),
+        ({"max_nesting_depth": 2}, "max_nesting_depth"),
+        ({"log_format": "xml"}, "log_format"),
         ({"send_queue_events": 0}, "send_queue_events"),
         ({"codec_hold_s": -0.5}, "codec_hold_s"),
         ({"prefill_first_lead_s": -0.1}, "prefill_first_lead_s"),
@@ -104,7 +106,7 @@ def _flag_value(name: str):  # type: ignore[no-untyped-def]
                "high_priority_streams": ("decode,codec", ("decode", "codec")),
                "data_dir": ("/tmp/rtvoice-x", Path("/tmp/rtvoice-x")),
                "max_chunk_length": ("999", 999), "min_chunk_length": ("11", 11),
-               "port": ("9123", 9123)}
+               "port": ("9123", 9123), "log_format": ("json", "json")}
     if name in special:
         return special[name]
     if base is bool:
