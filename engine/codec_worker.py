@@ -18,7 +18,8 @@ from .request import Sequence, Turn
 
 class CodecWorker:
     def __init__(self, codec: Codec, ops: CodecOps, stream: torch.cuda.Stream | None, *,
-                 n_slots: int, graphed: bool, max_frames: int, stats: dict[str, float]) -> None:
+                 n_slots: int, graphed: bool, max_frames: int, call_frames: int = 0,
+                 stats: dict[str, float]) -> None:
         self.stream = stream
         self.stats = stats
         self.graphed = graphed
@@ -26,7 +27,8 @@ class CodecWorker:
         # twice the slots: turns whose audio still drains while their sequences speak again;
         # graphs up to the slots only (the biggest buckets cost the most to capture)
         self.decoder = StreamingDecoder(codec, max_streams=max(2, 2 * n_slots), buckets=graphed,
-                                        graph_streams=n_slots, max_frames=max_frames, ops=ops)
+                                        graph_streams=n_slots, max_frames=max_frames, ops=ops,
+                                        call_frames=call_frames)
         self.waiting_since: float | None = None  # a tick waiting on the device (watchdog)
 
     def capture(self) -> float:

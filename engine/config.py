@@ -308,6 +308,11 @@ class EngineConfig:
                                   "span) bucket (CUDA only)")
     codec_graphs: bool = option(True, "codec ticks as CUDA graphs per (streams, frames) "
                                 "bucket (CUDA only)")
+    codec_call_frames: int | None = option(
+        None, "most streams x frames the codec decodes in one pass without graphs: bounds "
+        "its working memory (a CPU's heap keeps what its biggest pass once took: 56 sessions "
+        "on the tiny model, RSS 1.5 GB unbounded, see docs/RELIABILITY.md); 0: a tick in one "
+        "pass. Default: 64 on a CPU, 0 on a GPU", ge=0)
     span_step: int = option(256, "attention-span bucket of the decode step's torch attention "
                             "(with csrc's attention one span is captured)", ge=1)
     fused_ops: str = option("auto", "the model's elementwise ops: compile (torch.compile'd, "
@@ -341,5 +346,7 @@ class EngineConfig:
 
     def resolved(self, *, cuda: bool, model_len: int) -> EngineConfig:
         """A copy with the device-dependent defaults filled in."""
+        call = self.codec_call_frames
         return replace(self, max_running=self.max_running or (64 if cuda else 8),
-                       max_len=min(self.max_len or 4096, model_len))
+                       max_len=min(self.max_len or 4096, model_len),
+                       codec_call_frames=(0 if cuda else 64) if call is None else call)

@@ -110,7 +110,9 @@ class Engine:
         graphed_codec = config.codec_graphs and codec.device.type == "cuda"
         self.codec_worker = CodecWorker(codec, self.ops.codec, self._stream("codec"),
                                         n_slots=runner.n_slots, graphed=graphed_codec,
-                                        max_frames=config.max_turn_frames, stats=self.stats)
+                                        max_frames=config.max_turn_frames,
+                                        call_frames=config.codec_call_frames or 0,
+                                        stats=self.stats)
         # prefill thread state: jobs handed over / finished, and on the decode thread the
         # finished ones whose event has not completed yet
         self._prefill_in: queue.SimpleQueue[PrefillJob | None] = queue.SimpleQueue()

@@ -23,7 +23,7 @@ import time
 from collections.abc import Iterable
 from typing import Final
 
-__all__ = ["SESSION", "TURN", "JsonFormatter", "Redact", "protect", "setup"]
+__all__ = ["SESSION", "TURN", "ClientFaults", "JsonFormatter", "Redact", "protect", "setup"]
 
 SESSION: Final[contextvars.ContextVar[str | None]] = contextvars.ContextVar(
     "rtvoice_session", default=None)
@@ -67,6 +67,20 @@ class Redact(logging.Filter):
         return True
 
 
+class ClientFaults(logging.Filter):
+    """uvicorn logs a client's text frame that is not UTF-8 as an ERROR with a traceback,
+    one per frame: a log flood at an attacker's command. It is the client's fault (uvicorn
+    closes the socket with 1007), so it becomes one warning line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], UnicodeDecodeError):
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            record.msg, record.args = ("a client sent a text frame that is not UTF-8; its "
+                                       "socket was closed (1007)"), None
+            record.exc_info = record.exc_text = None
+        return True
+
+
 class JsonFormatter(logging.Formatter):
     """One JSON object per line: ts (epoch seconds), level, logger, msg, session and turn
     (when known), exc (a traceback, when there is one)."""
@@ -92,13 +106,14 @@ class JsonFormatter(logging.Formatter):
 
 
 def protect(keys: Iterable[str] = ()) -> Redact:
-    """Install one `Redact` on the request-line loggers (idempotent: a previous one is
-    replaced, so the current keys count). Returns it."""
+    """Install one `Redact` and one `ClientFaults` on the request-line loggers (idempotent:
+    previous ones are replaced, so the current keys count). Returns the `Redact`."""
     flt = Redact(keys)
     for name in REQUEST_LOGGERS:
         logger = logging.getLogger(name)
-        for old in [f for f in logger.filters if isinstance(f, Redact)]:
+        for old in [f for f in logger.filters if isinstance(f, Redact | ClientFaults)]:
             logger.removeFilter(old)
+        logger.addFilter(ClientFaults())
         logger.addFilter(flt)
     return flt
 

@@ -96,7 +96,7 @@ def _label(value: str) -> str:
 
 
 def render_metrics(m: Metrics, engine: Engine, *, model: str, device: str,
-                   random_weights: bool) -> str:
+                   random_weights: bool, queued_bytes: int = 0) -> str:
     """Prometheus text exposition (format 0.0.4) of the service's and the engine's counters."""
     out: list[str] = []
 
@@ -151,6 +151,9 @@ def render_metrics(m: Metrics, engine: Engine, *, model: str, device: str,
     metric("rtvoice_drops_total", "counter", "Sessions the server ended, by cause (slow_reader, "
            "idle, no_start, shutdown, error).",
            [(f'{{cause="{_label(k)}"}}', n) for k, n in sorted(m.drops.items())])
+    metric("rtvoice_queued_audio_bytes", "gauge", "Audio held for sessions: encoded, waiting "
+           "for the socket, and raw, waiting for the encoder (bounded per session by "
+           "send_queue_bytes and the encode backlog).", [("", queued_bytes)])
     metric("rtvoice_connections_unstarted", "gauge", "Connections open that have not sent "
            "'start' yet (bounded by max_unstarted).", [("", m.unstarted)])
     metric("rtvoice_draining", "gauge", "1 while the server drains (after SIGTERM).",

@@ -50,6 +50,11 @@ class Outbox:
         self._max_events = max_events
         self._ready = asyncio.Event()
 
+    @property
+    def queued_bytes(self) -> int:
+        """Audio bytes waiting for the socket."""
+        return self._bytes
+
     def __len__(self) -> int:
         return len(self._q) + len(self._held)
 

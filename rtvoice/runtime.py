@@ -21,6 +21,7 @@ from engine.loader import Bundle, load_bundle
 from engine.prompt import Reference
 from engine.reference_audio import reference_from_bytes
 from protocol import ErrorCode, ProtocolError
+from rtvoice.memory import trim_loop
 from rtvoice.metrics import Metrics
 from rtvoice.settings import Settings
 from rtvoice.turns import segment_chars
@@ -36,6 +37,11 @@ class LiveSession(Protocol):
 
     def server_stopping(self) -> None: ...
 
+    def drain(self) -> None: ...
+
+    @property
+    def queued_bytes(self) -> int: ...
+
 
 @dataclass(slots=True)
 class Runtime:
@@ -49,6 +55,7 @@ class Runtime:
     session_ids: itertools.count[int] = field(default_factory=itertools.count)
     sessions: set[LiveSession] = field(default_factory=set)  # connected now (shutdown notices)
     sessions_by_key: dict[int, int] = field(default_factory=dict)  # API key index -> live
+    trimmer: asyncio.Task[None] | None = None  # memory.trim_loop
 
     @property
     def stopping(self) -> bool:
@@ -84,15 +91,19 @@ class Runtime:
         log.info("engine ready: model %s%s on %s, %d KV slots x %d positions, voices in %s",
                  bundle.name, " (RANDOM WEIGHTS)" if bundle.random_weights else "", m.device,
                  engine.n_slots, engine.max_len, settings.voices.data_dir)
+        trim_s = settings.service.heap_trim_s
         return cls(
             settings=settings, bundle=bundle, engine=engine, store=store,
             encode_pool=ThreadPoolExecutor(settings.service.encode_threads, "rtvoice-encode"),
             # bounded: the codec encoder is a big torch op that already uses every core, and
             # the pool bounds the memory of clips decoding at once
             codec_pool=ThreadPoolExecutor(settings.limits.reference_workers, "rtvoice-codec"),
+            trimmer=asyncio.create_task(trim_loop(trim_s), name="heap-trim") if trim_s else None,
         )
 
     async def stop(self) -> None:
+        if self.trimmer is not None:
+            self.trimmer.cancel()
         await asyncio.to_thread(self.engine.shutdown)
         self.encode_pool.shutdown(wait=False, cancel_futures=True)
         self.codec_pool.shutdown(wait=False, cancel_futures=True)

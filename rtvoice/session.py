@@ -170,6 +170,7 @@ class Session:
         self.turns: Turns | None = None  # from `start` on
         self._jobs: asyncio.Queue[Any] = asyncio.Queue(
             maxsize=encode_backlog_chunks(self.settings.engine))
+        self._raw_bytes = 0  # PCM in _jobs
         self._outbox = Outbox(self.limits.send_queue_bytes, self.limits.send_queue_events)
         self._ready_sent = False  # until then ``done`` events are held back (see _put)
         self._closing = False
@@ -268,6 +269,11 @@ class Session:
         if self._unstarted:
             self._unstarted = False
             self.rt.metrics.unstarted -= 1
+
+    @property
+    def queued_bytes(self) -> int:
+        """Audio waiting for the socket (encoded) and for the encoder (raw PCM)."""
+        return self._outbox.queued_bytes + self._raw_bytes
 
     def drain(self) -> None:
         """The server drains: the session ends (``shutting_down``, close 1001) as soon as its
@@ -745,6 +751,7 @@ class Session:
         a full backlog means the session cannot keep up, and it is dropped as too slow."""
         try:
             self._jobs.put_nowait(job)
+            self._raw_bytes += job.pcm.nbytes if job.pcm is not None else 0
         except asyncio.QueueFull:
             raise SlowReader(
                 f"the audio encoder is {self._jobs.maxsize} chunks behind the engine",
@@ -762,6 +769,7 @@ class Session:
                 job = await self._jobs.get()
                 if job is _STOP_JOB:
                     return
+                self._raw_bytes -= job.pcm.nbytes if job.pcm is not None else 0
                 utt: Utterance = job.utterance
                 if job.kind == _CLOSE or utt.cancelled or self._closing:
                     self._close_encoder(utt)
@@ -834,6 +842,10 @@ class Session:
                 metrics.turn_done(event.reason)
                 if not utt.cancelled:
                     metrics.audio_seconds_total += event.audio_s
+                turn = f"{self.id}/t{utt.index}"
+                log.info("turn %s done: %s, ttfa %s ms, %.3f s of audio, %d frames, %d segments",
+                         turn, event.reason, event.ttfa_ms, event.audio_s, event.frames,
+                         event.segments, extra={"turn": turn})
             elif utt is not None:
                 ctx = utt.context
                 duration = item.duration_s

@@ -132,6 +132,9 @@ class ServiceSettings:
     default_top_k: int = option(30, "top-k when a request sends none (Fish's SDK never does)",
                                 ge=1)
     encode_threads: int = option(2, "threads encoding audio (mp3, opus, resampling)", ge=1)
+    heap_trim_s: float = option(5.0, "give freed heap memory back to the OS every this many "
+                                "seconds (glibc malloc_trim; without it RSS ratchets up to its "
+                                "worst moment); 0 = never", ge=0)
 
     def __post_init__(self) -> None:
         validate(self)

@@ -79,10 +79,13 @@ def test_one_frame_chunks_past_the_window(codec: Codec) -> None:
     assert _max_diff(got, want) <= STREAM_ATOL
 
 
-@pytest.mark.parametrize(("buckets", "graph_streams"), [(False, None), (True, None), (True, 2)])
+@pytest.mark.parametrize(("buckets", "graph_streams", "call_frames"),
+                         [(False, None, 0), (False, None, 8), (True, None, 0), (True, 2, 0)])
 def test_three_streams_batched_at_different_offsets(codec: Codec, buckets: bool,
-                                                    graph_streams: int | None) -> None:
-    """graph_streams=2: three streams decode as two bucketed groups (2 + 1) in one call."""
+                                                    graph_streams: int | None,
+                                                    call_frames: int) -> None:
+    """graph_streams=2: three streams decode as two bucketed groups (2 + 1) in one call;
+    call_frames=8: unbucketed passes of at most 8 streams x padded frames."""
     lengths = {"a": 17, "b": 11, "c": 14}
     codes = {
         k: _codes(n, seed=i + 20, overflow=k == "c") for i, (k, n) in enumerate(lengths.items())
@@ -90,7 +93,8 @@ def test_three_streams_batched_at_different_offsets(codec: Codec, buckets: bool,
     sizes = {"a": [1], "b": [3, 2], "c": [7, 1, 4]}
     with deterministic():
         want = {k: _offline(codec, c) for k, c in codes.items()}
-        dec = StreamingDecoder(codec, max_streams=4, buckets=buckets, graph_streams=graph_streams)
+        dec = StreamingDecoder(codec, max_streams=4, buckets=buckets, graph_streams=graph_streams,
+                               call_frames=call_frames)
         sids, pos, parts, step = {}, dict.fromkeys(lengths, 0), {k: [] for k in lengths}, 0
         sids["a"] = dec.open()
         while any(pos[k] < lengths[k] for k in lengths):
@@ -113,6 +117,21 @@ def test_three_streams_batched_at_different_offsets(codec: Codec, buckets: bool,
     for k in lengths:
         diff = _max_diff(torch.cat(parts[k]), want[k])
         assert diff <= STREAM_ATOL, f"stream {k}: max abs diff {diff:.2e}"
+
+
+def test_passes_are_bounded_and_a_bad_stream_changes_no_state() -> None:
+    codec = dummy_codec(CodecConfig.preset("tiny"), seed=0)
+    dec = StreamingDecoder(codec, max_streams=4, call_frames=6)
+    items = [(0, 0, _codes(n, 0)) for n in (2, 2, 3, 7, 1)]
+    groups = dec._groups(items)
+    assert [[it[2].shape[-1] for it in g] for g in groups] == [[2, 2], [3], [7], [1]]
+    assert all(len(g) * max(it[2].shape[-1] for it in g) <= 6 or len(g) == 1 for g in groups)
+    a, b = dec.open(), dec.open()
+    bad = _codes(4, 1)
+    bad[0, 2] = -1
+    with pytest.raises(ValueError, match="negative"):
+        dec.decode({a: _codes(5, 2), b: bad})  # b would be decoded in a later pass than a
+    assert dec.position(a) == 0 and dec.position(b) == 0
 
 
 def test_bucketed_limits_and_errors(codec: Codec) -> None:

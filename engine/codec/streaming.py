@@ -68,7 +68,7 @@ class StreamingDecoder:
 
     def __init__(self, codec: Codec, max_streams: int = 64, *, buckets: bool = False,
                  max_frames: int = 4096, graph_streams: int | None = None,
-                 ops: CodecOps | None = None) -> None:
+                 ops: CodecOps | None = None, call_frames: int = 0) -> None:
         if not isinstance(codec, Codec):
             raise TypeError(f"codec must be an engine.codec.Codec, got {type(codec).__name__}")
         if isinstance(max_streams, bool) or not isinstance(max_streams, int) or max_streams < 1:
@@ -87,6 +87,9 @@ class StreamingDecoder:
         self.dtype = codec.dtype
         self.frame_length = codec.frame_length
         self.max_frames = max_frames
+        # unbucketed passes: at most this many (streams x padded frames) per pass (0: all at
+        # once); a pass's working memory grows with it
+        self.call_frames = call_frames
         # state buffers: key -> [max_streams + 1, *per-stream shape], zeros = "nothing before";
         # the last row is scratch: bucket padding reads and writes it, no stream owns it.
         self._state: dict[str, Tensor] = {}
@@ -207,6 +210,34 @@ class StreamingDecoder:
                                                  lengths[i: i + g], slots[i: i + g],
                                                  positions[i: i + g]))
             return out
+        # every value check before the first pass: a failed call changes no stream's state
+        self._check_values(torch.cat([c.reshape(-1).to(self.device) for _, _, c in active]),
+                           active)
+        for group in self._groups(active):
+            out.update(self._decode_group(group, [self._position[slot] for _, slot, _ in group]))
+        return out
+
+    def _groups(self, active: list[tuple[int, int, Tensor]]) -> list[list[tuple[int, int, Tensor]]]:
+        """`active` in passes of at most call_frames streams x padded frames each (a stream
+        longer than that gets a pass of its own)."""
+        if self.call_frames <= 0:
+            return [active]
+        groups: list[list[tuple[int, int, Tensor]]] = [[]]
+        widest = 0
+        for item in active:
+            n = item[2].shape[-1]
+            if groups[-1] and (len(groups[-1]) + 1) * max(widest, n) > self.call_frames:
+                groups.append([])
+                widest = 0
+            groups[-1].append(item)
+            widest = max(widest, n)
+        return groups
+
+    def _decode_group(self, active: list[tuple[int, int, Tensor]],
+                      positions: list[int]) -> dict[int, Tensor]:
+        out: dict[int, Tensor] = {}
+        lengths = [c.shape[-1] for _, _, c in active]
+        slots = [slot for _, slot, _ in active]
         n_max = max(lengths)
         n_cb = self.codec.n_codebooks_total
         # batch: [B, 10, n_max] right-padded with code 0 (never reaches a valid output)
