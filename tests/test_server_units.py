@@ -345,6 +345,7 @@ async def test_outbox_bounds_queued_events_too():
 async def test_encoder_backlog_is_bounded_without_waiting():
     session = Session.__new__(Session)  # only the queue is needed
     session._jobs = asyncio.Queue(maxsize=2)
+    session._raw_bytes = 0
     job = _Job("audio", None)  # type: ignore[arg-type]
     session._queue_job(job)
     session._queue_job(job)

@@ -46,6 +46,8 @@ from protocol import (
 pytestmark = pytest.mark.timeout(600)
 
 SOAK_S = float(os.environ.get("RTVOICE_SOAK_S", "60"))
+SOAK_ARGS = os.environ.get("RTVOICE_SOAK_ARGS", "").split()  # extra `rtvoice serve` flags
+SOAK_OUT = os.environ.get("RTVOICE_SOAK_OUT")  # write the summary and RSS series here (JSON)
 SESSIONS = 56
 WARMUP_S = min(20.0, SOAK_S / 3)
 RSS_BOUND_MB = 64.0  # median RSS growth allowed from the warm-up's end to the soak's end
@@ -163,7 +165,8 @@ async def _until_done(ws: Any, tally: Tally, *, count: bool = True) -> Done:
 def test_soak(tmp_path: Any, capsys: Any) -> None:
     port = _free_port()
     proc = start_server_process(port, tmp_path, "--max-running", "64", "--max-len", "1024",
-                                "--max-turn-frames", "24", "--budget-multiplier", "1")
+                                "--max-turn-frames", "24", "--budget-multiplier", "1",
+                                *SOAK_ARGS)
     url = f"ws://127.0.0.1:{port}/v1/tts/live"
     tally = Tally()
     rss: list[tuple[float, float]] = []
@@ -207,6 +210,9 @@ def test_soak(tmp_path: Any, capsys: Any) -> None:
                "queued_mb_series": [round(q) for q in queued[::5]]}
     with capsys.disabled():
         print(f"\nsoak: {json.dumps(summary)}")
+    if SOAK_OUT:
+        with open(SOAK_OUT, "w") as f:
+            json.dump({**summary, "server_args": SOAK_ARGS, "rss": rss}, f)
     assert not tally.problems, tally.problems[:10]
     assert sum(tally.turns_done.values()) == tally.turns_asked - tally.abandoned
     assert tally.turns_done.get("cancelled", 0) > 0 and tally.disconnects > 0
