@@ -189,6 +189,12 @@ class Limits(msgspec.Struct, kw_only=True, gc=False):
     max_chunk_length: int | None = None
     send_queue_bytes: int | None = None  # audio queued for a slow reader before it is dropped
     send_timeout_s: float | None = None
+    send_queue_events: int | None = None
+    max_sessions: int | None = None  # per server
+    max_sessions_per_key: int | None = None  # 0: no per-key limit
+    max_unstarted: int | None = None  # connections that have not sent start yet
+    start_timeout_s: float | None = None
+    reference_workers: int | None = None  # reference clips decoded at once
 
 
 class Ready(_ServerEventBase, tag="ready"):

@@ -204,6 +204,7 @@ async def _create_voice(request: Request, rt: Runtime) -> Response:
         return _error(ErrorCode.BAD_REQUEST, "Content-Length is required")
     try:
         if int(length) > limit + _MULTIPART_OVERHEAD:
+            rt.metrics.limit_hit("max_upload_bytes")
             return _error(ErrorCode.TOO_LARGE, f"upload is {length} bytes; the limit is {limit}")
     except ValueError:
         return _error(ErrorCode.BAD_REQUEST, "invalid Content-Length")
@@ -233,12 +234,15 @@ async def _create_voice(request: Request, rt: Runtime) -> Response:
             return _error(ErrorCode.TOO_LARGE, f"multipart body: {exc.detail}")
         return _error(ErrorCode.BAD_REQUEST, f"invalid multipart body: {exc.detail}")
     if len(data) > limit:
+        rt.metrics.limit_hit("max_upload_bytes")
         return _error(ErrorCode.TOO_LARGE, f"audio file is larger than {limit} bytes")
     try:
         reference, rate, seconds = await rt.reference(data, transcript.strip(), "audio")
         # A voice whose prompt leaves no room for a minimal segment could never be used.
         rt.voice_room([reference])
     except ProtocolError as exc:
+        if exc.limit is not None:
+            rt.metrics.limit_hit(exc.limit)
         return _error(exc.code, exc.message)
     name_str = name if isinstance(name, str) and name.strip() else Path(filename).stem or "voice"
     codes = reference.codes.cpu().numpy()
@@ -253,6 +257,7 @@ async def _create_voice(request: Request, rt: Runtime) -> Response:
             duration_s=seconds,
         )
     except VoiceLimitError as exc:
+        rt.metrics.limit_hit("max_voices")
         return _error(ErrorCode.TOO_LARGE, str(exc))
     except ValueError as exc:
         return _error(ErrorCode.BAD_REQUEST, str(exc))

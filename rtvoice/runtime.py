@@ -126,8 +126,8 @@ class Runtime:
         try:
             return await loop.run_in_executor(self.codec_pool, run)
         except ReferenceAudioTooLong as exc:
-            m.limit_hit("max_reference_samples" if exc.bound == "samples" else "max_reference_s")
-            raise ProtocolError(ErrorCode.TOO_LARGE, f"{what}: {exc}") from None
+            limit = "max_reference_samples" if exc.bound == "samples" else "max_reference_s"
+            raise ProtocolError(ErrorCode.TOO_LARGE, f"{what}: {exc}", limit=limit) from None
         except BadReferenceAudio as exc:
             raise ProtocolError(ErrorCode.BAD_REFERENCE_AUDIO, f"{what}: {exc}") from None
         finally:
@@ -147,5 +147,5 @@ class Runtime:
                 f"the voice prompt (transcript + reference codes) leaves room for {max(0, room)} "
                 f"characters per segment in the engine's context of {self.engine.max_len} "
                 f"positions; at least {need} are needed: use a shorter clip or transcript",
-            )
+                limit="max_len")
         return room

@@ -156,7 +156,12 @@ async def test_context_ids_are_bounded_and_never_amplified(server):
     assert err.code == "invalid_field" and not err.fatal and err.context_id is None
     assert "16" in err.message
     await c.send(Start(request=request(max_new_tokens=2)))
-    assert isinstance(await c.recv(), Ready)
+    ready = await c.recv()
+    assert isinstance(ready, Ready)
+    lim = ready.limits  # every limit a client can meet is announced
+    assert (lim.max_context_id_chars, lim.max_nesting_depth) == (16, 8)
+    assert (lim.max_reference_samples, lim.reference_workers) == (100_000, 2)
+    assert lim.max_unstarted == 64 and lim.start_timeout_s == 15.0 and lim.max_sessions == 128
     await c.send(Text(text="Hello.", context_id="y" * 100_000))
     err = await next_error(c)
     assert err.code == "invalid_field" and err.context_id is None
