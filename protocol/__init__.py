@@ -7,6 +7,7 @@ share it.
 from .codec import (
     Encoding,
     decode_client,
+    decode_request,
     decode_server,
     encode_client,
     encode_server,
@@ -74,6 +75,7 @@ __all__ = [
     "TTSRequest",
     "Text",
     "decode_client",
+    "decode_request",
     "decode_server",
     "encode_client",
     "encode_server",

@@ -19,11 +19,12 @@ from typing import Any, Final
 import msgspec
 
 from .errors import ErrorCode, ProtocolError
-from .schema import ClientEvent, ServerEvent
+from .schema import ClientEvent, ServerEvent, TTSRequest
 
 __all__ = [
     "Encoding",
     "decode_client",
+    "decode_request",
     "decode_server",
     "encode_client",
     "encode_server",
@@ -54,6 +55,10 @@ _JSON_ENCODER = msgspec.json.Encoder()
 _CLIENT_DECODERS: dict[Encoding, msgspec.msgpack.Decoder | msgspec.json.Decoder] = {
     Encoding.MSGPACK: msgspec.msgpack.Decoder(ClientEvent),
     Encoding.JSON: msgspec.json.Decoder(ClientEvent),
+}
+_REQUEST_DECODERS: dict[Encoding, msgspec.msgpack.Decoder | msgspec.json.Decoder] = {
+    Encoding.MSGPACK: msgspec.msgpack.Decoder(TTSRequest),
+    Encoding.JSON: msgspec.json.Decoder(TTSRequest),
 }
 _SERVER_DECODERS: dict[Encoding, msgspec.msgpack.Decoder | msgspec.json.Decoder] = {
     Encoding.MSGPACK: msgspec.msgpack.Decoder(ServerEvent),
@@ -226,6 +231,13 @@ def decode_client(data: Frame, *, max_bytes: int | None = None,
     ``max_bytes``) ``too_large``.
     """
     return _decode(data, _CLIENT_DECODERS, max_bytes, max_depth)
+
+
+def decode_request(data: Frame, *, max_bytes: int | None = None,
+                   max_depth: int | None = MAX_DEPTH) -> TTSRequest:
+    """Decode a bare ``TTSRequest`` (the body of Fish's REST ``POST /v1/tts``: msgpack for
+    bytes, JSON for ``str``), with the same checks and error codes as `decode_client`."""
+    return _decode(data, _REQUEST_DECODERS, max_bytes, max_depth)
 
 
 def decode_server(data: Frame, *, max_bytes: int | None = None) -> ServerEvent:

@@ -5,6 +5,8 @@
 store; shutdown stops them. Routes:
 
 - ``WS  /v1/tts/live``           live TTS (docs/PROTOCOL.md)
+- ``POST /v1/tts``               Fish's REST TTS: a request body, streamed audio back
+- ``POST /v1/audio/speech``      OpenAI's speech endpoint; ``GET /v1/models``
 - ``POST /v1/voices``            multipart: ``audio`` file, ``transcript``, optional ``name``
 - ``GET  /v1/voices``            list; ``GET/DELETE /v1/voices/{id}``
 - ``GET  /health``               liveness
@@ -18,10 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -37,9 +38,11 @@ from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket
 
 from engine.loader import Bundle
-from protocol import ErrorCode, ProtocolError, error_spec
+from protocol import ErrorCode, ProtocolError
 from rtvoice import logs
+from rtvoice.http import OPEN, UNAUTHORIZED, credential, endpoint, error_response, runtime_of
 from rtvoice.metrics import render_metrics
+from rtvoice.rest import fish_tts, openai_models, openai_speech
 from rtvoice.runtime import Runtime
 from rtvoice.session import Session
 from rtvoice.settings import Settings
@@ -74,6 +77,9 @@ def create_app(settings: Settings | None = None, *, bundle: Bundle | None = None
 
     routes = [
         WebSocketRoute("/v1/tts/live", _live),
+        Route("/v1/tts", fish_tts, methods=["POST"]),
+        Route("/v1/audio/speech", openai_speech, methods=["POST"]),
+        Route("/v1/models", openai_models, methods=["GET"]),
         Route("/v1/voices", _create_voice, methods=["POST"]),
         Route("/v1/voices", _list_voices, methods=["GET"]),
         Route("/v1/voices/{voice_id}", _get_voice, methods=["GET"]),
@@ -88,10 +94,6 @@ def create_app(settings: Settings | None = None, *, bundle: Bundle | None = None
     app.state.settings = settings
     app.state.runtime = None
     return app
-
-
-def _runtime(scope_app: Any) -> Runtime | None:
-    return getattr(scope_app.state, "runtime", None)
 
 
 # ------------------------------------------------------------------------------- websocket
@@ -116,100 +118,48 @@ def startup_warnings(settings: Settings) -> list[str]:
 
 
 _LOOPBACK = frozenset({"localhost", "::1", "[::1]"})
-_OPEN = -1  # _credential's answer when authentication is off
-
-
-def _credential(settings: Settings, headers: Any, query: Any) -> int | None:
-    """Which API key the request presents (its index; `_OPEN` when authentication is off),
-    as ``Authorization: Bearer KEY`` (what Fish's SDK sends) or ``?api_key=KEY`` (browsers
-    cannot set headers on a WebSocket); None when it presents none of them. Constant-time
-    comparisons, every key compared."""
-    keys = settings.network.keys()
-    if not keys:
-        return _OPEN
-    scheme, _, token = (headers.get("authorization") or "").partition(" ")
-    offered = token.strip() if scheme.lower() == "bearer" else ""
-    offered = (offered or (query.get("api_key") or "")).encode()
-    found = None
-    for i, key in enumerate(keys):
-        if hmac.compare_digest(offered, key.encode()) and found is None:
-            found = i
-    return found if offered else None
-
-
-_UNAUTHORIZED = ("missing or invalid API key: send 'Authorization: Bearer <key>' "
-                 "(or ?api_key=<key> from a browser)")
 
 
 async def _live(ws: WebSocket) -> None:
-    rt = _runtime(ws.app)
+    rt = runtime_of(ws.app)
     if rt is None or rt.stopping:
         # Draining (or not started): refused before the upgrade, with an HTTP 503 that a load
         # balancer retries on another instance (nginx: proxy_next_upstream http_503).
         if "websocket.http.response" in ws.scope.get("extensions", {}):
-            response = _error(ErrorCode.SHUTTING_DOWN, "the server is shutting down; connect "
-                              "to another instance")
-            response.headers["Retry-After"] = "1"
-            await ws.send_denial_response(response)
+            await ws.send_denial_response(error_response(
+                ErrorCode.SHUTTING_DOWN, "the server is shutting down; connect to another "
+                "instance", headers={"Retry-After": "1"}))
         else:  # pragma: no cover - uvicorn supports denial responses
             await ws.close(code=1013)
         return
     denied = None
-    key = _credential(rt.settings, ws.headers, ws.query_params)
+    key = credential(rt.settings, ws.headers, ws.query_params)
     limit = rt.settings.limits.max_unstarted
     if key is None:
-        denied = ProtocolError(ErrorCode.UNAUTHORIZED, _UNAUTHORIZED)
+        denied = ProtocolError(ErrorCode.UNAUTHORIZED, UNAUTHORIZED)
     elif rt.metrics.unstarted >= limit:
         denied = ProtocolError(ErrorCode.OVERLOADED, f"{limit} connections are open without "
                                "'start' (max_unstarted); retry later", limit="max_unstarted")
-    await Session(ws, rt, denied=denied, key=None if key == _OPEN else key).run()
+    await Session(ws, rt, denied=denied, key=None if key == OPEN else key).run()
 
 
 # ------------------------------------------------------------------------------- voices REST
 
 
-def _error(code: ErrorCode, message: str) -> JSONResponse:
-    return JSONResponse(
-        {"error": {"code": str(code), "message": message}}, status_code=error_spec(code).http_status
-    )
-
-
-def _unavailable() -> JSONResponse:
-    return _error(ErrorCode.SHUTTING_DOWN, "the service is not running")
-
-
-def _voices_endpoint(
-    handler: Callable[[Request, Runtime], Awaitable[Response]],
-) -> Callable[[Request], Awaitable[Response]]:
-    """A voices REST route: 503 while the service is not running, 401 without a valid API
-    key, else ``handler(request, runtime)``."""
-
-    async def endpoint(request: Request) -> Response:
-        rt = _runtime(request.app)
-        if rt is None:
-            return _unavailable()
-        if _credential(rt.settings, request.headers, request.query_params) is None:
-            rt.metrics.error(str(ErrorCode.UNAUTHORIZED))
-            return _error(ErrorCode.UNAUTHORIZED, _UNAUTHORIZED)
-        return await handler(request, rt)
-
-    return endpoint
-
-
-@_voices_endpoint
+@endpoint
 async def _create_voice(request: Request, rt: Runtime) -> Response:
     limit = rt.settings.voices.max_upload_bytes
     length = request.headers.get("content-length")
     if length is None:
-        return _error(ErrorCode.BAD_REQUEST, "Content-Length is required")
+        return error_response(ErrorCode.BAD_REQUEST, "Content-Length is required")
     try:
         if int(length) > limit + _MULTIPART_OVERHEAD:
             rt.metrics.limit_hit("max_upload_bytes")
-            return _error(ErrorCode.TOO_LARGE, f"upload is {length} bytes; the limit is {limit}")
+            return error_response(ErrorCode.TOO_LARGE, f"upload is {length} bytes; the limit is {limit}")
     except ValueError:
-        return _error(ErrorCode.BAD_REQUEST, "invalid Content-Length")
+        return error_response(ErrorCode.BAD_REQUEST, "invalid Content-Length")
     if not request.headers.get("content-type", "").startswith("multipart/form-data"):
-        return _error(
+        return error_response(
             ErrorCode.BAD_REQUEST,
             "send multipart/form-data with an 'audio' file, a 'transcript' and an optional 'name'",
         )
@@ -219,23 +169,23 @@ async def _create_voice(request: Request, rt: Runtime) -> Response:
             transcript = form.get("transcript") or form.get("text")
             name = form.get("name")
             if not isinstance(upload, UploadFile):
-                return _error(ErrorCode.BAD_REQUEST, "multipart field 'audio' (a file) is required")
+                return error_response(ErrorCode.BAD_REQUEST, "multipart field 'audio' (a file) is required")
             if not isinstance(transcript, str) or not transcript.strip():
-                return _error(
+                return error_response(
                     ErrorCode.BAD_REQUEST,
                     "multipart field 'transcript' (what the clip says) is required",
                 )
             data = await upload.read(limit + 1)
             filename = upload.filename or ""
     except MultiPartException as exc:
-        return _error(ErrorCode.BAD_REQUEST, f"invalid multipart body: {exc.message}")
+        return error_response(ErrorCode.BAD_REQUEST, f"invalid multipart body: {exc.message}")
     except HTTPException as exc:  # Starlette turns a MultiPartException into a plain-text 400
         if exc.status_code == 413:
-            return _error(ErrorCode.TOO_LARGE, f"multipart body: {exc.detail}")
-        return _error(ErrorCode.BAD_REQUEST, f"invalid multipart body: {exc.detail}")
+            return error_response(ErrorCode.TOO_LARGE, f"multipart body: {exc.detail}")
+        return error_response(ErrorCode.BAD_REQUEST, f"invalid multipart body: {exc.detail}")
     if len(data) > limit:
         rt.metrics.limit_hit("max_upload_bytes")
-        return _error(ErrorCode.TOO_LARGE, f"audio file is larger than {limit} bytes")
+        return error_response(ErrorCode.TOO_LARGE, f"audio file is larger than {limit} bytes")
     try:
         reference, rate, seconds = await rt.reference(data, transcript.strip(), "audio")
         # A voice whose prompt leaves no room for a minimal segment could never be used.
@@ -243,7 +193,7 @@ async def _create_voice(request: Request, rt: Runtime) -> Response:
     except ProtocolError as exc:
         if exc.limit is not None:
             rt.metrics.limit_hit(exc.limit)
-        return _error(exc.code, exc.message)
+        return error_response(exc.code, exc.message)
     name_str = name if isinstance(name, str) and name.strip() else Path(filename).stem or "voice"
     codes = reference.codes.cpu().numpy()
     try:
@@ -258,35 +208,35 @@ async def _create_voice(request: Request, rt: Runtime) -> Response:
         )
     except VoiceLimitError as exc:
         rt.metrics.limit_hit("max_voices")
-        return _error(ErrorCode.TOO_LARGE, str(exc))
+        return error_response(ErrorCode.TOO_LARGE, str(exc))
     except ValueError as exc:
-        return _error(ErrorCode.BAD_REQUEST, str(exc))
+        return error_response(ErrorCode.BAD_REQUEST, str(exc))
     return JSONResponse(voice.info.to_dict(), status_code=201)
 
 
-@_voices_endpoint
+@endpoint
 async def _list_voices(request: Request, rt: Runtime) -> Response:
     voices = await asyncio.to_thread(rt.store.list)
     return JSONResponse({"voices": [v.to_dict() for v in voices]})
 
 
-@_voices_endpoint
+@endpoint
 async def _get_voice(request: Request, rt: Runtime) -> Response:
     voice_id = request.path_params["voice_id"]
     try:
         info = await asyncio.to_thread(rt.store.info, voice_id)
     except UnknownVoice as exc:
-        return _error(ErrorCode.UNKNOWN_VOICE, str(exc))
+        return error_response(ErrorCode.UNKNOWN_VOICE, str(exc))
     return JSONResponse(info.to_dict())
 
 
-@_voices_endpoint
+@endpoint
 async def _delete_voice(request: Request, rt: Runtime) -> Response:
     voice_id = request.path_params["voice_id"]
     try:
         await asyncio.to_thread(rt.store.delete, voice_id)
     except UnknownVoice as exc:
-        return _error(ErrorCode.UNKNOWN_VOICE, str(exc))
+        return error_response(ErrorCode.UNKNOWN_VOICE, str(exc))
     return JSONResponse({"id": voice_id, "deleted": True})
 
 
@@ -308,7 +258,7 @@ async def _health(request: Request) -> Response:
 
 
 async def _ready(request: Request) -> Response:
-    rt = _runtime(request.app)
+    rt = runtime_of(request.app)
     if rt is None:
         return JSONResponse({"ready": False, "reason": "model not loaded"}, status_code=503)
     load = rt.engine.load()
@@ -360,7 +310,7 @@ def _limits(rt: Runtime) -> dict[str, Any]:
 
 
 async def _metrics(request: Request) -> Response:
-    rt = _runtime(request.app)
+    rt = runtime_of(request.app)
     if rt is None:
         return PlainTextResponse("", status_code=503)
     text = render_metrics(rt.metrics, rt.engine, model=rt.bundle.name,
@@ -380,7 +330,7 @@ async def drain(app: Starlette, timeout_s: float) -> dict[str, int]:
     (HTTP 503, shutting_down); each session ends (``shutting_down``, close 1001) as soon as
     its turns are done; after `timeout_s` the rest are ended mid-turn. Returns how many
     sessions there were, how many ended on their own, how many were cut."""
-    rt = _runtime(app)
+    rt = runtime_of(app)
     if rt is None:
         return {"sessions": 0, "finished": 0, "cut": 0}
     rt.metrics.draining = True

@@ -62,7 +62,7 @@ class FormatInfo:
 
 # MP3 rates are the MPEG-1 (32/44.1/48k), MPEG-2 (16/22.05/24k) and MPEG-2.5 (8k) rates LAME
 # writes; Opus only exists at 8/12/16/24/48 kHz, so 44.1 kHz input is resampled.
-_PCM_RATES: Final = (8000, 16000, 22050, 24000, 44100, 48000)
+_PCM_RATES: Final = (8000, 16000, 22050, 24000, 32000, 44100, 48000)
 FORMATS: Final[dict[str, FormatInfo]] = {
     "pcm": FormatInfo("pcm", _PCM_RATES, None, "audio/pcm;encoding=s16le;channels=1"),
     "wav": FormatInfo("wav", _PCM_RATES, None, "audio/wav"),
@@ -72,6 +72,12 @@ FORMATS: Final[dict[str, FormatInfo]] = {
 }
 
 _OPUS_AUTO: Final = -1000  # Fish's opus_bitrate value for libopus' OPUS_AUTO
+
+
+def _kbps(value: int) -> int:
+    """A bitrate as Fish's clients send it -> kbps: values of 1000 and more are bits per
+    second (Fish documents ``opus_bitrate: 64000``), smaller ones kbps; -1000 stays (auto)."""
+    return value // 1000 if value >= 1000 else value
 
 
 def _supported_text() -> str:
@@ -88,8 +94,10 @@ class EncoderConfig:
 
     format: str
     sample_rate: int | None = None
-    mp3_bitrate: int = 128  # kbps; clamped to what the MPEG version at this rate allows
-    opus_bitrate: int = 32  # kbps, 6..256, or -1000 for libopus' automatic choice
+    # kbps, or bits per second (any value >= 1000: Fish documents bps); each is checked and
+    # used only for its own format
+    mp3_bitrate: int = 128  # clamped to what the MPEG version at this rate allows
+    opus_bitrate: int = 32  # 6..256 kbps, or -1000 for libopus' automatic choice
     input_sample_rate: int = field(kw_only=True)
 
     def __post_init__(self) -> None:
@@ -106,12 +114,15 @@ class EncoderConfig:
                 f"unsupported sample rate {self.sample_rate} Hz for {self.format}; supported: "
                 f"{', '.join(map(str, info.sample_rates))} Hz (all formats: {_supported_text()})"
             )
-        if not 8 <= self.mp3_bitrate <= 320:
-            raise ValueError(f"mp3_bitrate must be 8..320 kbps, got {self.mp3_bitrate}")
-        if self.opus_bitrate != _OPUS_AUTO and not 6 <= self.opus_bitrate <= 256:
-            raise ValueError(
-                f"opus_bitrate must be 6..256 kbps or -1000 (auto), got {self.opus_bitrate}"
-            )
+        self.mp3_bitrate = _kbps(self.mp3_bitrate)
+        self.opus_bitrate = _kbps(self.opus_bitrate)
+        if self.format == "mp3" and not 8 <= self.mp3_bitrate <= 320:
+            raise ValueError(f"mp3_bitrate must be 8..320 kbps (or 8000..320000 bps), got "
+                             f"{self.mp3_bitrate}")
+        if self.format == "opus" and self.opus_bitrate != _OPUS_AUTO \
+                and not 6 <= self.opus_bitrate <= 256:
+            raise ValueError(f"opus_bitrate must be 6..256 kbps (or 6000..256000 bps) or -1000 "
+                             f"(auto), got {self.opus_bitrate}")
         if self.input_sample_rate <= 0:
             raise ValueError(f"input_sample_rate must be positive, got {self.input_sample_rate}")
 
@@ -502,6 +513,11 @@ _ENCODERS: Final[dict[str, type[AudioEncoder]]] = {
     "mp3": _Mp3Encoder,
     "opus": _OpusEncoder,
 }
+
+
+def encoder_for(config: EncoderConfig) -> AudioEncoder:
+    """A fresh encoder for an already validated output format."""
+    return _ENCODERS[config.format](config)
 
 
 def make_encoder(

@@ -13,23 +13,47 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from engine.engine import Engine, build_engine
-from engine.errors import BadReferenceAudio, ReferenceAudioTooLong
+from engine.errors import (
+    BadReferenceAudio,
+    EngineOverloaded,
+    PromptTooLong,
+    ReferenceAudioTooLong,
+)
 from engine.loader import Bundle, load_bundle
 from engine.prompt import Reference
 from engine.reference_audio import reference_from_bytes
-from protocol import ErrorCode, ProtocolError
+from engine.sampler import SamplingParams
+from protocol import ErrorCode, ProtocolError, TTSRequest
 from rtvoice.memory import trim_loop
 from rtvoice.metrics import Metrics
 from rtvoice.settings import Settings
 from rtvoice.turns import segment_chars
-from rtvoice.voices import VoiceStore, VoiceStoreConfig
+from rtvoice.voices import UnknownVoice, VoiceLimitError, VoiceStore, VoiceStoreConfig
 
-__all__ = ["LiveSession", "Runtime"]
+__all__ = ["LiveSession", "Runtime", "known_error"]
 
 log = logging.getLogger(__name__)
+
+
+def known_error(exc: BaseException) -> ProtocolError | None:
+    """The protocol error an exception of ours stands for (the engine's, the voice store's,
+    a clip's), or None for anything else (an unexpected failure: `internal`)."""
+    if isinstance(exc, ProtocolError):
+        return exc
+    if isinstance(exc, EngineOverloaded):
+        return ProtocolError(ErrorCode.OVERLOADED, f"the engine is at capacity: {exc}",
+                             limit="max_waiting")
+    if isinstance(exc, PromptTooLong | VoiceLimitError | ReferenceAudioTooLong):
+        return ProtocolError(ErrorCode.TOO_LARGE, str(exc))
+    if isinstance(exc, BadReferenceAudio):
+        return ProtocolError(ErrorCode.BAD_REFERENCE_AUDIO, str(exc))
+    if isinstance(exc, UnknownVoice):
+        return ProtocolError(ErrorCode.UNKNOWN_VOICE, str(exc))
+    return None
 
 
 class LiveSession(Protocol):
@@ -134,6 +158,83 @@ class Runtime:
             jobs = m.references_running + m.references_waiting - 1
             m.references_running = min(jobs, workers)
             m.references_waiting = max(0, jobs - workers)
+
+    def claim_session(self, key: int | None) -> None:
+        """Count a session (a socket's, from its 'start'; a REST request's) against
+        max_sessions and its API key's max_sessions_per_key; `ProtocolError(overloaded)` when
+        either is reached. Give it back with `release_session`."""
+        lim, m = self.settings.limits, self.metrics
+        if m.sessions_live >= lim.max_sessions:
+            raise ProtocolError(
+                ErrorCode.OVERLOADED,
+                f"the server is at its session limit ({lim.max_sessions}); retry later",
+                limit="max_sessions")
+        per_key = lim.max_sessions_per_key
+        if per_key and key is not None and self.sessions_by_key.get(key, 0) >= per_key:
+            raise ProtocolError(
+                ErrorCode.OVERLOADED,
+                f"this API key holds {per_key} live sessions, its limit; close one or retry "
+                "later", limit="max_sessions_per_key")
+        m.sessions_live += 1
+        if key is not None:
+            self.sessions_by_key[key] = self.sessions_by_key.get(key, 0) + 1
+
+    def release_session(self, key: int | None) -> None:
+        self.metrics.sessions_live -= 1
+        if key is not None:
+            n = self.sessions_by_key.get(key, 0) - 1
+            if n > 0:
+                self.sessions_by_key[key] = n
+            else:
+                self.sessions_by_key.pop(key, None)
+
+    def sampling(self, req: TTSRequest) -> SamplingParams:
+        """A request's sampling parameters (server defaults for what it leaves out);
+        `ProtocolError(bad_request)` naming a bad value."""
+        top_k = req.top_k if req.top_k is not None else self.settings.service.default_top_k
+        top_p = req.top_p
+        if top_p <= 0.0:  # "no nucleus" = keep only the most likely token
+            top_p, top_k = 1.0, 1
+        seed = None if req.seed is None else req.seed % (2**31)
+        try:
+            return SamplingParams(temperature=req.temperature, top_p=top_p, top_k=top_k,
+                                  seed=seed)
+        except ValueError as exc:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, str(exc), event="start") from None
+
+    async def voice(self, req: TTSRequest) -> list[Reference]:
+        """A request's voice: a stored voice (``reference_id`` wins) or its inline clips,
+        encoded to codes in the codec pool (up to reference_workers at once)."""
+        if req.reference_id is not None:
+            try:
+                voice = await asyncio.to_thread(self.store.get, req.reference_id)
+            except UnknownVoice:
+                raise ProtocolError(
+                    ErrorCode.UNKNOWN_VOICE, f"no stored voice with id {req.reference_id!r}"
+                ) from None
+            codes = torch.from_numpy(np.array(voice.codes, dtype=np.int64))
+            return [Reference(voice.transcript, codes)]
+        lim = self.settings.limits
+        if len(req.references) > lim.max_references:
+            raise ProtocolError(
+                ErrorCode.TOO_LARGE,
+                f"{len(req.references)} references; the limit is {lim.max_references}",
+                limit="max_references")
+        for i, ref in enumerate(req.references):
+            if not ref.text.strip():
+                raise ProtocolError(
+                    ErrorCode.BAD_REFERENCE_AUDIO, f"references[{i}].text (the transcript) is empty"
+                )
+        jobs = [asyncio.ensure_future(self.reference(ref.audio, ref.text, f"references[{i}]"))
+                for i, ref in enumerate(req.references)]
+        try:
+            done = await asyncio.gather(*jobs)
+        except BaseException:
+            for job in jobs:
+                job.cancel()
+            await asyncio.gather(*jobs, return_exceptions=True)
+            raise
+        return [reference for reference, _, _ in done]
 
     def voice_room(self, references: Iterable[Reference]) -> int:
         """Characters per segment this voice leaves room for in the engine's context;

@@ -42,14 +42,10 @@ from typing import Any, Final
 
 import msgspec
 import numpy as np
-import torch
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from engine.config import EngineConfig
-from engine.errors import BadReferenceAudio, EngineOverloaded, PromptTooLong, ReferenceAudioTooLong
-from engine.prompt import Reference
 from engine.request import Sequence, TurnResult
-from engine.sampler import SamplingParams
 from protocol import (
     Audio,
     Cancel,
@@ -75,11 +71,10 @@ from protocol import (
     event_name,
 )
 from rtvoice import logs
-from rtvoice.audio_formats import AudioEncoder, EncoderConfig, make_encoder
+from rtvoice.audio_formats import AudioEncoder, EncoderConfig, encoder_for
 from rtvoice.outbox import CLOSE, Out, Outbox, SlowReader
-from rtvoice.runtime import Runtime
+from rtvoice.runtime import Runtime, known_error
 from rtvoice.turns import Segment, Turns, Utterance
-from rtvoice.voices import UnknownVoice, VoiceLimitError
 
 __all__ = ["Session", "encode_backlog_chunks"]
 
@@ -216,7 +211,8 @@ class Session:
             self.rt.sessions.discard(self)
             metrics.connections_open -= 1
             if self._counted_live:
-                self._count_live(-1)
+                self._counted_live = False
+                self.rt.release_session(self._key)
             if self._seq is not None:  # idempotent; covers a handler cancelled mid-shutdown
                 self.rt.engine.close(self._seq)
             for task in self._tasks:
@@ -247,18 +243,7 @@ class Session:
                 exc.__traceback__ = None
                 exc = exc.__cause__ or exc.__context__
 
-    def _count_live(self, delta: int) -> None:
-        """A session counts against max_sessions (and its key's max_sessions_per_key) from
-        its 'start' until it closes."""
-        rt = self.rt
-        rt.metrics.sessions_live += delta
-        self._counted_live = delta > 0
-        if self._key is not None:
-            n = rt.sessions_by_key.get(self._key, 0) + delta
-            if n > 0:
-                rt.sessions_by_key[self._key] = n
-            else:
-                rt.sessions_by_key.pop(self._key, None)
+
 
     @staticmethod
     async def _refuse(error: ProtocolError) -> None:
@@ -414,17 +399,9 @@ class Session:
 
     def _to_protocol_error(self, exc: BaseException) -> ProtocolError:
         """Map any exception to its protocol error (code, and so fatal-or-not and close code)."""
-        if isinstance(exc, ProtocolError):
-            return exc
-        if isinstance(exc, EngineOverloaded):
-            return ProtocolError(ErrorCode.OVERLOADED, f"the engine is at capacity: {exc}",
-                                 limit="max_waiting")
-        if isinstance(exc, PromptTooLong | VoiceLimitError | ReferenceAudioTooLong):
-            return ProtocolError(ErrorCode.TOO_LARGE, str(exc))
-        if isinstance(exc, BadReferenceAudio):
-            return ProtocolError(ErrorCode.BAD_REFERENCE_AUDIO, str(exc))
-        if isinstance(exc, UnknownVoice):
-            return ProtocolError(ErrorCode.UNKNOWN_VOICE, str(exc))
+        known = known_error(exc)
+        if known is not None:
+            return known
         if isinstance(exc, SlowReader):
             self.rt.metrics.slow_clients += 1
             log.warning("session %s: dropping a slow client: %s", self.id, exc)
@@ -525,26 +502,16 @@ class Session:
     async def _on_start(self, event: Start) -> None:
         self._sm.check_event(event)
         req = event.request
-        rt = self.rt
-        if rt.metrics.sessions_live >= self.limits.max_sessions:
-            raise ProtocolError(
-                ErrorCode.OVERLOADED,
-                f"the server is at its session limit ({self.limits.max_sessions}); retry later",
-                limit="max_sessions")
-        per_key = self.limits.max_sessions_per_key
-        if per_key and self._key is not None and rt.sessions_by_key.get(self._key, 0) >= per_key:
-            raise ProtocolError(
-                ErrorCode.OVERLOADED,
-                f"this API key holds {per_key} live sessions, its limit; close one or retry "
-                "later", limit="max_sessions_per_key")
-        # Reserve the session slot before the first await, so that concurrent starts cannot
-        # all pass the checks above; a start that fails gives it back.
-        self._count_live(+1)
+        # Claimed before the first await, so that concurrent starts cannot all pass the
+        # limits; a start that fails gives it back.
+        self.rt.claim_session(self._key)
+        self._counted_live = True
         self._started()
         try:
             await self._start(event, req)
         except BaseException:
-            self._count_live(-1)
+            self._counted_live = False
+            self.rt.release_session(self._key)
             raise
 
     async def _start(self, event: Start, req: TTSRequest) -> None:
@@ -555,8 +522,8 @@ class Session:
                                    input_sample_rate=self.sample_rate)
         except ValueError as exc:
             raise ProtocolError(ErrorCode.UNSUPPORTED_FORMAT, str(exc)) from None
-        params = self._sampling(req)
-        references = await self._references(req)
+        params = rt.sampling(req)
+        references = await rt.voice(req)
         # Cap chunk_length so that any segment fits the context next to this voice prompt
         # (the engine would otherwise refuse a long segment of wide characters: too_large).
         chunk_cap = rt.voice_room(references)
@@ -575,54 +542,6 @@ class Session:
         self._seq = rt.engine.open(references, params, _Sink(self._loop, self))
         if req.text:  # Fish's legacy SDK may put the text in the request itself
             self.turns.text(None, req.text)
-
-    def _sampling(self, req: TTSRequest) -> SamplingParams:
-        top_k = req.top_k if req.top_k is not None else self.settings.service.default_top_k
-        top_p = req.top_p
-        if top_p <= 0.0:  # "no nucleus" = keep only the most likely token
-            top_p, top_k = 1.0, 1
-        seed = None if req.seed is None else req.seed % (2**31)
-        try:
-            return SamplingParams(
-                temperature=req.temperature, top_p=top_p, top_k=top_k, seed=seed
-            )
-        except ValueError as exc:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, str(exc), event="start") from None
-
-    async def _references(self, req: TTSRequest) -> list[Reference]:
-        """The voice: a stored voice (``reference_id`` wins) or inline clips, encoded to codes
-        with the codec encoder off the event loop."""
-        rt = self.rt
-        if req.reference_id is not None:
-            try:
-                voice = await asyncio.to_thread(rt.store.get, req.reference_id)
-            except UnknownVoice:
-                raise ProtocolError(
-                    ErrorCode.UNKNOWN_VOICE, f"no stored voice with id {req.reference_id!r}"
-                ) from None
-            codes = torch.from_numpy(np.array(voice.codes, dtype=np.int64))
-            return [Reference(voice.transcript, codes)]
-        if len(req.references) > self.limits.max_references:
-            raise ProtocolError(
-                ErrorCode.TOO_LARGE,
-                f"{len(req.references)} references; the limit is {self.limits.max_references}",
-                limit="max_references")
-        for i, ref in enumerate(req.references):
-            if not ref.text.strip():
-                raise ProtocolError(
-                    ErrorCode.BAD_REFERENCE_AUDIO, f"references[{i}].text (the transcript) is empty"
-                )
-        # decoded at once, up to reference_workers in parallel (the pool bounds the rest)
-        jobs = [asyncio.ensure_future(rt.reference(ref.audio, ref.text, f"references[{i}]"))
-                for i, ref in enumerate(req.references)]
-        try:
-            done = await asyncio.gather(*jobs)
-        except BaseException:
-            for job in jobs:
-                job.cancel()
-            await asyncio.gather(*jobs, return_exceptions=True)
-            raise
-        return [reference for reference, _, _ in done]
 
     # ------------------------------------------------------------------------- TurnPort
 
@@ -783,7 +702,7 @@ class Session:
                 output = output or self._output
                 assert output is not None
                 if utt.encoder is None and (job.kind == _AUDIO or utt.samples_in):
-                    utt.encoder = await loop.run_in_executor(pool, _new_encoder, output)
+                    utt.encoder = await loop.run_in_executor(pool, encoder_for, output)
                 encoder: AudioEncoder | None = utt.encoder  # type: ignore[assignment]
                 data = b""
                 if job.kind == _AUDIO:
@@ -897,8 +816,3 @@ def _drop_cause(error: ProtocolError) -> str:
         return "shutdown"
     return _DROP_CAUSES.get(error.limit or "", "error")
 
-
-def _new_encoder(output: EncoderConfig) -> AudioEncoder:
-    return make_encoder(output.format, output.sample_rate, mp3_bitrate=output.mp3_bitrate,
-                        opus_bitrate=output.opus_bitrate,
-                        input_sample_rate=output.input_sample_rate)

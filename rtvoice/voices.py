@@ -296,6 +296,15 @@ class VoiceStore:
             raise UnknownVoice(voice_id)
         return _info_from_row(row)
 
+    def find(self, id_or_name: str) -> VoiceInfo | None:
+        """The voice with this id, else the newest one with this name (None: neither)."""
+        with self._lock:
+            row = self._db.execute(
+                f"SELECT {_INFO_COLUMNS} FROM voices WHERE id = ? OR name = ? "
+                "ORDER BY id = ? DESC, created_at DESC LIMIT 1",
+                (id_or_name, id_or_name, id_or_name)).fetchone()
+        return None if row is None else _info_from_row(row)
+
     def list(self) -> list[VoiceInfo]:
         """All voices, oldest first, without their codes."""
         with self._lock:

@@ -226,7 +226,23 @@ def test_unsupported_combinations_are_rejected_clearly(kwargs: dict, match: str)
     with pytest.raises(ValueError, match=match) as info:
         _make_encoder(**kwargs)
     if "bitrate" not in match:  # format/rate errors list every supported combination
-        assert "pcm: 8000, 16000, 22050, 24000, 44100, 48000" in str(info.value)
+        assert "pcm: 8000, 16000, 22050, 24000, 32000, 44100, 48000" in str(info.value)
+
+
+def test_bitrates_in_fishs_units_and_only_for_their_format() -> None:
+    """LiveKit's Fish plugin sends opus_bitrate=64000 (bps, as Fish documents) in every start,
+    whatever the format; Fish documents 32 kHz for pcm and wav."""
+    assert EncoderConfig("opus", opus_bitrate=64000, input_sample_rate=SR).opus_bitrate == 64
+    assert EncoderConfig("mp3", mp3_bitrate=192000, input_sample_rate=SR).mp3_bitrate == 192
+    assert EncoderConfig("opus", opus_bitrate=-1000, input_sample_rate=SR).opus_bitrate == -1000
+    for fmt in ("pcm", "wav", "mulaw", "mp3"):  # an opus bitrate means nothing to them
+        EncoderConfig(fmt, opus_bitrate=64000, input_sample_rate=SR)
+        EncoderConfig(fmt, opus_bitrate=2, input_sample_rate=SR)
+    EncoderConfig("opus", mp3_bitrate=5, input_sample_rate=SR)
+    for fmt in ("pcm", "wav"):
+        enc = _make_encoder(fmt, 32000)
+        out = enc.encode(np.zeros(SR // 10, dtype=np.float32)) + enc.finish()
+        assert len(out) >= 3200 * 2 - 8  # 0.1 s at 32 kHz, s16
 
 
 def test_defaults() -> None:

@@ -1,0 +1,234 @@
+"""Fish's REST ``POST /v1/tts`` and OpenAI's ``POST /v1/audio/speech`` / ``GET /v1/models``
+against a live server, with the official SDKs (fish-audio-sdk, openai) and with plain HTTP
+for the errors."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+from typing import Any
+
+import httpx
+import msgspec
+import numpy as np
+import pytest
+import soundfile as sf
+from _audio import wav_bytes
+from _live import Client, engine_at_rest, is_finish, poll, request
+
+from protocol import Audio, Done, Flush, Ready, Start, Stop, Text
+from rtvoice.testing import running_server
+
+pytestmark = pytest.mark.timeout(180)
+
+FRAMES = 8  # max_turn_frames: every segment is exactly this long (random weights rarely stop)
+HOP = 2048
+
+
+@pytest.fixture(scope="module")
+def server():
+    with running_server(max_turn_frames=FRAMES, budget_multiplier=1.0, min_turn_frames=FRAMES,
+                        max_message_bytes=512 * 1024, max_text_chars=400) as url:
+        yield url
+
+
+def _fish(url: str) -> Any:
+    from fishaudio import FishAudio
+
+    return FishAudio(api_key="unused", base_url=str(url))
+
+
+def _openai(url: str, key: str = "unused") -> Any:
+    from openai import OpenAI
+
+    return OpenAI(api_key=key, base_url=f"{url}/v1", max_retries=0)
+
+
+async def _socket_pcm(url: str, text: str, **req: Any) -> bytes:
+    c = await Client.connect(url)
+    await c.send(Start(request=request(max_new_tokens=FRAMES, **req)))
+    assert isinstance(await c.recv(), Ready)
+    await c.send(Text(text=text))
+    await c.send(Flush())
+    await c.send(Stop())
+    events = await c.until(is_finish)
+    return b"".join(e.audio for e in events if isinstance(e, Audio))
+
+
+def _close(a: bytes, b: bytes) -> bool:
+    x, y = np.frombuffer(a, "<i2").astype(int), np.frombuffer(b, "<i2").astype(int)
+    return x.shape == y.shape and int(np.abs(x - y).max(initial=0)) <= 8
+
+
+# ------------------------------------------------------------------------------ Fish REST
+
+
+def test_fish_sdk_convert_and_stream_give_the_sockets_audio(server):
+    """The official SDK's tts.convert() and tts.stream() (msgpack body, model header) get
+    the audio the socket gives for the same request: the same engine, voice and budget."""
+    fish = _fish(server)
+    text = "Hello from the REST endpoint."
+    pcm = fish.tts.convert(text=text, format="pcm",
+                           config=_fish_config(top_p=0.0, seed=3, max_new_tokens=FRAMES))
+    assert len(pcm) == FRAMES * HOP * 2  # one segment of FRAMES frames, 44.1 kHz s16le
+    live = asyncio.run(_socket_pcm(server.ws_url, text, top_p=0.0, seed=3))
+    assert _close(pcm, live)
+    mp3 = b"".join(fish.tts.stream(text=text, format="mp3"))
+    audio, rate = sf.read(io.BytesIO(mp3))
+    assert rate == 44100 and abs(len(audio) - FRAMES * HOP) < 2 * 1152 + 600
+    assert engine_at_rest(server)()
+
+
+def _fish_config(**kw: Any) -> Any:
+    from fishaudio.types import TTSConfig
+
+    fields = TTSConfig.model_fields
+    return TTSConfig(**{k: v for k, v in kw.items() if k in fields})
+
+
+def test_fish_rest_json_body_voice_and_headers(server):
+    voice = httpx.post(f"{server}/v1/voices", files={"audio": ("a.wav", wav_bytes(1.0))},
+                       data={"transcript": "A reference clip.", "name": "rest-voice"},
+                       timeout=60).json()["id"]
+    body = {"text": "Stored voice, JSON body.", "format": "wav", "reference_id": voice,
+            "opus_bitrate": 64000, "sample_rate": 32000, "prosody": {"speed": 1.0}}
+    with httpx.stream("POST", f"{server}/v1/tts", json=body, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"] == "audio/wav"
+        assert r.headers["x-request-id"].startswith("r")
+        data = b"".join(r.iter_bytes())
+    audio, rate = sf.read(io.BytesIO(data))
+    assert rate == 32000 and len(audio) == pytest.approx(FRAMES * HOP * 32000 / 44100, abs=2)
+
+
+@pytest.mark.parametrize(("content", "headers", "status", "code"), [
+    (b"\xc1", {"content-type": "application/msgpack"}, 400, "malformed_message"),
+    (msgspec.msgpack.encode({"text": 5}), {"content-type": "application/msgpack"}, 400,
+     "invalid_field"),
+    (b'{"text": "hi", "format": "flac"}', {"content-type": "application/json"}, 415,
+     "unsupported_format"),
+    (b'{"text": "hi", "reference_id": "nope"}', {"content-type": "application/json"}, 404,
+     "unknown_voice"),
+    (b'{"text": "   "}', {"content-type": "application/json"}, 400, "bad_request"),
+    (json.dumps({"text": "x" * 401}).encode(), {"content-type": "application/json"}, 413,
+     "too_large"),
+    (b"x" * (512 * 1024 + 1), {"content-type": "application/json"}, 413, "too_large"),
+    (b'{"text": "hi"}', {"content-type": "text/plain"}, 400, "bad_request"),
+    (b'{"text": "hi", "references": [{"audio": "AAAA", "text": "t"}]}',
+     {"content-type": "application/json"}, 422, "bad_reference_audio"),
+])
+def test_fish_rest_errors_are_statuses_with_json_bodies(server, content, headers, status, code):
+    r = httpx.post(f"{server}/v1/tts", content=content, headers=headers, timeout=60)
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["code"] == code and r.json()["error"]["message"]
+    assert engine_at_rest(server)() and server.app.state.runtime.metrics.sessions_live == 0
+
+
+def test_rest_needs_the_api_key_like_the_socket():
+    with running_server(api_keys="k-rest", max_turn_frames=4) as url:
+        r = httpx.post(f"{url}/v1/tts", json={"text": "hi"}, timeout=30)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "unauthorized"
+        r = httpx.post(f"{url}/v1/tts", json={"text": "hi", "format": "pcm"}, timeout=30,
+                       headers={"Authorization": "Bearer k-rest"})
+        assert r.status_code == 200 and len(r.content) == 4 * HOP * 2
+        from openai import AuthenticationError
+
+        with pytest.raises(AuthenticationError):
+            _openai(url, key="wrong").models.list()
+        assert [m.id for m in _openai(url, key="k-rest").models.list()] == ["tiny"]
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_slot(server):
+    async def run() -> None:
+        async with httpx.AsyncClient(base_url=server, timeout=60) as http:
+            text = "A long text to speak. " * 12  # several segments
+            async with http.stream("POST", "/v1/tts", json={"text": text, "format": "pcm"}) as r:
+                assert r.status_code == 200
+                async for _ in r.aiter_bytes():
+                    break  # gone after the first chunk
+        await poll(engine_at_rest(server), "the request still holds the engine", 30)
+        await poll(lambda: server.app.state.runtime.metrics.sessions_live == 0,
+                   "the request still counts as a session")
+
+    asyncio.run(run())
+
+
+# ------------------------------------------------------------------------------ OpenAI
+
+
+def test_openai_sdk_one_shot_formats(server):
+    oa = _openai(server)
+    pcm = oa.audio.speech.create(model="tts-1", voice="alloy", input="Hello there.",
+                                 response_format="pcm").content
+    assert len(pcm) == pytest.approx(FRAMES * HOP * 24000 / 44100 * 2, abs=4)  # 24 kHz s16le
+    for fmt, rate in (("wav", 44100), ("flac", 44100), ("mp3", 44100), ("opus", 48000)):
+        data = oa.audio.speech.create(model="gpt-4o-mini-tts", voice="nova", input="Hi.",
+                                      response_format=fmt).content
+        audio, got = sf.read(io.BytesIO(data))
+        assert got == rate and len(audio) > 0.5 * FRAMES * HOP * rate / 44100, fmt
+
+
+def test_openai_sdk_streamed_and_sse(server):
+    oa = _openai(server)
+    with oa.audio.speech.with_streaming_response.create(
+            model="tts-1", voice="alloy", input="First sentence. Second sentence.",
+            response_format="pcm") as resp:
+        chunks = list(resp.iter_bytes())
+    assert sum(map(len, chunks)) == pytest.approx(2 * FRAMES * HOP * 24000 / 44100 * 2, abs=8)
+    raw = oa.audio.speech.create(model="tts-1", voice="alloy", input="Hi there.",
+                                 response_format="pcm", stream_format="sse").content
+    events = [json.loads(line[6:]) for line in raw.decode().splitlines()
+              if line.startswith("data: ")]
+    assert [e["type"] for e in events][-1] == "speech.audio.done"
+    audio = b"".join(base64.b64decode(e["audio"]) for e in events[:-1])
+    assert len(audio) == pytest.approx(FRAMES * HOP * 24000 / 44100 * 2, abs=4)
+    assert events[-1]["usage"]["output_tokens"] == FRAMES
+
+
+def test_openai_voices_by_id_name_and_builtin_names(server):
+    oa = _openai(server)
+    voice = httpx.post(f"{server}/v1/voices", files={"audio": ("b.wav", wav_bytes(1.0, seed=4))},
+                       data={"transcript": "Another clip.", "name": "openai-voice"},
+                       timeout=60).json()
+    by_name = oa.audio.speech.create(model="tts-1", voice="openai-voice", input="Hi.",
+                                     response_format="pcm").content
+    by_id = oa.audio.speech.create(model="tts-1", voice=voice["id"], input="Hi.",
+                                   response_format="pcm").content
+    default = oa.audio.speech.create(model="tts-1", voice="shimmer", input="Hi.",
+                                     response_format="pcm").content
+    assert len(by_name) == len(by_id) == len(default) > 0
+    from openai import BadRequestError, NotFoundError
+
+    with pytest.raises(NotFoundError, match="no stored voice"):
+        oa.audio.speech.create(model="tts-1", voice="nobody", input="Hi.")
+    with pytest.raises(BadRequestError, match="no speed control"):
+        oa.audio.speech.create(model="tts-1", voice="alloy", input="Hi.", speed=1.5)
+    with pytest.raises(BadRequestError, match="'aac' is not supported"):
+        oa.audio.speech.create(model="tts-1", voice="alloy", input="Hi.",
+                               response_format="aac")
+    r = httpx.post(f"{server}/v1/audio/speech", json={"model": "tts-1", "voice": "alloy"},
+                   timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "missing_field"
+    assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_rest_requests_count_as_sessions_and_in_metrics(server):
+    m = server.app.state.runtime.metrics
+    before = m.sessions_total
+    r = httpx.post(f"{server}/v1/tts", json={"text": "Counted.", "format": "pcm"}, timeout=60)
+    assert r.status_code == 200 and m.sessions_total == before + 1 and m.sessions_live == 0
+    text = httpx.get(f"{server}/metrics", timeout=30).text
+    assert 'rtvoice_turns_total{reason="length"}' in text
+    with running_server(max_sessions=1, max_turn_frames=4) as url:
+        async def run() -> None:
+            c = await Client.connect(url.ws_url)
+            await c.send(Start(request=request()))
+            assert isinstance(await c.recv(), Ready)
+            async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+                r = await http.post("/v1/tts", json={"text": "No room.", "format": "pcm"})
+            assert r.status_code == 503 and r.json()["error"]["code"] == "overloaded"
+            await c.send(Stop())
+            await c.until(lambda e: isinstance(e, Done) or is_finish(e))
+
+        asyncio.run(run())
