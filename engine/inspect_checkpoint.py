@@ -56,7 +56,7 @@ def _names(keys: list[str], most: int = 6) -> str:
 
 
 def inspect_checkpoint(spec: str) -> Report:
-    """Inspect a checkpoint directory or a Hub model id in the local cache."""
+    """Inspect a checkpoint directory or a Hub model id (fetched when not cached)."""
     report = Report()
     try:
         path = checkpoint_dir(spec)

@@ -3,7 +3,7 @@
 Specs: a preset name (`tiny`, `s2-pro`) with dummy weights, a checkpoint directory holding
 config.json, model*.safetensors (+ index), tokenizer.json and the codec (codec.pth or
 codec.safetensors, with codec_config.json when it is not the real size), or a Hub model id
-(`org/name[@revision]`) already in the local Hub cache (engine/hub.py).
+(`org/name[@revision]`), fetched through huggingface_hub into its cache (engine/hub.py).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 
 from .codec import Codec, CodecConfig, dummy_codec, load_codec
 from .config import DTYPE_NAMES, PRESETS, ModelConfig, preset
-from .hub import parse_repo_id, resolve_local
+from .hub import parse_repo_id, resolve
 from .model import DualAR
 from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from .weights import dummy_model, load_model
@@ -62,12 +62,12 @@ def reconcile_ids(cfg: ModelConfig, tok: Tokenizer) -> ModelConfig:
 
 
 def checkpoint_dir(spec: str) -> Path:
-    """A checkpoint directory, or a Hub model id's snapshot in the local cache."""
+    """A checkpoint directory, or a Hub model id's snapshot (downloaded when not cached)."""
     path = Path(spec).expanduser()
     if path.is_dir():
         return path
     if parse_repo_id(spec) is not None:
-        return resolve_local(spec)
+        return resolve(spec)
     raise FileNotFoundError(f"model {spec!r} is neither a preset ({', '.join(PRESETS)}), a "
                             "checkpoint directory nor a Hub model id (org/name[@revision])")
 

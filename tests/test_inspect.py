@@ -51,10 +51,11 @@ def test_hub_model_id_resolves_offline_in_the_local_cache(tmp_path: Path, fixtur
 
     cache = _hub_cache(tmp_path / "hub", fixture_dir)
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # never ask the Hub from a test
     snap = resolve_local("fishaudio/s2-tiny")
     assert snap.name.startswith("0123456789") and (snap / "config.json").is_file()
     assert resolve_local("fishaudio/s2-tiny@0123456789abcdef0123456789abcdef01234567") == snap
-    with pytest.raises(FileNotFoundError, match=r"not in the local Hub cache.*huggingface-cli"):
+    with pytest.raises(FileNotFoundError, match=r"not in the local Hub cache.*hf download"):
         resolve_local("fishaudio/s2-tiny@v2")
     with pytest.raises(FileNotFoundError, match="not in the local Hub cache"):
         resolve_local("someone/else")
@@ -62,7 +63,8 @@ def test_hub_model_id_resolves_offline_in_the_local_cache(tmp_path: Path, fixtur
     assert not report.problems and "Hub id fishaudio/s2-tiny" in report.text()
     bundle = load_bundle("fishaudio/s2-tiny")  # the server's --model takes it too
     assert bundle.name == "fishaudio/s2-tiny" and not bundle.random_weights
-    proc = _rtvoice("inspect", "fishaudio/s2-tiny", env={"HF_HUB_CACHE": str(cache)})
+    proc = _rtvoice("inspect", "fishaudio/s2-tiny",
+                    env={"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0 and "problems: none" in proc.stdout
 
 
