@@ -13,12 +13,18 @@ flushed, and the next turn starts when the previous one is done (after ``--pause
 
 Figures per level (``--json`` has them all, with the exact settings, the server's ``ready``,
 the git commit and the machine):
-- client TTFA (flush sent -> first audio byte received) and server TTFA: p50/p90/p99/max;
+- client TTFA (flush sent -> first audio byte received, over the turns whose audio came after
+  the flush; ``turns.audio_before_flush`` counts the others: the server speaks a sentence as
+  soon as it ends, so streamed text can be heard before its flush), first text sent -> first
+  audio (every turn), and server TTFA: p50/p90/p99/max;
 - aggregate frames/s (all frames / measuring wall time) and per-request decode_tps
   (frames / the server's generation time for that request);
 - RTF per request, inter-chunk gap distribution, and underruns: each turn is played back in
   simulation from its first chunk through a ``--jitter-ms`` buffer (``bench_latency.stats``);
 - turns ok / errors / cancelled / truncated (hit the frame budget).
+
+``--plot`` needs matplotlib (``pip install matplotlib``): without it the bench says so
+at the start, runs, writes its JSON and skips the plot; the exit status does not change.
 
 Exit status: 0 ok, 1 the ``--baseline`` gate failed, 2 bad arguments, 3 no turn succeeded.
 """
@@ -91,7 +97,9 @@ class TurnRecord:
     flush_s: float | None = None
     first_audio_s: float | None = None
     done_s: float | None = None
-    client_ttfa_ms: float | None = None
+    client_ttfa_ms: float | None = None  # flush -> first audio; None if the audio came first
+    first_audio_after_first_text_ms: float | None = None
+    audio_before_flush: bool = False
     server_ttfa_ms: float | None = None
     frames: int = 0
     segments: int = 0  # the server cuts a turn at sentence ends; each has its own budget
@@ -119,11 +127,12 @@ class Outcome:
     reason: str
     arrivals: list[tuple[float, float]]
     segments: int = 1
+    first_text_at: float | None = None
 
     @classmethod
     def from_turn(cls, r: TurnResult) -> Outcome:
         return cls(r.flush_at, r.first_audio_at, r.done_at, r.server_ttfa_ms, r.frames,
-                   r.audio_s, r.rtf, r.reason, r.arrivals, r.segments)
+                   r.audio_s, r.rtf, r.reason, r.arrivals, r.segments, r.first_text_at)
 
 
 class BenchSession(Protocol):
@@ -242,6 +251,7 @@ class _EngineSession:
     async def run_turn(self, text: str, tokens_per_s: float) -> Outcome:
         # The engine takes a turn's text whole: stream it at LLM pace first, as a server would
         # buffer it, then submit at the flush.
+        first_text_at = time.perf_counter()
         async for _ in paced(llm_tokens(text), tokens_per_s):
             pass
         self.n += 1
@@ -260,7 +270,7 @@ class _EngineSession:
         ttfa = result.ttfa_s
         return Outcome(flush_at, arrivals[0][0] if arrivals else None, done_at,
                        None if ttfa is None else ttfa * 1000.0, result.frames, result.audio_s,
-                       result.rtf, reason, arrivals)
+                       result.rtf, reason, arrivals, first_text_at=first_text_at)
 
     async def close(self) -> None:
         self.backend.engine.close(self.seq)
@@ -467,7 +477,12 @@ def fill_record(rec: TurnRecord, out: Outcome, t0: float, jitter_s: float) -> No
     rec.first_audio_s = None if out.first_audio_at is None else out.first_audio_at - t0
     rec.done_s = out.done_at - t0
     if out.first_audio_at is not None and out.flush_at is not None:
-        rec.client_ttfa_ms = max(0.0, out.first_audio_at - out.flush_at) * 1000.0
+        # Audio before the flush has no TTFA after it: counted apart, not as 0 ms.
+        rec.audio_before_flush = out.first_audio_at < out.flush_at
+        if not rec.audio_before_flush:
+            rec.client_ttfa_ms = (out.first_audio_at - out.flush_at) * 1000.0
+    if out.first_audio_at is not None and out.first_text_at is not None:
+        rec.first_audio_after_first_text_ms = (out.first_audio_at - out.first_text_at) * 1000.0
     rec.server_ttfa_ms = out.server_ttfa_ms
     rec.frames, rec.audio_s, rec.rtf, rec.reason = out.frames, out.audio_s, out.rtf, out.reason
     rec.segments = out.segments
@@ -500,9 +515,12 @@ def summarize_level(c: int, records: list[TurnRecord], wall_s: float,
             "cancelled": sum(r.reason == "cancelled" for r in records),
             "truncated": sum(r.error is None and r.reason == "length" for r in records),
             "eos": sum(r.error is None and r.reason == "eos" for r in records),
+            "audio_before_flush": sum(r.audio_before_flush for r in ok),
             "error_codes": sorted({r.error for r in records if r.error}),
         },
         "client_ttfa_ms": stats.summarize(r.client_ttfa_ms for r in ok),
+        "first_audio_after_first_text_ms": stats.summarize(
+            r.first_audio_after_first_text_ms for r in ok),
         "server_ttfa_ms": stats.summarize(r.server_ttfa_ms for r in ok),
         "frames": frames,
         "audio_s": round(audio_s, 3),
@@ -534,21 +552,35 @@ def _fmt(x: Any, nd: int = 0) -> str:
 
 
 def table(levels: Sequence[dict[str, Any]]) -> str:
-    head = (f"{'c':>4} {'turns':>6} {'err':>4} {'trunc':>5} | {'client TTFA ms p50/p90/p99/max':>30}"
+    head = (f"{'c':>4} {'turns':>6} {'err':>4} {'trunc':>5} {'early':>5}"
+            f" | {'client TTFA ms p50/p90/p99/max':>30}"
             f" | {'server TTFA ms p50/p90/p99/max':>30} | {'agg fps':>8} {'tps p50':>8}"
             f" {'RTF p50':>7} {'gap p99':>7} {'underruns':>9}")
     lines = [head, "-" * len(head)]
-    for lv in levels:
+    for lv in levels:  # early: turns whose audio came before their flush (no client TTFA)
         ct, st = lv["client_ttfa_ms"], lv["server_ttfa_ms"]
         ctt = "/".join(_fmt(ct[k]) for k in ("p50", "p90", "p99", "max"))
         stt = "/".join(_fmt(st[k]) for k in ("p50", "p90", "p99", "max"))
         t = lv["turns"]
         lines.append(
-            f"{lv['concurrency']:>4} {t['total']:>6} {t['errors']:>4} {t['truncated']:>5} | "
+            f"{lv['concurrency']:>4} {t['total']:>6} {t['errors']:>4} {t['truncated']:>5} "
+            f"{_fmt(t.get('audio_before_flush')):>5} | "
             f"{ctt:>30} | {stt:>30} | {_fmt(lv['aggregate_fps'], 1):>8} "
             f"{_fmt(lv['decode_tps']['p50'], 1):>8} {_fmt(lv['rtf']['p50'], 3):>7} "
             f"{_fmt(lv['gap_ms']['p99']):>7} {lv['underruns']['total']:>9}")
     return "\n".join(lines)
+
+
+PLOT_HINT = "pip install matplotlib"
+
+
+def plot_unavailable() -> str | None:
+    """Why ``plot`` cannot run here (matplotlib missing or broken), or None."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as exc:
+        return f"matplotlib is not installed ({exc})"
+    return None
 
 
 def plot(results: dict[str, Any], path: str | Path) -> Path:
@@ -752,6 +784,14 @@ def main(argv: Sequence[str] | None = None, *, out: Callable[[str], None] = prin
         ap.error("--turns must be >= 1")
     if args.reference and args.reference_text is None:
         ap.error("--reference needs --reference-text")
+    for flag in ("json", "plot", "save_baseline"):  # fail now, not after the whole sweep
+        dest = getattr(args, flag)
+        if dest and not Path(dest).expanduser().resolve().parent.is_dir():
+            ap.error(f"--{flag.replace('_', '-')} {dest}: its folder does not exist")
+    no_plot = plot_unavailable() if args.plot else None
+    if no_plot:
+        print(f"bench-latency: warning: --plot needs matplotlib: {no_plot}; running without "
+              f"the plot (the JSON has every figure). For plots: {PLOT_HINT}", file=sys.stderr)
     if args.in_process and args.voice:
         ap.error("--voice needs a server's voice store; use --reference with --in-process")
     if not args.from_json:
@@ -787,8 +827,13 @@ def main(argv: Sequence[str] | None = None, *, out: Callable[[str], None] = prin
         Path(args.json).write_text(json.dumps(results, indent=1, ensure_ascii=False))
     if args.save_baseline:
         Path(args.save_baseline).write_text(json.dumps(make_baseline(results), indent=1))
-    if args.plot:
+    if args.plot and not no_plot:
         plot(results, args.plot)
+    elif args.plot:
+        src = args.from_json or args.json
+        again = f", then: bench-latency --from-json {src} --plot {args.plot}" if src else ""
+        print(f"bench-latency: no plot written to {args.plot}: matplotlib is missing "
+              f"({PLOT_HINT}{again})", file=sys.stderr)
     if not args.from_json and not any(lv["turns"]["ok"] for lv in results["levels"]):
         print("no turn succeeded", file=sys.stderr)
         return 3

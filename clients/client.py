@@ -49,6 +49,7 @@ from protocol import (
     ProtocolError,
     Ready,
     ReferenceAudio,
+    Segment,
     Start,
     Stop,
     Text,
@@ -218,7 +219,10 @@ class TurnResult:
 
     context_id: str | None
     reason: str  # eos | length | cancelled | error (the server's done.reason)
-    client_ttfa_ms: float | None  # flush sent -> first audio byte received (0 if audio came first)
+    # flush sent -> first audio received; None when audio came before the flush (the server
+    # speaks each sentence as soon as it ends): see audio_before_flush and
+    # first_audio_after_first_text_ms
+    client_ttfa_ms: float | None
     server_ttfa_ms: float | None  # the server's own figure (first segment of the turn)
     audio_s: float  # audio duration the server reported
     frames: int  # codec frames generated
@@ -234,6 +238,14 @@ class TurnResult:
     done_at: float
     arrivals: list[tuple[float, float]] = field(default_factory=list)  # (received_at, duration_s)
     error: RtvoiceError | None = None
+    # first text sent -> first audio received: defined whether or not audio beat the flush
+    first_audio_after_first_text_ms: float | None = None
+
+    @property
+    def audio_before_flush(self) -> bool:
+        """The first audio arrived before the flush was sent (so ``client_ttfa_ms`` is None)."""
+        return (self.first_audio_at is not None and self.flush_at is not None
+                and self.first_audio_at < self.flush_at)
 
     @property
     def truncated(self) -> bool:
@@ -280,6 +292,9 @@ class Turn:
         self.cancel_at: float | None = None
         self.first_audio_at: float | None = None
         self.done_events: list[Done] = []
+        self.text = ""  # what was sent, from the first text that is not blank (as the server
+        # counts characters for ``segment.char_start``)
+        self.segments: list[Segment] = []  # the latest ``segment`` event per index, in order
         self.result_: TurnResult | None = None
         self.error: RtvoiceError | None = None
         self._changed = asyncio.Event()  # set on every chunk / end; cleared by waiters
@@ -300,6 +315,43 @@ class Turn:
     def __repr__(self) -> str:
         state = "finished" if self.finished else "flushed" if self.flushed else "open"
         return f"<Turn context={self.context_id!r} {state} chunks={len(self.chunks)}>"
+
+    @property
+    def start_offset_s(self) -> float | None:
+        """Where the turn's audio begins on its context's timeline (its first chunk's
+        ``offset_s``); None before any audio."""
+        return self.chunks[0].offset_s if self.chunks else None
+
+    def heard_chars(self, played_s: float) -> int:
+        """How many characters of `text` were spoken once `played_s` seconds of this turn's
+        audio have been played: the end of the last word that ended by then. Word ends are
+        the server's estimates (``segment.timing``); a segment whose audio is complete counts
+        whole once its measured end is reached."""
+        start = self.start_offset_s
+        if start is None:
+            return 0
+        at = start + played_s + 1e-6
+        chars = 0
+        for seg in self.segments:
+            if seg.start > at:
+                break
+            if seg.end is not None and seg.end <= at:
+                chars = seg.char_end
+                continue
+            for word in seg.words:
+                if word.end > at:
+                    break
+                chars = word.char_end
+            break
+        return chars
+
+    def heard(self, played_s: float) -> str:
+        """The text heard so far after `played_s` seconds of this turn's audio (for a
+        barge-in: what the listener actually heard, to keep in the conversation)."""
+        n = self.heard_chars(played_s)
+        if self.text:
+            return self.text[:n]
+        return " ".join(w.text for s in self.segments for w in s.words if w.char_end <= n)
 
     # ---------------------------------------------------------------- consumer side
     async def _wait_change(self, timeout: float | None) -> None:
@@ -348,6 +400,15 @@ class Turn:
         self.chunks.append(chunk)
         self._notify()
 
+    def _add_segment(self, event: Segment) -> None:
+        i = next((k for k, s in enumerate(self.segments) if s.index == event.index), None)
+        if i is None:
+            self.segments.append(event)
+            self.segments.sort(key=lambda s: s.index)
+        else:
+            self.segments[i] = event  # ``final`` replaces the estimate
+        self._notify()
+
     def _fail(self, error: RtvoiceError) -> None:
         if not self.finished:
             self.error = error
@@ -362,9 +423,12 @@ class Turn:
                   else reasons[-1] if reasons else "error")
         gen = [d.rtf * d.audio_s for d in evs if d.rtf is not None and d.audio_s > 0]
         audio_s = sum(d.audio_s for d in evs)
-        ttfa = None
-        if self.first_audio_at is not None and self.flush_at is not None:
-            ttfa = max(0.0, self.first_audio_at - self.flush_at) * 1000.0
+        ttfa = since_text = None
+        if self.first_audio_at is not None and self.flush_at is not None \
+                and self.first_audio_at >= self.flush_at:
+            ttfa = (self.first_audio_at - self.flush_at) * 1000.0
+        if self.first_audio_at is not None and self.first_text_at is not None:
+            since_text = (self.first_audio_at - self.first_text_at) * 1000.0
         server_ttfa = next((d.ttfa_ms for d in evs if d.ttfa_ms is not None), None)
         self.result_ = TurnResult(
             context_id=self.context_id,
@@ -384,6 +448,7 @@ class Turn:
             first_audio_at=self.first_audio_at,
             done_at=now,
             arrivals=[(c.received_at, c.duration_s) for c in self.chunks],
+            first_audio_after_first_text_ms=since_text,
         )
         self._notify()
         return self.result_
@@ -510,6 +575,8 @@ class Session:
             turn.first_text_at = now
         turn.text_chars += len(text)
         turn.text_events += 1
+        if turn.text or text.strip():
+            turn.text += text
         await self._send(Text(text=text, context_id=context_id))
         if flush:
             await self.flush(context_id=context_id)
@@ -723,6 +790,8 @@ class Session:
             for sub in list(self._subscribers):
                 if sub.wants(event.context_id):
                     sub.queue.put_nowait(chunk)
+        elif isinstance(event, Segment):
+            self._target(event.context_id)._add_segment(event)
         elif isinstance(event, Done):
             self._on_done(event, now)
         elif isinstance(event, Ready):

@@ -373,7 +373,9 @@ class TurnLog:
     first_audio_s: float | None = None
     playback_start_s: float | None = None
     end_s: float | None = None
-    client_ttfa_ms: float | None = None
+    client_ttfa_ms: float | None = None  # flush -> first audio; None if the audio came first
+    first_audio_after_first_text_ms: float | None = None
+    audio_before_flush: bool = False
     server_ttfa_ms: float | None = None
     reason: str | None = None
     frames: int = 0
@@ -504,9 +506,14 @@ async def play_turn(session: Session, idx: int, spec: AgentTurn, script: Script,
     if result is not None:
         log.reason = result.reason
         log.frames = result.frames
-        log.client_ttfa_ms = None if result.client_ttfa_ms is None else round(result.client_ttfa_ms, 2)
-        log.server_ttfa_ms = None if result.server_ttfa_ms is None else round(result.server_ttfa_ms, 2)
-        tl(idx, "done", f"reason={result.reason} ttfa client {log.client_ttfa_ms} ms / server "
+        r2 = lambda x: None if x is None else round(x, 2)  # noqa: E731
+        log.client_ttfa_ms = r2(result.client_ttfa_ms)
+        log.first_audio_after_first_text_ms = r2(result.first_audio_after_first_text_ms)
+        log.audio_before_flush = result.audio_before_flush
+        log.server_ttfa_ms = r2(result.server_ttfa_ms)
+        client = (f"audio before flush ({log.first_audio_after_first_text_ms} ms after the first "
+                  "token)" if log.audio_before_flush else f"{log.client_ttfa_ms} ms after flush")
+        tl(idx, "done", f"reason={result.reason} ttfa client {client} / server "
            f"{log.server_ttfa_ms} ms, received {log.audio_received_s:.2f} s, played "
            f"{log.played_s:.2f} s, underruns {log.underruns}", reason=result.reason)
     return log

@@ -1,4 +1,4 @@
-"""Check this engine against a reference fixture set (see shared/fixtures/README.md).
+"""Check this engine against a reference fixture set (see tests/fixtures/README.md).
 
     python -m engine.verify_reference DIR [--codec-chunk N ...] [--skip-codec]
 

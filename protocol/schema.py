@@ -38,11 +38,13 @@ __all__ = [
     "Prosody",
     "Ready",
     "ReferenceAudio",
+    "Segment",
     "ServerEvent",
     "Start",
     "Stop",
     "TTSRequest",
     "Text",
+    "Word",
     "event_name",
 ]
 
@@ -111,6 +113,7 @@ class TTSRequest(msgspec.Struct, kw_only=True, gc=False):
     first_chunk_frames: _PosInt | None = None  # codec frames in the first audio chunk of a turn
     chunk_frames: _PosInt | None = None  # codec frames in later chunks
     context_id: str | None = None  # default context id for this session's events
+    timestamps: bool = True  # send a ``segment`` event per spoken segment (text <-> audio times)
 
 
 # --------------------------------------------------------------------------------------------
@@ -165,6 +168,35 @@ class Audio(_ServerEventBase, tag="audio"):
     seq: int = 0  # per context, from 0, no gaps
     offset_s: float = 0.0  # start of this chunk within the context's audio
     duration_s: float = 0.0  # audio duration this chunk completes (see README for codecs)
+
+
+class Word(msgspec.Struct, kw_only=True, gc=False):
+    """One word of a ``segment`` with its time span (Fish's alignment item: text, start, end)."""
+
+    text: str
+    start: float  # seconds, on the context's audio timeline (that of ``audio.offset_s``)
+    end: float
+    char_start: int  # range in the turn's text, like the segment's
+    char_end: int
+
+
+class Segment(_ServerEventBase, tag="segment"):
+    """A spoken segment: which text the audio around it says, and when.
+
+    Sent twice per segment: with ``final: false`` right before the segment's first audio
+    (``end`` unknown, word times estimated from a speaking-rate model), then with
+    ``final: true`` and the same ``index`` once all of its audio is generated (measured
+    ``end``, word times rescaled to it). The later one replaces the earlier."""
+
+    index: int  # per context, from 0, in speaking order
+    text: str  # the segment's text (as cut by the server: surrounding whitespace stripped)
+    char_start: int  # [char_start, char_end) in the turn's text, as the server received it
+    char_end: int
+    start: float  # seconds, on the context's audio timeline (that of ``audio.offset_s``)
+    end: float | None = None  # None until ``final``
+    final: bool = False
+    words: list[Word] = msgspec.field(default_factory=list)
+    timing: str = "estimated"  # how word times were found: "estimated" (no model alignment)
 
 
 class Finish(_ServerEventBase, tag="finish"):
@@ -232,7 +264,7 @@ class Error(_ServerEventBase, tag="error"):
     fatal: bool = False
 
 
-ServerEvent = Audio | Finish | Ready | Done | Error
+ServerEvent = Audio | Finish | Ready | Done | Error | Segment
 
 
 def event_name(event: msgspec.Struct | type[msgspec.Struct]) -> str:

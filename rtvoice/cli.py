@@ -8,15 +8,21 @@ import logging
 import sys
 from pathlib import Path
 
+DEFAULT_OUTPUT = Path("synth.wav")  # rtvoice synth -o
+
 
 def _synth(args: argparse.Namespace) -> int:
     from .synth import synthesize
 
     info = synthesize(args.text, args.output, model=args.model, device=args.device,
                       reference=args.reference, reference_text=args.reference_text, seed=args.seed,
-                      max_frames=args.max_frames, temperature=args.temperature)
-    print(f"wrote {args.output}: {info['audio_s']:.2f}s of audio, {info['frames']} frames "
-          f"({info['reason']}) in {info['wall_s']:.2f}s")
+                      max_frames=args.max_frames, temperature=args.temperature,
+                      top_p=args.top_p, top_k=args.top_k, overwrite=args.overwrite,
+                      progress=not args.quiet)
+    why = {"eos": "the model ended it", "length": "hit the frame cap"}.get(info["reason"],
+                                                                          info["reason"])
+    print(f"wrote {info['output']}: {info['audio_s']:.2f}s of audio, {info['frames']} frames "
+          f"({why}) in {info['wall_s']:.2f}s")
     return 0
 
 
@@ -31,18 +37,45 @@ def _inspect(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="rtvoice", description="Realtime streaming TTS for Fish "
                                  "Audio S2-style DualAR models.")
-    ap.add_argument("--log-level", default="INFO")
+    ap.add_argument("--log-level", default="INFO",
+                    help="DEBUG, INFO, WARNING or ERROR (default: %(default)s)")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    s = sub.add_parser("synth", help="synthesize TEXT to a WAV file")
-    s.add_argument("text")
-    s.add_argument("-o", "--output", type=Path, default=Path("out.wav"))
-    s.add_argument("--model", default="tiny", help="preset (tiny, s2-pro) or checkpoint directory")
-    s.add_argument("--device", default="cpu")
-    s.add_argument("--reference", type=Path, help="reference clip to clone the voice from")
-    s.add_argument("--reference-text", help="transcript of the reference clip")
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--max-frames", type=int, default=600)
-    s.add_argument("--temperature", type=float, default=0.8)
+    s = sub.add_parser(
+        "synth", help="synthesize TEXT to a WAV file (offline, no server)",
+        description="Synthesize TEXT to a 16-bit WAV file through the same engine the server "
+        "uses, with progress on stderr. The output is checked before the model loads: its "
+        "folder must exist and be writable, and an existing file is kept unless --overwrite. "
+        "The built-in presets (tiny, s2-pro) have random weights: they make noise, not speech, "
+        "and never end by themselves.")
+    s.add_argument("text", help="what to say")
+    s.add_argument("-o", "--output", type=Path, default=DEFAULT_OUTPUT,
+                   help="WAV file to write (default: %(default)s)")
+    s.add_argument("--overwrite", "--force", action="store_true",
+                   help="replace the output file if it exists (default: refuse)")
+    s.add_argument("--model", default="tiny",
+                   help="preset (tiny, s2-pro: random weights), checkpoint directory or Hub id "
+                   "in the local Hub cache (default: %(default)s)")
+    s.add_argument("--device", default="cpu",
+                   help="torch device: cpu, cuda, cuda:N (default: %(default)s)")
+    s.add_argument("--reference", type=Path,
+                   help="reference clip to clone the voice from (default: none, the model's "
+                   "own voice)")
+    s.add_argument("--reference-text",
+                   help="transcript of the reference clip (required with --reference)")
+    s.add_argument("--seed", type=int, default=0,
+                   help="sampling seed, and the presets' weights seed (default: %(default)s)")
+    s.add_argument("--max-frames", type=int, default=None,
+                   help="cap on generated codec frames, 21.5 per second of audio (default: auto: "
+                   "the server's segment budget for the text, 3x its expected duration; with "
+                   "random weights, which never stop, its expected duration)")
+    s.add_argument("--temperature", type=float, default=0.8,
+                   help="sampling temperature (default: %(default)s)")
+    s.add_argument("--top-p", type=float, default=0.8,
+                   help="nucleus sampling threshold (default: %(default)s)")
+    s.add_argument("--top-k", type=int, default=30,
+                   help="sample among the k likeliest tokens (default: %(default)s)")
+    s.add_argument("-q", "--quiet", action="store_true",
+                   help="no progress on stderr (default: progress every 2 s, live on a terminal)")
     s.set_defaults(fn=_synth)
     i = sub.add_parser(
         "inspect", help="show what a checkpoint holds and how it will load (exit 1 on problems)",

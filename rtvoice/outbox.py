@@ -36,6 +36,7 @@ class Out:
     duration_s: float = 0.0
     is_done: bool = False
     first_of: tuple[Segment, ...] = ()  # segments whose first audio this chunk carries
+    segment: Segment | None = None  # a ``segment`` event (timestamps) of this utterance
 
 
 CLOSE: Final = Out()  # the sender's last item: close the socket

@@ -35,9 +35,9 @@ session's frame budget.
 from __future__ import annotations
 
 import unicodedata
-from typing import Final
+from typing import Final, NamedTuple
 
-__all__ = ["Segmenter", "estimate_speech_seconds", "is_speakable"]
+__all__ = ["Cut", "Segmenter", "estimate_speech_seconds", "is_speakable"]
 
 # Terminators that end a sentence only before whitespace (or CJK text): "3.14", "e.g.x",
 # "file.txt" and "Hello!World" stay whole.
@@ -86,16 +86,26 @@ def is_speakable(text: str) -> bool:
     return any(unicodedata.category(ch)[0] in "LN" for ch in text)
 
 
+class Cut(NamedTuple):
+    """A segment and where it stands in the text pushed since the last flush or clear:
+    ``text == pushed[start:end]`` (whitespace around it is outside the range)."""
+
+    text: str
+    start: int
+    end: int
+
+
 class Segmenter:
     """Incremental segmenter for one context. Not thread-safe (one session, one loop)."""
 
-    __slots__ = ("_buf", "_scan", "chunk_length")
+    __slots__ = ("_base", "_buf", "_scan", "chunk_length")
 
     def __init__(self, chunk_length: int = 200) -> None:
         if chunk_length < 1:
             raise ValueError(f"chunk_length must be >= 1, got {chunk_length}")
         self.chunk_length = chunk_length
         self._buf = ""
+        self._base = 0  # offset of _buf[0] in the text pushed since the last flush or clear
         self._scan = 0  # buffer index from which the sentence scan resumes
 
     @property
@@ -105,42 +115,58 @@ class Segmenter:
 
     def push(self, text: str) -> list[str]:
         """Add streamed text; return the segments it completed (possibly none)."""
-        if not text:
-            return []
-        self._buf += text
-        out: list[str] = []
-        self._cut_sentences(out)
-        while len(self._buf) >= self.chunk_length:
-            cut = self._length_cut()
-            self._emit(self._buf[:cut], out)
-            self._buf = self._buf[cut:]
-            self._scan = 0
-            self._cut_sentences(out)
-        return out
+        return [c.text for c in self.push_cuts(text)]
 
     def flush(self) -> list[str]:
         """Cut now: everything buffered becomes (at most one) segment."""
-        out: list[str] = []
-        self._emit(self._buf, out)
+        return [c.text for c in self.flush_cuts()]
+
+    def push_cuts(self, text: str) -> list[Cut]:
+        """`push`, with each segment's character range."""
+        if not text:
+            return []
+        self._buf += text
+        out: list[Cut] = []
+        self._cut_sentences(out)
+        while len(self._buf) >= self.chunk_length:
+            cut = self._length_cut()
+            self._emit(self._buf, cut, out)
+            self._consume(cut)
+            self._cut_sentences(out)
+        return out
+
+    def flush_cuts(self) -> list[Cut]:
+        """`flush`, with each segment's character range; offsets start again from 0."""
+        out: list[Cut] = []
+        self._emit(self._buf, len(self._buf), out)
         self.clear()
         return out
 
     def clear(self) -> int:
-        """Drop the buffer (cancel); returns how many characters were dropped."""
+        """Drop the buffer (cancel); returns how many characters were dropped. Offsets start
+        again from 0."""
         n = len(self._buf)
         self._buf = ""
+        self._base = 0
         self._scan = 0
         return n
 
     # ----------------------------------------------------------------------------- internals
 
-    @staticmethod
-    def _emit(text: str, out: list[str]) -> None:
-        text = text.strip()
+    def _emit(self, buf: str, end: int, out: list[Cut]) -> None:
+        """``buf[:end]`` (buf: the buffer, from its first character) as a segment, stripped."""
+        piece = buf[:end]
+        text = piece.strip()
         if text:  # punctuation or emoji alone is text too: the model decides how it sounds
-            out.append(text)
+            start = self._base + len(piece) - len(piece.lstrip())
+            out.append(Cut(text, start, start + len(text)))
 
-    def _cut_sentences(self, out: list[str]) -> None:
+    def _consume(self, n: int) -> None:
+        self._buf = self._buf[n:]
+        self._base += n
+        self._scan = 0
+
+    def _cut_sentences(self, out: list[Cut]) -> None:
         buf = self._buf
         i = self._scan
         n = len(buf)
@@ -150,8 +176,9 @@ class Segmenter:
                 break  # no sentence end within chunk_length: push() cuts on length first
             ch = buf[i]
             if ch == "\n" or ch == "\r":
-                self._emit(buf[:i], out)
+                self._emit(buf, i, out)
                 buf = buf[i + 1 :]
+                self._base += i + 1
                 i, n = 0, len(buf)
                 continue
             if ch not in _ENDS:
@@ -167,8 +194,9 @@ class Segmenter:
             if j > limit:
                 break  # the sentence would be longer than chunk_length: cut on length first
             if self._is_boundary(buf, i, j):
-                self._emit(buf[:j], out)
+                self._emit(buf, j, out)
                 buf = buf[j:]
+                self._base += j
                 i, n = 0, len(buf)
                 continue
             i = j

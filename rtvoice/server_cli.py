@@ -96,7 +96,7 @@ def serve(args: argparse.Namespace) -> int:
     host = f"[{net.host}]" if ":" in net.host else net.host
     log.info(
         "rtvoice: live TTS at ws://%s:%d/v1/tts/live, voices at http://%s:%d/v1/voices "
-        "(model %s on %s; voice store %s)",
+        "(model %s on %s; data dir %s)",
         host, net.port, host, net.port, m.model, m.device, settings.voices.data_dir,
     )
     # uvicorn drains on SIGTERM, then raises the signal again under the handler found at

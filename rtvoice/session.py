@@ -74,6 +74,7 @@ from rtvoice import logs
 from rtvoice.audio_formats import AudioEncoder, EncoderConfig, encoder_for
 from rtvoice.outbox import CLOSE, Out, Outbox, SlowReader
 from rtvoice.runtime import Runtime, known_error
+from rtvoice.timestamps import segment_event
 from rtvoice.turns import Segment, Turns, Utterance
 
 __all__ = ["Session", "encode_backlog_chunks"]
@@ -97,7 +98,7 @@ class ClientGone(Exception):
 
 
 # encode-worker jobs ---------------------------------------------------------------------------
-_AUDIO, _FINISH, _CLOSE = "audio", "finish", "close"
+_AUDIO, _ENDED, _FINISH, _CLOSE = "audio", "ended", "finish", "close"
 
 
 @dataclass(slots=True, eq=False)
@@ -105,7 +106,7 @@ class _Job:
     kind: str
     utterance: Utterance
     pcm: np.ndarray | None = None
-    segment: Segment | None = None  # audio jobs: whose audio
+    segment: Segment | None = None  # audio jobs: whose audio; ended: which segment
 
 
 _STOP_JOB: Final = object()
@@ -156,6 +157,7 @@ class Session:
         self._encoding: Encoding | None = None
         self._request: TTSRequest | None = None
         self._output: EncoderConfig | None = None  # the validated output format of the request
+        self._timestamps = False  # send ``segment`` events (the request's ``timestamps``)
         self._default_ctx: str | None = None
         self._seq: Sequence | None = None
         self._counted_live = False
@@ -172,6 +174,10 @@ class Session:
         self._loop = asyncio.get_running_loop()
         self._end: asyncio.Future[None] = self._loop.create_future()
         self._tasks: list[asyncio.Task[None]] = []
+        self._opened_at = time.perf_counter()
+        self._voice = "-"  # for the log: which voice it uses (from start on)
+        self._turns_done = 0
+        self._audio_sent_s = 0.0
 
     # ------------------------------------------------------------------------- lifecycle
 
@@ -352,6 +358,11 @@ class Session:
             encoder.cancel()
         if self._sm.state is not SessionState.CLOSED:
             self._sm.transition(SessionState.CLOSED)
+        if self._denied is None:
+            how = "client gone" if gone else str(error.code) if error is not None else "stop"
+            log.info("session %s ended (%s): voice %s, %d turns, %.2f s of audio, open %.1f s",
+                     self.id, how, self._voice, self._turns_done, self._audio_sent_s,
+                     time.perf_counter() - self._opened_at)
 
     async def _stop_encoder(self, encoder: asyncio.Task[None]) -> None:
         """Queue the encode worker's stop. Its queue is bounded: when it is full, the worker
@@ -530,6 +541,9 @@ class Session:
         self._sm.apply(event)  # -> prefilling: from here on text is buffered
         self._request = msgspec.structs.replace(req, references=[])  # the clips are encoded
         self._output = output
+        self._timestamps = req.timestamps
+        self._voice = (repr(req.reference_id[:64]) if req.reference_id is not None else
+                       f"inline ({len(req.references)} clips)" if req.references else "default")
         self._default_ctx = req.context_id if req.context_id is not None else event.context_id
         svc, eng = self.settings.service, self.settings.engine
         self.turns = Turns(
@@ -554,6 +568,10 @@ class Session:
     def cancel_running(self) -> None:
         if self._seq is not None:
             self.rt.engine.cancel(self._seq)  # stops before its next decode step
+
+    def ended(self, seg: Segment) -> None:
+        if self._timestamps:
+            self._queue_job(_Job(_ENDED, seg.utterance, None, seg))
 
     def finish(self, utt: Utterance) -> None:
         self._queue_job(_Job(_FINISH, utt))
@@ -601,8 +619,11 @@ class Session:
             seq = self._seq
             if seq is not None and seq.slot_at:
                 self.rt.metrics.observe_slot_wait(max(0.0, seq.slot_at - seq.created_at))
-            self._put(Out(event=self._ready_event(prefill_s)))
+            ready = self._ready_event(prefill_s)
+            self._put(Out(event=ready))
             self._ready_sent = True
+            log.info("session %s ready: voice %s, %s at %d Hz, prefill %.1f ms", self.id,
+                     self._voice, ready.format, ready.sample_rate, ready.prefill_ms)
             self._outbox.release()  # ``done`` events of cancels during the prefill
             assert self.turns is not None
             self.turns.accepting = True
@@ -701,6 +722,13 @@ class Session:
                     continue
                 output = output or self._output
                 assert output is not None
+                if job.kind == _ENDED:  # all of the segment's audio is in the encoder
+                    seg = job.segment
+                    assert seg is not None
+                    if seg.has_audio:
+                        seg.end_s = utt.encoded_s
+                        self._put(Out(utterance=utt, segment=seg))
+                    continue
                 if utt.encoder is None and (job.kind == _AUDIO or utt.samples_in):
                     utt.encoder = await loop.run_in_executor(pool, encoder_for, output)
                 encoder: AudioEncoder | None = utt.encoder  # type: ignore[assignment]
@@ -716,11 +744,16 @@ class Session:
                     continue
                 # Audio an encoder holds back (resampler/codec delay) is accounted to the chunk
                 # that finally carries it, so the durations of a turn's chunks add up.
-                utt.carry_s += job.pcm.shape[0] / self.sample_rate if job.pcm is not None else 0.0
+                seconds = job.pcm.shape[0] / self.sample_rate if job.pcm is not None else 0.0
+                utt.carry_s += seconds
                 seg = job.segment
                 if seg is not None and not seg.has_audio:
                     seg.has_audio = True
+                    seg.start_s = utt.encoded_s
                     utt.awaiting_audio.append(seg)
+                    if self._timestamps:  # before the chunk that carries its first audio
+                        self._put(Out(utterance=utt, segment=seg))
+                utt.encoded_s += seconds
                 if data:
                     first_of = tuple(utt.awaiting_audio)
                     utt.awaiting_audio.clear()
@@ -762,15 +795,19 @@ class Session:
                 return
             event = item.event
             utt = item.utterance
-            if utt is not None and item.is_done:
+            if utt is not None and item.segment is not None:
+                event = self._segment_event(utt, item.segment)
+            elif utt is not None and item.is_done:
                 event = utt.done_event(self.sample_rate)
+                self._turns_done += 1
+                self._audio_sent_s += utt.sent_s
                 metrics.turn_done(event.reason)
                 if not utt.cancelled:
                     metrics.audio_seconds_total += event.audio_s
                 turn = f"{self.id}/t{utt.index}"
-                log.info("turn %s done: %s, ttfa %s ms, %.3f s of audio, %d frames, %d segments",
-                         turn, event.reason, event.ttfa_ms, event.audio_s, event.frames,
-                         event.segments, extra={"turn": turn})
+                log.info("turn %s done: %s, voice %s, ttfa %s ms, %.3f s of audio, %d frames, "
+                         "%d segments", turn, event.reason, self._voice, event.ttfa_ms,
+                         event.audio_s, event.frames, event.segments, extra={"turn": turn})
             elif utt is not None:
                 ctx = utt.context
                 duration = item.duration_s
@@ -803,6 +840,21 @@ class Session:
                                  "reading)", "send_timeout_s") from None
             except (OSError, RuntimeError, WebSocketDisconnect):
                 raise ClientGone() from None
+
+
+    @staticmethod
+    def _segment_event(utt: Utterance, seg: Segment) -> Any:
+        """The segment's ``segment`` event at send time: its audio's place on the context's
+        timeline is where the utterance's audio began there plus its place in the utterance."""
+        ctx = utt.context
+        base = ctx.sent_s - utt.sent_s
+        final = seg.index >= 0
+        if not final:
+            seg.index = ctx.next_segment
+            ctx.next_segment += 1
+        return segment_event(
+            context_id=ctx.id, index=seg.index, text=seg.text, char_start=seg.char_start,
+            start_s=base + seg.start_s, end_s=base + seg.end_s if final else None)
 
 
 _DROP_CAUSES: Final = {"idle_timeout_s": "idle", "start_timeout_s": "no_start",

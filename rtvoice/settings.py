@@ -95,7 +95,8 @@ class ModelSettings:
 
     model: str = option("tiny", "'tiny' (built-in, random weights), 's2-pro' (random weights "
                         "at real size), an S2-Pro checkpoint directory, or a Hub model id "
-                        "(org/name[@revision]) in the local Hub cache")
+                        "(org/name[@revision]: fetched into the Hub cache, or from it when "
+                        "HF_HUB_OFFLINE=1; token: HF_TOKEN)")
     device: str = option("cpu", "cpu, cuda, cuda:1, ...")
     dtype: str | None = option(None, "bf16, fp16 or fp32 (default: fp32 on CPU, bf16 "
                                "otherwise)", choices=DTYPE_NAMES)
@@ -190,8 +191,11 @@ class VoiceSettings:
     """The persistent voice store."""
 
     data_dir: Path = option(default_factory=_default_data_dir,
-                            help="directory of the voice store (created if missing); default "
-                            "$XDG_DATA_HOME/rtvoice, else ~/.local/share/rtvoice")
+                            help="directory of the voice store (voices.sqlite; created if "
+                            "missing); default $XDG_DATA_HOME/rtvoice, else "
+                            "~/.local/share/rtvoice: one store shared by every install and "
+                            "server of the user; set it to keep one apart (the server logs the "
+                            "one it uses at start)")
     max_voices: int = option(1000, "voices the store may hold", ge=1)
     max_upload_bytes: int = option(16 * 1024 * 1024, "largest voice upload (bytes)", ge=1)
 

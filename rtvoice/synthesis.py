@@ -217,6 +217,9 @@ class Synthesis:
         if self._seq is not None:
             self.rt.engine.cancel(self._seq)
 
+    def ended(self, seg: Segment) -> None:  # no timestamps in a REST response
+        pass
+
     def finish(self, utt: Utterance) -> None:
         self._events.put_nowait((_FINISH, utt))
 

@@ -30,7 +30,7 @@ from typing import Protocol
 from engine.errors import TurnError
 from engine.request import FinishReason, TurnResult
 from protocol import Done, Error, ErrorCode, ProtocolError
-from rtvoice.segmenter import Segmenter, estimate_speech_seconds
+from rtvoice.segmenter import Cut, Segmenter, estimate_speech_seconds
 from rtvoice.settings import LimitSettings
 
 __all__ = ["Context", "Segment", "TurnPort", "Turns", "Utterance", "frame_budget",
@@ -67,6 +67,7 @@ class Context:
     unspoken_chars: int = 0  # buffered + queued segment text (bounded by max_text_chars)
     next_seq: int = 0  # audio event sequence number (assigned at send time: no gaps)
     sent_s: float = 0.0  # audio seconds sent in this context (offset of the next chunk)
+    next_segment: int = 0  # index of its next ``segment`` event
 
     @property
     def live(self) -> bool:
@@ -89,6 +90,7 @@ class Utterance:
     frames: int = 0
     gen_s: float = 0.0  # generation wall time of its segments (for rtf)
     samples_in: int = 0  # model-rate samples handed to the encoder
+    encoded_s: float = 0.0  # audio seconds that went into its encoder (encode worker)
     carry_s: float = 0.0  # audio encoded but not yet in a chunk (encoder delay)
     sent_s: float = 0.0  # audio seconds sent
     reasons: set[str] = field(default_factory=set)
@@ -135,6 +137,11 @@ class Segment:
     # session's previous segment had ended: ready to generate
     submitted_at: float = 0.0
     has_audio: bool = False  # its first audio went to the encoder (encode worker)
+    char_start: int = 0  # [char_start, char_end) in its utterance's text
+    char_end: int = 0
+    index: int = -1  # its ``segment`` event's index in the context (-1: none sent)
+    start_s: float = 0.0  # where its audio starts within its utterance's audio
+    end_s: float = 0.0  # ... and ends (known when the engine ended it)
 
 
 class TurnPort(Protocol):
@@ -145,6 +152,10 @@ class TurnPort(Protocol):
 
     def cancel_running(self) -> None:
         """Stop the engine's running segment (its end arrives as `Turns.segment_ended`)."""
+
+    def ended(self, seg: Segment) -> None:
+        """The engine ended the segment (not cancelled): all of its audio is in. Comes before
+        its utterance's `finish`."""
 
     def finish(self, utt: Utterance) -> None:
         """All of the utterance's audio is in: flush its encoder, then say ``done``."""
@@ -259,8 +270,8 @@ class Turns:
             self.open_utterances.add(utt)
         utt.text_chars += len(text)
         before = ctx.segmenter.buffered
-        segments = ctx.segmenter.push(text)
-        ctx.unspoken_chars += ctx.segmenter.buffered - before + sum(len(s) for s in segments)
+        segments = ctx.segmenter.push_cuts(text)
+        ctx.unspoken_chars += ctx.segmenter.buffered - before + sum(len(c.text) for c in segments)
         self._queue(utt, segments)
 
     def flush(self, context_id: str | None) -> None:
@@ -352,6 +363,7 @@ class Turns:
         if utt.cancelled:
             self._finish_cancelled(utt)
         else:
+            self.port.ended(seg)
             self._maybe_finish(utt)
         self.pump()
         return seg
@@ -384,12 +396,12 @@ class Turns:
         self._evict_idle()
 
     # ------------------------------------------------------------------------- internals
-    def _queue(self, utt: Utterance, segments: list[str]) -> None:
+    def _queue(self, utt: Utterance, segments: list[Cut]) -> None:
         if not segments:
             return
-        for text in segments:
+        for text, start, end in segments:
             budget = frame_budget(text, frame_rate=self.frame_rate, **self.budget)  # type: ignore[arg-type]
-            self.fifo.append(Segment(utt, text, budget))
+            self.fifo.append(Segment(utt, text, budget, char_start=start, char_end=end))
             utt.segments_total += 1
         self.pump()
 
@@ -397,8 +409,8 @@ class Turns:
         utt = ctx.open
         assert utt is not None
         before = ctx.segmenter.buffered
-        segments = ctx.segmenter.flush()
-        ctx.unspoken_chars += sum(len(s) for s in segments) - before
+        segments = ctx.segmenter.flush_cuts()
+        ctx.unspoken_chars += sum(len(c.text) for c in segments) - before
         self._queue(utt, segments)
         utt.flushed = True
         ctx.open = None

@@ -3,7 +3,7 @@
     python scripts/gpu_bench.py [--out DIR] [--batches 1,4,16,64] [--frames 40]
 
 1. correctness on the device: the reference fixtures' greedy frames (float32, TF32 off), when
-   a fixture set is found (RTVOICE_FIXTURES or .fixtures/fish_s2_tiny);
+   a fixture set is found (RTVOICE_FIXTURES or tests/fixtures/fish_s2_tiny);
 2. s2-pro, bf16, dummy weights: prefill time, a short greedy generation at batch 1 with the
    per-frame time, and the eager decode step time at several batch sizes;
 3. the s2-pro codec (dummy weights): offline decode speed and a batched streaming tick.
@@ -29,7 +29,7 @@ def _sync() -> None:
 
 
 def fixture_check(report: dict, device: str) -> None:
-    root = Path(os.environ.get("RTVOICE_FIXTURES", ".fixtures/fish_s2_tiny"))
+    root = Path(os.environ.get("RTVOICE_FIXTURES", "tests/fixtures/fish_s2_tiny"))
     if not (root / "config.json").is_file():
         report["fixtures"] = f"skipped: no fixture set at {root}"
         return

@@ -158,7 +158,7 @@ def test_progress_bar_plain_log(capsys: pytest.CaptureFixture[str]) -> None:
 # ============================================================================ against a server
 
 LEVEL_FIGURES = {
-    "client_ttfa_ms": ("p50", "p90", "p99", "max"),
+    "first_audio_after_first_text_ms": ("p50", "p90", "p99", "max"),
     "server_ttfa_ms": ("p50", "p90", "p99", "max"),
     "decode_tps": ("p50", "mean"),
     "rtf": ("p50", "p90", "max"),
@@ -208,8 +208,11 @@ def test_bench_json_has_every_figure(bench_run: dict[str, Path]) -> None:
         for key, qs in LEVEL_FIGURES.items():
             for q in qs:
                 assert isinstance(lv[key][q], float) and lv[key][q] >= 0, (c, key, q)
+        # client TTFA counts the turns whose audio came after their flush; the others are
+        # counted apart (never as 0 ms)
+        assert lv["client_ttfa_ms"]["n"] + t["audio_before_flush"] == 2 * c
+        assert lv["client_ttfa_ms"]["n"] == 0 or lv["client_ttfa_ms"]["min"] >= 0
         assert lv["aggregate_fps"] > 0 and lv["frames"] > 0 and lv["audio_s"] > 0
-        assert lv["client_ttfa_ms"]["n"] == 2 * c
         u = lv["underruns"]
         assert u["jitter_buffer_ms"] == 100 and len(u["per_stream"]) == c
         assert u["total"] == sum(u["per_stream"])
@@ -221,7 +224,13 @@ def test_bench_json_has_every_figure(bench_run: dict[str, Path]) -> None:
         assert {r["session"] for r in recs} == set(range(c))
         for r in recs:
             assert r["segments"] >= 1 and r["frames"] <= 10 * r["segments"]
-            assert r["chunks"] and r["client_ttfa_ms"] is not None
+            assert r["chunks"] and r["first_audio_after_first_text_ms"] > 0
+            assert (r["client_ttfa_ms"] is None) == r["audio_before_flush"]
+            if r["audio_before_flush"]:
+                assert r["first_audio_s"] < r["flush_s"]
+            else:
+                assert r["client_ttfa_ms"] == pytest.approx(
+                    1000 * (r["first_audio_s"] - r["flush_s"]), abs=1e-6)
             play = stats.simulate_playback([tuple(x) for x in r["chunks"]], 0.1)
             assert play.underruns == r["underruns"]
         assert u["total"] == sum(r["underruns"] for r in recs)
@@ -313,3 +322,50 @@ def test_engine_sweep_reports_one_row_per_level(tiny_bundle):
     row, = sweep(tiny_bundle, [2], 6, ref_frames=40, config=dict(max_len=512))
     assert row["frames"] == 12 and row["voice_prompt_frames"] == 40
     assert row["prompt_positions"] >= rows[1]["prompt_positions"] + 40
+
+
+_NO_MATPLOTLIB = """
+import sys
+sys.modules["matplotlib"] = None  # as if it were not installed: `import matplotlib` fails
+from bench_latency.cli import main
+raise SystemExit(main(sys.argv[1:]))
+"""
+
+
+def test_bench_without_matplotlib_warns_first_and_keeps_its_exit_codes(tmp_path: Path) -> None:
+    """--plot without matplotlib: a warning before the sweep, the JSON written, a hint
+    instead of the plot, and exit 0 (1 stays for a failed gate only)."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("torch")
+    root = Path(__file__).resolve().parents[1]
+    f, png, base = tmp_path / "r.json", tmp_path / "r.png", tmp_path / "base.json"
+
+    def bench(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-c", _NO_MATPLOTLIB, *argv], cwd=root,
+                              capture_output=True, text=True, timeout=600)
+
+    p = bench("--in-process", "--concurrency", "1", "--turns", "1", "--warmup-turns", "0",
+              "--max-frames", "2", "--tokens-per-s", "0", "--json", str(f), "--plot", str(png),
+              "--save-baseline", str(base))
+    assert p.returncode == 0, p.stderr
+    err = p.stderr
+    assert "--plot needs matplotlib" in err and "pip install matplotlib" in err
+    assert err.index("--plot needs matplotlib") < err.index("c=1")  # warned before the sweep
+    assert "no plot written" in err and f"--from-json {f}" in err
+    assert json.loads(f.read_text())["levels"][0]["turns"]["ok"] == 1 and not png.exists()
+    # A failed gate is still exit 1, a passed one 0, with or without matplotlib.
+    faster = json.loads(base.read_text())
+    faster["decode_tps"] = {k: v * 10 for k, v in faster["decode_tps"].items()}
+    fast = tmp_path / "fast.json"
+    fast.write_text(json.dumps(faster))
+    again = ("--from-json", str(f), "--plot", str(png), "--quiet")
+    assert bench(*again, "--baseline", str(fast)).returncode == 1
+    assert bench(*again, "--baseline", str(base)).returncode == 0
+
+
+def test_bench_refuses_an_output_folder_that_does_not_exist(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--in-process", "--json", str(tmp_path / "nope" / "r.json")])
+    assert e.value.code == 2

@@ -66,6 +66,23 @@ def test_llm_tokens_round_trip() -> None:
     assert len(llm_tokens("你好世界")) == 4
 
 
+def test_client_ttfa_is_measured_from_the_flush_and_never_clamped() -> None:
+    """Audio after the flush: client TTFA = flush -> first audio. Audio before the flush (the
+    server speaks a sentence as soon as it ends): no client TTFA (not 0 ms), flagged, and the
+    first-text -> first-audio figure still given."""
+    def result(first_text: float, flush: float, first_audio: float):
+        turn = client_mod.Turn(None, None)  # type: ignore[arg-type]
+        turn.first_text_at, turn.flush_at, turn.first_audio_at = first_text, flush, first_audio
+        return turn._finish(first_audio + 1.0)
+
+    after = result(1.0, 2.0, 2.25)
+    assert after.client_ttfa_ms == pytest.approx(250.0) and not after.audio_before_flush
+    assert after.first_audio_after_first_text_ms == pytest.approx(1250.0)
+    early = result(1.0, 2.0, 1.5)
+    assert early.client_ttfa_ms is None and early.audio_before_flush
+    assert early.first_audio_after_first_text_ms == pytest.approx(500.0)
+
+
 async def test_paced_keeps_its_rate() -> None:
     t0 = time.perf_counter()
     got = [t async for t in paced(["a"] * 6, tokens_per_s=50)]
@@ -144,7 +161,10 @@ async def test_incremental_text_two_turns_one_socket(server_url: str) -> None:
             assert res.reason in ("eos", "length")
             assert 0 < res.frames <= MAX_FRAMES
             assert res.text_chars == len(text) and res.chunks == len(chunks)
-            assert res.client_ttfa_ms is not None and res.client_ttfa_ms >= 0
+            assert (res.client_ttfa_ms is None) == res.audio_before_flush
+            assert res.client_ttfa_ms is None or res.client_ttfa_ms >= 0
+            assert res.first_audio_after_first_text_ms is not None
+            assert res.first_audio_after_first_text_ms > 0
             assert res.server_ttfa_ms is not None and res.server_ttfa_ms >= 0
             assert res.audio_s == pytest.approx(sum(c.duration_s for c in chunks), abs=0.03)
             assert res.rtf is not None and res.decode_tps and res.decode_tps > 0

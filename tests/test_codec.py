@@ -9,17 +9,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from _paths import fixture_set
+from _paths import fixture_set, require_fixtures
 from safetensors.torch import load_file, save_file
 
 from engine.codec import Codec, CodecConfig, dummy_codec, load_codec, resample_to_codec_rate
 from engine.codec.reference_checks import codec_checks, deterministic
 
 FIXTURE = fixture_set()
-needs_fixture = pytest.mark.skipif(
-    not (FIXTURE / "codec_cases.safetensors").is_file(),
-    reason=f"codec fixtures not found at {FIXTURE} (set RTVOICE_FIXTURES)",
-)
+# conftest's fixture_dir: skips without the fixture set, fails under CI
+needs_fixture = pytest.mark.usefixtures("fixture_dir")
 
 CHECK_NAMES = [
     "decode.quantizer_latent",
@@ -43,9 +41,7 @@ def _random_codes(frames: int, batch: int = 1, seed: int = 0) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def fixture_codec() -> Codec:
-    if not (FIXTURE / "codec.safetensors").is_file():
-        pytest.skip(f"codec fixtures not found at {FIXTURE}")
-    return load_codec(FIXTURE)
+    return load_codec(require_fixtures(FIXTURE))
 
 
 @pytest.fixture(scope="module")
@@ -285,9 +281,7 @@ def test_config_from_file_equals_tiny_preset() -> None:
 
 
 def _tiny_dict() -> dict:
-    if (FIXTURE / "codec_config.json").is_file():
-        return json.loads((FIXTURE / "codec_config.json").read_text())
-    pytest.skip("fixture config absent")
+    return json.loads((require_fixtures(FIXTURE) / "codec_config.json").read_text())
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,7 @@ import random
 
 import pytest
 import torch
-from _paths import fixture_set
+from _paths import require_fixtures
 
 from engine.codec import (
     STREAM_ATOL,
@@ -30,10 +30,7 @@ def _codes(frames: int, seed: int, overflow: bool = False) -> torch.Tensor:
 @pytest.fixture(scope="module", params=["dummy", "fixture"])
 def codec(request: pytest.FixtureRequest) -> Codec:
     if request.param == "fixture":
-        d = fixture_set()
-        if not (d / "codec.safetensors").is_file():
-            pytest.skip(f"codec fixtures not found at {d} (set RTVOICE_FIXTURES)")
-        return load_codec(d)
+        return load_codec(require_fixtures())
     return dummy_codec(CodecConfig.preset("tiny"), seed=0)
 
 

@@ -310,14 +310,11 @@ def test_fused_sampler_and_packed_ffn_match_reference():
 def test_reference_fixtures_with_fused_ops_on_gpu():
     """The correctness gate for speed-ups: fused ops on the GPU still reproduce the reference
     fixtures (greedy frames exact, logits within tolerance)."""
-    import os
-    from pathlib import Path
+    from _paths import require_fixtures
 
     from engine import verify_reference
 
-    root = Path(os.environ.get("RTVOICE_FIXTURES", ".fixtures/fish_s2_tiny"))
-    if not (root / "config.json").is_file():
-        pytest.skip("no fixture set")
+    root = require_fixtures()
     torch.backends.cuda.matmul.allow_tf32 = False
     ops = build_ops("cuda", fused="compile")
     checks = list(verify_reference.model_checks(root, device="cuda", ops=ops))

@@ -35,7 +35,7 @@ from hypothesis import strategies as st
 from websockets.exceptions import ConnectionClosed, InvalidMessage
 from websockets.sync.client import connect
 
-from protocol import Audio, Done, Error, ErrorCode, Finish, Ready, decode_server
+from protocol import Audio, Done, Error, ErrorCode, Finish, Ready, Segment, decode_server
 from rtvoice.testing import running_server
 
 pytestmark = pytest.mark.timeout(900)
@@ -351,6 +351,9 @@ def _check(raw: bytes | str, stats: FuzzStats) -> Any:
     elif isinstance(event, Audio):
         stats.audio_events += 1
         assert event.audio and event.duration_s >= 0
+    elif isinstance(event, Segment):  # timestamps: ranges that make sense whatever was sent
+        assert 0 <= event.char_start <= event.char_end and event.start >= 0, event
+        assert event.end is None or event.end >= event.start, event
     else:
         assert isinstance(event, Ready | Done | Finish), event
     return event

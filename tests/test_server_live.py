@@ -522,9 +522,9 @@ async def test_ready_reports_a_stalled_device(server):
     turns /ready into 503 with a reason naming it, and shows on /metrics."""
     import time as _time
 
-    from rtvoice.app import _runtime
+    from rtvoice.http import runtime_of
 
-    engine = _runtime(server.app).engine
+    engine = runtime_of(server.app).engine
     async with httpx.AsyncClient(base_url=server, timeout=30) as http:
         engine.decode_worker.waiting_since = _time.perf_counter() - (engine.cfg.stall_s + 5)
         try:
@@ -725,3 +725,30 @@ def test_shutdown_tells_live_sessions():
     err = next(e for e in events if isinstance(e, Error))
     assert err.code == "shutting_down" and err.fatal
     assert events[-1].reason == "error" and codes == [1001]
+
+
+def test_one_info_line_per_session_and_per_turn(caplog):
+    """At the default log level, each session says when it is ready and how it ended, and
+    each turn how it ended: ids, voice, TTFA, audio seconds, reason."""
+    import logging
+
+    async def run(url: Any) -> None:
+        c = await Client.connect(url.ws_url)
+        await c.send(Start(request=request(max_new_tokens=4)))
+        assert isinstance(await c.recv(), Ready)
+        await c.send(Text(text="Log me."))
+        await c.send(Flush())
+        await c.send(Stop())
+        await c.until(is_finish)
+
+    caplog.set_level(logging.INFO, logger="rtvoice.session")
+    with running_server(max_turn_frames=4) as url:
+        asyncio.run(run(url))
+    lines = [r.getMessage() for r in caplog.records if r.name == "rtvoice.session"]
+    ready = [line for line in lines if " ready: " in line]
+    turns = [line for line in lines if line.startswith("turn ")]
+    ended = [line for line in lines if " ended (" in line]
+    assert len(ready) == len(turns) == len(ended) == 1, lines
+    assert "voice default" in ready[0] and "prefill" in ready[0]
+    assert "done: length, voice default, ttfa " in turns[0] and "s of audio" in turns[0]
+    assert "ended (stop): voice default, 1 turns" in ended[0]

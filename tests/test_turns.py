@@ -24,6 +24,9 @@ class Port:
     def cancel_running(self) -> None:
         self.log.append(("cancel", None))
 
+    def ended(self, seg: Segment) -> None:
+        self.log.append(("ended", seg.text))
+
     def finish(self, utt: Utterance) -> None:
         self.log.append(("finish", utt.index))
 
@@ -40,7 +43,8 @@ class Port:
         self.log.append(("report", error))
 
     def kinds(self) -> list[str]:
-        return [k for k, _ in self.log]
+        """What was asked, but the (informational) ends of segments."""
+        return [k for k, _ in self.log if k != "ended"]
 
 
 def make(**limits: object) -> tuple[Turns, Port]:
@@ -83,6 +87,29 @@ def test_segments_wait_for_the_voice_then_go_one_at_a_time():
     turns.utterance_finished(utt)
     assert turns.drained and not turns.busy
     assert utt.done_event(44100).reason == "length" and utt.done_event(44100).segments == 3
+
+
+def test_segments_know_their_place_in_the_turns_text_and_end_before_the_turn():
+    turns, port = make()
+    turns.accepting = True
+    pushed = ["  Hello", " there.\n", "How are", " you?  Fine, ", "thanks "]
+    for piece in pushed:
+        turns.text(None, piece)
+    turns.flush(None)
+    text = "".join(pushed)
+    segs = []
+    while turns.running is not None:
+        segs.append(turns.running)
+        end(turns)
+    assert [s.text for s in segs] == ["Hello there.", "How are you?", "Fine, thanks"]
+    assert all(text[s.char_start:s.char_end] == s.text for s in segs)
+    # every segment's end is reported, the last one before its turn's finish
+    assert [k for k, _ in port.log][-2:] == ["ended", "finish"]
+    assert [v for k, v in port.log if k == "ended"] == [s.text for s in segs]
+    # the next turn's ranges count from its own first character
+    turns.text(None, "Again.")
+    turns.flush(None)
+    assert (turns.running.char_start, turns.running.char_end) == (0, 6)
 
 
 def test_a_segment_refused_for_the_clients_reason_reports_and_goes_on():

@@ -14,7 +14,7 @@ from pathlib import Path
 # Run from a checkout without installing: make the repository root importable.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from clients import connect, llm_tokens, paced, write_wav
+from clients import TurnResult, connect, llm_tokens, paced, write_wav
 
 
 async def speak(url: str, text: str, out: Path, voice: str | None) -> None:
@@ -28,8 +28,22 @@ async def speak(url: str, text: str, out: Path, voice: str | None) -> None:
         result = await turn
         await session.stop()
     write_wav(out, bytes(pcm), ready.sample_rate)
-    print(f"{out}: {result.audio_s:.2f} s of audio, reason {result.reason}, "
-          f"TTFA {result.client_ttfa_ms:.0f} ms (client) / {result.server_ttfa_ms:.0f} ms (server)")
+    print(f"{out}: {result.audio_s:.2f} s of audio, reason {result.reason}, {ttfa_text(result)}")
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0f} ms"
+
+
+def ttfa_text(result: TurnResult) -> str:
+    """Client TTFA is flush sent -> first audio; audio that beat the flush (the server speaks
+    each sentence as soon as it ends) is reported as such, timed from the first text sent."""
+    if result.audio_before_flush:
+        client = (f"audio before flush, {_ms(result.first_audio_after_first_text_ms)} after the "
+                  "first text")
+    else:
+        client = f"{_ms(result.client_ttfa_ms)} after flush"
+    return f"TTFA client {client} / server {_ms(result.server_ttfa_ms)}"
 
 
 def main() -> None:

@@ -1,5 +1,5 @@
 """Checks of this codec against the reference outputs in a fixture set's
-``codec_cases.safetensors`` (see shared/fixtures/fish_s2_tiny/README.md section 5).
+``codec_cases.safetensors`` (see tests/fixtures/fish_s2_tiny/README.md section 5).
 
 ``codec_checks(fixture_dir)`` yields ``(name, ok, detail)`` for every case; ``detail`` states the
 max abs difference and the tolerance. Runs single-threaded with TF32 off (restored afterwards)
@@ -41,12 +41,12 @@ ENCODER_ATOL = 1e-4
 
 
 def default_fixture_dir() -> Path:
-    """``$RTVOICE_FIXTURES`` or ``<repo>/../shared/fixtures/fish_s2_tiny``."""
+    """``$RTVOICE_FIXTURES`` or ``<repo>/tests/fixtures/fish_s2_tiny`` (shipped)."""
     env = os.environ.get("RTVOICE_FIXTURES")
     if env:
         p = Path(env)
         return p / "fish_s2_tiny" if (p / "fish_s2_tiny").is_dir() else p
-    return Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "fish_s2_tiny"
+    return Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "fish_s2_tiny"
 
 
 @contextmanager
