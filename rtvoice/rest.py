@@ -32,9 +32,6 @@ __all__ = ["fish_tts", "openai_models", "openai_speech"]
 
 log = logging.getLogger(__name__)
 
-# OpenAI's voice names: they mean "the model's default voice" unless a stored voice has the name
-OPENAI_VOICES: Final = frozenset({"alloy", "ash", "ballad", "cedar", "coral", "echo", "fable",
-                                  "marin", "nova", "onyx", "sage", "shimmer", "verse"})
 # OpenAI's response formats -> ours; "pcm" is OpenAI's raw 24 kHz s16le; flac is encoded whole
 _OPENAI_FORMATS: Final = {"mp3": ("mp3", None), "opus": ("opus", None), "wav": ("wav", None),
                           "pcm": ("pcm", 24000), "flac": ("pcm", None)}
@@ -105,7 +102,7 @@ async def openai_speech(request: Request, rt: Runtime) -> Response:
             raise ProtocolError(ErrorCode.INVALID_FIELD, "stream_format must be 'audio' or 'sse'")
         ours, rate = _OPENAI_FORMATS[fmt]
         req = TTSRequest(text=text, format=ours, sample_rate=rate,
-                         reference_id=await _voice_id(rt, voice))
+                         reference_id=voice)
         output = _output(rt, ours, rate, req)
     except ProtocolError as exc:
         return _refuse(rt, exc, openai=True)
@@ -124,18 +121,6 @@ async def openai_models(request: Request, rt: Runtime) -> Response:
     created = int(getattr(request.app.state, "started_at", 0))
     return JSONResponse({"object": "list", "data": [
         {"id": rt.bundle.name, "object": "model", "created": created, "owned_by": "rtvoice"}]})
-
-
-async def _voice_id(rt: Runtime, voice: str) -> str | None:
-    """OpenAI's ``voice``: a stored voice's id or name; OpenAI's own names fall back to the
-    model's default voice (None) unless a stored voice has the name."""
-    info = await asyncio.to_thread(rt.store.find, voice)
-    if info is not None:
-        return info.id
-    if voice.lower() in OPENAI_VOICES:
-        return None
-    raise ProtocolError(ErrorCode.UNKNOWN_VOICE, f"no stored voice has the id or name {voice!r} "
-                        "(GET /v1/voices lists them; OpenAI's voice names use the default voice)")
 
 
 def _field(data: Mapping[str, Any], name: str, kind: type | tuple[type, ...], *,

@@ -11,7 +11,7 @@ import logging
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Final, Protocol
 
 import numpy as np
 import torch
@@ -34,7 +34,16 @@ from rtvoice.settings import Settings
 from rtvoice.turns import segment_chars
 from rtvoice.voices import UnknownVoice, VoiceLimitError, VoiceStore, VoiceStoreConfig
 
-__all__ = ["LiveSession", "Runtime", "known_error"]
+__all__ = ["DEFAULT_VOICE_ALIASES", "LiveSession", "Runtime", "known_error"]
+
+# Voice ids and names that mean "the model's default voice" unless a stored voice has them:
+# the defaults of stock clients written for Fish's cloud (so they work with only the URL
+# changed) and OpenAI's built-in voice names (POST /v1/audio/speech).
+DEFAULT_VOICE_ALIASES: Final = frozenset({
+    "933563129e564b19a115bedd57b7406a",  # livekit-plugins-fishaudio's DEFAULT_VOICE_ID
+    "alloy", "ash", "ballad", "cedar", "coral", "echo", "fable", "marin", "nova", "onyx",
+    "sage", "shimmer", "verse",  # OpenAI's voices
+})
 
 log = logging.getLogger(__name__)
 
@@ -203,12 +212,14 @@ class Runtime:
             raise ProtocolError(ErrorCode.BAD_REQUEST, str(exc), event="start") from None
 
     async def voice(self, req: TTSRequest) -> list[Reference]:
-        """A request's voice: a stored voice (``reference_id`` wins) or its inline clips,
-        encoded to codes in the codec pool (up to reference_workers at once)."""
-        if req.reference_id is not None:
+        """A request's voice: a stored voice (``reference_id``, an id or a name, wins) or its
+        inline clips, encoded to codes in the codec pool (up to reference_workers at once);
+        no clips (or a default-voice alias) is the model's default voice."""
+        voice_id = None if req.reference_id is None else await self.voice_id(req.reference_id)
+        if voice_id is not None:
             try:
-                voice = await asyncio.to_thread(self.store.get, req.reference_id)
-            except UnknownVoice:
+                voice = await asyncio.to_thread(self.store.get, voice_id)
+            except UnknownVoice:  # deleted since
                 raise ProtocolError(
                     ErrorCode.UNKNOWN_VOICE, f"no stored voice with id {req.reference_id!r}"
                 ) from None
@@ -235,6 +246,19 @@ class Runtime:
             await asyncio.gather(*jobs, return_exceptions=True)
             raise
         return [reference for reference, _, _ in done]
+
+    async def voice_id(self, id_or_name: str) -> str | None:
+        """The stored voice a request names (its id, else the newest voice with that name);
+        None for the model's default voice (`DEFAULT_VOICE_ALIASES`, unless a stored voice
+        has the id or name). `ProtocolError(unknown_voice)` otherwise."""
+        info = await asyncio.to_thread(self.store.find, id_or_name)
+        if info is not None:
+            return info.id
+        if id_or_name.lower() in DEFAULT_VOICE_ALIASES:
+            log.info("voice %r is an alias of the model's default voice", id_or_name[:64])
+            return None
+        raise ProtocolError(ErrorCode.UNKNOWN_VOICE, f"no stored voice has the id or name "
+                            f"{id_or_name[:128]!r} (GET /v1/voices lists them)")
 
     def voice_room(self, references: Iterable[Reference]) -> int:
         """Characters per segment this voice leaves room for in the engine's context;

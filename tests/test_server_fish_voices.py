@@ -114,6 +114,35 @@ def test_fish_sdk_unknown_voice_raises_cleanly(server):
     check_duration("pcm", stream(server, ["Still fine."], format="pcm"), FRAMES)
 
 
+def test_a_voice_by_name_and_the_stock_clients_default_voice_ids(server, voice_id):
+    """A stored voice may be named by its name too; the default voice id of a stock client
+    written for Fish's cloud (LiveKit's plugin) and OpenAI's names mean the default voice."""
+    import asyncio
+
+    from _live import Client, is_finish, request
+
+    from protocol import Audio, Flush, Ready, Start, Stop, Text
+
+    async def pcm(reference_id: str | None) -> bytes:
+        c = await Client.connect(server.ws_url)
+        await c.send(Start(request=request(max_new_tokens=FRAMES, top_p=0.0, seed=4,
+                                           reference_id=reference_id)))
+        assert isinstance(await c.recv(), Ready)
+        await c.send(Text(text="Which voice is this?"))
+        await c.send(Flush())
+        await c.send(Stop())
+        return b"".join(e.audio for e in await c.until(is_finish) if isinstance(e, Audio))
+
+    async def run() -> None:
+        default = await pcm(None)
+        assert await pcm("933563129e564b19a115bedd57b7406a") == default  # LiveKit's default
+        assert await pcm("alloy") == default
+        stored = await pcm(voice_id)
+        assert await pcm("test voice") == stored != default
+
+    asyncio.run(run())
+
+
 def test_voices_rest_api(server, voice_id):
     r = httpx.get(f"{server}/v1/voices/{voice_id}")
     assert r.status_code == 200
