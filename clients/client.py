@@ -420,7 +420,7 @@ class Turn:
         # The turn's reason is its last segment's, except that a cancel or an error anywhere
         # is what the caller needs to know about.
         reason = ("error" if "error" in reasons else "cancelled" if "cancelled" in reasons
-                  else reasons[-1] if reasons else "error")
+                  else reasons[-1] if reasons else "eos")  # eos: nothing to say, said
         gen = [d.rtf * d.audio_s for d in evs if d.rtf is not None and d.audio_s > 0]
         audio_s = sum(d.audio_s for d in evs)
         ttfa = since_text = None
@@ -620,9 +620,9 @@ class Session:
         turn.flush_at = time.perf_counter()
         # From now on this turn only waits for its done: text sent next is the next turn.
         del self._open[key]
-        if not turn.text_events:
-            # The server has no turn for a context that got no text: a flush there is a
-            # no-op that answers nothing, so this empty turn ends here.
+        if not turn.text:
+            # The server opens no turn for a context that got no text or only blank text: a
+            # flush there is a no-op that answers nothing, so this empty turn ends here.
             turn._finish(turn.flush_at)
             return turn
         self._pending.setdefault(key, deque()).append(turn)
@@ -667,7 +667,7 @@ class Session:
         for ctx in list(self._open):
             turn = self._open.pop(ctx)
             turn.flush_at = time.perf_counter()
-            if turn.text_events:
+            if turn.text:
                 # The server flushes on stop; account for that here so the turn completes.
                 self._pending.setdefault(ctx, deque()).append(turn)
             else:

@@ -226,6 +226,7 @@ class Limits(msgspec.Struct, kw_only=True, gc=False):
     max_sessions_per_key: int | None = None  # 0: no per-key limit
     max_unstarted: int | None = None  # connections that have not sent start yet
     start_timeout_s: float | None = None
+    reuse_timeout_s: float | None = None  # the socket stays open after finish{stop} this long
     reference_workers: int | None = None  # reference clips decoded at once
 
 

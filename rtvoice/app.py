@@ -140,7 +140,18 @@ async def _live(ws: WebSocket) -> None:
     elif rt.metrics.unstarted >= limit:
         denied = ProtocolError(ErrorCode.OVERLOADED, f"{limit} connections are open without "
                                "'start' (max_unstarted); retry later", limit="max_unstarted")
-    await Session(ws, rt, denied=denied, key=None if key == OPEN else key).run()
+    metrics = rt.metrics
+    metrics.connections_total += 1
+    metrics.connections_open += 1
+    try:
+        # One session after another on the same socket: a clean finish{stop} leaves it open
+        # for the client's next 'start' (as Fish's service does).
+        reused = False
+        while await Session(ws, rt, denied=denied, key=None if key == OPEN else key,
+                            reused=reused).run():
+            reused = True
+    finally:
+        metrics.connections_open -= 1
 
 
 # ------------------------------------------------------------------------------- voices REST

@@ -54,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="replace the output file if it exists (default: refuse)")
     s.add_argument("--model", default="tiny",
                    help="preset (tiny, s2-pro: random weights), checkpoint directory or Hub id "
-                   "in the local Hub cache (default: %(default)s)")
+                   "org/name[@revision] (fetched into the Hub cache when not there; "
+                   "default: %(default)s)")
     s.add_argument("--device", default="cpu",
                    help="torch device: cpu, cuda, cuda:N (default: %(default)s)")
     s.add_argument("--reference", type=Path,
@@ -85,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
         "bf16 and FP8 — without loading it. Exits 1 and names each problem when anything would "
         "fail to load.")
     i.add_argument("checkpoint", help="a checkpoint directory, or a Hub model id "
-                   "(org/name[@revision]) in the local Hub cache")
+                   "(org/name[@revision]; fetched into the Hub cache when not there)")
     i.set_defaults(fn=_inspect)
     try:
         from .server_cli import add_serve_parser

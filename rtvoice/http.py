@@ -54,20 +54,24 @@ def error_response(code: ErrorCode | str, message: str, *,
                         status_code=error_spec(code).http_status, headers=dict(headers or {}))
 
 
-def endpoint(handler: Callable[[Request, Runtime], Awaitable[Response]]
-             ) -> Callable[[Request], Awaitable[Response]]:
+Refusal = Callable[..., Response]  # (code, message, *, headers=None) -> an error response
+
+
+def endpoint(handler: Callable[[Request, Runtime], Awaitable[Response]], *,
+             refuse: Refusal = error_response) -> Callable[[Request], Awaitable[Response]]:
     """An API route: 503 while the service is not running, 401 without a valid API key,
     else ``handler(request, runtime)`` with ``request.state.key`` set (the key's index, None
-    when authentication is off)."""
+    when authentication is off). `refuse` shapes those error bodies (ours by default)."""
 
     async def route(request: Request) -> Response:
         rt = runtime_of(request.app)
         if rt is None:
-            return error_response(ErrorCode.SHUTTING_DOWN, "the service is not running")
+            return refuse(ErrorCode.SHUTTING_DOWN, "the service is not running",
+                          headers={"Retry-After": "1"})
         key = credential(rt.settings, request.headers, request.query_params)
         if key is None:
             rt.metrics.error(str(ErrorCode.UNAUTHORIZED))
-            return error_response(ErrorCode.UNAUTHORIZED, UNAUTHORIZED)
+            return refuse(ErrorCode.UNAUTHORIZED, UNAUTHORIZED)
         request.state.key = None if key == OPEN else key
         return await handler(request, rt)
 

@@ -70,7 +70,8 @@ class Redact(logging.Filter):
 class ClientFaults(logging.Filter):
     """uvicorn logs a client's text frame that is not UTF-8 as an ERROR with a traceback,
     one per frame: a log flood at an attacker's command. It is the client's fault (uvicorn
-    closes the socket with 1007), so it becomes one warning line."""
+    closes the socket with 1007), so it becomes one warning line. A streamed response that
+    rtvoice cut on purpose is a warning too."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.exc_info and isinstance(record.exc_info[1], UnicodeDecodeError):
@@ -78,7 +79,17 @@ class ClientFaults(logging.Filter):
             record.msg, record.args = ("a client sent a text frame that is not UTF-8; its "
                                        "socket was closed (1007)"), None
             record.exc_info = record.exc_text = None
+        elif record.msg == _INCOMPLETE:
+            # rtvoice's streamed REST responses end this way on purpose when they are cut
+            # (the client must not take a cut stream for a whole one); the line before, ours,
+            # says why
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            record.msg = ("a streamed response was cut short and its connection closed (the "
+                          "line before says why)")
         return True
+
+
+_INCOMPLETE: Final = "ASGI callable returned without completing response."
 
 
 class JsonFormatter(logging.Formatter):

@@ -28,7 +28,7 @@ from rtvoice.http import endpoint, error_response
 from rtvoice.runtime import Runtime
 from rtvoice.synthesis import Synthesis
 
-__all__ = ["fish_tts", "openai_models", "openai_speech"]
+__all__ = ["fish_tts", "openai_error", "openai_models", "openai_speech"]
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,6 @@ async def fish_tts(request: Request, rt: Runtime) -> Response:
 # ----------------------------------------------------------------------------- OpenAI
 
 
-@endpoint
 async def openai_speech(request: Request, rt: Runtime) -> Response:
     """OpenAI's ``POST /v1/audio/speech``: JSON ``model``, ``input``, ``voice``,
     ``response_format``, ``speed``, ``stream_format`` (``audio`` or ``sse``)."""
@@ -115,7 +114,6 @@ async def openai_speech(request: Request, rt: Runtime) -> Response:
     return await _stream(rt, request, req, output, media_type=_OPENAI_TYPES[fmt], openai=True)
 
 
-@endpoint
 async def openai_models(request: Request, rt: Runtime) -> Response:
     """OpenAI's ``GET /v1/models``: the one model this server serves."""
     created = int(getattr(request.app.state, "started_at", 0))
@@ -172,18 +170,27 @@ async def _body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def _refuse(rt: Runtime, exc: ProtocolError, *, openai: bool = False) -> Response:
+def openai_error(code: ErrorCode | str, message: str, *,
+                 headers: Mapping[str, str] | None = None) -> JSONResponse:
+    """An error in OpenAI's shape; 415/422 are 400, as OpenAI answers bad parameters."""
+    status = error_spec(ErrorCode(code)).http_status
+    if status in (415, 422):
+        status = 400
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None,
+                                   "code": str(code)}}, status_code=status,
+                        headers=dict(headers or {}))
+
+
+def _refuse(rt: Runtime, exc: ProtocolError, *, openai: bool = False,
+            headers: Mapping[str, str] | None = None) -> Response:
     rt.metrics.error(str(exc.code))
     if exc.limit is not None:
         rt.metrics.limit_hit(exc.limit)
-    if not openai:
-        return error_response(exc.code, exc.message)
-    status = error_spec(exc.code).http_status
-    if status in (415, 422):  # OpenAI answers a bad parameter with 400
-        status = 400
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return JSONResponse({"error": {"message": exc.message, "type": kind, "param": None,
-                                   "code": str(exc.code)}}, status_code=status)
+    log.info("request refused: %s (%s)", exc.code, exc.message)
+    if exc.code is ErrorCode.SHUTTING_DOWN:
+        headers = {**(headers or {}), "Retry-After": "1"}
+    return (openai_error if openai else error_response)(exc.code, exc.message, headers=headers)
 
 
 Transform = Any  # (AsyncIterator[bytes], Synthesis) -> AsyncIterator[bytes]
@@ -193,29 +200,96 @@ async def _stream(rt: Runtime, request: Request, req: TTSRequest, output: Encode
                   media_type: str, transform: Transform | None = None,
                   openai: bool = False) -> Response:
     """Start the synthesis (errors -> an error response) and stream its audio."""
+    if rt.stopping:
+        return _refuse(rt, ProtocolError(ErrorCode.SHUTTING_DOWN, "the server is shutting "
+                                         "down; send the request to another instance"),
+                       openai=openai)
     synth = Synthesis(rt, req, output, key=request.state.key)
+    ids = {"X-Request-Id": synth.id}
     try:
-        await synth.start()
+        await _until_started(synth, request)
     except BaseException as exc:
         await synth.close()
         if isinstance(exc, ProtocolError):
-            return _refuse(rt, exc, openai=openai)
-        raise
+            return _refuse(rt, exc, openai=openai, headers=ids)
+        if isinstance(exc, _Gone | asyncio.CancelledError):
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            return Response(status_code=499, headers=ids)  # nobody is there to read it
+        log.error("request %s failed to start", synth.id, exc_info=exc)
+        rt.metrics.error(str(ErrorCode.INTERNAL))
+        return (openai_error if openai else error_response)(
+            ErrorCode.INTERNAL, f"internal server error ({type(exc).__name__})", headers=ids)
 
     async def body() -> AsyncIterator[bytes]:
         try:
             chunks = synth.audio()
             async for chunk in (transform(chunks, synth) if transform else chunks):
                 yield chunk
-        except ProtocolError as exc:  # after the first byte: all we can do is stop
-            rt.metrics.error(str(exc.code))
-            log.warning("request %s failed mid-stream: %s", synth.id, exc)
-            raise
         finally:
             await synth.close()
 
-    return StreamingResponse(body(), media_type=media_type,
-                             headers={"X-Request-Id": synth.id, "Cache-Control": "no-store"})
+    return _AudioStream(rt, synth, body(), media_type=media_type,
+                        headers={**ids, "Cache-Control": "no-store"})
+
+
+class _Gone(Exception):
+    """The client went away before its audio began."""
+
+
+async def _until_started(synth: Synthesis, request: Request) -> None:
+    """`synth.start()`, given up as soon as the client disconnects (its body is read: the
+    next ASGI message can only be the disconnect) — waiting for a slot or the prefill must
+    not outlive the client."""
+    start = asyncio.ensure_future(synth.start())
+    gone = asyncio.ensure_future(request.receive())
+    try:
+        await asyncio.wait({start, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if start.done():
+            start.result()  # raises what start raised
+            return
+        if gone.result().get("type") == "http.disconnect":
+            raise _Gone()
+        await start  # another message (none is expected): wait for the start alone
+    finally:
+        for task in (start, gone):
+            if not task.done():
+                task.cancel()
+        await asyncio.gather(start, gone, return_exceptions=True)
+
+
+class _AudioStream(StreamingResponse):
+    """A chunked audio response that ends by cutting the connection (no final chunk: the
+    client sees the stream fail, not a short file) when the synthesis fails after the first
+    byte, and drops a client that accepts no data for ``send_timeout_s``."""
+
+    def __init__(self, rt: Runtime, synth: Synthesis, content: AsyncIterator[bytes],
+                 **kw: Any) -> None:
+        super().__init__(content, **kw)
+        self.rt = rt
+        self.synth = synth
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        timeout = self.rt.settings.limits.send_timeout_s
+
+        async def timed_send(message: Any) -> None:
+            async with asyncio.timeout(timeout):
+                await send(message)
+
+        try:
+            await super().__call__(scope, receive, timed_send)
+        except TimeoutError:
+            m = self.rt.metrics
+            m.slow_clients += 1
+            m.dropped("slow_reader")
+            m.limit_hit("send_timeout_s")
+            self.synth.cut(ProtocolError(ErrorCode.TIMEOUT, f"the client accepted no data "
+                                         f"for {timeout:g} s", limit="send_timeout_s"))
+            await self.synth.close()
+        except ProtocolError as exc:  # after the first byte: all that is left is to stop
+            self.rt.metrics.error(str(exc.code))
+            log.warning("request %s cut short mid-stream: %s (%s)", self.synth.id, exc.code,
+                        exc.message)
 
 
 def _sse_events(fmt: str, output: EncoderConfig, input_chars: int) -> Transform:
@@ -251,3 +325,7 @@ def _flac(output: EncoderConfig) -> Transform:
         yield await asyncio.get_running_loop().run_in_executor(synth.rt.encode_pool, write)
 
     return encode
+
+
+openai_speech = endpoint(openai_speech, refuse=openai_error)
+openai_models = endpoint(openai_models, refuse=openai_error)

@@ -32,6 +32,7 @@ never wait.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import secrets
@@ -97,6 +98,10 @@ class ClientGone(Exception):
     """The client closed the socket or vanished; nothing more can be sent."""
 
 
+class _Lapsed(Exception):
+    """A socket kept open after ``finish{stop}`` saw no new ``start`` in time."""
+
+
 # encode-worker jobs ---------------------------------------------------------------------------
 _AUDIO, _ENDED, _FINISH, _CLOSE = "audio", "ended", "finish", "close"
 
@@ -144,11 +149,16 @@ class Session:
     """Serves one WebSocket from accept to close. Create one per connection, ``await run()``."""
 
     def __init__(self, ws: WebSocket, runtime: Runtime, *,
-                 denied: ProtocolError | None = None, key: int | None = None) -> None:
+                 denied: ProtocolError | None = None, key: int | None = None,
+                 reused: bool = False) -> None:
+        """`reused`: the socket (accepted already) carried a session that ended with
+        ``finish{stop}``; this one waits for its next ``start``."""
         self.ws = ws
         self.rt = runtime
         self._denied = denied  # refused at the door (bad credentials): told why, then closed
         self._key = key  # which API key it presented (its index), None: authentication off
+        self._reused = reused
+        self.reusable = False  # after run(): it ended with finish{stop}, the socket is open
         self.settings = runtime.settings
         self.limits = runtime.settings.limits
         self.id = f"s{next(runtime.session_ids)}-{secrets.token_hex(4)}"
@@ -181,17 +191,19 @@ class Session:
 
     # ------------------------------------------------------------------------- lifecycle
 
-    async def run(self) -> None:
+    async def run(self) -> bool:
+        """Serve the socket until the session ends. True: it ended with ``finish{stop}`` and
+        the socket is still open for another session (`reusable`); the caller then runs a
+        `Session(..., reused=True)` on it, else the socket is closed."""
         logs.SESSION.set(self.id)  # every line this session's tasks log names it
         metrics = self.rt.metrics
-        metrics.connections_total += 1
-        metrics.connections_open += 1
         self.rt.sessions.add(self)
         try:
-            try:
-                await self.ws.accept()
-            except Exception:  # handshake lost: nothing to clean up yet
-                return
+            if not self._reused:
+                try:
+                    await self.ws.accept()
+                except Exception:  # handshake lost: nothing to clean up yet
+                    return False
             if self._denied is None:
                 self._unstarted = True
                 metrics.unstarted += 1
@@ -201,21 +213,23 @@ class Session:
             sender = self._spawn(self._send_loop(), "send")
             encoder = self._spawn(self._encode_loop(), "encode")
             error: ProtocolError | None = None
-            gone = False
+            gone = lapsed = False
             try:
                 await self._end
             except ClientGone:
                 gone = True
+            except _Lapsed:
+                lapsed = True
             except ProtocolError as exc:
                 error = exc
             except Exception as exc:  # defensive: _fail only stores mapped errors
                 error = self._to_protocol_error(exc)
-            await self._shutdown(error, gone, receiver, sender, encoder)
+            await self._shutdown(error, gone, receiver, sender, encoder, lapsed=lapsed)
+            return self.reusable
         finally:
             self._closing = True
             self._started()
             self.rt.sessions.discard(self)
-            metrics.connections_open -= 1
             if self._counted_live:
                 self._counted_live = False
                 self.rt.release_session(self._key)
@@ -305,7 +319,13 @@ class Session:
         receiver: asyncio.Task[None],
         sender: asyncio.Task[None],
         encoder: asyncio.Task[None],
+        *,
+        lapsed: bool = False,
     ) -> None:
+        """End the session: stop the engine's work, send what is owed (all audio after a
+        ``stop``; the error after a failure), ``finish``, and close the socket — or leave it
+        open for another ``start`` after a clean ``finish{stop}`` (Fish's clients reuse it).
+        `lapsed`: a reused socket saw no new ``start`` in time: closed 1000, nothing sent."""
         self._closing = True
         if error is not None and self._denied is None:
             self.rt.metrics.dropped(_drop_cause(error))
@@ -322,6 +342,11 @@ class Session:
         await self._stop_encoder(encoder)  # the worker closes the encoders it still holds
         if gone:
             sender.cancel()
+        elif lapsed:
+            sender.cancel()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.ws.close(code=1000, reason="no start after finish"),
+                                       _FINAL_TIMEOUT_S)
         else:
             box = self._outbox
             if error is not None:
@@ -346,20 +371,32 @@ class Session:
                     await asyncio.wait_for(asyncio.shield(sender), _FINAL_TIMEOUT_S)
             except (TimeoutError, asyncio.CancelledError):
                 sender.cancel()
-            code = int(error.close_code) if error is not None else 1000
-            reason = str(error.code) if error is not None else ""
-            try:
-                await asyncio.wait_for(self.ws.close(code=code, reason=reason), _FINAL_TIMEOUT_S)
-            except Exception:  # already closed by the client, or it stopped reading
-                pass
+            # A clean finish{stop} leaves the socket open for the client's next 'start' (Fish's
+            # service does; LiveKit's Fish plugin pools its sockets on that), unless the
+            # server is going away or the sender could not deliver everything.
+            self.reusable = (error is None and self._denied is None and not self._draining
+                             and self.limits.reuse_timeout_s > 0
+                             and not self.rt.stopping and sender.done()
+                             and not sender.cancelled() and sender.exception() is None)
+            if not self.reusable:
+                code = int(error.close_code) if error is not None else 1000
+                reason = str(error.code) if error is not None else ""
+                try:
+                    await asyncio.wait_for(self.ws.close(code=code, reason=reason),
+                                           _FINAL_TIMEOUT_S)
+                except Exception:  # already closed by the client, or it stopped reading
+                    pass
         try:
             await asyncio.wait_for(asyncio.shield(encoder), _FINAL_TIMEOUT_S)
         except (TimeoutError, asyncio.CancelledError):
             encoder.cancel()
         if self._sm.state is not SessionState.CLOSED:
             self._sm.transition(SessionState.CLOSED)
-        if self._denied is None:
+        if self._denied is None and not lapsed and (
+                self._request is not None or not (gone or self._reused)):
             how = "client gone" if gone else str(error.code) if error is not None else "stop"
+            if self.reusable:
+                how += ", socket kept for another start"
             log.info("session %s ended (%s): voice %s, %d turns, %.2f s of audio, open %.1f s",
                      self.id, how, self._voice, self._turns_done, self._audio_sent_s,
                      time.perf_counter() - self._opened_at)
@@ -387,9 +424,9 @@ class Session:
         """THE error boundary: every failure of this session ends up here exactly once."""
         if self._closing or self._end.done():
             return  # after the end was decided, late failures (a dying socket) change nothing
-        if isinstance(exc, ClientGone | WebSocketDisconnect):
+        if isinstance(exc, ClientGone | WebSocketDisconnect | _Lapsed):
             if not self._end.done():
-                self._end.set_exception(ClientGone())
+                self._end.set_exception(exc if isinstance(exc, _Lapsed) else ClientGone())
             return
         error = self._to_protocol_error(exc)
         if error.limit is not None:
@@ -427,11 +464,14 @@ class Session:
     async def _receive_loop(self) -> None:
         while True:
             started = self._sm.state is not SessionState.CONNECTING
-            idle = self.limits.idle_timeout_s if started else self.limits.start_timeout_s
+            idle = (self.limits.idle_timeout_s if started else self.limits.reuse_timeout_s
+                    if self._reused else self.limits.start_timeout_s)
             try:
                 async with asyncio.timeout(idle):
                     message = await self.ws.receive()
             except TimeoutError:
+                if not started and self._reused:
+                    raise _Lapsed() from None  # the client kept the socket but is done with it
                 if not started:
                     raise ProtocolError(ErrorCode.TIMEOUT,
                                         f"no 'start' within {idle:g} s of connecting",
@@ -661,6 +701,7 @@ class Session:
                 max_sessions_per_key=limits.max_sessions_per_key,
                 max_unstarted=limits.max_unstarted,
                 start_timeout_s=limits.start_timeout_s,
+                reuse_timeout_s=limits.reuse_timeout_s,
                 reference_workers=limits.reference_workers,
             ),
             model=self.rt.bundle.name,

@@ -171,6 +171,9 @@ class LimitSettings:
                                     "pool off the event loop; others wait their turn)", ge=1)
     min_chunk_length: int = option(10, "smallest chunk_length honoured (characters)", ge=1)
     max_chunk_length: int = option(1000, "largest chunk_length honoured (characters)", ge=1)
+    reuse_timeout_s: float = option(
+        60.0, "after finish{stop} the socket stays open this long for another 'start' (Fish's "
+        "clients, LiveKit's plugin, reuse it), then closes 1000; 0: close at once", ge=0)
     idle_timeout_s: float = option(120.0, "close sockets idle this long: no client message and "
                                    "nothing generating (seconds)", gt=0)
     send_queue_bytes: int = option(16 * 1024 * 1024, "audio bytes queued for a slow reader "

@@ -39,22 +39,28 @@ __all__ = ["Synthesis"]
 
 log = logging.getLogger(__name__)
 
+
+def _close_encoder(enc: AudioEncoder) -> None:
+    try:
+        enc.close()  # type: ignore[attr-defined]
+    except Exception:  # closing a half-written stream must not fail the request
+        log.debug("encoder close failed", exc_info=True)
+
 _READY, _AUDIO, _END, _FINISH, _FAIL = "ready", "audio", "end", "finish", "fail"
 
 
 class _Sink:
-    """Engine callbacks (engine thread) -> the synthesis' queue on its loop."""
+    """Engine callbacks (engine thread) -> the synthesis, on its loop."""
 
-    __slots__ = ("_loop", "_queue")
+    __slots__ = ("_loop", "_synth")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[tuple[Any, ...]]
-                 ) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, synth: Synthesis) -> None:
         self._loop = loop
-        self._queue = queue
+        self._synth = synth
 
     def _post(self, *item: Any) -> None:
         try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+            self._loop.call_soon_threadsafe(self._synth._deliver, item)
         except RuntimeError:  # the loop is closed: so is the request
             pass
 
@@ -84,6 +90,9 @@ class Synthesis:
         self.id = f"r{next(rt.session_ids)}-{secrets.token_hex(4)}"
         self._loop = asyncio.get_running_loop()
         self._events: asyncio.Queue[tuple[Any, ...]] = asyncio.Queue()
+        self._raw_bytes = 0  # PCM waiting in _events (bounded by send_queue_bytes)
+        self._failure: ProtocolError | None = None  # why it was cut (slow reader, shutdown)
+        self._encoding: asyncio.Future[bytes] | None = None  # the encoder call in flight
         self._seq: Sequence | None = None
         self._turns: Turns | None = None
         self._claimed = False
@@ -108,6 +117,7 @@ class Synthesis:
                                 f"the limit is {lim.max_text_chars}", limit="max_text_chars")
         rt.claim_session(self.key)
         self._claimed = True
+        rt.sessions.add(self)  # the drain sees it (and cuts it if it outlives the deadline)
         params = rt.sampling(req)
         references = await rt.voice(req)
         chunk_cap = rt.voice_room(references)
@@ -118,7 +128,7 @@ class Synthesis:
             budget={"multiplier": svc.budget_multiplier, "min_frames": svc.min_turn_frames,
                     "max_frames": eng.max_turn_frames, "request_max": req.max_new_tokens})
         try:
-            self._seq = rt.engine.open(references, params, _Sink(self._loop, self._events))
+            self._seq = rt.engine.open(references, params, _Sink(self._loop, self))
         except Exception as exc:
             known = known_error(exc)
             if known is None:
@@ -132,24 +142,76 @@ class Synthesis:
             raise rest[0]
         assert kind == _READY, kind
         self.rt.metrics.observe_prefill(rest[0])
-        self._encoder = await self._loop.run_in_executor(rt.encode_pool, encoder_for,
-                                                         self.output)
+        self._encoder = await self._encode(encoder_for, self.output)
         self._turns.accepting = True
         self._turns.pump()
 
+    def _deliver(self, item: tuple[Any, ...]) -> None:
+        """An engine event, on the loop. The audio waiting for a client that does not read is
+        bounded (send_queue_bytes): past it the request is cut, its slot given back at once."""
+        if self._failure is not None:
+            return
+        if item[0] == _AUDIO:
+            self._raw_bytes += item[2].nbytes
+            limit = self.rt.settings.limits.send_queue_bytes
+            if self._raw_bytes > limit:
+                self.rt.metrics.slow_clients += 1
+                self.rt.metrics.dropped("slow_reader")
+                self.rt.metrics.limit_hit("send_queue_bytes")
+                self.cut(ProtocolError(
+                    ErrorCode.TIMEOUT, f"the client is not reading its audio: {self._raw_bytes} "
+                    f"bytes are waiting (limit {limit})", limit="send_queue_bytes"))
+                return
+        self._events.put_nowait(item)
+
+    def cut(self, error: ProtocolError) -> None:
+        """End the request now (slow reader, shutdown): the engine's work stops and the slot
+        and the session are given back; the response ends at its next chunk."""
+        if self._failure is not None:
+            return
+        self._failure = error
+        log.warning("request %s cut: %s", self.id, error.message)
+        self._release()
+        while not self._events.empty():  # drop the waiting audio
+            self._events.get_nowait()
+        self._raw_bytes = 0
+        self._events.put_nowait((_FAIL, error))
+
+    # ----------------------------------------------------------------- the shutdown's view
+    def drain(self) -> None:
+        """The server drains: a request is one utterance, it finishes on its own."""
+
+    def server_stopping(self) -> None:
+        self.cut(ProtocolError(ErrorCode.SHUTTING_DOWN, "the server is shutting down"))
+
+    @property
+    def queued_bytes(self) -> int:
+        return self._raw_bytes
+
+    async def _encode(self, fn: Any, *args: Any) -> Any:
+        """Run an encoder call in the pool; `close` defers closing the encoder while one runs
+        (the encoders are not thread-safe, and a cancelled await leaves the thread going)."""
+        self._encoding = self._loop.run_in_executor(self.rt.encode_pool, fn, *args)
+        try:
+            return await self._encoding
+        finally:
+            if self._encoding.done():
+                self._encoding = None
+
     async def audio(self) -> AsyncIterator[bytes]:
-        """The encoded audio as it comes. Raises `ProtocolError` if generation fails."""
+        """The encoded audio as it comes. Raises `ProtocolError` if generation fails or the
+        request was cut."""
         assert self._turns is not None and self._encoder is not None, "start() first"
-        pool = self.rt.encode_pool
         while True:
             kind, *rest = await self._events.get()
             if kind == _AUDIO:
                 turn_id, pcm = rest
+                self._raw_bytes -= pcm.nbytes
                 seg = self._turns.audio(turn_id, pcm.shape[0])
                 if seg is None:
                     continue
                 self.samples += pcm.shape[0]
-                data = await self._loop.run_in_executor(pool, self._encoder.encode, pcm)
+                data = await self._encode(self._encoder.encode, pcm)
                 if seg is not None and not seg.has_audio:
                     seg.has_audio = True
                     ttfa = time.perf_counter() - seg.submitted_at
@@ -166,7 +228,7 @@ class Synthesis:
                     self.rt.metrics.frames_total += result.frames
             elif kind == _FINISH:
                 utt: Utterance = rest[0]
-                data = await self._loop.run_in_executor(pool, self._encoder.finish)
+                data = await self._encode(self._encoder.finish)
                 self._encoder = None
                 self.reason = utt.done_reason()
                 self.rt.metrics.turn_done(self.reason)
@@ -183,21 +245,29 @@ class Synthesis:
                 raise rest[0]
 
     async def close(self) -> None:
-        """Give the KV slot and the session back (idempotent)."""
+        """Give the KV slot and the session back, close the encoder (idempotent)."""
+        if self._claimed and not self.reason and self._failure is None:
+            log.info("request %s ended early: the client went away", self.id)
+        self._release()
+        if self._turns is not None:
+            self._turns.close()
+        enc, self._encoder = self._encoder, None
+        if enc is None:
+            return
+        running = self._encoding
+        if running is not None and not running.done():  # the pool thread still uses it
+            running.add_done_callback(lambda _: _close_encoder(enc))
+        else:
+            _close_encoder(enc)
+
+    def _release(self) -> None:
         if self._seq is not None:
             self.rt.engine.close(self._seq)
             self._seq = None
         if self._claimed:
             self._claimed = False
             self.rt.release_session(self.key)
-        if self._turns is not None:
-            self._turns.close()
-        enc, self._encoder = self._encoder, None
-        if enc is not None:
-            try:
-                enc.close()  # type: ignore[attr-defined]
-            except Exception:  # closing a half-written stream must not fail the request
-                log.debug("encoder close failed", exc_info=True)
+        self.rt.sessions.discard(self)
 
     @property
     def ttfa_ms(self) -> float | None:

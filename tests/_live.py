@@ -76,7 +76,13 @@ class Client:
                 return out
 
     async def closed(self) -> int | None:
-        """Wait for the server to close; returns the close code."""
+        """Wait for the server to close; returns the close code. After ``finish{stop}`` the
+        server keeps the socket open for another ``start`` (as Fish's service does): then the
+        client closes it, as Fish's clients do, and a normal close is 1000."""
+        last = self.events[-1] if self.events else None
+        if isinstance(last, Finish) and last.reason == "stop":
+            await self.ws.close()
+            return self.ws.close_code
         try:
             while True:
                 await asyncio.wait_for(self.ws.recv(), RECV_TIMEOUT)

@@ -177,6 +177,20 @@ async def test_incremental_text_two_turns_one_socket(server_url: str) -> None:
         assert s.finished.result() == "stop" and s.closed and s.fatal_error is None
 
 
+async def test_a_blank_turn_ends_at_once_and_the_next_turn_gets_its_audio(server_url: str
+                                                                       ) -> None:
+    """Found in review: a turn of blank text (an LLM that yields only "\n") waited forever for
+    a done the server never sends (it opens no turn for blank text), and took the next turn's
+    audio."""
+    async with connect(server_url, format="pcm", max_new_tokens=MAX_FRAMES) as s:
+        await s.wait_ready()
+        blank = await s.feed(["\n", "  "])
+        assert (await asyncio.wait_for(blank.result(), 5)).reason == "eos" and not blank.chunks
+        real = await s.feed(["Hello there."])
+        res = await real
+        assert real.chunks and res.frames > 0 and not blank.chunks
+
+
 async def test_cancel_stops_audio_and_the_next_turn_works(server_url: str) -> None:
     async with connect(server_url, format="pcm", max_new_tokens=400, seed=2) as s:
         await s.wait_ready()

@@ -326,6 +326,8 @@ def _attack(url: str, frames: list[Any], stats: FuzzStats, kind: str) -> None:
             while True:
                 raw = ws.recv(timeout=60)
                 event = _check(raw, stats)
+                if until_close and isinstance(event, Finish) and event.reason == "stop":
+                    break  # the server keeps the socket for another start: we close it
                 if isinstance(event, Error) and event.code == "unknown_event" \
                         and "__probe__" in event.message and not until_close:
                     return  # the session answered everything before the probe, and lives

@@ -232,3 +232,92 @@ def test_rest_requests_count_as_sessions_and_in_metrics(server):
             await c.until(lambda e: isinstance(e, Done) or is_finish(e))
 
         asyncio.run(run())
+
+
+# ------------------------------------------------------------------------------ hostile clients
+
+_LONG = " ".join(f"Sentence number {i} of a long text nobody reads." for i in range(40))
+
+
+def _raw_post(url: Any, path: str, body: dict[str, Any], rcvbuf: int = 4096) -> Any:
+    """A POST from a client that then reads nothing (a tiny receive buffer)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    u = urlsplit(str(url))
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    s.connect((u.hostname, u.port))
+    data = json.dumps(body).encode()
+    s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return s
+
+
+def _at_rest(url: Any) -> bool:
+    rt = url.app.state.runtime
+    return engine_at_rest(url)() and rt.metrics.sessions_live == 0 and not rt.sessions
+
+
+@pytest.mark.parametrize("bound", ["send_queue_bytes", "send_timeout_s"])
+def test_a_rest_client_that_stops_reading_gives_its_slot_back(bound):
+    """Found in review: audio for a REST client that stopped reading piled up unbounded and
+    held its KV slot and session. Now the socket's bounds apply: queued audio
+    (send_queue_bytes) and time without accepting data (send_timeout_s)."""
+    limits = ({"send_queue_bytes": 256 * 1024} if bound == "send_queue_bytes"
+              else {"send_timeout_s": 1.0})
+    with running_server(max_turn_frames=64, max_text_chars=4000, **limits) as url:
+        m = url.app.state.runtime.metrics
+        s = _raw_post(url, "/v1/tts", {"text": _LONG, "format": "pcm"})
+        try:
+            asyncio.run(poll(lambda: m.slow_clients == 1 and _at_rest(url),
+                             "the stalled request kept its slot", timeout=60))
+            assert 'rtvoice_limit_hits_total{limit="' + bound + '"}' in httpx.get(
+                f"{url}/metrics", timeout=30).text
+        finally:
+            s.close()
+        # the server goes on serving
+        r = httpx.post(f"{url}/v1/tts", json={"text": "Still here.", "format": "pcm"},
+                       timeout=60)
+        assert r.status_code == 200 and len(r.content) > 0
+
+
+def test_a_rest_client_gone_before_its_audio_frees_its_place_in_the_queue():
+    """Found in review: a client that hung up while its request waited for a KV slot kept its
+    place (and its session) until the prefill."""
+    with running_server(max_running=1, max_turn_frames=4) as url:
+        rt = url.app.state.runtime
+
+        async def run() -> None:
+            holder = await Client.connect(url.ws_url)  # holds the one KV slot
+            await holder.send(Start(request=request()))
+            assert isinstance(await holder.recv(), Ready)
+            s = _raw_post(url, "/v1/tts", {"text": "Waiting.", "format": "pcm"})
+            await poll(lambda: rt.engine.load()["waiting"] == 1, "the request never queued")
+            s.close()
+            await poll(lambda: rt.engine.load()["waiting"] == 0 and rt.metrics.sessions_live == 1,
+                       "the request outlived its client")
+            await holder.send(Stop())
+            await holder.until(is_finish)
+
+        asyncio.run(run())
+
+
+def test_rest_while_draining_is_refused_and_errors_keep_each_apis_shape():
+    with running_server(max_turn_frames=4, api_keys="k-1") as url:
+        rt = url.app.state.runtime
+        auth = {"Authorization": "Bearer k-1"}
+        r = httpx.post(f"{url}/v1/audio/speech", json={"model": "m", "voice": "alloy",
+                                                       "input": "Hi."}, timeout=30)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "invalid_request_error"
+        rt.metrics.draining = True
+        try:
+            r = httpx.post(f"{url}/v1/tts", json={"text": "Hi."}, headers=auth, timeout=30)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
+            assert r.headers["Retry-After"] == "1"
+            r = httpx.post(f"{url}/v1/audio/speech", headers=auth, timeout=30,
+                           json={"model": "m", "voice": "alloy", "input": "Hi."})
+            assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
+            assert r.json()["error"]["code"] == "shutting_down"
+        finally:
+            rt.metrics.draining = False

@@ -740,6 +740,7 @@ def test_one_info_line_per_session_and_per_turn(caplog):
         await c.send(Flush())
         await c.send(Stop())
         await c.until(is_finish)
+        await c.closed()
 
     caplog.set_level(logging.INFO, logger="rtvoice.session")
     with running_server(max_turn_frames=4) as url:
@@ -751,4 +752,43 @@ def test_one_info_line_per_session_and_per_turn(caplog):
     assert len(ready) == len(turns) == len(ended) == 1, lines
     assert "voice default" in ready[0] and "prefill" in ready[0]
     assert "done: length, voice default, ttfa " in turns[0] and "s of audio" in turns[0]
-    assert "ended (stop): voice default, 1 turns" in ended[0]
+    assert "ended (stop, socket kept for another start): voice default, 1 turns" in ended[0]
+
+
+def test_the_socket_stays_open_after_finish_for_another_start():
+    """Fish's clients reuse a socket after finish{stop} (LiveKit's plugin pools them): the
+    next start on it is a new session; a socket nobody reuses closes 1000 after
+    reuse_timeout_s, and 0 closes it at once."""
+
+    async def turn(c: Client) -> Ready:
+        await c.send(Start(request=request(max_new_tokens=4)))
+        ready = await c.recv()
+        assert isinstance(ready, Ready)
+        await c.send(Text(text="Once more."))
+        await c.send(Flush())
+        await c.send(Stop())
+        events = await c.until(is_finish)
+        assert any(isinstance(e, Audio) for e in events) and events[-1].reason == "stop"
+        return ready
+
+    async def run(url: Any) -> None:
+        c = await Client.connect(url.ws_url)
+        first, second = await turn(c), await turn(c)
+        assert first.session_id != second.session_id
+        assert url.app.state.runtime.metrics.connections_total == 1
+        t0 = time.monotonic()
+        assert await asyncio.wait_for(c.ws.wait_closed(), 30) is None
+        assert c.ws.close_code == 1000 and 0.3 < time.monotonic() - t0 < 10
+        assert not [e for e in c.events if isinstance(e, Error)]
+
+    with running_server(max_turn_frames=4, reuse_timeout_s=0.5) as url:
+        asyncio.run(run(url))
+
+    async def no_reuse(url: Any) -> None:
+        c = await Client.connect(url.ws_url)
+        await turn(c)
+        await asyncio.wait_for(c.ws.wait_closed(), 10)
+        assert c.ws.close_code == 1000
+
+    with running_server(max_turn_frames=4, reuse_timeout_s=0) as url:
+        asyncio.run(no_reuse(url))

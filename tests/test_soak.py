@@ -126,7 +126,7 @@ async def _session(url: str, rng: random.Random, deadline: float, tally: Tally) 
                     _account(ev, tally)
                 if ev.reason != "stop":
                     tally.problems.append(f"finish {ev.reason}")
-                await ws.wait_closed()
+                await ws.close()  # the server keeps it open for another start
         except (websockets.ConnectionClosed, TimeoutError) as exc:
             tally.problems.append(f"session lost: {type(exc).__name__}: {exc}")
         if pending:
