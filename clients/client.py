@@ -629,6 +629,13 @@ class Session:
         await self._send(Flush(context_id=context_id))
         return turn
 
+    async def keepalive(self) -> None:
+        """Tell the server the session is still wanted (its idle timer restarts) without
+        starting a turn: a ``flush`` of a context with nothing pending, which the server
+        ignores. For pooled sessions that wait longer than ``ready.limits.idle_timeout_s``
+        between turns; WebSocket pings keep the socket alive, not the session."""
+        await self._send(Flush(context_id=KEEPALIVE_CONTEXT))
+
     async def cancel(self, context_id: str | None = None) -> list[Turn]:
         """Barge-in: drop ``context_id``'s unspoken text and stop its audio now.
 
@@ -864,6 +871,9 @@ class Session:
         for sub in list(self._subscribers):
             sub.queue.put_nowait(self.fatal_error or _Subscriber._END)
         self._subscribers.clear()
+
+
+KEEPALIVE_CONTEXT = "rtvoice.keepalive"  # a context no turn uses: its flush is a no-op
 
 
 def _closed_error(exc: websockets.ConnectionClosed) -> ConnectionClosedError:

@@ -70,7 +70,7 @@ except ImportError as _exc:  # pragma: no cover - exercised only without the ext
         f"({_exc})"
     ) from _exc
 
-from protocol import ErrorCode, Flush, TTSRequest, error_spec
+from protocol import ErrorCode, TTSRequest, error_spec
 
 from .client import (
     AudioChunk,
@@ -455,7 +455,7 @@ class _Pool:
                 # Out of the pool while sending, so no stream starts a turn behind the flush.
                 self._idle.remove(lease)
                 try:
-                    await lease.session._send(Flush())  # nothing pending: the server ignores it
+                    await lease.session.keepalive()
                     lease.last_sent = now
                 except Exception:
                     self._discard(lease)

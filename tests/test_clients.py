@@ -191,6 +191,24 @@ async def test_a_blank_turn_ends_at_once_and_the_next_turn_gets_its_audio(server
         assert real.chunks and res.frames > 0 and not blank.chunks
 
 
+async def test_keepalive_keeps_an_idle_session_past_the_idle_timeout() -> None:
+    from rtvoice.testing import running_server
+
+    with running_server(idle_timeout_s=1.0, max_turn_frames=4) as url:
+        async with connect(url, format="pcm") as s:
+            await s.wait_ready()
+            for _ in range(6):  # 2.4 s idle: twice the idle timeout
+                await asyncio.sleep(0.4)
+                await s.keepalive()
+            res = await (await s.feed(["Still here."]))
+            assert res.frames > 0 and not s.errors
+        async with connect(url, format="pcm") as idle:  # and without it, the session ends
+            await idle.wait_ready()
+            await asyncio.sleep(2.5)
+            assert idle.closed and idle.fatal_error is not None
+            assert idle.fatal_error.code == "timeout"
+
+
 async def test_cancel_stops_audio_and_the_next_turn_works(server_url: str) -> None:
     async with connect(server_url, format="pcm", max_new_tokens=400, seed=2) as s:
         await s.wait_ready()

@@ -57,7 +57,7 @@ def metrics(server: str) -> dict[str, float]:
     text = httpx.get(f"{server}/metrics", timeout=10).text
     out: dict[str, float] = {}
     for line in text.splitlines():
-        m = re.match(r"^(rtvoice_(?:sessions_total|sessions_live|turns_total)\S*) (\S+)$", line)
+        m = re.match(r"^(rtvoice_(?:sessions_total|sessions_live|turns_total|connections_total)\S*) (\S+)$", line)
         if m:
             out[m.group(1)] = float(m.group(2))
     return out
@@ -312,20 +312,26 @@ async def test_barge_in_cancels_on_the_socket_and_beats_the_stock_plugin(server,
     ours_synth = await _synthesize_ttfa(tts)
     await tts.aclose()
 
-    # the stock Fish plugin: its defaults, pointed at this server (and at a voice it has)
+    # the stock Fish plugin: its defaults (its default voice id is an alias of the model's
+    # default voice here), only the URL changed
     before = metrics(server)
     async with aiohttp.ClientSession() as http:
-        stock = fishaudio.TTS(base_url=str(server), api_key="unused", voice_id=voice["id"],
-                              http_session=http)
-        warm = stock.stream()
+        stock = fishaudio.TTS(base_url=str(server), api_key="unused", http_session=http)
+        warm = stock.stream(conn_options=NO_RETRY)
         warm.push_text("Warm up.")
         warm.end_input()
         assert (await collect(warm))[0]
         await warm.aclose()
-        # Its defaults, retries included: it reuses sockets the server closed after 'finish'
-        # and retries once (never on the timed turn, which always follows an interrupted one
-        # whose socket it dropped).
-        theirs, _ = await _interrupt_then_next(stock, DEFAULT_API_CONNECT_OPTIONS)
+        # It pools its sockets and sends the next 'start' on one that saw 'finish': the
+        # server keeps them open for that, so no attempt fails (no retries allowed here).
+        again = stock.stream(conn_options=NO_RETRY)
+        again.push_text("Same socket.")
+        again.end_input()
+        assert (await collect(again))[0]
+        await again.aclose()
+        assert metrics(server)["rtvoice_connections_total"] - before[
+            "rtvoice_connections_total"] == 1
+        theirs, _ = await _interrupt_then_next(stock, NO_RETRY)
         frame = await stock.synthesize("Hello there. How are you?").collect()
         assert frame.sample_rate == 24000 and frame.duration == pytest.approx(2 * SEGMENT_S,
                                                                               abs=0.01)
