@@ -296,7 +296,8 @@ class Turn:
         # counts characters for ``segment.char_start``)
         self.segments: list[Segment] = []  # the latest ``segment`` event per index, in order
         self.result_: TurnResult | None = None
-        self.error: RtvoiceError | None = None
+        self.error: RtvoiceError | None = None  # the turn failed (no result)
+        self.turn_error: RtvoiceError | None = None  # a non-fatal error its result carries
         self._changed = asyncio.Event()  # set on every chunk / end; cleared by waiters
 
     # ---------------------------------------------------------------- state
@@ -449,6 +450,7 @@ class Turn:
             done_at=now,
             arrivals=[(c.received_at, c.duration_s) for c in self.chunks],
             first_audio_after_first_text_ms=since_text,
+            error=self.turn_error,
         )
         self._notify()
         return self.result_
@@ -837,14 +839,16 @@ class Session:
             if not self.ready.done():
                 self.ready.set_exception(err)
             return
-        # A message-level error that names a context hurt that context's turn, which will get
-        # no done: fail it now rather than let its waiter time out. Errors without a context
-        # are about the message alone and only go to ``errors`` / ``on_error``.
-        if event.context_id is not None:
-            turn = self.current_turn(event.context_id)
-            if turn is not None:
-                self._drop(turn)
-                turn._fail(err)
+        # A refused segment (done_follows): its turn still gets its done{error}, whose result
+        # carries the error. Another message-level error that names a context hurt that
+        # context's turn, which will get no done: fail it now rather than let its waiter time
+        # out. Errors without a context are about the message alone (``errors``/``on_error``).
+        turn = self.current_turn(event.context_id)
+        if turn is not None and event.done_follows:
+            turn.turn_error = err  # its done{error} ends it (TurnResult.error)
+        elif turn is not None and event.context_id is not None:
+            self._drop(turn)
+            turn._fail(err)
 
     def _drop(self, turn: Turn) -> None:
         ctx = turn.context_id

@@ -1,4 +1,4 @@
-"""LiveKit Agents TTS plugin for rtvoice (``pip install 'rtvoice[livekit]'``).
+"""LiveKit Agents TTS plugin for rtvoice (``pip install -e '.[livekit]'`` in the rtvoice checkout).
 
 ::
 
@@ -66,7 +66,8 @@ try:
     from livekit.agents.utils import is_given
 except ImportError as _exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(
-        "clients.livekit needs the LiveKit Agents framework: pip install 'rtvoice[livekit]' "
+        "clients.livekit needs the LiveKit Agents framework: pip install -e '.[livekit]' in "
+        "the rtvoice checkout (livekit-agents==1.8.9) "
         f"({_exc})"
     ) from _exc
 

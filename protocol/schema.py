@@ -263,6 +263,7 @@ class Error(_ServerEventBase, tag="error"):
     code: str
     message: str = ""
     fatal: bool = False
+    done_follows: bool = False  # non-fatal: the context's turn still ends with done{error}
 
 
 ServerEvent = Audio | Finish | Ready | Done | Error | Segment

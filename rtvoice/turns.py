@@ -383,6 +383,7 @@ class Turns:
             code=str(code),
             message=f"a segment of this turn was not spoken: {message}",
             fatal=False,
+            done_follows=True,
             context_id=seg.utterance.context.id,
         ))
 

@@ -22,7 +22,7 @@ pytest.importorskip("livekit.agents")
 import aiohttp
 from livekit import rtc
 from livekit.agents import APIConnectOptions, APIStatusError
-from livekit.agents.types import DEFAULT_API_CONNECT_OPTIONS, USERDATA_TIMED_TRANSCRIPT
+from livekit.agents.types import USERDATA_TIMED_TRANSCRIPT
 
 from clients.livekit import SAMPLE_RATES, TTS, to_api_error
 from clients.livekit import _timed_words as timed_words
@@ -212,7 +212,7 @@ def test_import_error_names_the_extra():
             "except ImportError as e:\n    print(e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=Path(__file__).resolve().parents[1], timeout=60)
-    assert "pip install 'rtvoice[livekit]'" in out.stdout, out.stdout + out.stderr
+    assert "pip install -e '.[livekit]'" in out.stdout, out.stdout + out.stderr
 
 
 def test_error_mapping():

@@ -610,6 +610,22 @@ async def test_segment_the_engine_cannot_fit_ends_its_turn_not_the_session(small
     assert (await c.until(is_finish))[-1].reason == "stop"
     assert await c.closed() == 1000
     await wait_at_rest(small_server)
+    assert err.done_follows
+
+    # The client library: the error rides on that turn's result, the next turn is unharmed
+    # (found in review: it failed the turn at the error, then gave its done to the next turn).
+    from clients import connect
+
+    async with connect(small_server, chunk_length=1000, max_new_tokens=2) as session:
+        await session.wait_ready()
+        bad = await session.feed(["字" * 100])
+        good = await session.feed(["This fits."])
+        bad_result, good_result = await bad, await good
+        assert bad_result.reason == "error" and bad_result.error is not None
+        assert bad_result.error.code == "too_large" and not bad_result.error.fatal
+        assert good_result.reason == "length" and good_result.frames == 2
+        assert good_result.error is None
+    await wait_at_rest(small_server)
 
 
 async def test_voice_too_large_for_the_context(small_server):
