@@ -305,9 +305,12 @@ def bystander(server: Any, stats: FuzzStats) -> Iterator[None]:
 
 
 def _attack(url: str, frames: list[Any], stats: FuzzStats, kind: str) -> None:
-    """Send `frames`, then the probe; read every answer until the probe's (or, when the
-    frames end with ``stop``, until the server closes) and check each."""
-    until_close = bool(frames) and frames[-1] == STOP
+    """Send `frames`, then the probe; read every answer until the probe's (and, when the
+    frames end with ``stop``, a ``finish``: the turns' audio comes before it), or until the
+    server closes, and check each. After ``finish{stop}`` the socket stays open for another
+    ``start``: the frames after a ``stop`` go to the next session on it, and the probe too."""
+    until_finish = bool(frames) and frames[-1] == STOP
+    probed = finished = False
     stats.examples[kind] = stats.examples.get(kind, 0) + 1
     try:
         ws = connect(url, max_size=None, open_timeout=30, close_timeout=10)
@@ -326,11 +329,12 @@ def _attack(url: str, frames: list[Any], stats: FuzzStats, kind: str) -> None:
             while True:
                 raw = ws.recv(timeout=60)
                 event = _check(raw, stats)
-                if until_close and isinstance(event, Finish) and event.reason == "stop":
-                    break  # the server keeps the socket for another start: we close it
+                finished = finished or isinstance(event, Finish)
                 if isinstance(event, Error) and event.code == "unknown_event" \
-                        and "__probe__" in event.message and not until_close:
-                    return  # the session answered everything before the probe, and lives
+                        and "__probe__" in event.message:
+                    probed = True
+                if probed and (finished or not until_finish):
+                    return  # everything before the probe was answered; the server lives
         except ConnectionClosed:
             pass
         except TimeoutError:
