@@ -27,7 +27,15 @@
 # TESTS_TIMEOUT, SERVER_TIMEOUT, ENGINE_LEVELS, ENGINE_RUNS, SKIP (gpu_bench sections;
 # default decode,codec,fixtures,profile), TOTAL (s, default 585), PROBE,
 # COMPILED_SAMPLER=1 (profile the step again with the compiled torch sampler).
+# The device lacks the service's own packages (uvicorn, starlette, msgspec...): run
+# scripts/device_wheels.sh here first and carry .whl; they are installed into /tmp/site.
 set -uo pipefail
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # scripts/*.py import the packages
 OUT=${OUT:-artifacts/gpu}
 mkdir -p "$OUT"
 export OUT PYTHONUNBUFFERED=1 RTVOICE_FIXTURES=${RTVOICE_FIXTURES:-tests/fixtures/fish_s2_tiny}
