@@ -84,6 +84,10 @@ def serve(args: argparse.Namespace) -> int:
     settings = Settings.from_env(**overrides)
     m, net = settings.model, settings.network
     logs.setup(net.log_format, net.keys())
+    if net.gpus is not None or net.replicas > 1:  # several engine processes behind nginx
+        from rtvoice.replicas import serve_replicas
+
+        return serve_replicas(settings, overrides)
     if m.is_preset:
         log.warning(
             "serving the built-in %r model with RANDOM WEIGHTS: it exercises the whole pipeline "

@@ -76,11 +76,27 @@ class NetworkSettings:
     log_format: str = option("text", "log lines as plain text, or as JSON objects (one per "
                              "line, with session and turn ids) for a log collector",
                              choices=("text", "json"))
+    gpus: str | None = option(
+        None, "several GPUs behind this one address: 'all' or indices '0,1,...'; one engine "
+        "process per GPU (its own KV pool and graphs, one shared voice store), nginx in front "
+        "(least connections, needs the nginx binary); unset: one process on --device")
+    replicas: int = option(1, "engine processes on --device behind this one address (nginx "
+                           "in front, as with --gpus); for CPUs and tests", ge=1, le=64)
 
     def __post_init__(self) -> None:
         validate(self)
         if self.api_keys is not None and not self.keys():
             raise ValueError("api_keys is set but holds no key (comma-separated, non-empty)")
+        if self.gpus is not None:
+            parts = [g.strip() for g in self.gpus.split(",")]
+            if self.gpus.strip() != "all" and not all(p.isdigit() for p in parts):
+                raise ValueError(f"gpus must be 'all' or GPU indices like '0,1', got "
+                                 f"{self.gpus!r}")
+            if len(set(parts)) != len(parts):
+                raise ValueError(f"gpus names a GPU twice: {self.gpus!r}")
+            if self.replicas > 1:
+                raise ValueError("set gpus (one process per GPU) or replicas (processes on "
+                                 "--device), not both")
 
     def keys(self) -> tuple[str, ...]:
         """The API keys a request may present (empty: authentication off)."""
