@@ -653,7 +653,7 @@ class Session:
         key = self._key(context_id)
         pending = self._pending.setdefault(key, deque())
         open_turn = self._open.pop(key, None)
-        if open_turn is not None and open_turn.text_events:
+        if open_turn is not None and open_turn.text:
             pending.append(open_turn)
         elif open_turn is not None:
             open_turn._finish(now)  # no text reached the server: nothing to cancel there

@@ -603,8 +603,7 @@ class _TurnSpeaker:
             if result is not None and result.chunks and _turn_segments(turn) is None:
                 self._tts._no_timings()
         if result is not None and result.reason == "error":
-            session = turn._session
-            err = session.errors[-1] if session.errors else RtvoiceError(
+            err = result.error or RtvoiceError(
                 "error", "the server refused a segment of this turn", fatal=False)
             raise to_api_error(err, request_id=self._request_id)
 

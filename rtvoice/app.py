@@ -137,6 +137,8 @@ async def _live(ws: WebSocket) -> None:
     limit = rt.settings.limits.max_unstarted
     if key is None:
         denied = ProtocolError(ErrorCode.UNAUTHORIZED, UNAUTHORIZED)
+    elif rt.metrics.unstarted + rt.metrics.lingering >= limit and rt.lingering:
+        next(iter(rt.lingering)).lapse()  # the oldest socket kept after finish{stop} goes
     elif rt.metrics.unstarted >= limit:
         denied = ProtocolError(ErrorCode.OVERLOADED, f"{limit} connections are open without "
                                "'start' (max_unstarted); retry later", limit="max_unstarted")

@@ -36,6 +36,7 @@ class Metrics:
         self.limit_hits: dict[str, int] = {}  # by limit (option name): refused or cut by it
         self.drops: dict[str, int] = {}  # sessions the server ended, by cause
         self.unstarted = 0  # connections open that have not sent 'start' yet
+        self.lingering = 0  # sockets kept after finish{stop} for another start
         self.draining = False
         self.references_running = 0  # reference clips decoding/encoding now (bounded pool)
         self.references_waiting = 0  # ... and waiting for a worker
@@ -156,6 +157,9 @@ def render_metrics(m: Metrics, engine: Engine, *, model: str, device: str,
            "send_queue_bytes and the encode backlog).", [("", queued_bytes)])
     metric("rtvoice_connections_unstarted", "gauge", "Connections open that have not sent "
            "'start' yet (bounded by max_unstarted).", [("", m.unstarted)])
+    metric("rtvoice_connections_lingering", "gauge", "Sockets kept open after finish{stop} "
+           "for another start (reuse_timeout_s; the oldest is closed when a new connection "
+           "would exceed max_unstarted).", [("", m.lingering)])
     metric("rtvoice_draining", "gauge", "1 while the server drains (after SIGTERM).",
            [("", int(m.draining))])
     metric("rtvoice_reference_jobs", "gauge", "Reference clips being decoded and encoded, and "

@@ -209,7 +209,7 @@ async def _stream(rt: Runtime, request: Request, req: TTSRequest, output: Encode
     try:
         await _until_started(synth, request)
     except BaseException as exc:
-        await synth.close()
+        await synth.close(refused=not isinstance(exc, _Gone | asyncio.CancelledError))
         if isinstance(exc, ProtocolError):
             return _refuse(rt, exc, openai=openai, headers=ids)
         if isinstance(exc, _Gone | asyncio.CancelledError):
@@ -279,10 +279,11 @@ class _AudioStream(StreamingResponse):
         try:
             await super().__call__(scope, receive, timed_send)
         except TimeoutError:
-            m = self.rt.metrics
-            m.slow_clients += 1
-            m.dropped("slow_reader")
-            m.limit_hit("send_timeout_s")
+            if self.synth.failure is None:  # not cut already (by the queued-audio bound)
+                m = self.rt.metrics
+                m.slow_clients += 1
+                m.dropped("slow_reader")
+                m.limit_hit("send_timeout_s")
             self.synth.cut(ProtocolError(ErrorCode.TIMEOUT, f"the client accepted no data "
                                          f"for {timeout:g} s", limit="send_timeout_s"))
             await self.synth.close()

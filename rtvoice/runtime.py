@@ -72,6 +72,8 @@ class LiveSession(Protocol):
 
     def drain(self) -> None: ...
 
+    def lapse(self) -> None: ...
+
     @property
     def queued_bytes(self) -> int: ...
 
@@ -88,6 +90,8 @@ class Runtime:
     session_ids: itertools.count[int] = field(default_factory=itertools.count)
     sessions: set[LiveSession] = field(default_factory=set)  # connected now (shutdown notices)
     sessions_by_key: dict[int, int] = field(default_factory=dict)  # API key index -> live
+    # sockets kept open after finish{stop} for another start, oldest first (LiveSession)
+    lingering: dict[LiveSession, None] = field(default_factory=dict)
     trimmer: asyncio.Task[None] | None = None  # memory.trim_loop
 
     @property

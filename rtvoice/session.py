@@ -178,6 +178,7 @@ class Session:
         self._jobs: asyncio.Queue[Any] = asyncio.Queue(
             maxsize=encode_backlog_chunks(self.settings.engine))
         self._raw_bytes = 0  # PCM in _jobs
+        self._in_flight: asyncio.Future[Any] | None = None  # the encoder call in the pool
         self._outbox = Outbox(self.limits.send_queue_bytes, self.limits.send_queue_events)
         self._ready_sent = False  # until then ``done`` events are held back (see _put)
         self._closing = False
@@ -204,7 +205,10 @@ class Session:
                     await self.ws.accept()
                 except Exception:  # handshake lost: nothing to clean up yet
                     return False
-            if self._denied is None:
+            if self._reused:  # waits for another start, in the lingering set
+                self.rt.lingering[self] = None
+                metrics.lingering += 1
+            elif self._denied is None:
                 self._unstarted = True
                 metrics.unstarted += 1
             # a refused session reads nothing: its "receiver" fails at once with the reason
@@ -225,6 +229,11 @@ class Session:
             except Exception as exc:  # defensive: _fail only stores mapped errors
                 error = self._to_protocol_error(exc)
             await self._shutdown(error, gone, receiver, sender, encoder, lapsed=lapsed)
+            if self.reusable and (self._draining or self.rt.stopping):  # drained meanwhile
+                self.reusable = False
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self.ws.close(code=1001, reason="shutting_down"),
+                                           _FINAL_TIMEOUT_S)
             return self.reusable
         finally:
             self._closing = True
@@ -269,8 +278,15 @@ class Session:
     async def _refuse(error: ProtocolError) -> None:
         raise error
 
+    def lapse(self) -> None:
+        """A lingering socket (after finish{stop}) gives its place to a new connection:
+        closed 1000, as when reuse_timeout_s runs out. Call on the event loop."""
+        self._on_failure(_Lapsed())
+
     def _started(self) -> None:
         """No longer a connection waiting to send 'start' (it did, or it ended)."""
+        if self.rt.lingering.pop(self, False) is None:
+            self.rt.metrics.lingering -= 1
         if self._unstarted:
             self._unstarted = False
             self.rt.metrics.unstarted -= 1
@@ -375,6 +391,7 @@ class Session:
             # service does; LiveKit's Fish plugin pools its sockets on that), unless the
             # server is going away or the sender could not deliver everything.
             self.reusable = (error is None and self._denied is None and not self._draining
+                             and self._request is not None  # it served a session
                              and self.limits.reuse_timeout_s > 0
                              and not self.rt.stopping and sender.done()
                              and not sender.cancelled() and sender.exception() is None)
@@ -748,7 +765,6 @@ class Session:
 
     async def _encode_loop(self) -> None:
         """Per-session, ordered: audio chunks -> encoder (thread pool) -> outbox."""
-        loop = self._loop
         pool = self.rt.encode_pool
         output: EncoderConfig | None = None
         try:
@@ -771,14 +787,14 @@ class Session:
                         self._put(Out(utterance=utt, segment=seg))
                     continue
                 if utt.encoder is None and (job.kind == _AUDIO or utt.samples_in):
-                    utt.encoder = await loop.run_in_executor(pool, encoder_for, output)
+                    utt.encoder = await self._in_pool(pool, encoder_for, output)
                 encoder: AudioEncoder | None = utt.encoder  # type: ignore[assignment]
                 data = b""
                 if job.kind == _AUDIO:
                     assert job.pcm is not None and encoder is not None
-                    data = await loop.run_in_executor(pool, encoder.encode, job.pcm)
+                    data = await self._in_pool(pool, encoder.encode, job.pcm)
                 elif encoder is not None:  # _FINISH
-                    data = await loop.run_in_executor(pool, encoder.finish)
+                    data = await self._in_pool(pool, encoder.finish)
                     utt.encoder = None
                 if utt.cancelled or self._closing:  # cancelled while the pool was encoding
                     self._close_encoder(utt)
@@ -811,14 +827,25 @@ class Session:
             for utt in list(self.turns.open_utterances if self.turns is not None else ()):
                 self._close_encoder(utt)
 
-    @staticmethod
-    def _close_encoder(utt: Utterance) -> None:
+    async def _in_pool(self, pool: Any, fn: Any, *args: Any) -> Any:
+        """An encoder call in the pool. Shielded: when the encode worker is cancelled (the
+        session ends) the call is still running in its thread, and `_close_encoder` must
+        know that (the encoders are not thread-safe)."""
+        running = self._in_flight = self._loop.run_in_executor(pool, fn, *args)
+        result = await asyncio.shield(running)
+        if self._in_flight is running:
+            self._in_flight = None
+        return result
+
+    def _close_encoder(self, utt: Utterance) -> None:
         enc, utt.encoder = utt.encoder, None
-        if enc is not None:
-            try:
-                enc.close()  # type: ignore[attr-defined]
-            except Exception:  # closing a half-written stream must not fail the session
-                log.debug("encoder close failed", exc_info=True)
+        if enc is None:
+            return
+        running = self._in_flight
+        if running is not None and not running.done():  # a pool thread still uses it
+            running.add_done_callback(lambda _: _close(enc))
+        else:
+            _close(enc)
 
     # ------------------------------------------------------------------------- sending
 
@@ -896,6 +923,13 @@ class Session:
         return segment_event(
             context_id=ctx.id, index=seg.index, text=seg.text, char_start=seg.char_start,
             start_s=base + seg.start_s, end_s=base + seg.end_s if final else None)
+
+
+def _close(enc: Any) -> None:
+    try:
+        enc.close()
+    except Exception:  # closing a half-written stream must not fail the session
+        log.debug("encoder close failed", exc_info=True)
 
 
 _DROP_CAUSES: Final = {"idle_timeout_s": "idle", "start_timeout_s": "no_start",

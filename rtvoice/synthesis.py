@@ -177,6 +177,11 @@ class Synthesis:
         self._raw_bytes = 0
         self._events.put_nowait((_FAIL, error))
 
+    @property
+    def failure(self) -> ProtocolError | None:
+        """Why it was cut (None: it was not)."""
+        return self._failure
+
     # ----------------------------------------------------------------- the shutdown's view
     def drain(self) -> None:
         """The server drains: a request is one utterance, it finishes on its own."""
@@ -191,12 +196,13 @@ class Synthesis:
     async def _encode(self, fn: Any, *args: Any) -> Any:
         """Run an encoder call in the pool; `close` defers closing the encoder while one runs
         (the encoders are not thread-safe, and a cancelled await leaves the thread going)."""
-        self._encoding = self._loop.run_in_executor(self.rt.encode_pool, fn, *args)
-        try:
-            return await self._encoding
-        finally:
-            if self._encoding.done():
-                self._encoding = None
+        running = self._encoding = self._loop.run_in_executor(self.rt.encode_pool, fn, *args)
+        # shielded: cancelling this await (the client left) must not mark the call done
+        # while the pool thread still runs it; `close` looks at `_encoding` to know
+        result = await asyncio.shield(running)
+        if self._encoding is running:
+            self._encoding = None
+        return result
 
     async def audio(self) -> AsyncIterator[bytes]:
         """The encoded audio as it comes. Raises `ProtocolError` if generation fails or the
@@ -242,11 +248,13 @@ class Synthesis:
                          self.samples / self.rt.engine.sample_rate, self.frames)
                 return
             elif kind == _FAIL:
+                self.reason = self.reason or "error"
                 raise rest[0]
 
-    async def close(self) -> None:
-        """Give the KV slot and the session back, close the encoder (idempotent)."""
-        if self._claimed and not self.reason and self._failure is None:
+    async def close(self, *, refused: bool = False) -> None:
+        """Give the KV slot and the session back, close the encoder (idempotent). `refused`:
+        it never started (the caller logs why)."""
+        if self._claimed and not (refused or self.reason or self._failure is not None):
             log.info("request %s ended early: the client went away", self.id)
         self._release()
         if self._turns is not None:

@@ -189,6 +189,11 @@ async def test_a_blank_turn_ends_at_once_and_the_next_turn_gets_its_audio(server
         real = await s.feed(["Hello there."])
         res = await real
         assert real.chunks and res.frames > 0 and not blank.chunks
+        # a cancel while the open turn holds only blank text: nothing of it is pending
+        await s.send_text("   ")
+        await s.cancel()
+        after = await s.feed(["After the cancel."])
+        assert (await asyncio.wait_for(after.result(), 30)).frames > 0 and after.chunks
 
 
 async def test_keepalive_keeps_an_idle_session_past_the_idle_timeout() -> None:

@@ -324,3 +324,50 @@ def test_rest_while_draining_is_refused_and_errors_keep_each_apis_shape():
             assert r.json()["error"]["code"] == "shutting_down"
         finally:
             rt.metrics.draining = False
+
+
+def test_an_encoder_is_never_closed_while_a_pool_thread_encodes(monkeypatch):
+    """Found in review: a client leaving mid-stream cancelled the await of an encode whose
+    pool thread went on, and the encoder (libsndfile for mp3/opus) was closed under it."""
+    import threading
+    import time as _time
+
+    import rtvoice.synthesis as synthesis
+
+    seen = {"closed_during": 0, "closes": 0}
+    lock = threading.Lock()
+    real = synthesis.encoder_for
+
+    class Slow:
+        """An encoder whose encode takes a while; it notes a close while it encodes."""
+
+        def __init__(self, enc: Any) -> None:
+            self.enc = enc
+            self.busy = False
+
+        def encode(self, pcm: Any) -> bytes:
+            self.busy = True
+            try:
+                _time.sleep(0.3)
+                return self.enc.encode(pcm)
+            finally:
+                self.busy = False
+
+        def finish(self) -> bytes:
+            return self.enc.finish()
+
+        def close(self) -> None:
+            with lock:
+                seen["closes"] += 1
+                seen["closed_during"] += self.busy
+            self.enc.close()
+
+    monkeypatch.setattr(synthesis, "encoder_for", lambda output: Slow(real(output)))
+    with running_server(max_turn_frames=16) as url:
+        for _ in range(3):
+            with httpx.stream("POST", f"{url}/v1/tts", timeout=60,
+                              json={"text": _LONG[:300], "format": "mp3"}) as r:
+                next(r.iter_bytes())  # the first audio, then the client leaves
+        asyncio.run(poll(lambda: _at_rest(url) and seen["closes"] == 3, "requests not closed",
+                         timeout=30))
+    assert seen["closed_during"] == 0, seen

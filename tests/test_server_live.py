@@ -808,3 +808,26 @@ def test_the_socket_stays_open_after_finish_for_another_start():
 
     with running_server(max_turn_frames=4, reuse_timeout_s=0) as url:
         asyncio.run(no_reuse(url))
+
+    async def crowded(url: Any) -> None:
+        """Kept sockets give their place to new connections (max_unstarted); a stop before
+        any start is no session to keep the socket for."""
+        rt = url.app.state.runtime
+        kept = [await Client.connect(url.ws_url) for _ in range(2)]
+        for c in kept:
+            await turn(c)
+        await poll(lambda: rt.metrics.lingering == 2, "the sockets were not kept")
+        newcomer = await Client.connect(url.ws_url)  # over max_unstarted with the kept ones
+        await asyncio.wait_for(kept[0].ws.wait_closed(), 10)
+        assert kept[0].ws.close_code == 1000 and kept[1].ws.close_code is None
+        await turn(newcomer)
+        never = await Client.connect(url.ws_url)
+        await never.send(Stop())
+        assert (await never.until(is_finish))[-1].reason == "stop"
+        await asyncio.wait_for(never.ws.wait_closed(), 10)
+        assert never.ws.close_code == 1000
+        for c in (kept[1], newcomer):
+            await c.close()
+
+    with running_server(max_turn_frames=4, max_unstarted=2) as url:
+        asyncio.run(crowded(url))
