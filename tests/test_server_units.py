@@ -106,7 +106,8 @@ def _flag_value(name: str):  # type: ignore[no-untyped-def]
                "high_priority_streams": ("decode,codec", ("decode", "codec")),
                "data_dir": ("/tmp/rtvoice-x", Path("/tmp/rtvoice-x")),
                "max_chunk_length": ("999", 999), "min_chunk_length": ("11", 11),
-               "port": ("9123", 9123), "log_format": ("json", "json")}
+               "port": ("9123", 9123), "log_format": ("json", "json"),
+               "gpus": ("0,1", "0,1"), "replicas": ("3", 3)}
     if name in special:
         return special[name]
     if base is bool:
