@@ -73,6 +73,7 @@ from protocol import (
 )
 from rtvoice import logs
 from rtvoice.audio_formats import AudioEncoder, EncoderConfig, encoder_for
+from rtvoice.encoder_calls import EncoderCalls
 from rtvoice.outbox import CLOSE, Out, Outbox, SlowReader
 from rtvoice.runtime import Runtime, known_error
 from rtvoice.timestamps import segment_event
@@ -178,11 +179,11 @@ class Session:
         self._jobs: asyncio.Queue[Any] = asyncio.Queue(
             maxsize=encode_backlog_chunks(self.settings.engine))
         self._raw_bytes = 0  # PCM in _jobs
-        self._in_flight: asyncio.Future[Any] | None = None  # the encoder call in the pool
         self._outbox = Outbox(self.limits.send_queue_bytes, self.limits.send_queue_events)
         self._ready_sent = False  # until then ``done`` events are held back (see _put)
         self._closing = False
         self._loop = asyncio.get_running_loop()
+        self._calls = EncoderCalls(self._loop, runtime.encode_pool)
         self._end: asyncio.Future[None] = self._loop.create_future()
         self._tasks: list[asyncio.Task[None]] = []
         self._opened_at = time.perf_counter()
@@ -765,7 +766,6 @@ class Session:
 
     async def _encode_loop(self) -> None:
         """Per-session, ordered: audio chunks -> encoder (thread pool) -> outbox."""
-        pool = self.rt.encode_pool
         output: EncoderConfig | None = None
         try:
             while True:
@@ -787,14 +787,14 @@ class Session:
                         self._put(Out(utterance=utt, segment=seg))
                     continue
                 if utt.encoder is None and (job.kind == _AUDIO or utt.samples_in):
-                    utt.encoder = await self._in_pool(pool, encoder_for, output)
+                    utt.encoder = await self._calls.run(encoder_for, output)
                 encoder: AudioEncoder | None = utt.encoder  # type: ignore[assignment]
                 data = b""
                 if job.kind == _AUDIO:
                     assert job.pcm is not None and encoder is not None
-                    data = await self._in_pool(pool, encoder.encode, job.pcm)
+                    data = await self._calls.run(encoder.encode, job.pcm)
                 elif encoder is not None:  # _FINISH
-                    data = await self._in_pool(pool, encoder.finish)
+                    data = await self._calls.run(encoder.finish)
                     utt.encoder = None
                 if utt.cancelled or self._closing:  # cancelled while the pool was encoding
                     self._close_encoder(utt)
@@ -827,25 +827,9 @@ class Session:
             for utt in list(self.turns.open_utterances if self.turns is not None else ()):
                 self._close_encoder(utt)
 
-    async def _in_pool(self, pool: Any, fn: Any, *args: Any) -> Any:
-        """An encoder call in the pool. Shielded: when the encode worker is cancelled (the
-        session ends) the call is still running in its thread, and `_close_encoder` must
-        know that (the encoders are not thread-safe)."""
-        running = self._in_flight = self._loop.run_in_executor(pool, fn, *args)
-        result = await asyncio.shield(running)
-        if self._in_flight is running:
-            self._in_flight = None
-        return result
-
     def _close_encoder(self, utt: Utterance) -> None:
         enc, utt.encoder = utt.encoder, None
-        if enc is None:
-            return
-        running = self._in_flight
-        if running is not None and not running.done():  # a pool thread still uses it
-            running.add_done_callback(lambda _: _close(enc))
-        else:
-            _close(enc)
+        self._calls.close(enc)
 
     # ------------------------------------------------------------------------- sending
 
@@ -923,13 +907,6 @@ class Session:
         return segment_event(
             context_id=ctx.id, index=seg.index, text=seg.text, char_start=seg.char_start,
             start_s=base + seg.start_s, end_s=base + seg.end_s if final else None)
-
-
-def _close(enc: Any) -> None:
-    try:
-        enc.close()
-    except Exception:  # closing a half-written stream must not fail the session
-        log.debug("encoder close failed", exc_info=True)
 
 
 _DROP_CAUSES: Final = {"idle_timeout_s": "idle", "start_timeout_s": "no_start",

@@ -32,6 +32,7 @@ import numpy as np
 from engine.request import Sequence, TurnResult
 from protocol import Error, ErrorCode, ProtocolError, TTSRequest
 from rtvoice.audio_formats import AudioEncoder, EncoderConfig, encoder_for
+from rtvoice.encoder_calls import EncoderCalls
 from rtvoice.runtime import Runtime, known_error
 from rtvoice.turns import Segment, Turns, Utterance
 
@@ -39,12 +40,6 @@ __all__ = ["Synthesis"]
 
 log = logging.getLogger(__name__)
 
-
-def _close_encoder(enc: AudioEncoder) -> None:
-    try:
-        enc.close()  # type: ignore[attr-defined]
-    except Exception:  # closing a half-written stream must not fail the request
-        log.debug("encoder close failed", exc_info=True)
 
 _READY, _AUDIO, _END, _FINISH, _FAIL = "ready", "audio", "end", "finish", "fail"
 
@@ -92,7 +87,7 @@ class Synthesis:
         self._events: asyncio.Queue[tuple[Any, ...]] = asyncio.Queue()
         self._raw_bytes = 0  # PCM waiting in _events (bounded by send_queue_bytes)
         self._failure: ProtocolError | None = None  # why it was cut (slow reader, shutdown)
-        self._encoding: asyncio.Future[bytes] | None = None  # the encoder call in flight
+        self._calls = EncoderCalls(self._loop, rt.encode_pool)
         self._seq: Sequence | None = None
         self._turns: Turns | None = None
         self._claimed = False
@@ -142,7 +137,7 @@ class Synthesis:
             raise rest[0]
         assert kind == _READY, kind
         self.rt.metrics.observe_prefill(rest[0])
-        self._encoder = await self._encode(encoder_for, self.output)
+        self._encoder = await self._calls.run(encoder_for, self.output)
         self._turns.accepting = True
         self._turns.pump()
 
@@ -193,17 +188,6 @@ class Synthesis:
     def queued_bytes(self) -> int:
         return self._raw_bytes
 
-    async def _encode(self, fn: Any, *args: Any) -> Any:
-        """Run an encoder call in the pool; `close` defers closing the encoder while one runs
-        (the encoders are not thread-safe, and a cancelled await leaves the thread going)."""
-        running = self._encoding = self._loop.run_in_executor(self.rt.encode_pool, fn, *args)
-        # shielded: cancelling this await (the client left) must not mark the call done
-        # while the pool thread still runs it; `close` looks at `_encoding` to know
-        result = await asyncio.shield(running)
-        if self._encoding is running:
-            self._encoding = None
-        return result
-
     async def audio(self) -> AsyncIterator[bytes]:
         """The encoded audio as it comes. Raises `ProtocolError` if generation fails or the
         request was cut."""
@@ -217,7 +201,7 @@ class Synthesis:
                 if seg is None:
                     continue
                 self.samples += pcm.shape[0]
-                data = await self._encode(self._encoder.encode, pcm)
+                data = await self._calls.run(self._encoder.encode, pcm)
                 if seg is not None and not seg.has_audio:
                     seg.has_audio = True
                     ttfa = time.perf_counter() - seg.submitted_at
@@ -234,7 +218,7 @@ class Synthesis:
                     self.rt.metrics.frames_total += result.frames
             elif kind == _FINISH:
                 utt: Utterance = rest[0]
-                data = await self._encode(self._encoder.finish)
+                data = await self._calls.run(self._encoder.finish)
                 self._encoder = None
                 self.reason = utt.done_reason()
                 self.rt.metrics.turn_done(self.reason)
@@ -260,13 +244,7 @@ class Synthesis:
         if self._turns is not None:
             self._turns.close()
         enc, self._encoder = self._encoder, None
-        if enc is None:
-            return
-        running = self._encoding
-        if running is not None and not running.done():  # the pool thread still uses it
-            running.add_done_callback(lambda _: _close_encoder(enc))
-        else:
-            _close_encoder(enc)
+        self._calls.close(enc)
 
     def _release(self) -> None:
         if self._seq is not None:
