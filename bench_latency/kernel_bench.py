@@ -53,16 +53,18 @@ def main() -> int:
             print(f"prev_tokens_shift bs={bs:4d} {name:7s} {us:8.2f} us")
     dt = torch.bfloat16 if cuda else torch.float32
     for bs, pos in ((1, 200), (1, 1000), (64, 200), (64, 1000)):
-        S = 1024
+        S, BS = 1024, 64  # the engine's KV pool: blocks of 64 positions, rows' blocks shuffled
+        mb = S // BS
         q = torch.randn(bs, 32, 128, device=dev, dtype=dt)
         kn, vn = (torch.randn(bs, 8, 128, device=dev, dtype=dt) for _ in range(2))
-        kc, vc = (torch.randn(bs + 1, 8, S, 128, device=dev, dtype=dt) for _ in range(2))
-        ws = torch.arange(bs, device=dev)
+        kc, vc = (torch.randn(bs * mb + 1, 8, BS, 128, device=dev, dtype=dt) for _ in range(2))
+        table = torch.randperm(bs * mb, device=dev).view(bs, mb)
         ps = torch.full((bs,), pos, device=dev)
+        ws = table[:, pos // BS].contiguous()
         for name, fn in ((kind, lambda *a: decode_attention(*a, splits=1)),
                          (f"{kind}-split", lambda *a: decode_attention(*a, splits=0)),
                          ("torch", decode_attention_torch)):
-            us = timed(fn, (q, kn, vn, kc, vc, ws, ps, pos + 1), 200 if cuda else 5, cuda)
+            us = timed(fn, (q, kn, vn, kc, vc, table, ws, ps, pos + 1), 200 if cuda else 5, cuda)
             print(f"decode_attention bs={bs:3d} pos={pos:5d} {name:12s} {us:9.2f} us")
     for bs in (1, 64, 128):  # a main-token draw: 4,096 semantic tokens + <|im_end|>
         logits = 3 * torch.randn(bs, 4097, device=dev)

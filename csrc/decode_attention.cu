@@ -1,5 +1,5 @@
 // decode_attention: one new query position per row, grouped-query attention over the row's
-// KV slot, with this position's key/value written into the cache by the same launch.
+// paged KV blocks, with this position's key/value written into the cache by the same launch.
 //
 // Replaces, per layer and step, the two index_put writes of the new k/v plus the attention
 // itself (which for a bool mask + GQA is torch's multi-kernel math path) with one kernel.
@@ -8,19 +8,22 @@
 //   q        [B, H, D]        bf16/fp16/fp32, rows may be strided (heads and dims packed)
 //   k_new    [B, Hkv, D]      same dtype, rows may be strided
 //   v_new    [B, Hkv, D]      same dtype, rows may be strided
-//   k_cache  [N, Hkv, S, D]   same dtype, contiguous, written at (wslot[b], :, pos[b])
-//   v_cache  [N, Hkv, S, D]
-//   wslot    [B] int64        slot each row writes to (0 <= wslot < N): row b's own slot b,
-//                             or a slot no row of this launch reads (>= B, e.g. scratch)
-//   pos      [B] int64        each row's position (0 <= pos < S; not checked on the device)
+//   k_cache  [N, Hkv, BS, D]  same dtype, contiguous: N blocks of BS positions, written at
+//   v_cache  [N, Hkv, BS, D]  (wblock[b], :, pos[b] % BS)
+//   table    [B, MB] int64    row b's blocks: its position t lives at (table[b, t / BS], t % BS)
+//   wblock   [B] int64        block each row writes pos[b] into (0 <= wblock < N): its own
+//                             table[b, pos[b] / BS], or a block no row of this launch reads
+//                             (a scratch block, for rows that only pad the batch)
+//   pos      [B] int64        each row's position (0 <= pos < MB * BS; not checked on device)
 //   out      [B, H, D]        contiguous
 //   splits   int              1: one block reads all of a row's positions; > 1: each row's
 //                             positions are cut into `splits` ranges read by separate blocks
 //                             (partial softmax states in float32, merged by a second kernel);
 //                             0: as many as it takes to fill the GPU when the batch is small
-// Row b attends to positions 0..pos[b] of slot b (row b's own slot: the engine's batch rows
-// are its slots); the key/value at pos[b] is taken from k_new/v_new, so blocks never read
-// what another block of the same launch writes. Query head h uses kv head h / (H / Hkv).
+// Row b attends to positions 0..pos[b] through its block table; the key/value at pos[b] is
+// taken from k_new/v_new, so blocks never read what another block of the same launch writes.
+// A dense cache [N, Hkv, S, D] read in place is the case BS = S, table[b] = [b]. Query head h
+// uses kv head h / (H / Hkv).
 // Scores and the softmax are computed in float32; scale = 1/sqrt(D).
 //
 // Why splits: at batch 1 a launch has only H (R = 1) blocks, each walking all positions one
@@ -75,8 +78,9 @@ template <typename T, int E, int R, int L>
 __global__ void __launch_bounds__(kGroups * L) decode_attention_kernel(
     const T* __restrict__ q, int64_t q_rs, const T* __restrict__ k_new, int64_t k_rs,
     const T* __restrict__ v_new, int64_t v_rs, T* __restrict__ k_cache,
-    T* __restrict__ v_cache, const int64_t* __restrict__ wslot,
-    const int64_t* __restrict__ pos, T* __restrict__ out, int Hkv, int rep, int64_t S,
+    T* __restrict__ v_cache, const int64_t* __restrict__ table, int64_t MB,
+    const int64_t* __restrict__ wblock, const int64_t* __restrict__ pos, T* __restrict__ out,
+    int Hkv, int rep, int64_t BS,
     float scale, bool vec, int splits, float* __restrict__ ws_o, float* __restrict__ ws_ml) {
   constexpr int D = E * L;
   constexpr int kThreads = kGroups * L;
@@ -98,7 +102,7 @@ __global__ void __launch_bounds__(kGroups * L) decode_attention_kernel(
   const T* vn = v_new + b * v_rs + g * D;
 
   if (part == 0 && split == 0) {  // store this position (read back from k_new/v_new below)
-    const int64_t w = ((wslot[b] * Hkv + g) * S + p) * D;
+    const int64_t w = ((wblock[b] * Hkv + g) * BS + p % BS) * D;
     for (int i = threadIdx.x; i < D; i += kThreads) {
       k_cache[w + i] = kn[i];
       v_cache[w + i] = vn[i];
@@ -121,7 +125,8 @@ __global__ void __launch_bounds__(kGroups * L) decode_attention_kernel(
     for (int e = 0; e < E; ++e) acc[r][e] = 0.f;
   }
 
-  const int64_t base = (static_cast<int64_t>(b) * Hkv + g) * S * D;
+  const int64_t* blocks = table + static_cast<int64_t>(b) * MB;
+  const int bs32 = static_cast<int>(BS);
   // Trips are uniform across the block (t0 is), so every lane reaches every shuffle; a group
   // whose position t is past the range computes nothing and keeps its state.
   for (int64_t t0 = t_begin; t0 < t_end; t0 += kGroups) {
@@ -130,8 +135,11 @@ __global__ void __launch_bounds__(kGroups * L) decode_attention_kernel(
     float kk[E], vv[E];
     float s[R];
     if (live) {  // key and value loads issued together: two memory round trips overlap
-      load<T, E>((t == p ? kn : k_cache + base + t * D) + sub * E, kk, vec);
-      load<T, E>((t == p ? vn : v_cache + base + t * D) + sub * E, vv, vec);
+      // 32-bit division: positions and block sizes are small (64-bit division is emulated)
+      const int tb = static_cast<int>(t) / bs32, to = static_cast<int>(t) - tb * bs32;
+      const int64_t at = t == p ? 0 : ((blocks[tb] * Hkv + g) * BS + to) * D;
+      load<T, E>((t == p ? kn : k_cache + at) + sub * E, kk, vec);
+      load<T, E>((t == p ? vn : v_cache + at) + sub * E, vv, vec);
     } else {
 #pragma unroll
       for (int e = 0; e < E; ++e) kk[e] = vv[e] = 0.f;
@@ -224,15 +232,16 @@ __global__ void decode_attention_combine(const float* __restrict__ ws_o,
 template <typename T, int E, int L>
 void launch_e(int R, int rep, dim3 grid, cudaStream_t stream, const torch::Tensor& q,
               const torch::Tensor& k_new, const torch::Tensor& v_new, torch::Tensor& k_cache,
-              torch::Tensor& v_cache, const torch::Tensor& wslot, const torch::Tensor& pos,
-              torch::Tensor& out, float scale, bool vec, int splits, float* ws_o,
-              float* ws_ml) {
+              torch::Tensor& v_cache, const torch::Tensor& table, const torch::Tensor& wblock,
+              const torch::Tensor& pos, torch::Tensor& out, float scale, bool vec, int splits,
+              float* ws_o, float* ws_ml) {
 #define RTV_LAUNCH(R_)                                                                      \
   decode_attention_kernel<T, E, R_, L><<<grid, kGroups * L, 0, stream>>>(                         \
       q.data_ptr<T>(), q.stride(0), k_new.data_ptr<T>(), k_new.stride(0),                   \
       v_new.data_ptr<T>(), v_new.stride(0), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),   \
-      wslot.data_ptr<int64_t>(), pos.data_ptr<int64_t>(), out.data_ptr<T>(),                \
-      static_cast<int>(k_new.size(1)), rep, k_cache.size(2), scale, vec, splits, ws_o, ws_ml)
+      table.data_ptr<int64_t>(), table.stride(0), wblock.data_ptr<int64_t>(),               \
+      pos.data_ptr<int64_t>(), out.data_ptr<T>(), static_cast<int>(k_new.size(1)), rep,     \
+      k_cache.size(2), scale, vec, splits, ws_o, ws_ml)
   switch (R) {
     case 1: RTV_LAUNCH(1); break;
     case 2: RTV_LAUNCH(2); break;
@@ -249,8 +258,9 @@ bool aligned16(const torch::Tensor& t) {
 
 template <typename T>
 void launch(const torch::Tensor& q, const torch::Tensor& k_new, const torch::Tensor& v_new,
-            torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& wslot,
-            const torch::Tensor& pos, torch::Tensor& out, int64_t splits) {
+            torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& table,
+            const torch::Tensor& wblock, const torch::Tensor& pos, torch::Tensor& out,
+            int64_t splits) {
   const int B = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_new.size(1);
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   const int rep = H / Hkv;
@@ -268,7 +278,8 @@ void launch(const torch::Tensor& q, const torch::Tensor& k_new, const torch::Ten
   // not depend on pos: a captured graph replays it at every position)
   if (splits == 0) {
     const int64_t want = blocks >= n_sm ? 1 : (2 * n_sm + blocks - 1) / blocks;
-    splits = std::max<int64_t>(1, std::min<int64_t>({want, kMaxSplits, k_cache.size(2) / 64}));
+    const int64_t positions = table.size(1) * k_cache.size(2);
+    splits = std::max<int64_t>(1, std::min<int64_t>({want, kMaxSplits, positions / 64}));
   }
   const int ns = static_cast<int>(std::min<int64_t>(splits, kMaxSplits));  // documented cap
   const dim3 grid(Hkv * (rep / R), B, ns);
@@ -286,10 +297,10 @@ void launch(const torch::Tensor& q, const torch::Tensor& k_new, const torch::Ten
     ml_ptr = ws_ml.data_ptr<float>();
   }
   switch (D) {
-    case 40: launch_e<T, 5, 8>(R, rep, grid, stream, q, k_new, v_new, k_cache, v_cache, wslot, pos, out, scale, vec, ns, o_ptr, ml_ptr); break;
-    case 48: launch_e<T, 6, 8>(R, rep, grid, stream, q, k_new, v_new, k_cache, v_cache, wslot, pos, out, scale, vec, ns, o_ptr, ml_ptr); break;
-    case 64: launch_e<T, 8, 8>(R, rep, grid, stream, q, k_new, v_new, k_cache, v_cache, wslot, pos, out, scale, vec, ns, o_ptr, ml_ptr); break;
-    case 128: launch_e<T, 8, 16>(R, rep, grid, stream, q, k_new, v_new, k_cache, v_cache, wslot, pos, out, scale, vec, ns, o_ptr, ml_ptr); break;
+    case 40: launch_e<T, 5, 8>(R, rep, grid, stream, q, k_new, v_new, k_cache, v_cache, table, wblock, pos, out, scale, vec, ns, o_ptr, ml_ptr); break;
+    case 48: launch_e<T, 6, 8>(R, rep, grid, stream, q, k_new, v_new, k_cache, v_cache, table, wblock, pos, out, scale, vec, ns, o_ptr, ml_ptr); break;
+    case 64: launch_e<T, 8, 8>(R, rep, grid, stream, q, k_new, v_new, k_cache, v_cache, table, wblock, pos, out, scale, vec, ns, o_ptr, ml_ptr); break;
+    case 128: launch_e<T, 8, 16>(R, rep, grid, stream, q, k_new, v_new, k_cache, v_cache, table, wblock, pos, out, scale, vec, ns, o_ptr, ml_ptr); break;
     default: TORCH_CHECK(false, "decode_attention: head_dim ", D, " is not supported");
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -303,8 +314,9 @@ void launch(const torch::Tensor& q, const torch::Tensor& k_new, const torch::Ten
 }  // namespace
 
 void decode_attention(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new,
-                      torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor wslot,
-                      torch::Tensor pos, torch::Tensor out, int64_t splits) {
+                      torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor table,
+                      torch::Tensor wblock, torch::Tensor pos, torch::Tensor out,
+                      int64_t splits) {
   TORCH_CHECK(splits >= 0, "decode_attention: splits must be >= 0 (0: automatic), got ", splits);
   TORCH_CHECK(q.is_cuda(), "decode_attention: CUDA tensors expected");
   TORCH_CHECK(q.dim() == 3 && k_new.dim() == 3 && v_new.dim() == 3 && out.dim() == 3,
@@ -314,11 +326,15 @@ void decode_attention(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new,
   for (const auto* t : {&k_new, &v_new, &k_cache, &v_cache, &out})
     TORCH_CHECK(t->scalar_type() == dt && t->device() == q.device(),
                 "decode_attention: all tensors must share q's dtype and device");
-  TORCH_CHECK(wslot.scalar_type() == at::kLong && pos.scalar_type() == at::kLong,
-              "decode_attention: wslot and pos must be int64");
+  TORCH_CHECK(table.scalar_type() == at::kLong && wblock.scalar_type() == at::kLong &&
+                  pos.scalar_type() == at::kLong,
+              "decode_attention: table, wblock and pos must be int64");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_new.size(1);
   TORCH_CHECK(H % Hkv == 0 && D % kMinLanes == 0, "decode_attention: bad head counts/dim");
-  TORCH_CHECK(k_cache.size(0) >= B && k_cache.size(1) == Hkv && k_cache.size(3) == D &&
+  TORCH_CHECK(table.dim() == 2 && table.size(0) == B && table.size(1) >= 1 &&
+                  table.stride(1) == 1 && wblock.numel() == B && pos.numel() == B,
+              "decode_attention: table must be [B, MB] (rows may be strided), wblock/pos [B]");
+  TORCH_CHECK(k_cache.size(1) == Hkv && k_cache.size(3) == D &&
                   v_cache.sizes() == k_cache.sizes(),
               "decode_attention: cache shape ", k_cache.sizes(), " does not fit q ", q.sizes());
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && out.is_contiguous(),
@@ -329,9 +345,9 @@ void decode_attention(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new,
   if (B == 0) return;
   const c10::cuda::CUDAGuard guard(q.device());
   switch (dt) {
-    case at::kBFloat16: launch<at::BFloat16>(q, k_new, v_new, k_cache, v_cache, wslot, pos, out, splits); break;
-    case at::kHalf: launch<at::Half>(q, k_new, v_new, k_cache, v_cache, wslot, pos, out, splits); break;
-    case at::kFloat: launch<float>(q, k_new, v_new, k_cache, v_cache, wslot, pos, out, splits); break;
+    case at::kBFloat16: launch<at::BFloat16>(q, k_new, v_new, k_cache, v_cache, table, wblock, pos, out, splits); break;
+    case at::kHalf: launch<at::Half>(q, k_new, v_new, k_cache, v_cache, table, wblock, pos, out, splits); break;
+    case at::kFloat: launch<float>(q, k_new, v_new, k_cache, v_cache, table, wblock, pos, out, splits); break;
     default: TORCH_CHECK(false, "decode_attention: unsupported dtype ", dt);
   }
 }

@@ -5,8 +5,9 @@
 
 void prev_tokens_shift_inplace(torch::Tensor prev, torch::Tensor next_tokens);
 void decode_attention(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new,
-                      torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor wslot,
-                      torch::Tensor pos, torch::Tensor out, int64_t splits);
+                      torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor table,
+                      torch::Tensor wblock, torch::Tensor pos, torch::Tensor out,
+                      int64_t splits);
 void sample_topk(torch::Tensor logits, torch::Tensor temperature, torch::Tensor top_p,
                  torch::Tensor top_k, torch::Tensor seed, torch::Tensor step,
                  torch::Tensor stream, torch::Tensor out);
@@ -19,7 +20,8 @@ void snake_cat(torch::Tensor tail, torch::Tensor x, torch::Tensor alpha,
 TORCH_LIBRARY(rtvoice_kernels, m) {
   m.def("prev_tokens_shift_inplace(Tensor(a!) prev, Tensor next_tokens) -> ()");
   m.def("decode_attention(Tensor q, Tensor k_new, Tensor v_new, Tensor(a!) k_cache, "
-        "Tensor(b!) v_cache, Tensor wslot, Tensor pos, Tensor(c!) out, int splits) -> ()");
+        "Tensor(b!) v_cache, Tensor table, Tensor wblock, Tensor pos, Tensor(c!) out, "
+        "int splits) -> ()");
   m.def("sample_topk(Tensor logits, Tensor temperature, Tensor top_p, Tensor top_k, "
         "Tensor seed, Tensor step, Tensor stream, Tensor(a!) out) -> ()");
   m.def("snake(Tensor x, Tensor alpha, Tensor? bias, Tensor(a!) out) -> ()");

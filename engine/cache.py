@@ -1,14 +1,17 @@
-"""KV storage for the slow AR (per-sequence slots) and the fast AR (one frame's 10 positions),
-and the `Attend` objects through which the model's attention layers reach it.
+"""KV storage for the slow AR (a pool of fixed-size blocks shared by every sequence) and the
+fast AR (one frame's 10 positions), and the `Attend` objects through which the model's
+attention layers reach it.
 
-Slots: each live sequence owns one row of the cache for its whole life (voice prompt, turns,
-generated frames), so a session keeps its context between turns without re-prefill. The
-last row is a scratch slot that padded batch rows write into. Which sequence owns which row
-is the scheduler's business (engine/scheduler.py), not the cache's.
+Paged: a sequence's positions live in blocks of `block_size` positions, listed in its block
+table (position t at block table[t // block_size], offset t % block_size). Blocks are handed
+out as a sequence grows and shared between sequences with the same voice prompt; which
+sequence owns which block is the scheduler's business (engine/kv_pool.py,
+engine/scheduler.py), not the cache's. The last block is scratch: padded rows and unused
+table entries point at it, so stray writes land where nothing reads.
 
 The one-position attends (decode) take an optional `kernel`: csrc's decode_attention, which
-stores the new k/v and attends in one launch (engine/ops.py decides); without it they write
-and run the model's attention.
+stores the new k/v and attends through the block table in one launch (engine/ops.py
+decides); without it they write, gather the rows' blocks and run the model's attention.
 """
 
 from __future__ import annotations
@@ -19,68 +22,110 @@ import torch
 from torch import Tensor
 
 from .config import ModelConfig, TransformerConfig
+from .kernels.decode_attention import gather_blocks
 from .model import explicit_attention, gqa_attention
 
 Kernel = Callable[..., Tensor] | None  # engine.kernels.decode_attention.decode_attention
 
 
 class SlowKVCache:
-    def __init__(self, cfg: TransformerConfig, n_slots: int, max_len: int, *,
+    def __init__(self, cfg: TransformerConfig, n_blocks: int, block_size: int, max_len: int, *,
                  device: torch.device | str, dtype: torch.dtype) -> None:
         if max_len > cfg.max_seq_len:
             raise ValueError(f"max_len {max_len} exceeds the model's max_seq_len {cfg.max_seq_len}")
-        self.n_slots, self.max_len = n_slots, max_len
-        shape = (cfg.n_layer, n_slots + 1, cfg.n_local_heads, max_len, cfg.head_dim)
-        # k, v: [L, slots+1, Hkv, S, Dh]; slot n_slots is the scratch row for padding.
+        self.n_blocks, self.block_size, self.max_len = n_blocks, block_size, max_len
+        # table columns: max_len positions, plus one block for the look-ahead of a step
+        self.table_width = -(-max_len // block_size) + 1
+        shape = (cfg.n_layer, n_blocks + 1, cfg.n_local_heads, block_size, cfg.head_dim)
+        # k, v: [L, blocks+1, Hkv, BS, Dh]; block n_blocks is scratch.
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
 
     @staticmethod
-    def slot_bytes(cfg: TransformerConfig, max_len: int, dtype: torch.dtype) -> int:
-        """Bytes of one slot's keys and values over `max_len` positions, all layers."""
-        return 2 * cfg.n_layer * cfg.n_local_heads * max_len * cfg.head_dim * dtype.itemsize
+    def position_bytes(cfg: TransformerConfig, dtype: torch.dtype) -> int:
+        """Bytes of one position's keys and values, all layers."""
+        return 2 * cfg.n_layer * cfg.n_local_heads * cfg.head_dim * dtype.itemsize
 
     @property
     def scratch(self) -> int:
-        return self.n_slots
+        return self.n_blocks
+
+    def table(self, blocks: list[int]) -> list[int]:
+        """A full table row: the blocks, then scratch."""
+        if len(blocks) > self.table_width:
+            raise ValueError(f"{len(blocks)} blocks exceed the table's {self.table_width}")
+        return list(blocks) + [self.scratch] * (self.table_width - len(blocks))
+
+    def locate(self, table: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """(block, offset) of positions [..., T] through table [..., MB] (same leading dims)."""
+        bs = self.block_size
+        return table.gather(-1, positions // bs), positions % bs
+
+    # ------------------------------------------------------------ blocks as a unit
+    def save(self, blocks: list[int]) -> tuple[Tensor, Tensor]:
+        """The blocks' keys and values copied to host memory: [L, n, Hkv, BS, Dh] each (pinned
+        on a GPU; the copy is complete when this returns)."""
+        idx = torch.tensor(blocks, device=self.k.device)
+        pin = self.k.is_cuda
+        k = torch.empty((self.k.shape[0], len(blocks), *self.k.shape[2:]), dtype=self.k.dtype,
+                        pin_memory=pin)
+        v = torch.empty_like(k, pin_memory=pin)
+        k.copy_(self.k.index_select(1, idx), non_blocking=pin)
+        v.copy_(self.v.index_select(1, idx), non_blocking=pin)
+        if pin:
+            torch.cuda.current_stream().synchronize()
+        return k, v
+
+    def restore(self, saved: tuple[Tensor, Tensor], blocks: list[int]) -> None:
+        """Write `save`d keys and values into `blocks` (on the current stream)."""
+        idx = torch.tensor(blocks, device=self.k.device)
+        k, v = saved
+        self.k.index_copy_(1, idx, k.to(self.k.device, non_blocking=True))
+        self.v.index_copy_(1, idx, v.to(self.v.device, non_blocking=True))
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy-on-write of a shared block (on the current stream)."""
+        self.k[:, dst] = self.k[:, src]
+        self.v[:, dst] = self.v[:, src]
 
 
 class PrefillAttend:
-    """Causal attention for one sequence's chunk at positions [start, start+T)."""
+    """Causal attention for one sequence's chunk at positions [start, start+T), through its
+    block table [MB] (a device tensor)."""
 
-    def __init__(self, cache: SlowKVCache, slot: int, start: int, length: int) -> None:
+    def __init__(self, cache: SlowKVCache, table: Tensor, start: int, length: int) -> None:
         if start + length > cache.max_len:
             raise ValueError(f"sequence would reach {start + length} positions, over the "
                              f"cache's {cache.max_len}")
-        self.cache, self.slot, self.start, self.end = cache, slot, start, start + length
+        self.cache, self.table, self.start, self.end = cache, table, start, start + length
         q_pos = torch.arange(start, self.end, device=cache.k.device)
+        self.w_block, self.w_off = cache.locate(table, q_pos)  # [T]
         k_pos = torch.arange(self.end, device=cache.k.device)
         self.mask = (k_pos[None, :] <= q_pos[:, None])[None, None]  # [1, 1, T, S]
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         c = self.cache
-        c.k[layer, self.slot, :, self.start:self.end] = k[0]
-        c.v[layer, self.slot, :, self.start:self.end] = v[0]
-        keys = c.k[layer, self.slot: self.slot + 1, :, : self.end]
-        vals = c.v[layer, self.slot: self.slot + 1, :, : self.end]
+        c.k[layer, self.w_block, :, self.w_off] = k[0].transpose(0, 1)  # [T, Hkv, Dh]
+        c.v[layer, self.w_block, :, self.w_off] = v[0].transpose(0, 1)
+        keys = gather_blocks(c.k[layer], self.table[None], self.end)  # [1, Hkv, S, Dh]
+        vals = gather_blocks(c.v[layer], self.table[None], self.end)
         return gqa_attention(q, keys, vals, self.mask)
 
 
 class BatchedPrefillAttend:
     """Causal attention for several sequences' chunks at once, padded to T columns.
 
-    Row n holds `lengths[n]` columns at positions starts[n].. of slot slots[n]; padded
-    columns neither write the cache nor matter (they attend to position 0 only)."""
+    Row n holds `lengths[n]` columns at positions starts[n].. through block table tables[n];
+    padded columns neither write the cache nor matter (they attend to position 0 only)."""
 
-    def __init__(self, cache: SlowKVCache, slots: list[int], starts: list[int],
+    def __init__(self, cache: SlowKVCache, tables: Tensor, starts: list[int],
                  lengths: list[int], T: int) -> None:
         d = cache.k.device
         ends = [s + n for s, n in zip(starts, lengths)]
         if max(ends) > cache.max_len:
             raise ValueError(f"a sequence would reach {max(ends)} positions, over the cache's "
                              f"{cache.max_len}")
-        self.cache, self.end = cache, max(ends)
-        self.slots = torch.tensor(slots, device=d)
+        self.cache, self.end, self.tables = cache, max(ends), tables  # [N, MB]
         st = torch.tensor(starts, device=d)
         ln = torch.tensor(lengths, device=d)
         t = torch.arange(T, device=d)
@@ -91,48 +136,50 @@ class BatchedPrefillAttend:
         mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [N, T, S]
         mask |= (~self.valid[:, :, None]) & (k_pos[None, None, :] == 0)
         self.mask = mask[:, None]  # [N, 1, T, S]
-        self.w_slot = self.slots[:, None].expand_as(self.valid)[self.valid]  # [n_valid]
-        self.w_pos = q_pos[self.valid]
+        blk, off = cache.locate(tables, self.positions)
+        self.w_block, self.w_off = blk[self.valid], off[self.valid]  # [n_valid]
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         c = self.cache
-        c.k[layer, self.w_slot, :, self.w_pos] = k.transpose(1, 2)[self.valid]
-        c.v[layer, self.w_slot, :, self.w_pos] = v.transpose(1, 2)[self.valid]
-        keys = c.k[layer, self.slots, :, : self.end]  # [N, Hkv, S, Dh]
-        vals = c.v[layer, self.slots, :, : self.end]
+        c.k[layer, self.w_block, :, self.w_off] = k.transpose(1, 2)[self.valid]
+        c.v[layer, self.w_block, :, self.w_off] = v.transpose(1, 2)[self.valid]
+        keys = gather_blocks(c.k[layer], self.tables, self.end)  # [N, Hkv, S, Dh]
+        vals = gather_blocks(c.v[layer], self.tables, self.end)
         return gqa_attention(q, keys, vals, self.mask)
 
 
-class SlotPrefillAttend:
-    """N sequences' chunks of T columns, row n at positions[n, 0..T-1] of slot slots[n]
-    ([N] int64), with every index a device tensor, so a whole prefill forward can be captured
-    as a CUDA graph. Chunks may be padded (extra columns, or whole rows on the scratch slot):
-    padding writes k/v at positions past a sequence's end, which are written again before
-    anything reads them. Keys are read over [0, span)."""
+class TablePrefillAttend:
+    """N sequences' chunks of T columns, row n at positions[n, 0..T-1] through block table
+    tables[n] ([N, MB] int64), with every index a device tensor, so a whole prefill forward
+    can be captured as a CUDA graph. Chunks may be padded (extra columns, or whole rows whose
+    table is all scratch): padding writes k/v at positions past a sequence's end — in its own
+    blocks, written again before anything reads them, or in scratch. Keys are read over
+    [0, span)."""
 
-    def __init__(self, cache: SlowKVCache, slots: Tensor, positions: Tensor, span: int) -> None:
-        self.cache, self.slots, self.positions, self.span = cache, slots, positions, span
+    def __init__(self, cache: SlowKVCache, tables: Tensor, positions: Tensor, span: int) -> None:
+        self.cache, self.tables, self.span = cache, tables, span
+        self.w_block, self.w_off = cache.locate(tables, positions)  # [N, T]
         k_pos = torch.arange(span, device=positions.device)
         self.mask = (k_pos[None, None, :] <= positions[:, :, None])[:, None]  # [N, 1, T, span]
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         c = self.cache
-        rows = self.slots[:, None]  # [N, 1], broadcast against positions [N, T]
-        c.k[layer, rows, :, self.positions] = k.transpose(1, 2)  # [N, T, Hkv, Dh]
-        c.v[layer, rows, :, self.positions] = v.transpose(1, 2)
-        keys = c.k[layer, :, :, : self.span].index_select(0, self.slots)  # [N, Hkv, span, Dh]
-        vals = c.v[layer, :, :, : self.span].index_select(0, self.slots)
+        c.k[layer, self.w_block, :, self.w_off] = k.transpose(1, 2)  # [N, T, Hkv, Dh]
+        c.v[layer, self.w_block, :, self.w_off] = v.transpose(1, 2)
+        keys = gather_blocks(c.k[layer], self.tables, self.span)  # [N, Hkv, span, Dh]
+        vals = gather_blocks(c.v[layer], self.tables, self.span)
         return gqa_attention(q, keys, vals, self.mask)
 
 
-class DenseDecodeAttend:
-    """One new position per row, rows 0..B-1 being slots 0..B-1: row b writes its k/v at
-    (wslots[b], positions[b]) and attends to [0, positions[b]] of slot b, read in place."""
+class PagedDecodeAttend:
+    """One new position per row: row b writes its k/v at (wblock[b], positions[b] % BS) and
+    attends to its positions [0, positions[b]] through tables[b] ([B, MB])."""
 
-    def __init__(self, cache: SlowKVCache, B: int, wslots: Tensor, positions: Tensor,
+    def __init__(self, cache: SlowKVCache, tables: Tensor, wblock: Tensor, positions: Tensor,
                  span: int, kernel: Kernel = None) -> None:
-        self.cache, self.B, self.wslots, self.positions, self.span = cache, B, wslots, positions, span
-        self.kernel = kernel
+        self.cache, self.tables, self.wblock, self.positions = cache, tables, wblock, positions
+        self.span, self.kernel = span, kernel
+        self.w_off = positions % cache.block_size
         k_pos = torch.arange(span, device=positions.device)
         self.mask = (k_pos[None, :] <= positions[:, None])[:, None, None, :]  # [B, 1, 1, S]
 
@@ -140,11 +187,11 @@ class DenseDecodeAttend:
         c = self.cache
         if self.kernel is not None:  # write + attend in one csrc launch
             return self.kernel(q[:, :, 0], k[:, :, 0], v[:, :, 0], c.k[layer], c.v[layer],
-                               self.wslots, self.positions, self.span)[:, :, None]
-        c.k[layer, self.wslots, :, self.positions] = k[:, :, 0]
-        c.v[layer, self.wslots, :, self.positions] = v[:, :, 0]
-        keys = c.k[layer, : self.B, :, : self.span]  # [B, Hkv, S, Dh], a view
-        vals = c.v[layer, : self.B, :, : self.span]
+                               self.tables, self.wblock, self.positions, self.span)[:, :, None]
+        c.k[layer, self.wblock, :, self.w_off] = k[:, :, 0]
+        c.v[layer, self.wblock, :, self.w_off] = v[:, :, 0]
+        keys = gather_blocks(c.k[layer], self.tables, self.span)  # [B, Hkv, S, Dh]
+        vals = gather_blocks(c.v[layer], self.tables, self.span)
         return gqa_attention(q, keys, vals, self.mask)
 
 
@@ -161,8 +208,9 @@ class FastKV:
         self.pos = 0
         n = cfg.num_codebooks
         self._masks = torch.ones(n, n, dtype=torch.bool, device=device).tril()
-        # for the csrc kernel: row b writes row b at position p
+        # for the csrc kernel: row b is a one-block table [b] of n positions
         self._rows = torch.arange(batch, device=device)
+        self._tables = self._rows[:, None].contiguous()
         self._pos = torch.arange(n, device=device)[:, None].expand(n, batch).contiguous()
 
     def at(self, pos: int, batch: int) -> FastKV:
@@ -173,7 +221,8 @@ class FastKV:
         p, b = self.pos, self.batch
         if self.kernel is not None:
             return self.kernel(q[:, :, 0], k[:, :, 0], v[:, :, 0], self.k[layer], self.v[layer],
-                               self._rows[:b], self._pos[p, :b], p + 1)[:, :, None]
+                               self._tables[:b], self._rows[:b], self._pos[p, :b],
+                               p + 1)[:, :, None]
         self.k[layer, :b, :, p] = k[:, :, 0]
         self.v[layer, :b, :, p] = v[:, :, 0]
         mask = self._masks[p: p + 1, : p + 1][None, None]  # [1, 1, 1, p+1]

@@ -18,16 +18,16 @@ from .request import Sequence, Turn
 
 class CodecWorker:
     def __init__(self, codec: Codec, ops: CodecOps, stream: torch.cuda.Stream | None, *,
-                 n_slots: int, graphed: bool, max_frames: int, call_frames: int = 0,
+                 n_rows: int, graphed: bool, max_frames: int, call_frames: int = 0,
                  stats: dict[str, float]) -> None:
         self.stream = stream
         self.stats = stats
         self.graphed = graphed
         self.cuda = codec.device.type == "cuda"
-        # twice the slots: turns whose audio still drains while their sequences speak again;
-        # graphs up to the slots only (the biggest buckets cost the most to capture)
-        self.decoder = StreamingDecoder(codec, max_streams=max(2, 2 * n_slots), buckets=graphed,
-                                        graph_streams=n_slots, max_frames=max_frames, ops=ops,
+        # twice the decode rows: turns whose audio still drains while others speak; graphs
+        # up to the rows only (the biggest buckets cost the most to capture)
+        self.decoder = StreamingDecoder(codec, max_streams=max(2, 2 * n_rows), buckets=graphed,
+                                        graph_streams=n_rows, max_frames=max_frames, ops=ops,
                                         call_frames=call_frames)
         self.waiting_since: float | None = None  # a tick waiting on the device (watchdog)
 

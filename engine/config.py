@@ -259,16 +259,28 @@ class EngineConfig:
     `RTVOICE_*` variables are derived from these declarations."""
 
     max_running: int | None = option(
-        None, "KV slots = sessions resident at once: a session holds its slot from 'start' "
-        "until it closes, idle or not; later sessions wait for a slot (up to max_waiting), "
-        "then get 'overloaded'. Default: 8 on a CPU, 64 on a GPU (fewer when their KV cache "
-        "does not fit, see kv_reserve_gib)", ge=1)
+        None, "decode rows = turns speaking at once. A session holds a row only while a turn "
+        "speaks; idle sessions hold KV blocks (kv_blocks) but no row, and a turn that finds "
+        "every row taken waits for one. Default: 8 on a CPU, 64 on a GPU", ge=1)
     max_len: int | None = option(
         None, "KV positions per session (voice prompt + turns); default min(4096, the "
         "model's context). A session's chunk_length is capped so that a segment always fits",
         ge=128)
-    max_waiting: int = option(64, "sessions that may wait for a KV slot before new ones get "
-                              "'overloaded'", ge=0)
+    max_waiting: int = option(64, "sessions that may wait for KV blocks for their voice prompt "
+                              "before new ones get 'overloaded'", ge=0)
+    kv_block_size: int = option(64, "positions per block of the paged KV pool", ge=1, le=4096)
+    kv_blocks: int | None = option(
+        None, "blocks in the KV pool, shared by every session (a 10 s voice is ~5 blocks of "
+        "64). Default: what fits in GPU memory after kv_reserve_gib; on a CPU, four full "
+        "contexts (max_len) per decode row", ge=2)
+    kv_host_gib: float = option(
+        16.0, "host memory (GiB) for the KV of idle sessions evicted when the pool runs low, "
+        "least recently used first; restored with their next turn. 0: never evict (sessions "
+        "beyond the pool wait for blocks)", ge=0)
+    prefix_cache: int = option(
+        256, "voice prompts kept in the pool for sharing: sessions with the same voice (a "
+        "stored voice, or identical inline references) share one copy of its KV, copy-on-"
+        "write, and open without prefilling it; 0: every session prefills its own", ge=0)
     prefill_chunk: int = option(256, "prompt columns per prefill round and sequence, so one "
                                 "long prompt cannot hold up the others", ge=1)
     prefill_batch: int = option(16, "sequences prefilled together in one forward", ge=1)
@@ -332,8 +344,8 @@ class EngineConfig:
     stall_s: float = option(10.0, "a device wait longer than this marks the engine stalled "
                             "(/ready 503)", gt=0)
     kv_reserve_gib: float = option(
-        8.0, "GPU memory (GiB) kept out of the KV cache for activations, CUDA graphs and the "
-        "codec; the cache takes min(max_running, what fits in the rest) slots", ge=0)
+        8.0, "GPU memory (GiB) kept out of the KV pool for activations, CUDA graphs and the "
+        "codec; the pool takes the rest (or kv_blocks, if fewer)", ge=0)
     high_priority_streams: tuple[str, ...] = option(
         (), "CUDA streams whose kernels the block scheduler starts first (measured at c=64: "
         "any choice within 4 % frames/s; none had the lowest latency)",

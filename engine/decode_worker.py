@@ -1,4 +1,4 @@
-"""The decode thread's device side: the scheduler's slot updates, step launches (a CUDA graph
+"""The decode thread's device side: the scheduler's row updates, step launches (a CUDA graph
 replay per step) whose results are copied into pinned ping/pong buffers without waiting,
 and reading a launched step's result once its event says it is done.
 
@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from .capture import bucket, buckets, on_stream
-from .request import SlotOp
+from .request import RowOp
 from .runner import ModelRunner
 from .scheduler import StepPlan
 
@@ -49,14 +49,14 @@ class DecodeWorker:
         self.stream = stream
         self.stats = stats
         self.cuda = runner.device.type == "cuda"
-        self.batches = buckets(BATCH_LADDER, runner.n_slots)
+        self.batches = buckets(BATCH_LADDER, runner.n_rows)
         # Span buckets bound the keys the decode step's torch attention reads; csrc's
         # decode_attention reads exactly 0..pos, so with it one span serves every step.
         max_len = runner.max_len
         self.spans = ([max_len] if runner.attention_kernel
                       else buckets(range(span_step, max_len, span_step), max_len))
         W = runner.out_width
-        self._bufs = [torch.zeros(runner.n_slots + 1, W, dtype=torch.long, pin_memory=self.cuda)
+        self._bufs = [torch.zeros(runner.n_rows + 1, W, dtype=torch.long, pin_memory=self.cuda)
                       for _ in range(2)]
         self._events = [torch.cuda.Event() for _ in range(2)] if self.cuda else [None, None]
         self.waiting_since: float | None = None  # a read waiting on the device (watchdog)
@@ -72,12 +72,12 @@ class DecodeWorker:
     def graphs(self) -> int:
         return len(self.runner.step_graphs)
 
-    def apply(self, ops: list[SlotOp]) -> list[tuple[SlotOp, Exception]]:
-        """The scheduler's slot updates, on the decode stream: they land between two steps,
+    def apply(self, ops: list[RowOp]) -> list[tuple[RowOp, Exception]]:
+        """The scheduler's row updates, on the decode stream: they land between two steps,
         in launch order (a write on another stream could race a step in flight and be
         overwritten by it). An op that fails is returned with its error (the others are
         applied): only its sequence is affected."""
-        failed: list[tuple[SlotOp, Exception]] = []
+        failed: list[tuple[RowOp, Exception]] = []
         if ops:
             with on_stream(self.stream):
                 for op in ops:
@@ -95,7 +95,7 @@ class DecodeWorker:
     def launch(self, plan: StepPlan) -> Launched:
         """Queue the planned step and a non-blocking copy of its result; never waits."""
         B = bucket(self.batches, plan.B)
-        assert B is not None, f"batch {plan.B} over the engine's {self.runner.n_slots} slots"
+        assert B is not None, f"batch {plan.B} over the engine's {self.runner.n_rows} rows"
         span = bucket(self.spans, plan.span) or self.spans[-1]
         with on_stream(self.stream):
             ev_start = None

@@ -42,6 +42,7 @@ from .codec_worker import CodecWorker
 from .config import EngineConfig
 from .decode_worker import DecodeWorker, Launched
 from .errors import EngineOutOfMemory, EngineOverloaded, PromptTooLong
+from .kv_pool import prompt_key
 from .loader import Bundle
 from .ops import Ops, build_ops
 from .prefill_worker import PrefillWorker
@@ -52,23 +53,25 @@ from .sampler import SamplingParams
 from .scheduler import Scheduler, new_stats
 from .tokenizer import Tokenizer
 
-__all__ = ["CollectingSink", "Engine", "build_engine", "fit_kv_slots"]
+__all__ = ["CollectingSink", "Engine", "build_engine", "fit_kv_blocks"]
 
 log = logging.getLogger(__name__)
 
 
-def fit_kv_slots(want: int, *, free_bytes: int, reserve_bytes: int, slot_bytes: int,
-                 max_len: int) -> int:
-    """KV slots to allocate: `want`, or fewer if only fewer fit in `free_bytes` after
-    `reserve_bytes` (the cache has one scratch slot on top). Raises when not even one fits."""
-    fit = (free_bytes - reserve_bytes) // slot_bytes - 1
-    if fit < 1:
+def fit_kv_blocks(want: int | None, *, free_bytes: int, reserve_bytes: int, block_bytes: int,
+                  block_size: int, max_len: int) -> int:
+    """KV pool blocks to allocate: what fits in `free_bytes` after `reserve_bytes` (the pool
+    has one scratch block on top), or `want` if fewer. Raises when not even one full
+    context (max_len) fits."""
+    fit = (free_bytes - reserve_bytes) // block_bytes - 1
+    context = -(-max_len // block_size)
+    if fit < context:
         raise EngineOutOfMemory(
-            f"the KV cache does not fit on the GPU: {free_bytes / 2**30:.1f} GiB free after the "
+            f"the KV pool does not fit on the GPU: {free_bytes / 2**30:.1f} GiB free after the "
             f"weights, {reserve_bytes / 2**30:.1f} GiB kept for activations and CUDA graphs "
-            f"(kv_reserve_gib), and one slot of {max_len} positions needs "
-            f"{slot_bytes / 2**20:.0f} MiB; lower max_len or free GPU memory")
-    return min(want, int(fit))
+            f"(kv_reserve_gib), and one context of {max_len} positions needs "
+            f"{context * block_bytes / 2**20:.0f} MiB; lower max_len or free GPU memory")
+    return int(fit) if want is None else min(want, int(fit))
 
 
 class Engine:
@@ -87,9 +90,15 @@ class Engine:
         self.frame_rate = self.sample_rate / self.frame_samples
         self.cuda = runner.device.type == "cuda"
         self.stats = new_stats()
-        self.scheduler = Scheduler(config, self.prompts, n_slots=runner.n_slots,
+        cache = runner.cache
+        block_bytes = SlowKVCache.position_bytes(self.model_cfg.slow, runner.dtype) \
+            * cache.block_size
+        self.scheduler = Scheduler(config, self.prompts, n_rows=runner.n_rows,
+                                   n_blocks=cache.n_blocks, block_size=cache.block_size,
                                    sample_rate=self.sample_rate, frame_samples=self.frame_samples,
-                                   ids=self.model_cfg.ids, stats=self.stats)
+                                   ids=self.model_cfg.ids, stats=self.stats,
+                                   evict=self._evict if config.kv_host_gib > 0 else None,
+                                   block_bytes=block_bytes)
         self._ids = itertools.count(1)
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -109,7 +118,7 @@ class Engine:
                                             batch=config.prefill_batch, stats=self.stats)
         graphed_codec = config.codec_graphs and codec.device.type == "cuda"
         self.codec_worker = CodecWorker(codec, self.ops.codec, self._stream("codec"),
-                                        n_slots=runner.n_slots, graphed=graphed_codec,
+                                        n_rows=runner.n_rows, graphed=graphed_codec,
                                         max_frames=config.max_turn_frames,
                                         call_frames=config.codec_call_frames or 0,
                                         stats=self.stats)
@@ -137,8 +146,9 @@ class Engine:
 
     # ================================================================ public, thread-safe
     @property
-    def n_slots(self) -> int:
-        return self.runner.n_slots
+    def n_rows(self) -> int:
+        """Decode rows: turns that speak at once."""
+        return self.runner.n_rows
 
     @property
     def max_len(self) -> int:
@@ -153,7 +163,8 @@ class Engine:
              sink: SequenceSink) -> Sequence:
         """Queue a session's voice prompt for prefill. `sink.on_ready` fires when it is in."""
         if not self.scheduler.has_room():
-            raise EngineOverloaded(f"{len(self.scheduler.waiting)} sessions already wait for a slot")
+            raise EngineOverloaded(f"{len(self.scheduler.waiting)} sessions already wait for KV "
+                                   f"blocks")
         if params.ras_window > self.runner.sampling.max_window:
             raise ValueError(f"ras_window {params.ras_window} exceeds the engine's "
                              f"{self.runner.sampling.max_window}")
@@ -163,7 +174,8 @@ class Engine:
                                 f"room for a turn in the engine's context of {self.max_len} "
                                 f"(use shorter references)")
         seed = self.scheduler.seed_for(params.seed)
-        seq = Sequence(next(self._ids), tuple(references), params, seed, sink, system_cols=system)
+        seq = Sequence(next(self._ids), tuple(references), params, seed, sink, system_cols=system,
+                       prompt_key=prompt_key(system))
         self._post(lambda: self.scheduler.admit(seq))
         return seq
 
@@ -182,12 +194,17 @@ class Engine:
     def close(self, seq: Sequence) -> None:
         self._post(lambda: self.scheduler.close(seq))
 
-    def free_slots(self) -> int:
-        return self.scheduler.free_slots
+    def free_rows(self) -> int:
+        return self.scheduler.free_rows
 
     def load(self) -> dict[str, int | float]:
-        return {"live": len(self.scheduler.live), "waiting": len(self.scheduler.waiting),
-                "free_slots": self.free_slots(), "max_running": self.n_slots,
+        """Engine load for /ready, /metrics and logs (read across threads: a snapshot)."""
+        s = self.scheduler
+        return {"live": len(s.live), "waiting": len(s.waiting), "free_rows": s.free_rows,
+                "max_running": self.n_rows, "queued_turns": len(s.row_queue) + len(s.block_queue),
+                "kv_blocks": s.pool.n_blocks, "kv_blocks_free": s.pool.free,
+                "kv_block_size": s.pool.block_size, "offloaded": s.offloaded,
+                "host_kv_bytes": s.host_bytes, "shared_prefixes": len(s.prefixes),
                 "device_wait_s": round(self.device_wait_s(), 3)}
 
     def device_wait_s(self) -> float:
@@ -261,7 +278,7 @@ class Engine:
         """One pass of the sync loop: commands, a prefill round, a decode step read at once,
         a codec tick. Returns whether there was anything to do."""
         did = self._run_commands()
-        self._apply_slot_ops()  # before the prefill: a sequence whose slot fails is not ready
+        self._apply_row_ops()
         self._sync_prefill += self.scheduler.take_prefill_jobs()
         if self._sync_prefill:
             for job in self.prefill_worker.round(self._sync_prefill):
@@ -294,18 +311,25 @@ class Engine:
                 self._wake.clear()
 
     # ================================================================ decode side
-    def _apply_slot_ops(self) -> None:
-        """The slot updates the scheduler decided so far, on the decode stream."""
-        for op, e in self.decode_worker.apply(self.scheduler.take_slot_ops()):
-            log.error("slot %d: %s failed: %s", op.slot, op.kind, e)
-            self.scheduler.slot_failed(op.slot, f"setting up its decode state failed: {e}")
+    def _apply_row_ops(self) -> None:
+        """The row updates the scheduler decided so far, on the decode stream."""
+        for op, e in self.decode_worker.apply(self.scheduler.take_row_ops()):
+            log.error("decode row %d: %s failed: %s", op.row, op.kind, e)
+            self.scheduler.row_failed(op.row, f"setting up its decode state failed: {e}")
 
     def _launch(self, *, pause: bool) -> Launched | None:
-        """Schedule -> run: the slot updates decided so far, then the next step (none while
-        nothing runs, or while the batch pauses for prefills)."""
-        self._apply_slot_ops()
+        """Schedule -> run: the next step (none while nothing runs, or while the batch pauses
+        for prefills), after the row updates decided so far (the plan's included)."""
         plan = self.scheduler.plan_step(time.perf_counter(), may_pause=pause)
-        return self.decode_worker.launch(plan) if plan is not None else None
+        self._apply_row_ops()
+        if plan is None or not self.scheduler.running:  # a failed op may have emptied it
+            return None
+        return self.decode_worker.launch(plan)
+
+    def _evict(self, blocks: list[int]) -> object:
+        """An idle session's blocks to host memory (the scheduler's one device call; on the
+        decode thread, complete when it returns)."""
+        return self.runner.save(blocks)
 
     def _read(self, step: Launched) -> None:
         """Postprocess: a launched step's frames to the scheduler."""
@@ -461,20 +485,22 @@ def build_engine(bundle: Bundle, config: EngineConfig | None = None, *,
         from .fusion import pack_ffn
 
         pack_ffn(model)  # W1|W3 in one buffer (same values): its copies go before the sizing
-    n_slots = cfg.max_running
-    if cuda:  # size the cache from the memory left after the weights
+    n_rows, bs = cfg.max_running, cfg.kv_block_size
+    n_blocks = cfg.kv_blocks or n_rows * 4 * -(-cfg.max_len // bs)
+    if cuda:  # size the pool from the memory left after the weights
         gc.collect()  # an earlier engine waiting for the cycle collector still holds memory
         torch.cuda.empty_cache()  # cached, unused blocks (weight loading) count as free
         free, _ = torch.cuda.mem_get_info(device)
-        slot = SlowKVCache.slot_bytes(model.cfg.slow, cfg.max_len, model.embeddings.weight.dtype)
-        n_slots = fit_kv_slots(cfg.max_running, free_bytes=free, slot_bytes=slot,
-                               reserve_bytes=int(cfg.kv_reserve_gib * 2**30), max_len=cfg.max_len)
-        if n_slots < cfg.max_running:
-            log.warning("KV cache: %d of the %d requested slots fit in GPU memory (%.1f GiB free, "
-                        "%.1f GiB reserved, %.0f MiB per slot of %d positions); sessions beyond "
-                        "that wait for a slot", n_slots, cfg.max_running, free / 2**30,
-                        cfg.kv_reserve_gib, slot / 2**20, cfg.max_len)
-    runner = ModelRunner(model, n_slots=n_slots, max_len=cfg.max_len, ops=ops)
+        dtype = model.embeddings.weight.dtype
+        block = SlowKVCache.position_bytes(model.cfg.slow, dtype) * bs
+        n_blocks = fit_kv_blocks(cfg.kv_blocks, free_bytes=free, block_bytes=block, block_size=bs,
+                                 reserve_bytes=int(cfg.kv_reserve_gib * 2**30),
+                                 max_len=cfg.max_len)
+        log.info("KV pool: %d blocks of %d positions (%.1f GiB, %.0f full contexts of %d); "
+                 "%d decode rows", n_blocks, bs, n_blocks * block / 2**30,
+                 n_blocks / -(-cfg.max_len // bs), cfg.max_len, n_rows)
+    runner = ModelRunner(model, n_rows=n_rows, max_len=cfg.max_len, n_blocks=n_blocks,
+                         block_size=bs, ops=ops)
     return Engine(runner, bundle.tokenizer, bundle.codec, cfg)
 
 

@@ -6,7 +6,7 @@ import enum
 
 
 class EngineOverloaded(RuntimeError):
-    """`open` refused: every KV slot is taken and the wait queue is full."""
+    """`open` refused: the KV pool is full and the queue waiting for it is full."""
 
 
 class PromptTooLong(ValueError):
@@ -14,7 +14,7 @@ class PromptTooLong(ValueError):
 
 
 class EngineOutOfMemory(RuntimeError):
-    """Not even one KV slot fits in the GPU memory left after the weights."""
+    """Not even one full context of KV blocks fits in the GPU memory left after the weights."""
 
 
 class TurnError(enum.StrEnum):
@@ -23,6 +23,7 @@ class TurnError(enum.StrEnum):
     TOO_LARGE = "too_large"  # its text does not fit the context: the client's
     INVALID_STATE = "invalid_state"  # a turn while one runs, or on a closed sequence: the caller's
     INTERNAL = "internal"  # prefill, decode or the codec failed: ours
+    OVERLOADED = "overloaded"  # no KV blocks for it and none can free: the server's capacity
 
 
 class BadReferenceAudio(ValueError):

@@ -5,11 +5,11 @@ kernel launches from Python (the host time that bounded TTFA).
   chunk is padded to the next columns bucket and reads keys over the next span bucket.
 - N sequences: short chunks (turn texts, <= `BATCHED_COLS` columns) of up to `batch`
   sequences in one replay, grouped by start position, keys over the span bucket that holds
-  the group's rows, padding rows on the scratch slot: a burst of turns (every session of a
+  the group's rows, padding rows on the scratch block: a burst of turns (every session of a
   server starting to speak) takes a few replays.
 
 Padded columns write k/v past a sequence's end, where everything is written again before
-it is read (runner.prefill_static). Graphs are captured against the scratch slot; inputs
+it is read (runner.prefill_static). Graphs are captured against the scratch block; inputs
 go through per-graph device buffers filled from fresh pinned host tensors on the caller's
 stream (the prefill thread's), then the graph is replayed there.
 """
@@ -30,7 +30,7 @@ from .runner import ModelRunner
 log = logging.getLogger(__name__)
 
 Key = tuple[int, int, int]  # (rows, columns, span)
-Chunk = tuple[int, Tensor, int]  # (slot, cols [1+K, n], start position)
+Chunk = tuple[tuple[int, ...], Tensor, int]  # (blocks, cols [1+K, n], start position)
 
 
 class PrefillGraphs:
@@ -127,11 +127,13 @@ class PrefillGraphs:
         g, inp = self.graphs[key]
         N, T, _ = key
         host = staging.host((N, self.runner.cfg.frame_rows, T), torch.long, self.runner.device)
-        meta = [[self.runner.scratch] * N, [0] * N]  # padding rows: scratch slot, pos 0
-        for i, (slot, cols, start) in enumerate(chunks):
+        cache = self.runner.cache
+        tables = [cache.table([])] * N  # padding rows: all scratch, position 0
+        starts = [0] * N
+        for i, (blocks, cols, start) in enumerate(chunks):
             host[i, :, : cols.shape[1]] = cols
-            meta[0][i], meta[1][i] = slot, start
+            tables[i], starts[i] = cache.table(list(blocks)), start
         staging.stage(inp["cols"], host)
-        staging.stage(inp["slot"], meta[0])
-        staging.stage(inp["start"], meta[1])
+        staging.stage(inp["table"], tables)
+        staging.stage(inp["start"], starts)
         g.replay()

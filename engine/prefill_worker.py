@@ -1,5 +1,5 @@
 """The prefill thread's device side: one round writes the next chunk of each job's prompt
-columns into its slot (graph replays where a bucket fits, an eager batched forward
+columns into its blocks (graph replays where a bucket fits, an eager batched forward
 otherwise) on the prefill stream, and marks the jobs it finished with the CUDA event the
 decode stream must wait for before their sequences join (a graph replay returns before the
 GPU is done: without the event the next decode step could read a half-written prompt).
@@ -38,10 +38,10 @@ class PrefillWorker:
 
     def warm(self) -> None:
         """Run the prefill shapes once now (fused ops compile for them here, not in the
-        first session's voice prefill: seen 6.6 s on the H200). Writes only the scratch slot."""
+        first session's voice prefill: seen 6.6 s on the H200). Writes only the scratch block."""
         t0 = time.perf_counter()
         cols = torch.zeros(self.runner.cfg.frame_rows, 16, dtype=torch.long)
-        scratch = self.runner.scratch
+        scratch = (self.runner.scratch,)
         self.runner.prefill_batch([(scratch, cols, 0)])
         self.runner.prefill_batch([(scratch, cols, 0), (scratch, cols[:, :9], 0)])
         if self.cuda:
@@ -100,11 +100,13 @@ class PrefillWorker:
             if job.abandoned:
                 done.append(job)
                 continue
+            if not job.prepared:
+                self._prepare(job)
             chunk = job.cols[:, job.done: job.done + n]
             if not chunk.shape[1]:
                 done.append(job)
                 continue
-            items.append((job.slot, chunk, job.start + job.done))
+            items.append((job.blocks, chunk, job.start + job.done))
             work.append((job, chunk.shape[1]))
         if items:
             t0 = time.perf_counter()
@@ -123,3 +125,16 @@ class PrefillWorker:
                 if job.done >= job.cols.shape[1]:
                     done.append(job)
         return done
+
+    def _prepare(self, job: PrefillJob) -> None:
+        """The block work a job's sequence needs before its columns go in, on this stream:
+        its KV back from host memory (an evicted session's next turn), then copies of the
+        shared blocks it writes into (copy-on-write of a voice prefix's last block)."""
+        t0 = time.perf_counter()
+        if job.restore is not None:
+            saved, blocks = job.restore
+            self.runner.restore(saved, list(blocks))  # type: ignore[arg-type]
+            self.stats["kv_restore_s"] += time.perf_counter() - t0
+        for src, dst in job.copies:
+            self.runner.copy_block(src, dst)
+        job.prepared = True

@@ -1,7 +1,7 @@
 """The one request object passed between engine parts: a `Sequence` (a voice session's
-conversation, living in one KV slot) and its current `Turn`; and the two messages the
-scheduler sends its workers about them: a `PrefillJob` (columns to write into a slot) and
-a `SlotOp` (a change to a slot's device-side decode state)."""
+conversation, whose KV lives in blocks of the paged pool) and its current `Turn`; and the
+two messages the scheduler sends its workers about them: a `PrefillJob` (columns to write
+into a sequence's blocks) and a `RowOp` (a change to a decode row's device-side state)."""
 
 from __future__ import annotations
 
@@ -19,10 +19,11 @@ from .sampler import SamplingParams
 
 
 class SeqState(enum.Enum):
-    WAITING = "waiting"  # voice prompt queued for prefill
-    PREFILLING = "prefilling"
-    IDLE = "idle"  # voice prompt (and earlier turns) in the cache, no turn running
-    TURN_PREFILL = "turn_prefill"
+    WAITING = "waiting"  # voice prompt waits for KV blocks
+    PREFILLING = "prefilling"  # voice prompt being prefilled (or shared, once its owner's lands)
+    IDLE = "idle"  # voice prompt (and earlier turns) in the cache (or evicted to host), no turn
+    TURN_PREFILL = "turn_prefill"  # a turn's prompt waits for blocks or is being prefilled
+    QUEUED = "queued"  # a turn's prompt is in; the turn waits for a decode row
     DECODING = "decoding"
     CLOSED = "closed"
 
@@ -96,6 +97,7 @@ class Turn:
     codec_stream: int | None = None
     cancelled: bool = False
     closes_previous: bool = False  # its prompt starts by closing the previous assistant turn
+    rebuilt: bool = False  # its prompt re-prefills the context after the voice (context full)
     finished: FinishReason | None = None
 
 
@@ -107,9 +109,14 @@ class Sequence:
     seed: int
     sink: SequenceSink
     created_at: float = field(default_factory=time.perf_counter)
-    slot_at: float = 0.0  # when it got a KV slot (its wait in the queue: slot_at - created_at)
+    admitted_at: float = 0.0  # when it got KV blocks (its wait in the queue: - created_at)
     state: SeqState = SeqState.WAITING
-    slot: int | None = None
+    row: int | None = None  # the decode row its running turn holds
+    blocks: list[int] = field(default_factory=list)  # its block table (KV pool blocks)
+    prompt_key: str = ""  # identity of its voice prompt (shared prefixes)
+    offloaded: object | None = None  # its KV in host memory (evicted while idle), or None
+    last_used: float = field(default_factory=time.perf_counter)  # LRU order of idle sessions
+    jobs_in_flight: int = 0  # prefill jobs created and not landed: its blocks may be written
     pos: int = 0  # positions filled in the KV cache
     system_cols: Tensor | None = None
     history: list[tuple[str, Tensor]] = field(default_factory=list)  # (text, codes fed) per turn
@@ -126,18 +133,23 @@ class Sequence:
     prefill_s: float = 0.0
 
     def __repr__(self) -> str:
-        return f"Sequence({self.seq_id}, {self.state.value}, slot={self.slot}, pos={self.pos})"
+        return (f"Sequence({self.seq_id}, {self.state.value}, row={self.row}, pos={self.pos}, "
+                f"blocks={len(self.blocks)})")
 
 
 @dataclass(slots=True, eq=False)
 class PrefillJob:
-    """Prompt columns to write into a sequence's slot, a chunk per prefill round."""
+    """Prompt columns to write into a sequence's blocks, a chunk per prefill round; before
+    the first chunk, the block work its sequence needs (restore from host, copy-on-write)."""
 
     seq: Sequence
     cols: Tensor  # [1+K, n] columns to write at `start`
     start: int
     turn: Turn | None  # None: the voice prompt
-    slot: int  # fixed at creation: the prefill thread never reads seq.slot
+    blocks: tuple[int, ...]  # fixed at creation: the prefill thread never reads seq.blocks
+    restore: tuple[object, tuple[int, ...]] | None = None  # (saved KV, blocks to write it to)
+    copies: tuple[tuple[int, int], ...] = ()  # (source, destination) blocks to copy first
+    prepared: bool = False  # restore and copies done
     done: int = 0  # columns written so far
     # set by the prefill worker: a CUDA event the decode stream waits on before the sequence
     # joins, None (CPU, or nothing to wait for), or the exception that failed it
@@ -151,16 +163,19 @@ class PrefillJob:
 
 
 @dataclass(slots=True, frozen=True)
-class SlotOp:
-    """A change to one slot's device-side decode state, in the order the scheduler decided
+class RowOp:
+    """A change to one decode row's device-side state, in the order the scheduler decided
     it; the decode worker applies the queued ops on the decode stream before its next step.
-    assign: sampling parameters (a new sequence); join: feed `col` at `pos` from the next
-    step on, for at most `max_frames` frames; leave: stop decoding the slot."""
+    join: a turn starts decoding on the row from the next step on — its sampling parameters
+    and seed, its block table `blocks`, the column `col` fed at `pos`, at most `max_frames`
+    frames; extend: `blocks` appended to the row's table from entry `pos` on; leave: stop
+    decoding the row."""
 
-    kind: Literal["assign", "join", "leave"]
-    slot: int
+    kind: Literal["join", "extend", "leave"]
+    row: int
     params: SamplingParams | None = None
     seed: int = 0
     col: Tensor | None = None  # [1+K]
     pos: int = 0
     max_frames: int = 0
+    blocks: tuple[int, ...] = ()

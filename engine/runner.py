@@ -1,18 +1,22 @@
-"""The model runner: owns the weights, the KV cache and all per-slot decode state on the
-device, and runs the two kinds of work the engine schedules, with the speed-ups the
+"""The model runner: owns the weights, the paged KV cache and all per-row decode state on
+the device, and runs the kinds of work the engine schedules, with the speed-ups the
 engine's `Ops` and CUDA graphs give them.
 
-- `prefill*`: write a chunk of prompt columns into a slot's cache.
-- `step(B, span)`: one audio frame for every slot row 0..B-1 ("dense" batch: row i is slot
-  i, so a slot's keys are read in place, never gathered). Rows whose slot is not active
-  compute garbage that is discarded on the device, and write into the scratch slot. The step
-  reads and updates only device state (the column to feed, position, frame budget, the
-  active flag, the sampler's window), so consecutive steps need no host round trip: it is
-  captured as one CUDA graph per (batch, span) bucket (`capture_steps`) and replayed back
-  to back (`launch`). The host learns what happened from the returned `[B, 1+K+2]` tensor
-  (frame, was-active, stopped), whenever it gets to it.
-- `apply(op)`: a slot update the scheduler decided (`SlotOp`), written on the caller's
+- `prefill*`: write a chunk of prompt columns into a sequence's blocks (its block table).
+- `step(B, span)`: one audio frame for every decode row 0..B-1. A row is a place in the
+  decode batch that a turn holds while it speaks; each row has a block table on the device
+  (set when a turn joins, extended as it grows), so keys are read in place through it. Rows
+  that are not active compute garbage that is discarded on the device, and write into the
+  scratch block. The step reads and updates only device state (the column to feed,
+  position, frame budget, the active flag, the sampler's window, the tables), so
+  consecutive steps need no host round trip: it is captured as one CUDA graph per (batch,
+  span) bucket (`capture_steps`) and replayed back to back (`launch`). The host learns what
+  happened from the returned `[B, 1+K+2]` tensor (frame, was-active, stopped), whenever it
+  gets to it.
+- `apply(op)`: a row update the scheduler decided (`RowOp`), written on the caller's
   stream so that it lands between two steps.
+- `save` / `restore` / `copy_block`: a sequence's blocks to host memory and back (sessions
+  evicted while idle), and copy-on-write of a shared voice prefix's last block.
 """
 
 from __future__ import annotations
@@ -26,46 +30,53 @@ from torch import Tensor
 from . import staging
 from .cache import (
     BatchedPrefillAttend,
-    DenseDecodeAttend,
     FastKV,
+    PagedDecodeAttend,
     PrefillAttend,
-    SlotPrefillAttend,
     SlowKVCache,
+    TablePrefillAttend,
 )
 from .capture import capture_graphs
 from .config import ModelConfig, TransformerConfig
 from .kernels.decode_attention import supports as kernel_supports
 from .model import DualAR
 from .ops import REFERENCE, Ops
-from .request import SlotOp
+from .request import RowOp
 from .sampler import SamplingParams, SlotSampling
 
 log = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, model: DualAR, *, n_slots: int, max_len: int, ops: Ops = REFERENCE,
+    def __init__(self, model: DualAR, *, n_rows: int, max_len: int, n_blocks: int | None = None,
+                 block_size: int = 64, ops: Ops = REFERENCE,
                  dtype: torch.dtype | None = None) -> None:
+        """n_rows: the decode batch's rows (max_running); n_blocks: the KV pool's blocks of
+        block_size positions (default: a full context per row)."""
         self.model = model
         self.ops = ops
         self.cfg: ModelConfig = model.cfg
         self.device = model.embeddings.weight.device
         self.dtype = dtype or model.embeddings.weight.dtype
-        self.n_slots = n_slots
-        self.cache = SlowKVCache(self.cfg.slow, n_slots, max_len, device=self.device,
-                                 dtype=self.dtype)
-        S, d = n_slots + 1, self.device  # + the scratch row
+        self.n_rows = n_rows
+        if n_blocks is None:
+            n_blocks = n_rows * -(-max_len // block_size)
+        self.cache = SlowKVCache(self.cfg.slow, n_blocks, block_size, max_len,
+                                 device=self.device, dtype=self.dtype)
+        S, d = n_rows + 1, self.device  # + the scratch row
         self.sampling = SlotSampling(S, d, draw=ops.sample, shift=ops.shift_window)
         self.slow_kernel = self._attention_kernel(self.cfg.slow)
         self.fast_kv = FastKV(self.cfg, S, device=d, dtype=self.dtype,
                               kernel=self._attention_kernel(self.cfg.fast))
         self.n_semantic = self.cfg.ids.n_semantic
-        # Per-slot decode state, device-resident.
+        # Per-row decode state, device-resident.
         self.next_col = torch.zeros(S, self.cfg.frame_rows, dtype=torch.long, device=d)
         self.pos = torch.zeros(S, dtype=torch.long, device=d)
         self.frames_left = torch.zeros(S, dtype=torch.long, device=d)
         self.active = torch.zeros(S, dtype=torch.bool, device=d)
-        self.row_ids = torch.arange(S, device=d)
+        # each row's block table; rows not decoding point at the scratch block
+        self.tables = torch.full((S, self.cache.table_width), self.cache.scratch,
+                                 dtype=torch.long, device=d)
         self.step_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
 
     @property
@@ -78,7 +89,16 @@ class ModelRunner:
 
     @property
     def scratch(self) -> int:
+        """The scratch block."""
         return self.cache.scratch
+
+    @property
+    def n_blocks(self) -> int:
+        return self.cache.n_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self.cache.block_size
 
     def _attention_kernel(self, c: TransformerConfig):  # type: ignore[no-untyped-def]
         """The ops' one-position attention kernel where it handles this stack's heads."""
@@ -95,93 +115,119 @@ class ModelRunner:
         return self.slow_kernel is not None and self.fast_kv.kernel is not None
 
     # ------------------------------------------------------------------ host -> device
-    def apply(self, op: SlotOp) -> None:
-        """A slot update the scheduler decided, on the current stream."""
-        if op.kind == "assign":
-            assert op.params is not None
-            self.assign(op.slot, op.params, op.seed)
-        elif op.kind == "join":
-            assert op.col is not None
-            self.join(op.slot, op.col, op.pos, op.max_frames, op.seed)
+    def apply(self, op: RowOp) -> None:
+        """A row update the scheduler decided, on the current stream."""
+        if op.kind == "join":
+            assert op.col is not None and op.params is not None
+            self.join(op.row, op.params, op.col, op.pos, op.max_frames, op.seed, op.blocks)
+        elif op.kind == "extend":
+            self.extend(op.row, op.pos, op.blocks)
         elif op.kind == "leave":
-            self.leave(op.slot)
+            self.leave(op.row)
         else:
-            raise ValueError(f"unknown slot op {op.kind!r}")
+            raise ValueError(f"unknown row op {op.kind!r}")
 
-    def assign(self, slot: int, params: SamplingParams, seed: int) -> None:
-        """A new sequence in `slot`: its sampling parameters and seed."""
-        self.sampling.assign(slot, params, seed)
+    def join(self, row: int, params: SamplingParams, col: Tensor, pos: int, max_frames: int,
+             seed: int, blocks: tuple[int, ...]) -> None:
+        """Make `row` decode a turn from the next step on: its sampling parameters, its
+        block table, and the column `col` [1+K] to feed at `pos`."""
+        self.sampling.assign(row, params, seed)
+        table = self.cache.table(list(blocks))
+        vals = staging.to_device([pos, max_frames, seed, *col.tolist(), *table], self.device)
+        K1 = self.cfg.frame_rows
+        self.pos[row] = vals[0]
+        self.frames_left[row] = vals[1]
+        self.sampling.begin_turn_dev(row, vals[2])
+        self.next_col[row] = vals[3: 3 + K1]
+        self.tables[row] = vals[3 + K1:]
+        self.active[row] = True
 
-    def join(self, slot: int, col: Tensor, pos: int, max_frames: int, seed: int) -> None:
-        """Make `slot` decode from the next step on: feed `col` [1+K] at `pos`."""
-        vals = staging.to_device([pos, max_frames, seed, *col.tolist()], self.device)
-        self.pos[slot] = vals[0]
-        self.frames_left[slot] = vals[1]
-        self.sampling.begin_turn_dev(slot, vals[2])
-        self.next_col[slot] = vals[3:]
-        self.active[slot] = True
+    def extend(self, row: int, index: int, blocks: tuple[int, ...]) -> None:
+        """More blocks for a decoding row's table, from entry `index` on."""
+        vals = staging.to_device(list(blocks), self.device)
+        self.tables[row, index: index + len(blocks)] = vals
 
-    def leave(self, slot: int) -> None:
-        """Stop decoding `slot` from the next step on (cancel)."""
-        self.active[slot] = False
+    def leave(self, row: int) -> None:
+        """Stop decoding `row` from the next step on (cancel)."""
+        self.active[row] = False
+
+    # ------------------------------------------------------------------ blocks
+    def table_tensor(self, blocks: list[int] | tuple[int, ...]) -> Tensor:
+        """A block table row [MB] on the device (scratch past the blocks)."""
+        return staging.to_device(self.cache.table(list(blocks)), self.device)
+
+    def save(self, blocks: list[int]) -> tuple[Tensor, Tensor]:
+        return self.cache.save(blocks)
+
+    def restore(self, saved: tuple[Tensor, Tensor], blocks: list[int]) -> None:
+        self.cache.restore(saved, blocks)
+
+    def copy_block(self, src: int, dst: int) -> None:
+        self.cache.copy_block(src, dst)
 
     # ------------------------------------------------------------------ prefill
     @torch.inference_mode()
-    def prefill(self, slot: int, cols: Tensor, start: int) -> Tensor:
-        """cols: [1+K, T] prompt columns placed at positions start..start+T-1.
-        Returns the final-normed hidden state of the last column [D]."""
+    def prefill(self, blocks: list[int] | tuple[int, ...], cols: Tensor, start: int) -> Tensor:
+        """cols: [1+K, T] prompt columns placed at positions start..start+T-1 of the sequence
+        whose block table is `blocks`. Returns the final-normed hidden state of the last
+        column [D]."""
         cols = cols.to(self.device, non_blocking=True)
         T = cols.shape[1]
-        attend = PrefillAttend(self.cache, slot, start, T)
+        attend = PrefillAttend(self.cache, self.table_tensor(blocks), start, T)
         positions = torch.arange(start, start + T, device=self.device)[None]
         h = self.model.forward_slow(cols[None], positions, attend, self.ops)
         return h[0, -1]
 
     @torch.inference_mode()
-    def prefill_batch(self, items: list[tuple[int, Tensor, int]]) -> None:
-        """Several prefills in one forward: items of (slot, cols [1+K, n], start)."""
+    def prefill_batch(self, items: list[tuple[tuple[int, ...], Tensor, int]]) -> None:
+        """Several prefills in one forward: items of (blocks, cols [1+K, n], start)."""
         if len(items) == 1:
-            slot, cols, start = items[0]
-            self.prefill(slot, cols, start)
+            blocks, cols, start = items[0]
+            self.prefill(blocks, cols, start)
             return
         T = max(c.shape[1] for _, c, _ in items)
         batch = torch.zeros(len(items), self.cfg.frame_rows, T, dtype=torch.long)
         for n, (_, c, _) in enumerate(items):
             batch[n, :, : c.shape[1]] = c
-        attend = BatchedPrefillAttend(self.cache, [s for s, _, _ in items],
-                                      [st for _, _, st in items],
+        tables = torch.empty(len(items), self.cache.table_width, dtype=torch.long,
+                             device=self.device)
+        staging.stage(tables, [self.cache.table(list(b)) for b, _, _ in items])
+        attend = BatchedPrefillAttend(self.cache, tables, [st for _, _, st in items],
                                       [c.shape[1] for _, c, _ in items], T)
         self.model.forward_slow(batch.to(self.device, non_blocking=True), attend.positions,
                                 attend, self.ops)
 
     def prefill_inputs(self, T: int, N: int = 1) -> dict[str, Tensor]:
         """Device buffers for `prefill_static` of N chunks of T columns (all rows on the
-        scratch slot at position 0 until filled in)."""
-        d = self.device
+        scratch block at position 0 until filled in)."""
+        d, c = self.device, self.cache
         return {"cols": torch.zeros(N, self.cfg.frame_rows, T, dtype=torch.long, device=d),
-                "slot": torch.full((N,), self.cache.scratch, dtype=torch.long, device=d),
+                "table": torch.full((N, c.table_width), c.scratch, dtype=torch.long, device=d),
                 "start": torch.zeros(N, dtype=torch.long, device=d)}
 
     @torch.inference_mode()
     def prefill_static(self, inp: dict[str, Tensor], span: int) -> None:
         """`prefill_batch` with every input a device tensor (`prefill_inputs`): capturable
         as one CUDA graph per (N, T, span). The caller guarantees start + T <= span <= max_len
-        for every row and distinct slots for the real rows."""
+        for every row and distinct blocks for the real rows' positions."""
         T = inp["cols"].shape[2]
         positions = inp["start"][:, None] + torch.arange(T, device=self.device)  # [N, T]
-        attend = SlotPrefillAttend(self.cache, inp["slot"], positions, span)
+        attend = TablePrefillAttend(self.cache, inp["table"], positions, span)
         self.model.forward_slow(inp["cols"], positions, attend, self.ops)
 
     # ------------------------------------------------------------------ decode
     @torch.inference_mode()
     def step(self, B: int, span: int) -> Tensor:
-        """One frame for slot rows 0..B-1; `span` bounds max(pos)+1 of the active rows.
+        """One frame for rows 0..B-1; `span` bounds max(pos)+1 of the active rows.
         Returns out [B, 1+K+2] int64: frame [t, c0..c9], was_active, stopped."""
         was = self.active[:B].clone()
-        cols, pos = self.next_col[:B], self.pos[:B]
-        # inactive rows write into the scratch slot, so a slot being prefilled is never touched
-        wslots = torch.where(was, self.row_ids[:B], self.n_slots)
-        frames = self.decode(cols, torch.where(was, pos, 0), wslots, span)
+        cols, pos = self.next_col[:B], torch.where(was, self.pos[:B], 0)
+        tables = self.tables[:B]
+        # inactive rows write into the scratch block: blocks being prefilled, or now held by
+        # another sequence, are never touched
+        wblock = torch.where(was, tables.gather(1, (pos // self.cache.block_size)[:, None])[:, 0],
+                             self.cache.scratch)
+        frames = self.decode(cols, pos, tables, wblock, span)
         self.next_col[:B] = torch.where(was[:, None], frames, cols)
         self.pos[:B] += was
         self.frames_left[:B] -= was.long()
@@ -189,10 +235,11 @@ class ModelRunner:
         self.active[:B] = was & ~stop
         return torch.cat([frames, was[:, None].long(), stop[:, None].long()], dim=1)
 
-    def decode(self, cols: Tensor, positions: Tensor, wslots: Tensor, span: int) -> Tensor:
-        """Rows 0..B-1 (= slots) feed cols [B, 1+K] at positions [B] -> frames [B, 1+K]."""
-        B = cols.shape[0]
-        attend = DenseDecodeAttend(self.cache, B, wslots, positions, span, self.slow_kernel)
+    def decode(self, cols: Tensor, positions: Tensor, tables: Tensor, wblock: Tensor,
+               span: int) -> Tensor:
+        """Rows 0..B-1 feed cols [B, 1+K] at positions [B] through their block tables
+        [B, MB], writing into wblock [B] -> frames [B, 1+K]."""
+        attend = PagedDecodeAttend(self.cache, tables, wblock, positions, span, self.slow_kernel)
         h = self.model.forward_slow(cols[:, :, None], positions[:, None], attend,
                                     self.ops)[:, 0]  # [B, D]
         return self.frame_from_hidden(h)
@@ -223,7 +270,7 @@ class ModelRunner:
                       spans: list[int]) -> float:
         """One CUDA graph per (batch bucket, span bucket) of the whole `step`, warmed and
         captured on `stream` (the stream that replays them) with every row inactive: its
-        writes go to the scratch slot, and no slot's state changes. Returns the seconds."""
+        writes go to the scratch block, and no row's state changes. Returns the seconds."""
         t0 = time.perf_counter()
         saved = (self.active.clone(), self.pos.clone())
         self.active.zero_()

@@ -1,19 +1,26 @@
 """The scheduler: every decision of the engine, as plain host state — no threads, no device.
 
-It owns the lifecycle of sequences (a voice session's conversation in one KV slot) and their
-turns: admission and the wait for a slot, the voice prompt's prefill, turns (context rebuild
-when the cache is full, rollback of a turn cancelled before it spoke), joining the decode
-batch, leaving it (end of a turn, cancel, close) and draining the steps still in flight.
+It owns the lifecycle of sequences (a voice session's conversation, its KV in blocks of the
+paged pool) and their turns: admission (KV blocks for the voice prompt, or a share of an
+identical prompt already in the pool), the voice prompt's prefill, turns (blocks for the
+prompt and the first frames, copy-on-write of a shared last block, context rebuild when the
+context is full, rollback of a turn cancelled before it spoke), a decode row for each
+speaking turn (a turn waits in a queue when every row is taken; an idle session holds blocks
+but no row), growing a speaking turn's blocks, leaving the batch (end of a turn, cancel,
+close) and draining the steps still in flight, and eviction of the least recently used idle
+sessions' KV to host memory when the pool runs low (restored with their next turn).
 It also owns the chunk policy of the audio (first chunk, growth, holding far-ahead streams
 for a fuller codec tick) and the prefill-first pause. The workers only move tensors: the
 engine's loops ask the scheduler for a plan, hand it to a worker and give the result back:
 
     prefill:  take_prefill_jobs() -> PrefillWorker.round(...) -> prefill_done(job)
-    decode:   take_slot_ops() + plan_step(now) -> DecodeWorker.launch / read -> step_done(...)
+    decode:   plan_step(now) + take_row_ops() -> DecodeWorker.launch / read -> step_done(...)
     codec:    plan_codec(now) -> CodecWorker.decode(...) -> codec_done(plan, pcm)
 
-Device-side changes the scheduler decides (a slot's sampling parameters, joining, leaving)
-are queued as `SlotOp`s, which the decode worker applies on its stream before its next step.
+Device-side changes the scheduler decides (a turn joining a row with its sampling
+parameters and block table, a table growing, leaving) are queued as `RowOp`s, which the
+decode worker applies on its stream before its next step. Moving an idle session's KV to
+host memory is the one device call it makes, through the `evict` callback it is given.
 
 Threads (the scheduler starts none): the decode side (commands, prefill landings, steps) is
 driven by one thread — the decode thread, or the caller in sync mode. The codec side
@@ -30,6 +37,7 @@ import random
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -38,13 +46,14 @@ from torch import Tensor
 
 from .config import EngineConfig, TokenIds
 from .errors import TurnError
+from .kv_pool import BlockPool, PrefixCache
 from .prompt import PromptBuilder
 from .request import (
     FinishReason,
     PrefillJob,
+    RowOp,
     SeqState,
     Sequence,
-    SlotOp,
     Turn,
     TurnResult,
 )
@@ -58,10 +67,12 @@ TURN_FRAMES_ROOM = 64
 TURN_SLACK = 2
 TURN_MARGIN = TURN_FRAMES_ROOM + TURN_SLACK
 
+Evict = Callable[[list[int]], object]  # blocks -> their KV saved in host memory
+
 
 @dataclass(slots=True, frozen=True)
 class StepPlan:
-    """One decode step to launch: slot rows 0..B-1, keys over [0, span)."""
+    """One decode step to launch: rows 0..B-1, keys over [0, span)."""
 
     k: int  # the step's number (steps launched before it)
     B: int
@@ -83,18 +94,24 @@ def new_stats() -> dict[str, float]:
     """The engine's counters (shared by the scheduler and the workers; benches reset them)."""
     return {"steps": 0, "frames": 0, "prefill_cols": 0, "decode_s": 0.0, "prefill_s": 0.0,
             "codec_s": 0.0, "codec_ticks": 0, "wasted_rows": 0, "prefill_calls": 0,
-            "decode_pauses": 0, "decode_paused_s": 0.0}
+            "decode_pauses": 0, "decode_paused_s": 0.0, "prefix_hits": 0, "kv_evictions": 0,
+            "kv_restores": 0, "kv_restore_s": 0.0, "cow_copies": 0, "row_waits": 0,
+            "turns_cut_no_blocks": 0}
 
 
 class Scheduler:
-    def __init__(self, cfg: EngineConfig, prompts: PromptBuilder, *, n_slots: int,
-                 sample_rate: int, frame_samples: int, ids: TokenIds,
-                 stats: dict[str, float] | None = None) -> None:
+    def __init__(self, cfg: EngineConfig, prompts: PromptBuilder, *, n_rows: int,
+                 n_blocks: int, block_size: int, sample_rate: int, frame_samples: int,
+                 ids: TokenIds, stats: dict[str, float] | None = None,
+                 evict: Evict | None = None, block_bytes: int = 0) -> None:
+        """n_rows: decode rows (the batch); n_blocks / block_size: the KV pool; `evict`
+        saves blocks to host memory (None: idle sessions are never evicted), each block
+        costing `block_bytes` there, within cfg.kv_host_gib."""
         if cfg.max_len is None:
             raise ValueError("the scheduler needs a resolved EngineConfig (max_len set)")
         self.cfg = cfg
         self.prompts = prompts
-        self.n_slots = n_slots
+        self.n_rows = n_rows
         self.max_len: int = cfg.max_len
         self.sample_rate = sample_rate
         self.frame_rate = sample_rate / frame_samples  # audio frames per second
@@ -102,11 +119,22 @@ class Scheduler:
         self.frame_rows = prompts.k + 1  # a frame column: the token, then its codes
         self.stats = stats if stats is not None else new_stats()
         self._rng = random.Random(cfg.seed)
-        self._free = list(range(n_slots))  # slots not owned by any sequence
-        self.waiting: deque[Sequence] = deque()  # admitted, waiting for a slot
-        self.live: dict[int, Sequence] = {}  # seq_id -> sequences that hold a slot
-        self.running: dict[int, Sequence] = {}  # slot -> sequence that may be active on the device
-        self._slot_ops: list[SlotOp] = []
+        self.pool = BlockPool(n_blocks, block_size)
+        self.table_width = -(-self.max_len // block_size) + 1  # = SlowKVCache.table_width
+        self.prefixes = PrefixCache(self.pool, cfg.prefix_cache)
+        self._evict = evict
+        self.block_bytes = block_bytes
+        self.host_budget = int(cfg.kv_host_gib * 2**30)
+        self.host_bytes = 0  # KV of evicted sessions held in host memory
+        self._free_rows = list(range(n_rows))  # decode rows no turn holds
+        self.waiting: deque[Sequence] = deque()  # admitted, waiting for blocks for the voice
+        self.live: dict[int, Sequence] = {}  # seq_id -> sequences past the wait
+        self.running: dict[int, Sequence] = {}  # row -> sequence that may be active on the device
+        self.row_queue: deque[Sequence] = deque()  # turns prefilled, waiting for a row
+        self.block_queue: deque[Sequence] = deque()  # turns waiting for blocks to prefill
+        self._leaders: dict[str, Sequence] = {}  # prompt key -> the sequence prefilling it
+        self._followers: dict[str, list[Sequence]] = {}  # ... and those waiting to share it
+        self._row_ops: list[RowOp] = []
         self._new_jobs: list[PrefillJob] = []
         self.prefill_outstanding = 0  # prefill jobs created and not landed yet
         self.k = 0  # decode steps planned (launched)
@@ -123,8 +151,13 @@ class Scheduler:
 
     # ================================================================ sizes
     @property
-    def free_slots(self) -> int:
-        return len(self._free)
+    def free_rows(self) -> int:
+        return len(self._free_rows)
+
+    @property
+    def offloaded(self) -> int:
+        """Sessions whose KV is in host memory."""
+        return sum(1 for s in self.live.values() if s.offloaded is not None)
 
     def turn_room(self, system_cols: int) -> int:
         """Text tokens one turn may have next to a voice prompt of `system_cols` positions, so
@@ -134,37 +167,163 @@ class Scheduler:
         return self.max_len - system_cols - wrapper - TURN_MARGIN
 
     def has_room(self) -> bool:
-        """Whether one more sequence may be admitted (a free slot or a place in the queue)."""
-        return len(self.waiting) < self.cfg.max_waiting + max(0, self.free_slots)
+        """Whether one more sequence may be admitted (a place in the queue for blocks)."""
+        return len(self.waiting) < self.cfg.max_waiting + (0 if self.waiting else 1)
 
     def seed_for(self, requested: int | None) -> int:
         return requested if requested is not None else self._rng.randrange(2**31)
 
+    # ================================================================ KV blocks
+    def _reserve(self, n: int, *, keep: int = 0) -> bool:
+        """Make n blocks free (and `keep` more, headroom for speaking turns to grow): drop
+        voice prefixes no session shares, then evict the least recently used idle sessions
+        to host memory. Whether they are free now."""
+        while self.pool.free < n + keep:
+            if self.prefixes.drop_unused():
+                continue
+            if not self._evict_one():
+                return self.pool.free >= n + keep
+        return True
+
+    def _evict_one(self) -> bool:
+        """Move the least recently used idle session's KV to host memory; False when none
+        can go (none idle, or the host budget is spent)."""
+        if self._evict is None:
+            return False
+        idle = [s for s in self.live.values()
+                if s.state is SeqState.IDLE and s.turn is None and s.queued_turn is None
+                and not s.draining and s.offloaded is None and s.blocks
+                and not s.jobs_in_flight]  # a cancelled turn's prefill may still write them
+        for seq in sorted(idle, key=lambda s: s.last_used):
+            n = self.pool.blocks_for(seq.pos)
+            cost = n * self.block_bytes
+            if self.host_bytes + cost > self.host_budget:
+                continue
+            saved = self._evict(seq.blocks[:n]) if n else None
+            self.host_bytes += cost
+            seq.offloaded = (saved, cost)
+            self.pool.release(seq.blocks)
+            seq.blocks = []
+            self.stats["kv_evictions"] += 1
+            log.info("seq %d: idle, its KV (%d positions) moved to host memory", seq.seq_id,
+                     seq.pos)
+            return True
+        return False
+
+    def _drop_offloaded(self, seq: Sequence) -> tuple[object, tuple[int, ...]] | None:
+        """Forget a session's host copy; returns it with nothing to restore into yet."""
+        if seq.offloaded is None:
+            return None
+        saved, cost = seq.offloaded  # type: ignore[misc]
+        self.host_bytes -= cost
+        seq.offloaded = None
+        return saved
+
+    def _release_blocks(self, seq: Sequence) -> None:
+        if seq.blocks:
+            self.pool.release(seq.blocks)
+            seq.blocks = []
+        self._drop_offloaded(seq)
+
+    def _retry_waits(self) -> None:
+        """Blocks or rows may have freed: serve the turns and sessions waiting for them."""
+        while self.block_queue:
+            seq = self.block_queue[0]
+            if seq.state is SeqState.CLOSED or seq.turn is None or seq.turn.cancelled:
+                self.block_queue.popleft()
+                continue
+            if not self._prefill_turn(seq):
+                break
+            self.block_queue.popleft()
+        if self.block_queue and not self.running and not self.prefill_outstanding:
+            # nothing speaks or prefills, and every block is held by idle sessions that
+            # cannot be evicted: these turns would wait for ever
+            while self.block_queue:
+                seq = self.block_queue.popleft()
+                turn = seq.turn
+                if turn is None or seq.state is SeqState.CLOSED:
+                    continue
+                self._rollback(seq, turn)
+                seq.turn, seq.state = None, SeqState.IDLE
+                self._fail_turn(seq, turn, f"no KV blocks free for this turn's prompt (pool of "
+                                           f"{self.pool.n_blocks} blocks, all held by open "
+                                           f"sessions); retry later", TurnError.OVERLOADED)
+        self._admit_waiting()
+
     # ================================================================ commands
     def admit(self, seq: Sequence) -> None:
-        """A new sequence: it waits for a slot, then its voice prompt is prefilled."""
+        """A new sequence: it shares an identical voice prompt already in the pool, or waits
+        for blocks, then its voice prompt is prefilled."""
         self.waiting.append(seq)
-        self._assign_slots()
+        self._admit_waiting()
 
-    def _assign_slots(self) -> None:
-        while self.waiting and self._free:
-            seq = self.waiting.popleft()
+    def _admit_waiting(self) -> None:
+        while self.waiting:
+            seq = self.waiting[0]
             if seq.state is SeqState.CLOSED:
+                self.waiting.popleft()
                 continue
-            self._free.sort()
-            seq.slot = self._free.pop(0)  # lowest first keeps live slots dense
-            seq.slot_at = time.perf_counter()
-            self._slot_ops.append(SlotOp("assign", seq.slot, params=seq.params, seed=seq.seed))
-            self.live[seq.seq_id] = seq
-            seq.pos = 0
-            seq.state = SeqState.PREFILLING
+            key = seq.prompt_key
+            shared = self.prefixes.get(key) if key else None
+            if shared is None and key in self._leaders:  # its twin is prefilling: wait for it
+                self.waiting.popleft()
+                self._enter(seq)
+                self._followers.setdefault(key, []).append(seq)
+                continue
+            if shared is not None:
+                self.waiting.popleft()
+                self._enter(seq)
+                self._share_prefix(seq)
+                continue
             assert seq.system_cols is not None
+            n = self.pool.blocks_for(seq.system_cols.shape[1])
+            if not self._reserve(n, keep=len(self.running)):
+                return  # first come, first served: later ones wait behind it
+            self.waiting.popleft()
+            self._enter(seq)
+            seq.blocks = self.pool.alloc(n) or []
+            if key and self.prefixes.max_entries:
+                self._leaders[key] = seq
             self._queue_prefill(seq, seq.system_cols, 0, None)
 
-    def _queue_prefill(self, seq: Sequence, cols: Tensor, start: int, turn: Turn | None) -> None:
-        assert seq.slot is not None
+    def _enter(self, seq: Sequence) -> None:
+        seq.admitted_at = time.perf_counter()
+        self.live[seq.seq_id] = seq
+        seq.pos = 0
+        seq.state = SeqState.PREFILLING
+
+    def _share_prefix(self, seq: Sequence) -> None:
+        """The voice prompt's blocks are in the pool already: share them, ready at once."""
+        p = self.prefixes.get(seq.prompt_key)
+        assert p is not None
+        self.pool.share(p.blocks)
+        seq.blocks = list(p.blocks)
+        seq.pos = p.length
+        seq.state = SeqState.IDLE
+        self.stats["prefix_hits"] += 1
+        seq.sink.on_ready(seq, time.perf_counter() - seq.created_at)
+        self._next_queued_turn(seq)
+
+    def _orphans(self, seq: Sequence) -> None:
+        """A sequence prefilling a voice prompt others wait for is gone: the first of them
+        prefills it instead."""
+        key = seq.prompt_key
+        if self._leaders.get(key) is not seq:
+            return
+        del self._leaders[key]
+        for f in reversed(self._followers.pop(key, [])):
+            if f.state is not SeqState.CLOSED:
+                self.live.pop(f.seq_id, None)
+                f.state = SeqState.WAITING
+                self.waiting.appendleft(f)
+
+    def _queue_prefill(self, seq: Sequence, cols: Tensor, start: int, turn: Turn | None, *,
+                       restore: tuple[object, tuple[int, ...]] | None = None,
+                       copies: tuple[tuple[int, int], ...] = ()) -> None:
         self.prefill_outstanding += 1
-        self._new_jobs.append(PrefillJob(seq, cols, start, turn, seq.slot))
+        seq.jobs_in_flight += 1
+        self._new_jobs.append(PrefillJob(seq, cols, start, turn, tuple(seq.blocks),
+                                         restore=restore, copies=copies))
 
     def start_turn(self, seq: Sequence, turn: Turn) -> None:
         """A turn on a sequence: prefilled now, or queued behind its voice prompt or a
@@ -176,6 +335,7 @@ class Scheduler:
             self._fail_turn(seq, turn, "a turn is already running on this sequence",
                             TurnError.INVALID_STATE)
             return
+        seq.last_used = time.perf_counter()
         if seq.state is SeqState.IDLE and not seq.draining:
             seq.turn = turn
             self._queue_turn_prefill(seq)
@@ -198,17 +358,66 @@ class Scheduler:
                                            f"({self.max_len} positions)", TurnError.TOO_LARGE)
                 return
             cols = rebuilt
+            turn.rebuilt = True
         seq.closed_turn = True
         seq.turn_start_pos = seq.pos
         # -2: one position of slack for the frame a pingpong step may add after a cancel
         turn.max_frames = max(1, min(turn.max_frames, self.max_len - seq.pos - cols.shape[1] - 2))
         seq.state = SeqState.TURN_PREFILL
         turn.cols = cols
+        if not self._prefill_turn(seq):
+            self.block_queue.append(seq)  # served when blocks free (a close, an idle session)
+            self._retry_waits()  # or refused now if none ever can
+
+    def _prefill_turn(self, seq: Sequence) -> bool:
+        """Blocks for the turn's prompt and first frames (restoring an evicted session,
+        copying a shared block it will write into), then its prefill job. False: not
+        enough blocks now (nothing was changed)."""
+        turn = seq.turn
+        assert turn is not None and turn.cols is not None
+        p = self.pool
+        bs = p.block_size
+        end = min(seq.pos + turn.cols.shape[1] + min(turn.max_frames, TURN_FRAMES_ROOM)
+                  + TURN_SLACK, self.max_len)
+        want = min(p.blocks_for(end), self.table_width)
+        first = seq.pos // bs  # the first block this turn writes into
+        if seq.offloaded is not None:
+            need = want
+        else:
+            shared = [i for i in range(first, len(seq.blocks)) if p.holders(seq.blocks[i]) > 1]
+            need = max(0, want - len(seq.blocks)) + len(shared)
+        if not self._reserve(need, keep=len(self.running)):
+            return False
+        restore, copies = None, []
+        if seq.offloaded is not None:
+            n_saved = p.blocks_for(seq.pos)
+            seq.blocks = p.alloc(want) or []
+            saved = self._drop_offloaded(seq)
+            if n_saved:
+                restore = (saved, tuple(seq.blocks[:n_saved]))
+                self.stats["kv_restores"] += 1
+        else:
+            for i in range(first, len(seq.blocks)):
+                if p.holders(seq.blocks[i]) > 1:  # copy-on-write: the voice prefix's last block
+                    new = p.alloc(1)
+                    assert new is not None
+                    if i * bs < seq.pos:
+                        copies.append((seq.blocks[i], new[0]))
+                        self.stats["cow_copies"] += 1
+                    p.release([seq.blocks[i]])
+                    seq.blocks[i] = new[0]
+            more = p.alloc(max(0, want - len(seq.blocks)))
+            assert more is not None
+            seq.blocks += more
         # all columns but the last go through prefill; the first decode step feeds the last
-        self._queue_prefill(seq, cols[:, :-1], seq.pos, turn)
+        self._queue_prefill(seq, turn.cols[:, :-1], seq.pos, turn, restore=restore,
+                            copies=tuple(copies))
+        return True
 
     def _rebuild_context(self, seq: Sequence, new: Tensor) -> Tensor | None:
-        """Drop the oldest turns until system + recent turns + the new turn fit; re-prefill."""
+        """Drop the oldest turns until system + recent turns + the new turn fit; re-prefill
+        them after the voice prompt, which stays in the cache (keys at a position depend only
+        on the positions before it)."""
         system = seq.system_cols
         assert system is not None
         keep: list[Tensor] = []
@@ -225,8 +434,8 @@ class Scheduler:
         seq.history = seq.history[dropped:]
         seq.needs_rebuild = False
         log.info("seq %d: context full, dropped %d oldest turns and re-prefills", seq.seq_id, dropped)
-        seq.pos = 0
-        return torch.cat([system, *keep, new], dim=1)
+        seq.pos = system.shape[1]
+        return torch.cat([*keep, new], dim=1)
 
     def cancel(self, seq: Sequence) -> None:
         """Stop the sequence's turn now: no audio of it after its `cancelled` end."""
@@ -246,12 +455,18 @@ class Scheduler:
             self._end_turn(seq, turn, FinishReason.CANCELLED)
             self._maybe_drained(seq)
             return
-        # TURN_PREFILL: nothing was spoken; roll the cache back as if it never happened
+        # TURN_PREFILL / QUEUED: nothing was spoken; roll the cache back as if it never happened
         turn.cancelled = True
+        self._unqueue(seq)
         self._rollback(seq, turn)
         seq.turn = None
         seq.state = SeqState.IDLE
         self._end_turn(seq, turn, FinishReason.CANCELLED)
+
+    def _unqueue(self, seq: Sequence) -> None:
+        for q in (self.row_queue, self.block_queue):
+            if seq in q:
+                q.remove(seq)
 
     def abort_decoding(self, seq: Sequence, turn: Turn) -> None:
         """Take a turn that already reported its end (an error) off the device batch."""
@@ -262,8 +477,8 @@ class Scheduler:
     def _leave(self, seq: Sequence) -> None:
         """Take a decoding sequence off the batch: steps launched before now (up to k - 1)
         may still produce its rows; it drains until they have been read."""
-        assert seq.slot is not None
-        self._slot_ops.append(SlotOp("leave", seq.slot))
+        assert seq.row is not None
+        self._row_ops.append(RowOp("leave", seq.row))
         if not seq.draining:
             seq.draining, seq.leave_step = True, self.k
 
@@ -271,11 +486,11 @@ class Scheduler:
     def _rollback(seq: Sequence, turn: Turn) -> None:
         seq.pos = seq.turn_start_pos
         seq.closed_turn = not turn.closes_previous
-        seq.needs_rebuild = seq.pos == 0
+        seq.needs_rebuild = turn.rebuilt  # its rebuild may be half written
 
     def close(self, seq: Sequence) -> None:
-        """The sequence ends: its turns stop without a report, its slot goes back once no
-        launched step can write to it."""
+        """The sequence ends: its turns stop without a report, its blocks go back (once no
+        launched step can write to them), and so does its row."""
         if seq.state is SeqState.CLOSED:
             return
         for t in (seq.turn, seq.queued_turn):
@@ -283,28 +498,44 @@ class Scheduler:
                 self._end_turn(seq, t, FinishReason.CANCELLED, notify=False)
         seq.queued_turn = None
         self.live.pop(seq.seq_id, None)
-        if seq in self.waiting:  # it never got a slot: it must not hold a place in the queue
+        if seq in self.waiting:  # it never got blocks: it must not hold a place in the queue
             self.waiting.remove(seq)
+        self._unqueue(seq)
+        followers = self._followers.get(seq.prompt_key)
+        if followers and seq in followers:
+            followers.remove(seq)
+        self._orphans(seq)
         on_device = seq.state is SeqState.DECODING or seq.draining
         seq.state = SeqState.CLOSED
-        if seq.slot is not None:
-            if on_device:  # the slot goes back once no launched step can write to it
-                self._leave(seq)
-                self._maybe_drained(seq)
-            else:
-                self._release(seq)
-        self._assign_slots()
+        if on_device:  # blocks and row go back once no launched step can write to them
+            self._leave(seq)
+            self._maybe_drained(seq)
+        else:
+            self._release(seq)
+        self._retry_waits()
 
     def _release(self, seq: Sequence) -> None:
-        if seq.slot is not None:
-            self.running.pop(seq.slot, None)
-            if seq.slot in self._free or not 0 <= seq.slot < self.n_slots:
-                raise RuntimeError(f"slot {seq.slot} released twice or never allocated")
-            self._free.append(seq.slot)
-            seq.slot = None
+        """A closed sequence's row and blocks go back (its blocks once no prefill job of it
+        is in flight: the prefill stream may still be writing them)."""
+        self._free_row(seq)
+        if not seq.jobs_in_flight:
+            self._release_blocks(seq)
+
+    def _free_row(self, seq: Sequence) -> None:
+        row = seq.row
+        if row is None:
+            return
+        if self.running.get(row) is seq:
+            del self.running[row]
+        if row in self._free_rows or not 0 <= row < self.n_rows:
+            raise RuntimeError(f"decode row {row} released twice or never taken")
+        self._free_rows.append(row)
+        seq.row = None
+        while self.row_queue and self._free_rows:
+            self._join(self.row_queue.popleft())
 
     def fail_sequence(self, seq: Sequence, message: str) -> None:
-        """Tell the sink and close the sequence (its slot goes back), whatever state it is in."""
+        """Tell the sink and close the sequence (its blocks go back), whatever state it is in."""
         if seq.state is SeqState.CLOSED:
             return
         try:
@@ -313,30 +544,33 @@ class Scheduler:
         except Exception:
             log.exception("closing failed sequence %d failed too", seq.seq_id)
 
-    def slot_failed(self, slot: int, message: str) -> None:
-        """A slot op the decode worker could not apply: the sequence holding the slot fails
+    def row_failed(self, row: int, message: str) -> None:
+        """A row op the decode worker could not apply: the sequence holding the row fails
         (its device state is unknown), no other."""
         for seq in list(self.live.values()):
-            if seq.slot == slot:
+            if seq.row == row:
                 self.fail_sequence(seq, message)
 
     def fail_all_decoding(self, message: str) -> None:
         """A decode step failed: every turn on the device ends with an error, every sequence
-        leaves the batch (its cache is suspect: the next turn re-prefills its context)."""
-        for slot, seq in list(self.running.items()):
-            self.running.pop(slot, None)
+        leaves the batch (its cache past the voice prompt is suspect: the next turn
+        re-prefills its context)."""
+        for row, seq in list(self.running.items()):
+            self.running.pop(row, None)
             turn = seq.decoding
             if turn is not None and turn.finished is None:
                 self._end_turn(seq, turn, FinishReason.ERROR, error=message)
             seq.decoding = seq.turn = None
             seq.draining = False
             seq.needs_rebuild = True
-            if seq.state is not SeqState.CLOSED:
+            self._row_ops.append(RowOp("leave", row))
+            closed = seq.state is SeqState.CLOSED
+            if not closed:
                 seq.state = SeqState.IDLE
-            if seq.slot is not None:
-                self._slot_ops.append(SlotOp("leave", seq.slot))
-                if seq.state is SeqState.CLOSED:
-                    self._release(seq)
+            self._free_row(seq)
+            if closed:
+                self._release_blocks(seq)
+        self._retry_waits()
 
     # ================================================================ prefill
     def take_prefill_jobs(self) -> list[PrefillJob]:
@@ -353,6 +587,10 @@ class Scheduler:
             log.warning("prefill bookkeeping: %d more jobs landed than were queued",
                         -self.prefill_outstanding)
             self.prefill_outstanding = 0
+        job.seq.jobs_in_flight -= 1
+        if job.seq.state is SeqState.CLOSED and not job.seq.jobs_in_flight:
+            self._release_blocks(job.seq)  # its last prefill landed: nothing writes them now
+            self._retry_waits()
         if isinstance(job.event, Exception):
             self.fail_sequence(job.seq, f"prefill failed: {job.event}")
             return
@@ -370,20 +608,54 @@ class Scheduler:
             seq.pos = job.cols.shape[1]
             seq.state = SeqState.IDLE
             seq.sink.on_ready(seq, time.perf_counter() - seq.created_at)
+            self._prompt_in(seq)
             self._next_queued_turn(seq)
             return
         turn = job.turn
         if turn.cancelled or seq.turn is not turn:
             return  # cancelled while prefilling: already rolled back
         seq.pos = job.start + job.cols.shape[1]
-        assert turn.cols is not None and seq.slot is not None
+        if self._free_rows:
+            self._join(seq)
+        else:  # every row speaks: first come, first served as rows free
+            seq.state = SeqState.QUEUED
+            self.row_queue.append(seq)
+            self.stats["row_waits"] += 1
+
+    def _prompt_in(self, seq: Sequence) -> None:
+        """A voice prompt landed: kept for later sessions with the same voice, and shared now
+        with those that waited for it."""
+        key = seq.prompt_key
+        if not key:
+            return
+        self.prefixes.add(key, seq.blocks, seq.pos)
+        if self._leaders.get(key) is seq:
+            del self._leaders[key]
+        for f in self._followers.pop(key, []):
+            if f.state is SeqState.CLOSED:
+                continue
+            if self.prefixes.get(key) is not None:
+                self._share_prefix(f)
+            else:  # not kept (the cache is full of shared entries): prefill its own
+                self.live.pop(f.seq_id, None)
+                f.state = SeqState.WAITING
+                self.waiting.appendleft(f)
+        self._admit_waiting()
+
+    def _join(self, seq: Sequence) -> None:
+        """A prefilled turn takes a decode row and speaks from the next step on."""
+        turn = seq.turn
+        assert turn is not None and turn.cols is not None
+        self._free_rows.sort()
+        seq.row = self._free_rows.pop(0)  # lowest first keeps the batch's rows dense
         last = turn.cols[:, -1]
         turn.cols = None
         turn.ready_at = time.perf_counter()
         seq.state = SeqState.DECODING
-        self._slot_ops.append(SlotOp("join", seq.slot, col=last, pos=seq.pos,
-                                     max_frames=turn.max_frames, seed=self._turn_seed(seq)))
-        self.running[seq.slot] = seq
+        self._row_ops.append(RowOp("join", seq.row, params=seq.params, seed=self._turn_seed(seq),
+                                   col=last, pos=seq.pos, max_frames=turn.max_frames,
+                                   blocks=tuple(seq.blocks)))
+        self.running[seq.row] = seq
         seq.decoding = turn
         with self._audio_lock:
             self._audio.append((seq, turn))
@@ -399,15 +671,18 @@ class Scheduler:
             self._queue_turn_prefill(seq)
 
     # ================================================================ decode
-    def take_slot_ops(self) -> list[SlotOp]:
-        """The device-side slot changes decided since the last call, in order: the decode
+    def take_row_ops(self) -> list[RowOp]:
+        """The device-side row changes decided since the last call, in order: the decode
         worker applies them before it launches the next step."""
-        ops, self._slot_ops = self._slot_ops, []
+        ops, self._row_ops = self._row_ops, []
         return ops
 
     def plan_step(self, now: float, *, may_pause: bool = False) -> StepPlan | None:
         """The next decode step, or None: nothing runs, or (`may_pause`, the pingpong decode
-        thread) the batch pauses for prefills — counted, and timed, in stats."""
+        thread) the batch pauses for prefills — counted, and timed, in stats. Speaking turns
+        get the blocks this step writes into first (row ops: apply them before launching)."""
+        if self.block_queue or self.waiting:
+            self._retry_waits()
         plan = None
         if self.running:
             if may_pause and self._yield_to_prefill(now):
@@ -415,15 +690,44 @@ class Scheduler:
                     self._paused_at = now
                     self.stats["decode_pauses"] += 1
             else:
-                plan = self._step_plan(now)
+                self._grow()
+                plan = self._step_plan(now) if self.running else None
         if self._paused_at is not None and (plan is not None or not self.running):
             self.stats["decode_paused_s"] += time.perf_counter() - self._paused_at
             self._paused_at = None  # the pause ended: a step went, or nothing runs
         self._note_launch(plan)
         return plan
 
+    def _grow(self) -> None:
+        """Each speaking turn holds the block the next step writes into: the device may be
+        `self.k - self.processed` steps past the frames read. A turn that cannot get one
+        (every block held by speaking or prefilling sessions) ends there."""
+        ahead = self.k - self.processed + 1
+        for seq in list(self.running.values()):
+            if seq.draining or seq.row is None:
+                continue
+            want = min(self.pool.blocks_for(seq.pos + ahead), self.table_width)
+            n = want - len(seq.blocks)
+            if n <= 0:
+                continue
+            if self._reserve(n):
+                more = self.pool.alloc(n)
+                assert more is not None
+                self._row_ops.append(RowOp("extend", seq.row, pos=len(seq.blocks),
+                                           blocks=tuple(more)))
+                seq.blocks += more
+                continue
+            turn = seq.decoding
+            log.warning("seq %d: no KV block free to go on speaking (every block is held by "
+                        "speaking or prefilling sessions); its turn ends here — raise "
+                        "kv_blocks or lower max_running", seq.seq_id)
+            self.stats["turns_cut_no_blocks"] += 1
+            self._leave(seq)
+            if turn is not None and turn.finished is None:
+                turn.finished = FinishReason.LENGTH  # its audio so far still plays out
+
     def _step_plan(self, now: float) -> StepPlan:
-        top = max(self.running) + 1  # rows 0..top-1 hold every running slot
+        top = max(self.running) + 1  # rows 0..top-1 hold every running row
         # the device may be one step ahead of what the host has read: +2 covers it
         need = max(s.pos for s in self.running.values()) + 2
         plan = StepPlan(self.k, top, need, now)
@@ -483,19 +787,17 @@ class Scheduler:
         im_end = self.ids.im_end
         rows = out.tolist()
         appended = False
-        for slot, seq in list(self.running.items()):
-            if slot >= B:
+        for r, seq in list(self.running.items()):
+            if r >= B:
                 continue
-            row = rows[slot]
-            if not row[K1]:  # was not active in that step
-                if not seq.draining and seq.state is not SeqState.DECODING:
-                    self.running.pop(slot, None)
+            row = rows[r]
+            if not row[K1]:  # was not active in that step (or joined after it was launched)
                 continue
             seq.pos += 1
             turn = seq.decoding
             if turn is None:
                 continue
-            frame = out[slot, :K1]  # a view of this step's (host) result
+            frame = out[r, :K1]  # a view of this step's (host) result
             turn.all_frames.append(frame)
             if seq.draining or turn.finished is not None:
                 self.stats["wasted_rows"] += 1
@@ -516,13 +818,15 @@ class Scheduler:
         return appended
 
     def _generation_ended(self, seq: Sequence, turn: Turn, reason: FinishReason) -> None:
-        """EOS / LENGTH: the GPU already stopped the slot; audio drains through the codec."""
+        """EOS / LENGTH: the GPU already stopped the row (later steps see it inactive, so a
+        turn joining it now is safe); audio drains through the codec."""
         turn.finished = reason  # read by the codec side after the last frame was appended
-        self.running.pop(seq.slot, None)  # type: ignore[arg-type]
         self._record_history(seq, turn, reason)
         seq.turn = None
         seq.decoding = None
         seq.state = SeqState.IDLE
+        seq.last_used = time.perf_counter()
+        self._free_row(seq)
         self._next_queued_turn(seq)
 
     def _maybe_drained(self, seq: Sequence) -> None:
@@ -533,15 +837,16 @@ class Scheduler:
         turn = seq.decoding
         seq.draining = False
         seq.decoding = None
-        self.running.pop(seq.slot, None)  # type: ignore[arg-type]
         seq.turn = None
         if seq.state is SeqState.CLOSED:
             self._release(seq)
-            self._assign_slots()
+            self._retry_waits()
             return
+        self._free_row(seq)
         if turn is not None:
             self._record_history(seq, turn, FinishReason.CANCELLED)
         seq.state = SeqState.IDLE
+        seq.last_used = time.perf_counter()
         self._next_queued_turn(seq)
 
     def _record_history(self, seq: Sequence, turn: Turn, reason: FinishReason) -> None:

@@ -81,7 +81,7 @@ def model_checks(root: Path, device: str = "cpu", ops: Ops = REFERENCE) -> Itera
            f"{tok.ids.semantic_start}..{tok.ids.semantic_end}, <|im_end|>={tok.ids.im_end}")
     model = load_model(root, cfg, dtype=torch.float32, device=device)
     builder = PromptBuilder(tok, cfg.num_codebooks)
-    runner = ModelRunner(model, n_slots=1, max_len=cfg.slow.max_seq_len, ops=ops)
+    runner = ModelRunner(model, n_rows=1, max_len=cfg.slow.max_seq_len, ops=ops)
     case_files = sorted((root / "cases").glob("*.json"))
     if not case_files:
         yield ("cases", False, f"no cases/*.json under {root}")

@@ -10,7 +10,7 @@ store; shutdown stops them. Routes:
 - ``POST /v1/voices``            multipart: ``audio`` file, ``transcript``, optional ``name``
 - ``GET  /v1/voices``            list; ``GET/DELETE /v1/voices/{id}``
 - ``GET  /health``               liveness
-- ``GET  /ready``                model loaded, not draining, a KV slot free (200) or not (503)
+- ``GET  /ready``                model loaded, not draining, room for a session (200) or not (503)
 - ``GET  /metrics``              Prometheus text format
 - ``GET  /``                     the browser demo page (``rtvoice/static/index.html``)
 - ``GET  /static/...``           its scripts (``rtvoice/static/``)
@@ -286,10 +286,10 @@ async def _ready(request: Request) -> Response:
         log.error("/ready: %s", reason)
     elif sessions >= limits.max_sessions:
         reason = f"at capacity: {sessions} live sessions (max_sessions)"
-    elif load["free_slots"] <= 0:
+    elif load["waiting"] > 0:
         # A new session would only queue behind the ones already waiting: send it elsewhere.
-        reason = (f"at capacity: every KV slot is in use ({load['max_running']}), "
-                  f"{load['waiting']} sessions wait for one")
+        reason = (f"at capacity: the KV pool is full ({load['kv_blocks']} blocks), "
+                  f"{load['waiting']} sessions wait for blocks")
     body: dict[str, Any] = {
         "ready": reason is None,
         "model": rt.bundle.name,
@@ -317,7 +317,8 @@ def _limits(rt: Runtime) -> dict[str, Any]:
              "send_timeout_s")
     out: dict[str, Any] = {n: getattr(lim, n) for n in names}
     out.update(max_waiting=eng.max_waiting, max_turn_frames=eng.max_turn_frames,
-               kv_slots=rt.engine.n_slots, max_upload_bytes=rt.settings.voices.max_upload_bytes,
+               max_running=rt.engine.n_rows, kv_blocks=rt.engine.runner.n_blocks,
+               max_upload_bytes=rt.settings.voices.max_upload_bytes,
                drain_timeout_s=rt.settings.network.drain_timeout_s)
     return out
 

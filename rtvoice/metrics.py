@@ -67,7 +67,7 @@ class Metrics:
         self.prefill_sum += seconds
 
     def observe_slot_wait(self, seconds: float) -> None:
-        """How long a session waited in the engine's queue for a KV slot."""
+        """How long a session waited in the engine's queue for KV blocks."""
         self._observe(self.WAIT_BUCKETS, self.slot_wait_counts, seconds)
         self.slot_wait_sum += seconds
 
@@ -175,18 +175,27 @@ def render_metrics(m: Metrics, engine: Engine, *, model: str, device: str,
     histogram("rtvoice_prefill_seconds", "Voice prompt prefill time (open -> ready).",
               Metrics.PREFILL_BUCKETS, m.prefill_counts, m.prefill_sum)
     histogram("rtvoice_slot_wait_seconds", "Time a session waited in the engine's queue for "
-              "a KV slot (part of its prefill time).", Metrics.WAIT_BUCKETS, m.slot_wait_counts,
-              m.slot_wait_sum)
+              "KV blocks for its voice (part of its prefill time).", Metrics.WAIT_BUCKETS,
+              m.slot_wait_counts, m.slot_wait_sum)
     load = engine.load()
     metric("rtvoice_engine_sequences", "gauge", "Engine sequences by state.",
            [('{state="live"}', load["live"]), ('{state="waiting"}', load["waiting"])])
-    metric("rtvoice_engine_free_slots", "gauge", "Free KV slots.", [("", load["free_slots"])])
-    metric("rtvoice_engine_slots", "gauge", "KV slots (sequences decoding at once), by use.",
-           [('{state="used"}', load["max_running"] - load["free_slots"]),
-            ('{state="free"}', load["free_slots"])])
-    metric("rtvoice_engine_slot_utilization", "gauge", "Share of KV slots in use (0..1): the "
-           "autoscaling signal.", [("", float((load["max_running"] - load["free_slots"])
-                                               / max(1, load["max_running"])))])
+    used = load["max_running"] - load["free_rows"]
+    metric("rtvoice_engine_free_rows", "gauge", "Free decode rows (turns that may start "
+           "speaking now).", [("", load["free_rows"])])
+    metric("rtvoice_engine_rows", "gauge", "Decode rows (turns speaking at once), by use.",
+           [('{state="used"}', used), ('{state="free"}', load["free_rows"])])
+    metric("rtvoice_engine_row_utilization", "gauge", "Share of decode rows in use (0..1): the "
+           "autoscaling signal.", [("", float(used / max(1, load["max_running"])))])
+    metric("rtvoice_engine_queued_turns", "gauge", "Turns waiting for a decode row or KV "
+           "blocks.", [("", load["queued_turns"])])
+    metric("rtvoice_engine_kv_blocks", "gauge", "KV pool blocks, by use.",
+           [('{state="used"}', load["kv_blocks"] - load["kv_blocks_free"]),
+            ('{state="free"}', load["kv_blocks_free"])])
+    metric("rtvoice_engine_offloaded_sessions", "gauge", "Idle sessions whose KV is in host "
+           "memory.", [("", load["offloaded"])])
+    metric("rtvoice_engine_shared_prefixes", "gauge", "Voice prompts kept in the KV pool for "
+           "sharing.", [("", load["shared_prefixes"])])
     metric("rtvoice_engine_device_wait_seconds", "gauge",
            "How long the engine has been waiting on the device right now (a stall if large).",
            [("", load["device_wait_s"])])

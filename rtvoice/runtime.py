@@ -125,9 +125,12 @@ class Runtime:
         store = VoiceStore(settings.voices.data_dir,
                            VoiceStoreConfig(max_voices=settings.voices.max_voices))
         engine.start()
-        log.info("engine ready: model %s%s on %s, %d KV slots x %d positions, voices in %s",
+        pool = engine.runner.cache
+        log.info("engine ready: model %s%s on %s, %d decode rows, KV pool of %d blocks x %d "
+                 "positions (%d per session at most), voices in %s",
                  bundle.name, " (RANDOM WEIGHTS)" if bundle.random_weights else "", m.device,
-                 engine.n_slots, engine.max_len, settings.voices.data_dir)
+                 engine.n_rows, pool.n_blocks, pool.block_size, engine.max_len,
+                 settings.voices.data_dir)
         trim_s = settings.service.heap_trim_s
         return cls(
             settings=settings, bundle=bundle, engine=engine, store=store,

@@ -352,7 +352,7 @@ class Session:
             self._sm.transition(SessionState.CLOSING)
         receiver.cancel()
         if self._seq is not None:
-            self.rt.engine.close(self._seq)  # frees the KV slot, stops any running turn
+            self.rt.engine.close(self._seq)  # frees its KV blocks, stops any running turn
         if self.turns is not None and (error is not None or gone):
             for utt in list(self.turns.open_utterances):
                 utt.cancelled = True
@@ -497,7 +497,7 @@ class Session:
                 if (self.turns is not None and self.turns.busy) \
                         or self._sm.state is SessionState.PREFILLING:
                     # generating for this client is activity too, and waiting for its voice
-                    # (queued for a KV slot, or prefilling) is the server's doing
+                    # (queued for KV blocks, or prefilling) is the server's doing
                     continue
                 raise ProtocolError(
                     ErrorCode.TIMEOUT, f"no message for {idle:g} s and nothing to generate",
@@ -675,8 +675,8 @@ class Session:
             self._sm.transition(SessionState.READY)
             self.rt.metrics.observe_prefill(prefill_s)
             seq = self._seq
-            if seq is not None and seq.slot_at:
-                self.rt.metrics.observe_slot_wait(max(0.0, seq.slot_at - seq.created_at))
+            if seq is not None and seq.admitted_at:
+                self.rt.metrics.observe_slot_wait(max(0.0, seq.admitted_at - seq.created_at))
             ready = self._ready_event(prefill_s)
             self._put(Out(event=ready))
             self._ready_sent = True

@@ -370,12 +370,13 @@ class Turns:
 
     def _segment_error(self, seg: Segment, result: TurnResult) -> None:
         """A segment the engine failed, by whose fault (``TurnResult.error_code``): the
-        client's (``too_large``: it does not fit the context) or the caller's
-        (``invalid_state``) end this turn with ``done{reason: "error"}`` after a non-fatal
+        client's (``too_large``: it does not fit the context), the caller's
+        (``invalid_state``) or the server's capacity (``overloaded``: no KV blocks) end this turn with ``done{reason: "error"}`` after a non-fatal
         ``error`` event, and the session goes on; our own (``internal``, or no code) is fatal."""
         message = result.error or "engine error"
         code = {TurnError.TOO_LARGE: ErrorCode.TOO_LARGE,
-                TurnError.INVALID_STATE: ErrorCode.INVALID_STATE}.get(
+                TurnError.INVALID_STATE: ErrorCode.INVALID_STATE,
+                TurnError.OVERLOADED: ErrorCode.OVERLOADED}.get(
                     result.error_code or TurnError.INTERNAL)
         if code is None:
             raise ProtocolError(ErrorCode.INTERNAL, f"generation failed: {message}")

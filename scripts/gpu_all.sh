@@ -8,6 +8,9 @@
 #      fresh machine); TESTS=all runs tests/test_cuda.py and tests/test_kernels.py whole,
 #      TESTS_K picks by name; GATE=1 then runs scripts/gpu_gate.sh (this tree against
 #      .baseline at c=1 and 64: the ±5 % performance gate of a change);
+#   1b. scripts/sessions_bench.py (SESSIONS=0 skips it): 1,000 sessions with distinct 10 s
+#      voices open on the paged KV pool, 64 opened at once with one voice vs 64 voices, and
+#      eviction to host memory with a restored turn;
 #   2. diagnostics, only with PROBE=1 (~40 s): scripts/prefill_probe.py (one prefill-graph
 #      replay per bucket alone) and `python -m bench_latency.kernel_bench` (csrc kernels vs torch);
 #   3. the server bench: `rtvoice serve` (S2-Pro shapes, bf16 dummy weights, 128 KV slots)
@@ -22,7 +25,7 @@
 # The sweep is time-boxed (TOTAL): its last runs are the first cut if it overruns; its rows
 # are in gpu_bench_log.txt as they finish.
 # Results under $OUT (default artifacts/gpu; 7-8 files, what one device call brings back):
-# tests.txt, probes.txt, server.json (+ server.png), server.log,
+# tests.txt, sessions_bench.json, probes.txt, server.json (+ server.png), server.log,
 # gpu_bench.json, gpu_bench_log.txt. Knobs: TESTS, TESTS_K, SERVER_LEVELS, LEVEL_TIMEOUT,
 # TESTS_TIMEOUT, SERVER_TIMEOUT, ENGINE_LEVELS, ENGINE_RUNS, SKIP (gpu_bench sections;
 # default decode,codec,fixtures,profile), TOTAL (s, default 585), PROBE,
@@ -53,6 +56,11 @@ if [ "${PROBE:-0}" = 1 ]; then  # prefill graphs alone: what a burst of turns co
     timeout 90 python3 scripts/prefill_probe.py 2>&1 | grep -v "Warn\|warn" | tail -2 | tee "$OUT/probes.txt"
     # the csrc kernels vs torch (decode attention with and without split positions, ~15 s)
     timeout 60 python3 -m bench_latency.kernel_bench 2>&1 | grep -v "Warn\|warn" | tee -a "$OUT/probes.txt" | grep decode_attention
+fi
+if [ "${SESSIONS:-1}" = 1 ]; then  # open sessions: 1,000 10 s voices, shared vs distinct bursts, eviction (~100 s)
+    timeout ${SESSIONS_TIMEOUT:-200} python3 scripts/sessions_bench.py --sessions ${N_SESSIONS:-1000} \
+        --out "$OUT" 2>&1 | grep '^{"' | cut -c1-600
+    echo "sessions bench done at +$(( $(date +%s) - t0 ))s"
 fi
 MAX_LEN=${MAX_LEN:-1024} MAX_RUNNING=${MAX_RUNNING:-128} SERVER_LEVELS=${SERVER_LEVELS:-1 4 16 32 64 128} \
     timeout ${SERVER_TIMEOUT:-220} bash scripts/gpu_server_bench.sh 2>&1 | grep -v "^ \|^$" | tail -40

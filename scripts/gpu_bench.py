@@ -63,25 +63,24 @@ def s2pro_decode(report: dict, device: str, batches: list[int], frames: int,
     if device == "cuda":
         report["gpu_mem_weights_gb"] = round(torch.cuda.memory_allocated() / 1e9, 2)
     max_b = max(batches)
-    runner = ModelRunner(b.model, n_slots=max_b, max_len=1024)
+    runner = ModelRunner(b.model, n_rows=max_b, max_len=1024)
     pb = PromptBuilder(b.tokenizer)
     prompt = torch.cat([pb.system(), pb.user_turn("Hello world, this is a benchmark of the "
                                                   "S2-Pro shapes on one GPU.")], dim=1)
     T = prompt.shape[1]
     slots = list(range(max_b))
-    for s in slots:
-        runner.assign(s, SamplingParams.greedy(), 0)
-    # prefill (warm once, then timed); slots are 0..max_b-1, so batch rows = slots
-    runner.prefill(slots[0], prompt[:, :-1], 0)
+    greedy = SamplingParams.greedy()
+    # prefill (warm once, then timed); row s decodes the blocks of its own context
+    runner.prefill(row_blocks(runner, 0), prompt[:, :-1], 0)
     _sync()
     t0 = time.perf_counter()
     for s in slots:
-        runner.prefill(s, prompt[:, :-1], 0)
+        runner.prefill(row_blocks(runner, s), prompt[:, :-1], 0)
     _sync()
     report["prefill_ms_per_seq"] = round(1000 * (time.perf_counter() - t0) / max_b, 2)
     report["prompt_len"] = T
     # greedy generation, batch 1, frame by frame (eager, host reads each frame)
-    runner.join(slots[0], prompt[:, -1], T - 1, frames, 0)
+    runner.join(slots[0], greedy, prompt[:, -1], T - 1, frames, 0, row_blocks(runner, 0))
     times = []
     gen = []
     for i in range(frames):
@@ -98,7 +97,7 @@ def s2pro_decode(report: dict, device: str, batches: list[int], frames: int,
     steps = {}
     for bs in batches:
         for s in slots[:bs]:
-            runner.join(s, prompt[:, -1], T - 1, 10**6, s)
+            runner.join(s, greedy, prompt[:, -1], T - 1, 10**6, s, row_blocks(runner, s))
         for _ in range(3):
             runner.step(bs, T + 64)
         _sync()
@@ -339,23 +338,30 @@ def _category(name: str) -> str:
     return "elementwise/other"
 
 
+def row_blocks(runner, row: int) -> tuple[int, ...]:  # type: ignore[no-untyped-def]
+    """Row `row`'s own full context of blocks (the runner's default pool has one per row)."""
+    per = -(-runner.max_len // runner.block_size)
+    return tuple(range(row * per, (row + 1) * per))
+
+
 def profile_step(report: dict, device: str, sampler_kernel: bool = True) -> None:
     """Where one frame step's GPU time goes (eager, fused ops), and graph-replay step time."""
     from engine.fusion import pack_ffn
     from engine.loader import load_bundle
     from engine.ops import build_ops
     from engine.runner import ModelRunner
+    from engine.sampler import SamplingParams
 
     b = load_bundle("s2-pro", device=device, dtype="bf16", max_seq_len=1024)
     ops = build_ops(device, fused="compile", sampler_kernel=sampler_kernel)
     pack_ffn(b.model)
     out = {}
-    runner = ModelRunner(b.model, n_slots=64, max_len=1024, ops=ops)
+    runner = ModelRunner(b.model, n_rows=64, max_len=1024, ops=ops)
     col = torch.zeros(11, dtype=torch.long)
     col[0] = b.model.cfg.ids.semantic_start + 5
     for B in (1, 16, 64):
         for s in range(B):
-            runner.join(s, col, 200, 10**6, s)
+            runner.join(s, SamplingParams.greedy(), col, 200, 10**6, s, row_blocks(runner, s))
         for _ in range(3):
             runner.step(B, 256)
         _sync()

@@ -142,13 +142,16 @@ def test_errors_are_reported_not_raised(engine):
 
 
 def test_admission_queue_and_overload(tiny_bundle):
-    eng = build_engine(tiny_bundle, EngineConfig(max_running=1, max_len=256, max_waiting=1))
+    """A voice prompt waits for KV blocks when the pool is full (and nothing can be evicted
+    or shared), up to max_waiting; then opens are refused."""
+    eng = build_engine(tiny_bundle, EngineConfig(max_running=1, max_len=256, max_waiting=1, kv_block_size=16, kv_blocks=4,
+                                                 prefix_cache=0, kv_host_gib=0))
     a, b = CollectingSink(), CollectingSink()
     sa = eng.open([], SamplingParams(), a)
     eng.run_until_idle()
     sb = eng.open([], SamplingParams(), b)
     eng.run_until_idle()
-    assert a.ready.is_set() and not b.ready.is_set()  # b waits for a slot
+    assert a.ready.is_set() and not b.ready.is_set()  # b waits for blocks
     with pytest.raises(EngineOverloaded):
         eng.open([], SamplingParams(), CollectingSink())
     eng.close(sa)
@@ -156,7 +159,7 @@ def test_admission_queue_and_overload(tiny_bundle):
     assert b.ready.is_set()
     eng.close(sb)
     eng.run_until_idle()
-    assert eng.free_slots() == 1
+    assert eng.load()["kv_blocks_free"] == 4
 
 
 def test_engine_thread(engine):
@@ -219,7 +222,8 @@ def test_prefill_joins_when_it_lands_and_running_turns_go_on(tiny_bundle, monkey
     import time
 
     # codec_hold_s=0: every chunk goes at once (a held stream could go quiet for a while)
-    eng = build_engine(tiny_bundle, EngineConfig(max_running=2, max_len=512, codec_hold_s=0))
+    eng = build_engine(tiny_bundle, EngineConfig(max_running=2, max_len=512, codec_hold_s=0,
+                                                 prefix_cache=0))  # b prefills its own voice
     gate = threading.Event()
 
     class Landing:  # stands in for the CUDA event of a prefill round still on the GPU
@@ -285,7 +289,7 @@ def test_a_failed_join_fails_only_its_sequence(tiny_bundle, monkeypatch):
     an error and is closed; the others join."""
     import threading
 
-    eng = build_engine(tiny_bundle, EngineConfig(max_running=3, max_len=512))
+    eng = build_engine(tiny_bundle, EngineConfig(max_running=3, max_len=512, prefix_cache=0))
     gate = threading.Event()
 
     class Landing:
@@ -322,7 +326,8 @@ def test_a_failed_join_fails_only_its_sequence(tiny_bundle, monkeypatch):
         assert sinks[0].ready.wait(10) and sinks[2].ready.wait(10)
         assert sinks[1].ready.wait(10) and "joining after prefill failed: boom" in sinks[1].errors[0]
         assert not sinks[0].errors and not sinks[2].errors
-        assert eng.free_slots() == 1  # the failed sequence gave its slot back
+        load = eng.load()  # the failed sequence gave its blocks back
+        assert load["live"] == 2 and load["kv_blocks"] - load["kv_blocks_free"] == 2
     finally:
         eng.shutdown()
 
@@ -356,38 +361,40 @@ def test_pingpong_cancel_drains(tiny_bundle):
 
 
 def test_closed_waiting_sequence_frees_its_queue_place(tiny_bundle):
-    eng = build_engine(tiny_bundle, EngineConfig(max_running=1, max_len=256, max_waiting=1))
+    eng = build_engine(tiny_bundle, EngineConfig(max_running=1, max_len=256, max_waiting=1, kv_block_size=16, kv_blocks=4,
+                                                 prefix_cache=0, kv_host_gib=0))
     sa = eng.open([], SamplingParams(), CollectingSink())
     eng.run_until_idle()
     sb = eng.open([], SamplingParams(), CollectingSink())
     eng.run_until_idle()
     assert eng.load()["waiting"] == 1
-    eng.close(sb)  # gives up while waiting for a slot
+    eng.close(sb)  # gives up while waiting for blocks
     eng.run_until_idle()
     assert eng.load()["waiting"] == 0
     c = CollectingSink()
     sc = eng.open([], SamplingParams(), c)  # no EngineOverloaded: the place was freed
     eng.close(sa)
     eng.run_until_idle()
-    assert c.ready.is_set() and sc.slot is not None
+    assert c.ready.is_set() and sc.blocks
 
 
 def test_failed_prefill_fails_only_its_sequence(tiny_bundle):
-    eng = build_engine(tiny_bundle, EngineConfig(max_running=3, max_len=256))
+    eng = build_engine(tiny_bundle, EngineConfig(max_running=3, max_len=256, prefix_cache=0))
     sinks = [CollectingSink() for _ in range(3)]
     seqs = [eng.open([], SamplingParams(), s) for s in sinks]
     orig = eng.runner.prefill_batch
 
-    def flaky(items):
-        if any(slot == 1 for slot, _, _ in items):
-            raise RuntimeError("boom in slot 1")
+    def flaky(items):  # the second sequence's voice prompt (its one block is block 1)
+        if any(blocks[0] == 1 for blocks, _, _ in items):
+            raise RuntimeError("boom in block 1")
         return orig(items)
 
     eng.runner.prefill_batch = flaky
     eng.run_until_idle()
     assert sinks[0].ready.is_set() and sinks[2].ready.is_set()
     assert sinks[1].prefill_s == 0 and "boom" in sinks[1].errors[0]  # on_error, never on_ready
-    assert eng.free_slots() == 1  # the failed sequence was closed and its slot released
+    load = eng.load()  # the failed sequence was closed and its block released
+    assert load["live"] == 2 and load["kv_blocks"] - load["kv_blocks_free"] == 2
     eng.runner.prefill_batch = orig
     eng.submit(seqs[0], "Still fine.", turn_id="ok", max_frames=4)
     eng.run_until_idle()
@@ -429,28 +436,30 @@ def test_turn_too_long_is_the_clients_fault(tiny_bundle):
     assert sink.results[-1].error_code is TurnError.TOO_LARGE
 
 
-def test_kv_cache_is_sized_from_free_memory():
-    """On a GPU the cache takes min(max_running, what fits after a reserve) slots; when not
-    even one slot fits the engine refuses to build with the numbers and what to change."""
+def test_kv_pool_is_sized_from_free_memory():
+    """On a GPU the pool takes the memory left after a reserve (or kv_blocks, if fewer);
+    when not even one full context fits the engine refuses to build with the numbers and
+    what to change."""
     from engine.cache import SlowKVCache
     from engine.config import preset
-    from engine.engine import fit_kv_slots
+    from engine.engine import fit_kv_blocks
     from engine.errors import EngineOutOfMemory
 
     cfg = preset("s2-pro").slow
-    slot = SlowKVCache.slot_bytes(cfg, 2048, torch.bfloat16)
-    assert slot == 2 * 36 * 8 * 2048 * 128 * 2  # 302 MiB per session at 2048 positions
-    gib = 2**30
-    assert fit_kv_slots(64, free_bytes=130 * gib, reserve_bytes=8 * gib, slot_bytes=slot,
-                        max_len=2048) == 64  # an H200 after the weights
-    assert fit_kv_slots(64, free_bytes=14 * gib, reserve_bytes=8 * gib, slot_bytes=slot,
-                        max_len=2048) == 6 * gib // slot - 1  # a 24 GB card: fewer slots
+    pos = SlowKVCache.position_bytes(cfg, torch.bfloat16)
+    assert pos == 2 * 36 * 8 * 128 * 2  # 144 KiB per position: a 10 s voice (~215) is 31 MiB
+    block, gib = 64 * pos, 2**30
+    fit = dict(block_bytes=block, block_size=64, max_len=2048)
+    assert fit_kv_blocks(None, free_bytes=130 * gib, reserve_bytes=8 * gib, **fit) \
+        == 122 * gib // block - 1  # an H200 after the weights: 13,000+ blocks
+    assert fit_kv_blocks(500, free_bytes=130 * gib, reserve_bytes=8 * gib, **fit) == 500
     with pytest.raises(EngineOutOfMemory, match="lower max_len or free GPU memory"):
-        fit_kv_slots(64, free_bytes=8 * gib, reserve_bytes=8 * gib, slot_bytes=slot, max_len=2048)
+        fit_kv_blocks(None, free_bytes=8 * gib + 31 * block, reserve_bytes=8 * gib, **fit)
     tiny = preset("tiny").slow
-    cache = SlowKVCache(tiny, 3, 256, device="cpu", dtype=torch.float32)
-    assert (cache.k.numel() + cache.v.numel()) * 4 == 4 * SlowKVCache.slot_bytes(tiny, 256,
-                                                                                 torch.float32)
+    cache = SlowKVCache(tiny, 3, 16, 256, device="cpu", dtype=torch.float32)
+    assert (cache.k.numel() + cache.v.numel()) * 4 == 4 * 16 * SlowKVCache.position_bytes(
+        tiny, torch.float32)  # 3 blocks + scratch
+    assert cache.table_width == 256 // 16 + 1
 
 
 class _EagerGraph:
@@ -470,12 +479,12 @@ class _EagerGraph:
 
 def test_prefill_graph_plan_matches_eager(tiny_bundle):
     """The prefill graph path (single chunks per (columns, span) bucket, short chunks N at a
-    time with padding rows on the scratch slot) gives the greedy codes of eager prefill."""
+    time with padding rows on the scratch block) gives the greedy codes of eager prefill."""
     texts = ["Hello there.", "Five.", "A somewhat longer sentence for the third voice.", "Six!"]
 
     def run(graphs: bool):
         eng = build_engine(tiny_bundle, EngineConfig(max_running=4, max_len=512, pingpong=False,
-                                                     prefill_chunk=32))
+                                                     prefill_chunk=32, prefix_cache=0))
         if graphs:
             r = eng.runner
             for key in eng.prefill_worker.graphs.keys():
@@ -646,32 +655,91 @@ def test_a_voice_that_leaves_no_room_is_refused_at_open(tiny_bundle):
         eng.open(big, SamplingParams(), CollectingSink())
 
 
-def test_a_failed_slot_op_fails_only_its_sequence(tiny_bundle, monkeypatch):
-    """The decode worker applies the scheduler's slot ops one by one: one that fails fails
-    its own sequence (closed, its slot back), and a turn running beside it goes on."""
+def test_a_failed_row_op_fails_only_its_sequence(tiny_bundle, monkeypatch):
+    """The decode worker applies the scheduler's row ops one by one: one that fails fails
+    its own sequence (closed, its row and blocks back), and a turn running beside it goes
+    on."""
     eng = build_engine(tiny_bundle, EngineConfig(max_running=3, max_len=512, pingpong=False))
     a_sink, b_sink = CollectingSink(), CollectingSink()
     a = eng.open([], SamplingParams(seed=1), a_sink)
+    b = eng.open([], SamplingParams(seed=2), b_sink)
     eng.submit(a, "A turn that keeps going.", turn_id="a", max_frames=20)
     for _ in range(10):
         eng.step()
     real = eng.runner.apply
 
-    def broken(op):  # the second sequence's parameters cannot be set
-        if op.kind == "assign" and op.slot == 1:
+    def broken(op):  # the second turn's row cannot be set up
+        if op.kind == "join" and op.row == 1:
             raise RuntimeError("device write failed")
         real(op)
 
     monkeypatch.setattr(eng.runner, "apply", broken)
-    eng.open([], SamplingParams(seed=2), b_sink)
+    eng.submit(b, "Never spoken.", turn_id="b", max_frames=5)
     eng.run_until_idle()
     assert "setting up its decode state failed: device write failed" in b_sink.errors[0]
-    assert b_sink.prefill_s == 0  # on_error, never on_ready
     assert a_sink.results[-1].reason is FinishReason.LENGTH and a_sink.results[-1].frames == 20
-    assert eng.free_slots() == 2  # b's slot went back
+    assert eng.free_rows() == 3 and eng.load()["live"] == 1  # b's row and blocks went back
 
 
 def test_open_refuses_a_window_the_engine_cannot_hold(tiny_bundle):
     eng = build_engine(tiny_bundle, EngineConfig(max_running=1, max_len=256))
     with pytest.raises(ValueError, match="ras_window 20 exceeds the engine's 16"):
         eng.open([], SamplingParams(ras_window=20), CollectingSink())
+
+
+def _conversation(tiny_bundle, n_sessions, **cfg):
+    """Greedy two-turn conversations on n sessions with one voice, turns taken in order
+    (each session idles while the others speak); returns every turn's codes and the stats."""
+    eng = build_engine(tiny_bundle, EngineConfig(max_running=2, max_len=256, pingpong=False,
+                                                 **cfg))
+    sinks = [CollectingSink() for _ in range(n_sessions)]
+    seqs = [eng.open([], SamplingParams.greedy(), s) for s in sinks]
+    eng.run_until_idle()
+    for rnd in range(2):
+        for i, seq in enumerate(seqs):
+            eng.submit(seq, f"Round {rnd}, session {i}.", turn_id=f"{rnd}", max_frames=12)
+            eng.run_until_idle()
+    assert all(len(s.results) == 2 and not s.errors for s in sinks)
+    return [r.codes for s in sinks for r in s.results], eng.stats
+
+
+def test_shared_voice_prefixes_and_host_eviction_change_no_frame(tiny_bundle):
+    """The same conversations give the same greedy frames whether each session prefills its
+    own voice or shares one copy (copy-on-write of its last block), and whether idle
+    sessions stay in the pool or go to host memory and come back."""
+    want, base = _conversation(tiny_bundle, 4, prefix_cache=0)
+    assert base["prefix_hits"] == 0 and base["kv_evictions"] == 0
+    shared, st = _conversation(tiny_bundle, 4, kv_block_size=16)
+    assert st["prefix_hits"] == 3 and st["cow_copies"] >= 3
+    assert st["prefill_cols"] < base["prefill_cols"]  # the voice prefilled once
+    # 12 blocks of 16: two speaking sessions fit, the idle ones go to host and come back
+    evicted, ev = _conversation(tiny_bundle, 4, prefix_cache=0, kv_block_size=16, kv_blocks=12)
+    assert ev["kv_evictions"] >= 4 and ev["kv_restores"] >= 4
+    for got in (shared, evicted):
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)
+
+
+def test_idle_sessions_never_keep_others_from_speaking(tiny_bundle):
+    """max_running=2 with 6 sessions open: every one gets ready; sessions that spoke and went
+    idle hold no decode row; 3 turns at once take both rows and the third speaks as soon as
+    one frees (threaded engine)."""
+    eng = build_engine(tiny_bundle, EngineConfig(max_running=2, max_len=256))
+    eng.start()
+    try:
+        sinks = [CollectingSink() for _ in range(6)]
+        seqs = [eng.open([], SamplingParams(seed=i), s) for i, s in enumerate(sinks)]
+        assert all(s.ready.wait(30) for s in sinks)
+        for seq in seqs[:2]:
+            eng.submit(seq, "First.", turn_id="a", max_frames=4)
+        assert all(s.done.wait(30) for s in sinks[:2])
+        for s in sinks:
+            s.done.clear()
+        for seq in seqs[2:5]:
+            eng.submit(seq, "Three at once.", turn_id="b", max_frames=6)
+        assert all(s.done.wait(30) for s in sinks[2:5])
+        assert [s.results[-1].frames for s in sinks[:5]] == [4, 4, 6, 6, 6]
+        assert eng.stats["row_waits"] >= 1 and eng.load()["live"] == 6
+    finally:
+        eng.shutdown()

@@ -50,7 +50,10 @@ def test_prev_tokens_shift_cuda_kernel_matches_fallback():
 
 
 # ---------------------------------------------------------------------- decode attention
-def _attention_case(B, H, Hkv, D, N, S, dtype, device, seed=0, strided_v=True):
+def _attention_case(B, H, Hkv, D, S, dtype, device, seed=0, strided_v=True, bs=16):
+    """A paged case: each row's S positions in blocks of `bs`, scattered over a shuffled
+    pool (plus a scratch block, the last); the last row (B > 1) writes to the scratch block
+    like a padding row. Returns q, k_new, v_new, k_cache, v_cache, table, wblock, pos."""
     g = torch.Generator().manual_seed(seed)
 
     def r(*shape):
@@ -61,23 +64,31 @@ def _attention_case(B, H, Hkv, D, N, S, dtype, device, seed=0, strided_v=True):
     kv = r(B, 3 * Hkv * D)
     k_new = kv[:, : Hkv * D].view(B, Hkv, D)
     v_new = kv[:, 2 * Hkv * D:].view(B, Hkv, D) if strided_v else r(B, Hkv, D)
-    k_cache, v_cache = r(N, Hkv, S, D), r(N, Hkv, S, D)
+    mb = -(-S // bs)
+    n = B * mb + 1
+    k_cache, v_cache = r(n, Hkv, bs, D), r(n, Hkv, bs, D)
+    table = torch.randperm(n - 1, generator=g)[: B * mb].view(B, mb).to(device)
     pos = torch.randint(0, S, (B,), generator=g).to(device)
-    wslot = torch.arange(B).to(device)
+    wblock = table[torch.arange(B, device=device), pos // bs].clone()
     if B > 1:
-        pos[0], wslot[-1] = 0, N - 1  # a row at position 0; a row writing to a scratch slot
-    return q, k_new, v_new, k_cache, v_cache, wslot, pos
+        pos[0], wblock[-1] = 0, n - 1  # a row at position 0; a row writing to the scratch block
+        wblock[0] = table[0, 0]
+    return q, k_new, v_new, k_cache, v_cache, table, wblock, pos
 
 
-def _sdpa_reference(q, k_new, v_new, k_cache, v_cache, wslot, pos, span):
-    """What DenseDecodeAttend's torch path computes: write, then SDPA on row b's slot."""
+def _sdpa_reference(q, k_new, v_new, k_cache, v_cache, table, wblock, pos, span):
+    """What the decode attend's torch path computes: write, then SDPA on each row's
+    positions laid out densely from its blocks."""
     from engine.model import gqa_attention
 
-    k_cache[wslot, :, pos] = k_new
-    v_cache[wslot, :, pos] = v_new
+    bs = k_cache.shape[2]
+    k_cache[wblock, :, pos % bs] = k_new
+    v_cache[wblock, :, pos % bs] = v_new
     B = q.shape[0]
-    keys = k_cache[:B, :, :span].clone()
-    vals = v_cache[:B, :, :span].clone()
+    keys = torch.stack([torch.cat([k_cache[blk] for blk in table[b].tolist()], 1)[:, :span]
+                        for b in range(B)])  # [B, Hkv, span, D]
+    vals = torch.stack([torch.cat([v_cache[blk] for blk in table[b].tolist()], 1)[:, :span]
+                        for b in range(B)])
     rows = torch.arange(B)
     keys[rows, :, pos] = k_new  # the row's own position comes from k_new
     vals[rows, :, pos] = v_new
@@ -85,24 +96,41 @@ def _sdpa_reference(q, k_new, v_new, k_cache, v_cache, wslot, pos, span):
     return gqa_attention(q[:, :, None].float(), keys.float(), vals.float(), mask)[:, :, 0]
 
 
-def test_decode_attention_fallback_matches_sdpa():
-    q, kn, vn, kc, vc, ws, pos = _attention_case(5, 8, 2, 16, 7, 12, torch.float32, "cpu")
+@pytest.mark.parametrize("bs", [4, 5, 12, 16])  # blocks smaller than, not dividing, = the span
+def test_decode_attention_fallback_matches_sdpa(bs):
+    case = _attention_case(5, 8, 2, 16, 12, torch.float32, "cpu", bs=bs)
+    q, kn, vn, kc, vc, table, wb, pos = case
     kc2, vc2 = kc.clone(), vc.clone()
-    got = attention.decode_attention(q, kn, vn, kc, vc, ws, pos, span=12)
-    want = _sdpa_reference(q, kn, vn, kc2, vc2, ws, pos, 12)
+    got = attention.decode_attention(q, kn, vn, kc, vc, table, wb, pos, span=12)
+    want = _sdpa_reference(q, kn, vn, kc2, vc2, table, wb, pos, 12)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)  # the same cache writes
 
 
+def test_decode_attention_dense_cache_is_one_block_per_row():
+    """A dense [N, Hkv, S, D] cache (the fast AR's) is the paged case table[b] = [b]."""
+    q, kn, vn, kc, vc, table, _, pos = _attention_case(3, 4, 2, 16, 10, torch.float32, "cpu",
+                                                       bs=10)
+    dense_table = torch.arange(3)[:, None]
+    kd, vd = kc[table[:, 0]].clone(), vc[table[:, 0]].clone()  # row b's block as slot b
+    got = attention.decode_attention(q, kn, vn, kd, vd, dense_table, torch.arange(3), pos,
+                                     span=10)
+    want = attention.decode_attention(q, kn, vn, kc, vc, table, table[:, 0].clone(), pos,
+                                      span=10)
+    torch.testing.assert_close(got, want)
+
+
 @pytest.mark.parametrize("mutate,err", [
     (lambda a: a.__setitem__(0, a[0].transpose(1, 2)), ValueError),  # q dims not packed
-    (lambda a: a.__setitem__(6, a[6].int()), TypeError),  # int32 positions
+    (lambda a: a.__setitem__(7, a[7].int()), TypeError),  # int32 positions
     (lambda a: a.__setitem__(3, a[3][:, :, :, :8]), ValueError),  # cache head_dim mismatch
     (lambda a: a.__setitem__(1, a[1].double()), TypeError),  # mixed dtypes
-    (lambda a: a.__setitem__(3, a[3][:2]), ValueError),  # fewer cache rows than the batch
+    (lambda a: a.__setitem__(5, a[5][:2]), TypeError),  # a table row per batch row
+    (lambda a: a.__setitem__(5, a[5].t().contiguous().t()), TypeError),  # table rows not packed
+    (lambda a: a.__setitem__(6, a[6][:, None]), TypeError),  # wblock must be [B]
 ])
 def test_decode_attention_contract(mutate, err):
-    args = list(_attention_case(3, 4, 2, 16, 4, 6, torch.float32, "cpu"))
+    args = list(_attention_case(3, 4, 2, 16, 6, torch.float32, "cpu", bs=2))
     mutate(args)
     with pytest.raises(err):
         attention.decode_attention(*args, span=6)
@@ -110,7 +138,7 @@ def test_decode_attention_contract(mutate, err):
 
 @pytest.mark.parametrize("splits", [-1, 1.5, True, "2"])
 def test_decode_attention_rejects_bad_splits(splits):
-    args = _attention_case(3, 4, 2, 16, 4, 6, torch.float32, "cpu")
+    args = _attention_case(3, 4, 2, 16, 6, torch.float32, "cpu")
     with pytest.raises(ValueError, match="splits must be an int >= 0"):
         attention.decode_attention(*args, span=6, splits=splits)
 
@@ -127,11 +155,11 @@ def test_decode_attention_split_positions_match_fallback(dtype, tol, B, H, Hkv, 
     """Rows' positions split over several blocks and merged (small batches, long contexts)
     give the one-block result; the new k/v is written once."""
     assert extension_available(), "the CUDA extension did not build"
-    q, kn, vn, kc, vc, ws, pos = _attention_case(B, H, Hkv, D, B + 1, S, dtype, "cuda")
+    q, kn, vn, kc, vc, table, wb, pos = _attention_case(B, H, Hkv, D, S, dtype, "cuda", bs=64)
     pos[-1] = S - 1  # the longest read; _attention_case puts row 0 at position 0 when B > 1
     kc2, vc2 = kc.clone(), vc.clone()
-    got = attention.decode_attention(q, kn, vn, kc, vc, ws, pos, span=S, splits=splits)
-    want = attention.decode_attention_torch(q, kn, vn, kc2, vc2, ws, pos, S)
+    got = attention.decode_attention(q, kn, vn, kc, vc, table, wb, pos, span=S, splits=splits)
+    want = attention.decode_attention_torch(q, kn, vn, kc2, vc2, table, wb, pos, S)
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
 
@@ -144,13 +172,14 @@ def test_decode_attention_split_positions_match_fallback(dtype, tol, B, H, Hkv, 
 @pytest.mark.parametrize("B,H,Hkv,D,S", [(1, 32, 8, 128, 2048), (64, 32, 8, 128, 300),
                                          (64, 16, 8, 128, 300), (64, 16, 8, 64, 300),
                                          (3, 4, 2, 48, 17), (5, 4, 1, 40, 10)])
-def test_decode_attention_cuda_kernel_matches_fallback(dtype, tol, B, H, Hkv, D, S):
+@pytest.mark.parametrize("bs", [10, 16, 64])  # the fast AR's 10; the pool's power of two
+def test_decode_attention_cuda_kernel_matches_fallback(dtype, tol, B, H, Hkv, D, S, bs):
     assert extension_available(), "the CUDA extension did not build"
-    q, kn, vn, kc, vc, ws, pos = _attention_case(B, H, Hkv, D, B + 1, S, dtype, "cuda")
+    q, kn, vn, kc, vc, table, wb, pos = _attention_case(B, H, Hkv, D, S, dtype, "cuda", bs=bs)
     pos[-1] = S - 1  # the longest read
     kc2, vc2 = kc.clone(), vc.clone()
-    got = attention.decode_attention(q, kn, vn, kc, vc, ws, pos, span=S)
-    want = attention.decode_attention_torch(q, kn, vn, kc2, vc2, ws, pos, S)
+    got = attention.decode_attention(q, kn, vn, kc, vc, table, wb, pos, span=S)
+    want = attention.decode_attention_torch(q, kn, vn, kc2, vc2, table, wb, pos, S)
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
 

@@ -131,7 +131,7 @@ def _prompts(fixture_dir):
 def test_batched_decode_matches_reference_per_sequence(fixture_dir, fixture_model):
     """Sequences with different prompt lengths, decoded together (dense rows = slots, device
     state only), give each one's reference frames; a finished row stops on the device."""
-    runner = ModelRunner(fixture_model, n_slots=4, max_len=512)
+    runner = ModelRunner(fixture_model, n_rows=4, max_len=512)
     prompts = _prompts(fixture_dir)
     budgets = [25, 25, 10, 25]
     items = []
@@ -156,7 +156,7 @@ def test_batched_decode_matches_reference_per_sequence(fixture_dir, fixture_mode
 def test_ras_condition_matches_reference_frames(fixture_dir, fixture_model):
     """The RAS window (last 10 main tokens of the decode loop, prefill frame excluded) flags
     exactly the frames the reference flagged."""
-    runner = ModelRunner(fixture_model, n_slots=1, max_len=512)
+    runner = ModelRunner(fixture_model, n_rows=1, max_len=512)
     for name in CASES[:3]:
         case = json.loads((fixture_dir / "cases" / f"{name}.json").read_text())
         t = load_file(str(fixture_dir / "cases" / f"{name}.safetensors"))
@@ -225,7 +225,7 @@ def test_packed_ffn_keeps_the_frames(fixture_dir, fixture_model):
         rtol=1e-5, atol=1e-6)
     assert gemms == [2 * ff.w1.weight.shape[0]]  # one GEMM over both halves
     prompt, want = _prompts(fixture_dir)[0]
-    runner = ModelRunner(m, n_slots=1, max_len=512, ops=packed)
+    runner = ModelRunner(m, n_rows=1, max_len=512, ops=packed)
     runner.assign(0, SamplingParams.greedy(), 0)
     runner.prefill(0, prompt[:, :-1], 0)
     runner.join(0, prompt[:, -1], prompt.shape[1] - 1, 12, 0)
@@ -238,7 +238,7 @@ def test_static_prefill_matches_reference(fixture_dir, fixture_model):
     keys over a span bucket) leaves the cache so that decoding gives the reference frames."""
     prompt, want = _prompts(fixture_dir)[1]
     cols = prompt[:, :-1]
-    runner = ModelRunner(fixture_model, n_slots=2, max_len=512)
+    runner = ModelRunner(fixture_model, n_rows=2, max_len=512)
     slot = 0
     runner.assign(slot, SamplingParams.greedy(), 0)
     at = 0

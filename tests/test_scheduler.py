@@ -1,8 +1,8 @@
 """The scheduler alone: no threads, no torch device, no model. A few lines of Python stand in
-for the runner (`FakeDevice`: the slot ops and the step's stop rules, frames made up), so
-the tests drive admission, joins, cancels, drains, context overflow, closes and the chunk
-policy step by step — including the pingpong order (step N launched before step N-1 is
-read)."""
+for the runner (`FakeDevice`: the row ops, block tables and the step's stop rules, frames
+made up), so the tests drive admission, KV blocks (sharing, eviction, growth), decode rows,
+joins, cancels, drains, context overflow, closes and the chunk policy step by step —
+including the pingpong order (step N launched before step N-1 is read)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ import torch
 from engine.config import TINY_IDS, EngineConfig
 from engine.engine import CollectingSink
 from engine.errors import TurnError
+from engine.kv_pool import prompt_key
 from engine.prompt import PromptBuilder
-from engine.request import FinishReason, SeqState, Sequence, SlotOp, Turn
+from engine.request import FinishReason, RowOp, SeqState, Sequence, Turn
 from engine.sampler import SamplingParams
 from engine.scheduler import TURN_MARGIN, Scheduler, StepPlan
 from engine.tokenizer import ByteTokenizer
@@ -28,30 +29,40 @@ SR, HOP = 44100, 2048
 
 class FakeDevice:
     """The runner's device state and step, in plain Python: what a launched step would
-    write into its output row, computed at launch (the GPU runs steps in order)."""
+    write into its output row, computed at launch (the GPU runs steps in order). It checks
+    that every active row's table holds the block its step writes into."""
 
-    def __init__(self, n_slots: int, eos_after: dict[int, int] | None = None) -> None:
-        self.active = [False] * (n_slots + 1)
-        self.pos = [0] * (n_slots + 1)
-        self.left = [0] * (n_slots + 1)
-        self.made = [0] * (n_slots + 1)  # frames made in the slot's current turn
-        self.eos_after = eos_after or {}  # slot -> frames before it emits <|im_end|>
-        self.ops: list[SlotOp] = []
+    def __init__(self, n_rows: int, block_size: int,
+                 eos_after: dict[int, int] | None = None) -> None:
+        self.active = [False] * (n_rows + 1)
+        self.pos = [0] * (n_rows + 1)
+        self.left = [0] * (n_rows + 1)
+        self.made = [0] * (n_rows + 1)  # frames made in the row's current turn
+        self.tables: list[list[int]] = [[] for _ in range(n_rows + 1)]
+        self.block_size = block_size
+        self.eos_after = eos_after or {}  # row -> frames before it emits <|im_end|>
+        self.ops: list[RowOp] = []
 
-    def apply(self, ops: list[SlotOp]) -> None:
+    def apply(self, ops: list[RowOp]) -> None:
         for op in ops:
             self.ops.append(op)
             if op.kind == "join":
-                self.active[op.slot], self.pos[op.slot] = True, op.pos
-                self.left[op.slot], self.made[op.slot] = op.max_frames, 0
+                self.active[op.row], self.pos[op.row] = True, op.pos
+                self.left[op.row], self.made[op.row] = op.max_frames, 0
+                self.tables[op.row] = list(op.blocks)
+            elif op.kind == "extend":
+                assert len(self.tables[op.row]) == op.pos
+                self.tables[op.row] += op.blocks
             elif op.kind == "leave":
-                self.active[op.slot] = False
+                self.active[op.row] = False
 
     def step(self, plan: StepPlan) -> torch.Tensor:
         out = torch.zeros(plan.B, K1 + 2, dtype=torch.long)
         for b in range(plan.B):
             if not self.active[b]:
                 continue
+            assert self.pos[b] // self.block_size < len(self.tables[b]), \
+                f"row {b} writes position {self.pos[b]} past its blocks {self.tables[b]}"
             eos = self.eos_after.get(b) == self.made[b]
             code = (7 * b + self.made[b]) % 4096
             out[b, 0] = TINY_IDS.im_end if eos else TINY_IDS.semantic_start + code
@@ -65,19 +76,36 @@ class FakeDevice:
         return out
 
 
-def make(n_slots: int = 2, **cfg: object) -> tuple[Scheduler, FakeDevice]:
-    config = EngineConfig(**{"max_len": 512, "max_running": n_slots, **cfg}).resolved(  # type: ignore[arg-type]
-        cuda=False, model_len=4096)
+class FakeHost:
+    """Stands in for the runner's save: what was evicted, and when."""
+
+    def __init__(self) -> None:
+        self.saved: list[list[int]] = []
+
+    def __call__(self, blocks: list[int]) -> object:
+        self.saved.append(list(blocks))
+        return ("saved", tuple(blocks))
+
+
+def make(n_rows: int = 2, evict: FakeHost | None = None,
+         **cfg: object) -> tuple[Scheduler, FakeDevice]:
+    """A scheduler over a fake device; no shared voice prefixes unless `prefix_cache` is
+    given (most tests open several sessions with the same voice)."""
+    cfg = {"max_len": 512, "max_running": n_rows, "prefix_cache": 0, **cfg}
+    config = EngineConfig(**cfg).resolved(cuda=False, model_len=4096)  # type: ignore[arg-type]
     prompts = PromptBuilder(ByteTokenizer(special_base=TINY_IDS.semantic_start - 35), K)
-    sched = Scheduler(config, prompts, n_slots=n_slots, sample_rate=SR, frame_samples=HOP,
-                      ids=TINY_IDS)
-    return sched, FakeDevice(n_slots)
+    bs = config.kv_block_size
+    n_blocks = config.kv_blocks or n_rows * 4 * -(-config.max_len // bs)
+    sched = Scheduler(config, prompts, n_rows=n_rows, n_blocks=n_blocks, block_size=bs,
+                      sample_rate=SR, frame_samples=HOP, ids=TINY_IDS, evict=evict,
+                      block_bytes=1)
+    return sched, FakeDevice(n_rows, bs)
 
 
 def new_seq(sched: Scheduler, sink: CollectingSink | None = None, seed: int = 0) -> Sequence:
     system = sched.prompts.system(())
     return Sequence(seed + 1, (), SamplingParams(seed=seed), seed, sink or CollectingSink(),
-                    system_cols=system)
+                    system_cols=system, prompt_key=prompt_key(system))
 
 
 def prefill_all(sched: Scheduler) -> int:
@@ -91,8 +119,8 @@ def prefill_all(sched: Scheduler) -> int:
 
 def sync_step(sched: Scheduler, dev: FakeDevice) -> bool:
     """One decode step launched and read at once (the sync loop)."""
-    dev.apply(sched.take_slot_ops())
     plan = sched.plan_step(time.perf_counter())
+    dev.apply(sched.take_row_ops())
     if plan is None:
         return False
     sched.step_done(plan.k, plan.B, dev.step(plan))
@@ -125,38 +153,39 @@ def ready(sched: Scheduler, sink: CollectingSink | None = None, seed: int = 0) -
     return seq
 
 
-def test_admission_assigns_slots_lowest_first_and_queues_the_rest():
-    sched, _ = make(n_slots=2, max_waiting=1)
+def test_admission_gives_blocks_and_queues_when_the_pool_is_full():
+    sched, _ = make(n_rows=2, max_waiting=1, kv_block_size=16, kv_blocks=7)
     sinks = [CollectingSink() for _ in range(3)]
     seqs = [new_seq(sched, s, i) for i, s in enumerate(sinks)]
     for seq in seqs:
         assert sched.has_room()
         sched.admit(seq)
-    assert [s.slot for s in seqs] == [0, 1, None] and list(sched.waiting) == [seqs[2]]
-    assert not sched.has_room()  # two slots taken, the one queue place taken
-    assert [op.kind for op in sched.take_slot_ops()] == ["assign", "assign"]
+    # the 45-column voice prompt takes 3 blocks of 16: a third does not fit in 7
+    assert [s.blocks for s in seqs] == [[0, 1, 2], [3, 4, 5], []]
+    assert list(sched.waiting) == [seqs[2]] and not sched.has_room()
+    assert not sched.take_row_ops()  # no decode row for a voice prompt
     jobs = sched.take_prefill_jobs()
-    assert [(j.slot, j.start, j.turn) for j in jobs] == [(0, 0, None), (1, 0, None)]
+    assert [(j.blocks, j.start, j.turn) for j in jobs] == [((0, 1, 2), 0, None),
+                                                          ((3, 4, 5), 0, None)]
     assert sched.prefill_outstanding == 2
     for job in jobs:
         sched.prefill_done(job)
     assert sched.prefill_outstanding == 0
     assert sinks[0].ready.is_set() and sinks[1].ready.is_set() and not sinks[2].ready.is_set()
     assert seqs[0].pos == seqs[0].system_cols.shape[1]
-    sched.close(seqs[1])  # idle: its slot goes back at once, to the waiting sequence
-    assert seqs[2].slot == 1 and not sched.waiting
-    assert [op.kind for op in sched.take_slot_ops()] == ["assign"]
+    sched.close(seqs[1])  # idle: its blocks go back at once, to the waiting sequence
+    assert sorted(seqs[2].blocks) == [3, 4, 5] and not sched.waiting
 
 
 def test_a_waiting_sequence_that_closes_gives_its_place_back():
-    sched, _ = make(n_slots=1, max_waiting=1)
+    sched, _ = make(n_rows=1, max_waiting=1, kv_block_size=16, kv_blocks=4)
     a, b = ready(sched), new_seq(sched, seed=1)
     sched.admit(b)
     assert not sched.has_room()
     sched.close(b)
     assert sched.has_room() and not sched.waiting and b.state is SeqState.CLOSED
     sched.close(a)
-    assert sched.free_slots == 1
+    assert sched.pool.free == 4
 
 
 def test_a_turn_streams_in_growing_chunks_then_ends():
@@ -169,11 +198,12 @@ def test_a_turn_streams_in_growing_chunks_then_ends():
     assert job.turn is not None and job.start == pos0 and seq.state is SeqState.TURN_PREFILL
     job.done = job.cols.shape[1]
     sched.prefill_done(job)
-    ops = sched.take_slot_ops()
-    assert [o.kind for o in ops] == ["assign", "join"]  # the voice's parameters, then the turn
-    join = ops[1]
-    assert join.slot == seq.slot and join.max_frames == 12 and join.pos == seq.pos
-    assert sched.running == {seq.slot: seq} and seq.state is SeqState.DECODING
+    ops = sched.take_row_ops()
+    assert [o.kind for o in ops] == ["join"]  # parameters, table and first column at once
+    join = ops[0]
+    assert join.row == seq.row == 0 and join.max_frames == 12 and join.pos == seq.pos
+    assert join.params is seq.params and join.blocks == tuple(seq.blocks)
+    assert sched.running == {seq.row: seq} and seq.state is SeqState.DECODING
     dev.apply(ops)
     sizes = []
     for _ in range(20):
@@ -183,7 +213,7 @@ def test_a_turn_streams_in_growing_chunks_then_ends():
     res = sink.results[-1]
     assert (res.turn_id, res.reason, res.frames) == ("t1", FinishReason.LENGTH, 12)
     assert res.codes.shape == (K, 12) and res.audio_s == pytest.approx(12 * HOP / SR)
-    assert seq.state is SeqState.IDLE and not sched.running
+    assert seq.state is SeqState.IDLE and not sched.running and seq.row is None
     assert len(seq.history) == 1 and seq.history[0][1].shape == (K, 11)  # all but the last fed
     assert [o for o in sink.offsets] == pytest.approx(np.cumsum([0, 1, 1, 2, 4])[:5] * HOP / SR)
 
@@ -201,15 +231,15 @@ def test_eos_ends_a_turn_and_its_frame_is_not_audio():
 
 
 def test_cancel_while_decoding_drains_the_steps_in_flight():
-    """Pingpong order: step k+1 is launched before step k is read. A cancel takes the slot
+    """Pingpong order: step k+1 is launched before step k is read. A cancel takes the row
     off the batch (a leave op); rows the launched steps still produce are wasted; the turn
-    ends at once, with no audio after it; a queued turn starts once the slot has drained."""
+    ends at once, with no audio after it; a queued turn starts once the row has drained."""
     sched, dev = make()
     sink = CollectingSink()
     seq = ready(sched, sink)
     sched.start_turn(seq, Turn("a", "A long turn.", 400))
     prefill_all(sched)
-    dev.apply(sched.take_slot_ops())
+    dev.apply(sched.take_row_ops())
     pending = None
     for _ in range(6):  # steps run ahead of what the host reads by one
         plan = sched.plan_step(time.perf_counter())
@@ -223,12 +253,12 @@ def test_cancel_while_decoding_drains_the_steps_in_flight():
     assert seq.draining and sink.results[-1].reason is FinishReason.CANCELLED
     sched.start_turn(seq, Turn("b", "Next.", 5))  # queued behind the drain
     assert seq.queued_turn is not None and not sched.take_prefill_jobs()
-    dev.apply(sched.take_slot_ops())  # the leave lands before the next step
+    dev.apply(sched.take_row_ops())  # the leave lands before the next step
     plan = sched.plan_step(time.perf_counter())  # the draining row is still in the batch
     out = dev.step(plan)
     wasted = sched.stats["wasted_rows"]
     # the step launched before the cancel is the last that can produce the row: once it is
-    # read (wasted) the slot has drained, and the queued turn starts
+    # read (wasted) the row has drained, and the queued turn starts
     sched.step_done(*pending)
     assert sched.stats["wasted_rows"] == wasted + 1
     assert not seq.draining and seq.state is SeqState.TURN_PREFILL
@@ -252,7 +282,7 @@ def test_cancel_during_turn_prefill_rolls_back():
     assert job.abandoned and seq.pos == pos0 and seq.state is SeqState.IDLE
     assert sink.results[-1].reason is FinishReason.CANCELLED and sink.results[-1].frames == 0
     sched.prefill_done(job)  # lands anyway: nothing joins
-    assert not sched.running and not [o for o in sched.take_slot_ops() if o.kind == "join"]
+    assert not sched.running and not [o for o in sched.take_row_ops() if o.kind == "join"]
     sched.start_turn(seq, Turn("y", "Spoken.", 3))
     run_idle(sched, dev)
     assert sink.results[-1].turn_id == "y" and sink.results[-1].frames == 3
@@ -274,7 +304,7 @@ def test_one_turn_at_a_time_and_none_on_a_closed_sequence():
 
 
 def test_a_full_context_drops_the_oldest_turns_and_re_prefills():
-    sched, dev = make(n_slots=1, max_len=200)
+    sched, dev = make(n_rows=1, max_len=200)
     sink = CollectingSink()
     seq = ready(sched, sink)
     starts = []
@@ -287,12 +317,13 @@ def test_a_full_context_drops_the_oldest_turns_and_re_prefills():
             sched.prefill_done(job)
         run_idle(sched, dev)
         assert sink.results[-1].error is None and seq.pos <= 200
-    assert 0 in starts[1:]  # a rebuild prefilled from position 0
+    # a rebuild re-prefills the turns kept after the voice prompt, which stays in the cache
+    assert seq.system_cols.shape[1] in starts[1:]
     assert len(seq.history) < 6
 
 
 def test_text_too_long_for_the_context_is_the_clients_fault():
-    sched, _ = make(n_slots=1, max_len=160)
+    sched, _ = make(n_rows=1, max_len=160)
     sink = CollectingSink()
     seq = ready(sched, sink)
     sched.start_turn(seq, Turn("long", "x" * 500, 5))
@@ -309,23 +340,29 @@ def test_turn_room_counts_the_wrapper_and_the_margin():
     assert sched.turn_room(512) < 0
 
 
-def test_close_while_decoding_frees_the_slot_after_the_drain():
-    sched, dev = make(n_slots=1, max_waiting=2)
+def test_close_while_decoding_frees_row_and_blocks_after_the_drain():
+    sched, dev = make(n_rows=1)
     a_sink, b_sink = CollectingSink(), CollectingSink()
-    a = ready(sched, a_sink)
-    b = new_seq(sched, b_sink, 1)
-    sched.admit(b)  # waits for a's slot
+    a, b = ready(sched, a_sink), ready(sched, b_sink, 1)
     sched.start_turn(a, Turn("a", "A long turn.", 400))
     prefill_all(sched)
     sync_step(sched, dev)
+    sched.start_turn(b, Turn("b", "Waits for the row.", 5))
+    prefill_all(sched)
+    assert b.state is SeqState.QUEUED and list(sched.row_queue) == [b]
     plan = sched.plan_step(time.perf_counter())
+    dev.apply(sched.take_row_ops())
     out = dev.step(plan)  # in flight when a closes
+    free = sched.pool.free
     sched.close(a)
-    assert a.state is SeqState.CLOSED and a.slot == 0 and b.slot is None  # still in flight
+    assert a.state is SeqState.CLOSED and a.row == 0 and b.row is None  # still in flight
+    assert sched.pool.free == free  # a's blocks too: the step in flight writes one
     sched.step_done(plan.k, plan.B, out)
-    assert a.slot is None and b.slot == 0  # released after the drain, handed to b
-    assert prefill_all(sched) == 1 and b_sink.ready.is_set()
+    assert a.row is None and b.row == 0 and b.state is SeqState.DECODING  # handed to b
+    assert sched.pool.free > free and not a.blocks
     assert [r.turn_id for r in a_sink.results] == []  # a close reports nothing
+    run_idle(sched, dev)
+    assert b_sink.results[-1].turn_id == "b" and b_sink.results[-1].frames == 5
 
 
 def test_a_failed_step_ends_every_decoding_turn_and_resets_their_context():
@@ -341,22 +378,23 @@ def test_a_failed_step_ends_every_decoding_turn_and_resets_their_context():
         res = sink.results[-1]
         assert res.reason is FinishReason.ERROR and res.error_code is TurnError.INTERNAL
         assert seq.needs_rebuild and seq.state is SeqState.IDLE and not sched.running
-    assert {op.kind for op in sched.take_slot_ops()} == {"leave"}
+    assert {op.kind for op in sched.take_row_ops()} == {"leave"}
+    assert sched.free_rows == 2
 
 
 def test_a_failed_prefill_fails_only_its_sequence():
-    sched, _ = make(n_slots=3)
+    sched, _ = make(n_rows=3)
     sinks = [CollectingSink() for _ in range(3)]
     seqs = [new_seq(sched, s, i) for i, s in enumerate(sinks)]
     for seq in seqs:
         sched.admit(seq)
     jobs = sched.take_prefill_jobs()
-    jobs[1].event = RuntimeError("boom in slot 1")
+    jobs[1].event = RuntimeError("boom in block 1")
     for job in jobs:
         sched.prefill_done(job)
     assert sinks[0].ready.is_set() and sinks[2].ready.is_set()
     assert "boom" in sinks[1].errors[0] and seqs[1].state is SeqState.CLOSED
-    assert sched.free_slots == 1
+    assert len(sched.live) == 2 and not seqs[1].blocks
 
 
 def _audio_turn(sched: Scheduler, frames: int, decoded: int, ahead_s: float,
@@ -403,7 +441,7 @@ def test_decode_pauses_for_prefills_while_every_turn_is_ahead():
     needs it (audio less than prefill_first_lead_s ahead, a joined turn without its first
     chunk for prefill_first_wait_s); a draining (cancelled) turn needs none; no prefill: it
     never waits; prefill_first_lead_s=0 turns it off."""
-    sched, _ = make(n_slots=4, prefill_first_lead_s=0.5, prefill_first_wait_s=0.05)
+    sched, _ = make(n_rows=4, prefill_first_lead_s=0.5, prefill_first_wait_s=0.05)
     fr = sched.frame_rate
     now = time.perf_counter()
 
@@ -486,6 +524,200 @@ def test_a_failed_codec_tick_ends_its_turns_with_an_internal_error():
     assert res.error_code is TurnError.INTERNAL and "codec exploded" in res.error
     for s, t in failed:
         sched.abort_decoding(s, t)  # sync: every launched step was read, it leaves at once
-    assert not seq.draining and SlotOp("leave", 0) in sched.take_slot_ops()
+    assert not seq.draining and RowOp("leave", 0) in sched.take_row_ops()
     run_idle(sched, dev)
     assert not sched.running and seq.state is SeqState.IDLE and sched.audio_streams == 0
+
+
+# ---------------------------------------------------------------------- sessions >> rows
+def test_idle_sessions_hold_no_row_and_a_waiting_turn_gets_the_first_free_one():
+    """max_running=2: sessions that started and went idle never keep another from its voice
+    prompt or its speech; a third turn waits for a row (not for a session to close) and
+    speaks as soon as one frees."""
+    sched, dev = make(n_rows=2)
+    sinks = [CollectingSink() for _ in range(5)]
+    seqs = [ready(sched, s, i) for i, s in enumerate(sinks)]  # 5 ready on 2 rows
+    for seq in seqs[:2]:
+        sched.start_turn(seq, Turn("first", "Hello.", 3))
+    run_idle(sched, dev)
+    assert all(s.state is SeqState.IDLE and s.row is None for s in seqs[:2])
+    assert sched.free_rows == 2  # two idle, started sessions: no row held
+    for seq in seqs[2:]:
+        sched.start_turn(seq, Turn("second", "Speak now.", 4))
+    prefill_all(sched)
+    assert [s.state for s in seqs[2:]] == [SeqState.DECODING, SeqState.DECODING,
+                                           SeqState.QUEUED]
+    assert list(sched.row_queue) == [seqs[4]] and sched.stats["row_waits"] == 1
+    for _ in range(4):  # the first two turns end after 4 frames: a row frees, seqs[4] joins
+        sync_step(sched, dev)
+    assert seqs[4].state is SeqState.DECODING and seqs[4].row == 0
+    run_idle(sched, dev)
+    assert [s.results[-1].frames for s in sinks] == [3, 3, 4, 4, 4]
+    assert all(s.results[-1].reason is FinishReason.LENGTH for s in sinks)
+
+
+def test_a_queued_turn_can_be_cancelled_and_closed():
+    sched, dev = make(n_rows=1)
+    a, b = ready(sched), ready(sched, CollectingSink(), 1)
+    sched.start_turn(a, Turn("a", "Holds the row.", 50))
+    sched.start_turn(b, Turn("b", "Waits.", 5))
+    prefill_all(sched)
+    pos = b.turn_start_pos
+    sched.cancel(b)
+    assert b.state is SeqState.IDLE and not sched.row_queue and b.pos == pos
+    assert b.sink.results[-1].reason is FinishReason.CANCELLED
+    sched.start_turn(b, Turn("b2", "Waits again.", 5))
+    prefill_all(sched)
+    sched.close(b)
+    assert not sched.row_queue
+    run_idle(sched, dev)
+    assert a.sink.results[-1].frames == 50
+
+
+def test_a_speaking_turn_grows_its_blocks_as_it_goes():
+    sched, dev = make(n_rows=1, kv_block_size=16)
+    seq = ready(sched)
+    sched.start_turn(seq, Turn("long", "Talk for a while.", 200))
+    jobs = sched.take_prefill_jobs()
+    reserved = len(seq.blocks)
+    for job in jobs:
+        job.done = job.cols.shape[1]
+        sched.prefill_done(job)
+    run_idle(sched, dev)  # FakeDevice asserts every step's write lands in a held block
+    assert seq.sink.results[-1].frames == 200
+    assert len(seq.blocks) > reserved
+    assert any(op.kind == "extend" for op in dev.ops)
+
+
+def test_a_turn_that_cannot_grow_ends_with_the_audio_it_made():
+    # the turn's start (45 + 24 + 64 frames + slack) takes 9 blocks of 16: 1 more to grow
+    sched, dev = make(n_rows=1, kv_block_size=16, kv_blocks=10, kv_host_gib=0)
+    seq = ready(sched)
+    sched.start_turn(seq, Turn("long", "Talk for a while.", 400))
+    run_idle(sched, dev)
+    res = seq.sink.results[-1]
+    assert res.reason is FinishReason.LENGTH and 0 < res.frames < 400
+    assert sched.stats["turns_cut_no_blocks"] == 1
+    assert len(seq.sink.pcm()) == res.frames * HOP  # every frame it made was heard
+
+
+# ---------------------------------------------------------------------- shared voice prefixes
+def test_sessions_with_one_voice_share_its_blocks_and_copy_the_last_on_write():
+    sched, dev = make(prefix_cache=8, kv_block_size=16)
+    a = ready(sched)
+    n = sched.pool.blocks_for(a.pos)
+    b_sink = CollectingSink()
+    b = new_seq(sched, b_sink, 1)
+    sched.admit(b)
+    assert b_sink.ready.is_set() and not sched.take_prefill_jobs()  # no prefill at all
+    assert b.blocks == a.blocks[:n] and b.pos == a.pos and sched.stats["prefix_hits"] == 1
+    shared_last = b.blocks[-1]
+    assert sched.pool.holders(shared_last) == 3  # a, b and the cache
+    sched.start_turn(b, Turn("t", "Hi.", 5))
+    job = sched.take_prefill_jobs()[0]
+    # 45 positions: the last block is partly filled and b writes into it: copied first
+    assert job.copies == ((shared_last, b.blocks[n - 1]),) and b.blocks[n - 1] != shared_last
+    assert sched.pool.holders(shared_last) == 2 and sched.stats["cow_copies"] == 1
+    assert b.blocks[: n - 1] == a.blocks[: n - 1]  # the full blocks stay shared
+    job.done = job.cols.shape[1]
+    sched.prefill_done(job)
+    run_idle(sched, dev)
+    assert b_sink.results[-1].frames == 5
+    sched.close(a)
+    sched.close(b)
+    assert sched.pool.free == sched.pool.n_blocks - n  # the cache keeps the voice
+
+
+def test_sessions_opening_together_wait_for_one_prefill_of_their_voice():
+    sched, _ = make(prefix_cache=8)
+    sinks = [CollectingSink() for _ in range(4)]
+    seqs = [new_seq(sched, s, i) for i, s in enumerate(sinks)]
+    for seq in seqs:
+        sched.admit(seq)
+    jobs = sched.take_prefill_jobs()
+    assert len(jobs) == 1 and jobs[0].seq is seqs[0]
+    sched.close(seqs[0])  # the one prefilling goes away: the next takes over
+    sched.prefill_done(jobs[0])
+    jobs = sched.take_prefill_jobs()
+    assert len(jobs) == 1 and jobs[0].seq is seqs[1]
+    sched.prefill_done(jobs[0])
+    assert all(s.ready.is_set() for s in sinks[1:]) and not sinks[0].ready.is_set()
+    assert seqs[2].blocks == seqs[1].blocks[: len(seqs[2].blocks)]
+
+
+# ---------------------------------------------------------------------- eviction to host
+def test_idle_sessions_are_evicted_least_recent_first_and_restored_with_their_next_turn():
+    host = FakeHost()
+    sched, dev = make(n_rows=1, evict=host, kv_block_size=16, kv_blocks=11)
+    a, b, c = (ready(sched, CollectingSink(), i) for i in range(3))  # 3 blocks each
+    sched.start_turn(a, Turn("a", "Hi.", 3))  # 2 more blocks: the pool is full
+    run_idle(sched, dev)
+    assert sched.pool.free == 0 and not host.saved
+    d = new_seq(sched, CollectingSink(), 3)
+    sched.admit(d)  # needs 3 blocks: b (least recently used, idle) goes to host
+    assert b.offloaded is not None and not b.blocks and host.saved == [[3, 4, 5]]
+    assert d.state is SeqState.PREFILLING and sched.stats["kv_evictions"] == 1
+    prefill_all(sched)
+    assert a.offloaded is None and c.offloaded is None
+    sched.start_turn(b, Turn("b", "Back again.", 4))  # c (next least recent) goes, b comes back
+    job = sched.take_prefill_jobs()[0]
+    assert c.offloaded is not None and b.offloaded is None and d.offloaded is None
+    saved, blocks = job.restore
+    assert saved == ("saved", (3, 4, 5)) and len(blocks) == 3 and sched.stats["kv_restores"] == 1
+    assert job.start == b.turn_start_pos == 45 and blocks == tuple(b.blocks[:3])
+    job.done = job.cols.shape[1]
+    sched.prefill_done(job)
+    run_idle(sched, dev)
+    assert b.sink.results[-1].frames == 4
+    held = sched.host_bytes
+    sched.close(c)  # an evicted session closes: its host copy is dropped
+    assert sched.host_bytes == held - 3 and sched.offloaded == (a.offloaded is not None)
+
+
+def test_without_eviction_a_full_pool_makes_new_sessions_wait():
+    sched, _ = make(n_rows=1, kv_block_size=16, kv_blocks=6, max_waiting=4)
+    a, _b = ready(sched), ready(sched, CollectingSink(), 1)
+    c = new_seq(sched, CollectingSink(), 2)
+    sched.admit(c)
+    assert list(sched.waiting) == [c] and a.offloaded is None
+    sched.close(a)
+    assert c.state is SeqState.PREFILLING
+
+
+def test_a_turn_whose_blocks_can_never_free_is_refused_not_left_waiting():
+    sched, dev = make(n_rows=1, kv_block_size=16, kv_blocks=8, kv_host_gib=0)
+    seq = ready(sched)
+    pos = seq.pos
+    sched.start_turn(seq, Turn("t", "Talk.", 400))  # needs 9 blocks; 8 in the pool
+    res = seq.sink.results[-1]
+    assert res.reason is FinishReason.ERROR and res.error_code is TurnError.OVERLOADED
+    assert "no KV blocks free" in res.error and not sched.block_queue
+    assert seq.state is SeqState.IDLE and seq.pos == pos
+    sched.start_turn(seq, Turn("u", "Short.", 3))  # a smaller turn fits
+    run_idle(sched, dev)
+    assert seq.sink.results[-1].frames == 3
+
+
+def test_a_session_closed_while_prefilling_keeps_its_blocks_until_the_job_lands():
+    """The prefill stream may still be writing a closed session's blocks: they go back only
+    once its job has landed, and an idle session with a cancelled turn's job in flight is
+    not evicted."""
+    host = FakeHost()
+    sched, _ = make(n_rows=1, evict=host, kv_block_size=16, kv_blocks=12)
+    a = ready(sched)
+    sched.start_turn(a, Turn("t", "Hello.", 10))
+    job = sched.take_prefill_jobs()[0]
+    free = sched.pool.free
+    sched.close(a)
+    assert sched.pool.free == free and a.blocks
+    sched.prefill_done(job)
+    assert sched.pool.free == 12 and not a.blocks
+    b = ready(sched, CollectingSink(), 1)
+    sched.start_turn(b, Turn("t", "Hello.", 10))
+    job = sched.take_prefill_jobs()[0]
+    sched.cancel(b)  # idle again, its job still in flight
+    c = new_seq(sched, CollectingSink(), 2)
+    sched.admit(c)
+    assert b.offloaded is None and not host.saved  # not evicted under a running job
+    sched.prefill_done(job)
+    assert b.jobs_in_flight == 0

@@ -502,13 +502,13 @@ async def test_health_ready_metrics(server):
         r = await http.get("/ready")
         body = r.json()
         assert r.status_code == 200 and body["ready"] and body["model"] == "tiny"
-        assert body["random_weights"] is True and body["engine"]["free_slots"] >= 1
+        assert body["random_weights"] is True and body["engine"]["free_rows"] >= 1
         r = await http.get("/metrics")
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
         text = r.text
     for name in ("rtvoice_sessions_total", "rtvoice_turns_total", "rtvoice_ttfa_seconds_bucket",
                  "rtvoice_ttfa_recent_seconds", "rtvoice_frames_total", "rtvoice_errors_total",
-                 "rtvoice_engine_free_slots", "rtvoice_model_info"):
+                 "rtvoice_engine_free_rows", "rtvoice_model_info"):
         assert name in text, name
     samples = {line.split(" ")[0]: float(line.split(" ")[1])
                for line in text.splitlines() if line and not line.startswith("#")}
