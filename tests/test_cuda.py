@@ -462,7 +462,7 @@ def test_paged_pool_sharing_and_eviction_change_no_frame_on_the_gpu(gpu_bundle):
         finally:
             eng.shutdown()
 
-    want, base = run(prefix_cache=0)
+    want, _ = run(prefix_cache=0)
     shared, st = run(kv_block_size=16)
     evicted, ev = run(prefix_cache=0, kv_block_size=16, kv_blocks=12)
     assert st["prefix_hits"] == 3 and ev["kv_evictions"] >= 4 and ev["kv_restores"] >= 4
