@@ -270,9 +270,9 @@ class EngineConfig:
                               "before new ones get 'overloaded'", ge=0)
     kv_block_size: int = option(64, "positions per block of the paged KV pool", ge=1, le=4096)
     kv_blocks: int | None = option(
-        None, "blocks in the KV pool, shared by every session (a 10 s voice is ~5 blocks of "
-        "64). Default: what fits in GPU memory after kv_reserve_gib; on a CPU, four full "
-        "contexts (max_len) per decode row", ge=2)
+        None, "blocks in the KV pool, shared by every session (a 10 s voice prompt is ~6 "
+        "blocks of 64). Default: what fits in GPU memory after kv_reserve_gib, at most 32 "
+        "full contexts (max_len) per decode row; on a CPU, 2 per decode row", ge=1)
     kv_host_gib: float = option(
         16.0, "host memory (GiB) for the KV of idle sessions evicted when the pool runs low, "
         "least recently used first; restored with their next turn. 0: never evict (sessions "
@@ -344,8 +344,9 @@ class EngineConfig:
     stall_s: float = option(10.0, "a device wait longer than this marks the engine stalled "
                             "(/ready 503)", gt=0)
     kv_reserve_gib: float = option(
-        8.0, "GPU memory (GiB) kept out of the KV pool for activations, CUDA graphs and the "
-        "codec; the pool takes the rest (or kv_blocks, if fewer)", ge=0)
+        32.0, "GPU memory (GiB) kept out of the KV pool for activations, CUDA graphs and the "
+        "codec (128 decode rows and their codec graphs need more than 8); the pool takes the "
+        "rest, within kv_blocks", ge=0)
     high_priority_streams: tuple[str, ...] = option(
         (), "CUDA streams whose kernels the block scheduler starts first (measured at c=64: "
         "any choice within 4 % frames/s; none had the lowest latency)",

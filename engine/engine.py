@@ -58,6 +58,9 @@ __all__ = ["CollectingSink", "Engine", "build_engine", "fit_kv_blocks"]
 log = logging.getLogger(__name__)
 
 
+GPU_CONTEXTS_PER_ROW = 32  # the default pool's cap: sessions >> decode rows, memory permitting
+
+
 def fit_kv_blocks(want: int | None, *, free_bytes: int, reserve_bytes: int, block_bytes: int,
                   block_size: int, max_len: int) -> int:
     """KV pool blocks to allocate: what fits in `free_bytes` after `reserve_bytes` (the pool
@@ -203,6 +206,7 @@ class Engine:
         return {"live": len(s.live), "waiting": len(s.waiting), "free_rows": s.free_rows,
                 "max_running": self.n_rows, "queued_turns": len(s.row_queue) + len(s.block_queue),
                 "kv_blocks": s.pool.n_blocks, "kv_blocks_free": s.pool.free,
+                "kv_blocks_available": s.blocks_available(),
                 "kv_block_size": s.pool.block_size, "offloaded": s.offloaded,
                 "host_kv_bytes": s.host_bytes, "shared_prefixes": len(s.prefixes),
                 "device_wait_s": round(self.device_wait_s(), 3)}
@@ -486,14 +490,16 @@ def build_engine(bundle: Bundle, config: EngineConfig | None = None, *,
 
         pack_ffn(model)  # W1|W3 in one buffer (same values): its copies go before the sizing
     n_rows, bs = cfg.max_running, cfg.kv_block_size
-    n_blocks = cfg.kv_blocks or n_rows * 4 * -(-cfg.max_len // bs)
+    context = -(-cfg.max_len // bs)
+    n_blocks = cfg.kv_blocks or n_rows * 2 * context
     if cuda:  # size the pool from the memory left after the weights
         gc.collect()  # an earlier engine waiting for the cycle collector still holds memory
         torch.cuda.empty_cache()  # cached, unused blocks (weight loading) count as free
         free, _ = torch.cuda.mem_get_info(device)
         dtype = model.embeddings.weight.dtype
         block = SlowKVCache.position_bytes(model.cfg.slow, dtype) * bs
-        n_blocks = fit_kv_blocks(cfg.kv_blocks, free_bytes=free, block_bytes=block, block_size=bs,
+        n_blocks = fit_kv_blocks(cfg.kv_blocks or n_rows * GPU_CONTEXTS_PER_ROW * context,
+                                 free_bytes=free, block_bytes=block, block_size=bs,
                                  reserve_bytes=int(cfg.kv_reserve_gib * 2**30),
                                  max_len=cfg.max_len)
         log.info("KV pool: %d blocks of %d positions (%.1f GiB, %.0f full contexts of %d); "

@@ -152,6 +152,15 @@ class ModelRunner:
         self.active[row] = False
 
     # ------------------------------------------------------------------ blocks
+    def own_blocks(self, row: int) -> tuple[int, ...]:
+        """Row `row`'s own full context of blocks in the default pool (one per row): for
+        callers that drive the runner without a scheduler (fixture checks, benches)."""
+        per = -(-self.max_len // self.block_size)
+        if (row + 1) * per > self.n_blocks:
+            raise ValueError(f"the pool's {self.n_blocks} blocks hold no full context for "
+                             f"row {row}")
+        return tuple(range(row * per, (row + 1) * per))
+
     def table_tensor(self, blocks: list[int] | tuple[int, ...]) -> Tensor:
         """A block table row [MB] on the device (scratch past the blocks)."""
         return staging.to_device(self.cache.table(list(blocks)), self.device)

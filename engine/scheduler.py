@@ -159,6 +159,18 @@ class Scheduler:
         """Sessions whose KV is in host memory."""
         return sum(1 for s in self.live.values() if s.offloaded is not None)
 
+    def blocks_available(self) -> int:
+        """Blocks a new session could get now: free ones, those only unused voice prefixes
+        hold, and (with eviction, within the host budget) idle sessions' (read from other
+        threads: a snapshot)."""
+        n = self.pool.free
+        n += sum(1 for p in list(self.prefixes._entries.values()) for b in p.blocks
+                 if self.pool.holders(b) == 1)
+        if self._evict is not None and self.host_bytes < self.host_budget:
+            n += sum(len(s.blocks) for s in list(self.live.values())
+                     if s.state is SeqState.IDLE and s.turn is None and not s.jobs_in_flight)
+        return n
+
     def turn_room(self, system_cols: int) -> int:
         """Text tokens one turn may have next to a voice prompt of `system_cols` positions, so
         that it always fits the context with room to speak (`TURN_MARGIN`); negative when
@@ -706,7 +718,8 @@ class Scheduler:
         for seq in list(self.running.values()):
             if seq.draining or seq.row is None:
                 continue
-            want = min(self.pool.blocks_for(seq.pos + ahead), self.table_width)
+            # never past the context: the turn's frame budget stops it before max_len
+            want = min(self.pool.blocks_for(seq.pos + ahead), self.pool.blocks_for(self.max_len))
             n = want - len(seq.blocks)
             if n <= 0:
                 continue

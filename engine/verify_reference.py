@@ -97,8 +97,8 @@ def model_checks(root: Path, device: str = "cpu", ops: Ops = REFERENCE) -> Itera
         yield (f"{name}.batches", texts == want_texts, f"{texts!r} vs {want_texts!r}")
         if texts != want_texts:
             continue
-        slot = 0  # the runner's one slot, reused case after case
-        runner.assign(slot, SamplingParams.greedy(), 0)
+        slot = 0  # the runner's one row, reused case after case
+        blocks = runner.own_blocks(slot)
         history: list[tuple[str, Tensor]] = []
         pos = 0
         for k in range(len(texts)):
@@ -113,14 +113,14 @@ def model_checks(root: Path, device: str = "cpu", ops: Ops = REFERENCE) -> Itera
             T = prompt.shape[1]
             new = prompt[:, pos:]
             if new.shape[1] > 1:
-                runner.prefill(slot, new[:, :-1], pos)
+                runner.prefill(blocks, new[:, :-1], pos)
             pos, col = T - 1, new[:, -1][None]
             # The frame loop the engine runs: device-resident state, one dense step per frame.
             # As many steps as the reference took (fewer than max_new_tokens when it chose
             # <|im_end|>, whose frame is the last one it recorded).
             want_gen = t[f"b{k}.generated"]
             steps = min(n_new, want_gen.shape[1])
-            runner.join(slot, col[0], pos, steps, 0)
+            runner.join(slot, SamplingParams.greedy(), col[0], pos, steps, 0, blocks)
             rec = _Recorder(model)
             frames = []
             try:

@@ -286,10 +286,10 @@ async def _ready(request: Request) -> Response:
         log.error("/ready: %s", reason)
     elif sessions >= limits.max_sessions:
         reason = f"at capacity: {sessions} live sessions (max_sessions)"
-    elif load["waiting"] > 0:
-        # A new session would only queue behind the ones already waiting: send it elsewhere.
-        reason = (f"at capacity: the KV pool is full ({load['kv_blocks']} blocks), "
-                  f"{load['waiting']} sessions wait for blocks")
+    elif load["waiting"] > 0 or load["kv_blocks_available"] <= load["max_running"] - load["free_rows"]:
+        # A new session would only queue (behind the ones already waiting): send it elsewhere.
+        reason = (f"at capacity: the KV pool is full ({load['kv_blocks']} blocks, none free "
+                  f"or reclaimable), {load['waiting']} sessions wait for blocks")
     body: dict[str, Any] = {
         "ready": reason is None,
         "model": rt.bundle.name,

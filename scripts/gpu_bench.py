@@ -71,16 +71,16 @@ def s2pro_decode(report: dict, device: str, batches: list[int], frames: int,
     slots = list(range(max_b))
     greedy = SamplingParams.greedy()
     # prefill (warm once, then timed); row s decodes the blocks of its own context
-    runner.prefill(row_blocks(runner, 0), prompt[:, :-1], 0)
+    runner.prefill(runner.own_blocks(0), prompt[:, :-1], 0)
     _sync()
     t0 = time.perf_counter()
     for s in slots:
-        runner.prefill(row_blocks(runner, s), prompt[:, :-1], 0)
+        runner.prefill(runner.own_blocks(s), prompt[:, :-1], 0)
     _sync()
     report["prefill_ms_per_seq"] = round(1000 * (time.perf_counter() - t0) / max_b, 2)
     report["prompt_len"] = T
     # greedy generation, batch 1, frame by frame (eager, host reads each frame)
-    runner.join(slots[0], greedy, prompt[:, -1], T - 1, frames, 0, row_blocks(runner, 0))
+    runner.join(slots[0], greedy, prompt[:, -1], T - 1, frames, 0, runner.own_blocks(0))
     times = []
     gen = []
     for i in range(frames):
@@ -97,7 +97,7 @@ def s2pro_decode(report: dict, device: str, batches: list[int], frames: int,
     steps = {}
     for bs in batches:
         for s in slots[:bs]:
-            runner.join(s, greedy, prompt[:, -1], T - 1, 10**6, s, row_blocks(runner, s))
+            runner.join(s, greedy, prompt[:, -1], T - 1, 10**6, s, runner.own_blocks(s))
         for _ in range(3):
             runner.step(bs, T + 64)
         _sync()
@@ -338,12 +338,6 @@ def _category(name: str) -> str:
     return "elementwise/other"
 
 
-def row_blocks(runner, row: int) -> tuple[int, ...]:  # type: ignore[no-untyped-def]
-    """Row `row`'s own full context of blocks (the runner's default pool has one per row)."""
-    per = -(-runner.max_len // runner.block_size)
-    return tuple(range(row * per, (row + 1) * per))
-
-
 def profile_step(report: dict, device: str, sampler_kernel: bool = True) -> None:
     """Where one frame step's GPU time goes (eager, fused ops), and graph-replay step time."""
     from engine.fusion import pack_ffn
@@ -361,7 +355,7 @@ def profile_step(report: dict, device: str, sampler_kernel: bool = True) -> None
     col[0] = b.model.cfg.ids.semantic_start + 5
     for B in (1, 16, 64):
         for s in range(B):
-            runner.join(s, SamplingParams.greedy(), col, 200, 10**6, s, row_blocks(runner, s))
+            runner.join(s, SamplingParams.greedy(), col, 200, 10**6, s, runner.own_blocks(s))
         for _ in range(3):
             runner.step(B, 256)
         _sync()

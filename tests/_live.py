@@ -144,13 +144,22 @@ async def poll(check: Callable[[], bool], what: str, timeout: float = 10.0) -> N
         await asyncio.sleep(0.01)
 
 
+def cached_blocks(engine: Any) -> int:
+    """KV blocks held by the shared voice prefixes alone (kept for the next session)."""
+    pool = engine.scheduler.pool
+    return len({b for p in engine.scheduler.prefixes._entries.values() for b in p.blocks
+                if pool.holders(b) == 1})
+
+
 def engine_at_rest(url: Any) -> Callable[[], bool]:
     engine = url.app.state.runtime.engine
 
     def check() -> bool:
         load = engine.load()
         return (load["live"] == 0 and load["waiting"] == 0
-                and engine.free_slots() == engine.n_slots and engine.codec_worker.decoder.n_open == 0)
+                and engine.free_rows() == engine.n_rows
+                and load["kv_blocks_free"] + cached_blocks(engine) == load["kv_blocks"]
+                and engine.codec_worker.decoder.n_open == 0)
 
     return check
 

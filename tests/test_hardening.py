@@ -106,29 +106,63 @@ async def test_deep_nesting_is_a_non_fatal_error_in_the_clients_encoding(server,
 # ------------------------------------------------------------------------------ 2. waiting
 
 
-def test_waiting_for_a_slot_is_not_idleness_and_ready_tells_the_truth():
-    """Found: a session waiting in the queue for a KV slot was dropped by the idle timer, and
-    /ready said 200 with no free slot."""
+def test_a_turn_waiting_for_a_decode_row_is_not_idleness():
+    """With one decode row: a session that starts while another speaks is ready at once
+    (idle sessions hold no row); its turn waits for the row, through several idle periods,
+    without being dropped, and speaks as soon as the row frees."""
+
+    async def run(url: Any) -> None:
+        engine = url.app.state.runtime.engine
+        a = await Client.connect(url.ws_url)
+        await a.send(Start(request=request(max_new_tokens=100)))
+        assert isinstance(await a.recv(), Ready)
+        await a.send(Text(text="Speaking for a while, so the only row stays taken. And on."))
+        await a.send(Flush())
+        b = await Client.connect(url.ws_url)
+        await b.send(Start(request=request(max_new_tokens=4)))
+        assert isinstance(await b.recv(), Ready)  # no wait for A's turn
+        await b.send(Text(text="My turn."))
+        await b.send(Flush())
+        await poll(lambda: engine.load()["queued_turns"] == 1, "B's turn does not wait")
+        await asyncio.sleep(1.5)  # three idle periods waiting for the row, quietly
+        assert engine.load()["queued_turns"] == 1
+        await b.send(Stop())
+        events = await b.until(is_finish)  # B was not dropped: it spoke once the row freed
+        assert events[-1].reason == "stop" and any(isinstance(e, Done) for e in events)
+        assert any(isinstance(e, Audio) for e in events) and engine.stats["row_waits"] >= 1
+        await a.send(Stop())
+        await a.until(is_finish)
+
+    with running_server(max_running=1, idle_timeout_s=0.5, max_turn_frames=100,
+                        budget_multiplier=3.0) as url:
+        asyncio.run(run(url))
+
+
+def test_waiting_for_kv_blocks_is_not_idleness_and_ready_tells_the_truth():
+    """Found: a session waiting in the queue for KV was dropped by the idle timer, and
+    /ready said 200 with no room. A pool of 4 blocks: while A speaks B waits for blocks,
+    /ready says 503, three idle periods pass, and B gets its blocks once A is done."""
 
     async def run(url: Any) -> None:
         a = await Client.connect(url.ws_url)
         await a.send(Start(request=request(max_new_tokens=100)))
         assert isinstance(await a.recv(), Ready)
         # A speaks for a few seconds (activity: its idle timer waits)
-        await a.send(Text(text="Speaking for a while, so the only slot stays taken. And on."))
+        await a.send(Text(text="Speaking for a while, so the pool stays full. And on."))
         await a.send(Flush())
+        engine = url.app.state.runtime.engine
+        await poll(lambda: engine.load()["kv_blocks_free"] <= 1, "A does not fill the pool")
         b = await Client.connect(url.ws_url)
         await b.send(Start(request=request()))
-        engine = url.app.state.runtime.engine
         await poll(lambda: engine.load()["waiting"] == 1, "B does not wait")
         async with httpx.AsyncClient(base_url=url, timeout=30) as http:
             r = await http.get("/ready")
-            assert r.status_code == 503 and "KV slot" in r.json()["reason"]
+            assert r.status_code == 503 and "KV pool is full" in r.json()["reason"]
             await asyncio.sleep(1.5)  # three idle periods in the queue, quietly
             assert engine.load()["waiting"] == 1
             await a.send(Stop())
             await a.until(is_finish)
-            ready = await b.recv()  # B was not dropped: it gets the slot
+            ready = await b.recv()  # B was not dropped: it gets its blocks
             assert isinstance(ready, Ready), ready
             assert ready.prefill_ms > 1500  # its wait counts in its prefill...
             m = _metrics(url)  # ...and in the queue-wait histogram
@@ -138,7 +172,8 @@ def test_waiting_for_a_slot_is_not_idleness_and_ready_tells_the_truth():
         await b.send(Stop())
         await b.until(is_finish)
 
-    with running_server(max_running=1, max_waiting=2, idle_timeout_s=0.5,
+    with running_server(max_running=1, max_waiting=2, idle_timeout_s=0.5, max_len=256,
+                        kv_block_size=64, kv_blocks=4, prefix_cache=0, kv_host_gib=0,
                         max_turn_frames=100, budget_multiplier=3.0) as url:
         asyncio.run(run(url))
 

@@ -129,20 +129,22 @@ def _prompts(fixture_dir):
 
 
 def test_batched_decode_matches_reference_per_sequence(fixture_dir, fixture_model):
-    """Sequences with different prompt lengths, decoded together (dense rows = slots, device
-    state only), give each one's reference frames; a finished row stops on the device."""
-    runner = ModelRunner(fixture_model, n_rows=4, max_len=512)
+    """Sequences with different prompt lengths, decoded together (device state only), each
+    through its own blocks of 16 positions scattered over the pool, give each one's
+    reference frames; a finished row stops on the device."""
+    runner = ModelRunner(fixture_model, n_rows=4, max_len=512, block_size=16)
     prompts = _prompts(fixture_dir)
     budgets = [25, 25, 10, 25]
+    per = 512 // 16
+    shuffled = torch.randperm(runner.n_blocks, generator=torch.Generator().manual_seed(0))
     items = []
-    for s, (p, _) in enumerate(prompts):  # slots 0..3, one per prompt
-        runner.assign(s, SamplingParams.greedy(), 0)
-        items.append((s, p[:, :-1], 0))
+    for s, (p, _) in enumerate(prompts):  # rows 0..3, one per prompt
+        items.append((tuple(shuffled[s * per: (s + 1) * per].tolist()), p[:, :-1], 0))
     # all four prompts prefilled in one padded forward, the longest split in two chunks
-    runner.prefill_batch([(s, c[:, :40], 0) for s, c, _ in items])
-    runner.prefill_batch([(s, c[:, 40:], 40) for s, c, _ in items if c.shape[1] > 40])
-    for (s, _, _), (p, _), n in zip(items, prompts, budgets):
-        runner.join(s, p[:, -1], p.shape[1] - 1, n, 0)
+    runner.prefill_batch([(b, c[:, :40], 0) for b, c, _ in items])
+    runner.prefill_batch([(b, c[:, 40:], 40) for b, c, _ in items if c.shape[1] > 40])
+    for s, ((b, _, _), (p, _), n) in enumerate(zip(items, prompts, budgets)):
+        runner.join(s, SamplingParams.greedy(), p[:, -1], p.shape[1] - 1, n, 0, b)
     outs = [runner.step(4, 200) for _ in range(25)]
     got = torch.stack(outs, dim=2)  # [B, 11+2, 25]
     for b, (_, want) in enumerate(prompts):
@@ -161,10 +163,9 @@ def test_ras_condition_matches_reference_frames(fixture_dir, fixture_model):
         case = json.loads((fixture_dir / "cases" / f"{name}.json").read_text())
         t = load_file(str(fixture_dir / "cases" / f"{name}.safetensors"))
         p = t["b0.prompt"]
-        s = 0  # the runner's one slot, reused case after case
-        runner.assign(s, SamplingParams.greedy(), 0)
-        runner.prefill(s, p[:, :-1], 0)
-        runner.join(s, p[:, -1], p.shape[1] - 1, 25, 0)
+        blocks = runner.own_blocks(0)  # the runner's one row, reused case after case
+        runner.prefill(blocks, p[:, :-1], 0)
+        runner.join(0, SamplingParams.greedy(), p[:, -1], p.shape[1] - 1, 25, 0, blocks)
         flagged = []
         for n in range(25):
             runner.step(1, 200)
@@ -226,9 +227,9 @@ def test_packed_ffn_keeps_the_frames(fixture_dir, fixture_model):
     assert gemms == [2 * ff.w1.weight.shape[0]]  # one GEMM over both halves
     prompt, want = _prompts(fixture_dir)[0]
     runner = ModelRunner(m, n_rows=1, max_len=512, ops=packed)
-    runner.assign(0, SamplingParams.greedy(), 0)
-    runner.prefill(0, prompt[:, :-1], 0)
-    runner.join(0, prompt[:, -1], prompt.shape[1] - 1, 12, 0)
+    blocks = runner.own_blocks(0)
+    runner.prefill(blocks, prompt[:, :-1], 0)
+    runner.join(0, SamplingParams.greedy(), prompt[:, -1], prompt.shape[1] - 1, 12, 0, blocks)
     got = torch.stack([runner.step(1, 256)[0, :11] for _ in range(12)], dim=1)
     assert torch.equal(got, want[:, :12])
 
@@ -238,18 +239,17 @@ def test_static_prefill_matches_reference(fixture_dir, fixture_model):
     keys over a span bucket) leaves the cache so that decoding gives the reference frames."""
     prompt, want = _prompts(fixture_dir)[1]
     cols = prompt[:, :-1]
-    runner = ModelRunner(fixture_model, n_rows=2, max_len=512)
-    slot = 0
-    runner.assign(slot, SamplingParams.greedy(), 0)
+    runner = ModelRunner(fixture_model, n_rows=2, max_len=512, block_size=16)
+    blocks = tuple(reversed(runner.own_blocks(1)))  # out of order: reads go through the table
     at = 0
     for n, T, span in ((20, 32, 256), (cols.shape[1] - 20, 64, 256)):  # padded chunks
         inp = runner.prefill_inputs(T)
         inp["cols"][0, :, :n] = cols[:, at: at + n]
-        inp["slot"][0], inp["start"][0] = slot, at
+        inp["table"][0], inp["start"][0] = torch.tensor(runner.cache.table(list(blocks))), at
         runner.prefill_static(inp, span)
         at += n
     assert at == cols.shape[1]
-    runner.join(slot, prompt[:, -1], prompt.shape[1] - 1, 12, 0)
+    runner.join(0, SamplingParams.greedy(), prompt[:, -1], prompt.shape[1] - 1, 12, 0, blocks)
     got = torch.stack([runner.step(1, 256)[0, :11] for _ in range(12)], dim=1)
     assert torch.equal(got, want[:, :12])
 

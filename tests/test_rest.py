@@ -286,13 +286,14 @@ def test_a_rest_client_that_stops_reading_gives_its_slot_back(bound):
 
 
 def test_a_rest_client_gone_before_its_audio_frees_its_place_in_the_queue():
-    """Found in review: a client that hung up while its request waited for a KV slot kept its
+    """Found in review: a client that hung up while its request waited for KV kept its
     place (and its session) until the prefill."""
-    with running_server(max_running=1, max_turn_frames=4) as url:
+    with running_server(max_running=1, max_turn_frames=4, max_len=256, kv_block_size=256,
+                        kv_blocks=1, prefix_cache=0, kv_host_gib=0) as url:
         rt = url.app.state.runtime
 
         async def run() -> None:
-            holder = await Client.connect(url.ws_url)  # holds the one KV slot
+            holder = await Client.connect(url.ws_url)  # holds the pool's one block
             await holder.send(Start(request=request()))
             assert isinstance(await holder.recv(), Ready)
             s = _raw_post(url, "/v1/tts", {"text": "Waiting.", "format": "pcm"})

@@ -95,7 +95,7 @@ def make(n_rows: int = 2, evict: FakeHost | None = None,
     config = EngineConfig(**cfg).resolved(cuda=False, model_len=4096)  # type: ignore[arg-type]
     prompts = PromptBuilder(ByteTokenizer(special_base=TINY_IDS.semantic_start - 35), K)
     bs = config.kv_block_size
-    n_blocks = config.kv_blocks or n_rows * 4 * -(-config.max_len // bs)
+    n_blocks = config.kv_blocks or n_rows * 2 * -(-config.max_len // bs)
     sched = Scheduler(config, prompts, n_rows=n_rows, n_blocks=n_blocks, block_size=bs,
                       sample_rate=SR, frame_samples=HOP, ids=TINY_IDS, evict=evict,
                       block_bytes=1)

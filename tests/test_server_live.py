@@ -445,7 +445,7 @@ async def test_disconnect_mid_turn_releases_everything(server):
     await c.until(lambda e: isinstance(e, Audio))
     assert engine.load()["live"] == 1 and engine.codec_worker.decoder.n_open == 1  # mid-turn, really
     c.ws.transport.abort()  # vanish without a close handshake
-    # its KV slot, its engine sequence and its codec stream are all given back
+    # its KV blocks, its engine sequence and its codec stream are all given back
     await poll(engine_at_rest(server), f"not released: {engine.load()}, "
                 f"{engine.codec_worker.decoder.n_open} codec streams open")
     assert server.app.state.runtime.metrics.sessions_live == 0
@@ -569,8 +569,10 @@ def test_overloaded_and_idle_timeout():
 
 @pytest.fixture(scope="module")
 def small_server():
-    """One KV slot of 256 positions, one place in the wait queue, 64 queued events per socket."""
+    """KV for one session of 256 positions (a pool of one 256-position block, nothing shared or
+    evicted), one decode row, one place in the wait queue, 64 queued events per socket."""
     with running_server(max_len=256, max_running=1, max_waiting=1, min_turn_frames=2,
+                        kv_block_size=256, kv_blocks=1, prefix_cache=0, kv_host_gib=0,
                         budget_multiplier=0.5, send_queue_events=64) as url:
         yield url
 
@@ -651,16 +653,16 @@ async def test_waiting_session_that_leaves_gives_its_place_back(small_server):
     assert isinstance(await a.recv(), Ready)
     b = await Client.connect(small_server.ws_url)
     await b.send(Start(request=request()))
-    await poll(lambda: engine.load()["waiting"] == 1, "B does not wait for the slot")
+    await poll(lambda: engine.load()["waiting"] == 1, "B does not wait for KV blocks")
     async with httpx.AsyncClient(base_url=small_server, timeout=30) as http:
-        r = await http.get("/ready")  # the only slot taken, one waiting: send others elsewhere
-        assert r.status_code == 503 and "KV slot" in r.json()["reason"], r.json()
-        await b.close()  # B gives up before it got a slot
+        r = await http.get("/ready")  # the pool is full, one waiting: send others elsewhere
+        assert r.status_code == 503 and "KV pool is full" in r.json()["reason"], r.json()
+        await b.close()  # B gives up before it got blocks
         await poll(lambda: engine.load()["waiting"] == 0, "B still holds its place in the queue")
-        r = await http.get("/ready")  # no free slot yet: still not ready, truthfully
+        r = await http.get("/ready")  # no block free yet: still not ready, truthfully
         assert r.status_code == 503 and r.json()["engine"]["waiting"] == 0, r.json()
         c = await Client.connect(small_server.ws_url)
-        await c.send(Start(request=request()))  # waits for A's slot (not overloaded)
+        await c.send(Start(request=request()))  # waits for A's blocks (not overloaded)
         await a.send(Stop())
         await a.until(is_finish)
         assert await a.closed() == 1000
@@ -669,7 +671,7 @@ async def test_waiting_session_that_leaves_gives_its_place_back(small_server):
         await c.until(is_finish)
         assert await c.closed() == 1000
         await wait_at_rest(small_server)
-        r = await http.get("/ready")  # the slot is free again
+        r = await http.get("/ready")  # the pool is free again
         assert r.status_code == 200 and r.json()["ready"], r.json()
 
 

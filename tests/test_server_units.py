@@ -190,9 +190,9 @@ def test_serve_parser_has_every_setting():
     for flag in ("--host", "--device", "--max-running", "--idle-timeout-s", "RTVOICE_MAX_SESSIONS",
                  "--send-queue-events"):
         assert flag in help_text
-    # a session holds its KV slot from start to close, decoding or not
+    # a session holds KV blocks from start to close, a decode row only while a turn speaks
     flat = " ".join(help_text.split())
-    assert "decoding at once" not in flat and "sessions resident at once" in flat
+    assert "idle sessions hold KV blocks (kv_blocks) but no row" in flat
     assert isinstance(ap, argparse.ArgumentParser)
 
 

@@ -7,7 +7,7 @@ Checked: every turn a session asked for and did not abandon ends with ``done``; 
 sent before a cancel); no error event at all (the injected faults are the client's and are
 not errors); the server's RSS, sampled every second, stays flat after warm-up (the median
 of the last 10 s within RSS_BOUND_MB of the median of the 10 s after warm-up) and under
-RSS_MAX_MB throughout; the server ends with every session and KV slot given back.
+RSS_MAX_MB throughout; the server ends with every session, decode row and KV block given back.
 """
 
 from __future__ import annotations
