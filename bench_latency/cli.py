@@ -9,7 +9,18 @@ alone) across a concurrency sweep, with a decode_tps regression gate.
 For each concurrency level, that many sessions are opened (each waits for ``ready``), warmed
 with ``--warmup-turns`` unmeasured turns, and then all start measuring together. Each session
 runs in its own task like a voice agent: a turn's text is streamed at ``--tokens-per-s``, then
-flushed, and the next turn starts when the previous one is done (after ``--pause-ms``).
+flushed, and the next turn starts when the previous one is done (after ``--pause-ms``:
+``--arrivals lockstep``, the default, bursts of c turns), or after an exponential think time
+(``--arrivals poisson --mean-gap-s S``: turns arrive as a Poisson process).
+
+``--capacity`` searches the largest concurrency whose TTFA p99 stays within
+``--capacity-ttfa-ms`` (300) with no underruns and no errors, doubling from the first
+``--concurrency`` value up to ``--capacity-max`` and bisecting to ``--capacity-resolution``;
+it prints the probes and the answer, keeps them under ``capacity`` in the JSON, and marks the
+bound and the answer on the plot:
+
+    bench-latency --url ws://HOST:PORT/v1/tts/live --capacity --concurrency 16 --turns 2 \
+        --jitter-ms 200 --max-frames 300 --json cap.json --plot cap.png
 
 Figures per level (``--json`` has them all, with the exact settings, the server's ``ready``,
 the git commit and the machine):
@@ -38,6 +49,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import random
 import subprocess
 import sys
 import time
@@ -57,6 +69,7 @@ from clients.client import (
 )
 
 from . import stats
+from .capacity import Criteria, search
 
 SCHEMA = "rtvoice-bench/1"
 BASELINE_SCHEMA = "rtvoice-bench-baseline/1"
@@ -452,8 +465,11 @@ async def run_level(backend: Backend, c: int, args: argparse.Namespace, texts: S
 
     async def measure(i: int, s: BenchSession) -> None:
         k = 0
+        rng = random.Random(args.seed * 7919 + i)  # the same arrivals run after run
         while (k < args.turns) if deadline is None else (time.perf_counter() < deadline):
-            if k and args.pause_ms:
+            if args.arrivals == "poisson":  # exponential think time: turns arrive as a
+                await asyncio.sleep(rng.expovariate(1.0 / args.mean_gap_s))  # Poisson process
+            elif k and args.pause_ms:
                 await asyncio.sleep(args.pause_ms / 1000.0)
             if not await one_turn(i, s, k, measured=True):
                 break  # the session is broken; its error is recorded
@@ -571,6 +587,15 @@ def table(levels: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def capacity_line(cap: dict[str, Any]) -> str:
+    fail = cap["first_failure"]
+    return (f"capacity: {cap['capacity']} concurrent streams (TTFA p99 <= {cap['ttfa_p99_ms']:g} "
+            f"ms, <= {cap['max_underruns']} underruns with a {cap['jitter_ms']:g} ms buffer, "
+            f"{cap['arrivals']} arrivals); "
+            + (f"{fail} failed" if fail is not None else f"every level up to {cap['max_searched']} passed")
+            + f"; {len(cap['probes'])} levels probed")
+
+
 PLOT_HINT = "pip install matplotlib"
 
 
@@ -598,6 +623,12 @@ def plot(results: dict[str, Any], path: str | Path) -> Path:
             if any(y is not None for y in ys):
                 ax1.plot(cs, [float("nan") if y is None else y for y in ys], style, marker=marker,
                          label=f"{name} {q}")
+    cap = results.get("capacity")
+    if cap:  # the bound and the answer of a capacity search
+        ax1.axhline(cap["ttfa_p99_ms"], color="red", linestyle=":", label="p99 bound")
+        if cap["capacity"]:
+            ax1.axvline(cap["capacity"], color="green", linestyle=":",
+                        label=f"capacity {cap['capacity']}")
     agg = [lv["aggregate_fps"] or 0.0 for lv in levels]
     tps = [lv["decode_tps"]["p50"] or 0.0 for lv in levels]
     ax2.plot(cs, agg, "-o", label="aggregate frames/s")
@@ -722,7 +753,25 @@ def build_parser() -> argparse.ArgumentParser:
                     help="frame budget per segment (max_new_tokens); 0: the server's default")
     ap.add_argument("--tokens-per-s", type=float, default=40.0,
                     help="text streaming pace, LLM-like (0: all at once)")
-    ap.add_argument("--pause-ms", type=float, default=0.0, help="pause between a session's turns")
+    ap.add_argument("--pause-ms", type=float, default=0.0,
+                    help="lockstep: pause between a session's turns")
+    ap.add_argument("--arrivals", choices=["lockstep", "poisson"], default="lockstep",
+                    help="lockstep: every session starts its turns together, each right after "
+                         "its last (bursts); poisson: each session waits an exponential think "
+                         "time (mean --mean-gap-s) before each turn, so turns arrive as a "
+                         "Poisson process")
+    ap.add_argument("--mean-gap-s", type=float, default=2.0,
+                    help="poisson: mean think time before a session's turn (seconds)")
+    ap.add_argument("--capacity", action="store_true",
+                    help="search the largest concurrency whose TTFA p99 (server-side where "
+                         "reported) stays within --capacity-ttfa-ms with no underruns and no "
+                         "errors: doubling from the first --concurrency value, then bisecting")
+    ap.add_argument("--capacity-ttfa-ms", type=float, default=300.0,
+                    help="--capacity: the TTFA p99 bound (ms)")
+    ap.add_argument("--capacity-max", type=int, default=1024,
+                    help="--capacity: the largest concurrency tried")
+    ap.add_argument("--capacity-resolution", type=int, default=4,
+                    help="--capacity: stop bisecting when pass and failure are this close")
     ap.add_argument("--jitter-ms", type=float, default=100.0,
                     help="playback jitter buffer for the underrun simulation")
     ap.add_argument("--timeout", type=float, default=60.0,
@@ -755,14 +804,34 @@ async def run_bench(args: argparse.Namespace, progress: Progress | None = None) 
     progress = progress or Progress(enabled=not args.no_progress)
     created = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
     backend: Backend
+    most = args.capacity_max if args.capacity else max(args.concurrency)
     if args.in_process:
-        backend = await asyncio.to_thread(InProcessBackend, args, max(args.concurrency))
+        backend = await asyncio.to_thread(InProcessBackend, args, most)
     else:
         backend = WsBackend(args)
     levels = []
+    found: dict[str, Any] | None = None
     try:
-        for c in args.concurrency:
-            levels.append(await run_level(backend, c, args, texts, progress))
+        if args.capacity:
+            criteria = Criteria(ttfa_p99_ms=args.capacity_ttfa_ms)
+
+            def said(c: int, ok: bool, why: str) -> None:
+                if not args.quiet:
+                    print(f"capacity: c={c} {'passes' if ok else 'fails'}: {why}",
+                          file=sys.stderr, flush=True)
+
+            result, levels = await search(
+                lambda c: run_level(backend, c, args, texts, progress), criteria,
+                start=args.concurrency[0], max_c=args.capacity_max,
+                resolution=args.capacity_resolution, on_probe=said)
+            levels.sort(key=lambda lv: lv["concurrency"])
+            found = {**result.as_dict(), "ttfa_p99_ms": criteria.ttfa_p99_ms,
+                     "max_underruns": criteria.max_underruns, "jitter_ms": args.jitter_ms,
+                     "arrivals": args.arrivals, "max_searched": args.capacity_max,
+                     "resolution": args.capacity_resolution}
+        else:
+            for c in args.concurrency:
+                levels.append(await run_level(backend, c, args, texts, progress))
     finally:
         await backend.aclose()
     settings = {k: v for k, v in vars(args).items()
@@ -770,9 +839,12 @@ async def run_bench(args: argparse.Namespace, progress: Progress | None = None) 
                              "from_json")}
     settings["texts"] = args.texts or "builtin"
     settings["n_texts"] = len(texts)
-    return {"schema": SCHEMA, "created": created, "settings": settings,
-            "server": backend.info, "git": git_info(), "machine": machine_info(args.in_process),
-            "levels": levels}
+    out = {"schema": SCHEMA, "created": created, "settings": settings,
+           "server": backend.info, "git": git_info(), "machine": machine_info(args.in_process),
+           "levels": levels}
+    if found is not None:
+        out["capacity"] = found
+    return out
 
 
 def main(argv: Sequence[str] | None = None, *, out: Callable[[str], None] = print) -> int:
@@ -782,6 +854,12 @@ def main(argv: Sequence[str] | None = None, *, out: Callable[[str], None] = prin
         ap.error("give --url, --in-process or --from-json")
     if args.turns is not None and args.turns < 1:
         ap.error("--turns must be >= 1")
+    if args.mean_gap_s <= 0:
+        ap.error("--mean-gap-s must be > 0")
+    if args.capacity and (args.capacity_max < args.concurrency[0] or args.capacity_resolution < 1
+                          or args.capacity_ttfa_ms <= 0):
+        ap.error("--capacity needs --capacity-max >= the first --concurrency value, "
+                 "--capacity-resolution >= 1 and --capacity-ttfa-ms > 0")
     if args.reference and args.reference_text is None:
         ap.error("--reference needs --reference-text")
     for flag in ("json", "plot", "save_baseline"):  # fail now, not after the whole sweep
@@ -814,6 +892,8 @@ def main(argv: Sequence[str] | None = None, *, out: Callable[[str], None] = prin
             return 130
     if not args.quiet:
         out(table(results["levels"]))
+        if "capacity" in results:
+            out(capacity_line(results["capacity"]))
     code = 0
     if base is not None:
         gate = stats.gate_compare(current_tps(results), base, args.tolerance)

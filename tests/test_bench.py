@@ -274,6 +274,77 @@ def test_bench_in_process(tmp_path: Path) -> None:
     assert lv["server_ttfa_ms"]["p50"] is not None and not math.isnan(lv["aggregate_fps"])
 
 
+# ============================================================================ capacity search
+def _level(c: int, p99: float, underruns: int = 0, errors: int = 0) -> dict:
+    return {"concurrency": c, "turns": {"ok": c - errors, "errors": errors, "total": c,
+                                        "error_codes": ["overloaded"] if errors else []},
+            "server_ttfa_ms": {"p99": p99}, "client_ttfa_ms": {"p99": p99 + 5},
+            "underruns": {"total": underruns}}
+
+
+@pytest.mark.parametrize("limit,start,resolution,want", [
+    (100, 1, 1, 100), (100, 16, 4, (96, 100)), (1, 1, 1, 1), (0, 1, 1, 0), (5000, 8, 1, 1024),
+])
+def test_capacity_search_finds_the_largest_passing_level(limit, start, resolution, want) -> None:
+    """A fake server whose TTFA p99 exceeds the bound past `limit` streams: the search
+    doubles, then bisects to within the resolution, and never reports a failing level."""
+    import asyncio
+
+    from bench_latency.capacity import Criteria, search
+
+    async def probe(c: int) -> dict:
+        return _level(c, 100.0 if c <= limit else 400.0)
+
+    found, levels = asyncio.run(search(probe, Criteria(300.0), start=start, max_c=1024,
+                                       resolution=resolution))
+    lo, hi = want if isinstance(want, tuple) else (want, want)
+    assert lo <= found.capacity <= hi and found.capacity <= limit
+    assert all(p["passed"] == (p["concurrency"] <= limit) for p in found.probes)
+    assert len(levels) == len(found.probes) <= 2 * 11  # doubling + bisection, no more
+    if limit < 1024:
+        assert found.first_failure is not None and found.first_failure > found.capacity
+        assert found.first_failure - found.capacity <= max(resolution, 1) or found.capacity == 0
+
+
+def test_capacity_verdict_counts_underruns_errors_and_falls_back_to_client_ttfa() -> None:
+    from bench_latency.capacity import Criteria
+
+    crit = Criteria(300.0)
+    assert crit.verdict(_level(4, 250.0))[0]
+    assert "underruns" in crit.verdict(_level(4, 250.0, underruns=1))[1]
+    assert "failed" in crit.verdict(_level(4, 250.0, errors=1))[1]
+    lv = _level(4, 250.0)
+    lv["server_ttfa_ms"]["p99"] = None  # a server that reports none: the client's is used
+    ok, why = crit.verdict(lv)
+    assert ok and why.startswith("client TTFA p99 255")
+
+
+def test_bench_capacity_and_poisson_arrivals_in_process(tmp_path: Path) -> None:
+    """The real search against the in-process engine (tiny model): every probe is a level
+    in the JSON, the answer passes and the first failure (if any) fails; Poisson arrivals
+    stagger the turns' starts."""
+    pytest.importorskip("torch")
+    out: list[str] = []
+    f = tmp_path / "cap.json"
+    rc = cli.main(["--in-process", "--capacity", "--concurrency", "1", "--capacity-max", "4",
+                   "--capacity-ttfa-ms", "5000", "--turns", "1", "--warmup-turns", "0",
+                   "--max-frames", "6", "--tokens-per-s", "0", "--no-progress",
+                   "--arrivals", "poisson", "--mean-gap-s", "0.05", "--jitter-ms", "10000",
+                   "--json", str(f)],
+                  out=out.append)
+    assert rc == 0, out
+    res = json.loads(f.read_text())
+    cap = res["capacity"]
+    assert cap["capacity"] == 4 and cap["first_failure"] is None  # a loose bound: all pass
+    assert [p["concurrency"] for p in cap["probes"]] == [1, 2, 4]
+    assert [lv["concurrency"] for lv in res["levels"]] == [1, 2, 4]
+    assert any(line.startswith("capacity: 4 concurrent streams") for line in out)
+    starts = [r["start_s"] for r in res["levels"][-1]["records"]]
+    assert len(set(round(s, 4) for s in starts)) == 4  # no lockstep: each waited its own gap
+    with pytest.raises(SystemExit):
+        cli.main(["--in-process", "--capacity", "--concurrency", "8", "--capacity-max", "4"])
+
+
 def test_engine_sweep_wait_gives_up_on_a_stalled_device() -> None:
     """The in-process sweep stops waiting (DeviceStalled, naming the level) as soon as the
     engine's watchdog reports the GPU stuck, instead of sitting out its hour-long limit; a
