@@ -18,7 +18,7 @@ from .codec import Codec, CodecConfig, dummy_codec, load_codec
 from .config import DTYPE_NAMES, PRESETS, ModelConfig, preset
 from .hub import parse_repo_id, resolve
 from .model import DualAR
-from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from .tokenizer import ByteTokenizer, HFTokenizer, PieceTokenizer, Tokenizer
 from .weights import dummy_model, load_model
 
 log = logging.getLogger(__name__)
@@ -72,6 +72,14 @@ def checkpoint_dir(spec: str) -> Path:
                             "checkpoint directory nor a Hub model id (org/name[@revision])")
 
 
+def preset_tokenizer(spec: str, special_base: int) -> Tokenizer:
+    """A random-weight preset's tokenizer: the fixtures' byte tokenizer for `tiny`; BPE-like
+    prompt lengths for the others (what the benches' prefill costs depend on)."""
+    if spec == "tiny":
+        return ByteTokenizer(special_base=special_base)
+    return PieceTokenizer(special_base=special_base)
+
+
 def load_bundle(spec: str = "tiny", *, device: str = "cpu", dtype: str | torch.dtype | None = None,
                 codec_dtype: str | torch.dtype | None = None, seed: int = 0,
                 max_seq_len: int | None = None) -> Bundle:
@@ -85,8 +93,7 @@ def load_bundle(spec: str = "tiny", *, device: str = "cpu", dtype: str | torch.d
         if max_seq_len:
             cfg = cfg.with_max_seq_len(max_seq_len)
         model = dummy_model(cfg, seed=seed, device=device, dtype=dt)
-        base = cfg.ids.semantic_start - 35
-        tok = ByteTokenizer(special_base=base)
+        tok = preset_tokenizer(spec, cfg.ids.semantic_start - 35)
         codec = dummy_codec(CodecConfig.preset(spec), seed=seed, device=device, dtype=cdt)
         log.info("model %s: deterministic random weights (seed %d) — it exercises the whole "
                  "pipeline but does not speak; pass a checkpoint directory for real speech", spec, seed)

@@ -1,4 +1,5 @@
-"""Tokenizers: the checkpoint's HF `tokenizer.json`, or a byte-level one built in code for `tiny`.
+"""Tokenizers: the checkpoint's HF `tokenizer.json`, or one built in code for the random-weight
+presets: byte-level for `tiny` (the fixtures' tokenizer), BPE-like token counts for `s2-pro`.
 
 Both expose the same small surface: `encode(text)` (special tokens written in the text are
 matched whole; nothing is added), `decode(ids)`, `token_to_id`, and the id facts the engine
@@ -7,6 +8,7 @@ needs (semantic range, `<|im_end|>`).
 
 from __future__ import annotations
 
+import hashlib
 import re
 from pathlib import Path
 from typing import Protocol
@@ -139,6 +141,80 @@ class ByteTokenizer:
         if m and int(m.group(1)) < N_SEMANTIC:
             return self.ids.semantic_start + int(m.group(1))
         raise TokenizerError(f"token {token!r} is not in the vocabulary")
+
+
+# CJK ideographs, kana, hangul: a BPE tokenizer spends about one token per character on them.
+_CJK = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff"
+_PIECES = re.compile(f"([{_CJK}])|( ?[^\\W{_CJK}]+)|(\\s)|(.)", re.S)
+
+
+class PieceTokenizer:
+    """A tokenizer with BPE-like token counts for the random-weight `s2-pro` preset, so that
+    prompts (and the benches' prefill cost) have the real model's lengths: a word with its
+    leading space is one token up to 7 characters, longer words one token per 5; one token
+    per CJK character, punctuation mark or other space (English: ~4 characters per token,
+    as S2-Pro's Qwen3 BPE). Pieces map to ids below the special tokens by a hash, so encoding
+    is the same in every process. Special and semantic tokens are those of `ByteTokenizer`.
+    `decode` works for the pieces this tokenizer has encoded (and refuses an id two pieces
+    share, rather than guess)."""
+
+    WORD, LONG = 7, 5
+
+    def __init__(self, special_base: int) -> None:
+        self._bytes = ByteTokenizer(special_base)
+        self.ids = self._bytes.ids
+        self.vocab_size = self._bytes.vocab_size
+        self._n = special_base  # piece ids: [0, special_base)
+        self._seen: dict[int, str | None] = {}  # id -> its piece (None: several)
+
+    def _id(self, piece: str) -> int:
+        h = int.from_bytes(hashlib.blake2b(piece.encode("utf-8"), digest_size=8).digest(), "little")
+        i = h % self._n
+        prev = self._seen.get(i, piece)
+        self._seen[i] = piece if prev == piece else None
+        return i
+
+    def pieces(self, text: str) -> list[str]:
+        """The pieces `encode` gives ids to (special tokens aside)."""
+        out: list[str] = []
+        for m in _PIECES.finditer(text):
+            word = m.group(2)
+            if word is None:
+                out.append(m.group(0))
+            elif len(word) <= self.WORD:
+                out.append(word)
+            else:
+                out.extend(word[k: k + self.LONG] for k in range(0, len(word), self.LONG))
+        return out
+
+    def encode(self, text: str) -> list[int]:
+        out: list[int] = []
+        for part in self._bytes._split.split(text):
+            if not part:
+                continue
+            if part in self._bytes._special or part.startswith("<|semantic:"):
+                out.extend(self._bytes.encode(part))
+            else:
+                out.extend(self._id(p) for p in self.pieces(part))
+        return out
+
+    def decode(self, ids: list[int]) -> str:
+        parts: list[str] = []
+        for i in ids:
+            if 0 <= i < self._n:
+                if i not in self._seen:
+                    raise TokenizerError(f"id {i} is no piece this tokenizer has encoded")
+                piece = self._seen[i]
+                if piece is None:
+                    raise TokenizerError(f"id {i} stands for several pieces (hashed vocabulary "
+                                         f"of the random-weight preset): decode is ambiguous")
+                parts.append(piece)
+            else:
+                parts.append(self._bytes.decode([i]))
+        return "".join(parts)
+
+    def token_to_id(self, token: str) -> int:
+        return self._bytes.token_to_id(token)
 
 
 def load_tokenizer(path: str | Path | None) -> Tokenizer:

@@ -155,3 +155,34 @@ def test_pair_format_merges_load(tmp_path):
 
     tok = HF.from_file(str(tmp_path / "tokenizer.json"))
     assert tok.encode("hello", add_special_tokens=False).ids == [vocab["hell"], vocab["o"]]
+
+
+def test_piece_tokenizer_has_bpe_like_counts_and_is_the_same_everywhere():
+    """The random-weight s2-pro preset's tokenizer: ~4 characters per token of English, one
+    per CJK character, the real special and semantic ids, the same ids in every instance,
+    and a decode that refuses to guess."""
+    from engine.loader import preset_tokenizer
+    from engine.tokenizer import ByteTokenizer, PieceTokenizer, TokenizerError
+
+    a, b = PieceTokenizer(151643), PieceTokenizer(151643)
+    english = ("Your table for two is booked at eight. Thanks for calling, and have a "
+               "wonderful evening with your family!")
+    ids = a.encode(english)
+    assert 3.0 <= len(english) / len(ids) <= 5.0
+    assert ids == b.encode(english)  # a hash, not an encounter order
+    assert len(a.encode("你好，今天有什么可以帮你？")) == 13
+    assert a.pieces("internationalization") == ["inter", "natio", "naliz", "ation"]
+    s = "<|im_start|>user\nHello world.<|im_end|><|semantic:7|>"
+    ids = a.encode(s)
+    assert ids[0] == 151644 and ids[-2] == a.ids.im_end and ids[-1] == a.ids.semantic_start + 7
+    assert a.decode(ids) == s
+    assert max(i for i in ids if i < 151643) < 151643
+    with pytest.raises(TokenizerError, match="no piece"):
+        PieceTokenizer(151643).decode([ids[2]])
+    c = PieceTokenizer(300)  # a tiny id space: pieces must collide
+    c.encode(" ".join(f"w{i}" for i in range(400)))
+    shared = next(i for i, p in c._seen.items() if p is None)
+    with pytest.raises(TokenizerError, match="several pieces"):
+        c.decode([shared])
+    assert isinstance(preset_tokenizer("s2-pro", 151643), PieceTokenizer)
+    assert isinstance(preset_tokenizer("tiny", 512), ByteTokenizer)
