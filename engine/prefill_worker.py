@@ -97,11 +97,11 @@ class PrefillWorker:
         n = self.chunk
         done, items, work = [], [], []
         for job in jobs:
+            if not job.prepared:  # even for an abandoned job: the sequence's KV depends on it
+                self._prepare(job)
             if job.abandoned:
                 done.append(job)
                 continue
-            if not job.prepared:
-                self._prepare(job)
             chunk = job.cols[:, job.done: job.done + n]
             if not chunk.shape[1]:
                 done.append(job)
@@ -129,7 +129,9 @@ class PrefillWorker:
     def _prepare(self, job: PrefillJob) -> None:
         """The block work a job's sequence needs before its columns go in, on this stream:
         its KV back from host memory (an evicted session's next turn), then copies of the
-        shared blocks it writes into (copy-on-write of a voice prefix's last block)."""
+        shared blocks it writes into (copy-on-write of a voice prefix's last block). Done
+        even when the turn was cancelled meanwhile: the scheduler already dropped the host
+        copy and gave the sequence its new blocks, which must hold its context."""
         t0 = time.perf_counter()
         if job.restore is not None:
             saved, blocks = job.restore

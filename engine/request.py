@@ -114,7 +114,8 @@ class Sequence:
     row: int | None = None  # the decode row its running turn holds
     blocks: list[int] = field(default_factory=list)  # its block table (KV pool blocks)
     prompt_key: str = ""  # identity of its voice prompt (shared prefixes)
-    offloaded: object | None = None  # its KV in host memory (evicted while idle), or None
+    # its KV in host memory (evicted while idle): (saved KV, host bytes, blocks), or None
+    offloaded: tuple[object, int, int] | None = None
     last_used: float = field(default_factory=time.perf_counter)  # LRU order of idle sessions
     jobs_in_flight: int = 0  # prefill jobs created and not landed: its blocks may be written
     pos: int = 0  # positions filled in the KV cache

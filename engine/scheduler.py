@@ -213,7 +213,7 @@ class Scheduler:
                 continue
             saved = self._evict(seq.blocks[:n]) if n else None
             self.host_bytes += cost
-            seq.offloaded = (saved, cost)
+            seq.offloaded = (saved, cost, n)
             self.pool.release(seq.blocks)
             seq.blocks = []
             self.stats["kv_evictions"] += 1
@@ -222,14 +222,15 @@ class Scheduler:
             return True
         return False
 
-    def _drop_offloaded(self, seq: Sequence) -> tuple[object, tuple[int, ...]] | None:
-        """Forget a session's host copy; returns it with nothing to restore into yet."""
+    def _drop_offloaded(self, seq: Sequence) -> tuple[object, int]:
+        """Forget a session's host copy; returns it and how many blocks it holds (None, 0:
+        there was none)."""
         if seq.offloaded is None:
-            return None
-        saved, cost = seq.offloaded  # type: ignore[misc]
+            return None, 0
+        saved, cost, n = seq.offloaded
         self.host_bytes -= cost
         seq.offloaded = None
-        return saved
+        return saved, n
 
     def _release_blocks(self, seq: Sequence) -> None:
         if seq.blocks:
@@ -394,7 +395,8 @@ class Scheduler:
         want = min(p.blocks_for(end), self.table_width)
         first = seq.pos // bs  # the first block this turn writes into
         if seq.offloaded is not None:
-            need = want
+            # its saved blocks all come back (a context rebuild may have moved pos below them)
+            want = need = max(want, seq.offloaded[2])
         else:
             shared = [i for i in range(first, len(seq.blocks)) if p.holders(seq.blocks[i]) > 1]
             need = max(0, want - len(seq.blocks)) + len(shared)
@@ -402,9 +404,8 @@ class Scheduler:
             return False
         restore, copies = None, []
         if seq.offloaded is not None:
-            n_saved = p.blocks_for(seq.pos)
             seq.blocks = p.alloc(want) or []
-            saved = self._drop_offloaded(seq)
+            saved, n_saved = self._drop_offloaded(seq)
             if n_saved:
                 restore = (saved, tuple(seq.blocks[:n_saved]))
                 self.stats["kv_restores"] += 1

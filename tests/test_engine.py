@@ -743,3 +743,27 @@ def test_idle_sessions_never_keep_others_from_speaking(tiny_bundle):
         assert eng.stats["row_waits"] >= 1 and eng.load()["live"] == 6
     finally:
         eng.shutdown()
+
+
+def test_a_turn_cancelled_before_its_restore_keeps_the_sessions_context(tiny_bundle):
+    """An evicted session's turn is cancelled before its prefill job runs: the restore (and
+    copy-on-write) still happen, so its next turn speaks from its real context."""
+    want, _ = _conversation(tiny_bundle, 4, prefix_cache=0)
+
+    eng = build_engine(tiny_bundle, EngineConfig(max_running=2, max_len=256, pingpong=False,
+                                                 prefix_cache=0, kv_block_size=16,
+                                                 kv_blocks=12))
+    sinks = [CollectingSink() for _ in range(4)]
+    seqs = [eng.open([], SamplingParams.greedy(), s) for s in sinks]
+    eng.run_until_idle()
+    for i, seq in enumerate(seqs):
+        eng.submit(seq, f"Round 0, session {i}.", turn_id="0", max_frames=12)
+        eng.run_until_idle()
+    assert seqs[0].offloaded is not None  # the least recently used went to host
+    eng.submit(seqs[0], "Never spoken.", turn_id="x", max_frames=12)
+    eng.cancel(seqs[0])  # both commands run in one pass: the job is abandoned before it runs
+    eng.run_until_idle()
+    assert sinks[0].results[-1].reason is FinishReason.CANCELLED
+    eng.submit(seqs[0], "Round 1, session 0.", turn_id="1", max_frames=12)
+    eng.run_until_idle()
+    assert torch.equal(sinks[0].results[-1].codes, want[1])  # session 0's round-1 codes

@@ -721,3 +721,27 @@ def test_a_session_closed_while_prefilling_keeps_its_blocks_until_the_job_lands(
     assert b.offloaded is None and not host.saved  # not evicted under a running job
     sched.prefill_done(job)
     assert b.jobs_in_flight == 0
+
+
+def test_an_evicted_session_whose_next_turn_rebuilds_its_context_gets_all_its_blocks_back():
+    """A context rebuild moves the position back to the voice prompt's end: the restore
+    still brings every saved block back (fewer blocks would not hold the saved copy)."""
+    host = FakeHost()
+    sched, dev = make(n_rows=1, evict=host, kv_block_size=16, kv_blocks=25, max_len=200)
+    a = ready(sched)
+    for i in range(3):  # fill a's context with turns
+        sched.start_turn(a, Turn(str(i), f"Turn number {i} of several.", 30))
+        run_idle(sched, dev)
+    n = sched.pool.blocks_for(a.pos)
+    others = [ready(sched, CollectingSink(), 10 + i) for i in range(5)]  # a goes to host
+    assert a.offloaded is not None and a.offloaded[2] == n
+    sched.start_turn(a, Turn("r", "Please rebuild the context for this turn, okay?", 30))
+    job = sched.take_prefill_jobs()[0]
+    saved, blocks = job.restore
+    assert saved == ("saved", tuple(host.saved[0])) and len(blocks) == n
+    assert job.turn.rebuilt and job.start == a.system_cols.shape[1]
+    job.done = job.cols.shape[1]
+    sched.prefill_done(job)
+    run_idle(sched, dev)
+    assert a.sink.results[-1].turn_id == "r" and a.sink.results[-1].error is None
+    assert all(s.state is SeqState.IDLE for s in others)
