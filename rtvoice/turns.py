@@ -313,7 +313,10 @@ class Turns:
         running = self.running
         if running is not None and running.utterance in targets:
             self.port.cancel_running()
-            # ``done`` follows the engine's acknowledgement (segment_ended) with the real frames.
+            # ``done`` follows the engine's acknowledgement (segment_ended) with the real frames;
+            # the next segment need not wait for it: the engine stops this one before it
+            # starts the next (it queues behind the cancel's drain), so it goes at once.
+            self.running = None
         for utt in utts:
             if running is None or running.utterance is not utt:
                 self._finish_cancelled(utt)

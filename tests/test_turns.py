@@ -58,8 +58,9 @@ def make(**limits: object) -> tuple[Turns, Port]:
 
 
 def end(turns: Turns, reason: FinishReason = FinishReason.LENGTH, frames: int = 5,
-        error_code: TurnError | None = None) -> Segment | None:
-    seg = turns.running
+        error_code: TurnError | None = None, seg: Segment | None = None) -> Segment | None:
+    """The engine ends `seg` (default: the running segment)."""
+    seg = seg or turns.running
     assert seg is not None
     now = time.perf_counter()
     return turns.segment_ended(TurnResult(seg.turn_id, reason, frames, 0.2, now, now, now, now,
@@ -137,12 +138,34 @@ def test_cancel_drops_queued_text_and_stops_the_running_segment():
     assert len(targets) == 1 and first.utterance in targets
     assert port.kinds() == ["submit", "drop", "cancel"]  # done waits for the engine's word
     assert not turns.fifo and turns.contexts[None].segmenter.buffered == 0
-    end(turns, FinishReason.CANCELLED, 2)
+    assert turns.running is None and not turns.drained  # the cancelled segment's end is due
+    end(turns, FinishReason.CANCELLED, 2, seg=first)
     assert port.log[-1] == ("done", first.utterance.index)
     assert first.utterance.done_event(44100).reason == "cancelled"
     assert turns.drained
     turns.cancel(None)  # nothing left: still acknowledged
     assert port.log[-1] == ("ack", None)
+
+
+def test_the_next_turn_goes_to_the_engine_without_waiting_for_the_cancels_end():
+    """Barge-in: text after a cancel is submitted at once (the engine stops the cancelled
+    segment first and queues the next behind it); the cancelled turn's done still follows
+    the engine's word, after which the new turn's segments run as usual."""
+    turns, port = make()
+    turns.accepting = True
+    turns.text(None, "A long first answer. With more.")
+    first = turns.running
+    turns.cancel(None)
+    turns.text(None, "Sorry, go on. ")
+    turns.flush(None)
+    second = turns.running
+    assert second is not None and second is not first
+    assert port.kinds() == ["submit", "drop", "cancel", "submit"]  # no wait for the ack
+    end(turns, FinishReason.CANCELLED, 2, seg=first)  # the cancel's end arrives later
+    assert ("done", first.utterance.index) in port.log and turns.running is second
+    end(turns, seg=second)
+    assert port.log[-1] == ("finish", second.utterance.index) and turns.running is None
+    assert first.utterance.done_event(44100).reason == "cancelled"
 
 
 def test_cancel_of_one_context_leaves_the_others():
