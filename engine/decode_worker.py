@@ -87,6 +87,17 @@ class DecodeWorker:
                         failed.append((op, e))
         return failed
 
+    def settle(self) -> None:
+        """Wait until every step queued on the decode stream has finished (after a failure:
+        a launched step whose result will never be read still writes KV). A device that
+        fails again here is left to the watchdog."""
+        if self.stream is None:
+            return
+        try:
+            self.stream.synchronize()
+        except Exception:  # the device itself failed: nothing more to wait for
+            pass
+
     def wait_for(self, event: object) -> None:
         """Later steps wait (on the GPU, not the host) for a prefill round's event."""
         if self.stream is not None and isinstance(event, torch.cuda.Event):

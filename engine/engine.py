@@ -369,6 +369,9 @@ class Engine:
             except Exception:
                 log.exception("decode loop iteration failed")
                 pending, did = None, False
+                # a step dropped unread may still be running: let it finish before its
+                # sequences' blocks are given back or re-prefilled on another stream
+                self.decode_worker.settle()
                 self.scheduler.fail_all_decoding("decode step failed (see server log)")
             if not did:
                 # a prefill still on the GPU is polled often: its sequence joins (and its

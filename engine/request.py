@@ -150,6 +150,9 @@ class PrefillJob:
     blocks: tuple[int, ...]  # fixed at creation: the prefill thread never reads seq.blocks
     restore: tuple[object, tuple[int, ...]] | None = None  # (saved KV, blocks to write it to)
     copies: tuple[tuple[int, int], ...] = ()  # (source, destination) blocks to copy first
+    # the copies' sources: the sequence's hold on them ends when the job lands (until the copy
+    # has run, nothing may reuse them)
+    sources: tuple[int, ...] = ()
     prepared: bool = False  # restore and copies done
     done: int = 0  # columns written so far
     # set by the prefill worker: a CUDA event the decode stream waits on before the sequence

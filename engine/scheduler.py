@@ -157,7 +157,7 @@ class Scheduler:
     @property
     def offloaded(self) -> int:
         """Sessions whose KV is in host memory."""
-        return sum(1 for s in self.live.values() if s.offloaded is not None)
+        return sum(1 for s in list(self.live.values()) if s.offloaded is not None)
 
     def blocks_available(self) -> int:
         """Blocks a new session could get now: free ones, those only unused voice prefixes
@@ -336,7 +336,8 @@ class Scheduler:
         self.prefill_outstanding += 1
         seq.jobs_in_flight += 1
         self._new_jobs.append(PrefillJob(seq, cols, start, turn, tuple(seq.blocks),
-                                         restore=restore, copies=copies))
+                                         restore=restore, copies=copies,
+                                         sources=tuple(src for src, _ in copies)))
 
     def start_turn(self, seq: Sequence, turn: Turn) -> None:
         """A turn on a sequence: prefilled now, or queued behind its voice prompt or a
@@ -414,10 +415,11 @@ class Scheduler:
                 if p.holders(seq.blocks[i]) > 1:  # copy-on-write: the voice prefix's last block
                     new = p.alloc(1)
                     assert new is not None
-                    if i * bs < seq.pos:
+                    if i * bs < seq.pos:  # the source stays held until the copy has run
                         copies.append((seq.blocks[i], new[0]))
                         self.stats["cow_copies"] += 1
-                    p.release([seq.blocks[i]])
+                    else:
+                        p.release([seq.blocks[i]])
                     seq.blocks[i] = new[0]
             more = p.alloc(max(0, want - len(seq.blocks)))
             assert more is not None
@@ -582,7 +584,10 @@ class Scheduler:
                 seq.state = SeqState.IDLE
             self._free_row(seq)
             if closed:
-                self._release_blocks(seq)
+                if not seq.jobs_in_flight:
+                    self._release_blocks(seq)
+            else:
+                self._next_queued_turn(seq)  # one queued behind a cancel's drain starts now
         self._retry_waits()
 
     # ================================================================ prefill
@@ -601,6 +606,8 @@ class Scheduler:
                         -self.prefill_outstanding)
             self.prefill_outstanding = 0
         job.seq.jobs_in_flight -= 1
+        if job.sources:  # its copies ran (or it failed): the sources may be reused now
+            self.pool.release(list(job.sources))
         if job.seq.state is SeqState.CLOSED and not job.seq.jobs_in_flight:
             self._release_blocks(job.seq)  # its last prefill landed: nothing writes them now
             self._retry_waits()

@@ -617,10 +617,12 @@ def test_sessions_with_one_voice_share_its_blocks_and_copy_the_last_on_write():
     job = sched.take_prefill_jobs()[0]
     # 45 positions: the last block is partly filled and b writes into it: copied first
     assert job.copies == ((shared_last, b.blocks[n - 1]),) and b.blocks[n - 1] != shared_last
-    assert sched.pool.holders(shared_last) == 2 and sched.stats["cow_copies"] == 1
+    assert sched.stats["cow_copies"] == 1  # b's hold on the source passes to its job...
+    assert sched.pool.holders(shared_last) == 3
     assert b.blocks[: n - 1] == a.blocks[: n - 1]  # the full blocks stay shared
     job.done = job.cols.shape[1]
     sched.prefill_done(job)
+    assert sched.pool.holders(shared_last) == 2  # ...and ends once the copy has run
     run_idle(sched, dev)
     assert b_sink.results[-1].frames == 5
     sched.close(a)
@@ -745,3 +747,40 @@ def test_an_evicted_session_whose_next_turn_rebuilds_its_context_gets_all_its_bl
     run_idle(sched, dev)
     assert a.sink.results[-1].turn_id == "r" and a.sink.results[-1].error is None
     assert all(s.state is SeqState.IDLE for s in others)
+
+
+def test_a_copy_on_write_source_stays_held_until_its_copy_has_run():
+    """Found in review: the source of a copy-on-write was released when the job was made,
+    so with the prefix forgotten it could be handed to a speaking turn before the prefill
+    stream copied it."""
+    sched, _ = make(prefix_cache=1, kv_block_size=16)
+    a = ready(sched)
+    sched.start_turn(a, Turn("t", "Hi.", 5))
+    job = sched.take_prefill_jobs()[0]
+    (src, _), = job.copies
+    assert job.sources == (src,)
+    sched.prefixes.clear()  # the cache forgets the voice: only the job holds the source now
+    assert sched.pool.holders(src) == 1 and src not in sched.pool._free
+    job.done = job.cols.shape[1]
+    sched.prefill_done(job)
+    assert sched.pool.holders(src) == 0 and src in sched.pool._free
+
+
+def test_a_turn_queued_behind_a_cancel_starts_after_a_failed_step():
+    """Found in review: fail_all_decoding reset a draining session to idle without starting
+    the turn queued behind its cancel, which then never ran."""
+    sched, dev = make()
+    seq = ready(sched)
+    sched.start_turn(seq, Turn("a", "A long turn.", 100))
+    prefill_all(sched)
+    sync_step(sched, dev)
+    plan = sched.plan_step(time.perf_counter())
+    dev.apply(sched.take_row_ops())
+    dev.step(plan)  # in flight, never read: the step "failed"
+    sched.cancel(seq)
+    sched.start_turn(seq, Turn("b", "Next.", 4))
+    assert seq.queued_turn is not None
+    sched.fail_all_decoding("decode step failed")
+    assert seq.queued_turn is None and seq.turn.turn_id == "b"
+    run_idle(sched, dev)
+    assert seq.sink.results[-1].turn_id == "b" and seq.sink.results[-1].frames == 4
