@@ -13,9 +13,10 @@
 #      eviction to host memory with a restored turn;
 #   2. diagnostics, only with PROBE=1 (~40 s): scripts/prefill_probe.py (one prefill-graph
 #      replay per bucket alone) and `python -m bench_latency.kernel_bench` (csrc kernels vs torch);
-#   3. the server bench: `rtvoice serve` (S2-Pro shapes, bf16 dummy weights, 128 KV slots)
+#   3. the server bench: `rtvoice serve` (S2-Pro shapes, bf16 dummy weights, 128 decode rows)
 #      driven by bench-latency over real WebSockets at c = 1, 4, 16, 32, 64, 128, 200 ms
-#      jitter buffer;
+#      jitter buffer, every session cloning a 10 s voice, turns up to 300 frames (knobs of
+#      scripts/gpu_server_bench.sh: REFERENCE_S, MAX_FRAMES, ARRIVALS, CAPACITY=1);
 #   4. scripts/gpu_bench.py: the codec profile (graphed and eager ticks at 64x8, 64x2, 16x4
 #      and 1x2 streams x frames, their kernels by category) and the engine sweep (pingpong
 #      with codec at c = 1, 4, 16, 32, 64, the naive loop at 1, pingpong without codec at 1

@@ -4,8 +4,13 @@
 # concurrency level at a time (each level's results are kept even if a later one fails).
 # Results: $OUT/server_c<N>.json per level, $OUT/server.log. A level that does not finish in
 # LEVEL_TIMEOUT seconds gets the server's thread dump (faulthandler, SIGABRT) in server.log.
-# REFERENCE_S=10: every session clones a voice from an inline 10 s clip (turns then decode
-# past a ~215-frame voice prompt, as real voice-agent sessions do).
+# REFERENCE_S (default 10; 0: the default voice): every session clones a voice from an inline
+# clip of that many seconds (turns then decode past a ~215-frame voice prompt, as real
+# voice-agent sessions do; the clips are identical, so the sessions share one prefilled copy).
+# MAX_FRAMES (300): a turn's frame cap. ARRIVALS=poisson (MEAN_GAP_S, 2): staggered turns
+# instead of lockstep bursts. CAPACITY=1: instead of the levels, bench-latency --capacity
+# (TTFA p99 <= 300 ms, 0 underruns) from the first level up to CAPACITY_MAX (512), one
+# result file $OUT/server_capacity.json (+ .png); LEVEL_TIMEOUT then bounds the whole search.
 # Merge and plot: python scripts/plot_server_levels.py merged.json merged.png $OUT/server_c*.json
 set -uo pipefail
 OUT=${OUT:-artifacts/gpu}
@@ -17,7 +22,8 @@ LEVEL_TIMEOUT=${LEVEL_TIMEOUT:-120}
 MAX_RUNNING=${MAX_RUNNING:-64}
 # SERVER_ARGS: more `rtvoice serve` options, e.g. "--prefill-first-lead-s 0"
 mkdir -p "$OUT"
-python3 -X faulthandler -m rtvoice.cli serve --model s2-pro --device cuda --port "$PORT" \
+# MODEL / DEVICE (s2-pro / cuda): tiny / cpu tries the script on a CPU machine
+python3 -X faulthandler -m rtvoice.cli serve --model "${MODEL:-s2-pro}" --device "${DEVICE:-cuda}" --port "$PORT" \
     --max-running "$MAX_RUNNING" --max-len "$MAX_LEN" ${SERVER_ARGS:-} --data-dir /tmp/rtvoice-bench >"$OUT/server.log" 2>&1 &
 SRV=$!
 python3 - "$PORT" <<'PY'
@@ -34,8 +40,8 @@ else:
 PY
 RC=$?
 REF_ARGS=()
-if [ "${REFERENCE_S:-0}" != 0 ]; then  # every session clones a voice from an inline clip
-    python3 - "$OUT/reference.wav" "$REFERENCE_S" <<'PY'
+if [ "${REFERENCE_S:-10}" != 0 ]; then  # every session clones a voice from an inline clip
+    python3 - "$OUT/reference.wav" "${REFERENCE_S:-10}" <<'PY'
 import sys
 import numpy as np
 import soundfile as sf
@@ -47,11 +53,20 @@ sf.write(sys.argv[1], x.astype(np.float32), sr)
 PY
     REF_ARGS=(--reference "$OUT/reference.wav" --reference-text "This is the reference speaker reading a sentence aloud.")
 fi
+COMMON=(--turns 2 --warmup-turns 1 --max-frames "${MAX_FRAMES:-300}" --jitter-ms "$JITTER_MS"
+        --arrivals "${ARRIVALS:-lockstep}" --mean-gap-s "${MEAN_GAP_S:-2}" --no-progress)
+if [ "${CAPACITY:-0}" = 1 ] && [ $RC -eq 0 ]; then
+    set -- $LEVELS
+    timeout "$LEVEL_TIMEOUT" python3 -m bench_latency --url "ws://127.0.0.1:$PORT/v1/tts/live" \
+        --capacity --concurrency "$1" --capacity-max "${CAPACITY_MAX:-512}" "${COMMON[@]}" \
+        "${REF_ARGS[@]}" --json "$OUT/server_capacity.json" --plot "$OUT/server_capacity.png"
+    RC=$?
+    LEVELS=""
+fi
 for C in $LEVELS; do
     [ $RC -ne 0 ] && break
     timeout "$LEVEL_TIMEOUT" python3 -m bench_latency --url "ws://127.0.0.1:$PORT/v1/tts/live" \
-        --concurrency "$C" --turns 2 --warmup-turns 1 --max-frames 96 --jitter-ms "$JITTER_MS" \
-        "${REF_ARGS[@]}" --json "$OUT/server_c$C.json" --no-progress
+        --concurrency "$C" "${COMMON[@]}" "${REF_ARGS[@]}" --json "$OUT/server_c$C.json"
     RC=$?
     if [ $RC -eq 124 ]; then
         echo "level c=$C did not finish in ${LEVEL_TIMEOUT}s: server thread dump in server.log"

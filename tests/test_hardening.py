@@ -114,9 +114,12 @@ def test_a_turn_waiting_for_a_decode_row_is_not_idleness():
     async def run(url: Any) -> None:
         engine = url.app.state.runtime.engine
         a = await Client.connect(url.ws_url)
-        await a.send(Start(request=request(max_new_tokens=100)))
+        await a.send(Start(request=request(max_new_tokens=600)))
         assert isinstance(await a.recv(), Ready)
-        await a.send(Text(text="Speaking for a while, so the only row stays taken. And on."))
+        # one long sentence: one segment that holds the only row for several seconds
+        await a.send(Text(text="Speaking for a good while, so that the only decode row stays "
+                               "taken, on and on, through every idle period of the other "
+                               "session, and then some more, until it is finally done."))
         await a.send(Flush())
         b = await Client.connect(url.ws_url)
         await b.send(Start(request=request(max_new_tokens=4)))
@@ -133,8 +136,8 @@ def test_a_turn_waiting_for_a_decode_row_is_not_idleness():
         await a.send(Stop())
         await a.until(is_finish)
 
-    with running_server(max_running=1, idle_timeout_s=0.5, max_turn_frames=100,
-                        budget_multiplier=3.0) as url:
+    with running_server(max_running=1, idle_timeout_s=0.5, max_turn_frames=600,
+                        budget_multiplier=5.0) as url:
         asyncio.run(run(url))
 
 
