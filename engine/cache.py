@@ -23,6 +23,7 @@ from torch import Tensor
 
 from .config import ModelConfig, TransformerConfig
 from .kernels.decode_attention import gather_blocks
+from .kv_pool import table_width
 from .model import explicit_attention, gqa_attention
 
 Kernel = Callable[..., Tensor] | None  # engine.kernels.decode_attention.decode_attention
@@ -34,8 +35,7 @@ class SlowKVCache:
         if max_len > cfg.max_seq_len:
             raise ValueError(f"max_len {max_len} exceeds the model's max_seq_len {cfg.max_seq_len}")
         self.n_blocks, self.block_size, self.max_len = n_blocks, block_size, max_len
-        # table columns: max_len positions, plus one block for the look-ahead of a step
-        self.table_width = -(-max_len // block_size) + 1
+        self.table_width = table_width(max_len, block_size)
         shape = (cfg.n_layer, n_blocks + 1, cfg.n_local_heads, block_size, cfg.head_dim)
         # k, v: [L, blocks+1, Hkv, BS, Dh]; block n_blocks is scratch.
         self.k = torch.zeros(shape, device=device, dtype=dtype)

@@ -100,7 +100,9 @@ class Engine:
                                    n_blocks=cache.n_blocks, block_size=cache.block_size,
                                    sample_rate=self.sample_rate, frame_samples=self.frame_samples,
                                    ids=self.model_cfg.ids, stats=self.stats,
-                                   evict=self._evict if config.kv_host_gib > 0 else None,
+                                   # the scheduler's one device call: an idle session's
+                                   # blocks to host memory (decode thread, done on return)
+                                   evict=runner.save if config.kv_host_gib > 0 else None,
                                    block_bytes=block_bytes)
         self._ids = itertools.count(1)
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
@@ -330,10 +332,6 @@ class Engine:
             return None
         return self.decode_worker.launch(plan)
 
-    def _evict(self, blocks: list[int]) -> object:
-        """An idle session's blocks to host memory (the scheduler's one device call; on the
-        decode thread, complete when it returns)."""
-        return self.runner.save(blocks)
 
     def _read(self, step: Launched) -> None:
         """Postprocess: a launched step's frames to the scheduler."""

@@ -13,6 +13,12 @@ from dataclasses import dataclass
 from torch import Tensor
 
 
+def table_width(max_len: int, block_size: int) -> int:
+    """Entries of a block table: max_len positions, plus one block for the look-ahead of a
+    decode step."""
+    return -(-max_len // block_size) + 1
+
+
 class BlockPool:
     """`n_blocks` blocks of `block_size` positions; a block is free when nothing holds it."""
 
@@ -120,9 +126,11 @@ class PrefixCache:
         _, p = self._entries.popitem(last=False)
         return self.pool.release(p.blocks)
 
-    def reclaimable(self) -> bool:
-        """Whether dropping some entry would free a block."""
-        return any(self.pool.holders(b) == 1 for p in self._entries.values() for b in p.blocks)
+    def unused_blocks(self) -> int:
+        """Blocks only the cache holds (dropping their entries would free them); safe to call
+        from another thread (a snapshot)."""
+        return len({b for p in list(self._entries.values()) for b in p.blocks
+                    if self.pool.holders(b) == 1})
 
     def drop_unused(self) -> int:
         """Forget the least recently used prefix that no session shares; returns the blocks

@@ -46,7 +46,7 @@ from torch import Tensor
 
 from .config import EngineConfig, TokenIds
 from .errors import TurnError
-from .kv_pool import BlockPool, PrefixCache
+from .kv_pool import BlockPool, PrefixCache, table_width
 from .prompt import PromptBuilder
 from .request import (
     FinishReason,
@@ -120,7 +120,7 @@ class Scheduler:
         self.stats = stats if stats is not None else new_stats()
         self._rng = random.Random(cfg.seed)
         self.pool = BlockPool(n_blocks, block_size)
-        self.table_width = -(-self.max_len // block_size) + 1  # = SlowKVCache.table_width
+        self.table_width = table_width(self.max_len, block_size)
         self.prefixes = PrefixCache(self.pool, cfg.prefix_cache)
         self._evict = evict
         self.block_bytes = block_bytes
@@ -163,9 +163,7 @@ class Scheduler:
         """Blocks a new session could get now: free ones, those only unused voice prefixes
         hold, and (with eviction, within the host budget) idle sessions' (read from other
         threads: a snapshot)."""
-        n = self.pool.free
-        n += sum(1 for p in list(self.prefixes._entries.values()) for b in p.blocks
-                 if self.pool.holders(b) == 1)
+        n = self.pool.free + self.prefixes.unused_blocks()
         if self._evict is not None and self.host_bytes < self.host_budget:
             n += sum(len(s.blocks) for s in list(self.live.values())
                      if s.state is SeqState.IDLE and s.turn is None and not s.jobs_in_flight)
@@ -395,6 +393,7 @@ class Scheduler:
                   + TURN_SLACK, self.max_len)
         want = min(p.blocks_for(end), self.table_width)
         first = seq.pos // bs  # the first block this turn writes into
+        shared: list[int] = []  # indices of the blocks it writes into that others hold
         if seq.offloaded is not None:
             # its saved blocks all come back (a context rebuild may have moved pos below them)
             want = need = max(want, seq.offloaded[2])
@@ -411,16 +410,15 @@ class Scheduler:
                 restore = (saved, tuple(seq.blocks[:n_saved]))
                 self.stats["kv_restores"] += 1
         else:
-            for i in range(first, len(seq.blocks)):
-                if p.holders(seq.blocks[i]) > 1:  # copy-on-write: the voice prefix's last block
-                    new = p.alloc(1)
-                    assert new is not None
-                    if i * bs < seq.pos:  # the source stays held until the copy has run
-                        copies.append((seq.blocks[i], new[0]))
-                        self.stats["cow_copies"] += 1
-                    else:
-                        p.release([seq.blocks[i]])
-                    seq.blocks[i] = new[0]
+            for i in shared:  # copy-on-write: the voice prefix's last block
+                new = p.alloc(1)
+                assert new is not None
+                if i * bs < seq.pos:  # the source stays held until the copy has run
+                    copies.append((seq.blocks[i], new[0]))
+                    self.stats["cow_copies"] += 1
+                else:
+                    p.release([seq.blocks[i]])
+                seq.blocks[i] = new[0]
             more = p.alloc(max(0, want - len(seq.blocks)))
             assert more is not None
             seq.blocks += more

@@ -146,9 +146,7 @@ async def poll(check: Callable[[], bool], what: str, timeout: float = 10.0) -> N
 
 def cached_blocks(engine: Any) -> int:
     """KV blocks held by the shared voice prefixes alone (kept for the next session)."""
-    pool = engine.scheduler.pool
-    return len({b for p in engine.scheduler.prefixes._entries.values() for b in p.blocks
-                if pool.holders(b) == 1})
+    return engine.scheduler.prefixes.unused_blocks()
 
 
 def engine_at_rest(url: Any) -> Callable[[], bool]:
