@@ -41,7 +41,7 @@ import logging
 import os
 import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 from urllib.parse import quote, urlsplit, urlunsplit
@@ -831,7 +831,35 @@ class _Lease:
         self._tts._pool.release(pooled, cancel=unfinished)
 
 
-class ChunkedStream(tts.ChunkedStream):
+class _Leased:
+    """What a LiveKit stream does around its work on a pooled session: take one (timed,
+    reused or not, as LiveKit's metrics want), map our errors to LiveKit's, give it back."""
+
+    _lease: _Lease
+    _conn_options: APIConnectOptions
+    _acquire_time: float
+    _connection_reused: bool
+
+    @property
+    def session_info(self) -> SessionInfo | None:
+        """The pooled session this stream speaks on (None before it took one)."""
+        return self._lease.info
+
+    async def _on_session(self, work: Callable[[Session], Awaitable[None]],
+                          request_id: str) -> None:
+        lease = self._lease
+        try:
+            session = await lease.take(self._conn_options.timeout)
+            self._acquire_time = lease.acquire_time
+            self._connection_reused = bool(lease.info and lease.info.from_idle)
+            await work(session)
+        except RtvoiceError as exc:
+            raise to_api_error(exc, request_id=request_id) from exc
+        finally:
+            lease.give_back()
+
+
+class ChunkedStream(_Leased, tts.ChunkedStream):
     """``TTS.synthesize(text)``: one turn on a pooled, prefilled socket.
 
     The socket rather than ``POST /v1/tts``: a pooled session has the voice prefilled
@@ -843,33 +871,22 @@ class ChunkedStream(tts.ChunkedStream):
         self._rt: TTS = tts
         self._lease = _Lease(tts)
 
-    @property
-    def session_info(self) -> SessionInfo | None:
-        """The pooled session this synthesis used (None before it took one)."""
-        return self._lease.info
-
     async def _run(self, output_emitter: tts.AudioEmitter) -> None:
         request_id = utils.shortuuid()
         output_emitter.initialize(request_id=request_id, sample_rate=self._rt.sample_rate,
                                   num_channels=NUM_CHANNELS, mime_type="audio/pcm")
         if not self._input_text.strip():
             return
-        lease = self._lease
-        try:
-            session = await lease.take(self._conn_options.timeout)
-            self._acquire_time = lease.acquire_time
-            self._connection_reused = bool(lease.info and lease.info.from_idle)
+
+        async def speak(session: Session) -> None:
             turn = await session.send_text(self._input_text, flush=True)
-            speaker = _TurnSpeaker(self._rt, turn, output_emitter, [self._input_text],
-                                   self._rt._opts.timeout, request_id)
-            await speaker.run()
-        except RtvoiceError as exc:
-            raise to_api_error(exc, request_id=request_id) from exc
-        finally:
-            lease.give_back()
+            await _TurnSpeaker(self._rt, turn, output_emitter, [self._input_text],
+                               self._rt._opts.timeout, request_id).run()
+
+        await self._on_session(speak, request_id)
 
 
-class SynthesizeStream(tts.SynthesizeStream):
+class SynthesizeStream(_Leased, tts.SynthesizeStream):
     """``TTS.stream()``: text goes to a pooled session as it is pushed; each flush is one turn
     (one LiveKit segment) whose audio streams out as the server produces it."""
 
@@ -878,25 +895,11 @@ class SynthesizeStream(tts.SynthesizeStream):
         self._rt: TTS = tts
         self._lease = _Lease(tts)
 
-    @property
-    def session_info(self) -> SessionInfo | None:
-        """The pooled session this stream speaks on (None before it took one)."""
-        return self._lease.info
-
     async def _run(self, output_emitter: tts.AudioEmitter) -> None:
         request_id = utils.shortuuid()
         output_emitter.initialize(request_id=request_id, sample_rate=self._rt.sample_rate,
                                   num_channels=NUM_CHANNELS, mime_type="audio/pcm", stream=True)
-        lease = self._lease
-        try:
-            session = await lease.take(self._conn_options.timeout)
-            self._acquire_time = lease.acquire_time
-            self._connection_reused = bool(lease.info and lease.info.from_idle)
-            await self._speak(session, output_emitter, request_id)
-        except RtvoiceError as exc:
-            raise to_api_error(exc, request_id=request_id) from exc
-        finally:
-            lease.give_back()
+        await self._on_session(lambda s: self._speak(s, output_emitter, request_id), request_id)
 
     async def _speak(self, session: Session, emitter: tts.AudioEmitter,
                      request_id: str) -> None:
