@@ -144,6 +144,20 @@ async def poll(check: Callable[[], bool], what: str, timeout: float = 10.0) -> N
         await asyncio.sleep(0.01)
 
 
+def engine_state(engine: Any) -> str:
+    """The scheduler's queues and every busy sequence, for a test that waited in vain."""
+    sc = engine.scheduler
+    busy = [f"{q!r} turn={q.turn and (q.turn.turn_id, q.turn.finished, q.turn.cancelled)} "
+            f"queued={q.queued_turn and q.queued_turn.turn_id} draining={q.draining} "
+            f"leave_step={q.leave_step} jobs={q.jobs_in_flight}"
+            for q in list(sc.live.values())
+            if q.turn is not None or q.queued_turn is not None or q.state.value != "idle"]
+    return (f"load {engine.load()}; steps planned {sc.k}, read {sc.processed}; prefills "
+            f"outstanding {sc.prefill_outstanding}; running {dict(sc.running)}; row queue "
+            f"{list(sc.row_queue)}; block queue {list(sc.block_queue)}; waiting "
+            f"{list(sc.waiting)}; busy {busy}")
+
+
 def cached_blocks(engine: Any) -> int:
     """KV blocks held by the shared voice prefixes alone (kept for the next session)."""
     return engine.scheduler.prefixes.unused_blocks()

@@ -29,7 +29,7 @@ import msgspec
 import numpy as np
 import pytest
 import soundfile as sf
-from _live import engine_at_rest
+from _live import engine_at_rest, engine_state
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 from websockets.exceptions import ConnectionClosed, InvalidMessage
@@ -304,11 +304,22 @@ def bystander(server: Any, stats: FuzzStats) -> Iterator[None]:
     thread.join(120)
 
 
-def _attack(url: str, frames: list[Any], stats: FuzzStats, kind: str) -> None:
+def _attack(server: Any, frames: list[Any], stats: FuzzStats, kind: str) -> None:
     """Send `frames`, then the probe; read every answer until the probe's (and, when the
     frames end with ``stop``, a ``finish``: the turns' audio comes before it), or until the
     server closes, and check each. After ``finish{stop}`` the socket stays open for another
     ``start``: the frames after a ``stop`` go to the next session on it, and the probe too."""
+    metrics = server.app.state.runtime.metrics
+    internal = metrics.errors.get("internal", 0)
+    try:
+        _attack_once(server, frames, stats, kind)
+    finally:  # an internal error fails the example it happened in: its log is captured
+        assert metrics.errors.get("internal", 0) == internal, \
+            f"an internal error during this example ({kind}, {len(frames)} frames): see the log"
+
+
+def _attack_once(server: Any, frames: list[Any], stats: FuzzStats, kind: str) -> None:
+    url, rt = server.ws_url, server.app.state.runtime
     until_finish = bool(frames) and frames[-1] == STOP
     probed = finished = False
     stats.examples[kind] = stats.examples.get(kind, 0) + 1
@@ -339,7 +350,8 @@ def _attack(url: str, frames: list[Any], stats: FuzzStats, kind: str) -> None:
             pass
         except TimeoutError:
             raise AssertionError(
-                f"no answer to the probe in 60 s after {len(frames)} frames") from None
+                f"no answer to the probe in 60 s after {len(frames)} frames; the engine: "
+                f"{engine_state(rt.engine)}") from None
     code = ws.protocol.close_code
     stats.closes[code] = stats.closes.get(code, 0) + 1
     # A client still writing into a socket the server has closed (after a fatal error) may
@@ -373,7 +385,7 @@ def _check(raw: bytes | str, stats: FuzzStats) -> Any:
 @given(frames=st.lists(_FRAME, min_size=1, max_size=4))
 def test_fuzz_frames(server: Any, bystander: None, stats: FuzzStats, frames: list[Any]) -> None:
     """Random, malformed, mistyped, extreme, deep, non-UTF-8 frames, alone or a few."""
-    _attack(server.ws_url, frames, stats, "frames")
+    _attack(server, frames, stats, "frames")
 
 
 @_seeded
@@ -382,7 +394,7 @@ def test_fuzz_frames(server: Any, bystander: None, stats: FuzzStats, frames: lis
 def test_fuzz_sessions(server: Any, bystander: None, stats: FuzzStats, frames: list[Any]) -> None:
     """Sessions in any order: starts, texts, flushes, cancels and stops, floods of them,
     with hostile frames among them."""
-    _attack(server.ws_url, frames, stats, "sessions")
+    _attack(server, frames, stats, "sessions")
 
 
 @_seeded
@@ -392,7 +404,7 @@ def test_fuzz_reference_audio(server: Any, bystander: None, stats: FuzzStats,
                               start: bytes) -> None:
     """Inline references: random bytes, WAV/FLAC of any channels and rate, truncated and
     corrupted clips, empty transcripts."""
-    _attack(server.ws_url, [start, msgspec.msgpack.encode({"event": "text", "text": "Hi."}),
+    _attack(server, [start, msgspec.msgpack.encode({"event": "text", "text": "Hi."}),
                             msgspec.msgpack.encode({"event": "flush"})], stats, "references")
 
 
