@@ -328,9 +328,9 @@ class Engine:
         for prefills), after the row updates decided so far (the plan's included)."""
         plan = self.scheduler.plan_step(time.perf_counter(), may_pause=pause)
         self._apply_row_ops()
-        if plan is None or not self.scheduler.running:  # a failed op may have emptied it
-            return None
-        return self.decode_worker.launch(plan)
+        # launched even if a failed op emptied the batch: a planned step is always read (its
+        # number picks the ping/pong buffer; an empty step costs one pass of inactive rows)
+        return self.decode_worker.launch(plan) if plan is not None else None
 
 
     def _read(self, step: Launched) -> None:

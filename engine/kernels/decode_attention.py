@@ -54,13 +54,14 @@ def check(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_cache: Ten
 
 
 def gather_blocks(cache: Tensor, table: Tensor, span: int) -> Tensor:
-    """Positions [0, span) of each row's blocks, contiguous: cache [N, Hkv, BS, D], table
-    [B, MB] -> [B, Hkv, span, D] (a copy)."""
+    """Positions [0, span) of each row's blocks: cache [N, Hkv, BS, D], table [B, MB] ->
+    [B, Hkv, span, D]. One copy: the blocks are gathered head-major ([Hkv, B, nb, BS, D],
+    so that a row's positions are adjacent) and returned as a strided view of that."""
     bs = cache.shape[2]
     nb = -(-span // bs)
-    g = cache[table[:, :nb]]  # [B, nb, Hkv, BS, D]
-    B, _, Hkv, _, D = g.shape
-    return g.transpose(1, 2).reshape(B, Hkv, nb * bs, D)[:, :, :span]
+    g = cache.transpose(0, 1)[:, table[:, :nb]]  # [Hkv, B, nb, BS, D]
+    Hkv, B, _, _, D = g.shape
+    return g.view(Hkv, B, nb * bs, D).transpose(0, 1)[:, :, :span]
 
 
 def decode_attention_torch(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor,
