@@ -205,6 +205,8 @@ def main() -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default=None, help="bf16, fp32, fp16 or fp8 (FP8 block-scaled "
+                    "linears); default: fp32 on a CPU, bf16 on a GPU")
     ap.add_argument("--concurrency", default="1,2,4,8")
     ap.add_argument("--frames", type=int, default=64)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
@@ -216,7 +218,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    bundle = load_bundle(args.model, device=args.device, max_seq_len=1024)
+    bundle = load_bundle(args.model, device=args.device, dtype=args.dtype, max_seq_len=1024)
     rows = sweep(bundle, [int(x) for x in args.concurrency.split(",")], args.frames,
                  mode=args.mode, codec=not args.no_codec, ref_frames=args.voice_frames)
     if args.json:

@@ -16,6 +16,8 @@ void snake(torch::Tensor x, torch::Tensor alpha, std::optional<torch::Tensor> bi
 void bias_residual(torch::Tensor x, torch::Tensor y, torch::Tensor bias, torch::Tensor out);
 void snake_cat(torch::Tensor tail, torch::Tensor x, torch::Tensor alpha,
                std::optional<torch::Tensor> bias, torch::Tensor out);
+void linear_small_m(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> scale,
+                    torch::Tensor out, int64_t splits, int64_t kwarps);
 
 TORCH_LIBRARY(rtvoice_kernels, m) {
   m.def("prev_tokens_shift_inplace(Tensor(a!) prev, Tensor next_tokens) -> ()");
@@ -27,6 +29,8 @@ TORCH_LIBRARY(rtvoice_kernels, m) {
   m.def("snake(Tensor x, Tensor alpha, Tensor? bias, Tensor(a!) out) -> ()");
   m.def("bias_residual(Tensor x, Tensor y, Tensor bias, Tensor(a!) out) -> ()");
   m.def("snake_cat(Tensor tail, Tensor x, Tensor alpha, Tensor? bias, Tensor(a!) out) -> ()");
+  m.def("linear_small_m(Tensor x, Tensor w, Tensor? scale, Tensor(a!) out, int splits, "
+        "int kwarps) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(rtvoice_kernels, CUDA, m) {
@@ -36,6 +40,7 @@ TORCH_LIBRARY_IMPL(rtvoice_kernels, CUDA, m) {
   m.impl("snake", &snake);
   m.impl("bias_residual", &bias_residual);
   m.impl("snake_cat", &snake_cat);
+  m.impl("linear_small_m", &linear_small_m);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}

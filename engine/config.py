@@ -251,6 +251,8 @@ def preset(name: str) -> ModelConfig:
 
 # ----------------------------------------------------------------------------- the engine
 DTYPE_NAMES = ("bf16", "bfloat16", "fp32", "float32", "fp16", "float16")  # engine.loader.DTYPES
+# the model dtypes a service may ask for: the float ones, or FP8 linears (engine/quant.py)
+PRECISION_NAMES = (*DTYPE_NAMES, "fp8")
 
 @dataclass(slots=True)
 class EngineConfig:
@@ -338,6 +340,11 @@ class EngineConfig:
     codec_kernels: bool = option(True, "the codec's Snake activations and the residual units' "
                                  "conv biases as csrc's one-pass kernels, written straight "
                                  "into the next conv's input (64x8 tick 32.6 -> 27.6 ms)")
+    linear_kernels: bool = option(True, "decode-step linears through csrc's small-M kernel "
+                                  "(bf16 and FP8 weights) where the recorded per-shape table "
+                                  "(engine/kernels/linear_table.json, written by `python -m "
+                                  "bench_latency.linear_bench`) measured it fastest; false: "
+                                  "cuBLAS for bf16 and the Triton kernel for FP8 everywhere")
     split_kv: bool = option(False, "decode attention splits a row's positions over more "
                             "blocks when the batch is too small to fill the GPU (measured: "
                             "no gain on the H200)")

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .quant import BLOCK, Fp8Linear, Fp8Weight
+
 log = logging.getLogger(__name__)
 
 # Keep every bf16 rounding the reference does (e.g. after the q/k norm, before RoPE): by
@@ -62,29 +64,52 @@ def compiled(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
-def packed(w1: Tensor, w3: Tensor) -> Tensor | None:
-    """W1 and W3 as one [2I, D] matrix when they are consecutive rows of one buffer."""
-    if not (w1.is_contiguous() and w3.is_contiguous() and w1.shape == w3.shape) \
-            or w1.untyped_storage().data_ptr() != w3.untyped_storage().data_ptr() \
-            or w3.data_ptr() != w1.data_ptr() + w1.numel() * w1.element_size():
+def _adjacent(a: Tensor, b: Tensor) -> Tensor | None:
+    """[a; b] as one tensor when b's rows follow a's in one buffer."""
+    if not (a.is_contiguous() and b.is_contiguous() and a.shape == b.shape) \
+            or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr() \
+            or b.data_ptr() != a.data_ptr() + a.numel() * a.element_size():
         return None
-    return w1.as_strided((2 * w1.shape[0], w1.shape[1]), (w1.shape[1], 1))
+    return a.as_strided((2 * a.shape[0], a.shape[1]), (a.shape[1], 1))
+
+
+def packed(w1: Tensor | Fp8Weight, w3: Tensor | Fp8Weight) -> Tensor | Fp8Weight | None:
+    """W1 and W3 as one [2I, D] matrix when they are consecutive rows of one buffer (for FP8
+    weights: their values and their block scales both; I a multiple of the scale block)."""
+    if isinstance(w1, Fp8Weight) and isinstance(w3, Fp8Weight):
+        if w1.q.shape[0] % BLOCK:
+            return None
+        q, s = _adjacent(w1.q, w3.q), _adjacent(w1.scale, w3.scale)
+        return None if q is None or s is None else Fp8Weight(q, s)
+    if isinstance(w1, Tensor) and isinstance(w3, Tensor):
+        return _adjacent(w1, w3)
+    return None
 
 
 @torch.no_grad()
 def pack_ffn(m: nn.Module) -> int:
-    """Re-lay every SwiGLU FFN's W1 and W3 (modules with w1/w2/w3 linears) as consecutive
-    halves of one buffer (same values, same memory), so `packed` reads them with one GEMM.
-    Returns the FFNs packed (0 when already packed)."""
+    """Re-lay every SwiGLU FFN's W1 and W3 (modules with w1/w2/w3 linears, dense or FP8) as
+    consecutive halves of one buffer (same values, same memory), so `packed` reads them with
+    one GEMM. Returns the FFNs packed (0 when already packed)."""
     n = 0
     for ff in m.modules():
-        if not all(isinstance(getattr(ff, w, None), nn.Linear) for w in ("w1", "w2", "w3")):
+        kinds = {type(getattr(ff, w, None)) for w in ("w1", "w3")}
+        if not hasattr(ff, "w2") or len(kinds) != 1 or kinds.pop() not in (nn.Linear, Fp8Linear):
             continue
         w1, w3 = ff.w1.weight, ff.w3.weight
         if packed(w1, w3) is not None:
             continue
-        both = torch.cat([w1, w3])
-        ff.w1.weight = nn.Parameter(both[: w1.shape[0]], requires_grad=False)
-        ff.w3.weight = nn.Parameter(both[w1.shape[0]:], requires_grad=False)
+        if isinstance(ff.w1, Fp8Linear):
+            if ff.w1.qweight.shape[0] % BLOCK:
+                continue  # the scales of W1's last block row would mix with W3's
+            for buf in ("qweight", "weight_scale_inv"):
+                a, b = getattr(ff.w1, buf), getattr(ff.w3, buf)
+                both = torch.cat([a, b])
+                setattr(ff.w1, buf, both[: a.shape[0]])
+                setattr(ff.w3, buf, both[a.shape[0]:])
+        else:
+            both = torch.cat([w1, w3])
+            ff.w1.weight = nn.Parameter(both[: w1.shape[0]], requires_grad=False)
+            ff.w3.weight = nn.Parameter(both[w1.shape[0]:], requires_grad=False)
         n += 1
     return n

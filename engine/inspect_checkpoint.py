@@ -19,8 +19,14 @@ from .codec.model import Codec
 from .config import ModelConfig, preset
 from .loader import checkpoint_dir, reconcile_ids
 from .model import DualAR
+from .quant import scale_shape
 from .tokenizer import HFTokenizer
-from .weights import checkpoint_key_to_param, param_to_checkpoint_key, safetensors_files
+from .weights import (
+    SCALE_SUFFIX,
+    checkpoint_key_to_param,
+    param_to_checkpoint_key,
+    safetensors_files,
+)
 
 __all__ = ["Report", "inspect_checkpoint"]
 
@@ -132,12 +138,20 @@ def _weights(report: Report, path: Path, cfg: ModelConfig) -> int:
     seen: dict[str, tuple[int, ...]] = {}
     dtypes: Counter[str] = Counter()
     unexpected, misshaped = [], []
+    scales: dict[str, tuple[int, ...]] = {}  # FP8 layers: weight name -> its scales' shape
     for f in files:
         with safe_open(str(f), framework="pt") as st:
             for key in st.keys():
                 sl = st.get_slice(key)
                 shape = tuple(sl.get_shape())
                 dtypes[str(sl.get_dtype())] += 1
+                if key.endswith(SCALE_SUFFIX):
+                    name = checkpoint_key_to_param(key[: -len(SCALE_SUFFIX)] + ".weight")
+                    if name is None or name not in expected:
+                        unexpected.append(key)
+                    else:
+                        scales[name] = shape
+                    continue
                 name = checkpoint_key_to_param(key)
                 if name is None or name not in expected:
                     unexpected.append(key)
@@ -147,6 +161,13 @@ def _weights(report: Report, path: Path, cfg: ModelConfig) -> int:
                     seen[name] = ()  # present (named above), not missing; counts no parameter
                 else:
                     seen[name] = shape
+    for name, shape in scales.items():
+        want = scale_shape(*expected[name])
+        if shape != want:
+            misshaped.append(f"{param_to_checkpoint_key(name)[: -len('.weight')]}"
+                             f"{SCALE_SUFFIX}: {list(shape)} in the checkpoint; FP8 block "
+                             f"scales of a {list(expected[name])} weight are {list(want)} "
+                             "(one per 128 x 128 block, row-major)")
     missing = [param_to_checkpoint_key(n) for n in expected if n not in seen]
     count = sum(int(torch.Size(s).numel()) for s in seen.values() if s)
     found = sum(1 for s in seen.values() if s)
@@ -155,6 +176,9 @@ def _weights(report: Report, path: Path, cfg: ModelConfig) -> int:
              f"{found} of {len(expected)} tensors, {count:,} parameters (config.json implies "
              f"{cfg.num_params():,}; the S2-Pro preset has {preset('s2-pro').num_params():,})",
              "dtypes: " + ", ".join(f"{d} x{n}" for d, n in dtypes.most_common())]
+    if scales:
+        lines.append(f"FP8: {len(scales)} linears stored as e4m3 with 128 x 128 block scales "
+                     "(serve with --dtype fp8; other dtypes dequantise them at load)")
     report.add("weights", lines)
     if unexpected:
         report.problems.append(f"unexpected model tensors (not in the model config.json "

@@ -15,9 +15,10 @@ from pathlib import Path
 import torch
 
 from .codec import Codec, CodecConfig, dummy_codec, load_codec
-from .config import DTYPE_NAMES, PRESETS, ModelConfig, preset
+from .config import DTYPE_NAMES, PRECISION_NAMES, PRESETS, ModelConfig, preset
 from .hub import parse_repo_id, resolve
 from .model import DualAR
+from .quant import quantize_model
 from .tokenizer import ByteTokenizer, HFTokenizer, PieceTokenizer, Tokenizer
 from .weights import dummy_model, load_model
 
@@ -44,6 +45,16 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
         return DTYPES[name.lower()]
     except KeyError:
         raise ValueError(f"unknown dtype {name!r}; use one of {', '.join(DTYPES)}") from None
+
+
+def parse_precision(name: str | torch.dtype | None, device: str) -> tuple[torch.dtype, bool]:
+    """A model dtype name -> (the activations' and unquantised weights' dtype, FP8 linears?).
+    'fp8' keeps the device's default dtype for everything but the transformer linears."""
+    if isinstance(name, str) and name.lower() == "fp8":
+        return default_dtype(device), True
+    if isinstance(name, str) and name.lower() not in PRECISION_NAMES:
+        raise ValueError(f"unknown dtype {name!r}; use one of {', '.join(PRECISION_NAMES)}")
+    return (parse_dtype(name) if name is not None else default_dtype(device)), False
 
 
 def default_dtype(device: str) -> torch.dtype:
@@ -82,17 +93,23 @@ def preset_tokenizer(spec: str, special_base: int) -> Tokenizer:
 
 def load_bundle(spec: str = "tiny", *, device: str = "cpu", dtype: str | torch.dtype | None = None,
                 codec_dtype: str | torch.dtype | None = None, seed: int = 0,
-                max_seq_len: int | None = None) -> Bundle:
-    """codec_dtype defaults to the model's dtype: float32 on a CPU, bfloat16 on a GPU (the
-    full-size codec decoder is ~150 GFLOP per second of audio; bf16 is what keeps 64
-    streams ahead of real time there)."""
-    dt = parse_dtype(dtype) if dtype is not None else default_dtype(device)
+                max_seq_len: int | None = None, fp8_keep: tuple[str, ...] = ()) -> Bundle:
+    """dtype: bf16/fp16/fp32, or fp8 (the transformer layers' linears in FP8 with 128 x 128
+    block scales, the rest in the device's default dtype; `fp8_keep` names layers to keep in
+    bf16). codec_dtype defaults to float32 on a CPU, bfloat16 on a GPU (the full-size codec
+    decoder is ~150 GFLOP per second of audio; bf16 is what keeps 64 streams ahead of real
+    time there)."""
+    dt, fp8 = parse_precision(dtype, device)
+    if fp8_keep and not fp8:
+        raise ValueError("fp8_keep names layers to keep out of FP8; it needs dtype fp8")
     cdt = parse_dtype(codec_dtype) if codec_dtype is not None else default_dtype(device)
     if spec in PRESETS:
         cfg = preset(spec)
         if max_seq_len:
             cfg = cfg.with_max_seq_len(max_seq_len)
         model = dummy_model(cfg, seed=seed, device=device, dtype=dt)
+        if fp8:
+            quantize_model(model, keep=fp8_keep)
         tok = preset_tokenizer(spec, cfg.ids.semantic_start - 35)
         codec = dummy_codec(CodecConfig.preset(spec), seed=seed, device=device, dtype=cdt)
         log.info("model %s: deterministic random weights (seed %d) — it exercises the whole "
@@ -104,7 +121,7 @@ def load_bundle(spec: str = "tiny", *, device: str = "cpu", dtype: str | torch.d
         cfg = cfg.with_max_seq_len(max_seq_len)
     tok = HFTokenizer(path)
     cfg = reconcile_ids(cfg, tok)
-    model = load_model(path, cfg, device=device, dtype=dt)
+    model = load_model(path, cfg, device=device, dtype=dt, fp8=fp8, fp8_keep=fp8_keep)
     codec = load_codec(path, device=device, dtype=cdt)
     name = path.name if Path(spec).expanduser().is_dir() else spec  # a Hub id: as given
     return Bundle(model, tok, codec, name, False)

@@ -10,16 +10,17 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from . import functional, fusion
+from . import functional, fusion, quant
 from .codec.layers import CodecOps
-from .kernels import activation, extension_available, sampling
+from .kernels import activation, extension_available, linear, sampling
 from .kernels.decode_attention import decode_attention
 from .kernels.prev_tokens import prev_tokens_shift_checked, prev_tokens_shift_inplace
+from .quant import Fp8Weight
 
 FUSED_MODES = ("auto", "compile", "reference")
 
@@ -30,7 +31,8 @@ class Ops:
     functions (what the fixtures check), no csrc kernel."""
 
     fused: str = "reference"  # "compile": the elementwise ops below are torch.compile'd
-    linear: Callable[[Tensor, Tensor], Tensor] = F.linear  # x [..., K] @ w [N, K]^T
+    # x [..., K] @ w [N, K]^T, for dense weights and FP8 ones (engine/quant.py)
+    linear: Callable[[Tensor, Tensor | Fp8Weight], Tensor] = quant.linear
     rms_norm: Callable[..., Tensor] = functional.rms_norm
     add_rms_norm: Callable[..., tuple[Tensor, Tensor]] = functional.add_rms_norm
     norm_rope_qk: Callable[..., tuple[Tensor, Tensor]] = functional.norm_rope_qk
@@ -55,7 +57,8 @@ class Ops:
 
     def describe(self) -> dict[str, object]:
         """What runs, for logs and bench reports."""
-        return {"fused": self.fused, "decode_attention": self.decode_attention is not None,
+        return {"fused": self.fused, "linear": getattr(self.linear, "__name__", str(self.linear)),
+                "decode_attention": self.decode_attention is not None,
                 "sampler": getattr(self.sample, "__name__", str(self.sample)),
                 "codec_kernels": self.codec.fold_bias}
 
@@ -65,12 +68,16 @@ REFERENCE = Ops()
 
 def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool = True,
               sampler_kernel: bool = True, codec_kernels: bool = True,
-              split_kv: bool = False) -> Ops:
+              split_kv: bool = False, linear_kernels: bool = True,
+              linear_table: Path | None = linear.DEFAULT_TABLE) -> Ops:
     """The ops an engine on `device` runs. `fused`: "compile" (torch.compile'd elementwise ops
     and the packed FFN GEMM), "reference", or "auto" (compile on CUDA only). `kernels`: use
     csrc's kernels where the extension is built (CUDA; False: the torch fallbacks
     everywhere); `sampler_kernel` / `codec_kernels` / `split_kv` select the sampler's draw,
-    the codec's Snake/bias kernels and decode attention's split positions among them."""
+    the codec's Snake/bias kernels and decode attention's split positions among them.
+    On CUDA the linears (dense and FP8) take the implementation the recorded per-shape table
+    `linear_table` picks (csrc's small-M kernel only with `linear_kernels`); FP8 weights
+    without a kernel there run the Triton FP8 GEMM (the dequantising reference without it)."""
     if fused not in FUSED_MODES:
         raise ValueError(f"fused ops must be one of {', '.join(FUSED_MODES)}, got {fused!r}")
     cuda = torch.device(device).type == "cuda"
@@ -89,6 +96,9 @@ def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool 
     if built and codec_kernels:
         codec = CodecOps(snake=activation.snake, snake_cat=activation.snake_cat,
                          bias_residual=activation.bias_residual, fold_bias=True)
+    if cuda:
+        parts["linear"] = linear.make_linear(linear.load_plan(linear_table),
+                                             kernels=built and linear_kernels)
     return Ops(
         fused=fused, packed_ffn=fused == "compile", sample=sample, codec=codec,
         decode_attention=(functools.partial(decode_attention, splits=0 if split_kv else 1)

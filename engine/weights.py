@@ -21,6 +21,17 @@ from torch import Tensor
 
 from .config import ModelConfig
 from .model import DualAR
+from .quant import (
+    BLOCK,
+    FP8,
+    Fp8Linear,
+    Fp8Weight,
+    dequantize_fp8,
+    fp8_layers,
+    quantisable,
+    quantize_model,
+    scale_shape,
+)
 
 log = logging.getLogger(__name__)
 
@@ -72,25 +83,94 @@ def iter_checkpoint(path: Path) -> Iterator[tuple[str, Tensor]]:
                 yield key, st.get_tensor(key)
 
 
+SCALE_SUFFIX = ".weight_scale_inv"  # an FP8 linear's block scales, beside its ".weight"
+
+
+def checkpoint_keys(path: Path) -> list[str]:
+    keys: list[str] = []
+    for f in safetensors_files(path):
+        with safe_open(str(f), framework="pt") as st:
+            keys.extend(st.keys())
+    return keys
+
+
+def _fp8_modules(keys: list[str]) -> set[str]:
+    """Module names (ours) of the linears a checkpoint holds in FP8."""
+    out = set()
+    for key in keys:
+        if key.endswith(SCALE_SUFFIX):
+            name = checkpoint_key_to_param(key[: -len(SCALE_SUFFIX)] + ".weight")
+            if name is not None:
+                out.add(name[: -len(".weight")])
+    return out
+
+
 def load_model(path: str | Path, cfg: ModelConfig | None = None, *, device: str | torch.device = "cpu",
-               dtype: torch.dtype = torch.bfloat16) -> DualAR:
-    """Load an S2 checkpoint directory (config.json + safetensors shards) into a DualAR."""
+               dtype: torch.dtype = torch.bfloat16, fp8: bool = False,
+               fp8_keep: tuple[str, ...] = ()) -> DualAR:
+    """Load an S2 checkpoint directory (config.json + safetensors shards) into a DualAR.
+
+    `fp8`: the transformer layers' linears in FP8 (engine/quant.py): kept as stored when the
+    checkpoint is already quantised (`rtvoice quantize`), quantised here otherwise (except
+    layers matching `fp8_keep`). Without it, an FP8 checkpoint's linears are dequantised to
+    `dtype`. `dtype` is everything else's (and the activations') dtype."""
     path = Path(path)
     cfg = cfg or ModelConfig.from_checkpoint(path)
     t0 = time.perf_counter()
+    stored_fp8 = _fp8_modules(checkpoint_keys(path))
+    if stored_fp8 and fp8_keep:
+        raise CheckpointError(f"{path} is already quantised to FP8; the layers it keeps in bf16 "
+                              "were chosen by `rtvoice quantize --keep` (re-quantise from the "
+                              "bf16 checkpoint to change them)")
     with torch.device("meta"):
         model = DualAR(cfg)
-    expected = {n: p.shape for n, p in model.named_parameters()}
+        if fp8:  # the stored FP8 layers load as they are
+            for name in stored_fp8:
+                parent, _, leaf = name.rpartition(".")
+                lin = model.get_submodule(name)
+                n, k = lin.weight.shape
+                model.get_submodule(parent).register_module(leaf, Fp8Linear(
+                    torch.empty(n, k, dtype=FP8), torch.empty(scale_shape(n, k))))
+    expected = {n: p.shape for n, p in model.state_dict().items()}
     state: dict[str, Tensor] = {}
+    pending: dict[str, dict[str, Tensor]] = {}  # FP8 weights waiting for their scales (or back)
     for key, tensor in iter_checkpoint(path):
-        name = checkpoint_key_to_param(key)
+        is_scale = key.endswith(SCALE_SUFFIX)
+        name = checkpoint_key_to_param(key[: -len(SCALE_SUFFIX)] + ".weight" if is_scale else key)
+        module = name[: -len(".weight")] if name and name.endswith(".weight") else None
+        if module in stored_fp8:
+            if fp8:  # kept in FP8: the values as `qweight`, the scales as `weight_scale_inv`
+                name = module + (".weight_scale_inv" if is_scale else ".qweight")
+            else:
+                part = pending.setdefault(module, {})
+                part["scale" if is_scale else "q"] = tensor
+                if len(part) < 2:
+                    continue
+                fw = Fp8Weight(part["q"], part["scale"].float())
+                try:
+                    fw.check()
+                except ValueError as e:
+                    raise CheckpointError(f"{path}: {param_to_checkpoint_key(module + '.weight')}: "
+                                          f"{e}") from None
+                tensor = dequantize_fp8(fw, dtype)
+                del pending[module]
+        elif is_scale:
+            raise CheckpointError(f"unexpected tensor {key!r} in checkpoint {path}")
         if name is None or name not in expected:
             raise CheckpointError(f"unexpected tensor {key!r} in checkpoint {path} (not part of the "
                                   f"{cfg.name} model described by its config.json)")
         if tuple(tensor.shape) != tuple(expected[name]):
             raise CheckpointError(f"tensor {key!r} has shape {tuple(tensor.shape)} but config.json "
                                   f"implies {tuple(expected[name])}")
-        state[name] = tensor.to(device=device, dtype=dtype)
+        if name.endswith(".qweight"):
+            if tensor.dtype != FP8:
+                raise CheckpointError(f"tensor {key!r} of an FP8 layer is {tensor.dtype}, not "
+                                      "float8_e4m3fn")
+            state[name] = tensor.to(device=device)
+        elif name.endswith(".weight_scale_inv"):
+            state[name] = tensor.to(device=device, dtype=torch.float32)
+        else:
+            state[name] = tensor.to(device=device, dtype=dtype)
     missing = sorted(set(expected) - set(state))
     if missing:
         keys = ", ".join(param_to_checkpoint_key(m) for m in missing[:5])
@@ -98,8 +178,17 @@ def load_model(path: str | Path, cfg: ModelConfig | None = None, *, device: str 
                               + (" ..." if len(missing) > 5 else ""))
     model.load_state_dict(state, strict=True, assign=True)
     model.init_buffers(device)
-    log.info("loaded %s (%.2fB params, %s) from %s in %.1fs", cfg.name, cfg.num_params() / 1e9,
-             dtype, path, time.perf_counter() - t0)
+    for m in model.modules():
+        if isinstance(m, Fp8Linear):
+            try:
+                m.weight.check()
+            except ValueError as e:
+                raise CheckpointError(f"{path}: {e}") from None
+    if fp8 and not stored_fp8:
+        quantize_model(model, keep=fp8_keep)
+    log.info("loaded %s (%.2fB params, %s%s) from %s in %.1fs", cfg.name, cfg.num_params() / 1e9,
+             dtype, f", {len(fp8_layers(model))} FP8 linears" if fp8 else "", path,
+             time.perf_counter() - t0)
     return model.eval().requires_grad_(False)
 
 
@@ -134,21 +223,56 @@ def dummy_model(cfg: ModelConfig, *, seed: int = 0, device: str | torch.device =
     return model.eval().requires_grad_(False)
 
 
+def checkpoint_state(model: DualAR) -> dict[str, Tensor]:
+    """The model's tensors under their S2 checkpoint names; an FP8 linear's values are its
+    `.weight` (float8_e4m3fn) and its block scales `.weight_scale_inv` (float32)."""
+    out = {}
+    for name, t in model.state_dict().items():
+        if name.endswith(".qweight"):
+            key = param_to_checkpoint_key(name[: -len(".qweight")] + ".weight")
+        elif name.endswith(".weight_scale_inv"):
+            key = param_to_checkpoint_key(name[: -len(SCALE_SUFFIX)] + ".weight")
+            key = key[: -len(".weight")] + SCALE_SUFFIX
+        else:
+            key = param_to_checkpoint_key(name)
+        # .contiguous(): a view (a packed W1|W3 half, a transposed scale) is saved in its own
+        # row-major order, never in its storage's
+        out[key] = t.detach().contiguous().cpu()
+    return out
+
+
+def quantization_config(model: DualAR) -> dict[str, object] | None:
+    """config.json's `quantization_config` for a model with FP8 linears (Hugging Face's
+    fine-grained `fp8` method), naming the quantisable layers kept in bf16."""
+    fp8 = fp8_layers(model)
+    if not fp8:
+        return None
+    kept = [param_to_checkpoint_key(n + ".weight")[: -len(".weight")]
+            for n in quantisable(model)]
+    return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+            "weight_block_size": [BLOCK, BLOCK], "modules_to_not_convert": kept}
+
+
 def save_checkpoint(model: DualAR, path: str | Path, *, shard_bytes: int = 2 << 30) -> None:
-    """Write config.json + sharded safetensors + index with the real S2 key names."""
+    """Write config.json + sharded safetensors + index with the real S2 key names (FP8 layers
+    as e4m3 values + float32 block scales, announced in config.json)."""
     from safetensors.torch import save_file
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(model.cfg.to_dict(), indent=2))
+    config = model.cfg.to_dict()
+    quant = quantization_config(model)
+    if quant is not None:
+        config["quantization_config"] = quant
+    (path / "config.json").write_text(json.dumps(config, indent=2))
     shards: list[dict[str, Tensor]] = [{}]
     size = 0
-    for name, p in model.state_dict().items():
-        nbytes = p.numel() * p.element_size()
+    for key, t in checkpoint_state(model).items():
+        nbytes = t.numel() * t.element_size()
         if size and size + nbytes > shard_bytes:
             shards.append({})
             size = 0
-        shards[-1][param_to_checkpoint_key(name)] = p.detach().contiguous().cpu()
+        shards[-1][key] = t
         size += nbytes
     weight_map = {}
     for i, shard in enumerate(shards):
@@ -157,3 +281,38 @@ def save_checkpoint(model: DualAR, path: str | Path, *, shard_bytes: int = 2 << 
         weight_map.update(dict.fromkeys(shard, fname))
     (path / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {}, "weight_map": weight_map}, indent=2))
+
+
+def quantize_checkpoint(src: str | Path, out: str | Path, *, keep: tuple[str, ...] = (),
+                        device: str = "cpu", overwrite: bool = False) -> dict[str, object]:
+    """An FP8 copy of checkpoint directory `src` in `out`: the transformer layers' linears as
+    e4m3 + 128 x 128 block scales (except `keep` patterns), everything else as stored in
+    bf16; the tokenizer, codec and other files copied as they are."""
+    import shutil
+
+    src, out = Path(src), Path(out)
+    if not src.is_dir():
+        raise FileNotFoundError(f"{src} is not a checkpoint directory")
+    if out.resolve() == src.resolve():
+        raise ValueError("the FP8 copy must go to another directory than its source")
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"{out} exists and is not empty (pass --overwrite to replace it)")
+    if _fp8_modules(checkpoint_keys(src)):
+        raise ValueError(f"{src} is already quantised to FP8")
+    model = load_model(src, device=device, dtype=torch.bfloat16, fp8=True, fp8_keep=keep)
+    weights = {f.name for f in safetensors_files(src)} | {"model.safetensors.index.json",
+                                                          "config.json"}
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("model*.safetensors"):
+        old.unlink()
+    for f in src.iterdir():
+        if f.name not in weights and f.is_file():
+            shutil.copy2(f, out / f.name)
+    # config.json: the source's own (keys we do not model kept), plus the quantisation
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = quantization_config(model)
+    save_checkpoint(model, out)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    n = len(fp8_layers(model))
+    return {"output": str(out), "fp8_layers": n, "kept": len(quantisable(model)),
+            "bytes": sum(f.stat().st_size for f in out.glob("model*.safetensors"))}

@@ -1,5 +1,6 @@
 """`rtvoice` command line: `serve` (the WebSocket service), `synth` (offline, to a WAV) and
-`inspect` (what a checkpoint holds and how it will load)."""
+`inspect` (what a checkpoint holds and how it will load), `quantize` (an FP8 copy of a
+checkpoint)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,17 @@ def _inspect(args: argparse.Namespace) -> int:
     report = inspect_checkpoint(args.checkpoint)
     print(report.text())
     return 1 if report.problems else 0
+
+
+def _quantize(args: argparse.Namespace) -> int:
+    from engine.weights import quantize_checkpoint
+
+    keep = tuple(p.strip() for p in (args.keep or "").split(",") if p.strip())
+    info = quantize_checkpoint(args.checkpoint, args.output, keep=keep, device=args.device,
+                               overwrite=args.overwrite)
+    print(f"wrote {info['output']}: {info['fp8_layers']} FP8 linears, {info['kept']} kept in "
+          f"bf16, {int(info['bytes']) / 2**30:.2f} GiB of weights")  # type: ignore[call-overload]
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -88,6 +100,23 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("checkpoint", help="a checkpoint directory, or a Hub model id "
                    "(org/name[@revision]; fetched into the Hub cache when not there)")
     i.set_defaults(fn=_inspect)
+    q = sub.add_parser(
+        "quantize", help="write an FP8 copy of a checkpoint (e4m3, 128x128 block scales)",
+        description="Write an FP8 copy of CHECKPOINT to OUTPUT: the transformer layers' linears "
+        "(slow and fast AR) as float8_e4m3fn with one float32 scale per 128x128 block "
+        "(`.weight_scale_inv` beside each `.weight`, Hugging Face's fine-grained fp8 layout, "
+        "announced in config.json's quantization_config); embeddings, norms and output heads "
+        "stay bf16; tokenizer and codec files are copied. Serve it with --dtype fp8 (with "
+        "another dtype its linears are dequantised at load).")
+    q.add_argument("checkpoint", type=Path, help="a bf16 checkpoint directory")
+    q.add_argument("output", type=Path, help="directory to write (must be empty, or --overwrite)")
+    q.add_argument("--keep", default="",
+                   help="layers to keep in bf16: comma-separated fnmatch patterns of module "
+                   "names, e.g. 'layers.34.attention.wo,layers.*.feed_forward.w2'")
+    q.add_argument("--device", default="cpu",
+                   help="where to quantise: cpu, cuda, ... (default: %(default)s)")
+    q.add_argument("--overwrite", action="store_true", help="replace OUTPUT's weights")
+    q.set_defaults(fn=_quantize)
     try:
         from .server_cli import add_serve_parser
     except ImportError:  # the service module is optional until it lands
@@ -104,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return int(args.fn(args) or 0)
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
+    except (ValueError, FileNotFoundError, FileExistsError, RuntimeError) as e:
         print(f"rtvoice {args.cmd}: error: {e}", file=sys.stderr)
         return 2
 

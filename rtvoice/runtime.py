@@ -112,7 +112,8 @@ class Runtime:
             torch.set_num_threads(1)
         if bundle is None:
             bundle = await asyncio.to_thread(load_bundle, m.model, device=m.device, dtype=m.dtype,
-                                             seed=settings.engine.seed, max_seq_len=m.max_seq_len)
+                                             seed=settings.engine.seed, max_seq_len=m.max_seq_len,
+                                             fp8_keep=m.fp8_keep)
         engine = build_engine(bundle, settings.engine)
         # Even the plain voice prompt (no reference) must leave room for a segment of
         # min_chunk_length characters, or no session could ever speak.

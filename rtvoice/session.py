@@ -43,6 +43,7 @@ from typing import Any, Final
 
 import msgspec
 import numpy as np
+import starlette.websockets
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from engine.config import EngineConfig
@@ -80,6 +81,10 @@ from rtvoice.timestamps import segment_event
 from rtvoice.turns import Segment, Turns, Utterance
 
 __all__ = ["Session", "encode_backlog_chunks"]
+
+# raised by a receive after the disconnect message was already taken (newer Starlettes)
+WebSocketDisconnected: type[Exception] = getattr(
+    starlette.websockets, "WebSocketDisconnected", type("_NeverRaised", (Exception,), {}))
 
 log = logging.getLogger(__name__)
 
@@ -487,6 +492,10 @@ class Session:
             try:
                 async with asyncio.timeout(idle):
                     message = await self.ws.receive()
+            except WebSocketDisconnected:
+                # the disconnect message was taken by a receive that the idle timeout then
+                # cancelled (the timeout and the message raced): the client is gone all the same
+                raise ClientGone() from None
             except TimeoutError:
                 if not started and self._reused:
                     raise _Lapsed() from None  # the client kept the socket but is done with it

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from engine.config import DTYPE_NAMES, EngineConfig
+from engine.config import PRECISION_NAMES, EngineConfig
 from engine.options import describe, fields, option, parse, validate
 
 __all__ = [
@@ -114,8 +114,14 @@ class ModelSettings:
                         "(org/name[@revision]: fetched into the Hub cache, or from it when "
                         "HF_HUB_OFFLINE=1; token: HF_TOKEN)")
     device: str = option("cpu", "cpu, cuda, cuda:1, ...")
-    dtype: str | None = option(None, "bf16, fp16 or fp32 (default: fp32 on CPU, bf16 "
-                               "otherwise)", choices=DTYPE_NAMES)
+    dtype: str | None = option(None, "bf16, fp16, fp32, or fp8: the transformer layers' linears "
+                               "in FP8 e4m3 with 128x128 block scales (quantised at load unless "
+                               "the checkpoint already is: `rtvoice quantize`), the rest in the "
+                               "default dtype (default: fp32 on CPU, bf16 otherwise)",
+                               choices=PRECISION_NAMES)
+    fp8_keep: tuple[str, ...] = option((), "with --dtype fp8: layers kept in bf16, as "
+                                       "comma-separated patterns of module names (e.g. "
+                                       "'layers.34.attention.wo,layers.*.feed_forward.w2')")
     max_seq_len: int | None = option(None, "cap the model's context length (positions)", gt=0)
     torch_threads: int | None = option(None, "torch intra-op threads (default: 1 per engine "
                                        "thread on a CPU, torch's default elsewhere)", gt=0)
@@ -128,6 +134,9 @@ class ModelSettings:
             raise ValueError("ModelSettings.model must not be empty")
         if not self.device.strip():
             raise ValueError("ModelSettings.device must not be empty")
+        if self.fp8_keep and self.dtype != "fp8":
+            raise ValueError("ModelSettings.fp8_keep names layers to keep out of FP8; it needs "
+                             "dtype fp8")
 
     @property
     def is_preset(self) -> bool:

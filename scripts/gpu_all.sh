@@ -31,6 +31,14 @@
 # TESTS_TIMEOUT, SERVER_TIMEOUT, ENGINE_LEVELS, ENGINE_RUNS, SKIP (gpu_bench sections;
 # default decode,codec,fixtures,profile), TOTAL (s, default 585), PROBE,
 # COMPILED_SAMPLER=1 (profile the step again with the compiled torch sampler).
+# FP8 (issue 14): LINEAR=1 first records the per-shape linear table (bench_latency.linear_bench:
+# cuBLAS vs csrc's small-M kernel vs the Triton FP8 GEMM, every S2-Pro shape at M = 1..64) into
+# $OUT/linear_table.json and installs it for the rest of the call; FP8_GATE=1 runs the FP8-vs-
+# bf16 correctness gate at real size with its negative controls (engine.fp8_gate);
+# DTYPES="bf16 fp8" runs the server bench and gpu_bench once per model dtype, under
+# $OUT/<dtype>/ (default: bf16 only, straight under $OUT); the server bench saves each
+# dtype's decode_tps baseline and gates against bench_latency/baselines/h200_s2pro_<dtype>.json
+# where that exists (GATE_BASELINE=0: no gate).
 # The device lacks the service's own packages (uvicorn, starlette, msgspec...): run
 # scripts/device_wheels.sh here first and carry .whl; they are installed into /tmp/site.
 set -uo pipefail
@@ -46,7 +54,7 @@ export OUT PYTHONUNBUFFERED=1 RTVOICE_FIXTURES=${RTVOICE_FIXTURES:-tests/fixture
 t0=$(date +%s)
 SMOKE="host_sync or engine_audio or pingpong or replay_streams or fused_kernel or bias_folding or split or two_engines or fixtures_with_fused"
 if [ "${TESTS:-smoke}" = all ]; then K=${TESTS_K:-}; else K=${TESTS_K:-$SMOKE}; fi
-timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_kernels.py \
+timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_kernels.py tests/test_fp8_triton.py tests/test_quant.py \
     ${K:+-k "$K"} 2>&1 | grep -Ev '^ |^$|site-packages|Warning:|warnings.html' | tail -15 | tee "$OUT/tests.txt"
 echo "tests done at +$(( $(date +%s) - t0 ))s"
 if [ "${GATE:-0}" = 1 ]; then  # the change's ±5 % gate against .baseline (~200 s)
@@ -58,23 +66,49 @@ if [ "${PROBE:-0}" = 1 ]; then  # prefill graphs alone: what a burst of turns co
     # the csrc kernels vs torch (decode attention with and without split positions, ~15 s)
     timeout 60 python3 -m bench_latency.kernel_bench 2>&1 | grep -v "Warn\|warn" | tee -a "$OUT/probes.txt" | grep decode_attention
 fi
+if [ "${LINEAR:-0}" = 1 ]; then  # the per-shape linear table, used by every engine below
+    timeout ${LINEAR_TIMEOUT:-240} python3 -m bench_latency.linear_bench --out "$OUT/linear_table.json" \
+        > "$OUT/linear_bench.txt" 2>&1
+    tail -40 "$OUT/linear_bench.txt"
+    [ -s "$OUT/linear_table.json" ] && cp "$OUT/linear_table.json" engine/kernels/linear_table.json
+    echo "linear bench done at +$(( $(date +%s) - t0 ))s"
+fi
+if [ "${FP8_GATE:-0}" = 1 ]; then  # FP8 vs bf16 at real size, with the negative controls
+    timeout ${FP8_GATE_TIMEOUT:-240} python3 -m engine.fp8_gate --model s2-pro --device cuda \
+        --controls --json "$OUT/fp8_gate.json" 2>&1 | grep -v "Warn\|warn" | tail -30 | tee "$OUT/fp8_gate.txt"
+    echo "fp8 gate done at +$(( $(date +%s) - t0 ))s"
+fi
 if [ "${SESSIONS:-1}" = 1 ]; then  # open sessions: 1,000 10 s voices, shared vs distinct bursts, eviction (~100 s)
     timeout ${SESSIONS_TIMEOUT:-200} python3 scripts/sessions_bench.py --sessions ${N_SESSIONS:-1000} \
         --out "$OUT" 2>&1 | grep '^{"' | cut -c1-600
     echo "sessions bench done at +$(( $(date +%s) - t0 ))s"
 fi
-MAX_LEN=${MAX_LEN:-1024} MAX_RUNNING=${MAX_RUNNING:-128} SERVER_LEVELS=${SERVER_LEVELS:-1 4 16 32 64 128} \
-    timeout ${SERVER_TIMEOUT:-220} bash scripts/gpu_server_bench.sh 2>&1 | grep -v "^ \|^$" | tail -40
-# one merged report (+ plot where matplotlib is installed): the device returns 8 files at most
-python3 scripts/plot_server_levels.py "$OUT/server.json" "$OUT/server.png" "$OUT"/server_c*.json \
-    >/dev/null 2>&1; [ -s "$OUT/server.json" ] && rm -f "$OUT"/server_c*.json
-echo "server bench done at +$(( $(date +%s) - t0 ))s"
-LEFT=$(( ${TOTAL:-585} - ($(date +%s) - t0) ))
-[ "$LEFT" -lt 30 ] && echo "only ${LEFT}s left of TOTAL: gpu_bench gets 30s" && LEFT=30  # timeout 0 = no limit
-timeout -s ABRT "$LEFT" python3 -X faulthandler scripts/gpu_bench.py \
-    --skip "${SKIP:-decode,codec,fixtures,profile}" ${COMPILED_SAMPLER:+--compiled-sampler} \
-    --levels "${ENGINE_LEVELS:-1,4,16,32,64,128}" --frames 64 \
-    --engine-runs "${ENGINE_RUNS:-pingpong_codec,pingpong_nocodec,naive_nocodec}" --out "$OUT" \
-    >"$OUT/gpu_bench_log.txt" 2>&1
-grep '^{"' "$OUT/gpu_bench_log.txt" | cut -c1-400 | tail -14
+DTYPES=${DTYPES:-bf16}
+N_DT=$(echo $DTYPES | wc -w)
+for DT in $DTYPES; do
+    D_OUT=$OUT; [ "$N_DT" -gt 1 ] && D_OUT=$OUT/$DT && mkdir -p "$D_OUT"
+    BASE=bench_latency/baselines/h200_s2pro_$DT.json
+    [ "${GATE_BASELINE:-1}" = 1 ] && [ -f "$BASE" ] || BASE=
+    if [ "${SERVER:-1}" = 1 ]; then
+        OUT=$D_OUT DTYPE=$DT BASELINE=$BASE MAX_LEN=${MAX_LEN:-1024} MAX_RUNNING=${MAX_RUNNING:-128} \
+            SERVER_LEVELS=${SERVER_LEVELS:-1 4 16 32 64 128} \
+            timeout ${SERVER_TIMEOUT:-220} bash scripts/gpu_server_bench.sh 2>&1 | grep -v "^ \|^$" | tail -40
+        # gpu_server_bench.sh merged the levels into server.json: the device returns few files
+        [ -s "$D_OUT/server.json" ] && rm -f "$D_OUT"/server_c*.json
+        echo "server bench ($DT) done at +$(( $(date +%s) - t0 ))s"
+    fi
+done
+for DT in $DTYPES; do
+    D_OUT=$OUT; [ "$N_DT" -gt 1 ] && D_OUT=$OUT/$DT
+    LEFT=$(( (${TOTAL:-585} - ($(date +%s) - t0)) / N_DT ))
+    [ "$LEFT" -lt 30 ] && echo "only ${LEFT}s left of TOTAL: gpu_bench ($DT) gets 30s" && LEFT=30
+    N_DT=$(( N_DT > 1 ? N_DT - 1 : 1 ))
+    timeout -s ABRT "$LEFT" python3 -X faulthandler scripts/gpu_bench.py --dtype "$DT" \
+        --skip "${SKIP:-decode,codec,fixtures,profile}" ${COMPILED_SAMPLER:+--compiled-sampler} \
+        --levels "${ENGINE_LEVELS:-1,4,16,32,64,128}" --frames 64 \
+        --engine-runs "${ENGINE_RUNS:-pingpong_codec,pingpong_nocodec,naive_nocodec}" --out "$D_OUT" \
+        >"$D_OUT/gpu_bench_log.txt" 2>&1
+    grep '^{"' "$D_OUT/gpu_bench_log.txt" | cut -c1-400 | tail -14
+    echo "gpu_bench ($DT) done at +$(( $(date +%s) - t0 ))s"
+done
 echo "all done at +$(( $(date +%s) - t0 ))s"

@@ -48,7 +48,7 @@ def fixture_check(report: dict, device: str) -> None:
 
 
 def s2pro_decode(report: dict, device: str, batches: list[int], frames: int,
-                 model: str = "s2-pro") -> None:
+                 model: str = "s2-pro", dtype: str = "bf16") -> None:
     from engine.loader import load_bundle
     from engine.prompt import PromptBuilder
     from engine.runner import ModelRunner
@@ -56,7 +56,7 @@ def s2pro_decode(report: dict, device: str, batches: list[int], frames: int,
 
     torch.backends.cuda.matmul.allow_tf32 = True
     t0 = time.perf_counter()
-    b = load_bundle(model, device=device, dtype="bf16" if device == "cuda" else "fp32",
+    b = load_bundle(model, device=device, dtype=dtype if device == "cuda" else "fp32",
                     max_seq_len=4096)
     _sync()
     report["s2pro_load_s"] = round(time.perf_counter() - t0, 2)
@@ -262,12 +262,13 @@ def _codec_category(name: str) -> str:
 
 
 def engine_sweep(report: dict, device: str, levels: list[int], frames: int,
-                 only: set[str] | None = None, save: Callable[[], None] | None = None) -> None:
+                 only: set[str] | None = None, save: Callable[[], None] | None = None,
+                 dtype: str = "bf16") -> None:
     """The engine end to end (frames -> batched codec -> PCM): pingpong vs graphs vs naive."""
     from bench_latency.engine_throughput import DeviceStalled, sweep
     from engine.loader import load_bundle
 
-    b = load_bundle("s2-pro", device=device, dtype="bf16", codec_dtype="bf16", max_seq_len=1024)
+    b = load_bundle("s2-pro", device=device, dtype=dtype, codec_dtype="bf16", max_seq_len=1024)
     out: dict = {}
     report["engine"] = out  # filled run by run: a cut or failed sweep keeps what finished
     ends = [levels[0], 64] if 64 in levels else [levels[0], levels[-1]]
@@ -338,7 +339,8 @@ def _category(name: str) -> str:
     return "elementwise/other"
 
 
-def profile_step(report: dict, device: str, sampler_kernel: bool = True) -> None:
+def profile_step(report: dict, device: str, sampler_kernel: bool = True,
+                 dtype: str = "bf16") -> None:
     """Where one frame step's GPU time goes (eager, fused ops), and graph-replay step time."""
     from engine.fusion import pack_ffn
     from engine.loader import load_bundle
@@ -346,7 +348,7 @@ def profile_step(report: dict, device: str, sampler_kernel: bool = True) -> None
     from engine.runner import ModelRunner
     from engine.sampler import SamplingParams
 
-    b = load_bundle("s2-pro", device=device, dtype="bf16", max_seq_len=1024)
+    b = load_bundle("s2-pro", device=device, dtype=dtype, max_seq_len=1024)
     ops = build_ops(device, fused="compile", sampler_kernel=sampler_kernel)
     pack_ffn(b.model)
     out = {}
@@ -402,6 +404,9 @@ def main() -> int:
     ap.add_argument("--skip", default="", help="comma list of: fixtures,decode,codec,codec_profile,profile,engine")
     ap.add_argument("--levels", default="1,4,16,32,64")
     ap.add_argument("--model", default="s2-pro", help="preset for the decode section")
+    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp8"),
+                    help="the model's weights in the decode, profile and engine sections "
+                    "(fp8: FP8 block-scaled linears)")
     ap.add_argument("--compiled-sampler", action="store_true",
                     help="profile the step again with the compiled torch sampler instead of "
                          "csrc's sample_topk (key profile_compiled_sampler)")
@@ -415,6 +420,7 @@ def main() -> int:
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     report: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else platform.processor(),
+                    "dtype": args.dtype,
                     "torch": torch.__version__, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
     skip = set(filter(None, args.skip.split(",")))
 
@@ -424,17 +430,17 @@ def main() -> int:
     for name, fn in (("fixtures", lambda: fixture_check(report, device)),
                      ("decode", lambda: s2pro_decode(report, device,
                                                      [int(x) for x in args.batches.split(",")],
-                                                     args.frames, args.model)),
+                                                     args.frames, args.model, args.dtype)),
                      ("codec", lambda: codec_bench(report, device)),
                      ("codec_profile", lambda: codec_profile(report, device)),
-                     ("profile", lambda: profile_step(report, device)),
+                     ("profile", lambda: profile_step(report, device, dtype=args.dtype)),
                      ("profile_compiled_sampler",
                       lambda: profile_step(report, device, sampler_kernel=False)),
                      ("engine", lambda: engine_sweep(report, device,
                                                      [int(x) for x in args.levels.split(",")],
                                                      args.frames,
                                                      set(filter(None, args.engine_runs.split(","))),
-                                                     save))):
+                                                     save, args.dtype))):
         if name in skip or (name == "profile_compiled_sampler" and not args.compiled_sampler):
             continue
         t = time.perf_counter()

@@ -11,7 +11,10 @@
 # instead of lockstep bursts. CAPACITY=1: instead of the levels, bench-latency --capacity
 # (TTFA p99 <= 300 ms, 0 underruns) from the first level up to CAPACITY_MAX (512), one
 # result file $OUT/server_capacity.json (+ .png); LEVEL_TIMEOUT then bounds the whole search.
-# Merge and plot: python scripts/plot_server_levels.py merged.json merged.png $OUT/server_c*.json
+# After the levels: $OUT/server.json (+ .png) merges them, $OUT/baseline.json is this run's
+# decode_tps per level (bench-latency --save-baseline), and with BASELINE=FILE (e.g.
+# bench_latency/baselines/h200_s2pro_bf16.json) the run is gated against it (exit 1 when
+# decode_tps drops > 5 % at a level). DTYPE (bf16): the server's --dtype (fp8: FP8 linears).
 set -uo pipefail
 OUT=${OUT:-artifacts/gpu}
 PORT=${PORT:-8765}
@@ -24,7 +27,7 @@ MAX_RUNNING=${MAX_RUNNING:-64}
 mkdir -p "$OUT"
 # MODEL / DEVICE (s2-pro / cuda): tiny / cpu tries the script on a CPU machine
 python3 -X faulthandler -m rtvoice.cli serve --model "${MODEL:-s2-pro}" --device "${DEVICE:-cuda}" --port "$PORT" \
-    --max-running "$MAX_RUNNING" --max-len "$MAX_LEN" ${SERVER_ARGS:-} --data-dir /tmp/rtvoice-bench >"$OUT/server.log" 2>&1 &
+    --dtype "${DTYPE:-bf16}" --max-running "$MAX_RUNNING" --max-len "$MAX_LEN" ${SERVER_ARGS:-} --data-dir /tmp/rtvoice-bench >"$OUT/server.log" 2>&1 &
 SRV=$!
 python3 - "$PORT" <<'PY'
 import sys, time, urllib.request
@@ -75,4 +78,12 @@ for C in $LEVELS; do
 done
 kill -INT $SRV 2>/dev/null; wait $SRV
 tail -5 "$OUT/server.log"
+if [ -n "$LEVELS" ] && ls "$OUT"/server_c*.json >/dev/null 2>&1; then
+    PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" python3 scripts/plot_server_levels.py "$OUT/server.json" "$OUT/server.png" \
+        $(ls "$OUT"/server_c*.json | sort -V)
+    GATE_ARGS=()
+    [ -n "${BASELINE:-}" ] && GATE_ARGS=(--baseline "$BASELINE")
+    python3 -m bench_latency --from-json "$OUT/server.json" --save-baseline "$OUT/baseline.json" \
+        "${GATE_ARGS[@]}" || { G=$?; [ $RC -eq 0 ] && RC=$G; }
+fi
 exit $RC

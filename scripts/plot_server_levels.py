@@ -23,7 +23,10 @@ def main(dst_json: str, dst_png: str, *sources: str) -> None:
                           "concurrency": [lv["concurrency"] for lv in merged["levels"]]}
     with open(dst_json, "w") as f:
         json.dump(merged, f, indent=1)
-    plot(merged, dst_png)
+    try:
+        plot(merged, dst_png)
+    except ImportError as e:  # the merged JSON is what the gate needs; the plot is a bonus
+        print(f"no plot ({e}); merged report in {dst_json}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -607,6 +607,7 @@ def test_two_engines_with_different_ops_in_one_process(tiny_bundle):
 
     import torch.nn.functional as F
 
+    from engine import quant
     from engine.ops import REFERENCE
 
     calls = {"f64": 0}
@@ -632,7 +633,7 @@ def test_two_engines_with_different_ops_in_one_process(tiny_bundle):
     f64_alone = run([build_engine(tiny_bundle, cfg, ops=f64)])
     n_alone = calls["f64"]
     ref, wide = build_engine(tiny_bundle, cfg), build_engine(tiny_bundle, cfg, ops=f64)
-    assert ref.ops.linear is F.linear and wide.ops is f64 and wide.runner.ops is f64
+    assert ref.ops.linear is quant.linear and wide.ops is f64 and wide.runner.ops is f64
     both = run([ref, wide])
     assert calls["f64"] == 2 * n_alone  # the same calls as alone: none came from `ref`
     for a, b in zip(both[ref], next(iter(ref_alone.values()))):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kernels import activation, extension_available, prev_tokens, sampling
+from engine.kernels import activation, extension_available, linear, prev_tokens, sampling
 from engine.kernels import decode_attention as attention
 
 
@@ -426,3 +426,345 @@ def test_ops_are_chosen_once_per_engine():
     assert REFERENCE.codec == CodecOps() and REFERENCE.fused == "reference"
     with pytest.raises(ValueError, match="fused ops must be one of"):
         build_ops("cpu", fused="fast")
+
+
+# ---------------------------------------------------------------------- small-M linear
+# csrc/linear.cu (`linear_small_m`): engine/kernels/linear.py's gemv / fp8_gemv wrappers, the
+# per-shape plan (LinearPlan, load_plan) and the Ops.linear it builds (make_linear).
+def _bf16(*shape, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(torch.bfloat16).to(device)
+
+
+def test_linear_fallbacks_are_the_references():
+    import torch.nn.functional as F
+
+    from engine.quant import fp8_linear_torch, quantize_fp8
+
+    x, w = _bf16(2, 3, 64), _bf16(40, 64, seed=1)
+    fw = quantize_fp8(w)
+    assert torch.equal(linear.gemv(x, w), F.linear(x, w))
+    assert torch.equal(linear.fp8_gemv(x, fw), fp8_linear_torch(x, fw))
+    assert torch.equal(linear.gemv(x, w, splits=3, kwarps=2, kernel=False), F.linear(x, w))
+    assert linear.gemv(x[0, 0], w).shape == (40,)  # one row, x [K]
+    assert linear.fp8_gemv(x[:, :0], fw).shape == (2, 0, 40)  # no rows
+    assert not linear.supports(1, 40, 64, False)  # no extension on a CPU
+
+
+def _wide(rows, cols, start, k):
+    return _bf16(rows, cols)[:, start:start + k]
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda: (_bf16(2, 64).float(), _bf16(8, 64)), "x must be bfloat16"),
+    (lambda: (_bf16(2, 64), _bf16(8, 64).float()), "weight must be a torch.bfloat16"),
+    (lambda: (_bf16(2, 40), _bf16(8, 40)), "multiple of 16"),
+    (lambda: (_bf16(2, 48), _bf16(8, 64)), "last dim must be K = 64"),
+    (lambda: (_bf16(65, 64), _bf16(8, 64)), "at most 64"),
+    (lambda: (_bf16(2, 64), _bf16(64, 8).t()), "contiguous and 16-byte aligned"),
+    (lambda: (_bf16(2, 128)[:, ::2], _bf16(8, 64)), "last dim must be contiguous"),
+    (lambda: (_wide(3, 72, 4, 64), _bf16(8, 64)), "16-byte aligned"),  # base 8 bytes off
+    (lambda: (_wide(3, 68, 0, 64), _bf16(8, 64)), "row stride 68"),  # 136-byte rows
+    (lambda: (_bf16(3, 4, 64).transpose(0, 1), _bf16(8, 64)), "flatten to rows"),
+])
+def test_linear_contract(make, match):
+    x, w = make()
+    with pytest.raises(ValueError, match=match):
+        linear.gemv(x, w)
+    if w.dtype == torch.bfloat16 and "weight" not in match:  # the same checks for FP8 weights
+        from engine.quant import quantize_fp8
+
+        fw = quantize_fp8(w.contiguous())
+        if not w.is_contiguous():
+            fw = type(fw)(fw.q.t().contiguous().t(), fw.scale)
+            match = "contiguous"
+        with pytest.raises(ValueError, match=match):
+            linear.fp8_gemv(x, fw)
+
+
+@pytest.mark.parametrize("kw", [{"splits": -1}, {"splits": 65}, {"splits": True},
+                                {"splits": 1.5}, {"kwarps": 3}, {"kwarps": 16}])
+def test_linear_rejects_bad_splits_and_kwarps(kw):
+    with pytest.raises(ValueError, match=r"(splits|kwarps) must be"):
+        linear.gemv(_bf16(2, 64), _bf16(8, 64), **kw)
+
+
+def test_fp8_gemv_checks_the_weight():
+    from engine.quant import Fp8Weight, quantize_fp8
+
+    x, fw = _bf16(2, 384), quantize_fp8(_bf16(130, 384))
+    with pytest.raises(ValueError, match="takes an Fp8Weight"):
+        linear.fp8_gemv(x, _bf16(130, 384))
+    with pytest.raises(ValueError, match="block scales"):  # the K-major scale bug
+        linear.fp8_gemv(x, Fp8Weight(fw.q, fw.scale.t().contiguous()))
+
+
+def _plan_rows():
+    return [
+        {"fp8": False, "m": 1, "n": 256, "k": 64, "impl": "gemv", "splits": 4,
+         "us": {"library": 5.0, "gemv": 3.0}},
+        {"fp8": False, "m": 8, "n": 256, "k": 64, "impl": "gemv", "splits": 1, "us": {}},
+        {"fp8": False, "m": 16, "n": 256, "k": 64, "impl": "library", "splits": 1},
+        {"fp8": True, "m": 4, "n": 256, "k": 64, "impl": "triton", "splits": 1},
+        {"fp8": True, "m": 2, "n": 256, "k": 64, "impl": "gemv", "splits": 2},
+    ]
+
+
+def test_linear_plan_load_and_choose(tmp_path):
+    import json
+
+    assert linear.load_plan(tmp_path / "missing.json") is None
+    assert linear.load_plan(None) is None
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps({"device": "test", "rows": _plan_rows()}))
+    plan = linear.load_plan(path)
+    assert plan is not None and len(plan.rows) == 5
+    # the nearest recorded M at or above m, same N and K; FP8 rows apart
+    assert plan.choose(1, 256, 64, False) == ("gemv", 4)
+    assert plan.choose(2, 256, 64, False) == ("gemv", 1)
+    assert plan.choose(8, 256, 64, False) == ("gemv", 1)
+    assert plan.choose(9, 256, 64, False) == ("library", 1)
+    assert plan.choose(17, 256, 64, False) == ("library", 1)  # above the table
+    assert plan.choose(1, 256, 64, True) == ("gemv", 2)
+    assert plan.choose(3, 256, 64, True) == ("triton", 1)
+    assert plan.choose(5, 256, 64, True) == ("library", 1)
+    assert plan.choose(1, 512, 64, False) == ("library", 1)  # an unknown shape
+    assert dict(plan.rows[0].us) == {"library": 5.0, "gemv": 3.0}
+    path.write_text(json.dumps(plan.to_json()))  # a bare list of rows loads too
+    assert linear.load_plan(path) == plan
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"impl": "triton"}, "impl must be one of"),  # Triton is an FP8 candidate only
+    ({"impl": "cublas"}, "impl must be one of"),
+    ({"splits": 0}, "splits must be"),
+    ({"m": 0}, "m must be"),
+    ({"fp8": 1}, "fp8 must be"),
+    ({"us": {"gemv": "fast"}}, "us must map"),
+    ({"n": None}, "n must be"),
+])
+def test_linear_plan_rejects_bad_rows(tmp_path, change, match):
+    import json
+
+    rows = _plan_rows()
+    rows[1] = {**rows[1], **change}
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps(rows))
+    with pytest.raises(ValueError, match=f"row 1: {match}"):
+        linear.load_plan(path)
+    with pytest.raises(ValueError, match="two rows"):
+        linear.LinearPlan.from_rows([*_plan_rows(), _plan_rows()[0]])
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="not JSON"):
+        linear.load_plan(path)
+
+
+def test_make_linear_on_cpu_runs_the_references(monkeypatch):
+    """On a CPU every shape takes the library / reference path whatever the plan says, and
+    the choice is made once per shape (one dict lookup per call after that)."""
+    import torch.nn.functional as F
+
+    from engine.quant import fp8_linear_torch, quantize_fp8
+
+    plan = linear.LinearPlan.from_rows(_plan_rows())
+    calls = []
+    real = linear.resolve
+    monkeypatch.setattr(linear, "resolve", lambda *a: calls.append(a) or real(*a))
+    fn = linear.make_linear(plan, kernels=True)
+    x, w = _bf16(1, 64), _bf16(256, 64, seed=1)
+    fw = quantize_fp8(w)
+    for _ in range(3):
+        assert torch.equal(fn(x, w), F.linear(x, w))
+        assert torch.equal(fn(x, fw), fp8_linear_torch(x, fw))
+    assert torch.equal(fn(x.float(), w.float()), F.linear(x.float(), w.float()))  # CPU fp32
+    assert torch.equal(fn(x[None].expand(3, 1, 64), w), F.linear(x[None].expand(3, 1, 64), w))
+    assert [(a[2], a[5]) for a in calls] == [(1, False), (1, True), (1, False), (3, False)]
+
+
+def test_linear_resolve_follows_the_plan(monkeypatch):
+    """The function picked per shape: the kernel where the plan says gemv and it can run
+    (CUDA, bf16 x, kernels on, a supported shape), the library path otherwise; FP8's library
+    path is the Triton kernel where it imports (on CUDA), else the reference."""
+    import torch.nn.functional as F
+
+    from engine.quant import fp8_linear_torch
+
+    plan = linear.LinearPlan.from_rows(_plan_rows())
+    monkeypatch.setattr(linear, "supports", lambda m, n, k, fp8: m <= 64)
+    sentinel = object()
+    monkeypatch.setattr(linear, "triton_fp8", lambda: sentinel)
+    bf, f32 = torch.bfloat16, torch.float32
+    picked = linear.resolve(plan, True, 1, 256, 64, False, bf, True)
+    assert picked is not F.linear and callable(picked)
+    assert linear.resolve(plan, False, 1, 256, 64, False, bf, True) is F.linear
+    assert linear.resolve(plan, True, 1, 256, 64, False, bf, False) is F.linear
+    assert linear.resolve(plan, True, 1, 256, 64, False, f32, True) is F.linear
+    assert linear.resolve(plan, True, 16, 256, 64, False, bf, True) is F.linear
+    assert linear.resolve(None, True, 1, 256, 64, False, bf, True) is F.linear
+    assert linear.resolve(plan, True, 3, 256, 64, True, bf, True) is sentinel  # "triton"
+    assert linear.resolve(plan, True, 9, 256, 64, True, bf, True) is sentinel  # "library"
+    assert linear.resolve(plan, True, 9, 256, 64, True, bf, False) is fp8_linear_torch
+    monkeypatch.setattr(linear, "triton_fp8", lambda: None)
+    assert linear.resolve(plan, True, 3, 256, 64, True, bf, True) is fp8_linear_torch
+    fp8_kernel = linear.resolve(plan, True, 1, 256, 64, True, bf, True)
+    assert fp8_kernel not in (fp8_linear_torch, F.linear)
+    # a call whose x breaks the kernel's layout contract takes the library path instead
+    x, w = _wide(1, 72, 4, 64), _bf16(256, 64, seed=1)
+    assert torch.equal(picked(x, w), F.linear(x, w))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU message")
+def test_linear_bench_needs_a_gpu(capsys):
+    from bench_latency import linear_bench
+
+    assert linear_bench.main([]) == 1
+    assert "needs a CUDA device" in capsys.readouterr().err
+
+
+# S2-Pro's decode shapes (wqkv, wo, w2, semantic logits with N = 4097) and odd ones: N = 300
+# and 17 (partial 16-row tiles), K = 2576 (a partial K chunk: 2576 % 32 = 2576 % 128 = 16),
+# K = 48 (one partial chunk only)
+_LINEAR_SHAPES = [(6144, 2560), (2560, 4096), (2560, 9728), (4097, 2560), (300, 2560),
+                  (300, 9728), (17, 2576), (40, 48)]
+# every MMA n-tile template (M <= 8, 16, 32, 64) and its edges
+_LINEAR_MS = [1, 2, 3, 4, 7, 8, 9, 16, 17, 32, 33, 64]
+
+
+def _assert_linear_close(got, x, wf):
+    """A kernel result against the float32 product. The kernel accumulates in float32 (in its
+    own order: split-K, MMA k-steps) and rounds once to bf16, so it may differ from the exact
+    product by half a bf16 ulp (2^-8 relative at worst) plus float32 summation error, bounded
+    here by 2^-14 of sum_k |x w| (a float32 ordering error is ~K 2^-24 of that at worst)."""
+    ref = x.float() @ wf.t()
+    bound = 2**-8 * ref.abs() + 2**-14 * (x.float().abs() @ wf.abs().t())
+    err = (got.float() - ref).abs()
+    assert got.dtype == torch.bfloat16 and got.shape == ref.shape
+    assert bool(torch.isfinite(got).all())
+    assert bool((err <= bound).all()), f"max error {float(err.max()):.3g}, " \
+        f"worst err/bound {float((err / bound).max()):.3g}"
+
+
+_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.cuda
+@_cuda
+@pytest.mark.parametrize("N,K", _LINEAR_SHAPES)
+@pytest.mark.parametrize("M", _LINEAR_MS)
+def test_gemv_cuda_kernel_matches_reference(N, K, M):
+    assert extension_available(), "the CUDA extension did not build"
+    assert linear.supports(M, N, K, False)
+    w = (_bf16(N, K, seed=N + K, device="cuda").float() / K**0.5).to(torch.bfloat16)
+    x = _bf16(M, K, seed=M, device="cuda")
+    wf = w.float()
+    for splits in (0, 1, 2, 5, 64):  # 64 > chunks for most K: empty ranges write zeros
+        _assert_linear_close(linear.gemv(x, w, splits=splits), x, wf)
+    for kwarps in (1, 2, 4, 8):  # 8, 4, 2, 1 row tiles per block
+        _assert_linear_close(linear.gemv(x, w, splits=1, kwarps=kwarps), x, wf)
+
+
+@pytest.mark.cuda
+@_cuda
+@pytest.mark.parametrize("N,K", _LINEAR_SHAPES)
+@pytest.mark.parametrize("M", _LINEAR_MS)
+def test_fp8_gemv_cuda_kernel_matches_reference(N, K, M):
+    from engine.quant import dequantize_fp8, quantize_fp8
+
+    assert extension_available(), "the CUDA extension did not build"
+    # rows of very different magnitudes: scales vary by row block and K block
+    w = _bf16(N, K, seed=N + K, device="cuda").float()
+    w = w * torch.logspace(-3, 3, N, device="cuda")[:, None] / K**0.5
+    fw = quantize_fp8(w)
+    x = _bf16(M, K, seed=M, device="cuda")
+    wf = dequantize_fp8(fw)  # the exact weight the FP8 values stand for
+    for splits in (0, 1, 3, 64):
+        _assert_linear_close(linear.fp8_gemv(x, fw, splits=splits), x, wf)
+    for kwarps in (1, 2, 4, 8):
+        _assert_linear_close(linear.fp8_gemv(x, fw, splits=1, kwarps=kwarps), x, wf)
+
+
+@pytest.mark.cuda
+@_cuda
+def test_fp8_gemv_cuda_every_e4m3_value():
+    """All 254 finite e4m3 codes (subnormals, both zeros, +-448) through the kernel's
+    bit-level e4m3 -> bf16 conversion, with scales far from 1."""
+    from engine.quant import Fp8Weight, dequantize_fp8
+
+    assert extension_available(), "the CUDA extension did not build"
+    g = torch.Generator().manual_seed(5)
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    q = codes[torch.randint(0, len(codes), (256, 1024), generator=g)]
+    q[0, :254] = codes  # every code at least once
+    scale = 2.0 ** torch.randint(-20, 10, (2, 8), generator=g).float()
+    fw = Fp8Weight(q.view(torch.float8_e4m3fn).cuda(), scale.cuda())
+    x = _bf16(5, 1024, seed=6, device="cuda")
+    _assert_linear_close(linear.fp8_gemv(x, fw, splits=1), x, dequantize_fp8(fw))
+    one = torch.zeros(1, 1024, dtype=torch.bfloat16, device="cuda")
+    one[0, :254] = 1  # row 0 sums every code once, scale 2^e: exactly representable terms
+    got = linear.fp8_gemv(one, fw, splits=1)[0, 0].float()
+    want = dequantize_fp8(fw)[0, :254].double().sum().float()
+    torch.testing.assert_close(got, want.to(torch.bfloat16).float(), rtol=2**-8, atol=0)
+
+
+@pytest.mark.cuda
+@_cuda
+def test_linear_cuda_strided_rows_leading_dims_and_dispatch():
+    import torch.nn.functional as F
+
+    from engine.quant import fp8_linear_torch, quantize_fp8
+
+    assert extension_available(), "the CUDA extension did not build"
+    N, K = 4097, 2560
+    w = (_bf16(N, K, seed=1, device="cuda").float() / K**0.5).to(torch.bfloat16)
+    fw = quantize_fp8(w)
+    wide = _bf16(6, K + 64, seed=2, device="cuda")
+    x = wide[:, 32:32 + K]  # rows 5,248 bytes apart, starting 64 bytes in
+    for got in (linear.gemv(x, w, splits=2), linear.gemv(x.contiguous(), w, splits=2)):
+        _assert_linear_close(got, x, w.float())
+    x3 = wide.view(2, 3, K + 64)[..., :K]  # [2, 3, K]: leading dims flatten to rows
+    got = linear.fp8_gemv(x3, fw)
+    assert got.shape == (2, 3, N)
+    from engine.quant import dequantize_fp8
+
+    _assert_linear_close(got.view(6, N), x3.reshape(6, K), dequantize_fp8(fw))
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        linear.gemv(wide[:, 4:4 + K], w)
+    # make_linear with a plan that picks the kernel: the kernel's result for aligned rows,
+    # the library's (exactly) for rows it cannot take
+    plan = linear.LinearPlan.from_rows([
+        {"fp8": False, "m": 8, "n": N, "k": K, "impl": "gemv", "splits": 2},
+        {"fp8": True, "m": 8, "n": N, "k": K, "impl": "gemv", "splits": 1}])
+    fn = linear.make_linear(plan, kernels=True)
+    assert torch.equal(fn(x, w), linear.gemv(x, w, splits=2))
+    assert torch.equal(fn(x, fw), linear.fp8_gemv(x, fw, splits=1))
+    bad = wide[:, 4:4 + K]
+    assert torch.equal(fn(bad, w), F.linear(bad, w))
+    assert torch.equal(linear.make_linear(None, kernels=True)(x, w), F.linear(x, w))
+    tri = linear.triton_fp8()
+    ref = fp8_linear_torch if tri is None else tri
+    torch.testing.assert_close(linear.make_linear(None, kernels=True)(x, fw), ref(x, fw))
+
+
+@pytest.mark.cuda
+@_cuda
+@pytest.mark.parametrize("fp8", [False, True])
+def test_linear_cuda_graph_replay(fp8):
+    """Captured once (split-K workspace from the graph's pool), replayed on new inputs."""
+    from engine.quant import dequantize_fp8, quantize_fp8
+
+    assert extension_available(), "the CUDA extension did not build"
+    w = (_bf16(2560, 4096, seed=3, device="cuda").float() / 64).to(torch.bfloat16)
+    fw = quantize_fp8(w)
+    run = ((lambda x: linear.fp8_gemv(x, fw, splits=4)) if fp8
+           else (lambda x: linear.gemv(x, w, splits=4)))
+    x = torch.zeros(4, 4096, dtype=torch.bfloat16, device="cuda")
+    run(x)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = run(x)
+    for seed in (7, 8):
+        x.copy_(_bf16(4, 4096, seed=seed, device="cuda"))
+        g.replay()
+        torch.cuda.synchronize()
+        _assert_linear_close(out, x, dequantize_fp8(fw) if fp8 else w.float())

@@ -1,0 +1,467 @@
+// linear_small_m: y = x @ W^T for the few rows of a decode step (M = 1..64), bf16 activations
+// and output, float32 accumulation, W in bf16 or in FP8 e4m3 with 128 x 128 block scales
+// (weight-only: the e4m3 values become bf16 in registers).
+//
+// At these M a linear layer is a stream over its weights (31 MB for S2-Pro's wqkv in bf16):
+// the kernel's job is to keep enough bytes in flight to run at the HBM's copy bandwidth. The
+// previous attempt (a CUDA-core GEMV, x staged through shared memory with a __syncthreads per
+// 1024-element tile, 8 warps over R rows each, a grid of N / 8R blocks) was slower than cuBLAS
+// on the H200. This one:
+//   - multiplies on the tensor cores (mma.sync m16n8k16, "swap AB": 16 weight rows are the A
+//     operand, 8 x rows the B operand, so M = 1..8 is one MMA column tile, M = 64 eight), and
+//     feeds them straight from 16-byte loads: a dot product is a sum, so K may be visited in
+//     any order as long as A and B use the same one. Lane (g = lane / 4, t = lane % 4) loads
+//     16 contiguous bytes of weight rows g and g + 8 at k = kk + t * (16 / elem) and 16 (bf16
+//     W) or 32 (FP8 W) bytes of x row g at the same k, which are exactly the A and B fragments
+//     of two (bf16: 32 k) or four (FP8: 64 k) m16n8k16 steps under a permutation of k;
+//   - has no shared memory and no barrier in the main loop: x (M x K bf16, at most 1.3 MB) is
+//     read through L1 by every warp that needs it;
+//   - issues a whole batch of loads before the first MMA: U chunks x 2 rows x 16 bytes of
+//     weights per lane (8 x 16 B at M <= 16; 4 KB per warp), with an L2 256-byte prefetch hint
+//     and no L1 allocation, in a main loop without predicates (ptxas sinks predicated loads,
+//     and any load when register use is unbounded, to their use: one round trip per load);
+//   - fills the GPU at small N by splitting K: inside a block (the warps of a 16-row tile take
+//     interleaved K batches, summed through shared memory once at the end; 8 warps on one tile
+//     for N <= ~4,200) and, with `splits` > 1, across blocks (float32 partials to a workspace,
+//     summed by a second, tiny kernel).
+// FP8: each e4m3 byte is moved into a bf16's bit fields and scaled by 2^120 (exact; integer and
+// FMA instructions only, no conversion unit); one 128-wide K chunk is one scale block, whose
+// MMA sum is multiplied by its scale (all 16 rows of a tile share it: 128 % 16 == 0) and added
+// to the float32 accumulator. Accuracy: both variants accumulate exact products in float32 and
+// round once, so they are at least as close to the exact product as F.linear (which rounds
+// the dequantised FP8 weight to bf16 first).
+//
+// Contract (checked by engine/kernels/linear.py and again here):
+//   x      [M, K]  bf16, 1 <= M <= 64, rows may be strided (row stride * 2 and the base
+//                  16-byte aligned), last dim contiguous
+//   w      [N, K]  bf16, or float8_e4m3fn with `scale`; contiguous, 16-byte aligned; finite
+//                  (a lane with nothing to read loads row 0 and discards it; e4m3 NaN codes
+//                  read as +-480)
+//   scale  [ceil(N/128), ceil(K/128)] float32, contiguous (FP8 only; None for bf16):
+//                  W[n, k] = w[n, k] * scale[n / 128, k / 128]
+//   out    [M, N]  bf16, contiguous
+//   K % 16 == 0; N >= 1; compute capability 8.0+
+//   splits 1..64: K cut into this many ranges read by separate blocks (float32 partials,
+//                  summed by linear_splits_reduce); 0: automatic
+//   kwarps 1, 2, 4, 8: warps of a block sharing one 16-row tile (K split inside the block);
+//                  0: automatic (the fewest that still give two blocks per SM, else 8)
+
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_bf16.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <type_traits>
+#include <utility>
+
+namespace {
+
+constexpr int kWarps = 8;
+constexpr int kThreads = kWarps * 32;
+constexpr int kTileRows = 16;  // weight rows per warp tile (the MMA's M)
+constexpr int kMaxM = 64;      // 8 MMA n-tiles of 8 x rows
+constexpr int kMaxSplits = 64;
+constexpr int kScaleBlock = 128;
+
+// 16 bytes of weights, read once: no L1 allocation, the L2 fetches 256-byte lines. Never
+// predicated: ptxas sinks a predicated load (its registers zeroed first) to its use.
+__device__ __forceinline__ uint4 ld_weights(const void* p) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
+  return v;
+}
+
+// 16 bytes of activations: read by every warp of every block, kept in L1.
+__device__ __forceinline__ uint4 ld_x(const void* p) {
+  uint4 v;
+  asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
+  return v;
+}
+
+// d += A (16 x 16, row-major) * B (16 x 8, column-major); bf16 in, float32 accumulate.
+// a0: (row g, k 2t..2t+1), a1: (row g+8, same k), a2: (row g, k 2t+8..2t+9), a3: (row g+8);
+// b0: (k 2t..2t+1, col g), b1: (k 2t+8..2t+9, col g); d: (row g | g+8, cols 2t, 2t+1).
+__device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                         uint32_t a3, uint32_t b0, uint32_t b1) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#else
+  __trap();  // bf16 MMA needs sm_80; the host refuses older devices (other kernels still build)
+#endif
+}
+
+// Four e4m3 values (bytes b0..b3 of v, b0 first) -> bf16x2 lo = (b0, b1), hi = (b2, b3),
+// exactly, on the integer and FMA pipes rather than the conversion unit (cvt e4m3 -> f16 ->
+// f32 -> bf16 takes 4 instructions per pair, two of them conversions): each byte's sign goes
+// to a bf16's sign and its 4 exponent + 3 mantissa bits to the bf16's low exponent bits and
+// top mantissa bits, which makes a bf16 of 2^-120 times the value (e4m3's bias is 7, bf16's
+// 127; subnormals map to bf16 subnormals), then a multiplication by 2^120 (exact, and the
+// bf16 FMA keeps subnormal inputs).
+__device__ __forceinline__ void e4m3x4_to_bf16x4(uint32_t v, uint32_t& lo, uint32_t& hi) {
+  const uint32_t p = __byte_perm(v, 0u, 0x3120);  // bytes [b3 b1 b2 b0]: b2, b3 in bytes 1, 3
+  const uint32_t q = p << 8;                       // bytes [b1 b2 b0 0]: b0, b1 in bytes 1, 3
+  const uint32_t h = (p & 0x80008000u) | ((p & 0x7F007F00u) >> 4);
+  const uint32_t l = (q & 0x80008000u) | ((q & 0x7F007F00u) >> 4);
+  __nv_bfloat162_raw k2;
+  k2.x = k2.y = 0x7B80;  // 2^120
+  const __nv_bfloat162 k(k2);
+  const __nv_bfloat162 bl = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&l), k);
+  const __nv_bfloat162 bh = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&h), k);
+  lo = *reinterpret_cast<const uint32_t*>(&bl);
+  hi = *reinterpret_cast<const uint32_t*>(&bh);
+}
+
+// 16 e4m3 values -> 8 bf16x2 registers, r[i] = elements 2i, 2i+1.
+__device__ __forceinline__ void e4m3x16_to_bf16(const uint4& v, uint32_t (&r)[8]) {
+  e4m3x4_to_bf16x4(v.x, r[0], r[1]);
+  e4m3x4_to_bf16x4(v.y, r[2], r[3]);
+  e4m3x4_to_bf16x4(v.z, r[4], r[5]);
+  e4m3x4_to_bf16x4(v.w, r[6], r[7]);
+}
+
+struct Args {
+  const __nv_bfloat16* x;
+  int64_t x_rs;          // x's row stride (elements)
+  const uint8_t* w;      // [N, K] bf16 or e4m3
+  const float* scale;    // [ceil(N/128), kb] (FP8)
+  __nv_bfloat16* y;      // [M, N] (splits == 1)
+  float* ws;             // [splits, M, N] float32 partials (splits > 1)
+  int M, N, K, kb;
+  int kw;                // warps per 16-row tile
+  int n_chunks, cps;     // K chunks in all, per split
+};
+
+// x fragments of one 16-byte weight load step: x rows 8 j + g (xrow[j] points at the lane's
+// k offset of its row) at k = kk + t * kVec: 8 bf16 (bf16 W) or 16 (FP8 W) per n-tile j.
+template <int NT, bool F8>
+struct XFrag {
+  uint4 v[NT][F8 ? 2 : 1];
+};
+
+template <int NT, bool F8>
+__device__ __forceinline__ void load_x(XFrag<NT, F8>& f, const __nv_bfloat16* const (&xrow)[NT],
+                                       int kk) {
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    f.v[j][0] = ld_x(xrow[j] + kk);
+    if constexpr (F8) f.v[j][1] = ld_x(xrow[j] + kk + 8);
+  }
+}
+
+// d += weight rows g and g + 8 (wa, wb: 8 bf16 or 16 e4m3 values at k = kk + t * kVec) times
+// the x fragments.
+template <int NT, bool F8>
+__device__ __forceinline__ void mma_step(float (&d)[NT][4], const uint4& wa, const uint4& wb,
+                                         const XFrag<NT, F8>& x) {
+  if constexpr (F8) {
+    uint32_t ra[8], rb[8];
+    e4m3x16_to_bf16(wa, ra);
+    e4m3x16_to_bf16(wb, rb);
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      const uint4 x0 = x.v[j][0], x1 = x.v[j][1];
+      const uint32_t xb[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+#pragma unroll
+      for (int q = 0; q < 4; ++q)
+        mma_bf16(d[j], ra[2 * q], rb[2 * q], ra[2 * q + 1], rb[2 * q + 1], xb[2 * q],
+                 xb[2 * q + 1]);
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      const uint4 xv = x.v[j][0];
+      mma_bf16(d[j], wa.x, wb.x, wa.y, wb.y, xv.x, xv.y);
+      mma_bf16(d[j], wa.z, wb.z, wa.w, wb.w, xv.z, xv.w);
+    }
+  }
+}
+
+// Block: 8 warps = (8 / kw) row tiles x kw warps splitting the tile's K chunks (batches of U
+// consecutive chunks, dealt round-robin). Grid: (tiles / (8 / kw), splits). NT: MMA n-tiles
+// (8 x rows each, M <= 8 NT). A chunk is 32 k (bf16: one 16-byte load per row and lane) or
+// 128 k (FP8: two 16-byte loads, one scale block).
+//
+// The main loop runs whole batches with no predicate at all: a weight row past N reads row 0
+// instead (rows of the MMA are independent: its output is dropped), an x row past M reads x
+// row 0 (so are columns). Only the last, partial batch of a warp (chunks past the split's
+// range, a chunk reaching past K) takes the checked path.
+template <int NT, int U, bool F8, int MINB>
+__global__ void __launch_bounds__(kThreads, MINB) linear_small_m_kernel(const Args a) {
+  constexpr int kEl = F8 ? 1 : 2;             // bytes per weight element
+  constexpr int kVec = 16 / kEl;              // weight elements per 16-byte load
+  constexpr int kSteps = F8 ? 2 : 1;          // 16-byte loads per row, lane and chunk
+  constexpr int kChunk = kSteps * 4 * kVec;   // 32 (bf16) or 128 (FP8) k per chunk
+  __shared__ float red[kWarps][NT * 4][32];
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int rt = warp / a.kw, kw = warp - rt * a.kw;
+  const int n0 = (blockIdx.x * (kWarps / a.kw) + rt) * kTileRows;
+  const int c_begin = blockIdx.y * a.cps, c_end = min(a.n_chunks, c_begin + a.cps);
+  const int c_full = min(c_end, a.K / kChunk);  // chunks [.., c_full) lie inside K
+  const int64_t row_bytes = static_cast<int64_t>(a.K) * kEl;
+  const uint8_t* w0 = a.w + (n0 + g < a.N ? static_cast<int64_t>(n0 + g) * row_bytes : 0) + t * 16;
+  const uint8_t* w1 = a.w + (n0 + g + 8 < a.N ? static_cast<int64_t>(n0 + g + 8) * row_bytes : 0) +
+                      t * 16;
+  const __nv_bfloat16* xrow[NT];
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+    xrow[j] = a.x + (8 * j + g < a.M ? (8 * j + g) * a.x_rs : 0) + t * kVec;
+  const float* srow = F8 ? a.scale + static_cast<int64_t>(n0 / kScaleBlock) * a.kb : nullptr;
+
+  float acc[NT][4];
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
+
+  // One batch: U chunks from c0, every load first (2 U kSteps x 16 bytes of weights in flight
+  // per lane), then the MMAs. kCheck (a warp's last batch, if partial): a chunk past the
+  // split's range or a step past K loads from its rows' starts instead and counts as zeros.
+  auto batch = [&](int c0, auto check) {
+    constexpr bool kCheck = decltype(check)::value;
+    uint4 wa[U][kSteps], wb[U][kSteps];
+    XFrag<NT, F8> xf[U][kSteps];
+    bool live[U][kSteps];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+#pragma unroll
+      for (int s = 0; s < kSteps; ++s) {
+        const int kk = (c0 + u) * kChunk + s * 4 * kVec;
+        live[u][s] = !kCheck || (c0 + u < c_end && kk + t * kVec < a.K);
+        // a dead step reads the first 16 bytes of the row (the lane's offset t * kVec is
+        // undone: K may be shorter than a quad's 4 * kVec)
+        const int64_t at = live[u][s] ? kk : -t * kVec;
+        wa[u][s] = ld_weights(w0 + at * kEl);
+        wb[u][s] = ld_weights(w1 + at * kEl);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int s = 0; s < kSteps; ++s)
+        load_x(xf[u][s], xrow, live[u][s] ? (c0 + u) * kChunk + s * 4 * kVec : -t * kVec);
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if constexpr (kCheck) {
+#pragma unroll
+        for (int s = 0; s < kSteps; ++s) {
+          if (!live[u][s]) {  // both operands zero: exact zeros whatever was read
+            const uint4 z = make_uint4(0u, 0u, 0u, 0u);
+            wa[u][s] = wb[u][s] = z;
+#pragma unroll
+            for (int j = 0; j < NT; ++j)
+#pragma unroll
+              for (int h = 0; h < (F8 ? 2 : 1); ++h) xf[u][s].v[j][h] = z;
+          }
+        }
+      }
+      if constexpr (F8) {
+        float part[NT][4] = {};  // this chunk's (scale block's) sum
+#pragma unroll
+        for (int s = 0; s < kSteps; ++s) mma_step<NT, F8>(part, wa[u][s], wb[u][s], xf[u][s]);
+        const float sc = !kCheck || c0 + u < c_end ? __ldg(srow + c0 + u) : 0.f;
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[j][e] = fmaf(sc, part[j][e], acc[j][e]);
+      } else {
+        mma_step<NT, F8>(acc, wa[u][0], wb[u][0], xf[u][0]);
+      }
+    }
+  };
+  // batches dealt round-robin to the tile's kw warps; whole ones unchecked, then at most one
+  // partial one per warp (the next would start at or past c_full + 1 >= c_end)
+  int c0 = c_begin + kw * U;
+  for (; c0 + U <= c_full; c0 += a.kw * U) batch(c0, std::false_type{});
+  if (c0 < c_end) batch(c0, std::true_type{});
+
+  // the kw warps of a tile: the first one sums the others' accumulators
+  if (a.kw > 1) {
+    if (kw > 0) {
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) red[warp][j * 4 + e][lane] = acc[j][e];
+    }
+    __syncthreads();
+    if (kw > 0) return;
+    for (int o = 1; o < a.kw; ++o) {
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[j][e] += red[warp + o][j * 4 + e][lane];
+    }
+  }
+  // d[e]: row n0 + g (+ 8 for e >= 2), x row 8 j + 2 t (+ 1 for odd e)
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int n = n0 + g + (e >= 2 ? 8 : 0), m = 8 * j + 2 * t + (e & 1);
+      if (n < a.N && m < a.M) {
+        if (a.ws != nullptr)  // an empty split range writes its zeros too
+          a.ws[(static_cast<int64_t>(blockIdx.y) * a.M + m) * a.N + n] = acc[j][e];
+        else
+          a.y[static_cast<int64_t>(m) * a.N + n] = __float2bfloat16(acc[j][e]);
+      }
+    }
+  }
+}
+
+// y = sum over the splits' float32 partials ws [splits, M, N], rounded once to bf16.
+__global__ void linear_splits_reduce(const float* __restrict__ ws, __nv_bfloat16* __restrict__ y,
+                                     int64_t mn, int splits) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < mn;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    float s = 0.f;
+    for (int p = 0; p < splits; ++p) s += ws[p * mn + i];
+    y[i] = __float2bfloat16(s);
+  }
+}
+
+// (SM count, compute capability major) per device; a racing first call writes the same values
+std::pair<int, int> device_info(int dev) {
+  static int cached[64][2] = {};
+  if (dev < 64 && cached[dev][0] != 0) return {cached[dev][0], cached[dev][1]};
+  int n = 0, major = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  if (dev < 64) {
+    cached[dev][1] = major;
+    cached[dev][0] = n;
+  }
+  return {n, major};
+}
+
+template <bool F8>
+void launch(const Args& a, dim3 grid, cudaStream_t stream) {
+  // <n-tiles, chunks per batch U, FP8, min blocks per SM>: U shrinks as the x fragments (NT
+  // per load step) take registers. The min-blocks bound matters beyond occupancy: without
+  // it ptxas sinks each load to its MMA (fewest registers) and a warp has one load of each
+  // row in flight instead of U (FP8: 2 U); with it the whole batch is issued first. Chosen
+  // as the largest bound that compiles without spills.
+  const int nt = (a.M + 7) / 8;
+#define RTV_LAUNCH(NT, U, MINB) \
+  linear_small_m_kernel<NT, U, F8, MINB><<<grid, kThreads, 0, stream>>>(a)
+  if constexpr (F8) {
+    if (nt <= 1) RTV_LAUNCH(1, 2, 2);
+    else if (nt <= 2) RTV_LAUNCH(2, 2, 2);
+    else if (nt <= 4) RTV_LAUNCH(4, 1, 2);
+    else RTV_LAUNCH(8, 1, 1);
+  } else {
+    if (nt <= 1) RTV_LAUNCH(1, 4, 3);
+    else if (nt <= 2) RTV_LAUNCH(2, 4, 2);
+    else if (nt <= 4) RTV_LAUNCH(4, 2, 2);
+    else RTV_LAUNCH(8, 1, 1);
+  }
+#undef RTV_LAUNCH
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+}  // namespace
+
+void linear_small_m(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> scale,
+                    torch::Tensor out, int64_t splits, int64_t kwarps) {
+  TORCH_CHECK(x.is_cuda() && w.device() == x.device() && out.device() == x.device(),
+              "linear_small_m: x, w and out must be CUDA tensors on one device");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && out.dim() == 2,
+              "linear_small_m: x must be [M, K], w [N, K] and out [M, N]");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(w.size(1) == K && out.size(0) == M && out.size(1) == N,
+              "linear_small_m: shapes do not agree: x ", x.sizes(), ", w ", w.sizes(), ", out ",
+              out.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16,
+              "linear_small_m: x and out must be bfloat16");
+  const bool f8 = scale.has_value();
+  if (f8) {
+    const auto& s = *scale;
+    TORCH_CHECK(w.scalar_type() == at::kFloat8_e4m3fn,
+                "linear_small_m: with a scale, w must be float8_e4m3fn, got ", w.scalar_type());
+    TORCH_CHECK(s.scalar_type() == at::kFloat && s.device() == x.device() && s.dim() == 2 &&
+                    s.size(0) == (N + kScaleBlock - 1) / kScaleBlock &&
+                    s.size(1) == (K + kScaleBlock - 1) / kScaleBlock && s.is_contiguous(),
+                "linear_small_m: scale must be a contiguous float32 [ceil(N/128), ceil(K/128)]"
+                " = [", (N + kScaleBlock - 1) / kScaleBlock, ", ",
+                (K + kScaleBlock - 1) / kScaleBlock, "] on x's device, got ", s.scalar_type(),
+                " ", s.sizes());
+  } else {
+    TORCH_CHECK(w.scalar_type() == at::kBFloat16,
+                "linear_small_m: without a scale, w must be bfloat16, got ", w.scalar_type());
+  }
+  TORCH_CHECK(M <= kMaxM, "linear_small_m: M = ", M, " rows; at most ", kMaxM);
+  TORCH_CHECK(K >= 16 && K % 16 == 0, "linear_small_m: K = ", K, " must be a multiple of 16");
+  TORCH_CHECK(N >= 1 && N < (int64_t{1} << 31) && K < (int64_t{1} << 31),
+              "linear_small_m: N = ", N, " must be >= 1 (and N, K < 2^31)");
+  TORCH_CHECK(w.is_contiguous() && aligned16(w.data_ptr()),
+              "linear_small_m: w must be contiguous and 16-byte aligned");
+  TORCH_CHECK(out.is_contiguous(), "linear_small_m: out must be contiguous");
+  TORCH_CHECK(x.stride(1) == 1 && aligned16(x.data_ptr()) &&
+                  (M <= 1 || (x.stride(0) * 2) % 16 == 0),
+              "linear_small_m: x's rows must be contiguous, 16-byte aligned, with a row stride "
+              "that is a multiple of 8 elements; got strides ", x.strides());
+  TORCH_CHECK(splits >= 0 && splits <= kMaxSplits, "linear_small_m: splits must be in 0..",
+              kMaxSplits, " (0: automatic), got ", splits);
+  TORCH_CHECK(kwarps == 0 || kwarps == 1 || kwarps == 2 || kwarps == 4 || kwarps == 8,
+              "linear_small_m: kwarps must be 0 (automatic), 1, 2, 4 or 8, got ", kwarps);
+  if (M == 0) return;
+  const c10::cuda::CUDAGuard guard(x.device());
+  const auto [n_sm, major] = device_info(x.get_device());
+  TORCH_CHECK(major >= 8, "linear_small_m: needs compute capability 8.0 or newer (bf16 MMA)");
+  const int64_t tiles = (N + kTileRows - 1) / kTileRows;
+  const int chunk = f8 ? 128 : 32;
+  const int64_t n_chunks = (K + chunk - 1) / chunk;
+  // kwarps: the fewest warps per tile (the longest K runs per warp) that still give two
+  // blocks per SM; 8 when even that does not fill the GPU
+  int kw = static_cast<int>(kwarps);
+  if (kw == 0) {
+    kw = kWarps;
+    for (int c = 1; c < kWarps; c *= 2)
+      if ((tiles * c + kWarps - 1) / kWarps >= 2 * n_sm) {
+        kw = c;
+        break;
+      }
+  }
+  // automatic splits: blocks for two per SM, each warp left with >= 2 chunks of K
+  if (splits == 0) {
+    const int64_t blocks = (tiles * kw + kWarps - 1) / kWarps;
+    splits = std::max<int64_t>(
+        1, std::min<int64_t>({(2 * n_sm + blocks - 1) / blocks, n_chunks / (2 * kw),
+                              kMaxSplits}));
+  }
+  const int64_t cps = (n_chunks + splits - 1) / splits;
+  const dim3 grid(static_cast<unsigned>((tiles * kw + kWarps - 1) / kWarps),
+                  static_cast<unsigned>(splits));
+  torch::Tensor ws;
+  if (splits > 1) ws = torch::empty({splits, M, N}, x.options().dtype(at::kFloat));
+  Args a{reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()),
+         M > 1 ? x.stride(0) : 0,
+         reinterpret_cast<const uint8_t*>(w.data_ptr()),
+         f8 ? scale->data_ptr<float>() : nullptr,
+         reinterpret_cast<__nv_bfloat16*>(out.data_ptr()),
+         splits > 1 ? ws.data_ptr<float>() : nullptr,
+         static_cast<int>(M), static_cast<int>(N), static_cast<int>(K),
+         static_cast<int>((K + kScaleBlock - 1) / kScaleBlock),
+         kw, static_cast<int>(n_chunks), static_cast<int>(cps)};
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  if (f8) launch<true>(a, grid, stream);
+  else launch<false>(a, grid, stream);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (splits > 1) {
+    const int64_t mn = M * N;
+    const int blocks = static_cast<int>(std::min<int64_t>((mn + 255) / 256, 4 * n_sm));
+    linear_splits_reduce<<<blocks, 256, 0, stream>>>(ws.data_ptr<float>(), a.y, mn,
+                                                     static_cast<int>(splits));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+}

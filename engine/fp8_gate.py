@@ -1,0 +1,515 @@
+"""The FP8 correctness gate: greedy decode with FP8 linears must match bf16 token for token.
+
+    python -m engine.fp8_gate [--model gate-small|tiny|s2-pro|DIR] [--device cpu|cuda]
+                              [--frames 5] [--seed 0] [--controls] [--json OUT]
+
+The seed's correctness gate (DESIGN.md §2): from a fixed prompt (a short text and a fixed
+8-frame voice reference, built by the project's PromptBuilder), greedy-decode `--frames`
+audio frames with the bf16 model and with a copy whose transformer linears are FP8 e4m3
+with 128 x 128 block scales (engine/quant.py; embeddings, norms and both heads stay bf16).
+Both decodes run through `ModelRunner` as the engine drives it (prefill, one `step` per
+frame, each run free: the FP8 model is fed its own choices, so a flip shows as a mismatch).
+It passes when
+
+  * every frame [t, c0..c9] is equal (5 slow-AR semantic decisions and 5 x 9 fast-AR
+    codebook decisions for 5 frames: c0 is the semantic index itself), and
+  * at every decision up to the first mismatch, ||logits_fp8 - logits_bf16|| / ||logits_bf16||
+    is at most BOUND, for both heads (the 4,097 semantic logits, the 4,096 codebook logits).
+
+Random weights need two changes to make that a test (presets only; a checkpoint DIR runs as
+it is, loaded through `load_model` twice, once with `fp8=True` as the service loads it):
+
+1. Planted margins. With N(0, 0.02^2) weights the heads are unaligned with the hidden states,
+   so every decision is a near-tie (top-1 minus top-2 ~ 0.25 logit-sigma) and FP8's few %
+   of logit noise flips tokens almost surely, while a trained model's distributions are
+   peaked. So the bf16 model's greedy path is planted: at each decision whose margin is
+   below PLANT_MIN_SIGMA logit-sigmas (the std of that decision's logits) the chosen
+   token's head row gets delta * h / ||h||^2 added (h: the final-normed hidden state feeding
+   the head), raising its logit by exactly delta, to a margin of PLANT_TARGET_SIGMA. A
+   semantic row is also the token's input embedding (tied table), so later frames change:
+   decisions are planted in order up to the first semantic one, then the decode is re-run,
+   until every decision holds the minimum. The target is the best *semantic* token (never
+   <|im_end|>), so every run decodes all frames.
+2. Block-structured magnitudes. In an i.i.d. random matrix every 128 x 128 block has nearly
+   the same amax (within ~7 %), so a scale read from the wrong block is almost right and a
+   layout bug would pass unnoticed. Trained weights are not like that (heads, channels and
+   layers differ in magnitude). Each quantised matrix is multiplied by a_i * b_j per block
+   (i: 128-row group, j: 128-column group), a and b log-normal with sigma BLOCK_SPREAD and
+   unit RMS, before planting: the matrices keep their overall scale, the blocks differ.
+
+Both are deterministic functions of (model config, seed); nothing is cached.
+
+Negative controls (`--controls`; `corrupted_copy`): the FP8 model with every Fp8Linear's
+`weight_scale_inv` (a) "transposed": `scale.t().contiguous().view(scale.shape)`, the K-major
+bug (right numbers, wrong order), (b) "shifted": `torch.roll(scale, 1, dims=1)`, every scale
+one block off along K. Both must FAIL the gate. They need real block grids: with `tiny`
+(dim 128) every grid has a single column, so neither control changes anything (reported as
+not applicable); `gate-small` (dims 256-768, every matrix >= 2 x 2 blocks) is the CPU model.
+
+Measured (CPU, bf16 reference ops, seeds 0-4; "rel err" = max over decisions):
+
+  model       planted min margin   FP8 rel err slow / fast   transposed      shifted
+  gate-small  2.0-2.x sigma        ...                        ...             ...
+
+BOUND = ... : ... .
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import hashlib
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from .config import PRESETS, TINY_IDS, ModelConfig, TransformerConfig, preset
+from .model import DualAR
+from .ops import REFERENCE, Ops, build_ops
+from .prompt import PromptBuilder, Reference
+from .quant import BLOCK, Fp8Linear, quantisable, quantize_model
+from .runner import ModelRunner
+from .sampler import SamplingParams
+from .tokenizer import ByteTokenizer, Tokenizer
+
+# Planting: decisions with a margin below MIN are raised to TARGET (units: the std of that
+# decision's logits).
+PLANT_MIN_SIGMA = 2.0
+PLANT_TARGET_SIGMA = 3.0
+FANIN_GAIN = 0.32  # random linears: std FANIN_GAIN / sqrt(fan-in) (0.02 at fan-in 256)
+BLOCK_SPREAD = 0.5  # log-normal sigma of the per-block-group magnitudes of the random linears
+BOUND = 0.10  # max ||logits_fp8 - logits_bf16|| / ||logits_bf16|| at any decision (see above)
+CONTROLS = ("transposed", "shifted")
+TEXT = "The quick brown fox jumps over the lazy dog."
+REF_TEXT = "A short reference sentence."
+REF_FRAMES = 8
+
+
+def _gate_small() -> ModelConfig:
+    """A CPU-sized model where every quantised matrix has >= 2 x 2 real 128 x 128 blocks
+    (tiny's dim 128 gives single-column block grids); tiny's ids and byte tokenizer."""
+    vocab = ((TINY_IDS.semantic_end + 1 + 127) // 128) * 128
+    return ModelConfig(
+        slow=TransformerConfig(n_layer=4, dim=256, n_head=4, n_local_heads=2, head_dim=64,
+                               intermediate_size=768, vocab_size=vocab, max_seq_len=1024,
+                               qk_norm=True),
+        fast=TransformerConfig(n_layer=2, dim=256, n_head=4, n_local_heads=2, head_dim=64,
+                               intermediate_size=512, vocab_size=4096, max_seq_len=11),
+        ids=TINY_IDS, name="gate-small")
+
+
+GATE_PRESETS = {"gate-small": _gate_small}
+MODELS = ("gate-small", *PRESETS)
+
+
+# ----------------------------------------------------------------------------- decoding
+@dataclass(slots=True)
+class Decision:
+    """One greedy choice: which head, where, the hidden state feeding the head, its logits."""
+
+    head: str  # "slow" (semantic + <|im_end|>) or "fast" (one codebook)
+    frame: int
+    book: int  # 0: the semantic decision; 1..K-1: the fast AR's codebook
+    hidden: Tensor  # [D] float32
+    logits: Tensor  # [V] float32
+    choice: int  # index into logits
+
+    def margin(self, target: int | None = None) -> float:
+        """logits[target] minus the best other logit (target: the choice)."""
+        t = self.choice if target is None else target
+        others = torch.cat([self.logits[:t], self.logits[t + 1:]])
+        return float(self.logits[t] - others.max())
+
+    @property
+    def sigma(self) -> float:
+        return float(self.logits.std())
+
+
+@dataclass(slots=True)
+class Trace:
+    frames: list[list[int]]  # [t, c0..c9] per frame
+    decisions: list[Decision]
+
+
+class _Recorder:
+    """Keeps every head's input and output while the runner decodes (instance overrides of
+    the two head entry points, and a hook on the fast AR's final norm)."""
+
+    def __init__(self, model: DualAR) -> None:
+        self.model = model
+        self.slow: list[tuple[Tensor, Tensor]] = []  # (hidden, logits) per frame
+        self.fast: list[tuple[Tensor, Tensor]] = []  # (hidden, logits) per codebook 1..K-1
+        self._fast_h: Tensor | None = None
+        orig_sem, orig_fast = model.semantic_logits, model.forward_fast
+
+        def sem(h: Tensor, ops: Ops = REFERENCE) -> Tensor:
+            out = orig_sem(h, ops)
+            self.slow.append((h[0].float().clone(), out[0].float().clone()))
+            return out
+
+        def fast(x: Tensor, pos: int, attend, ops: Ops = REFERENCE) -> Tensor:  # type: ignore[no-untyped-def]
+            out = orig_fast(x, pos, attend, ops)
+            if pos > 0:  # position 0 takes the slow hidden state; its output is discarded
+                assert self._fast_h is not None
+                self.fast.append((self._fast_h, out[0].float().clone()))
+            return out
+
+        def hook(_mod, _args, out: Tensor) -> None:  # type: ignore[no-untyped-def]
+            self._fast_h = out[0, -1].float().clone()
+
+        model.semantic_logits = sem  # type: ignore[method-assign]
+        model.forward_fast = fast  # type: ignore[method-assign]
+        self._handle = model.fast_norm.register_forward_hook(hook)
+
+    def restore(self) -> None:
+        del self.model.semantic_logits
+        del self.model.forward_fast
+        self._handle.remove()
+
+
+def greedy_decode(model: DualAR, prompt: Tensor, frames: int, ops: Ops = REFERENCE) -> Trace:
+    """Greedy-decode up to `frames` frames after `prompt` [1+K, T] through a one-row
+    ModelRunner (prefill, then one step per frame, as the engine does), recording every
+    decision."""
+    cfg = model.cfg
+    if ops.packed_ffn:  # W1|W3 as one buffer, as the engine lays them out (same values)
+        from .fusion import pack_ffn
+
+        pack_ffn(model)
+    T = prompt.shape[1]
+    block = 64
+    runner = ModelRunner(model, n_rows=1, max_len=-(-(T + frames + 1) // block) * block,
+                         block_size=block, ops=ops)
+    blocks = runner.own_blocks(0)
+    if T > 1:
+        runner.prefill(blocks, prompt[:, :-1], 0)
+    pos = T - 1
+    runner.join(0, SamplingParams.greedy(), prompt[:, -1], pos, frames, 0, blocks)
+    rec = _Recorder(model)
+    out_frames: list[list[int]] = []
+    try:
+        for _ in range(frames):
+            out = runner.step(1, pos + 1)[0].tolist()
+            pos += 1
+            out_frames.append(out[: cfg.frame_rows])
+            if out[cfg.frame_rows + 1]:  # stopped (<|im_end|>)
+                break
+    finally:
+        rec.restore()
+    K, ids, n_sem = cfg.num_codebooks, cfg.ids, cfg.ids.n_semantic
+    decisions = []
+    for f, fr in enumerate(out_frames):
+        h, lg = rec.slow[f]
+        idx = fr[0] - ids.semantic_start if fr[0] != ids.im_end else n_sem
+        decisions.append(Decision("slow", f, 0, h, lg, idx))
+        for j in range(1, K):
+            h, lg = rec.fast[f * (K - 1) + j - 1]
+            decisions.append(Decision("fast", f, j, h, lg, fr[1 + j]))
+    return Trace(out_frames, decisions)
+
+
+# ----------------------------------------------------------------------------- the model
+def _seed(seed: int, name: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"fp8-gate:{seed}:{name}".encode()).digest()[:8],
+                          "little") >> 1
+
+
+@torch.no_grad()
+def shape_linears(model: DualAR, seed: int, gain: float = FANIN_GAIN,
+                  spread: float = BLOCK_SPREAD) -> None:
+    """Give every quantisable linear W [N, K] of a random model the std gain / sqrt(K)
+    (fan-in scaled, instead of dummy_model's flat 0.02) and block-structured magnitudes:
+    W[n, k] *= a[n // 128] * b[k // 128], a and b log-normal with sigma `spread` and unit
+    RMS, so that block amaxes differ as in a trained checkpoint and a scale read from the
+    wrong block is wrong."""
+    for name in quantisable(model):
+        w = model.get_submodule(name).weight
+        n, k = w.shape
+        g = torch.Generator().manual_seed(_seed(seed, name))
+        a = torch.exp(spread * torch.randn(-(-n // BLOCK), generator=g))
+        b = torch.exp(spread * torch.randn(-(-k // BLOCK), generator=g))
+        a = a / a.square().mean().sqrt() * (gain / math.sqrt(k)) / float(w.float().std())
+        b = b / b.square().mean().sqrt()
+        a, b = a.repeat_interleave(BLOCK)[:n].to(w.device), b.repeat_interleave(BLOCK)[:k]
+        w.copy_((w.float() * a[:, None] * b.to(w.device)[None, :]).to(w.dtype))
+
+
+@dataclass(slots=True)
+class PlantReport:
+    passes: int = 0
+    planted: int = 0  # decisions whose head row was raised
+    min_margin_sigma: float = math.inf
+    min_margin: float = math.inf
+
+
+def _target(d: Decision, n_sem: int) -> int:
+    """The token a decision is planted for: its choice, or the best semantic token when the
+    slow AR chose <|im_end|>."""
+    if d.head == "slow":
+        return int(d.logits[:n_sem].argmax())
+    return d.choice
+
+
+@torch.no_grad()
+def plant_margins(model: DualAR, prompt: Tensor, frames: int, ops: Ops = REFERENCE,
+                  *, max_passes: int | None = None) -> tuple[Trace, PlantReport]:
+    """Raise the bf16 model's greedy decisions to planted margins, in place (see the module
+    docstring). Returns the final bf16 trace (every decision at >= PLANT_MIN_SIGMA) and what
+    was done."""
+    cfg, rep = model.cfg, PlantReport()
+    n_sem, sem0 = cfg.ids.n_semantic, cfg.ids.semantic_start
+    max_passes = max_passes or 4 * (frames + 2)
+    for n in range(1, max_passes + 1):
+        rep.passes = n
+        trace = greedy_decode(model, prompt, frames, ops)
+        low = [d for d in trace.decisions
+               if d.choice != _target(d, n_sem) or d.margin() < PLANT_MIN_SIGMA * d.sigma]
+        if not low and len(trace.frames) == frames:
+            margins = [(d.margin() / d.sigma, d.margin()) for d in trace.decisions]
+            rep.min_margin_sigma = min(m for m, _ in margins)
+            rep.min_margin = min(m for _, m in margins)
+            return trace, rep
+        for d in low:
+            t = _target(d, n_sem)
+            delta = PLANT_TARGET_SIGMA * d.sigma - d.margin(t)
+            row = delta * d.hidden / d.hidden.square().sum()
+            if d.head == "slow":
+                w = model.embeddings.weight[sem0 + t]
+            else:
+                w = model.fast_output.weight[t]
+            w.copy_((w.float() + row.to(w.device)).to(w.dtype))
+            rep.planted += 1
+            if d.head == "slow":
+                break  # later frames read this row as their input: decode again first
+    raise RuntimeError(f"planting did not converge in {max_passes} passes")
+
+
+@dataclass(slots=True)
+class Setup:
+    name: str
+    model: DualAR  # bf16 (planted, for presets)
+    fp8: DualAR
+    prompt: Tensor
+    plant: PlantReport | None  # None: a checkpoint, as it is
+
+
+def fixed_prompt(tok: Tokenizer, cfg: ModelConfig, seed: int) -> Tensor:
+    """The gate's input: TEXT in the voice of a fixed REF_FRAMES-frame reference."""
+    g = torch.Generator().manual_seed(_seed(seed, "reference"))
+    codes = torch.cat([torch.randint(0, cfg.ids.n_semantic, (1, REF_FRAMES), generator=g),
+                       torch.randint(0, 1024, (cfg.num_codebooks - 1, REF_FRAMES), generator=g)])
+    return PromptBuilder(tok, cfg.num_codebooks).build(TEXT, [Reference(REF_TEXT, codes)])
+
+
+def preset_model(name: str, *, seed: int = 0, device: str = "cpu",
+                 dtype: torch.dtype = torch.bfloat16) -> tuple[DualAR, Tokenizer]:
+    """A random-weight preset (or a gate preset) with block-structured linears, unplanted."""
+    from .loader import preset_tokenizer
+    from .weights import dummy_model
+
+    cfg = GATE_PRESETS[name]() if name in GATE_PRESETS else preset(name)
+    cfg = cfg.with_max_seq_len(min(cfg.slow.max_seq_len, 1024))
+    model = dummy_model(cfg, seed=seed, device=device, dtype=dtype)
+    shape_linears(model, seed)
+    tok = (ByteTokenizer(cfg.ids.semantic_start - 35) if name in GATE_PRESETS
+           else preset_tokenizer(name, cfg.ids.semantic_start - 35))
+    return model, tok
+
+
+def build_setup(spec: str, *, seed: int = 0, device: str = "cpu", frames: int = 5,
+                ops: Ops = REFERENCE) -> Setup:
+    """The bf16 model (planted for presets) and its FP8 copy, and the fixed prompt."""
+    if spec in MODELS:
+        model, tok = preset_model(spec, seed=seed, device=device)
+        prompt = fixed_prompt(tok, model.cfg, seed)
+        _, plant = plant_margins(model, prompt, frames, ops)
+        fp8 = copy.deepcopy(model)
+        quantize_model(fp8)
+        return Setup(spec, model, fp8, prompt, plant)
+    from .loader import checkpoint_dir, reconcile_ids
+    from .tokenizer import HFTokenizer
+    from .weights import load_model
+
+    path = checkpoint_dir(spec)
+    tok = HFTokenizer(path)
+    cfg = reconcile_ids(ModelConfig.from_checkpoint(path), tok)
+    cfg = cfg.with_max_seq_len(min(cfg.slow.max_seq_len, 1024))
+    model = load_model(path, cfg, device=device, dtype=torch.bfloat16)
+    fp8 = load_model(path, cfg, device=device, dtype=torch.bfloat16, fp8=True)
+    return Setup(path.name, model, fp8, fixed_prompt(tok, cfg, seed), None)
+
+
+# ----------------------------------------------------------------------------- controls
+@torch.no_grad()
+def corrupt_scales(model: DualAR, kind: str) -> int:
+    """Corrupt every Fp8Linear's block scales in place (a negative control): "transposed"
+    (the K-major bug: `scale.t().contiguous().view(scale.shape)`) or "shifted" (one block off
+    along K: `torch.roll(scale, 1, dims=1)`). Returns how many layers actually changed."""
+    changed = 0
+    for m in model.modules():
+        if not isinstance(m, Fp8Linear):
+            continue
+        s = m.weight_scale_inv
+        if kind == "transposed":
+            new = s.t().contiguous().view(s.shape)
+        elif kind == "shifted":
+            new = torch.roll(s, 1, dims=1).contiguous()
+        else:
+            raise ValueError(f"unknown control {kind!r}; known: {', '.join(CONTROLS)}")
+        changed += not torch.equal(new, s)
+        m.weight_scale_inv = new  # a fresh buffer (not a write into a shared one)
+    return changed
+
+
+def corrupted_copy(fp8: DualAR, kind: str) -> tuple[DualAR, int]:
+    """A copy of an FP8 model with corrupted scales (`corrupt_scales`) and the layers changed."""
+    bad = copy.deepcopy(fp8)
+    return bad, corrupt_scales(bad, kind)
+
+
+# ----------------------------------------------------------------------------- comparing
+@dataclass(slots=True)
+class Comparison:
+    tokens_equal: bool
+    first_mismatch: dict[str, int] | None  # {"frame", "row"} of the first differing value
+    frames_bf16: list[list[int]]
+    frames_fp8: list[list[int]]
+    compared: int  # decisions whose logits were compared (up to the first mismatch)
+    rel_err: dict[str, dict[str, float | None]]  # head -> {"max", "mean"} (None: not reached)
+    fp8_min_margin_sigma: float  # smallest FP8 margin of a bf16 choice (logit-sigmas; < 0: flip)
+    bound: float
+    passed: bool
+    per_decision: list[float] = field(default_factory=list)
+
+
+def compare(ref: Trace, got: Trace, bound: float = BOUND) -> Comparison:
+    first = None
+    for f in range(max(len(ref.frames), len(got.frames))):
+        a = ref.frames[f] if f < len(ref.frames) else []
+        b = got.frames[f] if f < len(got.frames) else []
+        if a != b:
+            row = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            first = {"frame": f, "row": row}
+            break
+    errs: dict[str, list[float]] = {"slow": [], "fast": []}
+    per: list[float] = []
+    fp8_margin = math.inf  # smallest margin the FP8 logits give the bf16 choice (logit-sigmas)
+    for d, e in zip(ref.decisions, got.decisions):
+        r = float((e.logits - d.logits).norm() / d.logits.norm())
+        errs[d.head].append(r)
+        per.append(r)
+        fp8_margin = min(fp8_margin, e.margin(d.choice) / d.sigma)
+        if d.choice != e.choice:  # later decisions see different inputs
+            break
+    rel = {h: {"max": max(v) if v else None, "mean": sum(v) / len(v) if v else None}
+           for h, v in errs.items()}
+    ok = first is None and all(v and max(v) <= bound for v in errs.values())
+    return Comparison(first is None, first, ref.frames, got.frames, len(per), rel, fp8_margin, bound,
+                      ok, per)
+
+
+# ----------------------------------------------------------------------------- the gate
+def run_gate(spec: str = "gate-small", *, device: str = "cpu", frames: int = 5, seed: int = 0,
+             controls: bool = False, ops: Ops | None = None,
+             bound: float = BOUND) -> dict[str, object]:
+    """Build, plant, quantise, decode and compare; with `controls` also the corrupted copies.
+    Returns the report (JSON-able); report["passed"] is the verdict (with controls: the
+    gate passed and every applicable control failed)."""
+    t0 = time.perf_counter()
+    if ops is None:
+        ops = build_ops(device) if torch.device(device).type == "cuda" else REFERENCE
+    with torch.no_grad():
+        setup = build_setup(spec, seed=seed, device=device, frames=frames, ops=ops)
+        ref = greedy_decode(setup.model, setup.prompt, frames, ops)
+        margins = [d.margin() for d in ref.decisions]
+        sig = [d.margin() / d.sigma for d in ref.decisions]
+        cmp = compare(ref, greedy_decode(setup.fp8, setup.prompt, frames, ops), bound)
+        report: dict[str, object] = {
+            "model": setup.name, "device": str(device), "frames": frames, "seed": seed,
+            "prompt_columns": int(setup.prompt.shape[1]), "planted": setup.plant is not None,
+            "plant": None if setup.plant is None else asdict(setup.plant),
+            "decisions": len(ref.decisions), "min_margin": min(margins),
+            "min_margin_sigma": min(sig), "ops": ops.describe(), **asdict(cmp)}
+        if controls:
+            ctl: dict[str, object] = {}
+            for kind in CONTROLS:
+                bad, changed = corrupted_copy(setup.fp8, kind)
+                c = compare(ref, greedy_decode(bad, setup.prompt, frames, ops), bound)
+                del bad
+                ctl[kind] = {"changed_layers": changed, "applicable": changed > 0,
+                             **{k: v for k, v in asdict(c).items()
+                                if k not in ("frames_bf16", "per_decision")}}
+            report["controls"] = ctl
+            report["controls_fail"] = all(not c["passed"] for c in ctl.values()  # type: ignore[index]
+                                          if c["applicable"])  # type: ignore[index]
+            report["controls_applicable"] = all(c["applicable"] for c in ctl.values())  # type: ignore[index]
+    report["gate_passed"] = cmp.passed
+    report["passed"] = cmp.passed and (not controls or bool(report["controls_fail"]))
+    report["seconds"] = round(time.perf_counter() - t0, 2)
+    return report
+
+
+def _fmt_err(rel: dict[str, dict[str, float | None]]) -> str:
+    return ", ".join(f"{h} max {v['max']:.4f} mean {v['mean']:.4f}" if v["max"] is not None
+                     else f"{h} not reached" for h, v in rel.items())
+
+
+def format_report(r: dict) -> str:
+    lines = [f"FP8 gate: {r['model']} on {r['device']}, {r['frames']} frames, seed {r['seed']}, "
+             f"{r['prompt_columns']} prompt columns, {r['decisions']} decisions"
+             + (" (planted bf16 margins)" if r["planted"] else ""),
+             f"  bf16 min margin {r['min_margin']:.3f} ({r['min_margin_sigma']:.2f} logit-sigma)"
+             + (f"; planted {r['plant']['planted']} head rows in {r['plant']['passes']} decodes"
+                if r["plant"] else "") + f"; FP8 min margin {r['fp8_min_margin_sigma']:.2f} sigma",
+             f"  tokens equal: {'yes' if r['tokens_equal'] else 'NO, first mismatch '}"
+             + ("" if r["tokens_equal"] else json.dumps(r["first_mismatch"])),
+             f"  ||fp8 - bf16|| / ||bf16|| over {r['compared']} decisions: {_fmt_err(r['rel_err'])}"
+             f" (bound {r['bound']})",
+             f"  gate: {'PASS' if r['gate_passed'] else 'FAIL'}"]
+    for kind, c in r.get("controls", {}).items():
+        if not c["applicable"]:
+            lines.append(f"  control {kind}: not applicable (no scale changes: every block grid "
+                         "has a single column/row; use gate-small)")
+            continue
+        lines.append(f"  control {kind} ({c['changed_layers']} layers): tokens "
+                     f"{'equal' if c['tokens_equal'] else 'differ at ' + json.dumps(c['first_mismatch'])}"
+                     f", {_fmt_err(c['rel_err'])} -> gate {'PASSES (BAD)' if c['passed'] else 'fails (good)'}")
+    lines.append(f"{'PASS' if r['passed'] else 'FAIL'} in {r['seconds']}s")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m engine.fp8_gate", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="gate-small",
+                    help=f"{' | '.join(MODELS)} (random weights, planted) or a checkpoint DIR")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--frames", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--bound", type=float, default=BOUND,
+                    help=f"max relative logit error (default {BOUND})")
+    ap.add_argument("--controls", action="store_true",
+                    help="also run the corrupted-scale controls; they must fail")
+    ap.add_argument("--json", type=Path, help="write the report here")
+    args = ap.parse_args(argv)
+    if args.frames < 1:
+        ap.error("--frames must be >= 1")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda but no CUDA device", file=sys.stderr)
+        return 2
+    r = run_gate(args.model, device=args.device, frames=args.frames, seed=args.seed,
+                 controls=args.controls, bound=args.bound)
+    print(format_report(r))
+    if args.json:
+        args.json.write_text(json.dumps(r, indent=2))
+    return 0 if r["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

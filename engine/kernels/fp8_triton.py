@@ -1,0 +1,402 @@
+"""FP8 block-scaled GEMM in Triton: out = x @ W^T with W in engine.quant's FP8 layout
+(e4m3 `q` [N, K] row-major, float32 `scale` [ceil(N/128), ceil(K/128)] row-major,
+W[n, k] = q[n, k] * scale[n // 128, k // 128]), for decode and prefill shapes (M = 1..~512).
+
+`fp8_linear_triton` (weight-only): each program owns a BLOCK_M x BLOCK_N output tile and a run
+of 128-wide K blocks (the scale blocks). Per K block it loads the x tile (bf16/fp16) and the
+e4m3 weight tile, converts the weights to x's dtype in registers (exact: e4m3 fits in bf16
+and fp16), accumulates `tl.dot` in fp32 over the block's 128 / BLOCK_K steps, then adds that
+partial product times the block's scale. BLOCK_N divides 128, so a tile's columns share one
+scale row and the scale is one scalar per K block. `swap_ab` configs compute the transposed
+tile (W_tile @ x_tile^T) instead: the MMA's M side is then BLOCK_N, not the tiny M.
+
+`fp8_linear_triton_w8a8`: the same, with the activations quantised on the fly per 1 x 128
+block (amax / 448, round to e4m3) and an fp8 x fp8 `tl.dot`, each block's partial product
+rescaled by act_scale * w_scale. Not exact to the reference (it rounds the activations to
+3 mantissa bits); it pays where the GEMM is compute-bound (prefill), not at decode's small M.
+
+Small M: BLOCK_M = 16 (tl.dot's minimum) and split-K: `split_k` programs per output tile each
+take a run of K blocks and write an fp32 partial; a second kernel sums the partials in a fixed
+order (deterministic, no atomics) and casts. `split_k=0` picks the count that fills the GPU.
+
+No autotuning at call time: the config comes from a fixed table (`default_config`, keyed on
+the M bucket, N and K) or the `config` keyword (`configs()` lists candidates to sweep), so
+the first call for a (config, dtype, alignment) compiles and later calls only launch — the
+call is CUDA-graph capturable once warmed, and deterministic.
+
+Triton is imported lazily: importing this module needs neither triton nor CUDA, and off CUDA
+(or without triton) the wrapper runs `engine.quant.fp8_linear_torch`.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..quant import BLOCK, FP8_MAX, Fp8Weight, fp8_linear_torch, scale_shape
+
+ACT_DTYPES = (torch.bfloat16, torch.float16)
+ALIGN = 16  # bytes: base pointers of x, q and scale (Triton specialises on it)
+INT32_MAX = 2**31 - 1
+
+
+# ------------------------------------------------------------------------------ configs
+@dataclass(frozen=True, slots=True)
+class Config:
+    """One launch configuration. block_n divides 128 (one scale per K block per tile),
+    block_k divides 128 (a K block is 128 / block_k dot steps; W8A8 needs 128)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+    swap_ab: bool = False  # compute the tile as W @ x^T (MMA M side = block_n)
+
+    def check(self, *, w8a8: bool = False) -> None:
+        if self.block_m not in (16, 32, 64, 128, 256):
+            raise ValueError(f"block_m must be 16, 32, 64, 128 or 256, got {self.block_m}")
+        if self.block_n not in (16, 32, 64, 128):
+            raise ValueError(f"block_n must divide 128 (16, 32, 64 or 128), got {self.block_n}")
+        if self.block_k not in (32, 64, 128):
+            raise ValueError(f"block_k must divide 128 (32, 64 or 128), got {self.block_k}")
+        if w8a8 and self.block_k != BLOCK:
+            raise ValueError(f"the W8A8 kernel quantises activations per 1 x {BLOCK} block: "
+                             f"block_k must be {BLOCK}, got {self.block_k}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
+        if not 1 <= self.num_stages <= 8:
+            raise ValueError(f"num_stages must be in 1..8, got {self.num_stages}")
+
+
+# M buckets (upper bounds) -> config. A starting point from the shapes' arithmetic (small M:
+# memory-bound, many programs, split-K; large M: bigger tiles, fewer weight re-reads); a
+# sweep over `configs()` on the target GPU should replace it (bench: pass `config=`).
+_TABLE: tuple[tuple[int, Config], ...] = (
+    (16, Config(16, 64, 128, num_warps=4, num_stages=4)),
+    (32, Config(32, 64, 128, num_warps=4, num_stages=4)),
+    (64, Config(64, 64, 128, num_warps=4, num_stages=4)),
+    (128, Config(64, 128, 128, num_warps=4, num_stages=3)),
+    (INT32_MAX, Config(128, 128, 64, num_warps=8, num_stages=3)),
+)
+_TABLE_W8A8: tuple[tuple[int, Config], ...] = (
+    (16, Config(16, 64, 128, num_warps=4, num_stages=4)),
+    (32, Config(32, 64, 128, num_warps=4, num_stages=4)),
+    (64, Config(64, 64, 128, num_warps=4, num_stages=4)),
+    (128, Config(64, 128, 128, num_warps=4, num_stages=3)),
+    (INT32_MAX, Config(128, 128, 128, num_warps=8, num_stages=3)),
+)
+
+
+def default_config(m: int, n: int, k: int, *, w8a8: bool = False) -> Config:
+    """The table's config for an [m, k] x [n, k]^T GEMM (no autotuning: fixed per shape)."""
+    cfg = next(c for bound, c in (_TABLE_W8A8 if w8a8 else _TABLE) if m <= bound)
+    if k <= 2 * BLOCK and cfg.num_stages > 2:
+        cfg = Config(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, 2, cfg.swap_ab)
+    if n <= 64 and cfg.block_n > 32:  # a tiny N: narrower tiles for more programs
+        cfg = Config(cfg.block_m, 32, cfg.block_k, cfg.num_warps, cfg.num_stages, cfg.swap_ab)
+    return cfg
+
+
+def configs(*, w8a8: bool = False) -> tuple[Config, ...]:
+    """Candidate configs for a benchmark sweep (the table's entries among them)."""
+    out: list[Config] = [c for _, c in (_TABLE_W8A8 if w8a8 else _TABLE)]
+    for bm in (16, 32, 64, 128):
+        for bn in (32, 64, 128):
+            for bk in ((128,) if w8a8 else (64, 128)):
+                warps = 8 if bm * bn >= 128 * 128 else 4
+                stages = 3 if bm * bk * 2 + bn * bk >= 48 * 1024 else 4
+                out.append(Config(bm, bn, bk, warps, stages))
+                if bm <= 32:  # small M: W @ x^T puts block_n on the MMA's M side
+                    out.append(Config(bm, bn, bk, warps, stages, swap_ab=True))
+    return tuple(dict.fromkeys(out))
+
+
+def auto_split_k(m: int, n: int, k: int, cfg: Config, sms: int) -> int:
+    """Splits of K so that the grid has about two programs per SM when the output tiles alone
+    are fewer than the SMs (at most one split per 128-wide K block, at least two K blocks per
+    split)."""
+    tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
+    kb = -(-k // BLOCK)
+    if tiles >= sms or kb < 4:
+        return 1
+    want = min(-(-2 * sms // tiles), kb // 2)
+    return normalise_split(kb, max(want, 1))
+
+
+def normalise_split(kb: int, split_k: int) -> int:
+    """The split count actually launched: K blocks per split = ceil(kb / split_k), and no
+    split left without a block."""
+    per = -(-kb // max(1, min(split_k, kb)))
+    return -(-kb // per)
+
+
+# ---------------------------------------------------------------------------- contract
+def check(x: Tensor, w: Fp8Weight, config: Config | None = None, split_k: int = 0, *,
+          w8a8: bool = False) -> None:
+    """Raise ValueError naming what breaks the contract: x bf16/fp16 [..., K] with a
+    contiguous last dim, the FP8 layout (engine.quant.check_fp8), K matching, one device,
+    16-byte aligned base pointers, int32-addressable sizes, a valid config and split_k."""
+    if not isinstance(w, Fp8Weight):
+        raise ValueError(f"fp8_linear_triton takes an Fp8Weight, got {type(w).__name__}")
+    w.check()
+    if x.dtype not in ACT_DTYPES:
+        raise ValueError(f"x must be bfloat16 or float16, got {x.dtype}")
+    if x.dim() < 1 or x.shape[-1] != w.q.shape[1]:
+        raise ValueError(f"x {list(x.shape)} does not match the weight {list(w.q.shape)}: "
+                         f"its last dim must be K = {w.q.shape[1]}")
+    if x.shape[-1] > 1 and x.stride(-1) != 1:
+        raise ValueError(f"x's last dim must be contiguous (strides {x.stride()}); only its "
+                         "rows may be strided")
+    if x.device != w.q.device:
+        raise ValueError(f"x on {x.device} but the weight on {w.q.device}")
+    for name, t in (("x", x), ("the weight's q", w.q), ("the weight's scale", w.scale)):
+        if t.numel() and t.data_ptr() % ALIGN:
+            raise ValueError(f"{name} must start on a {ALIGN}-byte boundary (data_ptr % {ALIGN}"
+                             f" = {t.data_ptr() % ALIGN}); slice it from an aligned buffer")
+    n, k = w.q.shape
+    m = x.numel() // k if k else 0
+    if w.q.numel() > INT32_MAX or m * max(n, k) > INT32_MAX:
+        raise ValueError(f"a [{m}, {k}] x [{n}, {k}]^T GEMM is too large for int32 offsets")
+    if config is not None:
+        if not isinstance(config, Config):
+            raise ValueError(f"config must be a fp8_triton.Config, got {type(config).__name__}")
+        config.check(w8a8=w8a8)
+    if isinstance(split_k, bool) or not isinstance(split_k, int) or split_k < 0:
+        raise ValueError(f"split_k must be an int >= 0 (0: automatic), got {split_k!r}")
+
+
+@functools.cache
+def _triton_importable() -> bool:
+    try:
+        import triton
+        import triton.language  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+@functools.cache
+def available() -> bool:
+    """Triton importable and a CUDA device present that has e4m3 conversions (sm_89+)."""
+    if not torch.cuda.is_available() or not _triton_importable():
+        return False
+    try:
+        return torch.cuda.get_device_capability() >= (8, 9)
+    except Exception:
+        return False
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@functools.cache
+def _smem_bytes(index: int) -> int | None:
+    return getattr(torch.cuda.get_device_properties(index), "shared_memory_per_block_optin",
+                   None)
+
+
+def fit_smem(cfg: Config, smem: int | None, *, w8a8: bool = False) -> Config:
+    """`cfg` with num_stages lowered until its pipelined tiles (x in 16 bits, W in 8, plus the
+    converted operand the dot reads from shared memory) fit in `smem` bytes (the table's
+    stage counts are for Hopper's 227 KiB; sm_89 parts have about 100)."""
+    if smem is None:
+        return cfg
+    per_stage = cfg.block_m * cfg.block_k * 2 + cfg.block_n * cfg.block_k
+    scratch = (cfg.block_m if w8a8 else 2 * cfg.block_n) * cfg.block_k
+    stages = cfg.num_stages
+    while stages > 1 and stages * per_stage + scratch > smem:
+        stages -= 1
+    if stages == cfg.num_stages:
+        return cfg
+    return Config(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, stages, cfg.swap_ab)
+
+
+# ------------------------------------------------------------------------------ kernels
+@functools.cache
+def _kernels():
+    """Compile-on-first-use Triton kernels (imported lazily: no triton needed to import
+    this module)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["M"])
+    def fp8_gemm(x_ptr, q_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride_om, stride_os,
+                 blocks_per_split,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr, ACT_FP8: tl.constexpr):
+        # program (pid, split): output tile pid (M tiles fastest, so the programs reading one
+        # weight tile run together and share it through L2), K blocks of split `split`
+        pid = tl.program_id(0)
+        split = tl.program_id(1)
+        num_pid_m = tl.cdiv(M, BLOCK_M)
+        pid_m = pid % num_pid_m
+        pid_n = pid // num_pid_m
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        rm = offs_m % M  # rows/columns past the end re-read valid ones; the store masks them
+        rn = offs_n % N
+        x_ptrs = x_ptr + rm[:, None] * stride_xm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+        q_ptrs = q_ptr + rn[:, None] * K + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+        kb = tl.cdiv(K, 128)
+        s_ptrs = s_ptr + (pid_n * BLOCK_N // 128) * kb  # this tile's scale row
+        b0 = split * blocks_per_split
+        b1 = tl.minimum(b0 + blocks_per_split, kb)
+        if SWAP_AB:
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for b in range(b0, b1):
+            if SWAP_AB:
+                part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            else:
+                part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for kk in tl.static_range(0, 128, BLOCK_K):
+                k0 = b * 128 + kk
+                if EVEN_K:
+                    xt = tl.load(x_ptrs + k0)
+                    wt = tl.load(q_ptrs + k0)
+                else:
+                    kmask = (k0 + offs_k) < K
+                    xt = tl.load(x_ptrs + k0, mask=kmask[None, :], other=0.0)
+                    wt = tl.load(q_ptrs + k0, mask=kmask[None, :], other=0.0)
+                if ACT_FP8:  # BLOCK_K == 128: this tile is the rows' 1 x 128 blocks
+                    xf = xt.to(tl.float32)
+                    a_s = tl.maximum(tl.max(tl.abs(xf), axis=1), 1e-30) / 448.0  # [BLOCK_M]
+                    xq = tl.clamp(xf / a_s[:, None], -448.0, 448.0).to(tl.float8e4nv)
+                    if SWAP_AB:
+                        part += tl.dot(wt, tl.trans(xq)) * a_s[None, :]
+                    else:
+                        part += tl.dot(xq, tl.trans(wt)) * a_s[:, None]
+                else:
+                    wb = wt.to(xt.dtype)
+                    if SWAP_AB:
+                        part = tl.dot(wb, tl.trans(xt), part)
+                    else:
+                        part = tl.dot(xt, tl.trans(wb), part)
+            acc += part * tl.load(s_ptrs + b)
+        out = acc.to(out_ptr.dtype.element_ty)
+        base = out_ptr + split * stride_os
+        if SWAP_AB:
+            ptrs = base + offs_n[:, None] + offs_m[None, :] * stride_om
+            mask = (offs_n[:, None] < N) & (offs_m[None, :] < M)
+        else:
+            ptrs = base + offs_m[:, None] * stride_om + offs_n[None, :]
+            mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        tl.store(ptrs, out, mask=mask)
+
+    @triton.jit
+    def reduce_splits(p_ptr, out_ptr, MN, splits, BLOCK: tl.constexpr):
+        # out[i] = sum over s in order of p[s, i] (fp32), cast: the split-K epilogue
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < MN
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for s in range(splits):
+            acc += tl.load(p_ptr + s * MN + offs, mask=mask, other=0.0)
+        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+    return fp8_gemm, reduce_splits
+
+
+REDUCE_BLOCK = 1024
+
+
+def _launch(x2: Tensor, w: Fp8Weight, cfg: Config, split_k: int, sms: int, *,
+            w8a8: bool = False) -> Tensor:
+    """x2 [M, K] (rows strided, last dim contiguous) -> out [M, N] in x2's dtype. Contract
+    already checked; split_k = 0: automatic."""
+    import triton
+
+    gemm, reduce_splits = _kernels()
+    m, k = x2.shape
+    n = w.q.shape[0]
+    out = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+    kb = scale_shape(n, k)[1]
+    split = auto_split_k(m, n, k, cfg, sms) if split_k == 0 else normalise_split(kb, split_k)
+    while split > 1 and split * m * n > INT32_MAX:  # the fp32 partials' int32 offsets
+        split = normalise_split(kb, split // 2)
+    per = -(-kb // split)
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    dst = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32,
+                                             device=x2.device)
+    gemm[(tiles, split)](
+        x2, w.q, w.scale, dst, m, n, k, x2.stride(0), n, 0 if split == 1 else m * n, per,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        EVEN_K=k % BLOCK == 0, SWAP_AB=cfg.swap_ab, ACT_FP8=w8a8,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if split > 1:
+        reduce_splits[(triton.cdiv(m * n, REDUCE_BLOCK),)](dst, out, m * n, split,
+                                                           BLOCK=REDUCE_BLOCK, num_warps=4)
+    return out
+
+
+# ----------------------------------------------------------------------------- wrappers
+def _run(x: Tensor, w: Fp8Weight, config: Config | None, split_k: int, kernel: bool,
+         w8a8: bool) -> Tensor | None:
+    check(x, w, config, split_k, w8a8=w8a8)
+    if not (kernel and x.is_cuda and available()):
+        return None
+    n, k = w.q.shape
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    if m == 0 or n == 0 or k == 0:
+        return x.new_zeros((*lead, n))
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    cfg = config or fit_smem(default_config(m, n, k, w8a8=w8a8), _smem_bytes(index),
+                             w8a8=w8a8)
+    with torch.cuda.device(index):
+        out = _launch(x2, w, cfg, split_k, _sm_count(index), w8a8=w8a8)
+    return out.view(*lead, n)
+
+
+def fp8_linear_triton(x: Tensor, w: Fp8Weight, *, config: Config | None = None,
+                      split_k: int = 0, kernel: bool = True) -> Tensor:
+    """x [..., K] (bf16/fp16; rows may be strided) @ W^T, W an `Fp8Weight` [N, K] -> [..., N]
+    in x's dtype, fp32 accumulation, weight-only dequantisation in registers. `config`: a
+    `Config` (None: `default_config`'s table); `split_k`: programs per output tile along K
+    (0: enough to fill the GPU; clamped to the 128-wide K blocks; the result does not depend
+    on it beyond fp32 summation order). Off CUDA, without Triton, or `kernel=False`: the
+    torch reference `engine.quant.fp8_linear_torch`."""
+    out = _run(x, w, config, split_k, kernel, w8a8=False)
+    return fp8_linear_torch(x, w) if out is None else out
+
+
+def quantize_act_torch(x: Tensor) -> tuple[Tensor, Tensor]:
+    """x [M, K] -> (e4m3 [M, K], float32 scales [M, ceil(K/128)]): per 1 x 128 block,
+    scale = amax / 448, as the W8A8 kernel does it on the fly."""
+    m, k = x.shape
+    kb = scale_shape(1, k)[1]
+    xf = torch.nn.functional.pad(x.float(), (0, kb * BLOCK - k)).view(m, kb, BLOCK)
+    s = xf.abs().amax(-1).clamp_min(1e-30) / FP8_MAX
+    q = (xf / s[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(m, kb * BLOCK)[:, :k], s
+
+
+def fp8_linear_w8a8_torch(x: Tensor, w: Fp8Weight) -> Tensor:
+    """The W8A8 reference: activations quantised per 1 x 128 block (quantize_act_torch),
+    dequantised, times the dequantised weight, in float32 -> x's dtype."""
+    from ..quant import dequantize_fp8
+
+    k = w.q.shape[1]
+    x2 = x.reshape(-1, k)
+    q, s = quantize_act_torch(x2)
+    xd = (q.float() * s.repeat_interleave(BLOCK, 1)[:, :k])
+    out = xd @ dequantize_fp8(w, torch.float32).T
+    return out.to(x.dtype).view(*x.shape[:-1], w.q.shape[0])
+
+
+def fp8_linear_triton_w8a8(x: Tensor, w: Fp8Weight, *, config: Config | None = None,
+                           split_k: int = 0, kernel: bool = True) -> Tensor:
+    """Like `fp8_linear_triton`, with the activations quantised per 1 x 128 block to e4m3 on
+    the fly and an fp8 x fp8 dot (config.block_k must be 128). Approximates the reference by
+    e4m3's rounding of x (about 2^-5 relative per element); the fallback is
+    `fp8_linear_w8a8_torch`, which rounds the same way."""
+    out = _run(x, w, config, split_k, kernel, w8a8=True)
+    return fp8_linear_w8a8_torch(x, w) if out is None else out

@@ -1,0 +1,193 @@
+"""FP8 weights: e4m3 values with one float32 scale per 128 x 128 block.
+
+A linear layer's weight W [N, K] is held as `q` (float8_e4m3fn, [N, K], row-major: K is the
+fastest axis) and `scale` (float32, [ceil(N/128), ceil(K/128)], row-major), with
+
+    W[n, k] ~= float(q[n, k]) * scale[n // 128, k // 128]
+
+(the fine-grained FP8 layout of DeepSeek-V3 and of Hugging Face's `fp8` quantisation
+config, where the scale tensor is called `weight_scale_inv`). Each block's scale is its
+largest |w| / 448, so every block uses e4m3's whole range.
+
+`quantize_model` swaps a model's `nn.Linear` layers for `Fp8Linear` ones in place; the
+model still calls `ops.linear(x, layer.weight)`, and `layer.weight` is then an `Fp8Weight`,
+which the ops' linear (`linear` below is the reference) multiplies by dequantising. The
+embeddings, norms and output heads stay in bf16: only the transformer layers' linears are
+quantised unless told otherwise, and `keep` patterns hold chosen layers in bf16.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+BLOCK = 128  # weight-scale block: 128 output rows x 128 input columns
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite e4m3 value
+# Linear layers quantised by default: every projection of the slow and fast AR's layers.
+# Embeddings, norms, the tied semantic head and the fast AR's output head stay in bf16.
+DEFAULT_QUANTISED = ("layers.*", "fast_layers.*")
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Fp8Weight:
+    """A linear layer's weight as e4m3 values `q` [N, K] and block scales `scale`
+    [ceil(N/128), ceil(K/128)] (float32): W[n, k] = q[n, k] * scale[n // 128, k // 128]."""
+
+    q: Tensor
+    scale: Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    def check(self) -> None:
+        """Raise ValueError naming what breaks the layout contract."""
+        check_fp8(self.q, self.scale)
+
+
+def scale_shape(n: int, k: int) -> tuple[int, int]:
+    return -(-n // BLOCK), -(-k // BLOCK)
+
+
+def check_fp8(q: Tensor, scale: Tensor, name: str = "weight") -> None:
+    """The contract every FP8 path relies on: e4m3 [N, K] row-major, float32 scales
+    [ceil(N/128), ceil(K/128)] row-major. A scale tensor saved in another layout (the K-major
+    bug: right numbers, wrong order) has the same element count, so the shape is checked
+    exactly and contiguity is required."""
+    if q.dtype != FP8:
+        raise ValueError(f"{name}: FP8 weights must be float8_e4m3fn, got {q.dtype}")
+    if q.dim() != 2:
+        raise ValueError(f"{name}: FP8 weights must be [N, K], got shape {tuple(q.shape)}")
+    want = scale_shape(*q.shape)
+    if scale.dtype != torch.float32:
+        raise ValueError(f"{name}: block scales must be float32, got {scale.dtype}")
+    if tuple(scale.shape) != want:
+        raise ValueError(f"{name}: block scales of a {tuple(q.shape)} weight must have shape "
+                         f"{want} (one per 128 x 128 block, row-major), got {tuple(scale.shape)}")
+    if not (q.is_contiguous() and scale.is_contiguous()):
+        raise ValueError(f"{name}: FP8 weights and their scales must be contiguous (row-major)")
+    if q.device != scale.device:
+        raise ValueError(f"{name}: weights on {q.device} but scales on {scale.device}")
+
+
+@torch.no_grad()
+def quantize_fp8(w: Tensor) -> Fp8Weight:
+    """W [N, K] (any float dtype) -> e4m3 values and per-128x128-block scales (amax / 448)."""
+    if w.dim() != 2 or not w.is_floating_point():
+        raise ValueError(f"quantize_fp8 takes a float [N, K] weight, got {w.dtype} "
+                         f"{tuple(w.shape)}")
+    n, k = w.shape
+    nb, kb = scale_shape(n, k)
+    wf = F.pad(w.float(), (0, kb * BLOCK - k, 0, nb * BLOCK - n))  # zeros do not raise amax
+    blocks = wf.view(nb, BLOCK, kb, BLOCK)
+    amax = blocks.abs().amax(dim=(1, 3))  # [nb, kb]
+    scale = (amax / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    q = q.view(nb * BLOCK, kb * BLOCK)[:n, :k].contiguous()
+    return Fp8Weight(q, scale.contiguous())
+
+
+def dequantize_fp8(w: Fp8Weight, dtype: torch.dtype = torch.float32) -> Tensor:
+    """The weight the FP8 values stand for, [N, K] in `dtype` (float32 math, one rounding)."""
+    n, k = w.q.shape
+    s = w.scale.repeat_interleave(BLOCK, 0)[:n].repeat_interleave(BLOCK, 1)[:, :k]
+    return (w.q.float() * s).to(dtype)
+
+
+def fp8_linear_torch(x: Tensor, w: Fp8Weight) -> Tensor:
+    """x [..., K] @ W^T with W given in FP8: the reference (dequantise, then a dense GEMM in
+    x's dtype). Every FP8 kernel is checked against this."""
+    return F.linear(x, dequantize_fp8(w, x.dtype))
+
+
+def linear(x: Tensor, w: Tensor | Fp8Weight) -> Tensor:
+    """The reference linear of `Ops`: x [..., K] @ w [N, K]^T for dense or FP8 weights."""
+    if isinstance(w, Fp8Weight):
+        return fp8_linear_torch(x, w)
+    return F.linear(x, w)
+
+
+class Fp8Linear(nn.Module):
+    """A bias-free linear layer whose weight is held in FP8 (buffers `qweight` and
+    `weight_scale_inv`); `.weight` is the `Fp8Weight` the model hands to `ops.linear`."""
+
+    def __init__(self, q: Tensor, scale: Tensor) -> None:
+        super().__init__()
+        self.register_buffer("qweight", q)
+        self.register_buffer("weight_scale_inv", scale)
+
+    @property
+    def weight(self) -> Fp8Weight:
+        return Fp8Weight(self.qweight, self.weight_scale_inv)
+
+    @property
+    def in_features(self) -> int:
+        return self.qweight.shape[1]
+
+    @property
+    def out_features(self) -> int:
+        return self.qweight.shape[0]
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3"
+
+
+def _matches(name: str, patterns: Iterable[str]) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def quantisable(model: nn.Module, include: Iterable[str] = DEFAULT_QUANTISED) -> list[str]:
+    """Names of the bias-free `nn.Linear` layers the FP8 path quantises (those matching
+    `include`)."""
+    include = tuple(include)
+    return [n for n, m in model.named_modules()
+            if isinstance(m, nn.Linear) and m.bias is None and _matches(n, include)]
+
+
+def check_keep(model: nn.Module, keep: Iterable[str]) -> None:
+    """Every keep pattern must name at least one quantisable layer (a typo must not silently
+    quantise what was meant to stay in bf16)."""
+    names = quantisable(model)
+    bad = [p for p in keep if not any(fnmatch.fnmatchcase(n, p) for n in names)]
+    if bad:
+        raise ValueError(f"FP8 keep pattern(s) {bad} match no quantised layer; layers look "
+                         f"like {names[0] if names else '(none)'!r} (fnmatch patterns, e.g. "
+                         "'layers.34.attention.wo' or 'layers.*.feed_forward.w2')")
+
+
+@torch.no_grad()
+def quantize_model(model: nn.Module, keep: Iterable[str] = ()) -> list[str]:
+    """Swap the model's quantisable linears (not matching a `keep` pattern) for `Fp8Linear`
+    layers, in place, on their device. Returns the names quantised."""
+    keep = tuple(keep)
+    check_keep(model, keep)
+    done = []
+    for name in quantisable(model):
+        if _matches(name, keep):
+            continue
+        parent, _, leaf = name.rpartition(".")
+        owner = model.get_submodule(parent) if parent else model
+        fw = quantize_fp8(getattr(owner, leaf).weight)
+        setattr(owner, leaf, Fp8Linear(fw.q, fw.scale))
+        done.append(name)
+    return done
+
+
+def fp8_layers(model: nn.Module) -> list[str]:
+    """Names of the model's FP8 linears."""
+    return [n for n, m in model.named_modules() if isinstance(m, Fp8Linear)]
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of every parameter and persistent buffer (what a frame reads, and more)."""
+    return sum(t.numel() * t.element_size() for t in model.state_dict().values())

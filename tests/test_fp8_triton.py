@@ -1,0 +1,462 @@
+"""engine/kernels/fp8_triton.py: the contract, the torch fallback, the config table, and (on
+CUDA with Triton) the kernels against the reference.
+
+Tolerance of the kernel (weight-only): it multiplies bf16 x by e4m3 W exactly (e4m3 fits in
+bf16), accumulates in fp32 and rounds once to bf16, so against a float64 reference of
+x @ dequantised(W)^T each output may be off by bf16's rounding (2^-8 relative) plus the fp32
+accumulation error (bounded here by 1e-5 of sum_k |x_k w_k|). Against engine.quant's
+`fp8_linear_torch` (which also rounds W to bf16 and runs a bf16 GEMM) the bound is looser:
+2^-7 relative plus 2^-8 of sum_k |x_k w_k|.
+
+With TRITON_INTERPRET=1 and triton importable, the `interp` tests run the same Triton kernels
+on the CPU through Triton's interpreter (the interpreter's bf16 dot and float rounding are
+patched with torch's, see `_patch_interpreter`).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.kernels import fp8_triton as ft
+from engine.quant import Fp8Weight, dequantize_fp8, fp8_linear_torch, quantize_fp8
+
+ROOT = Path(__file__).resolve().parents[1]
+CUDA = torch.cuda.is_available() and ft.available()
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and ft._triton_importable()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device (sm_89+) and Triton")
+needs_interp = pytest.mark.skipif(not INTERPRET,
+                                  reason="needs TRITON_INTERPRET=1 and triton importable")
+
+MS = (1, 2, 5, 16, 17, 64, 200)
+SHAPES = ((6144, 2560), (2560, 4096), (2560, 9728), (19456, 2560), (4097, 2560), (300, 260))
+
+
+# ------------------------------------------------------------------------------ helpers
+def make_weight(n: int, k: int, device: str = "cpu", seed: int = 0) -> Fp8Weight:
+    """A random weight whose 128 x 128 blocks differ in magnitude by up to e^6 (so a kernel
+    that reads the wrong scale is far off), quantised."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    w = torch.randn(n, k, generator=g, device=device)
+    nb, kb = -(-n // 128), -(-k // 128)
+    mag = torch.exp(torch.rand(nb, kb, generator=g, device=device) * 6 - 3)
+    w = w * mag.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
+    return quantize_fp8(w * 0.05)
+
+
+def make_x(m: int, k: int, device: str = "cpu", seed: int = 1, pad: int = 0,
+           dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """x [m, k]; with `pad`, rows strided (a view of [m, k + pad])."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    buf = torch.randn(m, k + pad, generator=g, device=device).to(dtype)
+    return buf[:, :k]
+
+
+def reference(x: torch.Tensor, w: Fp8Weight) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x @ dequantised W^T, sum_k |x_k w_k|), in float64, [..., N]."""
+    wd = dequantize_fp8(w, torch.float64)
+    xd = x.double()
+    return xd @ wd.T, xd.abs() @ wd.abs().T
+
+
+def assert_matches(out: torch.Tensor, x: torch.Tensor, w: Fp8Weight, *, exact: bool = True):
+    ref, mag = reference(x, w)
+    assert out.shape == ref.shape and out.dtype == x.dtype
+    err = (out.double() - ref).abs()
+    if exact:  # the kernel: bf16 rounding + fp32 accumulation
+        bound = 2**-8 * ref.abs() + 1e-5 * mag + 1e-30
+    else:  # fp8_linear_torch (W rounded to bf16, bf16 GEMM)
+        bound = 2**-7 * ref.abs() + 2**-8 * mag + 1e-30
+    bad = err > bound
+    assert not bad.any(), (f"{int(bad.sum())} of {bad.numel()} outputs off; worst "
+                           f"{float((err / bound).max()):.3g} x the bound")
+
+
+def assert_w8a8(out: torch.Tensor, x: torch.Tensor, w: Fp8Weight):
+    """The W8A8 kernel against its torch reference (same activation rounding; a rare tie or
+    division ulp may round one element of x differently: 2^-9 of sum |x w| allows a few) and
+    against the exact product (e4m3's rounding of x: a few % in the RMS)."""
+    want = ft.fp8_linear_w8a8_torch(x, w).double()
+    ref, mag = reference(x, w)
+    err = (out.double() - want).abs()
+    bound = 2**-7 * want.abs() + 2**-9 * mag + 1e-30
+    assert not (err > bound).any(), f"worst {float((err / bound).max()):.3g} x the bound"
+    rel = (out.double() - ref).norm() / ref.norm()
+    assert rel < 0.06, f"W8A8 relative error {float(rel):.3g}"
+
+
+# -------------------------------------------------------------------------- CPU: import
+def test_module_imports_and_falls_back_without_triton():
+    """With `import triton` failing, the module imports, available() is False, and the
+    wrapper runs the torch reference."""
+    code = textwrap.dedent("""
+        import sys
+        class NoTriton:
+            def find_spec(self, name, path=None, target=None):
+                if name == "triton" or name.startswith("triton."):
+                    raise ImportError("no triton here")
+        sys.meta_path.insert(0, NoTriton())
+        import torch
+        from engine.kernels import fp8_triton as ft
+        from engine.quant import quantize_fp8, fp8_linear_torch
+        assert not ft.available()
+        assert "triton" not in sys.modules
+        w = quantize_fp8(torch.randn(40, 72))
+        x = torch.randn(3, 72).to(torch.bfloat16)
+        assert torch.equal(ft.fp8_linear_triton(x, w), fp8_linear_torch(x, w))
+        assert ft.configs() and ft.default_config(1, 40, 72)
+        print("ok")
+    """)
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only check")
+def test_not_available_without_cuda():
+    assert not ft.available()
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 300, 260), (5, 256, 128), (17, 130, 384)])
+def test_fallback_matches_reference(m, n, k):
+    w = make_weight(n, k)
+    x = make_x(m, k, pad=8)
+    out = ft.fp8_linear_triton(x, w)
+    assert torch.equal(out, fp8_linear_torch(x, w))
+    assert_matches(out, x, w, exact=False)
+    x3 = make_x(2 * m, k).view(2, m, k)
+    assert torch.equal(ft.fp8_linear_triton(x3, w, kernel=False), fp8_linear_torch(x3, w))
+
+
+def test_w8a8_fallback_close_to_reference():
+    w = make_weight(300, 260)
+    x = make_x(7, 260)
+    out = ft.fp8_linear_triton_w8a8(x, w)
+    assert out.shape == (7, 300) and out.dtype == torch.bfloat16
+    assert_w8a8(out, x, w)
+
+
+# ------------------------------------------------------------------------ CPU: contract
+def _misaligned_x(m: int, k: int) -> torch.Tensor:
+    return torch.zeros(m * k + 8, dtype=torch.bfloat16)[1:1 + m * k].view(m, k)
+
+
+W = make_weight(256, 384)
+CONTRACT = [
+    ("float32", lambda: ft.fp8_linear_triton(torch.zeros(2, 384), W), "bfloat16 or float16"),
+    ("K", lambda: ft.fp8_linear_triton(torch.zeros(2, 383, dtype=torch.bfloat16), W), "K = 384"),
+    ("last dim", lambda: ft.fp8_linear_triton(
+        torch.zeros(384, 2, dtype=torch.bfloat16).t(), W), "contiguous"),
+    ("aligned", lambda: ft.fp8_linear_triton(_misaligned_x(2, 384), W), "16-byte"),
+    ("q dtype", lambda: ft.fp8_linear_triton(
+        torch.zeros(2, 384, dtype=torch.bfloat16),
+        Fp8Weight(W.q.to(torch.bfloat16), W.scale)), "float8_e4m3fn"),
+    ("scale shape", lambda: ft.fp8_linear_triton(
+        torch.zeros(2, 384, dtype=torch.bfloat16),
+        Fp8Weight(W.q, W.scale.t().contiguous())), "block scales"),
+    ("scale dtype", lambda: ft.fp8_linear_triton(
+        torch.zeros(2, 384, dtype=torch.bfloat16), Fp8Weight(W.q, W.scale.half())), "float32"),
+    ("dense weight", lambda: ft.fp8_linear_triton(
+        torch.zeros(2, 384, dtype=torch.bfloat16), torch.zeros(256, 384)), "Fp8Weight"),
+    ("block_n", lambda: ft.fp8_linear_triton(
+        torch.zeros(2, 384, dtype=torch.bfloat16), W, config=ft.Config(16, 96, 128)),
+     "block_n"),
+    ("block_k", lambda: ft.fp8_linear_triton(
+        torch.zeros(2, 384, dtype=torch.bfloat16), W, config=ft.Config(16, 64, 256)),
+     "block_k"),
+    ("block_m", lambda: ft.fp8_linear_triton(
+        torch.zeros(2, 384, dtype=torch.bfloat16), W, config=ft.Config(8, 64, 128)),
+     "block_m"),
+    ("w8a8 block_k", lambda: ft.fp8_linear_triton_w8a8(
+        torch.zeros(2, 384, dtype=torch.bfloat16), W, config=ft.Config(16, 64, 64)),
+     "W8A8"),
+    ("config type", lambda: ft.fp8_linear_triton(
+        torch.zeros(2, 384, dtype=torch.bfloat16), W, config=(16, 64, 128)), "Config"),
+    ("split_k<0", lambda: ft.fp8_linear_triton(
+        torch.zeros(2, 384, dtype=torch.bfloat16), W, split_k=-1), "split_k"),
+    ("split_k bool", lambda: ft.fp8_linear_triton(
+        torch.zeros(2, 384, dtype=torch.bfloat16), W, split_k=True), "split_k"),
+]
+
+
+@pytest.mark.parametrize("call,match", [(c, m) for _, c, m in CONTRACT],
+                         ids=[i for i, _, _ in CONTRACT])
+def test_contract(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_aligned_strided_rows_pass_the_contract():
+    x = make_x(3, 384, pad=8)  # rows strided, base aligned
+    ft.check(x, W)
+    ft.check(torch.zeros(0, 384, dtype=torch.bfloat16), W)
+
+
+# --------------------------------------------------------------------- CPU: the configs
+def test_configs_valid_and_table_in_them():
+    cs = ft.configs()
+    assert len(cs) == len(set(cs)) >= 10
+    for c in cs:
+        c.check()
+    for c in ft.configs(w8a8=True):
+        c.check(w8a8=True)
+    for m in (1, 16, 17, 32, 33, 64, 65, 128, 129, 512, 4096):
+        for n, k in SHAPES:
+            c = ft.default_config(m, n, k)
+            c.check()
+            assert c.block_m >= min(m, 16) and (m > 16 or c.block_m == 16)
+            ft.default_config(m, n, k, w8a8=True).check(w8a8=True)
+
+
+def test_fit_smem_lowers_stages_only_when_needed():
+    for w8a8 in (False, True):
+        for m in (1, 17, 64, 128, 512):
+            c = ft.default_config(m, 2560, 9728, w8a8=w8a8)
+            assert ft.fit_smem(c, 227 * 1024, w8a8=w8a8) == c  # Hopper: the table as is
+            assert ft.fit_smem(c, None, w8a8=w8a8) == c
+            small = ft.fit_smem(c, 99 * 1024, w8a8=w8a8)  # sm_89
+            assert small.num_stages <= c.num_stages and small.block_m == c.block_m
+            per = c.block_m * c.block_k * 2 + c.block_n * c.block_k
+            assert small.num_stages == 1 or small.num_stages * per <= 99 * 1024
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 2560, 9728), (1, 6144, 2560), (1, 2560, 4096),
+                                   (5, 19456, 2560), (200, 2560, 9728)])
+def test_auto_split_fills_the_gpu(m, n, k):
+    sms = 132
+    c = ft.default_config(m, n, k)
+    split = ft.auto_split_k(m, n, k, c, sms)
+    tiles = -(-m // c.block_m) * -(-n // c.block_n)
+    kb = -(-k // 128)
+    assert 1 <= split <= kb and ft.normalise_split(kb, split) == split
+    assert tiles * split >= sms or split >= kb // 2, (tiles, split)
+    if tiles >= sms:
+        assert split == 1
+
+
+def test_normalise_split_leaves_no_split_empty():
+    for kb in range(1, 80):
+        for s in range(1, kb + 5):
+            got = ft.normalise_split(kb, s)
+            per = -(-kb // got)
+            assert 1 <= got <= min(s, kb) and (got - 1) * per < kb <= got * per
+
+
+# ------------------------------------------------------------------------- CUDA: kernel
+@functools.cache
+def cuda_weight(n: int, k: int) -> Fp8Weight:
+    return make_weight(n, k, device="cuda", seed=n * 7 + k)
+
+
+@needs_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("m", MS)
+def test_kernel_matches_reference(m, n, k):
+    w = cuda_weight(n, k)
+    x = make_x(m, k, device="cuda", seed=m)
+    out = ft.fp8_linear_triton(x, w)
+    assert_matches(out, x, w)
+    ref = fp8_linear_torch(x, w).double()
+    ref64, mag = reference(x, w)
+    assert ((out.double() - ref).abs() <= 2**-7 * ref64.abs() + 2**-8 * mag + 1e-30).all()
+
+
+@needs_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("m", (1, 17, 200))
+def test_kernel_strided_rows_and_leading_dims(m):
+    w = cuda_weight(2560, 4096)
+    x = make_x(m, 4096, device="cuda", pad=64)
+    assert x.stride(0) == 4160
+    assert_matches(ft.fp8_linear_triton(x, w), x, w)
+    x3 = make_x(2 * m, 4096, device="cuda").view(2, m, 4096)
+    out3 = ft.fp8_linear_triton(x3, w)
+    assert out3.shape == (2, m, 2560)
+    assert_matches(out3, x3, w)
+    xh = make_x(m, 4096, device="cuda", pad=64, dtype=torch.float16)
+    assert_matches(ft.fp8_linear_triton(xh, w), xh, w)
+
+
+@needs_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("m", (1, 5, 64))
+def test_kernel_every_split_k(m):
+    n, k = 2560, 4096  # 32 K blocks
+    w = cuda_weight(n, k)
+    x = make_x(m, k, device="cuda", seed=3)
+    for split in (0, *range(1, 34), 100):
+        assert_matches(ft.fp8_linear_triton(x, w, split_k=split), x, w)
+    n, k = 300, 260  # 3 K blocks, the last partial
+    w = cuda_weight(n, k)
+    x = make_x(m, k, device="cuda", seed=4)
+    for split in (0, 1, 2, 3, 4):
+        assert_matches(ft.fp8_linear_triton(x, w, split_k=split), x, w)
+
+
+@needs_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("m", (1, 17, 200))
+def test_kernel_every_config(m):
+    n, k = 4097, 2560
+    w = cuda_weight(n, k)
+    x = make_x(m, k, device="cuda", seed=5)
+    for cfg in ft.configs():
+        for split in (1, 3):
+            try:
+                assert_matches(ft.fp8_linear_triton(x, w, config=cfg, split_k=split), x, w)
+            except AssertionError as e:
+                raise AssertionError(f"{cfg} split_k={split}: {e}") from None
+
+
+@needs_cuda
+@pytest.mark.cuda
+def test_kernel_uses_the_scales():
+    """The K-major scale bug: the right numbers in the wrong order (scale.t().contiguous()
+    read as [nb, kb]) pass the layout check but must give a large error."""
+    n, k = 6144, 2560
+    w = cuda_weight(n, k)
+    bad = Fp8Weight(w.q, w.scale.t().contiguous().view(w.scale.shape))
+    x = make_x(16, k, device="cuda")
+    ref, _ = reference(x, w)
+    out = ft.fp8_linear_triton(x, bad).double()
+    assert (out - ref).norm() / ref.norm() > 0.5
+    assert_matches(ft.fp8_linear_triton(x, w), x, w)
+
+
+@needs_cuda
+@pytest.mark.cuda
+def test_kernel_deterministic_and_graph_capturable():
+    w = cuda_weight(2560, 9728)
+    x = make_x(1, 9728, device="cuda")
+    first = ft.fp8_linear_triton(x, w)  # compiles
+    for _ in range(3):
+        assert torch.equal(ft.fp8_linear_triton(x, w), first)
+    static_x = x.clone()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = ft.fp8_linear_triton(static_x, w)
+    static_x.copy_(make_x(1, 9728, device="cuda", seed=9))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static_out, ft.fp8_linear_triton(static_x, w))
+    assert_matches(static_out, static_x, w)
+
+
+@needs_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("n,k", ((2560, 4096), (4097, 2560), (300, 260)))
+@pytest.mark.parametrize("m", (1, 17, 200))
+def test_w8a8_kernel(m, n, k):
+    w = cuda_weight(n, k)
+    x = make_x(m, k, device="cuda", seed=m + 1, pad=8)
+    assert_w8a8(ft.fp8_linear_triton_w8a8(x, w), x, w)
+    for cfg in ft.configs(w8a8=True):
+        assert_w8a8(ft.fp8_linear_triton_w8a8(x, w, config=cfg, split_k=2), x, w)
+
+
+# ------------------------------------------------------------- interpreter (CPU, opt-in)
+def _patch_interpreter(monkeypatch):
+    """Triton 3.9's interpreter multiplies bf16 dot operands as their uint16 bits and rounds
+    float down-casts by truncation (or carries a mantissa overflow wrongly); swap in torch's
+    conversions (round to nearest even, as the GPU does) and an fp32 matmul."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter as ti
+
+    torch_of = {tl.float32: torch.float32, tl.bfloat16: torch.bfloat16,
+                tl.float16: torch.float16, tl.float8e4nv: torch.float8_e4m3fn,
+                tl.float8e5: torch.float8_e5m2}
+    ints = {8: torch.int8, 16: torch.int16, 32: torch.int32}
+    original = ti._convert_float
+
+    def convert(data, src, dst, rounding_mode):
+        if src not in torch_of or dst not in torch_of:
+            return original(data, src, dst, rounding_mode)
+        bits = np.ascontiguousarray(data).view(f"int{src.primitive_bitwidth}")
+        t = torch.from_numpy(bits.copy()).view(torch_of[src]).to(torch_of[dst])
+        out = t.view(ints[dst.primitive_bitwidth]).numpy()
+        return out.view(f"uint{dst.primitive_bitwidth}").reshape(data.shape)
+
+    def as_f32(h):
+        if h.dtype in torch_of and h.dtype != tl.float32:
+            return convert(h.data, h.dtype, tl.float32, None).view(np.float32)
+        return h.data.astype(np.float32)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        out = np.matmul(as_f32(a), as_f32(b)).astype(d.data.dtype) + d.data
+        return ti.TensorHandle(out, d.dtype.scalar)
+
+    monkeypatch.setattr(ti, "_convert_float", convert)
+    monkeypatch.setattr(ti.InterpreterBuilder, "create_dot", create_dot)
+
+
+@pytest.fixture
+def interp(monkeypatch):
+    _patch_interpreter(monkeypatch)
+
+
+INTERP_CASES = [(1, 300, 260), (5, 300, 260), (17, 300, 260), (2, 640, 1024),
+                (1, 130, 2560), (33, 200, 384)]
+
+
+@needs_interp
+@pytest.mark.parametrize("m,n,k", INTERP_CASES)
+def test_interp_kernel_matches_reference(interp, m, n, k):
+    w = make_weight(n, k, seed=n + k)
+    x = make_x(m, k, seed=m, pad=8)
+    cfg = ft.default_config(m, n, k)
+    for split in (0, 1, 2):
+        assert_matches(ft._launch(x, w, cfg, split, sms=132), x, w)
+
+
+@needs_interp
+def test_interp_every_config(interp):
+    n, k = 200, 384
+    w = make_weight(n, k, seed=2)
+    for m in (1, 17):
+        x = make_x(m, k, seed=m, pad=8)
+        for cfg in ft.configs():
+            try:
+                assert_matches(ft._launch(x, w, cfg, 2, sms=132), x, w)
+            except AssertionError as e:
+                raise AssertionError(f"{cfg}: {e}") from None
+
+
+@needs_interp
+def test_interp_every_split_k(interp):
+    n, k = 130, 1024 + 40  # 9 K blocks, the last partial
+    w = make_weight(n, k, seed=3)
+    x = make_x(3, k, seed=3)
+    cfg = ft.Config(16, 64, 64)
+    for split in range(1, 11):
+        assert_matches(ft._launch(x, w, cfg, split, sms=132), x, w)
+
+
+@needs_interp
+def test_interp_kernel_uses_the_scales(interp):
+    n, k = 384, 640
+    w = make_weight(n, k, seed=4)
+    bad = Fp8Weight(w.q, w.scale.t().contiguous().view(w.scale.shape))
+    x = make_x(4, k)
+    ref, _ = reference(x, w)
+    out = ft._launch(x, bad, ft.default_config(4, n, k), 1, sms=132).double()
+    assert (out - ref).norm() / ref.norm() > 0.5
+
+
+@needs_interp
+@pytest.mark.parametrize("m,n,k", [(1, 300, 260), (17, 200, 384), (40, 130, 640)])
+def test_interp_w8a8(interp, m, n, k):
+    w = make_weight(n, k, seed=5)
+    x = make_x(m, k, seed=6, pad=8)
+    for cfg in (ft.default_config(m, n, k, w8a8=True), ft.Config(16, 32, 128, swap_ab=True)):
+        for split in (1, 2):
+            assert_w8a8(ft._launch(x, w, cfg, split, sms=132, w8a8=True), x, w)

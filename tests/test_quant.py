@@ -1,0 +1,280 @@
+"""FP8 weights (engine/quant.py): the block-scaled format, swapping a model's linears,
+saving and reloading (bit-identical), `rtvoice quantize`, `--dtype fp8` through the loader,
+the settings and an engine."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from engine import fusion
+from engine.loader import load_bundle
+from engine.model import gqa_attention
+from engine.ops import REFERENCE, Ops
+from engine.quant import (
+    BLOCK,
+    FP8,
+    Fp8Linear,
+    Fp8Weight,
+    check_fp8,
+    dequantize_fp8,
+    fp8_layers,
+    fp8_linear_torch,
+    quantize_fp8,
+    quantize_model,
+)
+from engine.runner import ModelRunner
+from engine.sampler import SamplingParams
+from engine.weights import CheckpointError, load_model, save_checkpoint
+
+
+def test_block_scales_cover_each_128_block():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(300, 260, generator=g) * 0.02
+    w[:128, 128:256] *= 1000  # one loud block must not flatten its neighbours
+    fw = quantize_fp8(w)
+    assert fw.q.dtype == FP8 and fw.q.shape == (300, 260)
+    assert fw.scale.shape == (3, 3) and fw.scale.dtype == torch.float32
+    for i in range(3):
+        for j in range(3):
+            blk = w[i * BLOCK:(i + 1) * BLOCK, j * BLOCK:(j + 1) * BLOCK]
+            assert fw.scale[i, j] == pytest.approx(float(blk.abs().max()) / 448, rel=1e-6)
+    back = dequantize_fp8(fw)
+    # e4m3 keeps 3 mantissa bits: |error| <= 2^-4 |w| for normal values, plus the subnormal
+    # step (2^-9 of the scale) for the smallest
+    s = fw.scale.repeat_interleave(BLOCK, 0)[:300].repeat_interleave(BLOCK, 1)[:, :260]
+    assert ((back - w).abs() <= w.abs() * 2**-4 + s * 2**-9).all()
+    rel = float((back - w).norm() / w.norm())
+    assert 0.005 < rel < 0.04  # really quantised, and not worse than e4m3 allows
+
+
+def test_fp8_linear_is_the_dequantised_product():
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(256, 384, generator=g) * 0.02
+    fw = quantize_fp8(w)
+    x = torch.randn(2, 5, 384, generator=g)
+    y = REFERENCE.linear(x, fw)
+    assert y.shape == (2, 5, 256)
+    assert torch.equal(y, x @ dequantize_fp8(fw).T)
+    assert torch.equal(fp8_linear_torch(x, fw), y)
+    assert torch.equal(REFERENCE.linear(x, w), torch.nn.functional.linear(x, w))
+
+
+def test_contract_errors_name_the_problem():
+    fw = quantize_fp8(torch.randn(256, 384))
+    with pytest.raises(ValueError, match=r"must have shape \(2, 3\)"):
+        check_fp8(fw.q, fw.scale.t().contiguous())  # the K-major layout
+    with pytest.raises(ValueError, match="contiguous"):
+        check_fp8(fw.q, fw.scale.t().contiguous().t())
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        check_fp8(fw.q.float(), fw.scale)
+    with pytest.raises(ValueError, match="float32"):
+        check_fp8(fw.q, fw.scale.double())
+    with pytest.raises(ValueError, match=r"\[N, K\]"):
+        quantize_fp8(torch.randn(4))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_bundle("tiny").model
+
+
+def test_quantize_model_swaps_the_layer_linears_only(tiny):
+    m = copy.deepcopy(tiny)
+    done = quantize_model(m, keep=("fast_layers.1.*", "layers.0.attention.wo"))
+    assert done == fp8_layers(m)
+    assert "layers.0.attention.wqkv" in done and "layers.0.attention.wo" not in done
+    assert not any(n.startswith("fast_layers.1.") for n in done)
+    assert isinstance(m.layers[0].attention.wo, nn.Linear)
+    assert isinstance(m.fast_layers[0].feed_forward.w2, Fp8Linear)
+    # heads and embeddings stay dense
+    assert isinstance(m.fast_output, nn.Linear) and m.embeddings.weight.dtype == torch.float32
+    w = m.layers[1].feed_forward.w1.weight
+    assert isinstance(w, Fp8Weight) and w.shape == tiny.layers[1].feed_forward.w1.weight.shape
+    with pytest.raises(ValueError, match="match no quantised layer"):
+        quantize_model(copy.deepcopy(tiny), keep=("layer.3.wo",))
+
+
+def _logits(model, cols: torch.Tensor, ops: Ops = REFERENCE) -> torch.Tensor:
+    """Semantic logits at every position of one prompt, causal attention, no cache."""
+    T = cols.shape[-1]
+    mask = torch.ones(T, T, dtype=torch.bool).tril()[None, None]
+
+    def attend(layer, q, k, v):  # type: ignore[no-untyped-def]
+        return gqa_attention(q, k, v, mask)
+
+    h = model.forward_slow(cols[None], torch.arange(T)[None], attend, ops)
+    return model.semantic_logits(h, ops)[0]
+
+
+def _cols(model, T: int = 12) -> torch.Tensor:
+    g = torch.Generator().manual_seed(3)
+    ids = model.cfg.ids
+    tok = torch.randint(0, 200, (T,), generator=g)
+    tok[T // 2:] = ids.semantic_start + torch.randint(0, 100, (T - T // 2,), generator=g)
+    codes = torch.randint(0, model.cfg.codebook_size, (model.cfg.num_codebooks, T), generator=g)
+    return torch.cat([tok[None], codes])
+
+
+@pytest.fixture(scope="module")
+def wide():
+    """The tiny model at width 256: every linear has at least 2 x 2 scale blocks."""
+    from dataclasses import replace
+
+    from engine.config import preset
+    from engine.weights import dummy_model
+
+    c = preset("tiny")
+    cfg = replace(c, slow=replace(c.slow, dim=256), fast=replace(c.fast, dim=256))
+    return dummy_model(cfg, dtype=torch.float32)
+
+
+def test_save_and_reload_give_bit_identical_logits(tmp_path, wide):
+    """Saved and reloaded FP8 weights are the same bytes, and give bit-identical logits,
+    even when a scale tensor in memory is a transposed view (saved in its logical, row-major
+    order: the seed's K-major bug cannot happen through save_checkpoint)."""
+    m = copy.deepcopy(wide)
+    quantize_model(m)
+    fusion.pack_ffn(m)  # W1|W3 as views into one buffer: saved as their own tensors
+    lin = m.layers[0].attention.wqkv
+    lin.weight_scale_inv = lin.weight_scale_inv.t().contiguous().t()  # column-major storage
+    assert not lin.weight_scale_inv.is_contiguous()
+    cols = _cols(m)
+    # the in-memory model reads the view in its logical order too
+    want = _logits(m, cols)
+    save_checkpoint(m, tmp_path / "q")
+    config = json.loads((tmp_path / "q" / "config.json").read_text())
+    assert config["quantization_config"]["weight_block_size"] == [128, 128]
+    back = load_model(tmp_path / "q", dtype=torch.float32, fp8=True)
+    assert fp8_layers(back) == fp8_layers(m)
+    for (n, a), (n2, b) in zip(m.state_dict().items(), back.state_dict().items()):
+        assert n == n2 and a.dtype == b.dtype
+        assert torch.equal(a.view(torch.uint8) if a.dtype == FP8 else a,
+                           b.view(torch.uint8) if b.dtype == FP8 else b), n
+    assert torch.equal(_logits(back, cols), want)
+    # without fp8 the same checkpoint loads dequantised: the same products
+    dense = load_model(tmp_path / "q", dtype=torch.float32)
+    assert not fp8_layers(dense)
+    assert torch.equal(_logits(dense, cols), want)
+
+
+def test_a_scale_saved_in_the_wrong_layout_is_refused(tmp_path, wide):
+    from safetensors.torch import load_file, save_file
+
+    m = copy.deepcopy(wide)
+    quantize_model(m)
+    save_checkpoint(m, tmp_path / "q")
+    shard = next((tmp_path / "q").glob("model-*.safetensors"))
+    t = load_file(str(shard))
+    key = "text_model.model.layers.0.feed_forward.w2.weight_scale_inv"
+    assert t[key].shape[0] != t[key].shape[1]
+    t[key] = t[key].t().contiguous()
+    save_file(t, str(shard))
+    with pytest.raises(CheckpointError, match="w2"):
+        load_model(tmp_path / "q", fp8=True)
+
+
+def test_fp8_model_decodes_close_to_dense(tiny):
+    """Greedy frames of the FP8 tiny model through the runner: the same path as dense, and
+    the semantic logits within FP8's error of the dense ones."""
+    m = copy.deepcopy(tiny)
+    quantize_model(m)
+    cols = _cols(m)
+    dense, fp8 = _logits(tiny, cols), _logits(m, cols)
+    rel = float((fp8 - dense).norm() / dense.norm())
+    assert 1e-4 < rel < 0.1
+    runner = ModelRunner(m, n_rows=1, max_len=256)
+    blocks = runner.own_blocks(0)
+    runner.prefill(blocks, cols[:, :-1], 0)
+    runner.join(0, SamplingParams.greedy(), cols[:, -1], cols.shape[1] - 1, 8, 0, blocks)
+    frames = torch.stack([runner.step(1, 64)[0, :11] for _ in range(8)], dim=1)
+    assert frames.shape == (11, 8)
+    ids = m.cfg.ids
+    assert ((frames[0] >= ids.semantic_start) | (frames[0] == ids.im_end)).all()
+
+
+def test_packed_fp8_ffn_is_one_gemm_with_the_same_result(tiny):
+    m = copy.deepcopy(tiny)
+    quantize_model(m)
+    if m.cfg.slow.intermediate_size % BLOCK:
+        pytest.skip("FFN width not a multiple of the scale block")
+    ff = m.layers[0].feed_forward
+    x = torch.randn(2, 3, m.cfg.slow.dim)
+    want = REFERENCE.swiglu(x, ff.w1.weight, ff.w3.weight)
+    assert fusion.pack_ffn(m) == m.cfg.slow.n_layer + m.cfg.fast.n_layer
+    both = fusion.packed(ff.w1.weight, ff.w3.weight)
+    assert isinstance(both, Fp8Weight) and both.shape[0] == 2 * m.cfg.slow.intermediate_size
+    both.check()
+    calls: list[int] = []
+
+    def counting(x, w):  # type: ignore[no-untyped-def]
+        calls.append(w.shape[0])
+        return fp8_linear_torch(x, w)
+
+    got = Ops(packed_ffn=True, linear=counting).swiglu(x, ff.w1.weight, ff.w3.weight)
+    assert calls == [2 * m.cfg.slow.intermediate_size]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_quantize_cli(tmp_path, fixture_dir):
+    from rtvoice.cli import main
+
+    out = tmp_path / "fp8"
+    assert main(["quantize", str(fixture_dir), str(out), "--keep", "layers.0.*"]) == 0
+    config = json.loads((out / "config.json").read_text())
+    q = config["quantization_config"]
+    assert q["quant_method"] == "fp8" and q["fmt"] == "e4m3"
+    assert "text_model.model.layers.0.attention.wqkv" in q["modules_to_not_convert"]
+    assert (out / "tokenizer.json").is_file() and (out / "codec.safetensors").is_file()
+    assert config["text_config"] == json.loads((fixture_dir / "config.json").read_text())[
+        "text_config"]
+    from engine.inspect_checkpoint import inspect_checkpoint
+
+    report = inspect_checkpoint(str(out))
+    assert not report.problems and "FP8: 15 linears" in report.text()
+    b = load_bundle(str(out), dtype="fp8")
+    names = fp8_layers(b.model)
+    assert names and not any(n.startswith("layers.0.") for n in names)
+    # a non-empty output, an already quantised source, a keep list on a quantised checkpoint
+    assert main(["quantize", str(fixture_dir), str(out)]) == 2
+    assert main(["quantize", str(out), str(tmp_path / "again")]) == 2
+    with pytest.raises(CheckpointError, match="already quantised"):
+        load_bundle(str(out), dtype="fp8", fp8_keep=("layers.1.*",))
+    assert main(["quantize", str(fixture_dir), str(out), "--overwrite"]) == 0
+    assert fp8_layers(load_bundle(str(out), dtype="fp8").model)[0] == "layers.0.attention.wqkv"
+
+
+def test_dtype_fp8_settings_and_loader():
+    from rtvoice.settings import ModelSettings
+
+    assert ModelSettings(dtype="FP8").dtype == "fp8"
+    with pytest.raises(ValueError, match="needs dtype fp8"):
+        ModelSettings(fp8_keep=("layers.0.*",))
+    with pytest.raises(ValueError, match="unknown"):
+        ModelSettings(dtype="int4")
+    with pytest.raises(ValueError, match="needs dtype fp8"):
+        load_bundle("tiny", fp8_keep=("layers.0.*",))
+    b = load_bundle("tiny", dtype="fp8", fp8_keep=("fast_layers.*",))
+    assert fp8_layers(b.model) and not any(n.startswith("fast") for n in fp8_layers(b.model))
+    assert b.model.embeddings.weight.dtype == torch.float32  # the CPU's default dtype
+
+
+def test_engine_speaks_with_fp8_weights():
+    from engine.config import EngineConfig
+    from engine.engine import CollectingSink, build_engine
+
+    b = load_bundle("tiny", dtype="fp8")
+    eng = build_engine(b, EngineConfig(max_running=2, max_len=512, pingpong=False))
+    sink = CollectingSink()
+    seq = eng.open([], SamplingParams(seed=2), sink)
+    eng.run_until_idle()
+    assert sink.ready.is_set() and not sink.errors
+    eng.submit(seq, "hello there", turn_id="t", max_frames=12)
+    eng.run_until_idle()
+    assert sink.done.is_set() and not sink.errors, sink.errors
+    assert 0 < sink.results[0].frames <= 12
+    assert sink.pcm().size == sink.results[0].frames * 2048
