@@ -16,42 +16,63 @@ It passes when
   * at every decision up to the first mismatch, ||logits_fp8 - logits_bf16|| / ||logits_bf16||
     is at most BOUND, for both heads (the 4,097 semantic logits, the 4,096 codebook logits).
 
-Random weights need two changes to make that a test (presets only; a checkpoint DIR runs as
-it is, loaded through `load_model` twice, once with `fp8=True` as the service loads it):
+Random weights need three changes to make that a test (presets only; a checkpoint DIR runs
+as it is, loaded through `load_model` twice, once with `fp8=True` as the service loads it).
+All are deterministic functions of (model config, seed); nothing is cached.
 
-1. Planted margins. With N(0, 0.02^2) weights the heads are unaligned with the hidden states,
-   so every decision is a near-tie (top-1 minus top-2 ~ 0.25 logit-sigma) and FP8's few %
-   of logit noise flips tokens almost surely, while a trained model's distributions are
-   peaked. So the bf16 model's greedy path is planted: at each decision whose margin is
-   below PLANT_MIN_SIGMA logit-sigmas (the std of that decision's logits) the chosen
+1. Fan-in scaled linears (`shape_linears`). dummy_model's flat N(0, 0.02^2) gives S2-Pro's
+   linears a gain of ~1 (~2 for w2), and such a random stack amplifies FP8's 2.65 % per-linear
+   rounding layer after layer: measured on the slow AR at S2-Pro's shapes (forward of 32
+   columns, all 36 layers), the hidden state's relative error grows 9 % (layer 0) -> 35 %
+   (layer 36), 24 % without the block structure of (2); scaling wo/w2 by 1/sqrt(2L) does
+   not help (34 %). With std FANIN_GAIN / sqrt(fan-in) (0.32 / sqrt(K): 0.02 at K = 256)
+   it saturates: 5.8 % -> 10.0 % at S2-Pro's shapes, ~9 % at dim 256, whatever the width.
+2. Block-structured magnitudes (`shape_linears`). In an i.i.d. random matrix every 128 x 128
+   block has nearly the same amax (within ~7 %), so a scale read from the wrong block is
+   almost right: without this, gate-small's controls give 0.12-0.20 relative logit error
+   against FP8's own 0.06-0.07, tokens equal, i.e. a layout bug would pass. Trained weights
+   are not like that (heads, channels, layers differ in magnitude), so each quantised
+   matrix is multiplied by a_i * b_j per block (i: 128-row group, j: 128-column group), a and
+   b log-normal with sigma BLOCK_SPREAD and unit RMS.
+3. Planted margins (`plant_margins`). The heads of a random model are unaligned with its
+   hidden states, so every decision is a near-tie (top-1 minus top-2 ~ 0.25 logit-sigma)
+   and FP8's logit noise flips tokens almost surely, while a trained model's distributions
+   are peaked. So the bf16 model's greedy path is planted: at each decision whose margin is
+   below PLANT_MIN_SIGMA logit-sigmas (sigma: the std of that decision's logits) the chosen
    token's head row gets delta * h / ||h||^2 added (h: the final-normed hidden state feeding
    the head), raising its logit by exactly delta, to a margin of PLANT_TARGET_SIGMA. A
    semantic row is also the token's input embedding (tied table), so later frames change:
-   decisions are planted in order up to the first semantic one, then the decode is re-run,
-   until every decision holds the minimum. The target is the best *semantic* token (never
-   <|im_end|>), so every run decodes all frames.
-2. Block-structured magnitudes. In an i.i.d. random matrix every 128 x 128 block has nearly
-   the same amax (within ~7 %), so a scale read from the wrong block is almost right and a
-   layout bug would pass unnoticed. Trained weights are not like that (heads, channels and
-   layers differ in magnitude). Each quantised matrix is multiplied by a_i * b_j per block
-   (i: 128-row group, j: 128-column group), a and b log-normal with sigma BLOCK_SPREAD and
-   unit RMS, before planting: the matrices keep their overall scale, the blocks differ.
-
-Both are deterministic functions of (model config, seed); nothing is cached.
+   decisions are planted in order up to the first semantic one, then the decode is re-run
+   (3-4 decodes for 5 frames), until every decision holds the minimum. The semantic target
+   is the best *semantic* token (never <|im_end|>), so every run decodes all its frames.
+   (A random model's hidden states are alike from frame to frame, cos ~0.93 for the slow
+   AR and up to 0.995 for one codebook across frames, so rows planted for one frame also
+   rise at the others and some margins end far above the target, up to ~27 sigma.)
 
 Negative controls (`--controls`; `corrupted_copy`): the FP8 model with every Fp8Linear's
 `weight_scale_inv` (a) "transposed": `scale.t().contiguous().view(scale.shape)`, the K-major
-bug (right numbers, wrong order), (b) "shifted": `torch.roll(scale, 1, dims=1)`, every scale
-one block off along K. Both must FAIL the gate. They need real block grids: with `tiny`
-(dim 128) every grid has a single column, so neither control changes anything (reported as
-not applicable); `gate-small` (dims 256-768, every matrix >= 2 x 2 blocks) is the CPU model.
+bug (right numbers, wrong order; `check_fp8` cannot see it), (b) "shifted":
+`torch.roll(scale, 1, dims=1)`, every scale one block off along K. Both must FAIL the gate.
+They need real block grids: in `tiny` (dim 128) most grids have one column, so "transposed"
+changes nothing (reported as not applicable) and "shifted" only the wo/w2 layers;
+`gate-small` (dims 256-768, every matrix >= 2 x 2 blocks) is the CPU model of the tests.
 
-Measured (CPU, bf16 reference ops, seeds 0-4; "rel err" = max over decisions):
+Measured (bf16 reference ops on a CPU; rel err = max over the compared decisions; margins
+in logit-sigmas; controls: max over heads up to their first flip):
 
-  model       planted min margin   FP8 rel err slow / fast   transposed      shifted
-  gate-small  2.0-2.x sigma        ...                        ...             ...
+  model (slow+fast layers, dim)      seeds  bf16 min margin  FP8 rel err slow / fast   FP8 min margin  transposed  shifted
+  gate-small (4+2, 256)              0-4    2.3-3.0          0.057-0.078 / 0.056-0.083  2.5-3.0         0.89-1.34   0.96-1.23
+  36+4 layers, dim 256               0-1    2.9              0.086-0.117 / 0.063-0.109  2.9-3.0         0.98-1.36   1.07-1.35
+  S2-Pro shapes, 4+4 layers (2560)   0      3.0              0.069 / 0.078              >= 2.7 [1]      1.35        1.15
+  S2-Pro shapes, slow AR 36 layers   0      -                0.102 (forward only)       -               -           -
+  [1] a lower bound: the bf16 margin minus the largest erosion of any margin (0.27 sigma)
+  Every control flipped tokens (gate-small seed 4 "shifted": frames equal, error 1.0).
 
-BOUND = ... : ... .
+BOUND = 0.25, for both heads: 2.1x the largest error measured (0.117, 36 layers at dim 256),
+~2x what S2-Pro at full depth should give (~0.10 slow, fast somewhat above), 3x gate-small's
+0.083, and 2.5x below the smallest control error (0.62, gate-small seed 0 "shifted", slow
+head). The seed's K-major bug (53 % logit error) is 2x above it. A trained checkpoint's FP8
+error is expected well below the random model's; the report prints the measured value.
 """
 
 from __future__ import annotations
@@ -63,7 +84,7 @@ import json
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -84,7 +105,7 @@ PLANT_MIN_SIGMA = 2.0
 PLANT_TARGET_SIGMA = 3.0
 FANIN_GAIN = 0.32  # random linears: std FANIN_GAIN / sqrt(fan-in) (0.02 at fan-in 256)
 BLOCK_SPREAD = 0.5  # log-normal sigma of the per-block-group magnitudes of the random linears
-BOUND = 0.10  # max ||logits_fp8 - logits_bf16|| / ||logits_bf16|| at any decision (see above)
+BOUND = 0.25  # max ||logits_fp8 - logits_bf16|| / ||logits_bf16|| at any decision (see above)
 CONTROLS = ("transposed", "shifted")
 TEXT = "The quick brown fox jumps over the lazy dog."
 REF_TEXT = "A short reference sentence."

@@ -46,6 +46,12 @@ def _quantize(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fp8_gate(args: argparse.Namespace) -> int:
+    from engine.fp8_gate import main as gate
+
+    return gate(args.gate_args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="rtvoice", description="Realtime streaming TTS for Fish "
                                  "Audio S2-style DualAR models.")
@@ -117,6 +123,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where to quantise: cpu, cuda, ... (default: %(default)s)")
     q.add_argument("--overwrite", action="store_true", help="replace OUTPUT's weights")
     q.set_defaults(fn=_quantize)
+    g = sub.add_parser(
+        "fp8-gate", add_help=False,
+        help="the FP8 correctness gate: greedy FP8 == bf16 for 5 frames, logit error bound "
+        "(rtvoice fp8-gate --help)",
+        description="Run engine.fp8_gate (its own options follow).")
+    g.add_argument("gate_args", nargs=argparse.REMAINDER)
+    g.set_defaults(fn=_fp8_gate)
     try:
         from .server_cli import add_serve_parser
     except ImportError:  # the service module is optional until it lands
@@ -127,6 +140,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["fp8-gate"]:  # its options are engine.fp8_gate's own
+        from engine.fp8_gate import main as gate
+
+        return gate(argv[1:])
     ap = build_parser()
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),

@@ -278,3 +278,15 @@ def test_engine_speaks_with_fp8_weights():
     assert sink.done.is_set() and not sink.errors, sink.errors
     assert 0 < sink.results[0].frames <= 12
     assert sink.pcm().size == sink.results[0].frames * 2048
+
+
+def test_fp8_gate_command(tmp_path):
+    """`rtvoice fp8-gate` runs engine.fp8_gate with its own options (the planted small model
+    on a CPU) and exits 0 on a pass, 1 when the bound cannot be met."""
+    from rtvoice.cli import main
+
+    out = tmp_path / "gate.json"
+    assert main(["fp8-gate", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["passed"] is True
+    assert main(["fp8-gate", "--bound", "1e-6"]) == 1
