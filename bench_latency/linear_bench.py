@@ -4,24 +4,36 @@ rotating weight copies (more than 200 MB of them, so the 50 MB L2 holds none), a
 
     python -m bench_latency.linear_bench --out engine/kernels/linear_table.json
 
-Candidates: bf16 weights: F.linear (cuBLAS, "library"), csrc `gemv` with each split count;
-FP8 weights (e4m3, 128 x 128 block scales): csrc `fp8_gemv` with each split count, the Triton
-kernel (engine/kernels/fp8_triton.py) if it imports, and the dequantising reference with
---reference (slow: it dequantises the whole weight per call). Each kernel's output is checked
-against F.linear / the reference first; a candidate that disagrees is reported and never
-chosen. Reports microseconds per call, achieved GB/s (weight + activation bytes / time) and
-the share of a device-to-device copy's bandwidth measured the same way (read + write bytes).
-Takes well under a minute on an H200 once the csrc extension is built (the first use of the
-extension on a fresh machine compiles it: a few minutes).
+Candidates: bf16 weights: F.linear (cuBLAS, "library") and the csrc kernel (`gemv`) in
+variants 0 and 1; FP8 weights (e4m3, 128 x 128 block scales): `fp8_gemv` in variants 0-3, the
+Triton weight-only kernel (engine/kernels/fp8_triton.py) in `sweep_configs(M)`'s few configs,
+and the Triton W8A8 kernel (activations quantised to e4m3: other numerics, recorded as a
+separate "triton_w8a8" row that `make_linear` takes only with `fp8_activations=True`), plus
+the dequantising reference with --reference (slow). Each csrc variant is swept over kwarps
+1, 2, 4, 8 without a K split, then over splits 2, 4, 8 at its best kwarps. Each candidate's
+output is checked first (weight-only: against the float32 product, to bf16 rounding; W8A8:
+against its torch reference); a candidate that disagrees is reported and never chosen.
+Variants 2 and 3 are probed once for exactness on subnormal products (variant 2 relies on
+the tensor cores keeping them) and left out where they fail. Reports microseconds per call,
+achieved GB/s (weight + activation bytes / time) and the share of a device-to-device copy's
+bandwidth measured the same way (read + write bytes); the table records the device, and a
+table from another device kind is ignored by `load_plan`.
+
+Time on an H200: about 1.5-2.5 minutes once the csrc extension is built (about 2,500 graph
+timings, ~10 ms each, and ~20 Triton compilations of ~1 s); the first use of the extension on
+a fresh machine compiles it first (a few minutes). `--shapes`, `--ms`, `--variants`,
+`--no-triton` cut it down.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,7 +41,17 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import extension_available
-from engine.kernels.linear import MAX_M, PlanRow, fp8_gemv, gemv, triton_fp8
+from engine.kernels.linear import (
+    FP8_VARIANTS,
+    MAX_M,
+    VARIANTS,
+    W8A8,
+    PlanRow,
+    _triton_module,
+    fp8_gemv,
+    gemv,
+    supports,
+)
 from engine.quant import Fp8Weight, dequantize_fp8, fp8_linear_torch, quantize_fp8
 
 # name -> (N, K): S2-Pro's decode-step linears
@@ -43,8 +65,11 @@ SHAPES = {
     "semantic": (4097, 2560),  # semantic logits: N not a multiple of 128
 }
 MS = (1, 2, 4, 8, 16, 32, 64)
-SPLITS = (1, 2, 4, 8)
+KWARPS = (1, 2, 4, 8)
+SPLITS = (2, 4, 8)  # tried at each variant's best kwarps (1 is part of the kwarps sweep)
 ROTATE_BYTES = 200 * 2**20
+
+Meta = dict[str, object]  # a candidate's PlanRow fields: impl, splits, kwarps, variant, config
 
 
 def graph_us(calls: list[Callable[[], object]], reps: int) -> float:
@@ -92,12 +117,108 @@ def _agrees(got: torch.Tensor, want: torch.Tensor) -> bool:
     return bool((err <= 2**-7 * want.float().abs() + 1e-2 * want.float().abs().mean()).all())
 
 
+def _agrees_w8a8(got: torch.Tensor, want: torch.Tensor, mag: torch.Tensor) -> bool:
+    """The W8A8 kernel against its torch reference (the same activation rounding; a rare
+    tie may round one element of x differently: 2^-9 of sum |x w| allows a few)."""
+    err = (got.float() - want.float()).abs()
+    return bool((err <= 2**-7 * want.float().abs() + 2**-9 * mag).all())
+
+
+def probe_variant(variant: int) -> str | None:
+    """None if `variant` computes an FP8 product of subnormal weights (e4m3 codes 1-7) and
+    small activations (2^-10) to the kernel's usual bound (variant 2 keeps 2^-120 times the
+    weights through the MMA: exact only if the tensor cores keep subnormal inputs and
+    float32 subnormal products), else what went wrong."""
+    g = torch.Generator().manual_seed(11)
+    codes = torch.tensor([c for c in range(256) if 0 < c & 0x7F < 8], dtype=torch.uint8)
+    q = codes[torch.randint(0, len(codes), (256, 1024), generator=g)]
+    scale = 2.0 ** torch.randint(-8, 8, (2, 8), generator=g).float()
+    w = Fp8Weight(q.view(torch.float8_e4m3fn).cuda(), scale.cuda())
+    x = (torch.randn(8, 1024, generator=g) * 2**-10).to(torch.bfloat16).cuda()
+    wf = dequantize_fp8(w)
+    ref = x.float() @ wf.T
+    bound = 2**-8 * ref.abs() + 2**-14 * (x.float().abs() @ wf.abs().T)
+    try:
+        got = fp8_gemv(x, w, splits=1, variant=variant).float()
+    except Exception as e:  # e.g. variant 3 below sm_89
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
+    bad = (got - ref).abs() > bound
+    if bool(bad.any()):
+        return (f"{int(bad.sum())} of {bad.numel()} outputs off (max relative error "
+                f"{float(((got - ref).abs() / ref.abs().clamp_min(1e-30)).max()):.3g})")
+    return None
+
+
+def _cfg_name(cfg) -> str:
+    return (f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}w{cfg.num_warps}s{cfg.num_stages}"
+            f"{'T' if cfg.swap_ab else ''}")
+
+
+class Timer:
+    """Times candidates for one (shape, dtype, M) against its references; keeps the
+    results."""
+
+    def __init__(self, ws: list, x: torch.Tensor, want: torch.Tensor, reps: int,
+                 label: str) -> None:
+        self.ws, self.x, self.want, self.reps, self.label = ws, x, want, reps, label
+        self.us: dict[str, float] = {}
+        self.meta: dict[str, Meta] = {}
+
+    def time(self, name: str, fn: Callable, meta: Meta,
+             check: Callable[[torch.Tensor], bool] | None = None) -> float | None:
+        x = self.x
+        try:
+            out = fn(x, self.ws[0])
+            torch.cuda.synchronize()
+            ok = check(out) if check is not None else _agrees(out, self.want)
+            if not ok:
+                print(f"  {self.label} {name}: WRONG RESULT (max err "
+                      f"{(out.float() - self.want.float()).abs().max():.3g}); not a candidate")
+                return None
+            t = graph_us([lambda w=w: fn(x, w) for w in self.ws], self.reps)
+        except Exception as e:  # a candidate that cannot run here is skipped
+            print(f"  {self.label} {name}: failed ({type(e).__name__}: "
+                  f"{str(e).splitlines()[0][:120]})")
+            return None
+        self.us[name], self.meta[name] = t, meta
+        return t
+
+
+def _chunks(k: int, fp8: bool, variant: int) -> int:
+    """K chunks of the csrc kernel: 128 k for FP8, bf16 32 (variant 0) or 64 (pipelined)."""
+    return -(-k // (128 if fp8 else (32 if variant == 0 else 64)))
+
+
+def sweep_gemv(timer: Timer, fp8: bool, variants: tuple[int, ...], chunks_of) -> None:
+    """Each variant over kwarps (no split), then over splits at its best kwarps."""
+    fn = fp8_gemv if fp8 else gemv
+    for v in variants:
+        best: tuple[float, int] | None = None
+        for kw in KWARPS:
+            call = functools.partial(fn, splits=1, kwarps=kw, variant=v)
+            t = timer.time(f"gemv:v{v}:k{kw}:s1", call,
+                           {"impl": "gemv", "splits": 1, "kwarps": kw, "variant": v})
+            if t is not None and (best is None or t < best[0]):
+                best = (t, kw)
+        if best is None:
+            continue
+        kw = best[1]
+        for s in SPLITS:
+            if s > chunks_of(v) // kw:  # a split with no chunk for some warp
+                break
+            call = functools.partial(fn, splits=s, kwarps=kw, variant=v)
+            timer.time(f"gemv:v{v}:k{kw}:s{s}", call,
+                       {"impl": "gemv", "splits": s, "kwarps": kw, "variant": v})
+
+
 def bench_shape(name: str, n: int, k: int, ms: tuple[int, ...], reps: int, copy: float,
-                built: bool, reference: bool) -> list[PlanRow]:
+                built: bool, reference: bool, variants: tuple[int, ...],
+                triton: bool) -> list[PlanRow]:
     rows: list[PlanRow] = []
     g = torch.Generator(device="cuda").manual_seed(n + k)
     base = (torch.randn(n, k, device="cuda", generator=g) / math.sqrt(k)).to(torch.bfloat16)
-    tri = triton_fp8()
+    mod = _triton_module() if triton else None
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     for fp8 in (False, True):
         if fp8:
             q = quantize_fp8(base)
@@ -111,56 +232,75 @@ def bench_shape(name: str, n: int, k: int, ms: tuple[int, ...], reps: int, copy:
         for m in ms:
             x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
             io = 2 * m * (k + n)
-            cands: dict[str, Callable[[torch.Tensor, object], torch.Tensor]] = {}
+            label = f"{name} {'fp8' if fp8 else 'bf16'} m={m}"
             if fp8:
-                want = F.linear(x.float(), dequantize_fp8(ws[0])).to(torch.bfloat16)
-                if tri is not None:
-                    cands["triton"] = tri
-                if reference:
-                    cands["library"] = fp8_linear_torch
+                wf = dequantize_fp8(ws[0])
+                want = F.linear(x.float(), wf).to(torch.bfloat16)
             else:
                 want = F.linear(x.float(), base.float()).to(torch.bfloat16)
-                cands["library"] = F.linear
+            timer = Timer(ws, x, want, reps, label)
+            if not fp8:
+                timer.time("library", F.linear, {"impl": "library"})
+            elif reference:
+                timer.time("reference", fp8_linear_torch, {"impl": "library"})
             if built and m <= MAX_M:
-                chunks = k // (128 if fp8 else 32)
-                for s in SPLITS:
-                    if s <= max(1, chunks // 2):
-                        fn = fp8_gemv if fp8 else gemv
-                        cands[f"gemv:s{s}"] = lambda x, w, fn=fn, s=s: fn(x, w, splits=s)
-            us: dict[str, float] = {}
-            for cname, fn in cands.items():
-                try:
-                    out = fn(x, ws[0])
-                    torch.cuda.synchronize()
-                    if not _agrees(out, want):
-                        print(f"  {name} fp8={fp8} m={m} {cname}: WRONG RESULT "
-                              f"(max err {(out.float() - want.float()).abs().max():.3g}); "
-                              "not a candidate")
-                        continue
-                    us[cname] = graph_us([lambda w=w, fn=fn, x=x: fn(x, w) for w in ws], reps)
-                except Exception as e:  # a candidate that cannot run here is skipped
-                    print(f"  {name} fp8={fp8} m={m} {cname}: failed ({type(e).__name__}: "
-                          f"{str(e).splitlines()[0][:120]})")
-            if not us:
+                vs = tuple(v for v in variants if fp8 or v not in FP8_VARIANTS)
+                vs = tuple(v for v in vs if supports(m, n, k, fp8, v))
+                sweep_gemv(timer, fp8, vs, functools.partial(_chunks, k, fp8))
+            w8a8: Timer | None = None
+            if fp8 and mod is not None:
+                # N not a multiple of 16 compiles every config anew: the default one only
+                cfgs = mod.sweep_configs(m)[: None if n % 16 == 0 else 1]
+                for cfg in cfgs:
+                    split = mod.launch_split(m, n, k, cfg, 0, sms)
+                    call = functools.partial(mod.fp8_linear_triton, config=cfg, split_k=split)
+                    timer.time(f"triton:{_cfg_name(cfg)}", call,
+                               {"impl": "triton", "splits": split, "config": cfg.to_json()})
+                if n % 16 == 0:
+                    want8 = mod.fp8_linear_w8a8_torch(x, ws[0])
+                    mag = x.float().abs() @ wf.abs().T
+                    w8a8 = Timer(ws, x, want8, reps, label)
+                    for cfg in mod.sweep_configs(m, w8a8=True):
+                        split = mod.launch_split(m, n, k, cfg, 0, sms)
+                        call = functools.partial(mod.fp8_linear_triton_w8a8, config=cfg,
+                                                 split_k=split)
+                        w8a8.time(f"{W8A8}:{_cfg_name(cfg)}", call,
+                                  {"impl": W8A8, "splits": split, "config": cfg.to_json()},
+                                  check=lambda out, want8=want8, mag=mag: _agrees_w8a8(
+                                      out, want8, mag))
+            if not timer.us:
                 continue
-            best = min(us, key=us.__getitem__)
-            impl, splits = (("gemv", int(best.split(":s")[1])) if best.startswith("gemv")
-                            else (best, 1))
-            record = dict(us)
-            gv = [t for c, t in us.items() if c.startswith("gemv")]
-            if gv:
-                record["gemv"] = min(gv)
-            rows.append(PlanRow(fp8, m, n, k, impl, splits,
-                                tuple(sorted((c, round(t, 2)) for c, t in record.items()))))
+            best = min(timer.us, key=timer.us.__getitem__)
+            rows.append(_plan_row(fp8, m, n, k, timer.meta[best], timer.us))
+            extra = ""
+            if w8a8 is not None and w8a8.us:
+                b8 = min(w8a8.us, key=w8a8.us.__getitem__)
+                rows.append(_plan_row(fp8, m, n, k, w8a8.meta[b8], w8a8.us))
+                extra = f"   [{W8A8} {w8a8.us[b8]:.2f}us: {b8.split(':', 1)[1]}]"
+            # the best of each family (library, each gemv variant, triton), fastest first
+            fam: dict[str, tuple[float, str]] = {}
+            for c, t in timer.us.items():
+                f = ":".join(c.split(":")[:2]) if c.startswith("gemv") else c.split(":")[0]
+                if f not in fam or t < fam[f][0]:
+                    fam[f] = (t, c)
             cells = "  ".join(
-                f"{c} {t:7.2f}us {(wbytes + io) / t / 1e3:6.0f}GB/s "
-                f"{100 * (wbytes + io) / t / 1e3 / copy:4.0f}%"
-                for c, t in sorted(us.items(), key=lambda ct: ct[1]))
+                f"{c} {t:7.2f}us {100 * (wbytes + io) / t / 1e3 / copy:3.0f}%"
+                for t, c in sorted(fam.values()))
             print(f"{name:9s} {n:6d}x{k:<5d} {'fp8 ' if fp8 else 'bf16'} m={m:3d} -> "
-                  f"{impl}{f'/s{splits}' if impl == 'gemv' else ''}   {cells}")
+                  f"{best:22s} {timer.us[best]:7.2f}us "
+                  f"{(wbytes + io) / timer.us[best] / 1e3:5.0f}GB/s   {cells}{extra}",
+                  flush=True)
         del ws
         torch.cuda.empty_cache()
     return rows
+
+
+def _plan_row(fp8: bool, m: int, n: int, k: int, meta: Meta, us: dict[str, float]) -> PlanRow:
+    config = meta.get("config")
+    return PlanRow(fp8, m, n, k, str(meta["impl"]), int(meta.get("splits", 1)),  # type: ignore[arg-type]
+                   tuple(sorted((c, round(t, 2)) for c, t in us.items())),
+                   int(meta.get("kwarps", 0)), int(meta.get("variant", 0)),  # type: ignore[arg-type]
+                   None if config is None else tuple(sorted(config.items())))  # type: ignore[union-attr]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -169,6 +309,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", default=",".join(SHAPES),
                     help=f"comma-separated subset of {','.join(SHAPES)}")
     ap.add_argument("--ms", default=",".join(map(str, MS)), help="rows (M) to time")
+    ap.add_argument("--variants", default=",".join(map(str, VARIANTS)),
+                    help="csrc kernel variants to time")
+    ap.add_argument("--no-triton", action="store_true", help="leave the Triton kernels out")
     ap.add_argument("--reps", type=int, default=15, help="graph replays per candidate")
     ap.add_argument("--reference", action="store_true",
                     help="also time the dequantising FP8 reference (slow)")
@@ -182,24 +325,42 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown shape(s) {unknown}; choose from {list(SHAPES)}")
     ms = tuple(int(m) for m in args.ms.split(","))
+    variants = tuple(int(v) for v in args.variants.split(",") if v)
+    if not set(variants) <= set(VARIANTS):
+        ap.error(f"variants must be among {VARIANTS}")
+    t0 = time.perf_counter()
     built = extension_available()
     if not built:
         print("the csrc extension did not build: timing the library paths only",
               file=sys.stderr)
-    if triton_fp8() is None:
-        print("engine.kernels.fp8_triton does not import: no Triton FP8 candidate",
+    else:
+        print(f"csrc extension ready ({time.perf_counter() - t0:.0f} s)", flush=True)
+        for v in FP8_VARIANTS:
+            if v in variants:
+                problem = probe_variant(v)
+                print(f"variant {v} subnormal probe: {problem or 'exact'}", flush=True)
+                if problem is not None:
+                    variants = tuple(u for u in variants if u != v)
+    triton = not args.no_triton and _triton_module() is not None
+    if not args.no_triton and not triton:
+        print("engine.kernels.fp8_triton cannot run here: no Triton FP8 candidates",
               file=sys.stderr)
     copy = copy_gbs(args.reps)
-    print(f"device {torch.cuda.get_device_name()}: copy bandwidth {copy:.0f} GB/s "
-          "(read + write); GB/s below = (weight + x + y bytes) / time")
+    device = torch.cuda.get_device_name()
+    print(f"device {device}: copy bandwidth {copy:.0f} GB/s (read + write); % below = "
+          "(weight + x + y bytes) / time / copy bandwidth; variants "
+          f"{','.join(map(str, variants))}", flush=True)
     rows: list[PlanRow] = []
     with torch.inference_mode():
         for s in names:
-            rows += bench_shape(s, *SHAPES[s], ms, args.reps, copy, built, args.reference)
+            print(f"-- {s} {SHAPES[s]} at {time.perf_counter() - t0:.0f} s", flush=True)
+            rows += bench_shape(s, *SHAPES[s], ms, args.reps, copy, built, args.reference,
+                                variants, triton)
+    print(f"done in {time.perf_counter() - t0:.0f} s")
     if args.out:
         args.out.write_text(json.dumps(
-            {"device": torch.cuda.get_device_name(), "copy_gbs": round(copy, 1),
-             "torch": torch.__version__, "rows": [r.to_json() for r in rows]}, indent=1) + "\n")
+            {"device": device, "copy_gbs": round(copy, 1), "torch": torch.__version__,
+             "variants": list(variants), "rows": [r.to_json() for r in rows]}, indent=1) + "\n")
         print(f"wrote {len(rows)} rows to {args.out}")
     return 0
 

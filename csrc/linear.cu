@@ -1,6 +1,6 @@
 // linear_small_m: y = x @ W^T for the few rows of a decode step (M = 1..64), bf16 activations
 // and output, float32 accumulation, W in bf16 or in FP8 e4m3 with 128 x 128 block scales
-// (weight-only: the e4m3 values become bf16 in registers).
+// (weight-only: the e4m3 values become bf16 or f16 in registers).
 //
 // At these M a linear layer is a stream over its weights (31 MB for S2-Pro's wqkv in bf16):
 // the kernel's job is to keep enough bytes in flight to run at the HBM's copy bandwidth. The
@@ -16,35 +16,55 @@
 //     of two (bf16: 32 k) or four (FP8: 64 k) m16n8k16 steps under a permutation of k;
 //   - has no shared memory and no barrier in the main loop: x (M x K bf16, at most 1.3 MB) is
 //     read through L1 by every warp that needs it;
-//   - issues a whole batch of loads before the first MMA: U chunks x 2 rows x 16 bytes of
-//     weights per lane (8 x 16 B at M <= 16; 4 KB per warp), with an L2 256-byte prefetch hint
-//     and no L1 allocation, in a main loop without predicates (ptxas sinks predicated loads,
-//     and any load when register use is unbounded, to their use: one round trip per load);
-//   - fills the GPU at small N by splitting K: inside a block (the warps of a 16-row tile take
-//     interleaved K batches, summed through shared memory once at the end; 8 warps on one tile
+//   - fills the GPU at small N by splitting K: inside a block (the warps of a row tile take
+//     interleaved K chunks, summed through shared memory once at the end; 8 warps on one tile
 //     for N <= ~4,200) and, with `splits` > 1, across blocks (float32 partials to a workspace,
 //     summed by a second, tiny kernel).
-// FP8: each e4m3 byte is moved into a bf16's bit fields and scaled by 2^120 (exact; integer and
-// FMA instructions only, no conversion unit); one 128-wide K chunk is one scale block, whose
-// MMA sum is multiplied by its scale (all 16 rows of a tile share it: 128 % 16 == 0) and added
-// to the float32 accumulator. Accuracy: both variants accumulate exact products in float32 and
-// round once, so they are at least as close to the exact product as F.linear (which rounds
-// the dequantised FP8 weight to bf16 first).
+// Variants (`variant`), one of which the recorded plan picks per shape:
+//   0: register batches. A warp issues a whole batch of loads (U chunks x 2 rows x 16 bytes
+//      per lane: 8 x 16 B at M <= 16, 4 KB per warp) with an L2 256-byte prefetch hint and no
+//      L1 allocation, in a main loop without predicates (ptxas sinks predicated loads, and any
+//      load when register use is unbounded, to their use: one round trip per load), waits for
+//      all of it, computes, then issues the next: one exposed round trip per batch, and the
+//      FP8 conversion's ALU work never overlaps the loads (measured on the H200: bf16 w13 at
+//      83 % of the copy bandwidth, FP8 at 37-61 %).
+//   1: pipelined (linear_pipe_kernel). The weights go global -> shared memory by cp.async
+//      into a per-warp ring of S stages: S - 1 chunks (128 bytes of each row) in flight while
+//      the oldest is converted and multiplied. Each lane reads back only what it copied (no
+//      barrier, conflict-free 16-byte reads); 32-row tiles at M <= 32 (x through L1 half as
+//      often). Exact like 0.
+//   2: FP8 only: 1 without the per-element multiply by 2^120 (the 2^120 goes into the block
+//      scale). The MMA then sees 2^-120 times the weights (e4m3 subnormals: bf16 subnormals)
+//      and float32 products below 2^-126 when |x w| < 2^-6 e4m3 units: exact where the
+//      tensor cores keep subnormals (linear_bench probes it and drops the variant if not).
+//   3: FP8 only, sm_89+: 1 with the conversion unit (cvt.rn.f16x2.e4m3x2: one instruction per
+//      pair instead of five) and f16 MMAs; x is rounded to f16 on the fly (cvt.satfinite):
+//      exact for 2^-17 <= |x| <= 65504 (bf16's 8 significant bits), rounded below (error
+//      < 2^-25 |w|), saturated above 65504 (a wrong result, but finite). For normed
+//      activations only; 0-2 are bf16-exact.
+// FP8 (0-2): each e4m3 byte is moved into a bf16's bit fields and scaled by 2^120 (exact;
+// integer and FMA instructions only, no conversion unit); one 128-wide K chunk is one scale
+// block, whose MMA sum is multiplied by its scale (all rows of a tile share it: 128 % 32 ==
+// 0) and added to the float32 accumulator. Accuracy: all variants accumulate exact products
+// in float32 and round once, so they are at least as close to the exact product as F.linear
+// (which rounds the dequantised FP8 weight to bf16 first); 3 within its x range.
 //
 // Contract (checked by engine/kernels/linear.py and again here):
 //   x      [M, K]  bf16, 1 <= M <= 64, rows may be strided (row stride * 2 and the base
 //                  16-byte aligned), last dim contiguous
 //   w      [N, K]  bf16, or float8_e4m3fn with `scale`; contiguous, 16-byte aligned; finite
 //                  (a lane with nothing to read loads row 0 and discards it; e4m3 NaN codes
-//                  read as +-480)
+//                  read as +-480 in 0-2, NaN in 3)
 //   scale  [ceil(N/128), ceil(K/128)] float32, contiguous (FP8 only; None for bf16):
 //                  W[n, k] = w[n, k] * scale[n / 128, k / 128]
 //   out    [M, N]  bf16, contiguous
-//   K % 16 == 0; N >= 1; compute capability 8.0+
+//   K % 16 == 0; N >= 1; compute capability 8.0+ (variant 3: 8.9+)
 //   splits 1..64: K cut into this many ranges read by separate blocks (float32 partials,
 //                  summed by linear_splits_reduce); 0: automatic
-//   kwarps 1, 2, 4, 8: warps of a block sharing one 16-row tile (K split inside the block);
-//                  0: automatic (the fewest that still give two blocks per SM, else 8)
+//   kwarps 1, 2, 4, 8: warps of a block sharing one row tile (K split inside the block);
+//                  0: automatic (variant 0: the fewest that still give two blocks per SM,
+//                  else 8; 1-3: the fewest that give every SM a block, else 8)
+//   variant 0..3 (above); bf16 weights take 0 or 1
 
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -82,6 +102,16 @@ __device__ __forceinline__ uint4 ld_x(const void* p) {
   asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n"
       : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
       : "l"(p));
+  return v;
+}
+
+// The same, volatile: kept in program order before the pipelined kernel's cp.async wait (a
+// plain asm load is sunk past it to its use, exposing its latency after the wait).
+__device__ __forceinline__ uint4 ld_x_early(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
   return v;
 }
 
@@ -127,6 +157,101 @@ __device__ __forceinline__ void e4m3x16_to_bf16(const uint4& v, uint32_t (&r)[8]
   e4m3x4_to_bf16x4(v.y, r[2], r[3]);
   e4m3x4_to_bf16x4(v.z, r[4], r[5]);
   e4m3x4_to_bf16x4(v.w, r[6], r[7]);
+}
+
+// The bit move of e4m3x4_to_bf16x4 without the multiplication: bf16s of 2^-120 times the
+// values (variant 2 puts the 2^120 into the block scale instead). Exact as MMA inputs as long
+// as the tensor cores keep bf16 subnormal inputs (e4m3 subnormals) and float32 subnormal
+// products (|x w| < 2^-6 in e4m3 units); linear_bench probes this before timing the variant.
+__device__ __forceinline__ void e4m3x4_to_bf16x4_unscaled(uint32_t v, uint32_t& lo,
+                                                          uint32_t& hi) {
+  const uint32_t p = __byte_perm(v, 0u, 0x3120);
+  const uint32_t q = p << 8;
+  hi = (p & 0x80008000u) | ((p & 0x7F007F00u) >> 4);
+  lo = (q & 0x80008000u) | ((q & 0x7F007F00u) >> 4);
+}
+
+// Four e4m3 values -> f16x2 lo = (b0, b1), hi = (b2, b3) on the conversion unit (sm_89+:
+// one instruction per pair; exact, every e4m3 value is an f16).
+__device__ __forceinline__ void e4m3x4_to_f16x4(uint32_t v, uint32_t& lo, uint32_t& hi) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 890
+  asm("{\n"
+      "  .reg .b16 l, h;\n"
+      "  mov.b32 {l, h}, %2;\n"
+      "  cvt.rn.f16x2.e4m3x2 %0, l;\n"
+      "  cvt.rn.f16x2.e4m3x2 %1, h;\n"
+      "}\n"
+      : "=r"(lo), "=r"(hi)
+      : "r"(v));
+#else
+  lo = hi = 0u;
+  __trap();  // e4m3 conversions need sm_89; the host refuses variant 3 on older devices
+#endif
+}
+
+// bf16x2 -> f16x2 (x of variant 3): exact for 2^-14 <= |x| <= 65504 (and down to 2^-17 for
+// bf16's 8 significant bits), rounded below, saturated to +-65504 above.
+__device__ __forceinline__ uint32_t bf16x2_to_f16x2(uint32_t x) {
+  const float lo = __uint_as_float(x << 16), hi = __uint_as_float(x & 0xFFFF0000u);
+  uint32_t d;
+  asm("cvt.rn.satfinite.f16x2.f32 %0, %1, %2;\n" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
+}
+
+// d += A * B as mma_bf16, with f16 operands.
+__device__ __forceinline__ void mma_f16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                       uint32_t a3, uint32_t b0, uint32_t b1) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#else
+  __trap();
+#endif
+}
+
+// How the pipelined kernel turns e4m3 into MMA operands (variants 1, 2, 3).
+enum Conv : int {
+  kConvBits = 0,   // bit move + exact bf16 multiply by 2^120 (bf16-exact; as variant 0)
+  kConvFold = 1,   // bit move only, 2^120 applied with the block scale
+  kConvCvt16 = 2,  // hardware e4m3x2 -> f16x2, x rounded to f16, f16 MMA
+};
+
+template <int CONV>
+__device__ __forceinline__ void e4m3x16_convert(const uint4& v, uint32_t (&r)[8]) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (CONV == kConvBits) e4m3x4_to_bf16x4(w[i], r[2 * i], r[2 * i + 1]);
+    else if constexpr (CONV == kConvFold) e4m3x4_to_bf16x4_unscaled(w[i], r[2 * i], r[2 * i + 1]);
+    else e4m3x4_to_f16x4(w[i], r[2 * i], r[2 * i + 1]);
+  }
+}
+
+// cp.async (sm_80+): 16 bytes global -> shared without registers, L2 only, 256-byte L2
+// prefetch; `bytes` < 16 zero-fills the rest (0: reads nothing).
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;\n" ::"r"(dst), "l"(src)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async16_zfill(uint32_t dst, const void* src, int bytes) {
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
 struct Args {
@@ -318,6 +443,246 @@ __global__ void __launch_bounds__(kThreads, MINB) linear_small_m_kernel(const Ar
   }
 }
 
+// ---------------------------------------------------------------- variants 1-3: pipelined
+// Same tiles, fragments and K split as above, but the weights travel global -> shared memory
+// by cp.async into a per-warp ring of S stages, so a warp keeps S - 1 chunks of loads in
+// flight while it converts and multiplies the oldest one (variant 0 issues a batch, waits for
+// all of it, computes, and only then issues the next: one exposed round trip per batch).
+// A chunk is 128 bytes of each of the warp's rows (FP8: 128 k = one scale block; bf16: 64 k):
+// RT x 2 rows x 2 steps x 16 bytes per lane, plus the chunk's block scale (FP8). Each lane
+// copies exactly the bytes it later reads (slot [stage][load][lane]), so no barrier is ever
+// needed, only cp.async.wait_group, and the reads are conflict-free 16-byte accesses. Tiles
+// are RT x 16 rows (x fragments reused RT times: at M > 16 the L1 traffic of x, not HBM,
+// would bound a 16-row tile). Chunks are dealt round-robin to the kw warps of a tile.
+template <bool F8, int RT>
+constexpr int pipe_stage_bytes() {
+  return RT * 4 * 512 + (F8 ? 128 : 0);
+}
+
+template <int NT, int RT, int S, bool F8, int CONV, int MINB>
+__global__ void __launch_bounds__(kThreads, MINB) linear_pipe_kernel(const Args a) {
+  constexpr int kEl = F8 ? 1 : 2;
+  constexpr int kVec = 16 / kEl;       // weight elements per 16-byte load
+  constexpr int kXr = kVec / 2;        // x registers (2 bf16) per n-tile and load step
+  constexpr int kChunk = 8 * kVec;     // k per chunk: 2 steps x 4 lanes x kVec
+  constexpr int kLoads = RT * 4;       // 16-byte weight loads per lane and chunk
+  constexpr int kStage = pipe_stage_bytes<F8, RT>();
+  constexpr bool kXAll = NT == 1;      // load both steps' x before waiting for the weights
+  static_assert(!F8 || kChunk == kScaleBlock, "an FP8 chunk is one scale block");
+  static_assert((kTileRows * RT) <= kScaleBlock && kScaleBlock % (kTileRows * RT) == 0,
+                "a tile's rows share one scale row");
+  extern __shared__ __align__(16) unsigned char smem[];
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int rt = warp / a.kw, kwi = warp - rt * a.kw;
+  const int n0 = (blockIdx.x * (kWarps / a.kw) + rt) * (kTileRows * RT);
+  const int c_begin = blockIdx.y * a.cps, c_end = min(a.n_chunks, c_begin + a.cps);
+  const int c_full = min(c_end, a.K / kChunk);  // chunks [.., c_full) lie inside K
+  const int64_t row_bytes = static_cast<int64_t>(a.K) * kEl;
+  const uint8_t* wrow[RT][2];
+#pragma unroll
+  for (int r = 0; r < RT; ++r)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int n = n0 + kTileRows * r + 8 * h + g;
+      wrow[r][h] = a.w + (n < a.N ? static_cast<int64_t>(n) * row_bytes : 0) + t * 16;
+    }
+  const __nv_bfloat16* xrow[NT];
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+    xrow[j] = a.x + (8 * j + g < a.M ? (8 * j + g) * a.x_rs : 0) + t * kVec;
+  const float* srow = F8 ? a.scale + static_cast<int64_t>(n0 / kScaleBlock) * a.kb : nullptr;
+
+  unsigned char* ring = smem + warp * (S * kStage);
+  const uint32_t ring_lane = smem_u32(ring) + lane * 16;
+
+  // chunk c into stage st: load (r, s, h) = rows n0 + 16 r + 8 h + g, k = c kChunk + s 4 kVec
+  // + t kVec at slot (r * 2 + s) * 2 + h. The chunk reaching past K zero-fills its dead steps.
+  auto issue = [&](int c, int st) {
+    const uint32_t dst = ring_lane + st * kStage;
+    const int64_t k0 = static_cast<int64_t>(c) * kChunk;
+    if (c < c_full) {
+#pragma unroll
+      for (int r = 0; r < RT; ++r)
+#pragma unroll
+        for (int s = 0; s < 2; ++s)
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            cp_async16(dst + ((r * 2 + s) * 2 + h) * 512, wrow[r][h] + (k0 + s * 4 * kVec) * kEl);
+    } else {
+#pragma unroll
+      for (int s = 0; s < 2; ++s) {
+        const bool live = k0 + s * 4 * kVec + t * kVec < a.K;
+        const int64_t at = live ? (k0 + s * 4 * kVec) * kEl : -t * 16;  // dead: the row start
+#pragma unroll
+        for (int r = 0; r < RT; ++r)
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            cp_async16_zfill(dst + ((r * 2 + s) * 2 + h) * 512, wrow[r][h] + at, live ? 16 : 0);
+      }
+    }
+    if constexpr (F8) cp_async4(smem_u32(ring) + st * kStage + kLoads * 512 + lane * 4, srow + c);
+  };
+
+  // x of chunk c, step s, n-tile j (a dead step reads its row's start: finite values times
+  // the zero-filled weights). Variant 3 converts it to f16 once for the RT tiles.
+  auto load_xs = [&](uint32_t (&xb)[NT][kXr], int c, int s) {
+    const int k = c * kChunk + s * 4 * kVec;
+    const int off = k + t * kVec < a.K ? k : -t * kVec;
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      const uint4 v0 = ld_x_early(xrow[j] + off);
+      xb[j][0] = v0.x, xb[j][1] = v0.y, xb[j][2] = v0.z, xb[j][3] = v0.w;
+      if constexpr (F8) {
+        const uint4 v1 = ld_x_early(xrow[j] + off + 8);
+        xb[j][4] = v1.x, xb[j][5] = v1.y, xb[j][6] = v1.z, xb[j][7] = v1.w;
+      }
+    }
+  };
+
+  // d += rows (wa: g, wb: g + 8) x the x fragments of one step
+  auto mma_step_p = [&](float (&d)[NT][4], const uint4& wa, const uint4& wb,
+                        const uint32_t (&xb)[NT][kXr]) {
+    if constexpr (F8) {
+      uint32_t ra[8], rb[8];
+      e4m3x16_convert<CONV>(wa, ra);
+      e4m3x16_convert<CONV>(wb, rb);
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          if constexpr (CONV == kConvCvt16)
+            mma_f16(d[j], ra[2 * q], rb[2 * q], ra[2 * q + 1], rb[2 * q + 1], xb[j][2 * q],
+                    xb[j][2 * q + 1]);
+          else
+            mma_bf16(d[j], ra[2 * q], rb[2 * q], ra[2 * q + 1], rb[2 * q + 1], xb[j][2 * q],
+                     xb[j][2 * q + 1]);
+        }
+    } else {
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        mma_bf16(d[j], wa.x, wb.x, wa.y, wb.y, xb[j][0], xb[j][1]);
+        mma_bf16(d[j], wa.z, wb.z, wa.w, wb.w, xb[j][2], xb[j][3]);
+      }
+    }
+  };
+
+  float acc[RT][NT][4];
+#pragma unroll
+  for (int r = 0; r < RT; ++r)
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[r][j][e] = 0.f;
+
+  const int first = c_begin + kwi;  // this warp's chunks: first, first + kw, ... < c_end
+  const int n_my = first < c_end ? (c_end - first + a.kw - 1) / a.kw : 0;
+  // prologue: S - 1 chunks in flight (one commit group per chunk, empty past the end, so
+  // that chunk i is always group i)
+#pragma unroll
+  for (int i = 0; i < S - 1; ++i) {
+    if (i < n_my) issue(first + i * a.kw, i);
+    cp_async_commit();
+  }
+  int st_w = S - 1, st_r = 0;
+  for (int i = 0; i < n_my; ++i) {
+    if (i + S - 1 < n_my) issue(first + (i + S - 1) * a.kw, st_w);
+    cp_async_commit();
+    st_w = st_w == S - 1 ? 0 : st_w + 1;
+    const int c = first + i * a.kw;
+    uint32_t xb[kXAll ? 2 : 1][NT][kXr];
+    if constexpr (kXAll) {
+      load_xs(xb[0], c, 0);
+      load_xs(xb[1], c, 1);
+    }
+    cp_async_wait<S - 1>();  // chunk i (group i) has landed; S - 1 younger groups may not
+    const unsigned char* slot = ring + st_r * kStage + lane * 16;
+    float sc = 0.f;  // FP8: the chunk's block scale (variant 2: times 2^60, the sums too)
+    if constexpr (F8) {
+      sc = *reinterpret_cast<const float*>(ring + st_r * kStage + kLoads * 512 + lane * 4);
+      if constexpr (CONV == kConvFold) sc *= 0x1p60f;
+    }
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+      uint32_t(&xs)[NT][kXr] = xb[kXAll ? s : 0];
+      if constexpr (!kXAll) load_xs(xs, c, s);
+      if constexpr (CONV == kConvCvt16) {
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+          for (int q = 0; q < kXr; ++q) xs[j][q] = bf16x2_to_f16x2(xs[j][q]);
+      }
+#pragma unroll
+      for (int r = 0; r < RT; ++r) {
+        const uint4 wa = *reinterpret_cast<const uint4*>(slot + ((r * 2 + s) * 2) * 512);
+        const uint4 wb = *reinterpret_cast<const uint4*>(slot + ((r * 2 + s) * 2 + 1) * 512);
+        if constexpr (F8) {
+          // this step's sums, scaled into the accumulator (per step rather than per chunk:
+          // fewer registers live, for a few FMAs per 4 NT MMAs)
+          float part[NT][4];
+#pragma unroll
+          for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) part[j][e] = 0.f;
+          mma_step_p(part, wa, wb, xs);
+#pragma unroll
+          for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+              acc[r][j][e] = fmaf(sc, CONV == kConvFold ? part[j][e] * 0x1p60f : part[j][e],
+                                  acc[r][j][e]);
+        } else {
+          mma_step_p(acc[r], wa, wb, xs);
+        }
+      }
+    }
+    st_r = st_r == S - 1 ? 0 : st_r + 1;
+  }
+  cp_async_wait<0>();
+
+  // the kw warps of a tile: the first one sums the others' accumulators (through the rings'
+  // memory, once every warp of the block is done with its ring)
+  if (a.kw > 1) {
+    float* red = reinterpret_cast<float*>(smem);
+    constexpr int kAcc = RT * NT * 4;
+    __syncthreads();
+    if (kwi > 0) {
+#pragma unroll
+      for (int r = 0; r < RT; ++r)
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            red[(warp * kAcc + (r * NT + j) * 4 + e) * 32 + lane] = acc[r][j][e];
+    }
+    __syncthreads();
+    if (kwi > 0) return;
+    for (int o = 1; o < a.kw; ++o) {
+#pragma unroll
+      for (int r = 0; r < RT; ++r)
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            acc[r][j][e] += red[((warp + o) * kAcc + (r * NT + j) * 4 + e) * 32 + lane];
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < RT; ++r)
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int n = n0 + kTileRows * r + g + (e >= 2 ? 8 : 0), m = 8 * j + 2 * t + (e & 1);
+        if (n < a.N && m < a.M) {
+          if (a.ws != nullptr)
+            a.ws[(static_cast<int64_t>(blockIdx.y) * a.M + m) * a.N + n] = acc[r][j][e];
+          else
+            a.y[static_cast<int64_t>(m) * a.N + n] = __float2bfloat16(acc[r][j][e]);
+        }
+      }
+}
+
 // y = sum over the splits' float32 partials ws [splits, M, N], rounded once to bf16.
 __global__ void linear_splits_reduce(const float* __restrict__ ws, __nv_bfloat16* __restrict__ y,
                                      int64_t mn, int splits) {
@@ -329,42 +694,97 @@ __global__ void linear_splits_reduce(const float* __restrict__ ws, __nv_bfloat16
   }
 }
 
-// (SM count, compute capability major) per device; a racing first call writes the same values
-std::pair<int, int> device_info(int dev) {
-  static int cached[64][2] = {};
-  if (dev < 64 && cached[dev][0] != 0) return {cached[dev][0], cached[dev][1]};
-  int n = 0, major = 0;
+// (SM count, compute capability major, minor) per device; a racing first call writes the same
+// values
+struct DevInfo {
+  int n_sm, major, minor;
+};
+DevInfo device_info(int dev) {
+  static int cached[64][3] = {};
+  if (dev < 64 && cached[dev][0] != 0) return {cached[dev][0], cached[dev][1], cached[dev][2]};
+  int n = 0, major = 0, minor = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
   if (dev < 64) {
+    cached[dev][2] = minor;
     cached[dev][1] = major;
     cached[dev][0] = n;
   }
-  return {n, major};
+  return {n, major, minor};
 }
 
+// One kernel instantiation as the host sees it.
+struct Kern {
+  void (*fn)(Args);
+  int smem;   // dynamic shared memory bytes
+  int rows;   // weight rows per warp tile
+  int chunk;  // k per chunk
+  int occ;    // resident blocks per SM (0: not asked; variant 0)
+};
+
+// <n-tiles, chunks per batch U, FP8, min blocks per SM>: U shrinks as the x fragments (NT
+// per load step) take registers. The min-blocks bound matters beyond occupancy: without
+// it ptxas sinks each load to its MMA (fewest registers) and a warp has one load of each
+// row in flight instead of U (FP8: 2 U); with it the whole batch is issued first. Chosen
+// as the largest bound that compiles without spills.
 template <bool F8>
-void launch(const Args& a, dim3 grid, cudaStream_t stream) {
-  // <n-tiles, chunks per batch U, FP8, min blocks per SM>: U shrinks as the x fragments (NT
-  // per load step) take registers. The min-blocks bound matters beyond occupancy: without
-  // it ptxas sinks each load to its MMA (fewest registers) and a warp has one load of each
-  // row in flight instead of U (FP8: 2 U); with it the whole batch is issued first. Chosen
-  // as the largest bound that compiles without spills.
-  const int nt = (a.M + 7) / 8;
-#define RTV_LAUNCH(NT, U, MINB) \
-  linear_small_m_kernel<NT, U, F8, MINB><<<grid, kThreads, 0, stream>>>(a)
+Kern v0_kern(int nt) {
+  void (*fn)(Args);
   if constexpr (F8) {
-    if (nt <= 1) RTV_LAUNCH(1, 2, 2);
-    else if (nt <= 2) RTV_LAUNCH(2, 2, 2);
-    else if (nt <= 4) RTV_LAUNCH(4, 1, 2);
-    else RTV_LAUNCH(8, 1, 1);
+    fn = nt <= 1   ? linear_small_m_kernel<1, 2, F8, 2>
+         : nt <= 2 ? linear_small_m_kernel<2, 2, F8, 2>
+         : nt <= 4 ? linear_small_m_kernel<4, 1, F8, 2>
+                   : linear_small_m_kernel<8, 1, F8, 1>;
   } else {
-    if (nt <= 1) RTV_LAUNCH(1, 4, 3);
-    else if (nt <= 2) RTV_LAUNCH(2, 4, 2);
-    else if (nt <= 4) RTV_LAUNCH(4, 2, 2);
-    else RTV_LAUNCH(8, 1, 1);
+    fn = nt <= 1   ? linear_small_m_kernel<1, 4, F8, 3>
+         : nt <= 2 ? linear_small_m_kernel<2, 4, F8, 2>
+         : nt <= 4 ? linear_small_m_kernel<4, 2, F8, 2>
+                   : linear_small_m_kernel<8, 1, F8, 1>;
   }
-#undef RTV_LAUNCH
+  return {fn, 0, kTileRows, F8 ? 128 : 32, 0};
+}
+
+// The pipelined kernel with its shared memory set up and its occupancy (cached per device).
+template <int NT, int RT, int S, bool F8, int CONV, int MINB>
+Kern pipe_kern(int dev) {
+  constexpr int ring = kWarps * S * pipe_stage_bytes<F8, RT>();
+  constexpr int red = kWarps * RT * NT * 4 * 32 * 4;
+  constexpr int smem = ring > red ? ring : red;
+  void (*fn)(Args) = linear_pipe_kernel<NT, RT, S, F8, CONV, MINB>;
+  static int occ[64] = {};
+  int o = dev < 64 ? occ[dev] : 0;
+  if (o == 0) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&o, fn, kThreads, smem));
+    TORCH_CHECK(o >= 1, "linear_small_m: the pipelined kernel (", smem,
+                " bytes of shared memory) does not fit on this device");
+    if (dev < 64) occ[dev] = o;
+  }
+  return {fn, smem, kTileRows * RT, F8 ? 128 : 64, o};
+}
+
+// <n-tiles, row tiles per warp RT, stages S, FP8, conversion, min blocks per SM>. Shared
+// memory per block: 8 warps x S x RT x 2 KB (+ 1 KB of scales per S for FP8); a warp has
+// S - 1 chunks (RT x 2 KB) in flight. M <= 8: three blocks of S = 4 per SM (68 KB each, 144
+// KB in flight per SM); M <= 16: two of S = 6 (the x fragments of two n-tiles do not fit
+// three blocks' registers); M <= 32: 32-row tiles (x read through L1 half as often), one
+// block of S = 6; M <= 64: one block of S = 8 (~230 registers: x fragments of 8 n-tiles).
+// The bounds are the largest that compile without spills.
+template <bool F8, int CONV>
+Kern pipe_kern_nt(int nt, int dev) {
+  if (nt <= 1) return pipe_kern<1, 1, 4, F8, CONV, 3>(dev);
+  if (nt <= 2) return pipe_kern<2, 1, 6, F8, CONV, 2>(dev);
+  if (nt <= 4) return pipe_kern<4, 2, 6, F8, CONV, 1>(dev);
+  return pipe_kern<8, 1, 8, F8, CONV, 1>(dev);
+}
+
+Kern pick_kernel(bool f8, int variant, int nt, int dev) {
+  if (variant == 0) return f8 ? v0_kern<true>(nt) : v0_kern<false>(nt);
+  if (!f8) return pipe_kern_nt<false, kConvBits>(nt, dev);
+  if (variant == 1) return pipe_kern_nt<true, kConvBits>(nt, dev);
+  if (variant == 2) return pipe_kern_nt<true, kConvFold>(nt, dev);
+  return pipe_kern_nt<true, kConvCvt16>(nt, dev);
 }
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
@@ -372,7 +792,7 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 }  // namespace
 
 void linear_small_m(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> scale,
-                    torch::Tensor out, int64_t splits, int64_t kwarps) {
+                    torch::Tensor out, int64_t splits, int64_t kwarps, int64_t variant) {
   TORCH_CHECK(x.is_cuda() && w.device() == x.device() && out.device() == x.device(),
               "linear_small_m: x, w and out must be CUDA tensors on one device");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && out.dim() == 2,
@@ -414,30 +834,43 @@ void linear_small_m(torch::Tensor x, torch::Tensor w, std::optional<torch::Tenso
               kMaxSplits, " (0: automatic), got ", splits);
   TORCH_CHECK(kwarps == 0 || kwarps == 1 || kwarps == 2 || kwarps == 4 || kwarps == 8,
               "linear_small_m: kwarps must be 0 (automatic), 1, 2, 4 or 8, got ", kwarps);
+  TORCH_CHECK(variant >= 0 && variant <= 3, "linear_small_m: variant must be 0..3, got ",
+              variant);
+  TORCH_CHECK(f8 || variant <= 1,
+              "linear_small_m: variants 2 and 3 convert FP8 weights; bf16 weights take 0 or 1");
   if (M == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
-  const auto [n_sm, major] = device_info(x.get_device());
-  TORCH_CHECK(major >= 8, "linear_small_m: needs compute capability 8.0 or newer (bf16 MMA)");
-  const int64_t tiles = (N + kTileRows - 1) / kTileRows;
-  const int chunk = f8 ? 128 : 32;
-  const int64_t n_chunks = (K + chunk - 1) / chunk;
-  // kwarps: the fewest warps per tile (the longest K runs per warp) that still give two
-  // blocks per SM; 8 when even that does not fill the GPU
+  const int dev = x.get_device();
+  const DevInfo info = device_info(dev);
+  const int n_sm = info.n_sm;
+  TORCH_CHECK(info.major >= 8, "linear_small_m: needs compute capability 8.0 or newer (bf16 MMA)");
+  TORCH_CHECK(variant != 3 || info.major * 10 + info.minor >= 89,
+              "linear_small_m: variant 3 (e4m3 conversion instructions) needs compute "
+              "capability 8.9 or newer");
+  const Kern kern = pick_kernel(f8, static_cast<int>(variant), static_cast<int>((M + 7) / 8),
+                                dev);
+  const int64_t tiles = (N + kern.rows - 1) / kern.rows;
+  const int64_t n_chunks = (K + kern.chunk - 1) / kern.chunk;
   int kw = static_cast<int>(kwarps);
   if (kw == 0) {
     kw = kWarps;
+    // variant 0: the fewest warps per tile (the longest K runs per warp) that still give two
+    // blocks per SM, else 8. Pipelined: the fewest that give every SM a block (a warp's
+    // chunks run back to back through its ring: longer runs cost nothing).
+    const int64_t want = variant == 0 ? 2 * n_sm : n_sm;
     for (int c = 1; c < kWarps; c *= 2)
-      if ((tiles * c + kWarps - 1) / kWarps >= 2 * n_sm) {
+      if ((tiles * c + kWarps - 1) / kWarps >= want) {
         kw = c;
         break;
       }
   }
-  // automatic splits: blocks for two per SM, each warp left with >= 2 chunks of K
+  // automatic splits: enough blocks for two per SM (pipelined: one), each warp left with
+  // >= 2 chunks of K
   if (splits == 0) {
     const int64_t blocks = (tiles * kw + kWarps - 1) / kWarps;
+    const int64_t want = variant == 0 ? 2 * n_sm : n_sm;
     splits = std::max<int64_t>(
-        1, std::min<int64_t>({(2 * n_sm + blocks - 1) / blocks, n_chunks / (2 * kw),
-                              kMaxSplits}));
+        1, std::min<int64_t>({(want + blocks - 1) / blocks, n_chunks / (2 * kw), kMaxSplits}));
   }
   const int64_t cps = (n_chunks + splits - 1) / splits;
   const dim3 grid(static_cast<unsigned>((tiles * kw + kWarps - 1) / kWarps),
@@ -454,8 +887,7 @@ void linear_small_m(torch::Tensor x, torch::Tensor w, std::optional<torch::Tenso
          static_cast<int>((K + kScaleBlock - 1) / kScaleBlock),
          kw, static_cast<int>(n_chunks), static_cast<int>(cps)};
   auto stream = c10::cuda::getCurrentCUDAStream();
-  if (f8) launch<true>(a, grid, stream);
-  else launch<false>(a, grid, stream);
+  kern.fn<<<grid, kThreads, kern.smem, stream>>>(a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (splits > 1) {
     const int64_t mn = M * N;

@@ -345,6 +345,10 @@ class EngineConfig:
                                   "(engine/kernels/linear_table.json, written by `python -m "
                                   "bench_latency.linear_bench`) measured it fastest; false: "
                                   "cuBLAS for bf16 and the Triton kernel for FP8 everywhere")
+    fp8_activations: bool = option(False, "with FP8 weights: decode-step linears may also "
+                                   "quantise their activations to e4m3 per 1x128 block "
+                                   "(W8A8 Triton GEMM) where the linear table measured that "
+                                   "faster; not the weight-only numerics the FP8 gate checks")
     split_kv: bool = option(False, "decode attention splits a row's positions over more "
                             "blocks when the batch is too small to fill the GPU (measured: "
                             "no gain on the H200)")

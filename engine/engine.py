@@ -485,7 +485,8 @@ def build_engine(bundle: Bundle, config: EngineConfig | None = None, *,
     if ops is None:
         ops = build_ops(device, fused=cfg.fused_ops, kernels=cfg.cuda_kernels,
                         sampler_kernel=cfg.sampler_kernel, codec_kernels=cfg.codec_kernels,
-                        split_kv=cfg.split_kv, linear_kernels=cfg.linear_kernels)
+                        split_kv=cfg.split_kv, linear_kernels=cfg.linear_kernels,
+                        fp8_activations=cfg.fp8_activations)
     if ops.packed_ffn:
         from .fusion import pack_ffn
 

@@ -69,6 +69,7 @@ REFERENCE = Ops()
 def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool = True,
               sampler_kernel: bool = True, codec_kernels: bool = True,
               split_kv: bool = False, linear_kernels: bool = True,
+              fp8_activations: bool = False,
               linear_table: Path | None = linear.DEFAULT_TABLE) -> Ops:
     """The ops an engine on `device` runs. `fused`: "compile" (torch.compile'd elementwise ops
     and the packed FFN GEMM), "reference", or "auto" (compile on CUDA only). `kernels`: use
@@ -98,7 +99,8 @@ def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool 
                          bias_residual=activation.bias_residual, fold_bias=True)
     if cuda:
         parts["linear"] = linear.make_linear(linear.load_plan(linear_table),
-                                             kernels=built and linear_kernels)
+                                             kernels=built and linear_kernels,
+                                             fp8_activations=fp8_activations)
     return Ops(
         fused=fused, packed_ffn=fused == "compile", sample=sample, codec=codec,
         decode_attention=(functools.partial(decode_attention, splits=0 if split_kv else 1)

@@ -38,7 +38,9 @@
 # DTYPES="bf16 fp8" runs the server bench and gpu_bench once per model dtype, under
 # $OUT/<dtype>/ (default: bf16 only, straight under $OUT); the server bench saves each
 # dtype's decode_tps baseline and gates against bench_latency/baselines/h200_s2pro_<dtype>.json
-# where that exists (GATE_BASELINE=0: no gate).
+# where that exists (GATE_BASELINE=0: no gate). SERVER=0 skips the server bench; BENCH_FIRST=1
+# runs gpu_bench first, BENCH_S seconds per dtype; BENCH_DTYPES: gpu_bench's dtypes (default
+# DTYPES); LINEAR_ARGS: more linear_bench options (e.g. "--variants 0,1,2 --reps 10").
 # The device lacks the service's own packages (uvicorn, starlette, msgspec...): run
 # scripts/device_wheels.sh here first and carry .whl; they are installed into /tmp/site.
 set -uo pipefail
@@ -67,7 +69,7 @@ if [ "${PROBE:-0}" = 1 ]; then  # prefill graphs alone: what a burst of turns co
     timeout 60 python3 -m bench_latency.kernel_bench 2>&1 | grep -v "Warn\|warn" | tee -a "$OUT/probes.txt" | grep decode_attention
 fi
 if [ "${LINEAR:-0}" = 1 ]; then  # the per-shape linear table, used by every engine below
-    timeout ${LINEAR_TIMEOUT:-240} python3 -m bench_latency.linear_bench --out "$OUT/linear_table.json" \
+    timeout ${LINEAR_TIMEOUT:-240} python3 -m bench_latency.linear_bench --out "$OUT/linear_table.json" ${LINEAR_ARGS:-} \
         > "$OUT/linear_bench.txt" 2>&1
     tail -40 "$OUT/linear_bench.txt"
     [ -s "$OUT/linear_table.json" ] && cp "$OUT/linear_table.json" engine/kernels/linear_table.json
@@ -85,30 +87,39 @@ if [ "${SESSIONS:-1}" = 1 ]; then  # open sessions: 1,000 10 s voices, shared vs
 fi
 DTYPES=${DTYPES:-bf16}
 N_DT=$(echo $DTYPES | wc -w)
-for DT in $DTYPES; do
-    D_OUT=$OUT; [ "$N_DT" -gt 1 ] && D_OUT=$OUT/$DT && mkdir -p "$D_OUT"
-    BASE=bench_latency/baselines/h200_s2pro_$DT.json
-    [ "${GATE_BASELINE:-1}" = 1 ] && [ -f "$BASE" ] || BASE=
-    if [ "${SERVER:-1}" = 1 ]; then
+dir_for() { if [ "$N_DT" -gt 1 ]; then mkdir -p "$OUT/$1"; echo "$OUT/$1"; else echo "$OUT"; fi; }
+servers() {
+    [ "${SERVER:-1}" = 1 ] || return 0
+    for DT in $DTYPES; do
+        D_OUT=$(dir_for "$DT")
+        BASE=bench_latency/baselines/h200_s2pro_$DT.json
+        [ "${GATE_BASELINE:-1}" = 1 ] && [ -f "$BASE" ] || BASE=
         OUT=$D_OUT DTYPE=$DT BASELINE=$BASE MAX_LEN=${MAX_LEN:-1024} MAX_RUNNING=${MAX_RUNNING:-128} \
             SERVER_LEVELS=${SERVER_LEVELS:-1 4 16 32 64 128} \
             timeout ${SERVER_TIMEOUT:-220} bash scripts/gpu_server_bench.sh 2>&1 | grep -v "^ \|^$" | tail -40
         # gpu_server_bench.sh merged the levels into server.json: the device returns few files
         [ -s "$D_OUT/server.json" ] && rm -f "$D_OUT"/server_c*.json
         echo "server bench ($DT) done at +$(( $(date +%s) - t0 ))s"
-    fi
-done
-for DT in $DTYPES; do
-    D_OUT=$OUT; [ "$N_DT" -gt 1 ] && D_OUT=$OUT/$DT
-    LEFT=$(( (${TOTAL:-585} - ($(date +%s) - t0)) / N_DT ))
-    [ "$LEFT" -lt 30 ] && echo "only ${LEFT}s left of TOTAL: gpu_bench ($DT) gets 30s" && LEFT=30
-    N_DT=$(( N_DT > 1 ? N_DT - 1 : 1 ))
-    timeout -s ABRT "$LEFT" python3 -X faulthandler scripts/gpu_bench.py --dtype "$DT" \
-        --skip "${SKIP:-decode,codec,fixtures,profile}" ${COMPILED_SAMPLER:+--compiled-sampler} \
-        --levels "${ENGINE_LEVELS:-1,4,16,32,64,128}" --frames 64 \
-        --engine-runs "${ENGINE_RUNS:-pingpong_codec,pingpong_nocodec,naive_nocodec}" --out "$D_OUT" \
-        >"$D_OUT/gpu_bench_log.txt" 2>&1
-    grep '^{"' "$D_OUT/gpu_bench_log.txt" | cut -c1-400 | tail -14
-    echo "gpu_bench ($DT) done at +$(( $(date +%s) - t0 ))s"
-done
+    done
+}
+benches() {
+    local n
+    n=$(echo ${BENCH_DTYPES:-$DTYPES} | wc -w)
+    for DT in ${BENCH_DTYPES:-$DTYPES}; do
+        D_OUT=$(dir_for "$DT")
+        LEFT=$(( (${TOTAL:-585} - ($(date +%s) - t0)) / n ))
+        [ -n "${BENCH_S:-}" ] && LEFT=$BENCH_S  # a fixed box per dtype (BENCH_FIRST=1 runs)
+        [ "$LEFT" -lt 30 ] && echo "only ${LEFT}s left of TOTAL: gpu_bench ($DT) gets 30s" && LEFT=30
+        n=$(( n > 1 ? n - 1 : 1 ))
+        timeout -s ABRT "$LEFT" python3 -X faulthandler scripts/gpu_bench.py --dtype "$DT" \
+            --skip "${SKIP:-decode,codec,fixtures,profile}" ${COMPILED_SAMPLER:+--compiled-sampler} \
+            --levels "${ENGINE_LEVELS:-1,4,16,32,64,128}" --frames 64 \
+            --engine-runs "${ENGINE_RUNS:-pingpong_codec,pingpong_nocodec,naive_nocodec}" --out "$D_OUT" \
+            >"$D_OUT/gpu_bench_log.txt" 2>&1
+        grep '^{"' "$D_OUT/gpu_bench_log.txt" | cut -c1-400 | tail -14
+        echo "gpu_bench ($DT) done at +$(( $(date +%s) - t0 ))s"
+    done
+}
+# BENCH_FIRST=1: gpu_bench (with BENCH_S seconds per dtype) before the server bench
+if [ "${BENCH_FIRST:-0}" = 1 ]; then benches; servers; else servers; benches; fi
 echo "all done at +$(( $(date +%s) - t0 ))s"

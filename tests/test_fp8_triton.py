@@ -215,6 +215,41 @@ def test_configs_valid_and_table_in_them():
             ft.default_config(m, n, k, w8a8=True).check(w8a8=True)
 
 
+def test_sweep_configs_are_candidates_and_round_trip():
+    """linear_bench's few configs per M bucket: among `configs()` (so the GPU tests run
+    them), tiles of the bucket's rows, and recorded in a plan as JSON and read back."""
+    every, every8 = set(ft.configs()), set(ft.configs(w8a8=True))
+    for m in (1, 2, 16, 17, 32, 33, 64):
+        bucket = 16 if m <= 16 else (32 if m <= 32 else 64)
+        for w8a8, pool in ((False, every), (True, every8)):
+            sweep = ft.sweep_configs(m, w8a8=w8a8)
+            assert sweep and set(sweep) <= pool, (m, w8a8)
+            assert all(c.block_m == bucket for c in sweep)
+            for c in sweep:
+                c.check(w8a8=w8a8)
+                assert ft.Config.from_json(c.to_json(), w8a8=w8a8) == c
+        assert ft.sweep_configs(m)[0] == ft.default_config(m, 6144, 2560)  # the table's
+    assert any(c.swap_ab for c in ft.sweep_configs(64))
+    assert ft.sweep_configs(65) == (ft.default_config(65, 4096, 4096),)
+    cfg = ft.Config(16, 64, 64).to_json()
+    ft.Config.from_json(cfg)
+    with pytest.raises(ValueError, match="W8A8"):
+        ft.Config.from_json(cfg, w8a8=True)
+    with pytest.raises(ValueError, match="unknown"):
+        ft.Config.from_json({**cfg, "stages": 3})
+    with pytest.raises(ValueError, match="must be an int"):
+        ft.Config.from_json({**cfg, "block_m": "16"})
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 2560, 9728), (64, 19456, 2560), (5, 300, 260)])
+def test_launch_split_is_what_runs(m, n, k):
+    for cfg in ft.sweep_configs(m):
+        assert ft.launch_split(m, n, k, cfg, 0, 132) == ft.auto_split_k(m, n, k, cfg, 132)
+        kb = -(-k // 128)
+        for s in (1, 3, 100):
+            assert ft.launch_split(m, n, k, cfg, s, 132) == ft.normalise_split(kb, s)
+
+
 def test_fit_smem_lowers_stages_only_when_needed():
     for w8a8 in (False, True):
         for m in (1, 17, 64, 128, 512):

@@ -71,6 +71,34 @@ class Config:
         if not 1 <= self.num_stages <= 8:
             raise ValueError(f"num_stages must be in 1..8, got {self.num_stages}")
 
+    def to_json(self) -> dict[str, int | bool]:
+        return {"block_m": self.block_m, "block_n": self.block_n, "block_k": self.block_k,
+                "num_warps": self.num_warps, "num_stages": self.num_stages,
+                "swap_ab": self.swap_ab}
+
+    @classmethod
+    def from_json(cls, d: object, *, w8a8: bool = False) -> Config:
+        """A config from `to_json`'s dict (a recorded plan's), checked; ValueError naming
+        what is wrong."""
+        if not isinstance(d, dict):
+            raise ValueError(f"a Triton config must be an object, got {type(d).__name__}")
+        names = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "swap_ab")
+        unknown = set(d) - set(names)
+        missing = {"block_m", "block_n", "block_k"} - set(d)
+        if unknown or missing:
+            raise ValueError(f"a Triton config takes {names} (block_m/n/k required); "
+                             f"unknown {sorted(unknown)}, missing {sorted(missing)}")
+        for key in names[:5]:
+            v = d.get(key, 1)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ValueError(f"Triton config {key} must be an int, got {v!r}")
+        if not isinstance(d.get("swap_ab", False), bool):
+            raise ValueError(f"Triton config swap_ab must be true or false, got "
+                             f"{d['swap_ab']!r}")
+        cfg = cls(**d)
+        cfg.check(w8a8=w8a8)
+        return cfg
+
 
 # M buckets (upper bounds) -> config. A starting point from the shapes' arithmetic (small M:
 # memory-bound, many programs, split-K; large M: bigger tiles, fewer weight re-reads); a
@@ -101,8 +129,30 @@ def default_config(m: int, n: int, k: int, *, w8a8: bool = False) -> Config:
     return cfg
 
 
+# What linear_bench times per M bucket (upper bound -> configs), all among `configs()`: the
+# table's entry, swap_ab (W @ x^T: the MMA's M side is block_n, not the few rows of x) with
+# block_n 64 and 128, and more warps / stages for the larger tiles. Each distinct config
+# costs a compilation (~1 s) on first use, so the lists stay short.
+_SWEEP: tuple[tuple[int, tuple[Config, ...]], ...] = (
+    (16, (Config(16, 64, 128, 4, 4), Config(16, 64, 128, 4, 4, swap_ab=True),
+          Config(16, 128, 128, 4, 4, swap_ab=True))),
+    (32, (Config(32, 64, 128, 4, 4), Config(32, 64, 128, 4, 4, swap_ab=True),
+          Config(32, 128, 128, 4, 4, swap_ab=True), Config(32, 128, 128, 8, 4, swap_ab=True))),
+    (64, (Config(64, 64, 128, 4, 4), Config(64, 128, 128, 4, 4),
+          Config(64, 64, 128, 4, 4, swap_ab=True), Config(64, 128, 128, 8, 4, swap_ab=True),
+          Config(64, 128, 64, 4, 5, swap_ab=True))),
+)
+_SWEEP_W8A8: tuple[tuple[int, tuple[Config, ...]], ...] = (
+    (16, (Config(16, 64, 128, 4, 4),)),
+    (32, (Config(32, 64, 128, 4, 4), Config(32, 128, 128, 4, 4, swap_ab=True))),
+    (64, (Config(64, 64, 128, 4, 4), Config(64, 128, 128, 4, 4),
+          Config(64, 128, 128, 8, 4, swap_ab=True))),
+)
+
+
 def configs(*, w8a8: bool = False) -> tuple[Config, ...]:
-    """Candidate configs for a benchmark sweep (the table's entries among them)."""
+    """Candidate configs for a benchmark sweep (the table's entries and `sweep_configs`'
+    among them)."""
     out: list[Config] = [c for _, c in (_TABLE_W8A8 if w8a8 else _TABLE)]
     for bm in (16, 32, 64, 128):
         for bn in (32, 64, 128):
@@ -110,9 +160,19 @@ def configs(*, w8a8: bool = False) -> tuple[Config, ...]:
                 warps = 8 if bm * bn >= 128 * 128 else 4
                 stages = 3 if bm * bk * 2 + bn * bk >= 48 * 1024 else 4
                 out.append(Config(bm, bn, bk, warps, stages))
-                if bm <= 32:  # small M: W @ x^T puts block_n on the MMA's M side
+                if bm <= 64:  # small M: W @ x^T puts block_n on the MMA's M side
                     out.append(Config(bm, bn, bk, warps, stages, swap_ab=True))
+    for _, cs in (_SWEEP_W8A8 if w8a8 else _SWEEP):
+        out += cs
     return tuple(dict.fromkeys(out))
+
+
+def sweep_configs(m: int, *, w8a8: bool = False) -> tuple[Config, ...]:
+    """The few configs worth timing for M = m rows (m <= 64; above, the table's entry)."""
+    for bound, cs in (_SWEEP_W8A8 if w8a8 else _SWEEP):
+        if m <= bound:
+            return cs
+    return (default_config(m, 4096, 4096, w8a8=w8a8),)
 
 
 def auto_split_k(m: int, n: int, k: int, cfg: Config, sms: int) -> int:
@@ -132,6 +192,16 @@ def normalise_split(kb: int, split_k: int) -> int:
     split left without a block."""
     per = -(-kb // max(1, min(split_k, kb)))
     return -(-kb // per)
+
+
+def launch_split(m: int, n: int, k: int, cfg: Config, split_k: int, sms: int) -> int:
+    """The split count an [m, k] x [n, k]^T call with `split_k` (0: automatic) launches on a
+    device of `sms` SMs."""
+    kb = scale_shape(n, k)[1]
+    split = auto_split_k(m, n, k, cfg, sms) if split_k == 0 else normalise_split(kb, split_k)
+    while split > 1 and split * m * n > INT32_MAX:  # the fp32 partials' int32 offsets
+        split = normalise_split(kb, split // 2)
+    return split
 
 
 # ---------------------------------------------------------------------------- contract
@@ -318,9 +388,7 @@ def _launch(x2: Tensor, w: Fp8Weight, cfg: Config, split_k: int, sms: int, *,
     n = w.q.shape[0]
     out = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
     kb = scale_shape(n, k)[1]
-    split = auto_split_k(m, n, k, cfg, sms) if split_k == 0 else normalise_split(kb, split_k)
-    while split > 1 and split * m * n > INT32_MAX:  # the fp32 partials' int32 offsets
-        split = normalise_split(kb, split // 2)
+    split = launch_split(m, n, k, cfg, split_k, sms)
     per = -(-kb // split)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     dst = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32,

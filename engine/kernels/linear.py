@@ -1,8 +1,19 @@
 """`linear_small_m` (csrc/linear.cu): y = x @ W^T for the few rows of a decode step
 (M = prod(x.shape[:-1]) <= 64) on the tensor cores, with W in bf16 (`gemv`) or in FP8 e4m3 with
 128 x 128 block scales (`fp8_gemv`, engine/quant.py's `Fp8Weight`); and the per-shape choice
-among it, the library GEMM and the Triton FP8 kernel (`LinearPlan`, `make_linear`), made from
-a table the benchmark records (`python -m bench_latency.linear_bench --out table.json`).
+among it, the library GEMM and the Triton FP8 kernels (`LinearPlan`, `make_linear`), made from
+a table the benchmark records on the target GPU (`python -m bench_latency.linear_bench --out
+table.json`; a table recorded on another device kind is ignored).
+
+Kernel variants (`variant=`, the table picks one per shape):
+  0  register batches: a warp issues a batch of 16-byte weight loads, waits, converts and
+     multiplies, then issues the next (bf16 and FP8; FP8 converted exactly, as bf16)
+  1  pipelined: weights stream through a per-warp cp.async ring in shared memory, S - 1
+     chunks in flight while the oldest is computed (bf16 and FP8; exact like 0)
+  2  FP8 only: 1 without the per-element 2^120 multiply (folded into the block scale); exact
+     where the tensor cores keep subnormal inputs and products (the bench probes it)
+  3  FP8 only, sm_89+: 1 with the hardware e4m3x2 -> f16x2 conversion and f16 MMAs; x is
+     rounded to f16 (exact for 2^-17 <= |x| <= 65504; larger |x| saturate to 65504)
 
 The kernels' contract (checked here, then again in C++): x bf16 [..., K] whose leading dims
 flatten to rows without a copy (last dim contiguous; row stride a multiple of 8 elements and
@@ -15,6 +26,8 @@ from __future__ import annotations
 import bisect
 import functools
 import json
+import logging
+import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,15 +43,21 @@ MAX_M = 64  # the kernel's largest template: 8 MMA tiles of 8 rows
 MAX_SPLITS = 64
 K_MULTIPLE = 16
 KWARPS = (0, 1, 2, 4, 8)  # warps per 16-row tile splitting K inside a block; 0: automatic
-IMPLS = ("library", "gemv", "triton")
+VARIANTS = (0, 1, 2, 3)  # csrc kernel variants (module docstring)
+FP8_VARIANTS = (2, 3)  # variants that exist for FP8 weights only
+IMPLS = ("library", "gemv", "triton", "triton_w8a8")
+W8A8 = "triton_w8a8"  # FP8 activations: another numerics, taken only when asked
 DEFAULT_TABLE = Path(__file__).with_name("linear_table.json")
+CURRENT_DEVICE = "current"  # load_plan: compare the table's device with the current GPU's
+
+log = logging.getLogger(__name__)
 
 LinearFn = Callable[[Tensor, Tensor | Fp8Weight], Tensor]
 
 
 # ---------------------------------------------------------------------- contract
 def _problem(x: Tensor, wq: Tensor, splits: object, kwarps: object,
-             fp8: bool) -> str | None:
+             fp8: bool, variant: object = 0) -> str | None:
     """What keeps the kernel from taking x [..., K] and weights wq [N, K] (bf16, or e4m3 with
     `fp8`; an FP8 weight's scales are checked by Fp8Weight.check and in C++), or None."""
     want = torch.float8_e4m3fn if fp8 else torch.bfloat16
@@ -48,6 +67,10 @@ def _problem(x: Tensor, wq: Tensor, splits: object, kwarps: object,
         return f"splits must be an int in 0..{MAX_SPLITS} (0: automatic), got {splits!r}"
     if isinstance(kwarps, bool) or kwarps not in KWARPS:
         return f"kwarps must be one of {KWARPS} (0: automatic), got {kwarps!r}"
+    if isinstance(variant, bool) or variant not in VARIANTS:
+        return f"variant must be one of {VARIANTS}, got {variant!r}"
+    if variant in FP8_VARIANTS and not fp8:
+        return f"variant {variant} converts FP8 weights; bf16 weights take variant 0 or 1"
     if x.dtype != torch.bfloat16:
         return f"x must be bfloat16, got {x.dtype}"
     if wq.dim() != 2:
@@ -96,61 +119,75 @@ def _mma_device(index: int) -> bool:
     return torch.cuda.get_device_capability(index) >= (8, 0)
 
 
+@functools.cache
+def _cvt_device(index: int) -> bool:
+    """Variant 3's e4m3 conversion instructions need compute capability 8.9+."""
+    return torch.cuda.get_device_capability(index) >= (8, 9)
+
+
 def _mma_current() -> bool:
     return _mma_device(torch.cuda.current_device())
 
 
-def _use_kernel(kernel: bool, x: Tensor, wq: Tensor) -> bool:
-    return kernel_ok(kernel, x, wq) and _mma_device(x.device.index or 0)
+def _device_ok(index: int, variant: int) -> bool:
+    return _mma_device(index) and (variant != 3 or _cvt_device(index))
 
 
-def _run(x: Tensor, wq: Tensor, scale: Tensor | None, splits: int, kwarps: int) -> Tensor:
+def _use_kernel(kernel: bool, x: Tensor, wq: Tensor, variant: int = 0) -> bool:
+    return kernel_ok(kernel, x, wq) and _device_ok(x.device.index or 0, variant)
+
+
+def _run(x: Tensor, wq: Tensor, scale: Tensor | None, splits: int, kwarps: int,
+         variant: int = 0) -> Tensor:
     """The kernel on a contract-checked x [..., K] (CUDA, extension built)."""
     n, k = wq.shape
     m = x.numel() // k
     out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
     if m:
-        torch.ops.rtvoice_kernels.linear_small_m(x.view(m, k), wq, scale, out, splits, kwarps)
+        torch.ops.rtvoice_kernels.linear_small_m(x.view(m, k), wq, scale, out, splits, kwarps,
+                                                 variant)
     return out.view(*x.shape[:-1], n)
 
 
 # ---------------------------------------------------------------------- wrappers
-def supports(m: int, n: int, k: int, fp8: bool) -> bool:
+def supports(m: int, n: int, k: int, fp8: bool, variant: int = 0) -> bool:
     """Whether the built kernel takes an [m, k] x [n, k] linear (bf16 W, or FP8 W with `fp8`;
-    the same shapes either way) on a CUDA device."""
-    del fp8  # one contract for both weight formats
+    the same shapes either way) in `variant` on the current CUDA device."""
     return (1 <= m <= MAX_M and n >= 1 and k >= K_MULTIPLE and k % K_MULTIPLE == 0
-            and extension_available() and _mma_current())
+            and variant in VARIANTS and (fp8 or variant not in FP8_VARIANTS)
+            and extension_available() and _device_ok(torch.cuda.current_device(), variant))
 
 
-def gemv(x: Tensor, w: Tensor, *, splits: int = 0, kwarps: int = 0,
+def gemv(x: Tensor, w: Tensor, *, splits: int = 0, kwarps: int = 0, variant: int = 0,
          kernel: bool = True) -> Tensor:
     """x [..., K] bf16 @ w [N, K]^T bf16 -> [..., N] bf16 (float32 accumulation), at most 64
     rows. `splits`: K cut into this many ranges read by separate blocks (partial sums in
-    float32, then summed), 0: automatic; `kwarps`: warps of a block sharing a 16-row tile
-    (1, 2, 4, 8; 0: automatic). Neither changes the result beyond float32 summation order.
-    `kernel=False`, CPU tensors or no extension: `F.linear`."""
-    problem = _problem(x, w, splits, kwarps, False)
+    float32, then summed), 0: automatic; `kwarps`: warps of a block sharing a row tile
+    (1, 2, 4, 8; 0: automatic); `variant`: 0 or 1 (module docstring). None of them changes
+    the result beyond float32 summation order. `kernel=False`, CPU tensors or no extension:
+    `F.linear`."""
+    problem = _problem(x, w, splits, kwarps, False, variant)
     if problem is not None:
         raise ValueError(f"gemv: {problem}")
-    if _use_kernel(kernel, x, w):
-        return _run(x, w, None, splits, kwarps)
+    if _use_kernel(kernel, x, w, variant):
+        return _run(x, w, None, splits, kwarps, variant)
     return F.linear(x, w)
 
 
-def fp8_gemv(x: Tensor, w: Fp8Weight, *, splits: int = 0, kwarps: int = 0,
+def fp8_gemv(x: Tensor, w: Fp8Weight, *, splits: int = 0, kwarps: int = 0, variant: int = 0,
              kernel: bool = True) -> Tensor:
     """x [..., K] bf16 @ W^T with W = w.q * w.scale (e4m3 [N, K], float32 scales per 128 x 128
-    block) -> [..., N] bf16: weight-only FP8, the values converted to bf16 in registers, each
-    128-wide K block's sum scaled in float32. `splits`, `kwarps`: as for `gemv`. `kernel=False`,
-    CPU tensors or no extension: `engine.quant.fp8_linear_torch` (the dequantising
-    reference)."""
+    block) -> [..., N] bf16: weight-only FP8, the values converted in registers, each 128-wide
+    K block's sum scaled in float32. `splits`, `kwarps`: as for `gemv`; `variant` 0..3 (module
+    docstring: 0 and 1 are exact like the reference's float32 product, 2 where the tensor
+    cores keep subnormals, 3 rounds x to f16). `kernel=False`, CPU tensors or no extension:
+    `engine.quant.fp8_linear_torch` (the dequantising reference)."""
     w = _check_fp8(w)
-    problem = _problem(x, w.q, splits, kwarps, True)
+    problem = _problem(x, w.q, splits, kwarps, True, variant)
     if problem is not None:
         raise ValueError(f"fp8_gemv: {problem}")
-    if _use_kernel(kernel, x, w.q):
-        return _run(x, w.q, w.scale, splits, kwarps)
+    if _use_kernel(kernel, x, w.q, variant):
+        return _run(x, w.q, w.scale, splits, kwarps, variant)
     return fp8_linear_torch(x, w)
 
 
@@ -158,7 +195,12 @@ def fp8_gemv(x: Tensor, w: Fp8Weight, *, splits: int = 0, kwarps: int = 0,
 @dataclass(frozen=True, slots=True)
 class PlanRow:
     """One measured shape: the fastest implementation of an [m, k] x [n, k] linear (`fp8`: FP8
-    weights) and, for "gemv", its split count; `us`: what each candidate took (microseconds)."""
+    weights) and its parameters: "gemv" (the csrc kernel) with `splits`, `kwarps`, `variant`;
+    "triton" / "triton_w8a8" (FP8) with `config` (fp8_triton.Config's fields; None: its
+    table's) and split_k = `splits`; "library" (F.linear, FP8: the Triton kernel's defaults).
+    A "triton_w8a8" row (activations quantised to e4m3: other numerics) sits beside the
+    weight-only row of its shape and is taken only when asked. `us`: what each candidate took
+    (microseconds)."""
 
     fp8: bool
     m: int
@@ -167,10 +209,42 @@ class PlanRow:
     impl: str
     splits: int = 1
     us: tuple[tuple[str, float], ...] = ()
+    kwarps: int = 0
+    variant: int = 0
+    config: tuple[tuple[str, int | bool], ...] | None = None
+
+    @property
+    def best_us(self) -> float:
+        """The chosen candidate's time: the fastest recorded (inf when none was)."""
+        return min((t for _, t in self.us), default=math.inf)
+
+    def triton_config(self):
+        """The row's fp8_triton.Config (None: the Triton table's default)."""
+        if self.config is None:
+            return None
+        from .fp8_triton import Config
+
+        return Config.from_json(dict(self.config), w8a8=self.impl == W8A8)
 
     def to_json(self) -> dict[str, object]:
-        return {"fp8": self.fp8, "m": self.m, "n": self.n, "k": self.k, "impl": self.impl,
-                "splits": self.splits, "us": dict(self.us)}
+        d: dict[str, object] = {"fp8": self.fp8, "m": self.m, "n": self.n, "k": self.k,
+                                "impl": self.impl, "splits": self.splits}
+        if self.impl == "gemv":
+            d.update(kwarps=self.kwarps, variant=self.variant)
+        if self.config is not None:
+            d["config"] = dict(self.config)
+        d["us"] = dict(self.us)
+        return d
+
+
+def _int_in(d: Mapping, key: str, default: int, allowed: Iterable[int], where: str) -> int:
+    v = d.get(key, default)
+    allowed = tuple(allowed)
+    if isinstance(v, bool) or not isinstance(v, int) or v not in allowed:
+        raise ValueError(f"{where}: {key} must be an int in {allowed[0]}..{allowed[-1]}"
+                         f"{'' if len(allowed) == allowed[-1] - allowed[0] + 1 else ' ' + str(allowed)}"
+                         f", got {v!r}")
+    return v
 
 
 def _row(d: object, where: str) -> PlanRow:
@@ -179,24 +253,39 @@ def _row(d: object, where: str) -> PlanRow:
     missing = {"fp8", "m", "n", "k", "impl"} - set(d)
     if missing:
         raise ValueError(f"{where}: missing {sorted(missing)}")
-    fp8, impl, splits = d["fp8"], d["impl"], d.get("splits", 1)
+    fp8, impl = d["fp8"], d["impl"]
     if not isinstance(fp8, bool):
         raise ValueError(f"{where}: fp8 must be true or false, got {fp8!r}")
     for key in ("m", "n", "k"):
         v = d[key]
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{where}: {key} must be an int >= 1, got {v!r}")
-    if impl not in IMPLS or (impl == "triton" and not fp8):
-        raise ValueError(f"{where}: impl must be one of {IMPLS} ('triton' for FP8 rows only), "
-                         f"got {impl!r}")
-    if isinstance(splits, bool) or not isinstance(splits, int) or not 1 <= splits <= MAX_SPLITS:
-        raise ValueError(f"{where}: splits must be an int in 1..{MAX_SPLITS}, got {splits!r}")
+    if impl not in IMPLS or (impl in ("triton", W8A8) and not fp8):
+        raise ValueError(f"{where}: impl must be one of {IMPLS} ('triton' and '{W8A8}' for "
+                         f"FP8 rows only), got {impl!r}")
+    splits = _int_in(d, "splits", 1, range(1, MAX_SPLITS + 1), where)
+    kwarps = _int_in(d, "kwarps", 0, KWARPS, where)
+    variant = _int_in(d, "variant", 0, VARIANTS, where)
+    if impl == "gemv" and variant in FP8_VARIANTS and not fp8:
+        raise ValueError(f"{where}: variant {variant} is for FP8 weights only")
+    config = d.get("config")
+    if config is not None:
+        if impl not in ("triton", W8A8):
+            raise ValueError(f"{where}: a config belongs to a Triton row, not {impl!r}")
+        from .fp8_triton import Config
+
+        try:
+            Config.from_json(config, w8a8=impl == W8A8)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{where}: {e}") from None
+        config = tuple(sorted(config.items()))
     us = d.get("us", {})
     if not isinstance(us, Mapping) or not all(
             isinstance(t, (int, float)) and not isinstance(t, bool) for t in us.values()):
         raise ValueError(f"{where}: us must map implementations to microseconds, got {us!r}")
     return PlanRow(fp8, d["m"], d["n"], d["k"], impl, splits,
-                   tuple((str(name), float(t)) for name, t in us.items()))
+                   tuple((str(name), float(t)) for name, t in us.items()), kwarps, variant,
+                   config)
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,49 +293,76 @@ class LinearPlan:
     """Which implementation runs each linear shape, from a recorded table. `choose(m, n, k,
     fp8)` takes the row of the same (fp8, N, K) with the nearest recorded M at or above m
     (the table's M are buckets: a shape between them gets the next larger one's choice); any
-    other shape is "library"."""
+    other shape is "library". With `fp8_activations`, an FP8 shape's W8A8 row of the same
+    bucket replaces it where it was measured faster."""
 
     rows: tuple[PlanRow, ...]
-    # (fp8, n, k) -> [(m, impl, splits)] sorted by m
-    _index: dict[tuple[bool, int, int], list[tuple[int, str, int]]] = field(
+    # (fp8, n, k, w8a8 row) -> [(m, row)] sorted by m
+    _index: dict[tuple[bool, int, int, bool], list[tuple[int, PlanRow]]] = field(
         init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        index: dict[tuple[bool, int, int], list[tuple[int, str, int]]] = {}
+        index: dict[tuple[bool, int, int, bool], list[tuple[int, PlanRow]]] = {}
         seen = set()
         for r in self.rows:
-            if (r.fp8, r.m, r.n, r.k) in seen:
-                raise ValueError(f"linear plan: two rows for fp8={r.fp8} m={r.m} n={r.n} "
-                                 f"k={r.k}")
-            seen.add((r.fp8, r.m, r.n, r.k))
-            index.setdefault((r.fp8, r.n, r.k), []).append((r.m, r.impl, r.splits))
+            key = (r.fp8, r.m, r.n, r.k, r.impl == W8A8)
+            if key in seen:
+                raise ValueError(f"linear plan: two {'W8A8 ' if key[-1] else ''}rows for "
+                                 f"fp8={r.fp8} m={r.m} n={r.n} k={r.k}")
+            seen.add(key)
+            index.setdefault((r.fp8, r.n, r.k, r.impl == W8A8), []).append((r.m, r))
         for v in index.values():
-            v.sort()
+            v.sort(key=lambda e: e[0])
         object.__setattr__(self, "_index", index)
 
     @classmethod
     def from_rows(cls, rows: Iterable[object], where: str = "linear plan") -> LinearPlan:
         return cls(tuple(_row(d, f"{where}: row {i}") for i, d in enumerate(rows)))
 
-    def choose(self, m: int, n: int, k: int, fp8: bool) -> tuple[str, int]:
-        """(impl, splits) for an [m, k] x [n, k] linear: "library" (F.linear; for FP8 the
-        Triton kernel if importable, else the dequantising reference), "gemv" (this module's
-        kernel with `splits`) or "triton" (FP8 only)."""
-        entries = self._index.get((bool(fp8), n, k))
+    def _bucket(self, m: int, n: int, k: int, fp8: bool, w8a8: bool) -> PlanRow | None:
+        entries = self._index.get((bool(fp8), n, k, w8a8))
         if entries:
-            i = bisect.bisect_left(entries, (m,))
+            i = bisect.bisect_left([e[0] for e in entries], m)
             if i < len(entries):
-                return entries[i][1], entries[i][2]
-        return "library", 1
+                return entries[i][1]
+        return None
+
+    def choose(self, m: int, n: int, k: int, fp8: bool,
+               fp8_activations: bool = False) -> PlanRow:
+        """The row for an [m, k] x [n, k] linear: impl "library" (F.linear; for FP8 the
+        Triton kernel if importable, else the dequantising reference), "gemv" (this module's
+        kernel with the row's splits, kwarps, variant), "triton" (FP8: the row's config and
+        split_k) or, only with `fp8_activations`, "triton_w8a8". A shape the table lacks
+        gets a "library" row."""
+        row = self._bucket(m, n, k, fp8, False)
+        if fp8 and fp8_activations:
+            alt = self._bucket(m, n, k, fp8, True)
+            if alt is not None and (row is None or (alt.m == row.m
+                                                    and alt.best_us < row.best_us)):
+                row = alt
+        return row if row is not None else PlanRow(bool(fp8), m, n, k, "library")
 
     def to_json(self) -> list[dict[str, object]]:
         return [r.to_json() for r in self.rows]
 
 
-def load_plan(path: str | Path | None = DEFAULT_TABLE) -> LinearPlan | None:
+def _current_device_name() -> str | None:
+    if not torch.cuda.is_available():
+        return None
+    try:
+        return torch.cuda.get_device_name()
+    except Exception:  # a broken CUDA setup: no comparison possible
+        return None
+
+
+def load_plan(path: str | Path | None = DEFAULT_TABLE,
+              device: str | None = CURRENT_DEVICE) -> LinearPlan | None:
     """The plan recorded at `path` (a JSON list of rows, or an object with a "rows" list and
     any other keys: device, bandwidths), or None if there is no such file. A malformed table
-    raises ValueError naming the row."""
+    raises ValueError naming the row. A table that records the GPU it was measured on
+    ("device") is for that device kind only: when `device` (the current CUDA device's name
+    by default; None: no check, as on a CPU) differs, it is ignored with a warning and None
+    returned (its timings, and so its choices, do not carry over)."""
     if path is None:
         return None
     p = Path(path)
@@ -259,25 +375,39 @@ def load_plan(path: str | Path | None = DEFAULT_TABLE) -> LinearPlan | None:
     rows = data.get("rows") if isinstance(data, dict) else data
     if not isinstance(rows, list):
         raise ValueError(f"{p}: expected a list of rows or an object with a 'rows' list")
-    return LinearPlan.from_rows(rows, where=str(p))
+    plan = LinearPlan.from_rows(rows, where=str(p))
+    recorded = data.get("device") if isinstance(data, dict) else None
+    if device == CURRENT_DEVICE:
+        device = _current_device_name()
+    if recorded is not None and device is not None and recorded != device:
+        log.warning("%s was recorded on %r, not this %r: ignored (every linear takes the "
+                    "library path; record a table here with `python -m "
+                    "bench_latency.linear_bench --out %s`)", p, recorded, device, p)
+        return None
+    return plan
 
 
 # ---------------------------------------------------------------------- the Ops.linear
 @functools.cache
-def triton_fp8() -> LinearFn | None:
-    """engine.kernels.fp8_triton.fp8_linear_triton where it imports and can run here (Triton
-    and a CUDA device it supports: its `available()`), else None."""
+def _triton_module():
+    """engine.kernels.fp8_triton where it imports and can run here (Triton and a CUDA device
+    it supports: its `available()`), else None."""
     try:
         from . import fp8_triton
 
-        fn = fp8_triton.fp8_linear_triton
         ok = getattr(fp8_triton, "available", lambda: True)()
     except Exception:  # not there, or broken: the caller falls back
         return None
-    return fn if ok else None
+    return fp8_triton if ok else None
 
 
-def _kernel_or(fallback: LinearFn, splits: int) -> LinearFn:
+def triton_fp8() -> LinearFn | None:
+    """engine.kernels.fp8_triton.fp8_linear_triton where it can run here, else None."""
+    mod = _triton_module()
+    return None if mod is None else mod.fp8_linear_triton
+
+
+def _kernel_or(fallback: LinearFn, splits: int, kwarps: int = 0, variant: int = 0) -> LinearFn:
     """The kernel where this call's x and W meet its layout contract (the shape was checked
     when the plan was consulted; strides and alignment can differ between calls), else
     `fallback`."""
@@ -285,37 +415,49 @@ def _kernel_or(fallback: LinearFn, splits: int) -> LinearFn:
     def run(x: Tensor, w: Tensor | Fp8Weight) -> Tensor:
         fp8 = isinstance(w, Fp8Weight)
         wq, scale = (w.q, w.scale) if fp8 else (w, None)
-        if _problem(x, wq, splits, 0, fp8) is None:  # type: ignore[arg-type]
-            return _run(x, wq, scale, splits, 0)
+        if _problem(x, wq, splits, kwarps, fp8, variant) is None:  # type: ignore[arg-type]
+            return _run(x, wq, scale, splits, kwarps, variant)
         return fallback(x, w)
 
     return run
 
 
 def resolve(plan: LinearPlan | None, kernels: bool, m: int, n: int, k: int, fp8: bool,
-            dtype: torch.dtype, cuda: bool) -> LinearFn:
+            dtype: torch.dtype, cuda: bool, fp8_activations: bool = False) -> LinearFn:
     """The function that computes an [m, k] x [n, k] linear for x of `dtype` on CUDA or not
     (`make_linear` calls this once per shape and keeps it)."""
-    impl, splits = plan.choose(m, n, k, fp8) if plan is not None else ("library", 1)
+    row = (plan.choose(m, n, k, fp8, fp8_activations) if plan is not None
+           else PlanRow(fp8, m, n, k, "library"))
+    triton_ok = fp8 and cuda and dtype in (torch.bfloat16, torch.float16)
+    mod = _triton_module() if triton_ok else None
     if fp8:
-        tri = triton_fp8() if cuda else None
+        tri = triton_fp8() if triton_ok else None
         library: LinearFn = tri if tri is not None else fp8_linear_torch  # type: ignore[assignment]
     else:
         library = F.linear
-    if (impl == "gemv" and kernels and cuda and dtype == torch.bfloat16
-            and supports(m, n, k, fp8)):
-        return _kernel_or(library, splits)
+    if (row.impl == "gemv" and kernels and cuda and dtype == torch.bfloat16
+            and supports(m, n, k, fp8, row.variant)):
+        return _kernel_or(library, row.splits, row.kwarps, row.variant)
+    if row.impl in ("triton", W8A8) and mod is not None:
+        fn = mod.fp8_linear_triton_w8a8 if row.impl == W8A8 else mod.fp8_linear_triton
+        if row.config is None and row.impl == "triton":
+            return library
+        return functools.partial(fn, config=row.triton_config(), split_k=row.splits)
     return library
 
 
-def make_linear(plan: LinearPlan | None, kernels: bool) -> LinearFn:
+def make_linear(plan: LinearPlan | None, kernels: bool,
+                fp8_activations: bool = False) -> LinearFn:
     """`Ops.linear`: x [..., K] @ W^T for a dense weight (F.linear, or `gemv` where the plan
-    picked it) or an `Fp8Weight` (`fp8_gemv` where the plan picked it, else the Triton FP8
-    kernel if importable, else the dequantising reference). `kernels=False` never runs the
-    csrc kernel (the Triton kernel is FP8's library path and stays). Without a plan every
-    shape takes the library path. The choice is made once per (M, N, K, FP8, x's dtype,
-    CUDA or not) and kept in a dict, so a call costs one lookup (eager prefill runs this per
-    layer; a CUDA graph captures it once per shape)."""
+    picked it) or an `Fp8Weight` (`fp8_gemv` where the plan picked it, the Triton FP8 kernel
+    with the plan's config where it picked that, else with its defaults if importable, else
+    the dequantising reference). `kernels=False` never runs the csrc kernel (the Triton
+    kernel is FP8's library path and stays). `fp8_activations`: FP8 shapes may take the W8A8
+    Triton kernel (activations quantised to e4m3 per 1 x 128 block: not the weight-only
+    numerics) where the plan measured it faster; off by default. Without a plan every shape
+    takes the library path. The choice is made once per (M, N, K, FP8, x's dtype, CUDA or
+    not) and kept in a dict, so a call costs one lookup (eager prefill runs this per layer; a
+    CUDA graph captures it once per shape)."""
     chosen: dict[tuple[int, int, int, bool, torch.dtype, bool], LinearFn] = {}
 
     def linear(x: Tensor, w: Tensor | Fp8Weight) -> Tensor:
@@ -324,7 +466,7 @@ def make_linear(plan: LinearPlan | None, kernels: bool) -> LinearFn:
         key = (x.numel() // k if k else 0, n, k, fp8, x.dtype, x.is_cuda)
         fn = chosen.get(key)
         if fn is None:
-            fn = chosen[key] = resolve(plan, kernels, *key)
+            fn = chosen[key] = resolve(plan, kernels, *key, fp8_activations=fp8_activations)
         return fn(x, w)
 
     return linear
