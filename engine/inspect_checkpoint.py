@@ -16,7 +16,7 @@ import torch
 
 from .codec import CodecConfig, codec_keys, fold_weight_norm, read_checkpoint
 from .codec.model import Codec
-from .config import ModelConfig, preset
+from .config import EngineConfig, ModelConfig, preset
 from .loader import checkpoint_dir, reconcile_ids
 from .model import DualAR
 from .quant import scale_shape
@@ -235,12 +235,13 @@ def _memory(report: Report, cfg: ModelConfig, params: int, codec_params: int) ->
     fp8 = 2 * (params - linear) + linear + 4 * linear // (FP8_BLOCK * FP8_BLOCK)
     kv_pos = 2 * s.n_layer * s.n_local_heads * s.head_dim * 2  # k and v, bf16
     codec = 2 * codec_params
+    reserve = EngineConfig().kv_reserve_gib  # what the engine keeps out of the KV pool
     report.add("GPU memory (estimate)", [
         f"weights: {_size(bf16)} bf16, {_size(fp8)} FP8 (128x128 block-scaled linears); "
         f"codec {_size(codec)} bf16",
         f"KV cache: {kv_pos / 1024:.1f} KiB per position = {_size(kv_pos * 4096)} per session "
         f"of 4,096 positions; 64 sessions {_size(64 * kv_pos * 4096)}",
-        f"with 64 sessions, plus the engine's 8 GiB reserve: "
-        f"{(bf16 + codec + 64 * kv_pos * 4096) / GIB + 8:.1f} GiB bf16, "
-        f"{(fp8 + codec + 64 * kv_pos * 4096) / GIB + 8:.1f} GiB FP8",
+        f"with 64 sessions, plus the engine's {reserve:g} GiB reserve (--kv-reserve-gib): "
+        f"{(bf16 + codec + 64 * kv_pos * 4096) / GIB + reserve:.1f} GiB bf16, "
+        f"{(fp8 + codec + 64 * kv_pos * 4096) / GIB + reserve:.1f} GiB FP8",
     ])

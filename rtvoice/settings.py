@@ -134,9 +134,6 @@ class ModelSettings:
             raise ValueError("ModelSettings.model must not be empty")
         if not self.device.strip():
             raise ValueError("ModelSettings.device must not be empty")
-        if self.fp8_keep and self.dtype != "fp8":
-            raise ValueError("ModelSettings.fp8_keep names layers to keep out of FP8; it needs "
-                             "dtype fp8")
 
     @property
     def is_preset(self) -> bool:

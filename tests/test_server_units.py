@@ -107,7 +107,8 @@ def _flag_value(name: str):  # type: ignore[no-untyped-def]
                "data_dir": ("/tmp/rtvoice-x", Path("/tmp/rtvoice-x")),
                "max_chunk_length": ("999", 999), "min_chunk_length": ("11", 11),
                "port": ("9123", 9123), "log_format": ("json", "json"),
-               "gpus": ("0,1", "0,1"), "replicas": ("3", 3)}
+               "gpus": ("0,1", "0,1"), "replicas": ("3", 3),
+               "fp8_keep": ("layers.0.*,fast_layers.*", ("layers.0.*", "fast_layers.*"))}
     if name in special:
         return special[name]
     if base is bool:
