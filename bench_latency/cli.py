@@ -299,7 +299,8 @@ class InProcessBackend:
         from engine.reference_audio import encode_reference
 
         self.args = args
-        self.bundle = load_bundle(args.model, device=args.device, max_seq_len=args.max_len)
+        self.bundle = load_bundle(args.model, device=args.device, dtype=args.dtype,
+                                  max_seq_len=args.max_len)
         cfg = EngineConfig(max_running=max_running, max_len=args.max_len)
         self.engine = build_engine(self.bundle, cfg)
         self.refs: list[Any] = []
@@ -311,6 +312,7 @@ class InProcessBackend:
                                               args.reference_text or ""))
         self.engine.start()
         self.info = {"mode": "in-process", "model": args.model, "device": args.device,
+                     "dtype": args.dtype,
                      "sample_rate": self.engine.sample_rate,
                      "frame_rate_hz": self.engine.frame_rate,
                      "engine_config": asdict(cfg)}
@@ -778,6 +780,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds without any event before a turn counts as failed")
     ap.add_argument("--model", default="tiny", help="--in-process: model bundle")
     ap.add_argument("--device", default="cpu", help="--in-process: torch device")
+    ap.add_argument("--dtype", default=None, help="--in-process: bf16, fp16, fp32 or fp8 "
+                    "(FP8 block-scaled linears; default: fp32 on a CPU, bf16 on a GPU)")
     ap.add_argument("--max-len", type=int, default=1024, help="--in-process: KV positions per session")
     ap.add_argument("--json", metavar="FILE", help="write every figure and the settings")
     ap.add_argument("--plot", metavar="FILE.png", help="TTFA and throughput vs concurrency")
