@@ -50,6 +50,7 @@ from engine.kernels.linear import (
     _triton_module,
     fp8_gemv,
     gemv,
+    subnormal_case,
     supports,
 )
 from engine.quant import Fp8Weight, dequantize_fp8, fp8_linear_torch, quantize_fp8
@@ -129,12 +130,7 @@ def probe_variant(variant: int) -> str | None:
     small activations (2^-10) to the kernel's usual bound (variant 2 keeps 2^-120 times the
     weights through the MMA: exact only if the tensor cores keep subnormal inputs and
     float32 subnormal products), else what went wrong."""
-    g = torch.Generator().manual_seed(11)
-    codes = torch.tensor([c for c in range(256) if 0 < c & 0x7F < 8], dtype=torch.uint8)
-    q = codes[torch.randint(0, len(codes), (256, 1024), generator=g)]
-    scale = 2.0 ** torch.randint(-8, 8, (2, 8), generator=g).float()
-    w = Fp8Weight(q.view(torch.float8_e4m3fn).cuda(), scale.cuda())
-    x = (torch.randn(8, 1024, generator=g) * 2**-10).to(torch.bfloat16).cuda()
+    w, x = subnormal_case(256, 1024, 8, seed=11)
     wf = dequantize_fp8(w)
     ref = x.float() @ wf.T
     bound = 2**-8 * ref.abs() + 2**-14 * (x.float().abs() @ wf.abs().T)

@@ -836,15 +836,10 @@ def test_fp8_gemv_cuda_subnormal_products():
     subnormals inside variant 2's MMA (2^-120 times the weights). Variants 0, 1, 3 must be
     exact to the usual bound; variant 2 is where the tensor cores keep subnormal inputs and
     products (else linear_bench's probe leaves it out: an expected failure here)."""
-    from engine.quant import Fp8Weight, dequantize_fp8
+    from engine.quant import dequantize_fp8
 
     assert extension_available(), "the CUDA extension did not build"
-    g = torch.Generator().manual_seed(7)
-    codes = torch.tensor([c for c in range(256) if 0 < c & 0x7F < 8], dtype=torch.uint8)
-    q = codes[torch.randint(0, len(codes), (300, 1024), generator=g)]
-    scale = 2.0 ** torch.randint(-8, 8, (3, 8), generator=g).float()
-    fw = Fp8Weight(q.view(torch.float8_e4m3fn).cuda(), scale.cuda())
-    x = (torch.randn(9, 1024, generator=g) * 2**-10).to(torch.bfloat16).cuda()
+    fw, x = linear.subnormal_case(300, 1024, 9, seed=7)
     for v in _variants(True):
         try:
             _assert_linear_close(linear.fp8_gemv(x, fw, splits=1, variant=v), x,

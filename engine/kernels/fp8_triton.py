@@ -110,13 +110,9 @@ _TABLE: tuple[tuple[int, Config], ...] = (
     (128, Config(64, 128, 128, num_warps=4, num_stages=3)),
     (INT32_MAX, Config(128, 128, 64, num_warps=8, num_stages=3)),
 )
+# W8A8 quantises activations per 1 x 128 block: BLOCK_K 128 at every size
 _TABLE_W8A8: tuple[tuple[int, Config], ...] = (
-    (16, Config(16, 64, 128, num_warps=4, num_stages=4)),
-    (32, Config(32, 64, 128, num_warps=4, num_stages=4)),
-    (64, Config(64, 64, 128, num_warps=4, num_stages=4)),
-    (128, Config(64, 128, 128, num_warps=4, num_stages=3)),
-    (INT32_MAX, Config(128, 128, 128, num_warps=8, num_stages=3)),
-)
+    *_TABLE[:-1], (INT32_MAX, Config(128, 128, 128, num_warps=8, num_stages=3)))
 
 
 def default_config(m: int, n: int, k: int, *, w8a8: bool = False) -> Config:

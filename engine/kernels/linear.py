@@ -387,6 +387,20 @@ def load_plan(path: str | Path | None = DEFAULT_TABLE,
     return plan
 
 
+def subnormal_case(n: int, k: int, m: int, seed: int,
+                   device: str = "cuda") -> tuple[Fp8Weight, Tensor]:
+    """An FP8 weight of subnormal e4m3 codes only (1..7, either sign) with block scales
+    2^-8..2^7, and x [m, k] of magnitude ~2^-10: products the kernels' variants must keep
+    exact (the subnormal probe of the bench and of the tests)."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.tensor([c for c in range(256) if 0 < c & 0x7F < 8], dtype=torch.uint8)
+    q = codes[torch.randint(0, len(codes), (n, k), generator=g)]
+    scale = 2.0 ** torch.randint(-8, 8, (-(-n // 128), -(-k // 128)), generator=g).float()
+    w = Fp8Weight(q.view(torch.float8_e4m3fn).to(device), scale.to(device))
+    x = (torch.randn(m, k, generator=g) * 2**-10).to(torch.bfloat16).to(device)
+    return w, x
+
+
 # ---------------------------------------------------------------------- the Ops.linear
 @functools.cache
 def _triton_module():
