@@ -180,6 +180,7 @@ def sweep(bundle: Bundle, levels: list[int], frames: int, *, mode: str = "pingpo
                 _silent_codec(eng)
             if threaded:
                 eng.start()
+                eng.warmed()  # the steady state: every graph captured (no fast start)
             try:
                 # warm-up at the measured length: codec chunk shapes and allocator pools too
                 run_level(eng, c, frames, threaded=threaded, ref_frames=ref_frames)
@@ -193,6 +194,7 @@ def sweep(bundle: Bundle, levels: list[int], frames: int, *, mode: str = "pingpo
             row.update(mode=mode, codec=codec, config=config or {},
                        capture_s=round(eng.capture_s, 1),
                        codec_capture_s=round(eng.codec_capture_s, 1),
+                       startup_s={k: round(v, 1) for k, v in eng.startup_s.items()},
                        fused_ops=eng.ops.fused)
             rows.append(row)
             print(json.dumps(row), flush=True)

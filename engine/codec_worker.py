@@ -5,6 +5,8 @@ the codec stream, copied to the host in one transfer and cut per stream."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
 
 import numpy as np
 import torch
@@ -31,8 +33,18 @@ class CodecWorker:
                                         call_frames=call_frames)
         self.waiting_since: float | None = None  # a tick waiting on the device (watchdog)
 
-    def capture(self) -> float:
-        return self.decoder.capture(self.stream)
+    def capture(self, keys: list[tuple[int, int]] | None = None) -> float:
+        """Capture `keys` (default: every bucket) on the codec stream, before the thread
+        runs; returns the seconds."""
+        return self.decoder.capture(self.stream, keys)
+
+    def capture_later(self, keys: Seq[tuple[int, int]], stop: Callable[[], bool],
+                      captured: Callable[[tuple[int, int]], None]) -> None:
+        """Capture `keys` while the codec thread runs: on a stream of their own (a capture
+        on the codec stream would take in the thread's own work), each graph used once it
+        is in."""
+        self.decoder.capture(torch.cuda.Stream(self.decoder.device), list(keys), stop=stop,
+                             captured=captured)
 
     def decode(self, work: list[tuple[Sequence, Turn, Tensor]]) -> list[np.ndarray]:
         """codes [K, n] per (sequence, turn) -> float32 host samples [n * frame] per item. All

@@ -52,11 +52,14 @@ from .runner import ModelRunner
 from .sampler import SamplingParams
 from .scheduler import Scheduler, new_stats
 from .tokenizer import Tokenizer
+from .warmup import BackgroundCapture
 
 __all__ = ["CollectingSink", "Engine", "build_engine", "fit_kv_blocks"]
 
 log = logging.getLogger(__name__)
 
+
+Key = tuple[int, ...]  # a graph bucket, rows first: (rows, columns, span) or (streams, frames)
 
 GPU_CONTEXTS_PER_ROW = 32  # the default pool's cap: sessions >> decode rows, memory permitting
 
@@ -75,6 +78,14 @@ def fit_kv_blocks(want: int | None, *, free_bytes: int, reserve_bytes: int, bloc
             f"(kv_reserve_gib), and one context of {max_len} positions needs "
             f"{context * block_bytes / 2**20:.0f} MiB; lower max_len or free GPU memory")
     return int(fit) if want is None else min(want, int(fit))
+
+
+def _first(keys: list[Key], rows: int) -> tuple[list[Key], list[Key]]:
+    """Graph keys (rows first) split into those captured before the engine is ready (at
+    most `rows` rows; every key when `rows` is 0) and those captured in the background."""
+    if rows == 0:
+        return keys, []
+    return [k for k in keys if k[0] <= rows], [k for k in keys if k[0] > rows]
 
 
 class Engine:
@@ -133,21 +144,40 @@ class Engine:
         self._prefill_out: queue.SimpleQueue[PrefillJob] = queue.SimpleQueue()
         self._landing: list[PrefillJob] = []
         self._sync_prefill: list[PrefillJob] = []  # sync mode: jobs with chunks left
+        # Fast start: the graphs light traffic needs now, the rest in the background once
+        # the threads run (engine/warmup.py); `startup_s` says where the time went.
+        self.warmup = BackgroundCapture()
+        self.startup_s: dict[str, float] = {}
         self.capture_s = self.codec_capture_s = 0.0
+        t0 = time.perf_counter()
         if self.ops.fused == "compile":
             self.prefill_worker.warm()
+            self.startup_s["compile_s"] = time.perf_counter() - t0
         if config.cuda_graphs and self.cuda:
             self.capture_s = self.decode_worker.capture()
             w = self.decode_worker
             log.info("captured %d decode graphs (batches %s; spans %s) in %.1fs", w.graphs,
                      w.batches, w.spans, self.capture_s)
+            self.startup_s["decode_graphs_s"] = self.capture_s
         if config.prefill_graphs and self.cuda:
-            self.prefill_worker.capture()
+            t1 = time.perf_counter()
+            first, rest = _first(self.prefill_worker.graphs.keys(), config.ready_rows)
+            self.prefill_worker.capture(first)
+            self.warmup.add("prefill", rest, self.prefill_worker.capture_later)
+            self.startup_s["prefill_graphs_s"] = time.perf_counter() - t1
         if graphed_codec:
-            self.codec_capture_s = self.codec_worker.capture()
+            first, rest = _first(self.codec_worker.decoder.bucket_keys(), config.ready_rows)
+            self.codec_capture_s = self.codec_worker.capture(first)
+            self.warmup.add("codec", rest, self.codec_worker.capture_later)
             d = self.codec_worker.decoder
             log.info("captured %d codec graphs (streams %s x frames %s) in %.1fs", d.graphs,
                      d.stream_buckets, d.FRAME_BUCKETS, self.codec_capture_s)
+            self.startup_s["codec_graphs_s"] = self.codec_capture_s
+        if self.warmup.pending:
+            log.info("ready with the graphs of up to %d rows; %d more (%s) will be captured in "
+                     "the background once the engine runs", config.ready_rows,
+                     self.warmup.pending, ", ".join(f"{f.name} {len(f.keys)}"
+                                                    for f in self.warmup.families))
 
     # ================================================================ public, thread-safe
     @property
@@ -213,6 +243,16 @@ class Engine:
                 "host_kv_bytes": s.host_bytes, "shared_prefixes": len(s.prefixes),
                 "device_wait_s": round(self.device_wait_s(), 3)}
 
+    def warming(self) -> dict[str, dict[str, object]]:
+        """Graphs still being captured in the background: {family: {captured, total}} (and
+        `error` where a family's capture failed: those buckets stay eager). Empty once all
+        are in."""
+        return self.warmup.status()
+
+    def warmed(self, timeout: float | None = None) -> bool:
+        """Wait until the background capture is over (benches measure the steady state)."""
+        return self.warmup.wait(timeout)
+
     def device_wait_s(self) -> float:
         """How long the decode or codec thread has been waiting on the device right now, or
         a launched prefill has been waiting to land (0 when none is). Normal waits last one
@@ -243,8 +283,10 @@ class Engine:
             t = threading.Thread(target=fn, name=name, daemon=True)
             t.start()
             self._threads.append(t)
+        self.warmup.start()
 
     def shutdown(self) -> None:
+        self.warmup.stop()
         self._stop.set()
         self._wake.set()
         self._codec_wake.set()
@@ -282,7 +324,10 @@ class Engine:
     # ================================================================ sync: one loop
     def step(self) -> bool:
         """One pass of the sync loop: commands, a prefill round, a decode step read at once,
-        a codec tick. Returns whether there was anything to do."""
+        a codec tick. Returns whether there was anything to do. An engine stepped without
+        `start()` captures its remaining graphs first (once)."""
+        if not self.warmup.started:
+            self.warmup.run()
         did = self._run_commands()
         self._apply_row_ops()
         self._sync_prefill += self.scheduler.take_prefill_jobs()

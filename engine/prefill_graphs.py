@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -56,25 +57,35 @@ class PrefillGraphs:
                  for span in self.spans if T <= span]
         return keys
 
-    def capture(self, side: torch.cuda.Stream | None = None) -> None:
-        """Warm and capture every key on `side`: the stream that will replay the graphs
-        (cuBLAS's per-stream workspace is baked into each graph)."""
+    def capture(self, side: torch.cuda.Stream | None = None, keys: list[Key] | None = None, *,
+                stop: Callable[[], bool] | None = None,
+                captured: Callable[[Key], None] | None = None) -> None:
+        """Warm and capture `keys` (default: every key) on `side`: the stream that will
+        replay the graphs, or one that nothing else uses (cuBLAS's per-stream workspace is
+        baked into each graph). Each graph is used from the moment it is captured."""
         t0 = time.perf_counter()
         r = self.runner
-        keys = self.keys()
+        keys = self.keys() if keys is None else list(keys)
         side = side if side is not None else torch.cuda.Stream(r.device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm every shape once: nothing compiles inside a capture
             for N, T, span in keys:
+                if stop is not None and stop():
+                    return
                 r.prefill_static(r.prefill_inputs(T, N), span)
-        graphs = capture_graphs(
-            side, sorted(keys, key=lambda k: k[0] * k[1] * k[2], reverse=True),  # largest first
-            lambda key: r.prefill_inputs(key[1], key[0]),
-            lambda key, inp: r.prefill_static(inp, key[2]))
-        self.graphs.update({key: (g, inp) for key, (g, inp, _) in graphs.items()})
-        self.capture_s = time.perf_counter() - t0
-        log.info("captured %d prefill graphs (columns %s; batches of %s) in %.1fs",
-                 len(self.graphs), self.cols, self.rows, self.capture_s)
+
+        def install(key: Key, entry: tuple[Any, dict[str, Tensor], Any]) -> None:
+            self.graphs[key] = (entry[0], entry[1])
+            if captured is not None:
+                captured(key)
+
+        capture_graphs(side, sorted(keys, key=lambda k: k[0] * k[1] * k[2], reverse=True),
+                       lambda key: r.prefill_inputs(key[1], key[0]),  # largest first
+                       lambda key, inp: r.prefill_static(inp, key[2]), stop=stop, captured=install)
+        self.capture_s += time.perf_counter() - t0
+        log.info("captured %d of %d prefill graphs (columns %s; batches of %s) in %.1fs",
+                 len(self.graphs), len(self.keys()), self.cols, self.rows,
+                 time.perf_counter() - t0)
 
     def _span(self, end: int) -> int | None:
         """The smallest span bucket holding positions [0, end); None past the cache."""
@@ -121,7 +132,22 @@ class PrefillGraphs:
                 T = max(t for t, _ in group)
                 span = self._span(max(it[2] for _, it in group) + T)
                 replays.append(((N, T, span), [it for _, it in group]))
-        return replays, eager
+        return [r for key, chunks in replays for r in self._captured(key, chunks, eager)], eager
+
+    def _captured(self, key: Key, chunks: list[Chunk], eager: list[Chunk],
+                  ) -> list[tuple[Key, list[Chunk]]]:
+        """`key`'s replay if its graph is in; else the chunks in groups of the largest
+        captured row count at the same (columns, span) — graphs still being captured in the
+        background (engine/warmup.py) — or, with none, eager."""
+        if key in self.graphs:
+            return [(key, chunks)]
+        _, T, span = key
+        fits = [n for n in (1, *self.rows) if n < key[0] and (n, T, span) in self.graphs]
+        if not fits:
+            eager.extend(chunks)
+            return []
+        n = fits[-1]
+        return [((n, T, span), chunks[k: k + n]) for k in range(0, len(chunks), n)]
 
     def replay(self, key: Key, chunks: list[Chunk]) -> None:
         g, inp = self.graphs[key]

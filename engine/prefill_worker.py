@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Sequence
 
 import torch
 
 from .capture import buckets, on_stream
-from .prefill_graphs import PrefillGraphs
+from .prefill_graphs import Key, PrefillGraphs
 from .request import PrefillJob
 from .runner import ModelRunner
 
@@ -48,9 +49,18 @@ class PrefillWorker:
             torch.cuda.synchronize()
         log.info("prefill shapes warmed in %.1fs", time.perf_counter() - t0)
 
-    def capture(self) -> None:
+    def capture(self, keys: list[Key] | None = None) -> None:
+        """Capture `keys` (default: all) on the prefill stream, before the thread runs."""
         assert self.stream is not None
-        self.graphs.capture(self.stream)
+        self.graphs.capture(self.stream, keys)
+
+    def capture_later(self, keys: Sequence[Key], stop: Callable[[], bool],
+                      captured: Callable[[Key], None]) -> None:
+        """Capture `keys` while the prefill thread runs: on a stream of their own (a capture
+        on the prefill stream would take in the thread's own work), each graph used once it
+        is in."""
+        self.graphs.capture(torch.cuda.Stream(self.runner.device), list(keys), stop=stop,
+                            captured=captured)
 
     def round(self, jobs: list[PrefillJob]) -> list[PrefillJob]:
         """One chunk of each of `jobs` (at most `batch` of them). Returns the jobs now done —

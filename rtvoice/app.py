@@ -10,7 +10,8 @@ store; shutdown stops them. Routes:
 - ``POST /v1/voices``            multipart: ``audio`` file, ``transcript``, optional ``name``
 - ``GET  /v1/voices``            list; ``GET/DELETE /v1/voices/{id}``
 - ``GET  /health``               liveness
-- ``GET  /ready``                model loaded, not draining, room for a session (200) or not (503)
+- ``GET  /ready``                model loaded, not draining, room for a session (200) or not (503);
+                                 graphs still captured in the background under ``warming``
 - ``GET  /metrics``              Prometheus text format
 - ``GET  /``                     the browser demo page (``rtvoice/static/index.html``)
 - ``GET  /static/...``           its scripts (``rtvoice/static/``)
@@ -300,7 +301,11 @@ async def _ready(request: Request) -> Response:
         "unstarted": rt.metrics.unstarted,
         "engine": load,
         "limits": _limits(rt),
+        "startup_s": rt.startup_s,
     }
+    warming = rt.engine.warming()
+    if warming:  # serving already; these buckets run eagerly (slower) until captured
+        body["warming"] = warming
     if reason is not None:
         body["reason"] = reason
     return JSONResponse(body, status_code=200 if reason is None else 503)

@@ -194,6 +194,9 @@ def render_metrics(m: Metrics, engine: Engine, *, model: str, device: str,
             ('{state="free"}', load["kv_blocks_free"])])
     metric("rtvoice_engine_offloaded_sessions", "gauge", "Idle sessions whose KV is in host "
            "memory.", [("", load["offloaded"])])
+    metric("rtvoice_engine_graphs_warming", "gauge", "CUDA graphs still being captured in "
+           "the background after the start (their buckets run eagerly until then).",
+           [("", sum(int(f["total"]) - int(f["captured"]) for f in engine.warming().values()))])
     metric("rtvoice_engine_shared_prefixes", "gauge", "Voice prompts kept in the KV pool for "
            "sharing.", [("", load["shared_prefixes"])])
     metric("rtvoice_engine_device_wait_seconds", "gauge",

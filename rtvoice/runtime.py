@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -93,6 +94,8 @@ class Runtime:
     # sockets kept open after finish{stop} for another start, oldest first (LiveSession)
     lingering: dict[LiveSession, None] = field(default_factory=dict)
     trimmer: asyncio.Task[None] | None = None  # memory.trim_loop
+    # where the start went: model load, compile, each graph family, ready (seconds)
+    startup_s: dict[str, float] = field(default_factory=dict)
 
     @property
     def stopping(self) -> bool:
@@ -103,6 +106,7 @@ class Runtime:
     async def start(cls, settings: Settings, bundle: Bundle | None = None) -> Runtime:
         """Load the model (unless `bundle` is given), build and start the engine, open the
         voice store."""
+        t0 = time.perf_counter()
         m = settings.model
         if m.torch_threads:
             torch.set_num_threads(m.torch_threads)
@@ -114,6 +118,7 @@ class Runtime:
             bundle = await asyncio.to_thread(load_bundle, m.model, device=m.device, dtype=m.dtype,
                                              seed=settings.engine.seed, max_seq_len=m.max_seq_len,
                                              fp8_keep=m.fp8_keep)
+        load_s = time.perf_counter() - t0
         engine = build_engine(bundle, settings.engine)
         # Even the plain voice prompt (no reference) must leave room for a segment of
         # min_chunk_length characters, or no session could ever speak.
@@ -132,8 +137,15 @@ class Runtime:
                  bundle.name, " (RANDOM WEIGHTS)" if bundle.random_weights else "", m.device,
                  engine.n_rows, pool.n_blocks, pool.block_size, engine.max_len,
                  settings.voices.data_dir)
+        startup = {"load_s": load_s, **engine.startup_s, "ready_s": time.perf_counter() - t0}
+        log.info("ready %.1fs after the start: %s%s", startup["ready_s"],
+                 ", ".join(f"{k.removesuffix('_s').replace('_', ' ')} {v:.1f}s"
+                           for k, v in startup.items() if k != "ready_s"),
+                 f"; {engine.warmup.pending} more graphs are captured in the background "
+                 "(/ready: warming)" if engine.warmup.pending else "")
         trim_s = settings.service.heap_trim_s
         return cls(
+            startup_s={k: round(v, 3) for k, v in startup.items()},
             settings=settings, bundle=bundle, engine=engine, store=store,
             encode_pool=ThreadPoolExecutor(settings.service.encode_threads, "rtvoice-encode"),
             # bounded: the codec encoder is a big torch op that already uses every core, and

@@ -39,7 +39,7 @@
 # $OUT/<dtype>/ (default: bf16 only, straight under $OUT); the server bench saves each
 # dtype's decode_tps baseline and gates against bench_latency/baselines/h200_s2pro_<dtype>.json
 # where that exists (GATE_BASELINE=0: no gate). SERVER=0 skips the server bench; BENCH_FIRST=1
-# runs gpu_bench first, BENCH_S seconds per dtype; BENCH_DTYPES: gpu_bench's dtypes (default
+# runs gpu_bench first, BENCH_S seconds per dtype (BENCH=0: no gpu_bench); BENCH_DTYPES: gpu_bench's dtypes (default
 # DTYPES); LINEAR_ARGS: more linear_bench options (e.g. "--variants 0,1,2 --reps 10").
 # The device lacks the service's own packages (uvicorn, starlette, msgspec...): run
 # scripts/device_wheels.sh here first and carry .whl; they are installed into /tmp/site.
@@ -103,6 +103,7 @@ servers() {
     done
 }
 benches() {
+    [ "${BENCH:-1}" = 1 ] || return 0
     local n
     n=$(echo ${BENCH_DTYPES:-$DTYPES} | wc -w)
     for DT in ${BENCH_DTYPES:-$DTYPES}; do

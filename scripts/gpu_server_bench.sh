@@ -2,7 +2,8 @@
 # The server-level GPU measurement: `rtvoice serve` on the GPU with the S2-Pro shapes
 # (deterministic random bf16 weights), driven by bench-latency over real WebSockets, one
 # concurrency level at a time (each level's results are kept even if a later one fails).
-# Results: $OUT/server_c<N>.json per level, $OUT/server.log. A level that does not finish in
+# Results: $OUT/server_c<N>.json per level, $OUT/server.log, $OUT/ready.json (seconds to
+# /ready and to the end of the background graph capture). A level that does not finish in
 # LEVEL_TIMEOUT seconds gets the server's thread dump (faulthandler, SIGABRT) in server.log.
 # REFERENCE_S (default 10; 0: the default voice): every session clones a voice from an inline
 # clip of that many seconds (turns then decode past a ~215-frame voice prompt, as real
@@ -29,17 +30,35 @@ mkdir -p "$OUT"
 python3 -X faulthandler -m rtvoice.cli serve --model "${MODEL:-s2-pro}" --device "${DEVICE:-cuda}" --port "$PORT" \
     --dtype "${DTYPE:-bf16}" --max-running "$MAX_RUNNING" --max-len "$MAX_LEN" ${SERVER_ARGS:-} --data-dir /tmp/rtvoice-bench >"$OUT/server.log" 2>&1 &
 SRV=$!
-python3 - "$PORT" <<'PY'
-import sys, time, urllib.request
-for _ in range(300):
+T_LAUNCH=$(date +%s.%N)
+# Fast start: seconds from launch to /ready 200, then to the end of the background capture
+# (the benches below measure the steady state); both, with /ready's body, in $OUT/ready.json.
+python3 - "$PORT" "$T_LAUNCH" "$OUT/ready.json" <<'PY'
+import json, sys, time, urllib.request
+port, t0, out = sys.argv[1], float(sys.argv[2]), sys.argv[3]
+def ready():
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2) as r:
+        return json.load(r)
+for _ in range(3000):
     try:
-        urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/ready", timeout=2)
-        print("server ready", flush=True)
+        body = ready()
         break
     except Exception:
-        time.sleep(1)
+        time.sleep(0.1)
 else:
     sys.exit("server did not become ready")
+res = {"ready_s": round(time.time() - t0, 1), "ready": body}
+print(f"server ready {res['ready_s']} s after launch; warming: {body.get('warming', {})}", flush=True)
+while body.get("warming") and time.time() - t0 < 900:
+    time.sleep(0.5)
+    try:
+        body = ready()
+    except Exception:  # 503 while busy: ask again
+        pass
+res["warm_s"] = round(time.time() - t0, 1)
+res["warm"] = body
+print(f"every graph captured {res['warm_s']} s after launch", flush=True)
+json.dump(res, open(out, "w"), indent=1)
 PY
 RC=$?
 REF_ARGS=()

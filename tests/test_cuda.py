@@ -468,3 +468,44 @@ def test_paged_pool_sharing_and_eviction_change_no_frame_on_the_gpu(gpu_bundle):
     assert st["prefix_hits"] == 3 and ev["kv_evictions"] >= 4 and ev["kv_restores"] >= 4
     for got in (shared, evicted):
         assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
+def test_graphs_captured_in_the_background_give_the_same_frames(gpu_bundle):
+    """Fast start (ready_rows=1): the engine is built with the one-row prefill and codec
+    graphs, captures the bigger buckets on its background thread while it serves (eagerly
+    until each is in), and gives the greedy frames of an engine that captured everything
+    first — for turns run during the capture and after it."""
+
+    def two_rounds(cfg: EngineConfig, during=None):
+        eng = build_engine(gpu_bundle, cfg)
+        if during is not None:
+            during(eng)
+        sinks = [CollectingSink() for _ in TEXTS]
+        seqs = [eng.open([], SamplingParams.greedy(), s) for s in sinks]
+        eng.start()
+        out = []
+        for turn in ("a", "b"):
+            for seq, t in zip(seqs, TEXTS):
+                eng.submit(seq, t, turn_id=turn, max_frames=12)
+            for s in sinks:
+                assert s.done.wait(120)
+                s.done.clear()
+            out.append([s.results[-1].codes for s in sinks])
+            if turn == "a":
+                assert eng.warmed(300)  # the second round runs on every graph
+        eng.shutdown()
+        return out, eng
+
+    def deferred(eng):
+        assert eng.warming() == {
+            "prefill": {"captured": 0, "total": sum(k[0] > 1 for k in eng.prefill_worker.graphs.keys())},
+            "codec": {"captured": 0, "total": sum(b > 1 for b, _ in eng.codec_worker.decoder.bucket_keys())}}
+
+    want, _ = two_rounds(EngineConfig(max_running=8, max_len=512, ready_rows=0))
+    got, eng = two_rounds(EngineConfig(max_running=8, max_len=512, ready_rows=1), deferred)
+    assert not eng.warming()
+    assert set(eng.prefill_worker.graphs.graphs) == set(eng.prefill_worker.graphs.keys())
+    assert eng.codec_worker.decoder.graphs == len(eng.codec_worker.decoder.bucket_keys())
+    for ra, rb in zip(want, got):
+        for a, b in zip(ra, rb):
+            assert torch.equal(a, b)

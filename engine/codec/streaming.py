@@ -23,12 +23,16 @@ pass (state gather, the whole decode, state scatter) is then captured once as a 
 Buckets need the transformer's RoPE table sized up front, so a stream may decode at most
 ``max_frames`` frames (the engine passes its turn limit).
 
-Not thread-safe: one caller (the engine's codec thread) drives a decoder.
+Not thread-safe: one caller (the engine's codec thread) drives a decoder; only ``capture``
+may run on another thread next to it (it touches the scratch state row alone).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -65,6 +69,7 @@ class StreamingDecoder:
     # is a generic kernel 9x slower than the best (9.4 vs 1.0 ms on the H200, docs/PERF.md);
     # smaller buckets keep the heuristic, as timing all 40 buckets costs ~50 s of start-up
     AUTOTUNE_MIN_STREAMS = 32
+    _TUNE_LOCK = threading.Lock()  # the cuDNN autotuner flag is process-wide
 
     def __init__(self, codec: Codec, max_streams: int = 64, *, buckets: bool = False,
                  max_frames: int = 4096, graph_streams: int | None = None,
@@ -204,7 +209,7 @@ class StreamingDecoder:
                                      f"max_frames={self.max_frames} (build it with a larger limit)")
             codes_host = [c.detach().to("cpu", torch.long) for _, _, c in active]
             self._check_values(torch.cat(codes_host, dim=-1), active)  # on the host: no sync
-            g = self.stream_buckets[-1]  # in groups of at most the largest stream bucket
+            g = self._group_streams()
             for i in range(0, len(active), g):
                 out.update(self._decode_bucketed(active[i: i + g], codes_host[i: i + g],
                                                  lengths[i: i + g], slots[i: i + g],
@@ -298,35 +303,70 @@ class StreamingDecoder:
                 "lengths": torch.ones(Bb, dtype=torch.long, device=d),
                 "positions": torch.zeros(Bb, dtype=torch.long, device=d)}
 
+    def _group_streams(self) -> int:
+        """Streams per bucketed pass: the largest stream bucket, or while graphs are still
+        being captured in the background (engine/warmup.py) the largest whose every frame
+        bucket is in — a few replays cost less than one eager pass of ~2,000 launches."""
+        if self.graphs:
+            full = [b for b in self.stream_buckets
+                    if all(self._passes.get((b, n), (None,))[0] is not None
+                           for n in self.FRAME_BUCKETS)]
+            if full and full[-1] < self.stream_buckets[-1]:
+                return full[-1]
+        return self.stream_buckets[-1]
+
+    def bucket_keys(self) -> list[tuple[int, int]]:
+        """Every (streams, frames) bucket a graph is captured for."""
+        return [(b, n) for b in self.stream_buckets for n in self.FRAME_BUCKETS]
+
+    @contextlib.contextmanager
+    def _cudnn_plans(self, streams: int) -> Iterator[None]:
+        """cuDNN caches a plan per shape, chosen on the shape's first run in the process (a
+        shape run once with its autotuner off keeps the heuristic plan): passes of
+        AUTOTUNE_MIN_STREAMS streams and more run with the autotuner on, whichever thread
+        runs them first (the global flag is set under a lock shared by every decoder)."""
+        with self._TUNE_LOCK:
+            tuned = torch.backends.cudnn.benchmark
+            torch.backends.cudnn.benchmark = tuned or streams >= self.AUTOTUNE_MIN_STREAMS
+            try:
+                yield
+            finally:
+                torch.backends.cudnn.benchmark = tuned
+
     @torch.no_grad()
-    def capture(self, side: torch.cuda.Stream | None = None) -> float:
-        """Capture one CUDA graph per (streams, frames) bucket; returns the seconds it took.
-        Only the scratch state row is touched. Pass the stream that will replay the graphs:
-        they are warmed and captured on it (cuBLAS's per-stream workspace is baked into each
-        graph; graphs of two families captured on one stream and replayed concurrently would
-        share it)."""
+    def capture(self, side: torch.cuda.Stream | None = None,
+                keys: list[tuple[int, int]] | None = None, *,
+                stop: Callable[[], bool] | None = None,
+                captured: Callable[[tuple[int, int]], None] | None = None) -> float:
+        """Capture one CUDA graph per (streams, frames) bucket in `keys` (default: all);
+        returns the seconds it took. Only the scratch state row is touched, so this may run
+        while another thread decodes. Pass the stream that will replay the graphs, or one
+        nothing else uses: they are warmed and captured on it (cuBLAS's per-stream
+        workspace is baked into each graph; graphs of two families captured on one stream
+        and replayed concurrently would share it). Each graph is used once it is in."""
         if not self.buckets or self.device.type != "cuda":
             raise RuntimeError("capture() needs buckets=True and a CUDA codec")
         import time
 
         t0 = time.perf_counter()
+        keys = self.bucket_keys() if keys is None else list(keys)
         side = side if side is not None else torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream())
-        keys = [(b, n) for b in self.stream_buckets for n in self.FRAME_BUCKETS]
-        tuned = torch.backends.cudnn.benchmark
-        try:
-            with torch.cuda.stream(side):  # warm every shape once (cuDNN plans, allocator)
-                # cuDNN caches a plan per shape, chosen on the shape's first run in the
-                # process: a shape already run eagerly with the autotuner off keeps its
-                # heuristic plan (the engine captures before any tick, so none has)
-                for b, n in keys:
-                    torch.backends.cudnn.benchmark = tuned or b >= self.AUTOTUNE_MIN_STREAMS
+        with torch.cuda.stream(side):  # warm every shape once (cuDNN plans, allocator)
+            for b, n in keys:
+                if stop is not None and stop():
+                    return time.perf_counter() - t0
+                with self._cudnn_plans(b):
                     self._static_pass(self._inputs(b, n))
-        finally:
-            torch.backends.cudnn.benchmark = tuned
-        self._passes.update(graphs.capture_graphs(side, sorted(keys, reverse=True),  # largest first
-                                           lambda key: self._inputs(*key),
-                                           lambda key, inp: self._static_pass(inp)))
+
+        def install(key: tuple[int, int], entry: tuple[torch.cuda.CUDAGraph, Any, Any]) -> None:
+            self._passes[key] = entry
+            if captured is not None:
+                captured(key)
+
+        graphs.capture_graphs(side, sorted(keys, reverse=True),  # largest first
+                              lambda key: self._inputs(*key),
+                              lambda key, inp: self._static_pass(inp), stop=stop, captured=install)
         return time.perf_counter() - t0
 
     def _decode_bucketed(self, active: list[tuple[int, int, Tensor]], codes_host: list[Tensor],
@@ -357,8 +397,9 @@ class StreamingDecoder:
                 staging.stage(inp[key], meta[row])
             if graph is not None:
                 graph.replay()
-            else:
-                audio = self._static_pass(inp)
+            else:  # not captured (yet: engine/warmup.py)
+                with self._cudnn_plans(Bb):
+                    audio = self._static_pass(inp)
             # copy out now: the next pass overwrites the static output
             flat = audio[:B, 0].to(torch.float32, copy=True)  # [B, nb * 2048]: no padding rows
             for i in range(B):

@@ -1,0 +1,202 @@
+"""Fast start: the graphs light traffic needs before the engine is ready, the rest captured
+in the background while it serves (engine/warmup.py), and what /ready and /metrics say
+meanwhile. The captures themselves need CUDA (tests/test_cuda.py); here the scheduling of
+the work, the prefill plan over a partly captured set, and the service's reports."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import torch
+
+from engine.config import EngineConfig
+from engine.engine import CollectingSink, _first, build_engine
+from engine.sampler import SamplingParams
+from engine.warmup import BackgroundCapture
+from rtvoice.testing import running_server
+from tests.test_engine import _EagerGraph
+
+
+def _family(log: list, gate: threading.Event | None = None, fail_at: int | None = None):
+    def capture(keys, stop, captured):
+        for i, key in enumerate(keys):
+            if stop():
+                return
+            if gate is not None:
+                gate.wait(10)
+            if fail_at == i:
+                raise RuntimeError("out of memory")
+            log.append(key)
+            captured(key)
+    return capture
+
+
+def test_background_capture_runs_each_family_and_reports_progress():
+    gate = threading.Event()
+    got: list = []
+    bc = BackgroundCapture()
+    bc.add("prefill", [(2, 8, 256), (4, 8, 256)], _family(got, gate))
+    bc.add("codec", [(8, 1), (8, 2), (16, 1)], _family(got))
+    bc.add("empty", [], _family(got))  # nothing deferred: no family
+    assert [f.name for f in bc.families] == ["prefill", "codec"]
+    assert bc.pending == 5 and not bc.started
+    assert not bc.wait(0)  # pending, and nothing captures them yet
+    bc.start()
+    time.sleep(0.05)
+    assert bc.status() == {"prefill": {"captured": 0, "total": 2},
+                           "codec": {"captured": 0, "total": 3}}
+    gate.set()
+    assert bc.wait(10)
+    assert bc.status() == {} and bc.pending == 0
+    assert got == [(2, 8, 256), (4, 8, 256), (8, 1), (8, 2), (16, 1)]  # in order, once
+    bc.start()
+    bc.run()
+    assert len(got) == 5
+
+
+def test_a_failed_family_is_reported_and_the_others_still_run():
+    got: list = []
+    bc = BackgroundCapture()
+    bc.add("prefill", [1, 2, 3], _family(got, fail_at=1))
+    bc.add("codec", [7], _family(got))
+    bc.run()  # on this thread
+    assert got == [1, 7]
+    status = bc.status()
+    assert status == {"prefill": {"captured": 1, "total": 3,
+                                  "error": "RuntimeError: out of memory"}}
+    assert bc.pending == 2 and bc.wait(0)
+
+
+def test_stop_ends_the_capture_after_the_current_graph():
+    gate = threading.Event()
+    got: list = []
+    bc = BackgroundCapture()
+    bc.add("codec", list(range(10)), _family(got, gate))
+    bc.start()
+    threading.Timer(0.1, gate.set).start()
+    bc.stop()  # set before the gate opens: at most the graph in hand is captured
+    assert bc.wait(5) and len(got) <= 1 and bc.pending >= 9
+
+
+def test_first_splits_keys_by_rows():
+    keys = [(1, 8, 256), (2, 8, 256), (4, 64, 512), (8, 8, 256), (16, 1)]
+    assert _first(keys, 4) == ([(1, 8, 256), (2, 8, 256), (4, 64, 512)], [(8, 8, 256), (16, 1)])
+    assert _first(keys, 0) == (keys, [])  # 0: everything before ready
+
+
+def test_prefill_plan_over_a_partly_captured_set_matches_eager(tiny_bundle):
+    """While the bigger prefill graphs are still being captured, a burst runs in groups of
+    the largest captured row count (the rest eager) and gives eager prefill's codes."""
+    texts = ["Hello there.", "Five.", "A somewhat longer sentence for the third voice.", "Six!",
+             "Seven.", "Eight, nine.", "Ten!", "Eleven, twelve."]
+
+    def run(rows: int | None):
+        eng = build_engine(tiny_bundle, EngineConfig(max_running=8, max_len=512, pingpong=False,
+                                                     prefill_chunk=32, prefix_cache=0))
+        pg = eng.prefill_worker.graphs
+        if rows is not None:
+            first, rest = _first(pg.keys(), rows)
+            assert rest  # some buckets are left to the background
+            for N, T, span in first:
+                inp = eng.runner.prefill_inputs(T, N)
+                pg.graphs[(N, T, span)] = (_EagerGraph(eng.runner, inp, span), inp)
+        sinks = [CollectingSink() for _ in texts]
+        seqs = [eng.open([], SamplingParams.greedy(), s) for s in sinks]
+        eng.run_until_idle()
+        for seq, t in zip(seqs, texts):
+            eng.submit(seq, t, turn_id="a", max_frames=8)
+        eng.run_until_idle()
+        return [s.results[-1].codes for s in sinks], pg
+
+    want, _ = run(None)
+    _EagerGraph.replays.clear()
+    got, pg = run(2)
+    assert set(_EagerGraph.replays) <= {1, 2} and _EagerGraph.replays.get(2, 0) >= 4
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
+    # a group of 8 short chunks at (8, 8, 256) is not captured: four replays of two
+    chunks = [(i, torch.zeros(11, 5, dtype=torch.long), 10) for i in range(8)]
+    plan, eager = pg.plan(chunks)
+    assert not eager and [(k, len(c)) for k, c in plan] == [((2, 8, 256), 2)] * 4
+    # no graph at all for a bucket: eager
+    pg.graphs = {k: v for k, v in pg.graphs.items() if k[1] != 8}
+    plan, eager = pg.plan(chunks[:3])
+    assert plan == [] and len(eager) == 3
+
+
+def test_ready_reports_graphs_warming_in_the_background():
+    """A server still capturing graphs is ready (it serves, those buckets eagerly) and says
+    what is warming on /ready and /metrics; once done, neither mentions it."""
+    with running_server(max_turn_frames=4) as url:
+        rt = url.app.state.runtime
+        gate = threading.Event()
+        bc = BackgroundCapture()
+        bc.add("codec", [(8, 1), (8, 2)], _family([], gate))
+        rt.engine.warmup = bc
+        bc.start()
+        try:
+            r = httpx.get(f"{url}/ready", timeout=10)
+            assert r.status_code == 200
+            body = r.json()
+            assert body["warming"] == {"codec": {"captured": 0, "total": 2}}
+            assert body["startup_s"]["ready_s"] >= body["startup_s"]["load_s"] >= 0
+            m = httpx.get(f"{url}/metrics", timeout=10).text
+            assert "rtvoice_engine_graphs_warming 2" in m
+        finally:
+            gate.set()
+        assert bc.wait(10)
+        body = httpx.get(f"{url}/ready", timeout=10).json()
+        assert "warming" not in body
+        assert "rtvoice_engine_graphs_warming 0" in httpx.get(f"{url}/metrics",
+                                                              timeout=10).text
+
+
+class _FakeCodecGraph:
+    """Stands in for a captured codec pass on a CPU: replay runs the same static pass on
+    the same input buffers into the same output buffer, as the CUDA graph does."""
+
+    def __init__(self, dec, inp, out, log):
+        self.dec, self.inp, self.out, self.log = dec, inp, out, log
+
+    def replay(self):
+        self.log.append(tuple(self.inp["codes"].shape[::2]))
+        self.out.copy_(self.dec._static_pass(self.inp))
+
+
+def test_codec_ticks_use_the_captured_stream_buckets_while_the_rest_warm():
+    """With only the one-stream graphs in, a tick of three streams runs as three one-stream
+    replays (not one eager pass of four) and gives the eager decoder's audio."""
+    from engine.codec import STREAM_ATOL, CodecConfig, StreamingDecoder, dummy_codec
+
+    codec = dummy_codec(CodecConfig.preset("tiny"), seed=0)
+    g = torch.Generator().manual_seed(3)
+    codes = [torch.cat([torch.randint(0, 4096, (1, 6), generator=g),
+                        torch.randint(0, 1024, (9, 6), generator=g)]) for _ in range(3)]
+
+    def run(graphs: set[int] | None):
+        dec = StreamingDecoder(codec, max_streams=4, buckets=True, max_frames=16)
+        log: list = []
+        for b, n in dec.bucket_keys():
+            if graphs is not None and b in graphs:
+                inp = dec._inputs(b, n)
+                out = dec._static_pass(inp).clone()
+                dec._passes[(b, n)] = (_FakeCodecGraph(dec, inp, out, log), inp, out)
+        sids = [dec.open() for _ in codes]
+        parts = [[] for _ in codes]
+        for at in (0, 2, 3):  # chunks of 2, 1 and 3 frames
+            n = {0: 2, 2: 1, 3: 3}[at]
+            got = dec.decode({sid: c[:, at: at + n] for sid, c in zip(sids, codes)})
+            for p, sid in zip(parts, sids):
+                p.append(got[sid])
+        return [torch.cat(p) for p in parts], log, dec
+
+    want, _, _ = run(None)
+    got, log, dec = run({1})
+    assert dec._group_streams() == 1
+    assert log and {b for b, _ in log} == {1}  # every pass a one-stream replay
+    for a, b in zip(want, got):
+        assert float((a - b).abs().max()) <= STREAM_ATOL
+    _, _, full = run({1, 2, 4})
+    assert full._group_streams() == 4
