@@ -82,7 +82,7 @@ if [ "${FP8_GATE:-0}" = 1 ]; then  # FP8 vs bf16 at real size, with the negative
 fi
 if [ "${SESSIONS:-1}" = 1 ]; then  # open sessions: 1,000 10 s voices, shared vs distinct bursts, eviction (~100 s)
     timeout ${SESSIONS_TIMEOUT:-200} python3 scripts/sessions_bench.py --sessions ${N_SESSIONS:-1000} \
-        ${SESSIONS_ONLY:+--only $SESSIONS_ONLY} --out "$OUT" 2>&1 | grep '^{"' | cut -c1-600
+        ${SESSIONS_ONLY:+--only $SESSIONS_ONLY} --out "$OUT" 2>&1 | grep -v "Warn\|warn" | cut -c1-600 | tail -12
     echo "sessions bench done at +$(( $(date +%s) - t0 ))s"
 fi
 DTYPES=${DTYPES:-bf16}

@@ -159,9 +159,17 @@ def codec_bench(report: dict, device: str) -> None:
     from engine.ops import build_ops
 
     out = {}
+    # the same codes through the same weights in float32 and in bf16 (the engine's codec
+    # dtype on a GPU): how far bf16 moves the audio
+    g = torch.Generator(device="cpu").manual_seed(7)
+    same = torch.cat([torch.randint(0, 4096, (1, 1, 64), generator=g),
+                      torch.randint(0, 1024, (1, 9, 64), generator=g)], dim=1).to(device)
+    audio: dict[str, torch.Tensor] = {}
     for dt_name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         codec = dummy_codec(CodecConfig.preset("s2-pro"), seed=0, device=device, dtype=dt)
         n_params = sum(p.numel() for p in codec.parameters())
+        with torch.inference_mode():
+            audio[dt_name] = codec.decode(same)[0, 0].float().cpu()
         for bs in (1, 16):  # offline: the torch ops (the reference path)
             codes = torch.randint(0, 1024, (bs, 10, 64), device=device)
             with torch.inference_mode():
@@ -192,6 +200,11 @@ def codec_bench(report: dict, device: str) -> None:
                     codec_tick(dec, streams, frames)
         out["params"] = n_params
         del codec, dec
+    ref, err = audio["fp32"], audio["bf16"] - audio["fp32"]
+    out["bf16_vs_fp32"] = {"frames": 64, "rel_l2": round(float(err.norm() / ref.norm()), 5),
+                           "snr_db": round(float(20 * torch.log10(ref.norm() / err.norm())), 1),
+                           "max_abs": round(float(err.abs().max()), 5),
+                           "fp32_peak": round(float(ref.abs().max()), 4)}
     report["codec_s2pro"] = out
 
 

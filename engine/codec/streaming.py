@@ -64,6 +64,7 @@ class StreamingDecoder:
     """
 
     FRAME_BUCKETS = (1, 2, 4, 8, 16)  # frames per pass in bucketed mode
+    STREAM_LADDER = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # streams per pass
     # capture() lets cuDNN time its algorithms (cudnn.benchmark) for buckets of this many
     # streams and more: its heuristic choice for the 384-channel dilation-9 conv at 64 streams
     # is a generic kernel 9x slower than the best (9.4 vs 1.0 ms on the H200, docs/PERF.md);
@@ -107,7 +108,9 @@ class StreamingDecoder:
         # stream buckets stop at graph_streams: the engine opens twice its slots (turns still
         # draining) but rarely decodes more than its slots at once, and the biggest buckets
         # cost the most to capture (64 -> 128 -> 256 streams: most of the start-up)
-        self.stream_buckets = graphs.buckets((1, 2, 4, 8, 16, 32, 64, 128), graph_streams)
+        # Between the powers of two, 12, 24, 48 and 96 too: a tick of 40 streams pads to 48,
+        # not 64 (the bigger buckets are captured in the background: engine/warmup.py)
+        self.stream_buckets = graphs.buckets(self.STREAM_LADDER, graph_streams)
         # (streams, frames) -> (graph or None, static inputs, static audio output)
         self._passes: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph | None, dict[str, Tensor],
                                                   Tensor | None]] = {}
