@@ -49,6 +49,7 @@ else:
     sys.exit("server did not become ready")
 res = {"ready_s": round(time.time() - t0, 1), "ready": body}
 print(f"server ready {res['ready_s']} s after launch; warming: {body.get('warming', {})}", flush=True)
+json.dump(res, open(out, "w"), indent=1)  # again below, with the time to the last graph
 while body.get("warming") and time.time() - t0 < 900:
     time.sleep(0.5)
     try:
