@@ -324,7 +324,8 @@ class EngineConfig:
                                 "bucket (CUDA only)")
     ready_rows: int = option(
         1, "fast start: before the engine is ready it captures the decode step's graphs, and "
-        "the prefill and codec graphs of at most this many sequences / streams per replay; "
+        "the prefill and codec graphs of at most this many sequences / streams per replay "
+        "(prefill: over spans short of the whole context); "
         "the bigger buckets are captured on a background thread while it serves (/ready "
         "lists them under 'warming'), their work meanwhile split over the captured ones or "
         "run eagerly; 0: capture everything before ready", ge=0)

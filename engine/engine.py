@@ -162,6 +162,11 @@ class Engine:
         if config.prefill_graphs and self.cuda:
             t1 = time.perf_counter()
             first, rest = _first(self.prefill_worker.graphs.keys(), config.ready_rows)
+            if config.ready_rows and len(spans := self.prefill_worker.graphs.spans) > 1:
+                # keys over the whole context wait too: only a session deep into a long
+                # context reads that far, not one in its first minute
+                rest += [k for k in first if k[2] == spans[-1]]
+                first = [k for k in first if k[2] != spans[-1]]
             self.prefill_worker.capture(first)
             self.warmup.add("prefill", rest, self.prefill_worker.capture_later)
             self.startup_s["prefill_graphs_s"] = time.perf_counter() - t1

@@ -4,6 +4,8 @@ functions; engine/ops.py may hand the model fused versions of the same math."""
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -54,3 +56,9 @@ def norm_rope_qk(q: Tensor, k: Tensor, qw: Tensor | None, kw: Tensor | None, cs:
 
 def silu_mul(a: Tensor, b: Tensor) -> Tensor:
     return F.silu(a) * b
+
+
+def param_seed(seed: int, name: str) -> int:
+    """The seed of one random-weight tensor: from the model's seed and the tensor's name, so
+    values do not depend on creation order."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") >> 1

@@ -8,7 +8,6 @@ Checkpoint key names (HF layout of S2-Pro) map onto our module tree:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import time
@@ -20,6 +19,7 @@ from safetensors import safe_open
 from torch import Tensor
 
 from .config import ModelConfig
+from .functional import param_seed
 from .model import DualAR
 from .quant import (
     BLOCK,
@@ -192,10 +192,6 @@ def load_model(path: str | Path, cfg: ModelConfig | None = None, *, device: str 
     return model.eval().requires_grad_(False)
 
 
-def _seed_for(seed: int, name: str) -> int:
-    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") >> 1
-
-
 @torch.no_grad()
 def dummy_model(cfg: ModelConfig, *, seed: int = 0, device: str | torch.device = "cpu",
                 dtype: torch.dtype = torch.bfloat16) -> DualAR:
@@ -210,7 +206,7 @@ def dummy_model(cfg: ModelConfig, *, seed: int = 0, device: str | torch.device =
     device = torch.device(device)
     state = {}
     for name, p in model.named_parameters():
-        g = torch.Generator(device=device).manual_seed(_seed_for(seed, name))
+        g = torch.Generator(device=device).manual_seed(param_seed(seed, name))
         t = torch.randn(p.shape, generator=g, device=device, dtype=torch.float32
                         if device.type == "cpu" else dtype)
         if name.endswith("norm.weight"):

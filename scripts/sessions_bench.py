@@ -136,13 +136,22 @@ def evict_part(engine, report: dict, per: int, pool: int) -> None:  # type: igno
     k = eng.model_cfg.num_codebooks
     try:
         m = 2 * pool
-        seqs, sinks, dt = open_all(eng, [voice(i, k) for i in range(m)])
+        # in waves, as sessions arrive at a server: a wave's prompts fill the pool while the
+        # last wave sits idle, so those get evicted (all at once, the pool would be all
+        # prefilling and the surplus refused as overloaded: max_waiting)
+        wave = max(1, min(eng.cfg.max_waiting, pool) // 2)
+        seqs, sinks, dt = [], [], 0.0
+        for at in range(0, m, wave):
+            s1, k1, d1 = open_all(eng, [voice(i, k) for i in range(at, min(m, at + wave))])
+            seqs += s1
+            sinks += k1
+            dt += d1
         load = eng.load()
         evicted = next(i for i, s in enumerate(seqs) if s.offloaded is not None)
         turn(eng, seqs[-2], sinks[-2])  # warm-up: the first turn after a build is slower
         restored = turn(eng, seqs[evicted], sinks[evicted])
         resident = turn(eng, seqs[-1], sinks[-1])
-        row = {"sessions": m, "all_ready_s": round(dt, 2), "kv_blocks": load["kv_blocks"],
+        row = {"sessions": m, "waves_of": wave, "all_ready_s": round(dt, 2), "kv_blocks": load["kv_blocks"],
                "offloaded": load["offloaded"], "evictions": int(eng.stats["kv_evictions"]),
                "host_kv_gib": round(load["host_kv_bytes"] / 2**30, 2),
                "restore_s": round(eng.stats["kv_restore_s"], 4),

@@ -497,9 +497,13 @@ def test_graphs_captured_in_the_background_give_the_same_frames(gpu_bundle):
         return out, eng
 
     def deferred(eng):
+        pg, dec = eng.prefill_worker.graphs, eng.codec_worker.decoder
+        # before ready: one-row prefill graphs short of the whole context, one-stream codec
+        assert set(pg.graphs) == {k for k in pg.keys() if k[0] == 1 and k[2] < pg.spans[-1]}
+        assert dec.graphs == len(dec.FRAME_BUCKETS)
         assert eng.warming() == {
-            "prefill": {"captured": 0, "total": sum(k[0] > 1 for k in eng.prefill_worker.graphs.keys())},
-            "codec": {"captured": 0, "total": sum(b > 1 for b, _ in eng.codec_worker.decoder.bucket_keys())}}
+            "prefill": {"captured": 0, "total": len(pg.keys()) - len(pg.graphs)},
+            "codec": {"captured": 0, "total": len(dec.bucket_keys()) - dec.graphs}}
 
     want, _ = two_rounds(EngineConfig(max_running=8, max_len=512, ready_rows=0))
     got, eng = two_rounds(EngineConfig(max_running=8, max_len=512, ready_rows=1), deferred)

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from ..functional import param_seed
 from .config import CodecConfig
 from .layers import CausalConv1d, CausalConvTranspose1d, ConvNeXtBlock, LayerScale, RMSNorm, Snake1d
 from .model import Codec
@@ -217,59 +218,64 @@ def dummy_codec(
 ) -> Codec:
     """Deterministic random weights with the fixture's scales (audio in [-1, 1], not saturated).
 
-    Same seed and config give the same weights on any device (generated on the CPU).
+    Each tensor is drawn from its own generator on `device`, seeded from `seed` and its name
+    (as `engine.weights.dummy_model` does): same seed, config and device give the same
+    weights, and the 391 M parameters of the s2-pro codec take a fraction of a second on a
+    GPU instead of seconds of sequential CPU draws (part of the server's start).
     Scales: weight-normed convs get unit-norm directions times g = 1 + N(0, 0.1^2) (x0.75 in
     the decoder); Snake alpha = |1 + N(0, 0.2^2)| + 0.1; codebooks N(0, 1); LayerScale and
     ConvNeXt gamma 0.3 + N(0, 0.05^2); norm weights 1 + N(0, 0.1^2); biases N(0, 0.02^2); other
     conv/linear weights N(0, 1/fan_in); the decoder's last conv at half gain. Measured audio
     std: ~0.4 (tiny), ~0.3 (s2-pro), with <0.1% of pre-tanh samples beyond |2|.
     """
-    gen = torch.Generator().manual_seed(seed)
+    dev = torch.device(device)
 
-    def normal(shape: tuple[int, ...] | torch.Size, std: float = 1.0, mean: float = 0.0) -> Tensor:
-        return torch.randn(tuple(shape), generator=gen) * std + mean
+    def normal(name: str, shape: tuple[int, ...] | torch.Size, std: float = 1.0,
+               mean: float = 0.0) -> Tensor:
+        gen = torch.Generator(device=dev).manual_seed(param_seed(seed, name))
+        return torch.randn(tuple(shape), generator=gen, device=dev) * std + mean
 
-    def init_conv(conv: nn.Conv1d | nn.ConvTranspose1d, weight_norm: bool, scale: float) -> None:
+    def init_conv(name: str, conv: nn.Conv1d | nn.ConvTranspose1d, weight_norm: bool,
+                  scale: float) -> None:
         w = conv.weight  # Conv1d: [out, in/groups, k]; ConvTranspose1d: [in, out, k]
         if weight_norm:
             # unit-norm directions per dim-0 channel times g: keeps activations at unit scale
-            v = normal(w.shape)
-            g = normal((w.shape[0],) + (1,) * (w.dim() - 1), 0.1, 1.0) * scale
+            v = normal(f"{name}.v", w.shape)
+            g = normal(f"{name}.g", (w.shape[0],) + (1,) * (w.dim() - 1), 0.1, 1.0) * scale
             w.copy_(torch._weight_norm(v, g, 0))
         else:
             fan_in = w.shape[1] * w.shape[2] if isinstance(conv, nn.Conv1d) else w.shape[0]
-            w.copy_(normal(w.shape, 1.0 / math.sqrt(fan_in)))
+            w.copy_(normal(f"{name}.weight", w.shape, 1.0 / math.sqrt(fan_in)))
         if conv.bias is not None:
-            conv.bias.copy_(normal(conv.bias.shape, 0.02))
+            conv.bias.copy_(normal(f"{name}.bias", conv.bias.shape, 0.02))
 
     with torch.device("meta"):
         model = Codec(cfg)
-    model = model.to_empty(device="cpu").requires_grad_(False)
+    model = model.to_empty(device=dev).requires_grad_(False)  # float32 until the end
     for p in model.parameters():
         p.fill_(float("nan"))  # every parameter must be written below
     for mname, m in model.named_modules():
         scale = 0.75 if mname.startswith("decoder.") else 1.0
         if isinstance(m, Snake1d):
-            m.alpha.copy_(normal(m.alpha.shape, 0.2, 1.0).abs() + 0.1)
+            m.alpha.copy_(normal(f"{mname}.alpha", m.alpha.shape, 0.2, 1.0).abs() + 0.1)
         elif isinstance(m, CausalConv1d | CausalConvTranspose1d):
-            init_conv(m.conv, m.weight_norm, scale)
+            init_conv(mname, m.conv, m.weight_norm, scale)
         elif isinstance(m, VectorQuantizer):
-            init_conv(m.in_proj, True, scale)
-            init_conv(m.out_proj, True, scale)
-            m.codebook.weight.copy_(normal(m.codebook.weight.shape))
+            init_conv(f"{mname}.in_proj", m.in_proj, True, scale)
+            init_conv(f"{mname}.out_proj", m.out_proj, True, scale)
+            m.codebook.weight.copy_(normal(f"{mname}.codebook", m.codebook.weight.shape))
         elif isinstance(m, nn.Linear):
-            m.weight.copy_(normal(m.weight.shape, 1.0 / math.sqrt(m.weight.shape[1])))
+            m.weight.copy_(normal(f"{mname}.weight", m.weight.shape,
+                                  1.0 / math.sqrt(m.weight.shape[1])))
             if m.bias is not None:
-                m.bias.copy_(normal(m.bias.shape, 0.02))
-        elif isinstance(m, LayerScale):
-            m.gamma.copy_(normal(m.gamma.shape, 0.05, 0.3))
-        elif isinstance(m, ConvNeXtBlock):
-            m.gamma.copy_(normal(m.gamma.shape, 0.05, 0.3))
+                m.bias.copy_(normal(f"{mname}.bias", m.bias.shape, 0.02))
+        elif isinstance(m, LayerScale | ConvNeXtBlock):
+            m.gamma.copy_(normal(f"{mname}.gamma", m.gamma.shape, 0.05, 0.3))
         elif isinstance(m, RMSNorm):
-            m.weight.copy_(normal(m.weight.shape, 0.1, 1.0))
+            m.weight.copy_(normal(f"{mname}.weight", m.weight.shape, 0.1, 1.0))
         elif isinstance(m, nn.LayerNorm):
-            m.weight.copy_(normal(m.weight.shape, 0.1, 1.0))
-            m.bias.copy_(normal(m.bias.shape, 0.02))
+            m.weight.copy_(normal(f"{mname}.weight", m.weight.shape, 0.1, 1.0))
+            m.bias.copy_(normal(f"{mname}.bias", m.bias.shape, 0.02))
     # The fixture recipe leaves ~6% of pre-tanh samples beyond |2| at the tiny size; halving the
     # last conv's gain keeps dummy audio clearly inside tanh's linear range at every size.
     last = model.decoder.model[-2]
@@ -278,4 +284,4 @@ def dummy_codec(
     unset = [n for n, p in model.named_parameters() if torch.isnan(p).any()]
     if unset:
         raise RuntimeError(f"dummy_codec left parameters uninitialised: {unset[:4]}")
-    return model.to(device=device, dtype=dtype).eval()
+    return model.to(dtype=dtype).eval()
