@@ -11,8 +11,9 @@
 #   1b. scripts/sessions_bench.py (SESSIONS=0 skips it): 1,000 sessions with distinct 10 s
 #      voices open on the paged KV pool, 64 opened at once with one voice vs 64 voices, and
 #      eviction to host memory with a restored turn;
-#   2. diagnostics, only with PROBE=1 (~40 s): scripts/prefill_probe.py (one prefill-graph
-#      replay per bucket alone) and `python -m bench_latency.kernel_bench` (csrc kernels vs torch);
+#   2. diagnostics, only with PROBE=1 (~50 s): scripts/prefill_probe.py (one prefill-graph
+#      replay per bucket alone), `python -m bench_latency.kernel_bench` (csrc kernels vs torch)
+#      and scripts/start_probe.py (the start before the engine);
 #   3. the server bench: `rtvoice serve` (S2-Pro shapes, bf16 dummy weights, 128 decode rows)
 #      driven by bench-latency over real WebSockets at c = 1, 4, 16, 32, 64, 128, 200 ms
 #      jitter buffer, every session cloning a 10 s voice, turns up to 300 frames (knobs of
@@ -67,6 +68,8 @@ if [ "${PROBE:-0}" = 1 ]; then  # prefill graphs alone: what a burst of turns co
     timeout 90 python3 scripts/prefill_probe.py 2>&1 | grep -v "Warn\|warn" | tail -2 | tee "$OUT/probes.txt"
     # the csrc kernels vs torch (decode attention with and without split positions, ~15 s)
     timeout 60 python3 -m bench_latency.kernel_bench 2>&1 | grep -v "Warn\|warn" | tee -a "$OUT/probes.txt" | grep decode_attention
+    # where the server's start goes before the engine (import, CUDA init, random weights)
+    timeout 60 python3 scripts/start_probe.py 2>&1 | tail -1 | tee -a "$OUT/probes.txt"
 fi
 if [ "${LINEAR:-0}" = 1 ]; then  # the per-shape linear table, used by every engine below
     timeout ${LINEAR_TIMEOUT:-240} python3 -m bench_latency.linear_bench --out "$OUT/linear_table.json" ${LINEAR_ARGS:-} \
