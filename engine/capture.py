@@ -19,6 +19,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import gc
+import threading
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
 
@@ -42,16 +43,30 @@ def bucket(sizes: Sequence[int], n: int) -> int | None:
     return sizes[i] if i < len(sizes) else None
 
 
+class _GcPause:
+    """Python's cycle collector is process-wide: off while any capture runs (the engine's
+    start, a background capture, another engine's), back on when the last one ends."""
+
+    lock = threading.Lock()
+    holders = 0
+    was_enabled = True
+
+
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
     gc.collect()
-    was = gc.isenabled()
-    gc.disable()
+    with _GcPause.lock:
+        if _GcPause.holders == 0:
+            _GcPause.was_enabled = gc.isenabled()
+            gc.disable()
+        _GcPause.holders += 1
     try:
         yield
     finally:
-        if was:
-            gc.enable()
+        with _GcPause.lock:
+            _GcPause.holders -= 1
+            if _GcPause.holders == 0 and _GcPause.was_enabled:
+                gc.enable()
 
 
 def capture_graphs(side: torch.cuda.Stream, keys: Sequence[Hashable],

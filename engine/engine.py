@@ -284,11 +284,12 @@ class Engine:
                        ("rtvoice-codec", self._codec_loop)]
         else:
             targets = [("rtvoice-engine", self._sync_loop)]
+        # first: a sync loop's first step() must find the captures taken by their thread
+        self.warmup.start()
         for name, fn in targets:
             t = threading.Thread(target=fn, name=name, daemon=True)
             t.start()
             self._threads.append(t)
-        self.warmup.start()
 
     def shutdown(self) -> None:
         self.warmup.stop()

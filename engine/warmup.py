@@ -43,11 +43,6 @@ class Family:
     seconds: float = 0.0
 
     @property
-    def started(self) -> bool:
-        """`start` or `run` was called (the graphs are being or were captured)."""
-        return self._thread is not None or self._ran
-
-    @property
     def pending(self) -> int:
         return len(self.keys) - self.done
 

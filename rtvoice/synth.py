@@ -137,8 +137,9 @@ def synthesize(text: str, out: Path, *, model: str = "tiny", device: str = "cpu"
     if reference is not None:
         audio, sr = sf.read(str(reference), dtype="float32", always_2d=True)
         refs.append(encode_reference(bundle.codec, audio.mean(axis=1), sr, reference_text or ""))
+    # offline, one turn: every graph captured while the engine is built, none mid-turn
     cfg = EngineConfig(max_running=1, max_len=bundle.model.cfg.slow.max_seq_len
-                       if device != "cpu" else 4096)
+                       if device != "cpu" else 4096, ready_rows=0)
     engine = build_engine(bundle, cfg)
     auto = max_frames is None
     cap = (default_max_frames(text, engine.frame_rate, random_weights=bundle.random_weights,

@@ -39,7 +39,12 @@ def test_engine_passes_each_family_its_replay_stream():
     for role in ("decode", "prefill", "codec"):
         assert f'self._stream("{role}")' in src, f"engine/engine.py should make a {role} stream"
     for path, call in (("decode_worker.py", "self.runner.capture_steps(self.stream,"),
-                       ("prefill_worker.py", "self.graphs.capture(self.stream)"),
-                       ("codec_worker.py", "self.decoder.capture(self.stream)")):
+                       ("prefill_worker.py", "self.graphs.capture(self.stream, keys)"),
+                       ("codec_worker.py", "self.decoder.capture(self.stream, keys)")):
         src = (ROOT / "engine" / path).read_text(encoding="utf-8")
         assert call in src, f"engine/{path} should call {call}"
+        if path != "decode_worker.py":
+            # graphs captured after the start (engine/warmup.py): on a fresh stream of their
+            # own, never the worker's (its thread launches into it meanwhile)
+            later = src[src.index("def capture_later"):]
+            assert "torch.cuda.Stream(" in later.split("\n    def ")[0], path

@@ -487,6 +487,8 @@ def test_graphs_captured_in_the_background_give_the_same_frames(gpu_bundle):
         for turn in ("a", "b"):
             for seq, t in zip(seqs, TEXTS):
                 eng.submit(seq, t, turn_id=turn, max_frames=12)
+            if turn == "a" and during is not None:
+                assert eng.warming()  # round a runs while the background still captures
             for s in sinks:
                 assert s.done.wait(120)
                 s.done.clear()
@@ -494,6 +496,7 @@ def test_graphs_captured_in_the_background_give_the_same_frames(gpu_bundle):
             if turn == "a":
                 assert eng.warmed(300)  # the second round runs on every graph
         eng.shutdown()
+        out.append([s.pcm() for s in sinks])
         return out, eng
 
     def deferred(eng):
@@ -510,6 +513,8 @@ def test_graphs_captured_in_the_background_give_the_same_frames(gpu_bundle):
     assert not eng.warming()
     assert set(eng.prefill_worker.graphs.graphs) == set(eng.prefill_worker.graphs.keys())
     assert eng.codec_worker.decoder.graphs == len(eng.codec_worker.decoder.bucket_keys())
-    for ra, rb in zip(want, got):
+    for ra, rb in zip(want[:2], got[:2]):
         for a, b in zip(ra, rb):
             assert torch.equal(a, b)
+    for a, b in zip(want[2], got[2]):  # the audio: codec passes of other buckets meanwhile
+        assert a.shape == b.shape and float(abs(a - b).max()) < 1e-3

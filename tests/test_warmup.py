@@ -194,9 +194,62 @@ def test_codec_ticks_use_the_captured_stream_buckets_while_the_rest_warm():
 
     want, _, _ = run(None)
     got, log, dec = run({1})
-    assert dec._group_streams() == 1
+    assert dec._group_streams(3) == 1
     assert log and {b for b, _ in log} == {1}  # every pass a one-stream replay
     for a, b in zip(want, got):
         assert float((a - b).abs().max()) <= STREAM_ATOL
+    # the background captures the biggest bucket first: with 1 and 4 in but not 2, two
+    # streams run as one-stream replays, three as one replay of four
+    _, _, dec = run({1, 4})
+    assert dec._group_streams(2) == 1 and dec._group_streams(3) == 4
     _, _, full = run({1, 2, 4})
-    assert full._group_streams() == 4
+    assert full._group_streams(2) == 4 and full._group_streams(3) == 4
+
+
+def test_every_codec_pass_replays_while_the_middle_buckets_warm():
+    """Largest first: the top stream bucket's graphs are in before the middle ones; a tick
+    whose own bucket is missing splits over a smaller captured one, never an eager pass."""
+    from engine.codec import CodecConfig, StreamingDecoder, dummy_codec
+
+    codec = dummy_codec(CodecConfig.preset("tiny"), seed=0)
+    dec = StreamingDecoder(codec, max_streams=4, buckets=True, max_frames=16)
+    log: list = []
+    for b, n in dec.bucket_keys():
+        if b in (1, 4):
+            inp = dec._inputs(b, n)
+            out = dec._static_pass(inp).clone()
+            dec._passes[(b, n)] = (_FakeCodecGraph(dec, inp, out, log), inp, out)
+    passes = {"n": 0}
+    real = dec._static_pass
+
+    def counted(inp):  # every pass, replayed or eager
+        passes["n"] += 1
+        return real(inp)
+
+    dec._static_pass = counted
+    sids = [dec.open() for _ in range(2)]
+    g = torch.Generator().manual_seed(5)
+    dec.decode({sid: torch.randint(0, 1024, (10, 2), generator=g) for sid in sids})
+    assert [b for b, _ in log] == [1, 1] and passes["n"] == 2  # both replays, none eager
+
+
+def test_a_started_engine_captures_on_its_own_thread_not_the_serving_loop(tiny_bundle):
+    """start() hands the deferred captures to the background thread before any loop runs
+    (pingpong or the sync loop): the serving thread never captures."""
+    for pingpong in (False, True):
+        eng = build_engine(tiny_bundle, EngineConfig(max_running=2, max_len=256,
+                                                     pingpong=pingpong))
+        where: list[str] = []
+
+        def capture(keys, stop, captured, where=where):
+            for k in keys:
+                where.append(threading.current_thread().name)
+                captured(k)
+
+        eng.warmup.add("codec", [(2, 1), (2, 2)], capture)
+        eng.start()
+        try:
+            assert eng.warmed(10)
+            assert where == ["rtvoice-capture"] * 2 and not eng.warming()
+        finally:
+            eng.shutdown()

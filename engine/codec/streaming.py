@@ -130,7 +130,8 @@ class StreamingDecoder:
 
     @property
     def graphs(self) -> int:
-        return sum(g is not None for g, _, _ in self._passes.values())
+        # a copy first: the background capture (engine/warmup.py) adds passes meanwhile
+        return sum(g is not None for g, _, _ in list(self._passes.values()))
 
     @property
     def state_bytes(self) -> int:
@@ -212,7 +213,7 @@ class StreamingDecoder:
                                      f"max_frames={self.max_frames} (build it with a larger limit)")
             codes_host = [c.detach().to("cpu", torch.long) for _, _, c in active]
             self._check_values(torch.cat(codes_host, dim=-1), active)  # on the host: no sync
-            g = self._group_streams()
+            g = self._group_streams(len(active))
             for i in range(0, len(active), g):
                 out.update(self._decode_bucketed(active[i: i + g], codes_host[i: i + g],
                                                  lengths[i: i + g], slots[i: i + g],
@@ -306,17 +307,25 @@ class StreamingDecoder:
                 "lengths": torch.ones(Bb, dtype=torch.long, device=d),
                 "positions": torch.zeros(Bb, dtype=torch.long, device=d)}
 
-    def _group_streams(self) -> int:
-        """Streams per bucketed pass: the largest stream bucket, or while graphs are still
-        being captured in the background (engine/warmup.py) the largest whose every frame
-        bucket is in — a few replays cost less than one eager pass of ~2,000 launches."""
-        if self.graphs:
-            full = [b for b in self.stream_buckets
-                    if all(self._passes.get((b, n), (None,))[0] is not None
-                           for n in self.FRAME_BUCKETS)]
-            if full and full[-1] < self.stream_buckets[-1]:
-                return full[-1]
-        return self.stream_buckets[-1]
+    def _complete(self, streams: int) -> bool:
+        """Every frame bucket of this stream bucket has its graph."""
+        return all(self._passes.get((streams, n), (None,))[0] is not None
+                   for n in self.FRAME_BUCKETS)
+
+    def _group_streams(self, n: int) -> int:
+        """Streams per bucketed pass for a tick of `n` streams: the largest stream bucket, or
+        while graphs are still being captured in the background (engine/warmup.py, largest
+        first) and the bucket `n` needs is not in yet, the largest fully captured bucket
+        below it — a few replays cost less than one eager pass of ~2,000 launches."""
+        top = self.stream_buckets[-1]
+        if not self.graphs:
+            return top
+        want = graphs.bucket(self.stream_buckets, min(n, top))
+        assert want is not None
+        if self._complete(want):
+            return top
+        below = [b for b in self.stream_buckets if b < want and self._complete(b)]
+        return below[-1] if below else top
 
     def bucket_keys(self) -> list[tuple[int, int]]:
         """Every (streams, frames) bucket a graph is captured for."""
@@ -324,10 +333,11 @@ class StreamingDecoder:
 
     @contextlib.contextmanager
     def _cudnn_plans(self, streams: int) -> Iterator[None]:
-        """cuDNN caches a plan per shape, chosen on the shape's first run in the process (a
-        shape run once with its autotuner off keeps the heuristic plan): passes of
-        AUTOTUNE_MIN_STREAMS streams and more run with the autotuner on, whichever thread
-        runs them first (the global flag is set under a lock shared by every decoder)."""
+        """cuDNN caches a plan per shape and thread, chosen on the shape's first run there (a
+        shape run once with its autotuner off keeps the heuristic plan): a capture's warm-up
+        of AUTOTUNE_MIN_STREAMS streams and more runs with the autotuner on, and the graph
+        keeps the plan. The flag is process-wide: set under a lock shared by every decoder
+        (other threads' convolutions meanwhile, e.g. the reference encoder's, autotune too)."""
         with self._TUNE_LOCK:
             tuned = torch.backends.cudnn.benchmark
             torch.backends.cudnn.benchmark = tuned or streams >= self.AUTOTUNE_MIN_STREAMS
@@ -400,9 +410,9 @@ class StreamingDecoder:
                 staging.stage(inp[key], meta[row])
             if graph is not None:
                 graph.replay()
-            else:  # not captured (yet: engine/warmup.py)
-                with self._cudnn_plans(Bb):
-                    audio = self._static_pass(inp)
+            else:  # not captured (yet: engine/warmup.py); cuDNN's autotuner stays off here:
+                # its plan cache is per thread, and timing plans would stall the ticks
+                audio = self._static_pass(inp)
             # copy out now: the next pass overwrites the static output
             flat = audio[:B, 0].to(torch.float32, copy=True)  # [B, nb * 2048]: no padding rows
             for i in range(B):
