@@ -477,6 +477,26 @@ class _EagerGraph:
         self.runner.prefill_static(self.inp, self.span)
 
 
+def install_eager_graphs(eng, keys) -> None:
+    """`_EagerGraph`s in the engine's prefill graph set for `keys` ((rows, columns, span))."""
+    r, pg = eng.runner, eng.prefill_worker.graphs
+    for N, T, span in keys:
+        inp = r.prefill_inputs(T, N)
+        pg.graphs[(N, T, span)] = (_EagerGraph(r, inp, span), inp)
+
+
+def greedy_turns(eng, texts: list[str], frames: int) -> list:
+    """One greedy turn per text, each in a session of its own opened first; the sync loop
+    runs them. Returns each turn's codes."""
+    sinks = [CollectingSink() for _ in texts]
+    seqs = [eng.open([], SamplingParams.greedy(), s) for s in sinks]
+    eng.run_until_idle()
+    for seq, t in zip(seqs, texts):
+        eng.submit(seq, t, turn_id="a", max_frames=frames)
+    eng.run_until_idle()
+    return [s.results[-1].codes for s in sinks]
+
+
 def test_prefill_graph_plan_matches_eager(tiny_bundle):
     """The prefill graph path (single chunks per (columns, span) bucket, short chunks N at a
     time with padding rows on the scratch block) gives the greedy codes of eager prefill."""
@@ -486,18 +506,8 @@ def test_prefill_graph_plan_matches_eager(tiny_bundle):
         eng = build_engine(tiny_bundle, EngineConfig(max_running=4, max_len=512, pingpong=False,
                                                      prefill_chunk=32, prefix_cache=0))
         if graphs:
-            r = eng.runner
-            for key in eng.prefill_worker.graphs.keys():
-                N, T, span = key
-                inp = r.prefill_inputs(T, N)
-                eng.prefill_worker.graphs.graphs[key] = (_EagerGraph(r, inp, span), inp)
-        sinks = [CollectingSink() for _ in texts]
-        seqs = [eng.open([], SamplingParams.greedy(), s) for s in sinks]
-        eng.run_until_idle()
-        for seq, t in zip(seqs, texts):
-            eng.submit(seq, t, turn_id="a", max_frames=10)
-        eng.run_until_idle()
-        return [s.results[-1].codes for s in sinks], eng
+            install_eager_graphs(eng, eng.prefill_worker.graphs.keys())
+        return greedy_turns(eng, texts, 10), eng
 
     want, _ = run(False)
     _EagerGraph.replays.clear()

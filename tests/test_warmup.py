@@ -12,11 +12,10 @@ import httpx
 import torch
 
 from engine.config import EngineConfig
-from engine.engine import CollectingSink, _first, build_engine
-from engine.sampler import SamplingParams
+from engine.engine import _first, build_engine
 from engine.warmup import BackgroundCapture
 from rtvoice.testing import running_server
-from tests.test_engine import _EagerGraph
+from tests.test_engine import _EagerGraph, greedy_turns, install_eager_graphs
 
 
 def _family(log: list, gate: threading.Event | None = None, fail_at: int | None = None):
@@ -99,16 +98,8 @@ def test_prefill_plan_over_a_partly_captured_set_matches_eager(tiny_bundle):
         if rows is not None:
             first, rest = _first(pg.keys(), rows)
             assert rest  # some buckets are left to the background
-            for N, T, span in first:
-                inp = eng.runner.prefill_inputs(T, N)
-                pg.graphs[(N, T, span)] = (_EagerGraph(eng.runner, inp, span), inp)
-        sinks = [CollectingSink() for _ in texts]
-        seqs = [eng.open([], SamplingParams.greedy(), s) for s in sinks]
-        eng.run_until_idle()
-        for seq, t in zip(seqs, texts):
-            eng.submit(seq, t, turn_id="a", max_frames=8)
-        eng.run_until_idle()
-        return [s.results[-1].codes for s in sinks], pg
+            install_eager_graphs(eng, first)
+        return greedy_turns(eng, texts, 8), pg
 
     want, _ = run(None)
     _EagerGraph.replays.clear()

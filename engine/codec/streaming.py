@@ -317,9 +317,7 @@ class StreamingDecoder:
         while graphs are still being captured in the background (engine/warmup.py, largest
         first) and the bucket `n` needs is not in yet, the largest fully captured bucket
         below it — a few replays cost less than one eager pass of ~2,000 launches."""
-        top = self.stream_buckets[-1]
-        if not self.graphs:
-            return top
+        top = self.stream_buckets[-1]  # also without graphs: then nothing is complete
         want = graphs.bucket(self.stream_buckets, min(n, top))
         assert want is not None
         if self._complete(want):
