@@ -323,12 +323,13 @@ class EngineConfig:
     codec_graphs: bool = option(True, "codec ticks as CUDA graphs per (streams, frames) "
                                 "bucket (CUDA only)")
     ready_rows: int = option(
-        1, "fast start: before the engine is ready it captures the decode step's graphs, and "
-        "the prefill and codec graphs of at most this many sequences / streams per replay "
-        "(prefill: over spans short of the whole context); "
-        "the bigger buckets are captured on a background thread while it serves (/ready "
-        "lists them under 'warming'), their work meanwhile split over the captured ones or "
-        "run eagerly; 0: capture everything before ready", ge=0)
+        1, "fast start: before the engine is ready it captures the decode, prefill and codec "
+        "graphs of at most this many rows / sequences / streams per replay (prefill: over "
+        "spans short of the whole context); the bigger buckets are captured while it serves "
+        "(prefill and codec on a background thread, the decode step on the decode thread "
+        "when nothing decodes or prefills; /ready lists them under 'warming'), their work "
+        "meanwhile split over the captured ones or run eagerly; 0: capture everything "
+        "before ready", ge=0)
     codec_call_frames: int | None = option(
         None, "most streams x frames the codec decodes in one pass without graphs: bounds "
         "its working memory (a CPU's heap keeps what its biggest pass once took: 56 sessions "

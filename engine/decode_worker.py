@@ -63,10 +63,22 @@ class DecodeWorker:
         self.measure_gaps = False
         self.gaps = _Gaps()
 
-    def capture(self) -> float:
-        """Capture the step for every (batch, span) bucket on this worker's stream."""
+    def keys(self) -> list[tuple[int, int]]:
+        """Every (batch, span) bucket's graph key, largest first."""
+        return [(b, span) for span in reversed(self.spans) for b in reversed(self.batches)]
+
+    def warm(self) -> float:
+        """Run every bucket's step once, eagerly, on this worker's stream (before any
+        capture: fused ops compile for the batch sizes here, not in a live step)."""
         assert self.stream is not None
-        return self.runner.capture_steps(self.stream, self.batches, self.spans)
+        return self.runner.warm_steps(self.stream, self.batches, self.spans)
+
+    def capture(self, keys: list[tuple[int, int]]) -> float:
+        """Capture the step for `keys` on this worker's stream (after `warm`), each put in
+        use; on the thread that launches steps, between steps (rows are set inactive
+        meanwhile)."""
+        assert self.stream is not None
+        return self.runner.capture_steps(self.stream, keys)
 
     @property
     def graphs(self) -> int:

@@ -80,6 +80,26 @@ def fit_kv_blocks(want: int | None, *, free_bytes: int, reserve_bytes: int, bloc
     return int(fit) if want is None else min(want, int(fit))
 
 
+class _QuietCapture:
+    """A deferred decode graph the stepping thread captures at a quiet moment; claimed once,
+    either by that thread ("taken") or by the background capture giving up on it
+    ("cancelled")."""
+
+    def __init__(self, key: tuple[int, int]) -> None:
+        self.key = key
+        self.done = threading.Event()
+        self.error: Exception | None = None
+        self._state = "asked"
+        self._lock = threading.Lock()
+
+    def claim(self, state: str) -> bool:
+        with self._lock:
+            if self._state != "asked":
+                return False
+            self._state = state
+            return True
+
+
 def _first(keys: list[Key], rows: int) -> tuple[list[Key], list[Key]]:
     """Graph keys (rows first) split into those captured before the engine is ready (at
     most `rows` rows; every key when `rows` is 0) and those captured in the background."""
@@ -117,6 +137,7 @@ class Engine:
                                    block_bytes=block_bytes)
         self._ids = itertools.count(1)
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._quiet_captures: queue.SimpleQueue[_QuietCapture] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._codec_wake = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -154,11 +175,15 @@ class Engine:
             self.prefill_worker.warm()
             self.startup_s["compile_s"] = time.perf_counter() - t0
         if config.cuda_graphs and self.cuda:
-            self.capture_s = self.decode_worker.capture()
             w = self.decode_worker
+            first, rest = _first(w.keys(), config.ready_rows)
+            self.startup_s["decode_warm_s"] = w.warm()
+            self.startup_s["decode_graphs_s"] = w.capture(first)
+            self.capture_s = self.startup_s["decode_warm_s"] + self.startup_s["decode_graphs_s"]
             log.info("captured %d decode graphs (batches %s; spans %s) in %.1fs", w.graphs,
                      w.batches, w.spans, self.capture_s)
-            self.startup_s["decode_graphs_s"] = self.capture_s
+            # the decode thread captures the rest itself, when quiet: smallest batches first
+            self.warmup.add("decode", rest[::-1], self._capture_decode_later)
         if config.prefill_graphs and self.cuda:
             t1 = time.perf_counter()
             first, rest = _first(self.prefill_worker.graphs.keys(), config.ready_rows)
@@ -274,6 +299,48 @@ class Engine:
         return self.device_wait_s() > self.cfg.stall_s
 
     # ================================================================ threads
+    def _capture_decode_later(self, keys: list[tuple[int, int]], stop: Callable[[], bool],
+                              captured: Callable[[tuple[int, int]], None]) -> None:
+        """The background capture's decode family. Capturing a step sets every decode row
+        inactive for a moment, so only the thread that launches steps may do it: each graph
+        is handed to that thread, which captures it at a quiet moment (`_capture_if_quiet`).
+        Returns with keys left when no quiet moment came within a second (the background
+        capture comes back to them); captures on the caller's thread when it is the one
+        that steps (`step()` without `start()`)."""
+        if not self.warmup.in_background():
+            for key in keys:
+                if stop():
+                    return
+                self.decode_worker.capture([key])
+                captured(key)
+            return
+        for key in keys:
+            ask = _QuietCapture(key)
+            self._quiet_captures.put(ask)
+            self._wake.set()
+            deadline = time.perf_counter() + 1.0
+            while not ask.done.wait(0.02):
+                if (stop() or time.perf_counter() > deadline) and ask.claim("cancelled"):
+                    return
+            if ask.error is not None:
+                raise ask.error
+            captured(key)
+
+    def _capture_if_quiet(self) -> bool:
+        """On the stepping thread, with no step in flight: capture one deferred decode graph
+        if one is asked for and nothing decodes, prefills or waits. Returns whether it did."""
+        if self._quiet_captures.empty() or not self.scheduler.quiet or self._landing:
+            return False
+        ask = self._quiet_captures.get_nowait()
+        if ask.claim("taken"):
+            try:
+                self.decode_worker.capture([ask.key])
+            except Exception as e:  # the background capture reports it; the bucket stays eager
+                ask.error = e
+            finally:
+                ask.done.set()
+        return True
+
     def start(self) -> None:
         if self._threads:
             return
@@ -346,7 +413,8 @@ class Engine:
         if launched is not None:
             self._read(launched)
             did = True
-        return self._codec_tick() or did
+        did = self._codec_tick() or did
+        return did or self._capture_if_quiet()
 
     def run_until_idle(self, timeout_s: float = 120.0) -> None:
         """Step on the caller's thread until no work is left (tests, offline synthesis)."""
@@ -422,6 +490,8 @@ class Engine:
                 # sequences' blocks are given back or re-prefilled on another stream
                 self.decode_worker.settle()
                 self.scheduler.fail_all_decoding("decode step failed (see server log)")
+            if not did and pending is None and self._capture_if_quiet():
+                continue
             if not did:
                 # a prefill still on the GPU is polled often: its sequence joins (and its
                 # TTFA clock runs) as soon as it lands; a paused batch resumes in time

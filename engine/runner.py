@@ -21,8 +21,10 @@ engine's `Ops` and CUDA graphs give them.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor
@@ -275,28 +277,44 @@ class ModelRunner:
         return torch.stack([token, *codes], dim=1)
 
     # ------------------------------------------------------------------ decode graphs
-    def capture_steps(self, stream: torch.cuda.Stream, batches: list[int],
-                      spans: list[int]) -> float:
-        """One CUDA graph per (batch bucket, span bucket) of the whole `step`, warmed and
-        captured on `stream` (the stream that replays them) with every row inactive: its
-        writes go to the scratch block, and no row's state changes. Returns the seconds."""
+    def warm_steps(self, stream: torch.cuda.Stream, batches: list[int],
+                   spans: list[int]) -> float:
+        """Run the step once per batch and span bucket, eagerly, on `stream` with every row
+        inactive (writes go to the scratch block; no row's state changes): fused (compiled)
+        ops specialise on the batch size, and nothing may compile or autotune inside a
+        capture. Returns the seconds."""
         t0 = time.perf_counter()
-        saved = (self.active.clone(), self.pos.clone())
-        self.active.zero_()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            # Warm every kernel configuration once, eagerly: fused (compiled) ops specialise
-            # on the batch size, and nothing may compile or autotune inside a capture.
+        with self._rows_inactive(stream), torch.cuda.stream(stream):
             for span in spans:
                 self.step(1, span)
             for b in batches:
                 self.step(b, spans[0])
-        keys = [(b, span) for span in reversed(spans) for b in reversed(batches)]  # largest first
-        graphs = capture_graphs(stream, keys, lambda key: None, lambda key, _: self.step(*key))
-        self.step_graphs = {key: (g, out) for key, (g, _, out) in graphs.items()}
-        self.active.copy_(saved[0])
-        self.pos.copy_(saved[1])
+        torch.cuda.synchronize()
         return time.perf_counter() - t0
+
+    def capture_steps(self, stream: torch.cuda.Stream, keys: list[tuple[int, int]]) -> float:
+        """One CUDA graph of the whole `step` per (batch, span) key, after `warm_steps`,
+        captured on `stream` (the stream that replays them) with every row inactive, and put
+        in use. Returns the seconds."""
+        t0 = time.perf_counter()
+        with self._rows_inactive(stream):
+            graphs = capture_graphs(stream, keys, lambda key: None,
+                                    lambda key, _: self.step(*key))
+        self.step_graphs.update({key: (g, out) for key, (g, _, out) in graphs.items()})
+        return time.perf_counter() - t0
+
+    @contextlib.contextmanager
+    def _rows_inactive(self, stream: torch.cuda.Stream) -> Iterator[None]:
+        # on `stream`, after the work already queued there: every row inactive, then back
+        with torch.cuda.stream(stream):
+            saved = (self.active.clone(), self.pos.clone())
+            self.active.zero_()
+        try:
+            yield
+        finally:
+            with torch.cuda.stream(stream):
+                self.active.copy_(saved[0])
+                self.pos.copy_(saved[1])
 
     def launch(self, B: int, span: int) -> Tensor:
         """Queue one step of rows 0..B-1 over keys [0, span): a graph replay where one was

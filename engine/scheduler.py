@@ -155,6 +155,13 @@ class Scheduler:
         return len(self._free_rows)
 
     @property
+    def quiet(self) -> bool:
+        """Nothing decodes, prefills, or waits for a row or blocks: the decode thread may
+        pause (capture a deferred graph) without delaying anyone."""
+        return not (self.running or self.prefill_outstanding or self.row_queue
+                    or self.block_queue or self._row_ops or self._new_jobs)
+
+    @property
     def offloaded(self) -> int:
         """Sessions whose KV is in host memory."""
         return sum(1 for s in list(self.live.values()) if s.offloaded is not None)

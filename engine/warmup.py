@@ -12,8 +12,11 @@ Why it is safe to capture next to live traffic (engine/capture.py has the genera
 - captures run in CUDA's thread-local capture mode, so the workers' own launches, copies
   and allocations on other threads go on during a capture.
 
-The decode step's graphs are not deferred: capturing them changes the decode rows' state
-(every row inactive during the warm-up), which only the decode thread may touch.
+The decode step's deferred graphs are captured by the decode thread itself: a capture sets
+every decode row inactive for a moment, which only the thread that launches steps may do,
+and only when nothing decodes, prefills or waits (engine.py hands each graph over and this
+thread comes back to those not taken within a second). All batch sizes are warmed (compiled)
+before the engine is ready, so a batch whose graph is not in yet runs eagerly at once.
 """
 
 from __future__ import annotations
@@ -106,31 +109,48 @@ class BackgroundCapture:
         t0 = time.perf_counter()
         try:
             for f in self.families:
-                if self._stop.is_set():
-                    break
-                t1 = time.perf_counter()
                 log.info("capturing %d more %s graphs in the background", len(f.keys), f.name)
-
-                def captured(_key: Hashable, f: Family = f) -> None:
-                    f.done += 1
-
-                try:
-                    f.capture(f.keys, self._stop.is_set, captured)
-                except Exception as e:  # the engine serves on: those buckets stay eager
-                    f.error = f"{type(e).__name__}: {e}"
-                    log.error("background capture of the %s graphs failed after %d of %d (%s); "
-                              "those buckets keep running eagerly (slower). Restart with "
-                              "ready_rows=0 to capture everything before serving",
-                              f.name, f.done, len(f.keys), f.error)
-                f.seconds = time.perf_counter() - t1
-                if not f.error and not self._stop.is_set():
-                    log.info("captured %d %s graphs in the background in %.1fs", f.done, f.name,
-                             f.seconds)
+                self._capture(f)
+            # a family that returned with keys left waits for a better moment (the decode
+            # family: a quiet one); come back to it until every graph is in
+            while True:
+                left = [f for f in self.families if f.pending and f.error is None]
+                if not left or self._stop.wait(0.1):
+                    break
+                for f in left:
+                    self._capture(f)
             if not self._stop.is_set():
                 log.info("background capture done in %.1fs: %s", time.perf_counter() - t0,
                          "every graph in" if not self.pending else f"{self.pending} left eager")
         finally:
             self._done.set()
+
+    def _capture(self, f: Family) -> None:
+        """One pass over `f`'s keys not captured yet."""
+        if self._stop.is_set():
+            return
+        t1 = time.perf_counter()
+
+        def captured(_key: Hashable) -> None:
+            f.done += 1
+
+        try:
+            f.capture(f.keys[f.done:], self._stop.is_set, captured)
+        except Exception as e:  # the engine serves on: those buckets stay eager
+            f.error = f"{type(e).__name__}: {e}"
+            log.error("background capture of the %s graphs failed after %d of %d (%s); "
+                      "those buckets keep running eagerly (slower). Restart with "
+                      "ready_rows=0 to capture everything before serving",
+                      f.name, f.done, len(f.keys), f.error)
+        f.seconds += time.perf_counter() - t1
+        if not f.error and not f.pending:
+            log.info("captured %d %s graphs in the background in %.1fs", f.done, f.name,
+                     f.seconds)
+
+    def in_background(self) -> bool:
+        """Whether the caller is this capture's own thread (`start`), not one that called
+        `run` itself."""
+        return threading.current_thread() is self._thread
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the background capture has ended; False on timeout (and at once when

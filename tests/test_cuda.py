@@ -471,9 +471,9 @@ def test_paged_pool_sharing_and_eviction_change_no_frame_on_the_gpu(gpu_bundle):
 
 
 def test_graphs_captured_in_the_background_give_the_same_frames(gpu_bundle):
-    """Fast start (ready_rows=1): the engine is built with the one-row prefill and codec
-    graphs, captures the bigger buckets on its background thread while it serves (eagerly
-    until each is in), and gives the greedy frames of an engine that captured everything
+    """Fast start (ready_rows=1): the engine is built with the one-row decode, prefill and
+    codec graphs, captures the bigger buckets in the background while it serves (the decode
+    step's on the decode thread at quiet moments; eagerly until each is in), and gives the greedy frames of an engine that captured everything
     first — for turns run during the capture and after it."""
 
     def two_rounds(cfg: EngineConfig, during=None):
@@ -501,16 +501,21 @@ def test_graphs_captured_in_the_background_give_the_same_frames(gpu_bundle):
 
     def deferred(eng):
         pg, dec = eng.prefill_worker.graphs, eng.codec_worker.decoder
-        # before ready: one-row prefill graphs short of the whole context, one-stream codec
+        dw = eng.decode_worker
+        # before ready: the one-row decode step, one-row prefill graphs short of the whole
+        # context, one-stream codec
+        assert set(eng.runner.step_graphs) == {k for k in dw.keys() if k[0] == 1}
         assert set(pg.graphs) == {k for k in pg.keys() if k[0] == 1 and k[2] < pg.spans[-1]}
         assert dec.graphs == len(dec.FRAME_BUCKETS)
         assert eng.warming() == {
+            "decode": {"captured": 0, "total": len(dw.keys()) - len(eng.runner.step_graphs)},
             "prefill": {"captured": 0, "total": len(pg.keys()) - len(pg.graphs)},
             "codec": {"captured": 0, "total": len(dec.bucket_keys()) - dec.graphs}}
 
     want, _ = two_rounds(EngineConfig(max_running=8, max_len=512, ready_rows=0))
     got, eng = two_rounds(EngineConfig(max_running=8, max_len=512, ready_rows=1), deferred)
     assert not eng.warming()
+    assert set(eng.runner.step_graphs) == set(eng.decode_worker.keys())
     assert set(eng.prefill_worker.graphs.graphs) == set(eng.prefill_worker.graphs.keys())
     assert eng.codec_worker.decoder.graphs == len(eng.codec_worker.decoder.bucket_keys())
     for ra, rb in zip(want[:2], got[:2]):

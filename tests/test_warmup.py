@@ -244,3 +244,47 @@ def test_a_started_engine_captures_on_its_own_thread_not_the_serving_loop(tiny_b
             assert where == ["rtvoice-capture"] * 2 and not eng.warming()
         finally:
             eng.shutdown()
+
+
+def test_deferred_decode_graphs_are_captured_by_the_stepping_thread_only_when_quiet(tiny_bundle):
+    """The decode family's deferred graphs (a capture sets every decode row inactive for a
+    moment) are captured by the thread that launches steps, never while a turn decodes or a
+    prefill is outstanding; a family asked during a long turn waits, and is captured once
+    the turn is over. Pingpong and the sync loop alike; on the stepping thread itself
+    (step() without start()) at once."""
+    from engine.engine import CollectingSink
+    from engine.sampler import SamplingParams
+
+    for pingpong in (True, False):
+        eng = build_engine(tiny_bundle, EngineConfig(max_running=2, max_len=256,
+                                                     pingpong=pingpong))
+        seen: list[tuple[tuple[int, int], str, bool, int]] = []
+
+        def capture(keys, eng=eng, seen=seen):  # stands in for the CUDA capture
+            for k in keys:
+                seen.append((k, threading.current_thread().name, eng.scheduler.quiet,
+                             len(eng.scheduler.running)))
+
+        eng.decode_worker.capture = capture
+        sink = CollectingSink()
+        seq = eng.open([], SamplingParams.greedy(), sink)
+        eng.submit(seq, "A turn that speaks for a while.", turn_id="t", max_frames=40)
+        eng.warmup.add("decode", [(2, 256)], eng._capture_decode_later)
+        eng.start()
+        try:
+            assert sink.done.wait(60)
+            assert eng.warmed(30) and not eng.warming()
+            assert len(seen) == 1
+            key, thread, quiet, running = seen[0]
+            assert key == (2, 256) and quiet and running == 0
+            assert thread == ("rtvoice-decode" if pingpong else "rtvoice-engine")
+            assert sink.results[-1].frames > 0
+        finally:
+            eng.shutdown()
+
+    eng = build_engine(tiny_bundle, EngineConfig(max_running=2, max_len=256, pingpong=False))
+    got: list = []
+    eng.decode_worker.capture = lambda keys: got.extend(keys)
+    eng.warmup.add("decode", [(2, 256)], eng._capture_decode_later)
+    eng.step()  # not started: the stepping thread captures first, itself
+    assert got == [(2, 256)] and not eng.warming()
