@@ -156,7 +156,10 @@ def test_waiting_for_kv_blocks_is_not_idleness_and_ready_tells_the_truth():
         engine = url.app.state.runtime.engine
         await poll(lambda: engine.load()["kv_blocks_free"] <= 1, "A does not fill the pool")
         b = await Client.connect(url.ws_url)
-        await b.send(Start(request=request()))
+        # B's voice (a clone) needs two blocks: it waits whether A still speaks or has just
+        # finished its turn (A's session holds its blocks until it stops)
+        ref = ReferenceAudio(audio=wav_bytes(0.5), text="A clip.")
+        await b.send(Start(request=request(references=[ref])))
         await poll(lambda: engine.load()["waiting"] == 1, "B does not wait")
         async with httpx.AsyncClient(base_url=url, timeout=30) as http:
             r = await http.get("/ready")
