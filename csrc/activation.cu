@@ -13,11 +13,14 @@
 // 8 frames on the H200), and adds every cuDNN conv's bias as one more broadcast pass. These
 // read each input once and write once, computing in float32.
 //
-// Contract (checked by the Python wrappers in engine/kernels.py and again here):
-//   x, y, out   [B, C, T]  bf16/fp16/fp32, last dim contiguous (stride 1), any batch/channel
-//                          strides: out may be a slice of a wider buffer
-//   tail        [B, C, P]  (snake_cat) same dtype, last dim contiguous; out is then a
-//                          contiguous [B, C, P + T]
+// Contract (checked by the Python wrappers in engine/kernels/activation.py and again here):
+//   x, y, out   [B, C, T]  bf16/fp16/fp32, either channels-first with the last dim contiguous
+//                          (stride 1; any batch/channel strides: out may be a slice of a wider
+//                          buffer), or all dense channels-last (stored as [B, T, C]: the
+//                          layout of the codec's NHWC convs)
+//   tail        [B, C, P]  (snake_cat) same dtype; channels-first: last dim contiguous, out
+//                          then a contiguous [B, C, P + T]; channels-last x: any strides, out
+//                          then a dense channels-last [B, C, P + T]
 //   alpha, bias [C]        same dtype, contiguous
 // float32 math in the reference's order (x + bias; reciprocal, then multiply, then add; no
 // fused multiply-add), so float32 results equal torch's; bf16/fp16 round once instead of per op.
@@ -26,6 +29,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <optional>
 
 namespace {
@@ -40,6 +44,11 @@ __device__ __forceinline__ float snake1(float x, float a, float inv) {
 struct Rows {  // a [B, C, T] operand: base pointer and batch/channel strides (last dim stride 1)
   const void* p;
   int64_t sb, sc;
+};
+
+struct Rows3 {  // a [B, C, T] operand with any strides
+  const void* p;
+  int64_t sb, sc, st;
 };
 
 // One thread per V consecutive elements of a row (V = 1, 2 or 16 bytes' worth); rows are the
@@ -118,6 +127,152 @@ __global__ void snake_cat_kernel(Rows tail, Rows x, const T* __restrict__ alpha,
   *reinterpret_cast<Pack*>(out + i * V) = res;
 }
 
+// Channels-last: the tensors are [B, T, C] in memory (out dense; an input's streams may be
+// further apart: a slice along T of a longer tensor), so an elementwise op is one flat pass
+// over out whose channel is the flat index mod C; each thread handles V consecutive channels
+// of one sample (C % V == 0: 16-byte loads and stores). I is the index type (32-bit where
+// the tensors allow: 64-bit division costs more than the math).
+template <typename T, int V, int OP, typename I>
+__global__ void pointwise_cl_kernel(const T* __restrict__ x, const T* __restrict__ y,
+                                    const T* __restrict__ alpha, const T* __restrict__ bias,
+                                    T* __restrict__ out, I n_vec, I C, I TC, I x_sb, I y_sb) {
+  struct alignas(sizeof(T) * V) Pack { T v[V]; };
+  const I i = static_cast<I>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n_vec) return;
+  const I e0 = i * V, c0 = e0 % C, b = e0 / TC, r = e0 - b * TC;
+  const Pack in = *reinterpret_cast<const Pack*>(x + b * x_sb + r);
+  Pack res;
+  if constexpr (OP == kSnake) {
+#pragma unroll
+    for (int e = 0; e < V; ++e) {
+      const float a = static_cast<float>(alpha[c0 + e]);
+      float s = static_cast<float>(in.v[e]);
+      if (bias != nullptr) s = static_cast<float>(static_cast<T>(__fadd_rn(s, static_cast<float>(bias[c0 + e]))));
+      res.v[e] = static_cast<T>(snake1(s, a, 1.f / (a + 1e-9f)));
+    }
+  } else {
+    const Pack yv = *reinterpret_cast<const Pack*>(y + b * y_sb + r);
+#pragma unroll
+    for (int e = 0; e < V; ++e) {
+      const float yb = static_cast<float>(static_cast<T>(
+          __fadd_rn(static_cast<float>(yv.v[e]), static_cast<float>(bias[c0 + e]))));
+      res.v[e] = static_cast<T>(__fadd_rn(static_cast<float>(in.v[e]), yb));
+    }
+  }
+  *reinterpret_cast<Pack*>(out + e0) = res;
+}
+
+// snake_cat channels-last: out is dense [B, P + T, C]; sample t < P of stream b comes from
+// tail (any strides: the codec's saved tails are channels-first [B, C, P], a few samples),
+// the rest is snake(x + bias) of the channels-last x.
+template <typename T, int V, typename I>
+__global__ void snake_cat_cl_kernel(Rows3 tail, const T* __restrict__ x,
+                                    const T* __restrict__ alpha, const T* __restrict__ bias,
+                                    T* __restrict__ out, I n_vec, I C, I P, I L, I x_sb) {
+  struct alignas(sizeof(T) * V) Pack { T v[V]; };
+  const I i = static_cast<I>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n_vec) return;
+  const I e0 = i * V, c0 = e0 % C, row = e0 / C;
+  const I b = row / L, t = row % L;
+  Pack res;
+  if (t < P) {
+    const T* tp = static_cast<const T*>(tail.p);
+#pragma unroll
+    for (int e = 0; e < V; ++e) {
+      res.v[e] = tp[b * tail.sb + (c0 + e) * tail.sc + t * tail.st];
+    }
+  } else {
+    const Pack in = *reinterpret_cast<const Pack*>(x + b * x_sb + (t - P) * C + c0);
+#pragma unroll
+    for (int e = 0; e < V; ++e) {
+      const float a = static_cast<float>(alpha[c0 + e]);
+      float s = static_cast<float>(in.v[e]);
+      if (bias != nullptr) s = static_cast<float>(static_cast<T>(__fadd_rn(s, static_cast<float>(bias[c0 + e]))));
+      res.v[e] = static_cast<T>(snake1(s, a, 1.f / (a + 1e-9f)));
+    }
+  }
+  *reinterpret_cast<Pack*>(out + e0) = res;
+}
+
+// The widest V (16 bytes, then 1) that divides C and the pointers' alignment.
+template <typename T>
+int cl_width(int64_t C, std::initializer_list<const torch::Tensor*> ts) {
+  constexpr int kWide = 16 / sizeof(T);
+  if (C % kWide != 0) return 1;
+  for (const torch::Tensor* t : ts) {
+    if (t != nullptr && (reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 != 0 ||
+                         t->stride(0) % kWide != 0)) {
+      return 1;
+    }
+  }
+  return kWide;
+}
+
+template <typename T, int OP>
+void launch_cl(const torch::Tensor& x, const torch::Tensor* y, const torch::Tensor* alpha,
+               const torch::Tensor* bias, torch::Tensor& out) {
+  const int64_t C = x.size(1), n = x.numel(), TC = x.size(2) * C;
+  const T* yp = y != nullptr ? y->data_ptr<T>() : nullptr;
+  const int64_t x_sb = x.stride(0), y_sb = y != nullptr ? y->stride(0) : 0;
+  const int v = cl_width<T>(C, {&x, y, &out});
+  const int threads = 256;
+  const int64_t n_vec = n / v;
+  const unsigned grid = static_cast<unsigned>((n_vec + threads - 1) / threads);
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  const T* ap = alpha != nullptr ? alpha->data_ptr<T>() : nullptr;
+  const T* bp = bias != nullptr ? bias->data_ptr<T>() : nullptr;
+  const int64_t reach = std::max(x_sb, y_sb) * x.size(0);  // the largest offset read
+  const bool small = std::max(n, reach) < (1ll << 31);
+#define RTV_CL(V_, I_)                                                                     \
+  pointwise_cl_kernel<T, V_, OP, I_><<<grid, threads, 0, stream>>>(                        \
+      x.data_ptr<T>(), yp, ap, bp, out.data_ptr<T>(), static_cast<I_>(n_vec),              \
+      static_cast<I_>(C), static_cast<I_>(TC), static_cast<I_>(x_sb), static_cast<I_>(y_sb))
+  constexpr int kWide = 16 / sizeof(T);
+  if (v == kWide) {
+    if (small) { RTV_CL(kWide, int32_t); } else { RTV_CL(kWide, int64_t); }
+  } else {
+    if (small) { RTV_CL(1, int32_t); } else { RTV_CL(1, int64_t); }
+  }
+#undef RTV_CL
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename T>
+void launch_snake_cat_cl(const torch::Tensor& tail, const torch::Tensor& x,
+                         const torch::Tensor& alpha, const torch::Tensor* bias,
+                         torch::Tensor& out) {
+  const int64_t C = x.size(1), P = tail.size(2), L = out.size(2), n = out.numel();
+  const int v = cl_width<T>(C, {&x, &out});
+  const int threads = 256;
+  const int64_t n_vec = n / v;
+  const unsigned grid = static_cast<unsigned>((n_vec + threads - 1) / threads);
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  const Rows3 tr{tail.data_ptr(), tail.stride(0), tail.stride(1), tail.stride(2)};
+  const T* bp = bias != nullptr ? bias->data_ptr<T>() : nullptr;
+  const int64_t tail_reach = (tail.size(0) - 1) * tail.stride(0) +
+                             (tail.size(1) - 1) * tail.stride(1) + (P - 1) * tail.stride(2);
+  const bool small = std::max({n, x.stride(0) * x.size(0), tail_reach}) < (1ll << 31);
+#define RTV_CAT(V_, I_)                                                                    \
+  snake_cat_cl_kernel<T, V_, I_><<<grid, threads, 0, stream>>>(                            \
+      tr, x.data_ptr<T>(), alpha.data_ptr<T>(), bp, out.data_ptr<T>(), static_cast<I_>(n_vec), \
+      static_cast<I_>(C), static_cast<I_>(P), static_cast<I_>(L), static_cast<I_>(x.stride(0)))
+  constexpr int kWide = 16 / sizeof(T);
+  if (v == kWide) {
+    if (small) { RTV_CAT(kWide, int32_t); } else { RTV_CAT(kWide, int64_t); }
+  } else {
+    if (small) { RTV_CAT(1, int32_t); } else { RTV_CAT(1, int64_t); }
+  }
+#undef RTV_CAT
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// channels-last [B, C, T]: stored as [B, T, C] (dense: no gap between streams either)
+bool is_cl(const torch::Tensor& t, bool dense = false) {
+  const int64_t C = t.size(1), T_len = t.size(2);
+  return C > 1 && T_len > 1 && t.stride(1) == 1 && t.stride(2) == C &&
+         (dense ? t.stride(0) == C * T_len : t.stride(0) >= C * T_len);
+}
+
 template <typename T>
 void launch_snake_cat(const torch::Tensor& tail, const torch::Tensor& x,
                       const torch::Tensor& alpha, const torch::Tensor* bias, torch::Tensor& out) {
@@ -191,8 +346,12 @@ void check_rows(const char* op, const torch::Tensor& x, const torch::Tensor& t, 
   TORCH_CHECK(t.dim() == 3 && t.sizes() == x.sizes(), op, ": ", name, " ", t.sizes(),
               " must match x ", x.sizes());
   TORCH_CHECK(t.scalar_type() == x.scalar_type(), op, ": ", name, " must have x's dtype");
-  TORCH_CHECK(t.numel() == 0 || t.stride(2) == 1, op, ": the last dimension of ", name,
-              " must be contiguous");
+}
+
+// channels-first operands need a contiguous last dimension
+void check_rows_cf(const char* op, const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.numel() == 0 || t.stride(2) == 1, op, ": ", name, " must be dense "
+              "channels-last like the other operands, or have a contiguous last dimension");
 }
 
 void check_channels(const char* op, const torch::Tensor& x, const torch::Tensor& t,
@@ -208,10 +367,22 @@ template <int OP>
 void dispatch(const torch::Tensor& x, const torch::Tensor* y, const torch::Tensor* alpha,
               const torch::Tensor* bias, torch::Tensor& out, const char* op) {
   const c10::cuda::CUDAGuard guard(x.device());
+  const bool cl = is_cl(x) && is_cl(out, true) && (y == nullptr || is_cl(*y));
+  if (!cl) {
+    check_rows_cf(op, x, "x");
+    check_rows_cf(op, out, "out");
+    if (y != nullptr) check_rows_cf(op, *y, "y");
+  }
   switch (x.scalar_type()) {
-    case at::kFloat: launch<float, OP>(x, y, alpha, bias, out); break;
-    case at::kBFloat16: launch<at::BFloat16, OP>(x, y, alpha, bias, out); break;
-    case at::kHalf: launch<at::Half, OP>(x, y, alpha, bias, out); break;
+#define RTV_CASE(K, T)                                                    \
+    case K:                                                               \
+      if (cl) launch_cl<T, OP>(x, y, alpha, bias, out);                   \
+      else launch<T, OP>(x, y, alpha, bias, out);                         \
+      break;
+    RTV_CASE(at::kFloat, float)
+    RTV_CASE(at::kBFloat16, at::BFloat16)
+    RTV_CASE(at::kHalf, at::Half)
+#undef RTV_CASE
     default: TORCH_CHECK(false, op, ": dtype ", x.scalar_type(), " is not supported");
   }
 }
@@ -222,7 +393,6 @@ void snake(torch::Tensor x, torch::Tensor alpha, std::optional<torch::Tensor> bi
            torch::Tensor out) {
   TORCH_CHECK(x.is_cuda() && x.dim() == 3, "snake: x must be a CUDA [B, C, T] tensor, got ",
               x.sizes());
-  TORCH_CHECK(x.numel() == 0 || x.stride(2) == 1, "snake: the last dimension of x must be contiguous");
   check_rows("snake", x, out, "out");
   check_channels("snake", x, alpha, "alpha");
   if (bias.has_value()) check_channels("snake", x, *bias, "bias");
@@ -233,8 +403,6 @@ void snake(torch::Tensor x, torch::Tensor alpha, std::optional<torch::Tensor> bi
 void bias_residual(torch::Tensor x, torch::Tensor y, torch::Tensor bias, torch::Tensor out) {
   TORCH_CHECK(x.is_cuda() && x.dim() == 3,
               "bias_residual: x must be a CUDA [B, C, T] tensor, got ", x.sizes());
-  TORCH_CHECK(x.numel() == 0 || x.stride(2) == 1,
-              "bias_residual: the last dimension of x must be contiguous");
   check_rows("bias_residual", x, y, "y");
   check_rows("bias_residual", x, out, "out");
   check_channels("bias_residual", x, bias, "bias");
@@ -246,30 +414,40 @@ void snake_cat(torch::Tensor tail, torch::Tensor x, torch::Tensor alpha,
                std::optional<torch::Tensor> bias, torch::Tensor out) {
   TORCH_CHECK(x.is_cuda() && x.dim() == 3, "snake_cat: x must be a CUDA [B, C, T] tensor, got ",
               x.sizes());
-  TORCH_CHECK(x.numel() == 0 || x.stride(2) == 1,
-              "snake_cat: the last dimension of x must be contiguous");
   TORCH_CHECK(tail.is_cuda() && tail.device() == x.device() && tail.dim() == 3 &&
                   tail.size(0) == x.size(0) && tail.size(1) == x.size(1) &&
                   tail.scalar_type() == x.scalar_type(),
               "snake_cat: tail ", tail.sizes(), " must be a [B, C, P] tensor of x's batch, ",
               "channels, dtype and device (x ", x.sizes(), ")");
-  TORCH_CHECK(tail.numel() == 0 || tail.stride(2) == 1,
-              "snake_cat: the last dimension of tail must be contiguous");
-  TORCH_CHECK(out.is_cuda() && out.device() == x.device() && out.is_contiguous() &&
+  TORCH_CHECK(out.is_cuda() && out.device() == x.device() &&
                   out.scalar_type() == x.scalar_type() && out.dim() == 3 &&
                   out.size(0) == x.size(0) && out.size(1) == x.size(1) &&
                   out.size(2) == tail.size(2) + x.size(2),
-              "snake_cat: out must be a contiguous [B, C, P + T] tensor of x's dtype, got ",
-              out.sizes());
+              "snake_cat: out must be a [B, C, P + T] tensor of x's dtype, got ", out.sizes());
   check_channels("snake_cat", x, alpha, "alpha");
   if (bias.has_value()) check_channels("snake_cat", x, *bias, "bias");
   if (out.numel() == 0) return;
+  const bool cl = x.numel() > 0 && is_cl(x) && is_cl(out, true);
+  if (!cl) {
+    TORCH_CHECK(x.numel() == 0 || x.stride(2) == 1,
+                "snake_cat: x must be dense channels-last or have a contiguous last dimension");
+    TORCH_CHECK(tail.numel() == 0 || tail.stride(2) == 1,
+                "snake_cat: the last dimension of tail must be contiguous (channels-first x)");
+    TORCH_CHECK(out.is_contiguous(), "snake_cat: out must be contiguous (channels-first x) "
+                "or dense channels-last (channels-last x)");
+  }
   const c10::cuda::CUDAGuard guard(x.device());
   const torch::Tensor* bp = bias.has_value() ? &*bias : nullptr;
   switch (x.scalar_type()) {
-    case at::kFloat: launch_snake_cat<float>(tail, x, alpha, bp, out); break;
-    case at::kBFloat16: launch_snake_cat<at::BFloat16>(tail, x, alpha, bp, out); break;
-    case at::kHalf: launch_snake_cat<at::Half>(tail, x, alpha, bp, out); break;
+#define RTV_CASE(K, T)                                                    \
+    case K:                                                               \
+      if (cl) launch_snake_cat_cl<T>(tail, x, alpha, bp, out);            \
+      else launch_snake_cat<T>(tail, x, alpha, bp, out);                  \
+      break;
+    RTV_CASE(at::kFloat, float)
+    RTV_CASE(at::kBFloat16, at::BFloat16)
+    RTV_CASE(at::kHalf, at::Half)
+#undef RTV_CASE
     default: TORCH_CHECK(false, "snake_cat: dtype ", x.scalar_type(), " is not supported");
   }
 }

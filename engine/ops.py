@@ -60,7 +60,8 @@ class Ops:
         return {"fused": self.fused, "linear": getattr(self.linear, "__name__", str(self.linear)),
                 "decode_attention": self.decode_attention is not None,
                 "sampler": getattr(self.sample, "__name__", str(self.sample)),
-                "codec_kernels": self.codec.fold_bias}
+                "codec_kernels": self.codec.fold_bias,
+                "codec_channels_last": self.codec.channels_last}
 
 
 REFERENCE = Ops()
@@ -69,13 +70,15 @@ REFERENCE = Ops()
 def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool = True,
               sampler_kernel: bool = True, codec_kernels: bool = True,
               split_kv: bool = False, linear_kernels: bool = True,
-              fp8_activations: bool = False,
+              fp8_activations: bool = False, codec_channels_last: bool = True,
               linear_table: Path | None = linear.DEFAULT_TABLE) -> Ops:
     """The ops an engine on `device` runs. `fused`: "compile" (torch.compile'd elementwise ops
     and the packed FFN GEMM), "reference", or "auto" (compile on CUDA only). `kernels`: use
     csrc's kernels where the extension is built (CUDA; False: the torch fallbacks
     everywhere); `sampler_kernel` / `codec_kernels` / `split_kv` select the sampler's draw,
-    the codec's Snake/bias kernels and decode attention's split positions among them.
+    the codec's Snake/bias kernels and decode attention's split positions among them;
+    `codec_channels_last`: the streaming codec's convs as NHWC convs over channels-last
+    activations (CUDA only: cuDNN's fast kernels are NHWC).
     On CUDA the linears (dense and FP8) take the implementation the recorded per-shape table
     `linear_table` picks (csrc's small-M kernel only with `linear_kernels`); FP8 weights
     without a kernel there run the Triton FP8 GEMM (the dequantising reference without it)."""
@@ -93,10 +96,11 @@ def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool 
         sample = fusion.compiled("sample", sampling.sample)
     if built and sampler_kernel and fused == "compile":  # the kernel replaces the compiled draw
         sample = sampling.sample_topk
-    codec = CodecOps()
+    codec = CodecOps(channels_last=cuda and codec_channels_last)
     if built and codec_kernels:
         codec = CodecOps(snake=activation.snake, snake_cat=activation.snake_cat,
-                         bias_residual=activation.bias_residual, fold_bias=True)
+                         bias_residual=activation.bias_residual, fold_bias=True,
+                         channels_last=codec.channels_last)
     if cuda:
         parts["linear"] = linear.make_linear(linear.load_plan(linear_table),
                                              kernels=built and linear_kernels,

@@ -198,6 +198,14 @@ def codec_bench(report: dict, device: str) -> None:
             if dec is not None:
                 out[f"stream_{dt_name}_{name}_{streams}x{frames}frames{tag}"] = \
                     codec_tick(dec, streams, frames)
+        if graphed is not None:
+            # the same tick with channels-first activations (conv1d: cuDNN transposes each
+            # conv's input and output to NHWC and back): what the channels-last layout saves
+            cf = StreamingDecoder(codec, max_streams=64, buckets=True, max_frames=4096,
+                                  ops=build_ops(device, codec_channels_last=False).codec)
+            cf.capture(keys=[(64, 8)])
+            out[f"stream_{dt_name}_graphs_64x8frames{tag}_channels_first"] = codec_tick(cf, 64, 8)
+            del cf
         out["params"] = n_params
         del codec, dec
     ref, err = audio["fp32"], audio["bf16"] - audio["fp32"]

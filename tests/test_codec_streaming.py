@@ -262,3 +262,55 @@ def test_state_buffers_are_preallocated() -> None:
     kv = [v for k, v in dec._state.items() if k.endswith(".k")]
     assert len(kv) == 1 and kv[0].shape == (9, 2, 3, 32)
     assert dec.state_bytes > 0
+
+
+@pytest.mark.parametrize("fold_bias", [False, True])
+def test_channels_last_streaming_matches_offline_and_keeps_its_layout(codec: Codec,
+                                                                      fold_bias: bool) -> None:
+    """The CUDA engine's codec layout (CodecOps.channels_last: convs as NHWC 2-D convs,
+    activations stored [B, T, C]) on the torch formulas: three streams at different offsets
+    give the offline decode, and every conv sees channels-last input and makes
+    channels-last output (no layout round trips)."""
+    from engine.codec.layers import CodecOps
+
+    seen: list[tuple[str, bool, bool]] = []
+    conv2d, convt2d = torch.nn.functional.conv2d, torch.nn.functional.conv_transpose2d
+
+    def wrap(fn, name):
+        def call(x, *a, **k):
+            y = fn(x, *a, **k)
+            if x.shape[-1] > 1 and x.shape[1] > 1 and y.shape[1] > 1:
+                cl = x.is_contiguous(memory_format=torch.channels_last)
+                seen.append((name, cl, y.is_contiguous(memory_format=torch.channels_last)))
+            return y
+        return call
+
+    codes = [_codes(f, seed=40 + f) for f in (9, 14, 6)]
+    with deterministic():
+        want = [_offline(codec, c) for c in codes]
+        dec = StreamingDecoder(codec, max_streams=4, max_frames=64,
+                               ops=CodecOps(channels_last=True, fold_bias=fold_bias))
+        sids = [dec.open() for _ in codes]
+        parts: list[list[torch.Tensor]] = [[] for _ in codes]
+        at = [0, 0, 0]
+        torch.nn.functional.conv2d = wrap(conv2d, "conv2d")
+        torch.nn.functional.conv_transpose2d = wrap(convt2d, "conv_transpose2d")
+        try:
+            for step in (1, 3, 2, 5, 8):
+                chunk = {}
+                for i, (sid, c) in enumerate(zip(sids, codes)):
+                    n = min(step + i, c.shape[-1] - at[i])
+                    if n > 0:
+                        chunk[sid] = c[:, at[i]: at[i] + n]
+                        at[i] += n
+                for sid, pcm in dec.decode(chunk).items():
+                    parts[sids.index(sid)].append(pcm)
+        finally:
+            torch.nn.functional.conv2d = conv2d
+            torch.nn.functional.conv_transpose2d = convt2d
+    for p, w in zip(parts, want):
+        got = torch.cat(p)
+        assert got.shape == w.shape
+        assert _max_diff(got, w) <= STREAM_ATOL
+    assert seen and {name for name, _, _ in seen} == {"conv2d", "conv_transpose2d"}
+    assert all(i and o for _, i, o in seen), [s for s in seen if not (s[1] and s[2])][:5]

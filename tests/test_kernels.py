@@ -935,3 +935,52 @@ def test_linear_cuda_graph_replay(fp8, variant):
         g.replay()
         torch.cuda.synchronize()
         _assert_linear_close(out, x, dequantize_fp8(fw) if fp8 else w.float())
+
+
+def _cl(B: int, C: int, T: int, *, dtype, device, pad: int = 0, seed: int = 0) -> torch.Tensor:
+    """A channels-last [B, C, T] (stored [B, T + pad, C]; pad > 0: a slice, streams apart)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    full = torch.randn(B, T + pad, C, generator=g).to(device, dtype)
+    return full[:, pad:].transpose(1, 2)
+
+
+def test_channels_last_fallbacks_keep_the_layout():
+    x = _cl(2, 16, 9, dtype=torch.float32, device="cpu", pad=3)
+    y = _cl(2, 16, 9, dtype=torch.float32, device="cpu", seed=1)
+    tail = torch.randn(2, 16, 4)
+    alpha, b = torch.rand(16) + 0.3, torch.randn(16)
+    for out in (activation.snake(x, alpha, b), activation.bias_residual(x, y, b),
+                activation.snake_cat(tail, x, alpha, b)):
+        assert activation.is_channels_last(out) and out.stride(0) == out.shape[1] * out.shape[2]
+    assert torch.equal(activation.snake_cat(tail, x, alpha, b),
+                       torch.cat([tail, activation.snake_torch(x, alpha, b)], -1))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("C", [96, 5])  # 16-byte vectors, and the scalar path
+def test_channels_last_kernels_match_the_torch_formulas(dtype, C):
+    """csrc's Snake, bias_residual and snake_cat on channels-last operands (the codec's NHWC
+    layout; inputs may be slices along T) give the torch formulas' values, in a dense
+    channels-last result; float32 bit-exact, bf16 within one rounding."""
+    assert activation.kernel_ok(True, torch.zeros(1, device="cuda")), "extension not built"
+    dev = "cuda"
+    x = _cl(3, C, 37, dtype=dtype, device=dev, pad=5)
+    y = _cl(3, C, 37, dtype=dtype, device=dev, seed=1)
+    tail = torch.randn(3, C, 6, device=dev).to(dtype)  # channels-first, as the saved tails
+    alpha = (torch.rand(C, device=dev) + 0.3).to(dtype)
+    b = torch.randn(C, device=dev).to(dtype)
+    tol = {} if dtype == torch.float32 else {"rtol": 1.6e-2, "atol": 1e-2}
+    exact = dtype == torch.float32
+    cases = [(activation.snake(x, alpha), activation.snake_torch(x, alpha)),
+             (activation.snake(x, alpha, b), activation.snake_torch(x, alpha, b)),
+             (activation.bias_residual(x, y, b), activation.bias_residual_torch(x, y, b)),
+             (activation.snake_cat(tail, x, alpha, b),
+              torch.cat([tail, activation.snake_torch(x, alpha, b)], -1))]
+    for got, want in cases:
+        assert activation.is_channels_last(got) and got.stride(0) == got.shape[1] * got.shape[2]
+        if exact:
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got, want, **tol)

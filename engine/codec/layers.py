@@ -14,7 +14,10 @@ Streaming batches are right-padded to the longest chunk in the call. Everything 
 padding never leaks into valid outputs; the only place it matters is where a layer saves its
 tail, which :meth:`StreamContext.take_last` takes at each stream's own valid end.
 
-Shapes: conv-side tensors are channels-first ``[B, C, T]``; transformer internals ``[B, T, D]``.
+Shapes: conv-side tensors are ``[B, C, T]``; transformer internals ``[B, T, D]``. In memory
+the conv side is channels-first, or, with ``CodecOps.channels_last`` (the CUDA engine's
+codec), channels-last (stored ``[B, T, C]``): the convs then run as NHWC 2-D convs
+(``conv_cl``) and every pointwise op keeps its input's layout, so no layer transposes.
 """
 
 from __future__ import annotations
@@ -27,7 +30,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..functional import apply_rope, rms_norm, rope_table
-from ..kernels.activation import bias_residual_torch, snake_cat_torch, snake_formula, snake_torch
+from ..kernels.activation import (
+    bias_residual_torch,
+    empty_like_layout,
+    is_channels_last,
+    snake_cat_torch,
+    snake_formula,
+    snake_torch,
+)
 from .config import WindowTransformerConfig
 
 __all__ = [
@@ -45,6 +55,7 @@ __all__ = [
     "StreamContext",
     "TransformerBlock",
     "WindowLimitedTransformer",
+    "conv_cl",
     "snake",
     "stream_sequential",
 ]
@@ -155,12 +166,17 @@ class CodecOps:
     :class:`StreamContext` (engine/ops.py builds the one-pass csrc versions; the defaults are
     the torch formulas). With ``fold_bias``, a streaming residual unit runs its convs
     without their biases and adds them inside the next pointwise op (cuDNN adds a conv's
-    bias as one more broadcast pass)."""
+    bias as one more broadcast pass). With ``channels_last``, the streaming convs keep their
+    activations channels-last (`conv_cl`); the pointwise ops keep each input's layout."""
 
     snake: Callable[..., Tensor] = snake_torch  # (x, alpha, bias=None): Snake of x (+ bias)
     snake_cat: Callable[..., Tensor] = snake_cat_torch  # (tail, x, alpha): [tail | Snake(x)]
     bias_residual: Callable[..., Tensor] = bias_residual_torch  # (x, y, bias): x + (y + bias)
     fold_bias: bool = False
+    # convs as 2-D NHWC convs over channels-last activations ([B, C, T] stored as [B, T, C]):
+    # cuDNN's fast kernels are NHWC, and a channels-first conv pays a transpose of its input
+    # and of its output (4 of a 64 x 8 tick's 12 ms of convs on the H200)
+    channels_last: bool = False
 
 
 class Snake1d(nn.Module):
@@ -180,10 +196,43 @@ class Snake1d(nn.Module):
 # ---------------------------------------------------------------------------------------------
 def _stream_input(tail: Tensor, x: Tensor, act: Tensor | None, ctx: StreamContext) -> Tensor:
     """A streaming conv's input: the saved tail, then the new samples (activated by the
-    preceding Snake when ``act`` is its alpha)."""
-    if act is None:
+    preceding Snake when ``act`` is its alpha), in x's layout."""
+    if act is not None:
+        return ctx.ops.snake_cat(tail, x, act)
+    if not is_channels_last(x):
         return torch.cat([tail, x], dim=-1)
-    return ctx.ops.snake_cat(tail, x, act)
+    out = empty_like_layout(x, x.shape[-1] + tail.shape[-1])
+    out[..., : tail.shape[-1]] = tail
+    out[..., tail.shape[-1]:] = x
+    return out
+
+
+def _weight_cl(conv: nn.Conv1d | nn.ConvTranspose1d) -> Tensor:
+    """The conv's weight as a channels-last 2-D kernel [O, I, 1, k], made once per weight
+    (inference weights do not change; a new weight tensor or an in-place edit remakes it)."""
+    w = conv.weight
+    cached = conv.__dict__.get("_weight_cl")
+    if cached is None or cached[0] is not w or cached[1] != w._version:
+        cached = (w, w._version,
+                  w.detach().unsqueeze(2).contiguous(memory_format=torch.channels_last))
+        conv.__dict__["_weight_cl"] = cached
+    return cached[2]
+
+
+def conv_cl(conv: nn.Conv1d | nn.ConvTranspose1d, x: Tensor, bias: bool = True) -> Tensor:
+    """``conv(x)`` for x [B, C, T] as a 2-D conv over [B, C, 1, T] in channels-last memory:
+    x channels-last gives a channels-last output with no layout transposes (conv1d makes its
+    input contiguous first, so it cannot). Any layout of x gives the same values."""
+    w = _weight_cl(conv)
+    b = conv.bias if bias else None
+    (s,), (p,), (d,) = conv.stride, conv.padding, conv.dilation
+    x4 = x.unsqueeze(2)
+    if isinstance(conv, nn.ConvTranspose1d):
+        y = F.conv_transpose2d(x4, w, b, (1, s), (0, p), (0, conv.output_padding[0]),
+                               conv.groups, (1, d))
+    else:
+        y = F.conv2d(x4, w, b, (1, s), (0, p), (1, d), conv.groups)
+    return y.squeeze(2)
 
 
 class CausalConv1d(Stateful, nn.Module):
@@ -233,15 +282,17 @@ class CausalConv1d(Stateful, nn.Module):
         if self.stride != 1:
             raise RuntimeError("streaming is only defined for stride-1 causal convs")
         if self.left_pad == 0:
-            return self._conv(x if act is None else ctx.ops.snake(x, act), bias)
+            return self._conv(x if act is None else ctx.ops.snake(x, act), bias, ctx)
         xx = _stream_input(ctx.get(self, "tail"), x, act, ctx)  # [B, Cin, left_pad + T]
         ctx.put(self, "tail", ctx.take_last(xx, self.left_pad))
-        return self._conv(xx, bias)
+        return self._conv(xx, bias, ctx)
 
-    def _conv(self, x: Tensor, bias: bool) -> Tensor:
-        if bias:
-            return self.conv(x)
+    def _conv(self, x: Tensor, bias: bool, ctx: StreamContext) -> Tensor:
         c = self.conv
+        if ctx.ops.channels_last:
+            return conv_cl(c, x, bias)
+        if bias:
+            return c(x)
         return F.conv1d(x, c.weight, None, c.stride, c.padding, c.dilation, c.groups)
 
 
@@ -283,11 +334,13 @@ class CausalConvTranspose1d(Stateful, nn.Module):
 
     def stream(self, x: Tensor, ctx: StreamContext, act: Tensor | None = None) -> Tensor:
         # x: [B, Cin, T] -> [B, Cout, T * stride]; act: a preceding Snake's alpha
+        conv = (lambda v: conv_cl(self.conv, v)) if ctx.ops.channels_last else self.conv
         if self.history == 0:
-            return self.forward(x if act is None else ctx.ops.snake(x, act))
+            y = conv(x if act is None else ctx.ops.snake(x, act))
+            return y[..., : y.shape[-1] - self.trim]
         xx = _stream_input(ctx.get(self, "tail"), x, act, ctx)  # [B, Cin, history + T]
         ctx.put(self, "tail", ctx.take_last(xx, self.history))
-        y = self.conv(xx)  # [B, Cout, (history + T - 1)*stride + kernel]
+        y = conv(xx)  # [B, Cout, (history + T - 1)*stride + kernel]
         start = self.history * self.stride  # outputs of the tail alone were emitted last call
         return y[..., start : start + x.shape[-1] * self.stride]
 
