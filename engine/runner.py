@@ -298,6 +298,12 @@ class ModelRunner:
         in use. Returns the seconds."""
         t0 = time.perf_counter()
         with self._rows_inactive(stream):
+            if keys:
+                # once eagerly on this thread first: a thread's first cuBLAS call creates its
+                # handle, which must not happen inside a capture (it invalidates it), and the
+                # decode thread captures the deferred graphs without having stepped before
+                with torch.cuda.stream(stream):
+                    self.step(*keys[0])
             graphs = capture_graphs(stream, keys, lambda key: None,
                                     lambda key, _: self.step(*key))
         self.step_graphs.update({key: (g, out) for key, (g, _, out) in graphs.items()})
