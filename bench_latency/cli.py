@@ -114,6 +114,7 @@ class TurnRecord:
     first_audio_after_first_text_ms: float | None = None
     audio_before_flush: bool = False
     server_ttfa_ms: float | None = None
+    server_prefill_ms: float | None = None  # the part of server_ttfa_ms until the prompt was in
     frames: int = 0
     segments: int = 0  # the server cuts a turn at sentence ends; each has its own budget
     audio_s: float = 0.0
@@ -141,11 +142,13 @@ class Outcome:
     arrivals: list[tuple[float, float]]
     segments: int = 1
     first_text_at: float | None = None
+    server_prefill_ms: float | None = None
 
     @classmethod
     def from_turn(cls, r: TurnResult) -> Outcome:
         return cls(r.flush_at, r.first_audio_at, r.done_at, r.server_ttfa_ms, r.frames,
-                   r.audio_s, r.rtf, r.reason, r.arrivals, r.segments, r.first_text_at)
+                   r.audio_s, r.rtf, r.reason, r.arrivals, r.segments, r.first_text_at,
+                   r.server_prefill_ms)
 
 
 class BenchSession(Protocol):
@@ -281,9 +284,12 @@ class _EngineSession:
         arrivals = list(self.sink.arrivals)
         reason = str(getattr(result.reason, "value", result.reason))
         ttfa = result.ttfa_s
+        prefill = (None if result.ready_at is None
+                   else (result.ready_at - result.submitted_at) * 1000.0)
         return Outcome(flush_at, arrivals[0][0] if arrivals else None, done_at,
                        None if ttfa is None else ttfa * 1000.0, result.frames, result.audio_s,
-                       result.rtf, reason, arrivals, first_text_at=first_text_at)
+                       result.rtf, reason, arrivals, first_text_at=first_text_at,
+                       server_prefill_ms=prefill)
 
     async def close(self) -> None:
         self.backend.engine.close(self.seq)
@@ -503,6 +509,7 @@ def fill_record(rec: TurnRecord, out: Outcome, t0: float, jitter_s: float) -> No
     if out.first_audio_at is not None and out.first_text_at is not None:
         rec.first_audio_after_first_text_ms = (out.first_audio_at - out.first_text_at) * 1000.0
     rec.server_ttfa_ms = out.server_ttfa_ms
+    rec.server_prefill_ms = out.server_prefill_ms
     rec.frames, rec.audio_s, rec.rtf, rec.reason = out.frames, out.audio_s, out.rtf, out.reason
     rec.segments = out.segments
     gen = out.rtf * out.audio_s if out.rtf is not None and out.audio_s > 0 else None
@@ -541,6 +548,8 @@ def summarize_level(c: int, records: list[TurnRecord], wall_s: float,
         "first_audio_after_first_text_ms": stats.summarize(
             r.first_audio_after_first_text_ms for r in ok),
         "server_ttfa_ms": stats.summarize(r.server_ttfa_ms for r in ok),
+        # TTFA's first part: segment handed to the engine -> its prompt prefilled
+        "server_prefill_ms": stats.summarize(r.server_prefill_ms for r in ok),
         "frames": frames,
         "audio_s": round(audio_s, 3),
         "aggregate_fps": round(frames / wall_s, 2) if wall_s > 0 else None,
@@ -573,7 +582,8 @@ def _fmt(x: Any, nd: int = 0) -> str:
 def table(levels: Sequence[dict[str, Any]]) -> str:
     head = (f"{'c':>4} {'turns':>6} {'err':>4} {'trunc':>5} {'early':>5}"
             f" | {'client TTFA ms p50/p90/p99/max':>30}"
-            f" | {'server TTFA ms p50/p90/p99/max':>30} | {'agg fps':>8} {'tps p50':>8}"
+            f" | {'server TTFA ms p50/p90/p99/max':>30} {'prefill p50':>11}"
+            f" | {'agg fps':>8} {'tps p50':>8}"
             f" {'RTF p50':>7} {'gap p99':>7} {'underruns':>9}")
     lines = [head, "-" * len(head)]
     for lv in levels:  # early: turns whose audio came before their flush (no client TTFA)
@@ -584,7 +594,9 @@ def table(levels: Sequence[dict[str, Any]]) -> str:
         lines.append(
             f"{lv['concurrency']:>4} {t['total']:>6} {t['errors']:>4} {t['truncated']:>5} "
             f"{_fmt(t.get('audio_before_flush')):>5} | "
-            f"{ctt:>30} | {stt:>30} | {_fmt(lv['aggregate_fps'], 1):>8} "
+            f"{ctt:>30} | {stt:>30} "
+            f"{_fmt((lv.get('server_prefill_ms') or {}).get('p50')):>11} | "
+            f"{_fmt(lv['aggregate_fps'], 1):>8} "
             f"{_fmt(lv['decode_tps']['p50'], 1):>8} {_fmt(lv['rtf']['p50'], 3):>7} "
             f"{_fmt(lv['gap_ms']['p99']):>7} {lv['underruns']['total']:>9}")
     return "\n".join(lines)

@@ -238,6 +238,8 @@ class TurnResult:
     done_at: float
     arrivals: list[tuple[float, float]] = field(default_factory=list)  # (received_at, duration_s)
     error: RtvoiceError | None = None
+    # the part of server_ttfa_ms until the prompt was prefilled (queueing included)
+    server_prefill_ms: float | None = None
     # first text sent -> first audio received: defined whether or not audio beat the flush
     first_audio_after_first_text_ms: float | None = None
 
@@ -430,12 +432,14 @@ class Turn:
             ttfa = (self.first_audio_at - self.flush_at) * 1000.0
         if self.first_audio_at is not None and self.first_text_at is not None:
             since_text = (self.first_audio_at - self.first_text_at) * 1000.0
-        server_ttfa = next((d.ttfa_ms for d in evs if d.ttfa_ms is not None), None)
+        first = next((d for d in evs if d.ttfa_ms is not None), None)
+        server_ttfa = first.ttfa_ms if first is not None else None
         self.result_ = TurnResult(
             context_id=self.context_id,
             reason=reason,
             client_ttfa_ms=ttfa,
             server_ttfa_ms=server_ttfa,
+            server_prefill_ms=first.prefill_ms if first is not None else None,
             audio_s=audio_s,
             frames=sum(d.frames for d in evs),
             rtf=(sum(gen) / audio_s) if gen and audio_s > 0 else None,

@@ -250,6 +250,9 @@ class Done(_ServerEventBase, tag="done"):
 
     reason: str  # DoneReason
     ttfa_ms: float | None = None  # segment ready -> first audio chunk handed to the socket
+    # the part of ttfa_ms until the segment's prompt was prefilled (waiting for a decode row
+    # or KV blocks included); the rest is its first frames' decode, the codec, the encoder
+    prefill_ms: float | None = None
     audio_s: float = 0.0
     frames: int = 0
     rtf: float | None = None  # generation wall time / audio duration

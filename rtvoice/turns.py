@@ -98,6 +98,7 @@ class Utterance:
     # segments whose first audio went into the encoder but is in no chunk yet (encode worker)
     awaiting_audio: list[Segment] = field(default_factory=list)
     segment_ttfa_s: list[float] = field(default_factory=list)  # in the order they were sent
+    prefill_s: float | None = None  # its first spoken segment: handed over -> prompt in
 
     def done_reason(self) -> str:
         if self.cancelled:
@@ -119,6 +120,7 @@ class Utterance:
             context_id=self.context.id,
             reason=self.done_reason(),
             ttfa_ms=None if ttfa is None else round(ttfa * 1000, 3),
+            prefill_ms=None if self.prefill_s is None else round(self.prefill_s * 1000, 3),
             audio_s=round(audio_s, 6),
             frames=self.frames,
             rtf=round(self.gen_s / audio_s, 4) if audio_s > 0 and self.gen_s > 0 else None,
@@ -362,6 +364,8 @@ class Turns:
             self._segment_error(seg, result)  # raises for our own failures (fatal)
         if result.ready_at is not None:
             utt.gen_s += max(0.0, result.decode_s)
+            if utt.prefill_s is None and result.frames > 0:
+                utt.prefill_s = max(0.0, result.ready_at - result.submitted_at)
         utt.reasons.add(str(result.reason))
         if utt.cancelled:
             self._finish_cancelled(utt)

@@ -272,6 +272,7 @@ def test_bench_in_process(tmp_path: Path) -> None:
     lv = json.loads(f.read_text())["levels"][0]
     assert lv["turns"]["ok"] == 2 and 0 < lv["frames"] <= 12
     assert lv["server_ttfa_ms"]["p50"] is not None and not math.isnan(lv["aggregate_fps"])
+    assert 0 < lv["server_prefill_ms"]["p50"] < lv["server_ttfa_ms"]["p50"]
 
 
 # ============================================================================ capacity search

@@ -166,6 +166,8 @@ async def test_incremental_text_two_turns_one_socket(server_url: str) -> None:
             assert res.first_audio_after_first_text_ms is not None
             assert res.first_audio_after_first_text_ms > 0
             assert res.server_ttfa_ms is not None and res.server_ttfa_ms >= 0
+            assert res.server_prefill_ms is not None
+            assert 0 < res.server_prefill_ms < res.server_ttfa_ms
             assert res.audio_s == pytest.approx(sum(c.duration_s for c in chunks), abs=0.03)
             assert res.rtf is not None and res.decode_tps and res.decode_tps > 0
             assert res.flush_at is not None and res.first_audio_at is not None

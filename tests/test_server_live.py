@@ -95,6 +95,8 @@ async def test_msgpack_session_ready_audio_done_finish(server):
     assert done[0].segments == 2 and done[0].text_chars == len("Hello world. How are you?")
     assert 0 < done[0].frames <= 12
     assert done[0].ttfa_ms is not None and 0 < done[0].ttfa_ms < (time.perf_counter() - t0) * 1000
+    # TTFA's first part: the segment's prompt prefilled (then its first frames, the codec)
+    assert done[0].prefill_ms is not None and 0 < done[0].prefill_ms < done[0].ttfa_ms
     assert done[0].rtf is not None and done[0].rtf > 0
     audio = audio_of(events)
     check_audio_sequence(audio)
