@@ -1,6 +1,8 @@
 """cuDNN's choice for the codec's convolutions: time the streaming tick's conv shapes (64
-streams x 8 frames) with cudnn.benchmark off or on (argv[1] = 0/1; run each in a fresh
-process: plans are cached per shape), then, with the autotuner on, the graphed codec.
+streams x 8 frames), channels-first (conv1d) and channels-last (NHWC conv2d, the engine's
+layout), with cudnn.benchmark off or on (argv[1] = 0/1; run each in a fresh process: plans
+are cached per shape; `first_s` is the plan's choice, the autotuner's trials included),
+then, with the autotuner on, the graphed codec.
 
     python scripts/conv_probe.py 0; python scripts/conv_probe.py 1
 """
@@ -18,23 +20,34 @@ bench = sys.argv[1] == "1"
 torch.backends.cudnn.benchmark = bench
 dt = torch.bfloat16
 out = {"benchmark": bench}
+def timed(fn) -> dict:  # type: ignore[no-untyped-def]
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    first = time.perf_counter() - t0  # the plan's choice (the autotuner's trials) included
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(10):
+        fn()
+    e1.record()
+    torch.cuda.synchronize()
+    return {"ms": round(e0.elapsed_time(e1) / 10, 3), "first_s": round(first, 2)}
+
+
 for B, C, T, d in ((64, 384, 2048, 9), (64, 384, 2048, 3), (64, 384, 2048, 1), (64, 768, 256, 9),
                    (64, 192, 8192, 9), (64, 96, 16384, 9), (16, 384, 1024, 9), (32, 384, 512, 9),
                    (65, 384, 2048, 9)):
     x = torch.randn(B, C, T + 6 * d, device="cuda", dtype=dt)
     w = torch.randn(C, C, 7, device="cuda", dtype=dt) / 30
     b = torch.randn(C, device="cuda", dtype=dt)
-    t0 = time.perf_counter()
-    F.conv1d(x, w, b, dilation=d)
-    torch.cuda.synchronize()
-    first = time.perf_counter() - t0
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    for _ in range(10):
-        F.conv1d(x, w, b, dilation=d)
-    e1.record()
-    torch.cuda.synchronize()
-    out[f"{B}x{C}x{T}_d{d}"] = {"ms": round(e0.elapsed_time(e1) / 10, 3), "first_s": round(first, 2)}
+    # channels-first conv1d (cuDNN transposes to NHWC and back), and the engine's layout:
+    # an NHWC conv2d over channels-last activations (engine/codec/layers.py conv_cl)
+    x4 = x.unsqueeze(2).contiguous(memory_format=torch.channels_last)
+    w4 = w.unsqueeze(2).contiguous(memory_format=torch.channels_last)
+    key = f"{B}x{C}x{T}_d{d}"
+    out[key] = timed(lambda x=x, w=w, b=b, d=d: F.conv1d(x, w, b, dilation=d))
+    out[key + "_channels_last"] = timed(
+        lambda x4=x4, w4=w4, b=b, d=d: F.conv2d(x4, w4, b, dilation=(1, d)))
 print(json.dumps(out), flush=True)
 if bench:
     from engine.codec import CodecConfig, StreamingDecoder, dummy_codec

@@ -962,25 +962,31 @@ def test_channels_last_fallbacks_keep_the_layout():
 @pytest.mark.parametrize("C", [96, 5])  # 16-byte vectors, and the scalar path
 def test_channels_last_kernels_match_the_torch_formulas(dtype, C):
     """csrc's Snake, bias_residual and snake_cat on channels-last operands (the codec's NHWC
-    layout; inputs may be slices along T) give the torch formulas' values, in a dense
-    channels-last result; float32 bit-exact, bf16 within one rounding."""
+    layout; inputs may be slices along T) in a dense channels-last result: float32 equal to
+    the torch formulas; bf16 within 2 ulps of the float32 formula rounded once, as the kernel
+    computes it (torch's bf16 formula rounds after every op and strays further)."""
     assert activation.kernel_ok(True, torch.zeros(1, device="cuda")), "extension not built"
+    from engine.codec.layers import snake as formula
+
     dev = "cuda"
     x = _cl(3, C, 37, dtype=dtype, device=dev, pad=5)
     y = _cl(3, C, 37, dtype=dtype, device=dev, seed=1)
     tail = torch.randn(3, C, 6, device=dev).to(dtype)  # channels-first, as the saved tails
     alpha = (torch.rand(C, device=dev) + 0.3).to(dtype)
     b = torch.randn(C, device=dev).to(dtype)
-    tol = {} if dtype == torch.float32 else {"rtol": 1.6e-2, "atol": 1e-2}
-    exact = dtype == torch.float32
-    cases = [(activation.snake(x, alpha), activation.snake_torch(x, alpha)),
-             (activation.snake(x, alpha, b), activation.snake_torch(x, alpha, b)),
-             (activation.bias_residual(x, y, b), activation.bias_residual_torch(x, y, b)),
-             (activation.snake_cat(tail, x, alpha, b),
-              torch.cat([tail, activation.snake_torch(x, alpha, b)], -1))]
+    a32, b32 = alpha.float()[None, :, None], b.float()[None, :, None]
+
+    def once(t: torch.Tensor) -> torch.Tensor:  # the kernel's roundings: its output, x + bias
+        return t.to(dtype).float()
+
+    s = once(x.float() + b32)
+    cases = [(activation.snake(x, alpha), formula(x.float(), a32)),
+             (activation.snake(x, alpha, b), formula(s, a32)),
+             (activation.bias_residual(x, y, b), x.float() + once(y.float() + b32)),
+             (activation.snake_cat(tail, x, alpha, b), torch.cat([tail.float(), formula(s, a32)], -1))]
     for got, want in cases:
         assert activation.is_channels_last(got) and got.stride(0) == got.shape[1] * got.shape[2]
-        if exact:
+        if dtype == torch.float32:
             assert torch.equal(got, want)
         else:
-            torch.testing.assert_close(got, want, **tol)
+            torch.testing.assert_close(got.float(), once(want), rtol=2**-6, atol=1e-3)
