@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -32,8 +33,11 @@ _RECOMPILE_LIMIT = 64
 
 
 def _allow_recompiles() -> None:
-    """Raise dynamo's per-function recompile limit to what the fused ops need. Dynamo keeps it
-    process-wide; it is only ever raised here, never lowered, and decides no kernel choice."""
+    """Raise dynamo's per-function recompile limit to what the fused ops need, for the calling
+    thread: dynamo's config is process-wide up to torch 2.11 and per thread from 2.12 on
+    (the engine's prefill and decode threads would keep the default 8, and a fused op
+    recompiled there past it would fall back to the reference for good). It is only ever
+    raised here, never lowered, and decides no kernel choice."""
     import torch._dynamo
 
     for knob in ("recompile_limit", "cache_size_limit"):
@@ -48,8 +52,12 @@ def compiled(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     _allow_recompiles()
     fused = torch.compile(fn, dynamic=True, fullgraph=True, options=_INDUCTOR_OPTIONS)
     state = {"ok": True}
+    limits = threading.local()  # this op's calling threads that have the raised limit
 
     def call(*args: Any, **kwargs: Any) -> Any:
+        if not getattr(limits, "raised", False):
+            _allow_recompiles()
+            limits.raised = True
         if state["ok"]:
             try:
                 return fused(*args, **kwargs)

@@ -276,3 +276,27 @@ def test_masked_gqa_attention_matches_repeated_kv(B, H, Hkv, T, S, mask_rows):
     got = gqa_attention(q, k, v, mask)
     assert got.shape == want.shape
     assert float((got - want).abs().max()) < 1e-5
+
+
+def test_a_fused_op_raises_the_recompile_limit_in_every_thread_that_calls_it():
+    """Dynamo's config is per thread from torch 2.12 on: a fused op called on an engine
+    thread raises that thread's recompile limit too (with the default 8, a shape recompiled
+    there past it would fall back to the reference for good)."""
+    import threading
+
+    import torch._dynamo
+
+    from engine import fusion
+
+    op = fusion.compiled("double", lambda x: x * 2)
+    seen: dict[str, object] = {}
+
+    def run() -> None:
+        seen["y"] = op(torch.ones(3))
+        seen["limit"] = torch._dynamo.config.recompile_limit
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    assert torch.equal(seen["y"], torch.full((3,), 2.0))
+    assert seen["limit"] >= 64
