@@ -49,7 +49,13 @@ class DecodeWorker:
         self.stream = stream
         self.stats = stats
         self.cuda = runner.device.type == "cuda"
-        self.batches = buckets(BATCH_LADDER, runner.n_rows)
+        # With compiled (fused) ops the smallest bucket is 2 rows: dynamo traces each op once
+        # more for a batch of exactly 1 (it specialises sizes 0 and 1), at every start (tiny
+        # model: 13 decode-shape traces with it, 7 without; on the H200 ~0.6 s each before
+        # ready), and a lone turn pays for it only a second, inactive row (the bf16 linear
+        # table: M=2 within 0.2-3 % of M=1 for every S2-Pro shape)
+        ladder = BATCH_LADDER[1:] if runner.ops.fused == "compile" else BATCH_LADDER
+        self.batches = buckets(ladder, runner.n_rows)
         # Span buckets bound the keys the decode step's torch attention reads; csrc's
         # decode_attention reads exactly 0..pos, so with it one span serves every step.
         max_len = runner.max_len

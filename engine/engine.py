@@ -176,7 +176,9 @@ class Engine:
             self.startup_s["compile_s"] = time.perf_counter() - t0
         if config.cuda_graphs and self.cuda:
             w = self.decode_worker
-            first, rest = _first(w.keys(), config.ready_rows)
+            # before ready: at least the smallest batch bucket (2 rows with compiled ops)
+            first, rest = _first(w.keys(), config.ready_rows and max(config.ready_rows,
+                                                                      w.batches[0]))
             self.startup_s["decode_warm_s"] = w.warm()
             self.startup_s["decode_graphs_s"] = w.capture(first)
             self.capture_s = self.startup_s["decode_warm_s"] + self.startup_s["decode_graphs_s"]

@@ -286,7 +286,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         with self._rows_inactive(stream), torch.cuda.stream(stream):
             for span in spans:
-                self.step(1, span)
+                self.step(batches[0], span)
             for b in batches:
                 self.step(b, spans[0])
         torch.cuda.synchronize()

@@ -504,7 +504,7 @@ def test_graphs_captured_in_the_background_give_the_same_frames(gpu_bundle):
         dw = eng.decode_worker
         # before ready: the one-row decode step, one-row prefill graphs short of the whole
         # context, one-stream codec
-        assert set(eng.runner.step_graphs) == {k for k in dw.keys() if k[0] == 1}
+        assert set(eng.runner.step_graphs) == {k for k in dw.keys() if k[0] == dw.batches[0]}
         assert set(pg.graphs) == {k for k in pg.keys() if k[0] == 1 and k[2] < pg.spans[-1]}
         assert dec.graphs == len(dec.FRAME_BUCKETS)
         assert eng.warming() == {

@@ -288,3 +288,22 @@ def test_deferred_decode_graphs_are_captured_by_the_stepping_thread_only_when_qu
     eng.warmup.add("decode", [(2, 256)], eng._capture_decode_later)
     eng.step()  # not started: the stepping thread captures first, itself
     assert got == [(2, 256)] and not eng.warming()
+
+
+def test_compiled_ops_start_the_decode_batch_ladder_at_two_rows():
+    """With compiled (fused) ops a lone turn decodes in the two-row bucket: the ops are then
+    never traced for a batch of exactly one (dynamo specialises size 1), one trace per op
+    fewer before ready; reference ops keep the one-row bucket, and a one-row engine too."""
+    from types import SimpleNamespace
+
+    from engine.decode_worker import DecodeWorker
+
+    def worker(fused: str, rows: int) -> DecodeWorker:
+        runner = SimpleNamespace(device=torch.device("cpu"), n_rows=rows, max_len=256,
+                                 attention_kernel=True, out_width=13,
+                                 ops=SimpleNamespace(fused=fused))
+        return DecodeWorker(runner, None, span_step=256, stats={})  # type: ignore[arg-type]
+
+    assert worker("compile", 8).batches == [2, 4, 8]
+    assert worker("reference", 8).batches == [1, 2, 4, 8]
+    assert worker("compile", 1).batches == [1]
