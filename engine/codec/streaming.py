@@ -30,6 +30,7 @@ may run on another thread next to it (it touches the scratch state row alone).
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -98,12 +99,15 @@ class StreamingDecoder:
         self.call_frames = call_frames
         # state buffers: key -> [max_streams + 1, *per-stream shape], zeros = "nothing before";
         # the last row is scratch: bucket padding reads and writes it, no stream owns it.
-        self._state: dict[str, Tensor] = {}
-        for m in codec.streaming_modules():
-            for name, shape in m.state_shapes().items():
-                self._state[f"{m.state_key}.{name}"] = torch.zeros(
-                    (max_streams + 1, *shape), device=self.device, dtype=self.dtype
-                )
+        # They are views of one [max_streams + 1, total] buffer, so a pass gathers and
+        # scatters every layer's state in one indexed copy each (a copy per layer and
+        # direction was 72 small kernels of a tick)
+        shapes = {f"{m.state_key}.{name}": shape for m in codec.streaming_modules()
+                  for name, shape in m.state_shapes().items()}
+        self._sizes = [math.prod(shape) for shape in shapes.values()]
+        self._flat = torch.zeros(max_streams + 1, sum(self._sizes), device=self.device,
+                                 dtype=self.dtype)
+        self._state: dict[str, Tensor] = self._views(self._flat, shapes)
         self.buckets = buckets
         # stream buckets stop at graph_streams: the engine opens twice its slots (turns still
         # draining) but rarely decodes more than its slots at once, and the biggest buckets
@@ -173,9 +177,23 @@ class StreamingDecoder:
 
     def _clear(self, slot: int) -> None:
         with torch.no_grad():
-            for buf in self._state.values():
-                buf[slot].zero_()
+            self._flat[slot].zero_()
         self._position[slot] = 0
+
+    def _views(self, flat: Tensor, shapes: Mapping[str, tuple[int, ...]] | None = None
+               ) -> dict[str, Tensor]:
+        """Each layer's state as a view of `flat` [B, total] ([B, *shape] per key)."""
+        if shapes is None:
+            shapes = {k: tuple(v.shape[1:]) for k, v in self._state.items()}
+        out, at = {}, 0
+        for (k, shape), n in zip(shapes.items(), self._sizes):
+            out[k] = flat[:, at: at + n].view(flat.shape[0], *shape)
+            at += n
+        return out
+
+    def _gather_state(self, slots: Tensor) -> dict[str, Tensor]:
+        """The streams' state ([B, *shape] per key), in one indexed copy."""
+        return self._views(self._flat.index_select(0, slots))
 
     # -- decoding --------------------------------------------------------------------------------
     def decode(self, chunks: Mapping[int, Tensor]) -> dict[int, Tensor]:
@@ -261,7 +279,7 @@ class StreamingDecoder:
             positions=torch.tensor(positions, dtype=torch.long, device=self.device),
             n_max=n_max,
             max_position=max(positions),
-            state={k: buf.index_select(0, slots_t) for k, buf in self._state.items()},
+            state=self._gather_state(slots_t),
             uniform=all(n == n_max for n in lengths),
             ops=self.ops,
         )
@@ -283,8 +301,9 @@ class StreamingDecoder:
         if ctx.new_state.keys() != self._state.keys():
             missing = sorted(self._state.keys() - ctx.new_state.keys())
             raise RuntimeError(f"streaming pass left state not updated: {missing[:4]}")
-        for k, buf in self._state.items():
-            buf.index_copy_(0, slots_t, ctx.new_state[k])
+        if self._state:
+            new = [ctx.new_state[k].reshape(len(slots_t), -1) for k in self._state]
+            self._flat.index_copy_(0, slots_t, torch.cat(new, dim=1))
 
     # -- bucketed passes (CUDA graphs on a GPU) ------------------------------------------------------
     def _static_pass(self, inp: dict[str, Tensor]) -> Tensor:
@@ -293,8 +312,7 @@ class StreamingDecoder:
         codes = self.codec.quantizer.clamp_codes(inp["codes"])
         ctx = StreamContext(lengths=inp["lengths"], positions=inp["positions"],
                             n_max=codes.shape[-1], max_position=0,
-                            state={k: buf.index_select(0, inp["slots"])
-                                   for k, buf in self._state.items()}, uniform=False,
+                            state=self._gather_state(inp["slots"]), uniform=False,
                             ops=self.ops)
         audio = self.codec.stream_decode(codes, ctx)  # [Bb, 1, nb * 2048]
         self._store_state(ctx, inp["slots"])
