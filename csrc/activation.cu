@@ -222,6 +222,21 @@ int cl_width(int64_t C, std::initializer_list<const torch::Tensor*> ts) {
   return kWide;
 }
 
+// Calls launch(width, index) with width a std::integral_constant of the vector width v (16
+// bytes' worth, or 1) and index a value of the index type (int32_t where `small`: the sizes
+// and offsets stay below 2^31, else int64_t): the channels-last kernels' four variants.
+template <typename T, typename F>
+void for_width_and_index(int v, bool small, F&& launch) {
+  constexpr int kWide = 16 / sizeof(T);
+  if (v == kWide) {
+    if (small) launch(std::integral_constant<int, kWide>{}, int32_t{});
+    else launch(std::integral_constant<int, kWide>{}, int64_t{});
+  } else {
+    if (small) launch(std::integral_constant<int, 1>{}, int32_t{});
+    else launch(std::integral_constant<int, 1>{}, int64_t{});
+  }
+}
+
 template <typename T, int OP>
 void launch_cl(const torch::Tensor& x, const torch::Tensor* y, const torch::Tensor* alpha,
                const torch::Tensor* bias, torch::Tensor& out) {
@@ -237,17 +252,12 @@ void launch_cl(const torch::Tensor& x, const torch::Tensor* y, const torch::Tens
   const T* bp = bias != nullptr ? bias->data_ptr<T>() : nullptr;
   const int64_t reach = std::max(x_sb, y_sb) * x.size(0);  // the largest offset read
   const bool small = std::max(n, reach) < (1ll << 31);
-#define RTV_CL(V_, I_)                                                                     \
-  pointwise_cl_kernel<T, V_, OP, I_><<<grid, threads, 0, stream>>>(                        \
-      x.data_ptr<T>(), yp, ap, bp, out.data_ptr<T>(), static_cast<I_>(n_vec),              \
-      static_cast<I_>(C), static_cast<I_>(TC), static_cast<I_>(x_sb), static_cast<I_>(y_sb))
-  constexpr int kWide = 16 / sizeof(T);
-  if (v == kWide) {
-    if (small) { RTV_CL(kWide, int32_t); } else { RTV_CL(kWide, int64_t); }
-  } else {
-    if (small) { RTV_CL(1, int32_t); } else { RTV_CL(1, int64_t); }
-  }
-#undef RTV_CL
+  for_width_and_index<T>(v, small, [&](auto width, auto index) {
+    using I = decltype(index);
+    pointwise_cl_kernel<T, decltype(width)::value, OP, I><<<grid, threads, 0, stream>>>(
+        x.data_ptr<T>(), yp, ap, bp, out.data_ptr<T>(), static_cast<I>(n_vec),
+        static_cast<I>(C), static_cast<I>(TC), static_cast<I>(x_sb), static_cast<I>(y_sb));
+  });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -266,17 +276,12 @@ void launch_snake_cat_cl(const torch::Tensor& tail, const torch::Tensor& x,
   const int64_t tail_reach = (tail.size(0) - 1) * tail.stride(0) +
                              (tail.size(1) - 1) * tail.stride(1) + (P - 1) * tail.stride(2);
   const bool small = std::max({n, x.stride(0) * x.size(0), tail_reach}) < (1ll << 31);
-#define RTV_CAT(V_, I_)                                                                    \
-  snake_cat_cl_kernel<T, V_, I_><<<grid, threads, 0, stream>>>(                            \
-      tr, x.data_ptr<T>(), alpha.data_ptr<T>(), bp, out.data_ptr<T>(), static_cast<I_>(n_vec), \
-      static_cast<I_>(C), static_cast<I_>(P), static_cast<I_>(L), static_cast<I_>(x.stride(0)))
-  constexpr int kWide = 16 / sizeof(T);
-  if (v == kWide) {
-    if (small) { RTV_CAT(kWide, int32_t); } else { RTV_CAT(kWide, int64_t); }
-  } else {
-    if (small) { RTV_CAT(1, int32_t); } else { RTV_CAT(1, int64_t); }
-  }
-#undef RTV_CAT
+  for_width_and_index<T>(v, small, [&](auto width, auto index) {
+    using I = decltype(index);
+    snake_cat_cl_kernel<T, decltype(width)::value, I><<<grid, threads, 0, stream>>>(
+        tr, x.data_ptr<T>(), alpha.data_ptr<T>(), bp, out.data_ptr<T>(), static_cast<I>(n_vec),
+        static_cast<I>(C), static_cast<I>(P), static_cast<I>(L), static_cast<I>(x.stride(0)));
+  });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
