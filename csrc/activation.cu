@@ -141,6 +141,26 @@ __global__ void snake_cat_kernel(Rows tail, Rows x, const T* __restrict__ alpha,
   *reinterpret_cast<Pack*>(out + i * V) = res;
 }
 
+template <typename T, int V>
+struct alignas(sizeof(T) * V) Vec {
+  T v[V];
+};
+
+// Snake of V consecutive channels c0.. of one sample (+ their conv bias, rounded to T first)
+template <typename T, int V, typename I>
+__device__ __forceinline__ Vec<T, V> snake_vec(const Vec<T, V>& in, const T* __restrict__ alpha,
+                                               const T* __restrict__ bias, I c0) {
+  Vec<T, V> res;
+#pragma unroll
+  for (int e = 0; e < V; ++e) {
+    const float a = static_cast<float>(alpha[c0 + e]);
+    float s = static_cast<float>(in.v[e]);
+    if (bias != nullptr) s = static_cast<float>(static_cast<T>(__fadd_rn(s, static_cast<float>(bias[c0 + e]))));
+    res.v[e] = static_cast<T>(snake1<T>(s, a, snake_inv(a)));
+  }
+  return res;
+}
+
 // Channels-last: the tensors are [B, T, C] in memory (out dense; an input's streams may be
 // further apart: a slice along T of a longer tensor), so an elementwise op is one flat pass
 // over out whose channel is the flat index mod C; each thread handles V consecutive channels
@@ -150,20 +170,14 @@ template <typename T, int V, int OP, typename I>
 __global__ void pointwise_cl_kernel(const T* __restrict__ x, const T* __restrict__ y,
                                     const T* __restrict__ alpha, const T* __restrict__ bias,
                                     T* __restrict__ out, I n_vec, I C, I TC, I x_sb, I y_sb) {
-  struct alignas(sizeof(T) * V) Pack { T v[V]; };
+  using Pack = Vec<T, V>;
   const I i = static_cast<I>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n_vec) return;
   const I e0 = i * V, c0 = e0 % C, b = e0 / TC, r = e0 - b * TC;
   const Pack in = *reinterpret_cast<const Pack*>(x + b * x_sb + r);
   Pack res;
   if constexpr (OP == kSnake) {
-#pragma unroll
-    for (int e = 0; e < V; ++e) {
-      const float a = static_cast<float>(alpha[c0 + e]);
-      float s = static_cast<float>(in.v[e]);
-      if (bias != nullptr) s = static_cast<float>(static_cast<T>(__fadd_rn(s, static_cast<float>(bias[c0 + e]))));
-      res.v[e] = static_cast<T>(snake1<T>(s, a, snake_inv(a)));
-    }
+    res = snake_vec<T, V, I>(in, alpha, bias, c0);
   } else {
     const Pack yv = *reinterpret_cast<const Pack*>(y + b * y_sb + r);
 #pragma unroll
@@ -183,7 +197,7 @@ template <typename T, int V, typename I>
 __global__ void snake_cat_cl_kernel(Rows3 tail, const T* __restrict__ x,
                                     const T* __restrict__ alpha, const T* __restrict__ bias,
                                     T* __restrict__ out, I n_vec, I C, I P, I L, I x_sb) {
-  struct alignas(sizeof(T) * V) Pack { T v[V]; };
+  using Pack = Vec<T, V>;
   const I i = static_cast<I>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n_vec) return;
   const I e0 = i * V, c0 = e0 % C, row = e0 / C;
@@ -197,13 +211,7 @@ __global__ void snake_cat_cl_kernel(Rows3 tail, const T* __restrict__ x,
     }
   } else {
     const Pack in = *reinterpret_cast<const Pack*>(x + b * x_sb + (t - P) * C + c0);
-#pragma unroll
-    for (int e = 0; e < V; ++e) {
-      const float a = static_cast<float>(alpha[c0 + e]);
-      float s = static_cast<float>(in.v[e]);
-      if (bias != nullptr) s = static_cast<float>(static_cast<T>(__fadd_rn(s, static_cast<float>(bias[c0 + e]))));
-      res.v[e] = static_cast<T>(snake1<T>(s, a, snake_inv(a)));
-    }
+    res = snake_vec<T, V, I>(in, alpha, bias, c0);
   }
   *reinterpret_cast<Pack*>(out + e0) = res;
 }
