@@ -230,6 +230,10 @@ int cl_width(int64_t C, std::initializer_list<const torch::Tensor*> ts) {
   return kWide;
 }
 
+// 32-bit indices below this: a thread's index i * V + V - 1 (the grid's last block rounds
+// n / V up to 256 threads) stays clear of 2^31
+constexpr int64_t kIndex32 = (1ll << 31) - (1 << 16);
+
 // Calls launch(width, index) with width a std::integral_constant of the vector width v (16
 // bytes' worth, or 1) and index a value of the index type (int32_t where `small`: the sizes
 // and offsets stay below 2^31, else int64_t): the channels-last kernels' four variants.
@@ -259,7 +263,7 @@ void launch_cl(const torch::Tensor& x, const torch::Tensor* y, const torch::Tens
   const T* ap = alpha != nullptr ? alpha->data_ptr<T>() : nullptr;
   const T* bp = bias != nullptr ? bias->data_ptr<T>() : nullptr;
   const int64_t reach = std::max(x_sb, y_sb) * x.size(0);  // the largest offset read
-  const bool small = std::max(n, reach) < (1ll << 31);
+  const bool small = std::max(n, reach) < kIndex32;
   for_width_and_index<T>(v, small, [&](auto width, auto index) {
     using I = decltype(index);
     pointwise_cl_kernel<T, decltype(width)::value, OP, I><<<grid, threads, 0, stream>>>(
@@ -283,7 +287,7 @@ void launch_snake_cat_cl(const torch::Tensor& tail, const torch::Tensor& x,
   const T* bp = bias != nullptr ? bias->data_ptr<T>() : nullptr;
   const int64_t tail_reach = (tail.size(0) - 1) * tail.stride(0) +
                              (tail.size(1) - 1) * tail.stride(1) + (P - 1) * tail.stride(2);
-  const bool small = std::max({n, x.stride(0) * x.size(0), tail_reach}) < (1ll << 31);
+  const bool small = std::max({n, x.stride(0) * x.size(0), tail_reach}) < kIndex32;
   for_width_and_index<T>(v, small, [&](auto width, auto index) {
     using I = decltype(index);
     snake_cat_cl_kernel<T, decltype(width)::value, I><<<grid, threads, 0, stream>>>(

@@ -73,17 +73,18 @@ def capture_graphs(side: torch.cuda.Stream, keys: Sequence[Hashable],
                    inputs: Callable[[Any], Any], run: Callable[[Any, Any], Any], *,
                    stop: Callable[[], bool] | None = None,
                    captured: Callable[[Any, tuple[torch.cuda.CUDAGraph, Any, Any]], None]
-                   | None = None) -> dict[Any, tuple[torch.cuda.CUDAGraph, Any, Any]]:
+                   | None = None, pool: tuple[int, int] | None = None
+                   ) -> dict[Any, tuple[torch.cuda.CUDAGraph, Any, Any]]:
     """After the caller's eager warm-up on `side` (nothing may compile or autotune inside a
     capture): `run(key, inputs(key))` captured as one CUDA graph per key on `side`, in the
     order given — largest first, so the memory pool the graphs share is sized by the first.
     The inputs are made before each capture (outside its pool). Returns
     {key: (graph, inputs, outputs)}; `captured(key, entry)` hears of each graph as soon as
     it can replay (background captures put it in use then), and `stop()` true ends the
-    captures early."""
+    captures early. `pool`: an earlier capture's memory pool to share (graphs that never
+    replay at the same time)."""
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
-    pool = None
     graphs: dict[Any, tuple[torch.cuda.CUDAGraph, Any, Any]] = {}
     with gc_paused():
         for key in keys:

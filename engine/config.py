@@ -327,7 +327,7 @@ class EngineConfig:
         "graphs of at most this many rows / sequences / streams per replay (prefill: over "
         "spans short of the whole context); the bigger buckets are captured while it serves "
         "(prefill and codec on a background thread, the decode step on the decode thread "
-        "when nothing decodes or prefills; /ready lists them under 'warming'), their work "
+        "between two steps while no turn needs it; /ready lists them under 'warming'), their work "
         "meanwhile split over the captured ones or run eagerly; 0: capture everything "
         "before ready", ge=0)
     codec_call_frames: int | None = option(

@@ -80,6 +80,12 @@ def fit_kv_blocks(want: int | None, *, free_bytes: int, reserve_bytes: int, bloc
     return int(fit) if want is None else min(want, int(fit))
 
 
+# A deferred decode graph is captured while decoding pauses (~0.5 s each on the H200 with its
+# eager warm-up step) only when every speaking turn's generated audio is this far ahead of
+# its playback: the pause, plus the up to one chunk (8 frames, 0.37 s) the codec lags behind
+_CAPTURE_LEAD_S = 1.5
+
+
 class _QuietCapture:
     """A deferred decode graph the stepping thread captures at a quiet moment; claimed once,
     either by that thread ("taken") or by the background capture giving up on it
@@ -137,7 +143,7 @@ class Engine:
                                    block_bytes=block_bytes)
         self._ids = itertools.count(1)
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._quiet_captures: queue.SimpleQueue[_QuietCapture] = queue.SimpleQueue()
+        self._quiet_capture: _QuietCapture | None = None  # the deferred graph asked for
         self._wake = threading.Event()
         self._codec_wake = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -305,10 +311,10 @@ class Engine:
                               captured: Callable[[tuple[int, int]], None]) -> None:
         """The background capture's decode family. Capturing a step sets every decode row
         inactive for a moment, so only the thread that launches steps may do it: each graph
-        is handed to that thread, which captures it at a quiet moment (`_capture_if_quiet`).
-        Returns with keys left when no quiet moment came within a second (the background
-        capture comes back to them); captures on the caller's thread when it is the one
-        that steps (`step()` without `start()`)."""
+        is handed to that thread, which captures it between two steps once nothing waits on
+        decoding (`_capture_due`). Returns with keys left when no such moment came within a
+        second (the background capture comes back to them); captures on the caller's thread
+        when it is the one that steps (`step()` without `start()`)."""
         if not self.warmup.in_background():
             for key in keys:
                 if stop():
@@ -318,7 +324,7 @@ class Engine:
             return
         for key in keys:
             ask = _QuietCapture(key)
-            self._quiet_captures.put(ask)
+            self._quiet_capture = ask  # one at a time: replaces a cancelled one
             self._wake.set()
             deadline = time.perf_counter() + 1.0
             while not ask.done.wait(0.02):
@@ -328,18 +334,27 @@ class Engine:
                 raise ask.error
             captured(key)
 
+    def _capture_due(self) -> bool:
+        """A deferred decode graph is asked for, nothing prefills or waits, and every
+        speaking turn is far enough ahead of playback to sit out its capture."""
+        return (self._quiet_capture is not None and not self._landing
+                and self.scheduler.may_pause(time.perf_counter(), _CAPTURE_LEAD_S))
+
     def _capture_if_quiet(self) -> bool:
-        """On the stepping thread, with no step in flight: capture one deferred decode graph
-        if one is asked for and nothing decodes, prefills or waits. Returns whether it did."""
-        if self._quiet_captures.empty() or not self.scheduler.quiet or self._landing:
+        """On the stepping thread, with no step in flight: capture the deferred decode graph
+        asked for, when `_capture_due`. Returns whether it took the request."""
+        ask = self._quiet_capture
+        if ask is None or not self._capture_due():
             return False
-        ask = self._quiet_captures.get_nowait()
+        if self._quiet_capture is ask:
+            self._quiet_capture = None
         if ask.claim("taken"):
             try:
                 self.decode_worker.capture([ask.key])
             except Exception as e:  # the background capture reports it; the bucket stays eager
                 ask.error = e
             finally:
+                self.scheduler.decoding_paused()
                 ask.done.set()
         return True
 
@@ -416,7 +431,8 @@ class Engine:
             self._read(launched)
             did = True
         did = self._codec_tick() or did
-        return did or self._capture_if_quiet()
+        captured = self._capture_if_quiet()  # between two steps, if due
+        return did or captured
 
     def run_until_idle(self, timeout_s: float = 120.0) -> None:
         """Step on the caller's thread until no work is left (tests, offline synthesis)."""
@@ -478,6 +494,12 @@ class Engine:
                 did = self._run_commands()
                 did |= self._poll_landings()
                 self._hand_out_prefills()
+                if self._capture_due():  # a deferred graph: the step in flight first, no next
+                    if pending is not None:
+                        self._read(pending)
+                        pending = None
+                    self._capture_if_quiet()
+                    continue
                 launched = self._launch(pause=True)
                 if pending is not None:
                     self._read(pending)  # step N-1, while step N runs on the GPU
@@ -492,8 +514,6 @@ class Engine:
                 # sequences' blocks are given back or re-prefilled on another stream
                 self.decode_worker.settle()
                 self.scheduler.fail_all_decoding("decode step failed (see server log)")
-            if not did and pending is None and self._capture_if_quiet():
-                continue
             if not did:
                 # a prefill still on the GPU is polled often: its sequence joins (and its
                 # TTFA clock runs) as soon as it lands; a paused batch resumes in time

@@ -80,6 +80,7 @@ class ModelRunner:
         self.tables = torch.full((S, self.cache.table_width), self.cache.scratch,
                                  dtype=torch.long, device=d)
         self.step_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        self._step_pool: tuple[int, int] | None = None  # the step graphs' memory pool
 
     @property
     def out_width(self) -> int:
@@ -304,23 +305,31 @@ class ModelRunner:
                 # decode thread captures the deferred graphs without having stepped before
                 with torch.cuda.stream(stream):
                     self.step(*keys[0])
+            # one memory pool for every step graph, those captured later included: they
+            # replay one at a time on one stream, each output read before the next replay
             graphs = capture_graphs(stream, keys, lambda key: None,
-                                    lambda key, _: self.step(*key))
+                                    lambda key, _: self.step(*key), pool=self._step_pool)
+        if graphs and self._step_pool is None:
+            self._step_pool = next(iter(graphs.values()))[0].pool()
         self.step_graphs.update({key: (g, out) for key, (g, _, out) in graphs.items()})
         return time.perf_counter() - t0
 
     @contextlib.contextmanager
     def _rows_inactive(self, stream: torch.cuda.Stream) -> Iterator[None]:
-        # on `stream`, after the work already queued there: every row inactive, then back
+        # on `stream`, after the work already queued there: every row inactive, then every
+        # row's state as it was. A step advances the sampler's step and RAS window of every
+        # row in the batch, active or not, so those are kept too: rows may be mid-turn here
+        # (a deferred capture while every speaking turn is far enough ahead of playback)
+        s = self.sampling
         with torch.cuda.stream(stream):
-            saved = (self.active.clone(), self.pos.clone())
+            saved = [(t, t.clone()) for t in (self.active, self.pos, s.step, s.window)]
             self.active.zero_()
         try:
             yield
         finally:
             with torch.cuda.stream(stream):
-                self.active.copy_(saved[0])
-                self.pos.copy_(saved[1])
+                for t, copy in saved:
+                    t.copy_(copy)
 
     def launch(self, B: int, span: int) -> Tensor:
         """Queue one step of rows 0..B-1 over keys [0, span): a graph replay where one was

@@ -158,8 +158,28 @@ class Scheduler:
     def quiet(self) -> bool:
         """Nothing decodes, prefills, or waits for a row or blocks: the decode thread may
         pause (capture a deferred graph) without delaying anyone."""
-        return not (self.running or self.prefill_outstanding or self.row_queue
-                    or self.block_queue or self._row_ops or self._new_jobs)
+        return not self.running and self._nothing_waits()
+
+    def may_pause(self, now: float, seconds: float) -> bool:
+        """Whether decoding may stop for about `seconds` (a deferred graph's capture) with no
+        one waiting on it: nothing prefills or waits for a row or blocks (their TTFA clocks
+        run), and every speaking turn's generated audio is more than `seconds` ahead of its
+        playback (its listener's buffer covers the pause; the codec lags generation by up
+        to a chunk, so callers ask for that much more)."""
+        if not self._nothing_waits():
+            return False
+        for seq in self.running.values():
+            turn = seq.decoding
+            if seq.draining or turn is None or turn.finished is not None:
+                continue
+            start = turn.first_audio_at  # None: its first audio is not out yet
+            if start is None or len(turn.frames) / self.frame_rate - (now - start) < seconds:
+                return False
+        return True
+
+    def _nothing_waits(self) -> bool:
+        return not (self.prefill_outstanding or self.row_queue or self.block_queue
+                    or self._row_ops or self._new_jobs)
 
     @property
     def offloaded(self) -> int:
@@ -760,6 +780,11 @@ class Scheduler:
         self.k += 1
         self.stats["steps"] += 1
         return plan
+
+    def decoding_paused(self) -> None:
+        """Decoding stopped for a while (a deferred graph's capture): the gap is no step, so
+        the next launch starts a new chain of step timings."""
+        self._last_launch = None
 
     def _note_launch(self, plan: StepPlan | None) -> None:
         """Time back-to-back step launches (the decode rate every running stream gets); a

@@ -13,9 +13,11 @@ Why it is safe to capture next to live traffic (engine/capture.py has the genera
   and allocations on other threads go on during a capture.
 
 The decode step's deferred graphs are captured by the decode thread itself: a capture sets
-every decode row inactive for a moment, which only the thread that launches steps may do,
-and only when nothing decodes, prefills or waits (engine.py hands each graph over and this
-thread comes back to those not taken within a second). All batch sizes are warmed (compiled)
+every decode row inactive for a moment (their state is kept and put back), which only the
+thread that launches steps may do, between two steps, and only while decoding may pause:
+nothing prefills or waits, and every speaking turn's audio is far enough ahead of playback
+to sit out the capture (engine.py hands each graph over; this thread comes back to those
+not taken within a second). All batch sizes are warmed (compiled)
 before the engine is ready, so a batch whose graph is not in yet runs eagerly at once.
 """
 

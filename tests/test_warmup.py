@@ -12,7 +12,7 @@ import httpx
 import torch
 
 from engine.config import EngineConfig
-from engine.engine import _first, build_engine
+from engine.engine import _CAPTURE_LEAD_S, _first, build_engine
 from engine.warmup import BackgroundCapture
 from rtvoice.testing import running_server
 from tests.test_engine import _EagerGraph, greedy_turns, install_eager_graphs
@@ -248,9 +248,9 @@ def test_a_started_engine_captures_on_its_own_thread_not_the_serving_loop(tiny_b
 
 def test_deferred_decode_graphs_are_captured_by_the_stepping_thread_only_when_quiet(tiny_bundle):
     """The decode family's deferred graphs (a capture sets every decode row inactive for a
-    moment) are captured by the thread that launches steps, never while a turn decodes or a
-    prefill is outstanding; a family asked during a long turn waits, and is captured once
-    the turn is over. Pingpong and the sync loop alike; on the stepping thread itself
+    moment) are captured by the thread that launches steps, between two steps, only when
+    decoding may pause for it (nothing prefills or waits, every speaking turn far enough
+    ahead of playback). Pingpong and the sync loop alike; on the stepping thread itself
     (step() without start()) at once."""
     from engine.engine import CollectingSink
     from engine.sampler import SamplingParams
@@ -258,12 +258,12 @@ def test_deferred_decode_graphs_are_captured_by_the_stepping_thread_only_when_qu
     for pingpong in (True, False):
         eng = build_engine(tiny_bundle, EngineConfig(max_running=2, max_len=256,
                                                      pingpong=pingpong))
-        seen: list[tuple[tuple[int, int], str, bool, int]] = []
+        seen: list[tuple[tuple[int, int], str, bool]] = []
 
         def capture(keys, eng=eng, seen=seen):  # stands in for the CUDA capture
             for k in keys:
-                seen.append((k, threading.current_thread().name, eng.scheduler.quiet,
-                             len(eng.scheduler.running)))
+                due = eng.scheduler.may_pause(time.perf_counter(), _CAPTURE_LEAD_S)
+                seen.append((k, threading.current_thread().name, due))
 
         eng.decode_worker.capture = capture
         sink = CollectingSink()
@@ -275,8 +275,8 @@ def test_deferred_decode_graphs_are_captured_by_the_stepping_thread_only_when_qu
             assert sink.done.wait(60)
             assert eng.warmed(30) and not eng.warming()
             assert len(seen) == 1
-            key, thread, quiet, running = seen[0]
-            assert key == (2, 256) and quiet and running == 0
+            key, thread, due = seen[0]
+            assert key == (2, 256) and due  # quiet, or every speaking turn far enough ahead
             assert thread == ("rtvoice-decode" if pingpong else "rtvoice-engine")
             assert sink.results[-1].frames > 0
         finally:
@@ -307,3 +307,54 @@ def test_compiled_ops_start_the_decode_batch_ladder_at_two_rows():
     assert worker("compile", 8).batches == [2, 4, 8]
     assert worker("reference", 8).batches == [1, 2, 4, 8]
     assert worker("compile", 1).batches == [1]
+
+
+def test_decoding_may_pause_only_when_no_one_waits_on_it():
+    """Scheduler.may_pause: not while a prompt prefills or a turn waits for a row, nor while
+    a speaking turn's audio is less than the pause ahead of its playback (or not out yet)."""
+    from types import SimpleNamespace
+
+    from engine.scheduler import Scheduler
+
+    s = Scheduler.__new__(Scheduler)  # only the state may_pause reads
+    s.frame_rate, s.prefill_outstanding, s.running = 21.5, 0, {}
+    s.row_queue, s.block_queue, s._row_ops, s._new_jobs = [], [], [], []
+    assert s.may_pause(100.0, 1.5)  # nothing at all
+    turn = SimpleNamespace(frames=[0] * 43, first_audio_at=99.0, finished=None)  # 2 s made
+    s.running = {0: SimpleNamespace(decoding=turn, draining=False)}
+    assert s.may_pause(99.4, 1.5)  # 2.0 s made, 0.4 s played: 1.6 s ahead
+    assert not s.may_pause(99.6, 1.5)  # 1.4 s ahead
+    turn.first_audio_at = None  # its first chunk still in the codec
+    assert not s.may_pause(99.4, 1.5)
+    turn.first_audio_at = 99.0
+    s.prefill_outstanding = 1  # a prompt prefilling: its TTFA clock runs
+    assert not s.may_pause(99.4, 1.5)
+    s.prefill_outstanding, s.row_queue = 0, [object()]  # a turn waiting for a row
+    assert not s.may_pause(99.4, 1.5)
+
+
+def test_a_step_with_every_row_set_inactive_leaves_speaking_turns_as_they_were(tiny_bundle):
+    """What a deferred capture does to live rows (its eager warm-up step, with every row set
+    inactive) changes nothing a speaking turn depends on: sampled turns (seeded, RAS on)
+    continue exactly as in an engine that never paused."""
+    from engine.engine import CollectingSink
+    from engine.sampler import SamplingParams
+
+    def run(pause_at: int | None):
+        eng = build_engine(tiny_bundle, EngineConfig(max_running=2, max_len=256,
+                                                     pingpong=False))
+        sinks = [CollectingSink() for _ in range(2)]
+        for i, sink in enumerate(sinks):
+            seq = eng.open([], SamplingParams(seed=7 + i), sink)
+            eng.submit(seq, f"Turn number {i} speaks a while.", turn_id="t", max_frames=24)
+        n = 0
+        while eng.step():
+            n += 1
+            if n == pause_at:
+                assert eng.scheduler.running  # mid-turn
+                with eng.runner._rows_inactive(None):
+                    eng.runner.step(2, eng.decode_worker.spans[0])
+        return [s.results[-1].codes for s in sinks]
+
+    for a, b in zip(run(None), run(6)):
+        assert torch.equal(a, b)

@@ -209,14 +209,15 @@ def _stream_input(tail: Tensor, x: Tensor, act: Tensor | None, ctx: StreamContex
 
 def _weight_cl(conv: nn.Conv1d | nn.ConvTranspose1d) -> Tensor:
     """The conv's weight as a channels-last 2-D kernel [O, I, 1, k], made once per weight
-    (inference weights do not change; a new weight tensor or an in-place edit remakes it)."""
+    (inference weights do not change; a new weight tensor, new storage, dtype or device, or an
+    in-place edit remakes it)."""
     w = conv.weight
+    key = (id(w), w._version, w.data_ptr(), w.dtype, w.device)
     cached = conv.__dict__.get("_weight_cl")
-    if cached is None or cached[0] is not w or cached[1] != w._version:
-        cached = (w, w._version,
-                  w.detach().unsqueeze(2).contiguous(memory_format=torch.channels_last))
+    if cached is None or cached[0] != key:
+        cached = (key, w.detach().unsqueeze(2).contiguous(memory_format=torch.channels_last))
         conv.__dict__["_weight_cl"] = cached
-    return cached[2]
+    return cached[1]
 
 
 def conv_cl(conv: nn.Conv1d | nn.ConvTranspose1d, x: Tensor, bias: bool = True) -> Tensor:
