@@ -282,6 +282,7 @@ def test_a_fused_op_raises_the_recompile_limit_in_every_thread_that_calls_it():
     """Dynamo's config is per thread from torch 2.12 on: a fused op called on an engine
     thread raises that thread's recompile limit too (with the default 8, a shape recompiled
     there past it would fall back to the reference for good)."""
+    import sys
     import threading
 
     import torch._dynamo
@@ -295,8 +296,10 @@ def test_a_fused_op_raises_the_recompile_limit_in_every_thread_that_calls_it():
         seen["y"] = op(torch.ones(3))
         seen["limit"] = torch._dynamo.config.recompile_limit
 
+    recursion = sys.getrecursionlimit()  # inductor raises it when it compiles: put it back
     t = threading.Thread(target=run)
     t.start()
     t.join()
+    sys.setrecursionlimit(recursion)
     assert torch.equal(seen["y"], torch.full((3,), 2.0))
     assert seen["limit"] >= 64
