@@ -471,8 +471,8 @@ def test_paged_pool_sharing_and_eviction_change_no_frame_on_the_gpu(gpu_bundle):
 
 
 def test_graphs_captured_in_the_background_give_the_same_frames(gpu_bundle):
-    """Fast start (ready_rows=1): the engine is built with the one-row decode, prefill and
-    codec graphs, captures the bigger buckets in the background while it serves (the decode
+    """Fast start (ready_rows=1): the engine is built with the smallest decode bucket's graph
+    (2 rows with compiled ops) and the one-row prefill and codec graphs, captures the bigger buckets in the background while it serves (the decode
     step's on the decode thread at quiet moments; eagerly until each is in), and gives the greedy frames of an engine that captured everything
     first — for turns run during the capture and after it."""
 
@@ -502,7 +502,7 @@ def test_graphs_captured_in_the_background_give_the_same_frames(gpu_bundle):
     def deferred(eng):
         pg, dec = eng.prefill_worker.graphs, eng.codec_worker.decoder
         dw = eng.decode_worker
-        # before ready: the one-row decode step, one-row prefill graphs short of the whole
+        # before ready: the smallest decode bucket, one-row prefill graphs short of the whole
         # context, one-stream codec
         assert set(eng.runner.step_graphs) == {k for k in dw.keys() if k[0] == dw.batches[0]}
         assert set(pg.graphs) == {k for k in pg.keys() if k[0] == 1 and k[2] < pg.spans[-1]}
