@@ -472,9 +472,10 @@ def test_paged_pool_sharing_and_eviction_change_no_frame_on_the_gpu(gpu_bundle):
 
 def test_graphs_captured_in_the_background_give_the_same_frames(gpu_bundle):
     """Fast start (ready_rows=1): the engine is built with the smallest decode bucket's graph
-    (2 rows with compiled ops) and the one-row prefill and codec graphs, captures the bigger buckets in the background while it serves (the decode
-    step's on the decode thread at quiet moments; eagerly until each is in), and gives the greedy frames of an engine that captured everything
-    first — for turns run during the capture and after it."""
+    (2 rows with compiled ops) and the one-row prefill and codec graphs, captures the bigger
+    buckets while it serves (the decode step's on the decode thread between two steps;
+    eagerly until each is in), and gives the greedy frames of an engine that captured
+    everything first — for turns run during the capture and after it."""
 
     def two_rounds(cfg: EngineConfig, during=None):
         eng = build_engine(gpu_bundle, cfg)
