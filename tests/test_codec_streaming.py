@@ -262,6 +262,37 @@ def test_state_buffers_are_preallocated() -> None:
     kv = [v for k, v in dec._state.items() if k.endswith(".k")]
     assert len(kv) == 1 and kv[0].shape == (9, 2, 3, 32)
     assert dec.state_bytes > 0
+    # every layer's state is a view of one buffer (one gather and one scatter per pass), the
+    # views tile it, and resetting a stream zeroes its row of every one
+    flat = dec._flat
+    assert sum(v[0].numel() for v in dec._state.values()) == flat.shape[1]
+    assert all(v.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+               for v in dec._state.values())
+    slot = dec._slot(sid)
+    assert any(bool(v[slot].any()) for v in dec._state.values())
+    dec.reset(sid)
+    assert not any(bool(v[slot].any()) for v in dec._state.values())
+
+
+def test_channels_last_conv_weights_follow_the_module() -> None:
+    """conv_cl's cached NHWC weight is remade when the module's weight changes dtype, storage
+    or values (a stale cache would convolve with the old weight or the wrong dtype)."""
+    import torch.nn.functional as F
+
+    from engine.codec.layers import CausalConv1d, conv_cl
+
+    torch.manual_seed(0)
+    conv = CausalConv1d(4, 6, kernel_size=3, dilation=2).conv
+    x = torch.randn(2, 4, 11)
+    torch.testing.assert_close(conv_cl(conv, x), conv(x))
+    conv.to(torch.float64)
+    torch.testing.assert_close(conv_cl(conv, x.double()), conv(x.double()))
+    with torch.no_grad():
+        conv.weight.mul_(2)  # in place: a new version
+    torch.testing.assert_close(conv_cl(conv, x.double()), conv(x.double()))
+    conv.weight = torch.nn.Parameter(torch.randn_like(conv.weight))  # a new tensor
+    want = F.conv1d(x.double(), conv.weight, conv.bias, dilation=2)
+    torch.testing.assert_close(conv_cl(conv, x.double()), want)
 
 
 @pytest.mark.parametrize("fold_bias", [False, True])
