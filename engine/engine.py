@@ -98,6 +98,11 @@ class _QuietCapture:
         self._state = "asked"
         self._lock = threading.Lock()
 
+    @property
+    def open(self) -> bool:
+        """Neither taken nor cancelled yet."""
+        return self._state == "asked"
+
     def claim(self, state: str) -> bool:
         with self._lock:
             if self._state != "asked":
@@ -329,6 +334,8 @@ class Engine:
             deadline = time.perf_counter() + 1.0
             while not ask.done.wait(0.02):
                 if (stop() or time.perf_counter() > deadline) and ask.claim("cancelled"):
+                    if self._quiet_capture is ask:
+                        self._quiet_capture = None
                     return
             if ask.error is not None:
                 raise ask.error
@@ -337,7 +344,8 @@ class Engine:
     def _capture_due(self) -> bool:
         """A deferred decode graph is asked for, nothing prefills or waits, and every
         speaking turn is far enough ahead of playback to sit out its capture."""
-        return (self._quiet_capture is not None and not self._landing
+        ask = self._quiet_capture
+        return (ask is not None and ask.open and not self._landing
                 and self.scheduler.may_pause(time.perf_counter(), _CAPTURE_LEAD_S))
 
     def _capture_if_quiet(self) -> bool:
