@@ -20,6 +20,7 @@ from engine.kernels.activation import (
     bias_residual_torch,
     snake,
     snake_cat,
+    snake_cat_torch,
     snake_torch,
 )
 from engine.kernels.decode_attention import decode_attention, decode_attention_torch
@@ -75,25 +76,31 @@ def main() -> int:
         for name, fn in ((kind, sample_topk), ("torch", sample)):
             us = timed(fn, args, 200 if cuda else 20, cuda)
             print(f"sample_topk bs={bs:4d} {name:7s} {us:9.2f} us")
-    for C, T in ((96, 16384), (192, 8192), (768, 256)):
-        x = torch.randn(64 if cuda else 2, C, T, device=dev, dtype=dt)
-        alpha = torch.rand(C, device=dev, dtype=dt) + 0.5
-        for name, fn in ((kind, snake), ("torch", snake_torch)):
-            us = timed(fn, (x, alpha), 100 if cuda else 3, cuda)
-            gbs = 2 * x.numel() * x.element_size() / us / 1e3
-            print(f"snake C={C:4d} T={T:5d} {name:7s} {us:9.2f} us {gbs:7.1f} GB/s")
-        for P in (1, 54):  # a streaming conv's input [tail | snake(x)]: transposed / dilated
-            tail = torch.randn(x.shape[0], C, P, device=dev, dtype=dt)
-            for name, fn in ((kind, snake_cat),
-                             ("torch", lambda t, x, a: torch.cat([t, snake_torch(x, a)], -1))):
-                us = timed(fn, (tail, x, alpha), 100 if cuda else 3, cuda)
-                gbs = 2 * (x.numel() + tail.numel()) * x.element_size() / us / 1e3
-                print(f"snake_cat C={C:4d} T={T:5d} P={P:2d} {name:7s} {us:9.2f} us {gbs:7.1f} GB/s")
-        y, bias = torch.randn_like(x), torch.randn(C, device=dev, dtype=dt)
-        for name, fn in ((kind, bias_residual), ("torch", bias_residual_torch)):
-            us = timed(fn, (x, y, bias), 100 if cuda else 3, cuda)
-            gbs = 3 * x.numel() * x.element_size() / us / 1e3
-            print(f"bias_residual C={C:4d} T={T:5d} {name:7s} {us:9.2f} us {gbs:7.1f} GB/s")
+    # the codec's pointwise ops at its 64 x 8 tick's shapes, channels-first and channels-last
+    # (stored [B, T, C]: the CUDA codec's layout); GB/s over the bytes read and written once
+    for layout in ("channels-first", "channels-last"):
+        for C, T in ((96, 16384), (192, 8192), (768, 256)):
+            B = 64 if cuda else 2
+            x = torch.randn(B, C, T, device=dev, dtype=dt)
+            if layout == "channels-last":
+                x = x.transpose(1, 2).contiguous().transpose(1, 2)
+            alpha = torch.rand(C, device=dev, dtype=dt) + 0.5
+            tag = f"{layout} C={C:4d} T={T:5d}"
+            for name, fn in ((kind, snake), ("torch", snake_torch)):
+                us = timed(fn, (x, alpha), 100 if cuda else 3, cuda)
+                gbs = 2 * x.numel() * x.element_size() / us / 1e3
+                print(f"snake {tag} {name:7s} {us:9.2f} us {gbs:7.1f} GB/s")
+            for P in (1, 54):  # a streaming conv's input [tail | snake(x)]: transposed / dilated
+                tail = torch.randn(B, C, P, device=dev, dtype=dt)  # saved tails: channels-first
+                for name, fn in ((kind, snake_cat), ("torch", snake_cat_torch)):
+                    us = timed(fn, (tail, x, alpha), 100 if cuda else 3, cuda)
+                    gbs = 2 * (x.numel() + tail.numel()) * x.element_size() / us / 1e3
+                    print(f"snake_cat {tag} P={P:2d} {name:7s} {us:9.2f} us {gbs:7.1f} GB/s")
+            y, bias = torch.empty_like(x).normal_(), torch.randn(C, device=dev, dtype=dt)
+            for name, fn in ((kind, bias_residual), ("torch", bias_residual_torch)):
+                us = timed(fn, (x, y, bias), 100 if cuda else 3, cuda)
+                gbs = 3 * x.numel() * x.element_size() / us / 1e3
+                print(f"bias_residual {tag} {name:7s} {us:9.2f} us {gbs:7.1f} GB/s")
     return 0
 
 
