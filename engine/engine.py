@@ -86,8 +86,8 @@ def fit_kv_blocks(want: int | None, *, free_bytes: int, reserve_bytes: int, bloc
 _CAPTURE_LEAD_S = 1.5
 
 
-class _QuietCapture:
-    """A deferred decode graph the stepping thread captures at a quiet moment; claimed once,
+class _CaptureAsk:
+    """A deferred decode graph the stepping thread captures when decoding may pause; claimed once,
     either by that thread ("taken") or by the background capture giving up on it
     ("cancelled")."""
 
@@ -148,7 +148,7 @@ class Engine:
                                    block_bytes=block_bytes)
         self._ids = itertools.count(1)
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._quiet_capture: _QuietCapture | None = None  # the deferred graph asked for
+        self._capture_ask: _CaptureAsk | None = None  # the deferred graph asked for
         self._wake = threading.Event()
         self._codec_wake = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -328,14 +328,14 @@ class Engine:
                 captured(key)
             return
         for key in keys:
-            ask = _QuietCapture(key)
-            self._quiet_capture = ask  # one at a time: replaces a cancelled one
+            ask = _CaptureAsk(key)
+            self._capture_ask = ask  # one at a time: replaces a cancelled one
             self._wake.set()
             deadline = time.perf_counter() + 1.0
             while not ask.done.wait(0.02):
                 if (stop() or time.perf_counter() > deadline) and ask.claim("cancelled"):
-                    if self._quiet_capture is ask:
-                        self._quiet_capture = None
+                    if self._capture_ask is ask:
+                        self._capture_ask = None
                     return
             if ask.error is not None:
                 raise ask.error
@@ -344,18 +344,16 @@ class Engine:
     def _capture_due(self) -> bool:
         """A deferred decode graph is asked for, nothing prefills or waits, and every
         speaking turn is far enough ahead of playback to sit out its capture."""
-        ask = self._quiet_capture
+        ask = self._capture_ask
         return (ask is not None and ask.open and not self._landing
                 and self.scheduler.may_pause(time.perf_counter(), _CAPTURE_LEAD_S))
 
-    def _capture_if_quiet(self) -> bool:
+    def _capture_if_due(self) -> bool:
         """On the stepping thread, with no step in flight: capture the deferred decode graph
         asked for, when `_capture_due`. Returns whether it took the request."""
-        ask = self._quiet_capture
+        ask = self._capture_ask  # a taken or cancelled one is no longer due
         if ask is None or not self._capture_due():
             return False
-        if self._quiet_capture is ask:
-            self._quiet_capture = None
         if ask.claim("taken"):
             try:
                 self.decode_worker.capture([ask.key])
@@ -439,7 +437,7 @@ class Engine:
             self._read(launched)
             did = True
         did = self._codec_tick() or did
-        captured = self._capture_if_quiet()  # between two steps, if due
+        captured = self._capture_if_due()  # between two steps, if due
         return did or captured
 
     def run_until_idle(self, timeout_s: float = 120.0) -> None:
@@ -506,7 +504,7 @@ class Engine:
                     if pending is not None:
                         self._read(pending)
                         pending = None
-                    self._capture_if_quiet()
+                    self._capture_if_due()
                     continue
                 launched = self._launch(pause=True)
                 if pending is not None:

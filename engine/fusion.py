@@ -49,7 +49,6 @@ def compiled(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     """`fn` compiled by inductor (dynamic shapes, one graph); if compiling it ever fails (a new
     shape past the recompile limit, a backend error) the call logs once and `fn` runs from
     then on, except inside a CUDA-graph capture, where it raises."""
-    _allow_recompiles()
     fused = torch.compile(fn, dynamic=True, fullgraph=True, options=_INDUCTOR_OPTIONS)
     state = {"ok": True}
     limits = threading.local()  # this op's calling threads that have the raised limit

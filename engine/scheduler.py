@@ -154,12 +154,6 @@ class Scheduler:
     def free_rows(self) -> int:
         return len(self._free_rows)
 
-    @property
-    def quiet(self) -> bool:
-        """Nothing decodes, prefills, or waits for a row or blocks: the decode thread may
-        pause (capture a deferred graph) without delaying anyone."""
-        return not self.running and self._nothing_waits()
-
     def may_pause(self, now: float, seconds: float) -> bool:
         """Whether decoding may stop for about `seconds` (a deferred graph's capture) with no
         one waiting on it: nothing prefills or waits for a row or blocks (their TTFA clocks

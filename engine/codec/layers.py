@@ -32,8 +32,7 @@ from torch import Tensor, nn
 from ..functional import apply_rope, rms_norm, rope_table
 from ..kernels.activation import (
     bias_residual_torch,
-    empty_like_layout,
-    is_channels_last,
+    cat_time,
     snake_cat_torch,
     snake_formula,
     snake_torch,
@@ -197,14 +196,7 @@ class Snake1d(nn.Module):
 def _stream_input(tail: Tensor, x: Tensor, act: Tensor | None, ctx: StreamContext) -> Tensor:
     """A streaming conv's input: the saved tail, then the new samples (activated by the
     preceding Snake when ``act`` is its alpha), in x's layout."""
-    if act is not None:
-        return ctx.ops.snake_cat(tail, x, act)
-    if not is_channels_last(x):
-        return torch.cat([tail, x], dim=-1)
-    out = empty_like_layout(x, x.shape[-1] + tail.shape[-1])
-    out[..., : tail.shape[-1]] = tail
-    out[..., tail.shape[-1]:] = x
-    return out
+    return cat_time(tail, x) if act is None else ctx.ops.snake_cat(tail, x, act)
 
 
 def _weight_cl(conv: nn.Conv1d | nn.ConvTranspose1d) -> Tensor:

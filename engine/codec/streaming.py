@@ -102,12 +102,12 @@ class StreamingDecoder:
         # They are views of one [max_streams + 1, total] buffer, so a pass gathers and
         # scatters every layer's state in one indexed copy each (a copy per layer and
         # direction was 72 small kernels of a tick)
-        shapes = {f"{m.state_key}.{name}": shape for m in codec.streaming_modules()
-                  for name, shape in m.state_shapes().items()}
-        self._sizes = [math.prod(shape) for shape in shapes.values()]
-        self._flat = torch.zeros(max_streams + 1, sum(self._sizes), device=self.device,
-                                 dtype=self.dtype)
-        self._state: dict[str, Tensor] = self._views(self._flat, shapes)
+        self._shapes = {f"{m.state_key}.{name}": shape for m in codec.streaming_modules()
+                        for name, shape in m.state_shapes().items()}
+        self._flat = torch.zeros(max_streams + 1,
+                                 sum(math.prod(s) for s in self._shapes.values()),
+                                 device=self.device, dtype=self.dtype)
+        self._state: dict[str, Tensor] = self._views(self._flat)
         self.buckets = buckets
         # stream buckets stop at graph_streams: the engine opens twice its slots (turns still
         # draining) but rarely decodes more than its slots at once, and the biggest buckets
@@ -180,13 +180,11 @@ class StreamingDecoder:
             self._flat[slot].zero_()
         self._position[slot] = 0
 
-    def _views(self, flat: Tensor, shapes: Mapping[str, tuple[int, ...]] | None = None
-               ) -> dict[str, Tensor]:
+    def _views(self, flat: Tensor) -> dict[str, Tensor]:
         """Each layer's state as a view of `flat` [B, total] ([B, *shape] per key)."""
-        if shapes is None:
-            shapes = {k: tuple(v.shape[1:]) for k, v in self._state.items()}
         out, at = {}, 0
-        for (k, shape), n in zip(shapes.items(), self._sizes):
+        for k, shape in self._shapes.items():
+            n = math.prod(shape)
             out[k] = flat[:, at: at + n].view(flat.shape[0], *shape)
             at += n
         return out

@@ -31,12 +31,7 @@ def snake_torch(x: Tensor, alpha: Tensor, bias: Tensor | None = None) -> Tensor:
 def snake_cat_torch(tail: Tensor, x: Tensor, alpha: Tensor, bias: Tensor | None = None) -> Tensor:
     """A streaming conv's input: its saved tail [B, C, P], then the activated new samples
     (in x's layout)."""
-    if not is_channels_last(x):
-        return torch.cat([tail, snake_torch(x, alpha, bias)], dim=-1)
-    out = empty_like_layout(x, tail.shape[-1] + x.shape[-1])
-    out[..., : tail.shape[-1]] = tail
-    out[..., tail.shape[-1]:] = snake_torch(x, alpha, bias)
-    return out
+    return cat_time(tail, snake_torch(x, alpha, bias))
 
 
 def bias_residual_torch(x: Tensor, y: Tensor, bias: Tensor) -> Tensor:
@@ -61,6 +56,17 @@ def empty_like_layout(x: Tensor, length: int) -> Tensor:
     if is_channels_last(x):
         return torch.empty((B, length, C), dtype=x.dtype, device=x.device).transpose(1, 2)
     return torch.empty((B, C, length), dtype=x.dtype, device=x.device)
+
+
+def cat_time(tail: Tensor, x: Tensor) -> Tensor:
+    """[tail | x] along T ([B, C, P] then [B, C, T]), in x's layout (torch.cat would make a
+    channels-last x channels-first)."""
+    if not is_channels_last(x):
+        return torch.cat([tail, x], dim=-1)
+    out = empty_like_layout(x, tail.shape[-1] + x.shape[-1])
+    out[..., : tail.shape[-1]] = tail
+    out[..., tail.shape[-1]:] = x
+    return out
 
 
 # ---------------------------------------------------------------------- checks
