@@ -16,8 +16,8 @@
 // Contract (checked by the Python wrappers in engine/kernels/activation.py and again here):
 //   x, y, out   [B, C, T]  bf16/fp16/fp32, either channels-first with the last dim contiguous
 //                          (stride 1; any batch/channel strides: out may be a slice of a wider
-//                          buffer), or all dense channels-last (stored as [B, T, C]: the
-//                          layout of the codec's NHWC convs)
+//                          buffer), or all channels-last (stored as [B, T, C]: the layout
+//                          of the codec's NHWC convs; x and y may be slices along T, out dense)
 //   tail        [B, C, P]  (snake_cat) same dtype; channels-first: last dim contiguous, out
 //                          then a contiguous [B, C, P + T]; channels-last x: any strides, out
 //                          then a dense channels-last [B, C, P + T]
