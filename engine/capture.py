@@ -2,9 +2,15 @@
 chunks and codec ticks all go through `capture_graphs`).
 
 A capture fails ("operation not permitted when stream is capturing") if anything frees a
-CUDA graph while it runs; the usual culprit is Python's cyclic garbage collector collecting
-an earlier engine's graphs at an allocation inside the capture. So: collect first, then keep
-the collector off until the capture is over.
+CUDA graph on the capturing thread while it runs; the usual culprit is Python's cyclic
+garbage collector collecting an earlier engine's graphs at an allocation inside the capture.
+So the collector stays off until the capture is over.
+
+Captures also run next to live traffic (engine/warmup.py), so they wait for nothing but their
+own stream: `torch.cuda.graph` would synchronise the device, run a full collection (holding
+the GIL every worker needs) and empty the device and pinned-host caches (cudaFree and
+cudaFreeHost synchronise the device, and the next step's allocations pay for it again) —
+a stall of every stream for a graph that needs none of it.
 
 Each family of graphs is captured on the stream that will replay it: cuBLAS's workspace is
 per stream and its address is baked into a captured graph, so families captured on one
@@ -54,7 +60,6 @@ class _GcPause:
 
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
-    gc.collect()
     with _GcPause.lock:
         if _GcPause.holders == 0:
             _GcPause.was_enabled = gc.isenabled()
@@ -83,20 +88,34 @@ def capture_graphs(side: torch.cuda.Stream, keys: Sequence[Hashable],
     it can replay (background captures put it in use then), and `stop()` true ends the
     captures early. `pool`: an earlier capture's memory pool to share (graphs that never
     replay at the same time)."""
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
+    side.wait_stream(torch.cuda.current_stream())  # the caller's warm-up and inputs first
     graphs: dict[Any, tuple[torch.cuda.CUDAGraph, Any, Any]] = {}
     with gc_paused():
         for key in keys:
             if stop is not None and stop():
                 break
             inp = inputs(key)
+            side.wait_stream(torch.cuda.current_stream())
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool, stream=side, capture_error_mode="thread_local"):
+            with _capturing(g, side, pool):
                 out = run(key, inp)
             pool = g.pool() if pool is None else pool
             graphs[key] = (g, inp, out)
             if captured is not None:
                 captured(key, graphs[key])
-    torch.cuda.synchronize()
+    side.synchronize()  # a graph replays once its capture (and the memory it took) is done
     return graphs
+
+
+@contextlib.contextmanager
+def _capturing(g: torch.cuda.CUDAGraph, side: torch.cuda.Stream,
+               pool: tuple[int, int] | None) -> Iterator[None]:
+    """What `torch.cuda.graph` does minus its device-wide waits and cache flushes (module
+    docstring): capture on `side`, in CUDA's thread-local mode (other threads' launches go
+    on), into `pool` (None: a new one)."""
+    with torch.cuda.stream(side):
+        g.capture_begin(pool=pool, capture_error_mode="thread_local")
+        try:
+            yield
+        finally:
+            g.capture_end()

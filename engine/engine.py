@@ -29,8 +29,10 @@ import gc
 import itertools
 import logging
 import queue
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 
 import numpy as np
@@ -47,7 +49,7 @@ from .loader import Bundle
 from .ops import Ops, build_ops
 from .prefill_worker import PrefillWorker
 from .prompt import PromptBuilder, Reference
-from .request import PrefillJob, Sequence, SequenceSink, Turn, TurnResult
+from .request import Chunking, PrefillJob, Sequence, SequenceSink, Turn, TurnResult
 from .runner import ModelRunner
 from .sampler import SamplingParams
 from .scheduler import Scheduler, new_stats
@@ -154,6 +156,8 @@ class Engine:
         self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
         self._threaded = False  # pingpong threads running
+        # when the decode and codec threads last began a pass of their loop (watchdog)
+        self._pass_at = {"decode": time.perf_counter(), "codec": time.perf_counter()}
         # One stream per thread; cfg.high_priority_streams get the device's higher priority.
         # Each family of CUDA graphs is captured on the stream that replays it: cuBLAS's
         # workspace is per stream and is baked into a captured graph, so graphs captured on
@@ -238,8 +242,11 @@ class Engine:
         return self.scheduler.turn_room(self.prompts.system(tuple(references)).shape[1])
 
     def open(self, references: list[Reference] | tuple[Reference, ...], params: SamplingParams,
-             sink: SequenceSink) -> Sequence:
-        """Queue a session's voice prompt for prefill. `sink.on_ready` fires when it is in."""
+             sink: SequenceSink, chunking: Chunking | None = None) -> Sequence:
+        """Queue a session's voice prompt for prefill. `sink.on_ready` fires when it is in.
+        `chunking`: the session's own audio chunk sizes (checked here: ValueError)."""
+        chunking = chunking or Chunking()
+        self.check_chunking(chunking)
         if not self.scheduler.has_room():
             raise EngineOverloaded(f"{len(self.scheduler.waiting)} sessions already wait for KV "
                                    f"blocks")
@@ -253,9 +260,22 @@ class Engine:
                                 f"(use shorter references)")
         seed = self.scheduler.seed_for(params.seed)
         seq = Sequence(next(self._ids), tuple(references), params, seed, sink, system_cols=system,
-                       prompt_key=prompt_key(system))
+                       prompt_key=prompt_key(system), chunking=chunking)
         self._post(lambda: self.scheduler.admit(seq))
         return seq
+
+    def check_chunking(self, chunking: Chunking) -> None:
+        """ValueError naming the field unless 1 <= first <= size <= max_turn_frames (a field
+        left None takes the engine's setting; a default first chunk is cut to the size)."""
+        top = self.cfg.max_turn_frames
+        for name, v in (("first_chunk_frames", chunking.first), ("chunk_frames", chunking.size)):
+            if v is not None and not 1 <= v <= top:
+                raise ValueError(f"{name} must be 1..{top} (the engine's max_turn_frames), "
+                                 f"got {v}")
+        size = chunking.size or self.cfg.chunk_frames
+        if chunking.first is not None and chunking.first > size:
+            raise ValueError(f"first_chunk_frames ({chunking.first}) must not exceed chunk_frames "
+                             f"({size}{'' if chunking.size else ', the engine default'})")
 
     def submit(self, seq: Sequence, text: str, *, turn_id: str, max_frames: int | None = None) -> None:
         """Start a turn: `text` is spoken in the sequence's voice, continuing its context."""
@@ -284,7 +304,8 @@ class Engine:
                 "kv_blocks_available": s.blocks_available(),
                 "kv_block_size": s.pool.block_size, "offloaded": s.offloaded,
                 "host_kv_bytes": s.host_bytes, "shared_prefixes": len(s.prefixes),
-                "device_wait_s": round(self.device_wait_s(), 3)}
+                "device_wait_s": round(self.device_wait_s(), 3),
+                "loop_stall_s": round(self.loop_stall_s(), 3)}
 
     def warming(self) -> dict[str, dict[str, object]]:
         """Graphs still being captured in the background: {family: {captured, total}} (and
@@ -308,8 +329,24 @@ class Engine:
                  min((j.landed_at for j in landing), default=None)]
         return max((now - t for t in since if t is not None), default=0.0)
 
+    def loop_stall_s(self) -> float:
+        """How long the decode or codec thread has been in one pass of its loop (0 when the
+        threads are not running). A pass is one step, one codec tick or an idle wait of at
+        most 20 ms; one past `cfg.stall_s` means that thread is stuck (on the host, or on
+        the device: `device_wait_s` says which)."""
+        if not self._threaded:
+            return 0.0
+        now = time.perf_counter()
+        return max(now - t for t in (self._pass_at["decode"], self._pass_at["codec"]))
+
     def stalled(self) -> bool:
-        return self.device_wait_s() > self.cfg.stall_s
+        return max(self.device_wait_s(), self.loop_stall_s()) > self.cfg.stall_s
+
+    def thread_stacks(self) -> str:
+        """Where each engine thread is now (its innermost frames), for a stall's log line."""
+        frames = sys._current_frames()
+        return "".join(f"\n--- {t.name}\n" + "".join(traceback.format_stack(frames[t.ident])[-8:])
+                       for t in self._threads if t.ident in frames)
 
     # ================================================================ threads
     def _capture_decode_later(self, keys: list[tuple[int, int]], stop: Callable[[], bool],
@@ -369,6 +406,7 @@ class Engine:
             return
         self._stop.clear()
         if self.cfg.pingpong:
+            self._pass_at = dict.fromkeys(self._pass_at, time.perf_counter())
             self._threaded = True
             targets = [("rtvoice-decode", self._decode_loop), ("rtvoice-prefill", self._prefill_loop),
                        ("rtvoice-codec", self._codec_loop)]
@@ -496,6 +534,7 @@ class Engine:
         torch.set_grad_enabled(False)
         pending: Launched | None = None
         while not self._stop.is_set():
+            self._pass_at["decode"] = time.perf_counter()
             try:
                 did = self._run_commands()
                 did |= self._poll_landings()
@@ -579,6 +618,7 @@ class Engine:
     def _codec_loop(self) -> None:
         torch.set_grad_enabled(False)
         while not self._stop.is_set():
+            self._pass_at["codec"] = time.perf_counter()
             try:
                 did = self._codec_tick()
             except Exception:

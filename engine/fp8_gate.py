@@ -160,7 +160,7 @@ class Trace:
 
 class _Recorder:
     """Keeps every head's input and output while the runner decodes (instance overrides of
-    the two head entry points, and a hook on the fast AR's final norm)."""
+    the head entry points and the fast AR's final-normed hidden state)."""
 
     def __init__(self, model: DualAR) -> None:
         self.model = model
@@ -176,22 +176,25 @@ class _Recorder:
 
         def fast(x: Tensor, pos: int, attend, ops: Ops = REFERENCE) -> Tensor:  # type: ignore[no-untyped-def]
             out = orig_fast(x, pos, attend, ops)
-            if pos > 0:  # position 0 takes the slow hidden state; its output is discarded
-                assert self._fast_h is not None
-                self.fast.append((self._fast_h, out[0].float().clone()))
+            assert self._fast_h is not None  # position 0 (the slow hidden state) has no logits
+            self.fast.append((self._fast_h, out[0].float().clone()))
             return out
 
-        def hook(_mod, _args, out: Tensor) -> None:  # type: ignore[no-untyped-def]
+        orig_hidden = model.fast_hidden
+
+        def hidden(x: Tensor, pos: int, attend, ops: Ops = REFERENCE) -> Tensor:  # type: ignore[no-untyped-def]
+            out = orig_hidden(x, pos, attend, ops)
             self._fast_h = out[0, -1].float().clone()
+            return out
 
         model.semantic_logits = sem  # type: ignore[method-assign]
         model.forward_fast = fast  # type: ignore[method-assign]
-        self._handle = model.fast_norm.register_forward_hook(hook)
+        model.fast_hidden = hidden  # type: ignore[method-assign]
 
     def restore(self) -> None:
         del self.model.semantic_logits
         del self.model.forward_fast
-        self._handle.remove()
+        del self.model.fast_hidden
 
 
 def greedy_decode(model: DualAR, prompt: Tensor, frames: int, ops: Ops = REFERENCE) -> Trace:

@@ -84,10 +84,24 @@ class Block(nn.Module):
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
 
-    def forward(self, x: Tensor, cs: Tensor, attend: Attend, layer: int, ops: Ops) -> Tensor:
-        a = self.attention(self.attention_norm(x, ops), cs, attend, layer, ops)
-        h, hn = ops.add_rms_norm(x, a, self.ffn_norm.weight, self.ffn_norm.eps)  # h = x + a
-        return h + self.feed_forward(hn, ops)
+    def forward(self, x: Tensor, xn: Tensor, cs: Tensor, attend: Attend, layer: int,
+                next_norm: RMSNorm, ops: Ops) -> tuple[Tensor, Tensor]:
+        """x: the residual stream [B, T, D]; xn: attention_norm(x) -> (x', next_norm(x')),
+        x' = h + FFN(ffn_norm(h)), h = x + Attn(xn). Each residual add comes with the norm
+        that reads its sum (the next block's attention_norm, or the final norm): one pass."""
+        a = self.attention(xn, cs, attend, layer, ops)
+        h, hn = ops.add_rms_norm(x, a, self.ffn_norm.weight, self.ffn_norm.eps)
+        return ops.add_rms_norm(h, self.feed_forward(hn, ops), next_norm.weight, next_norm.eps)
+
+
+def run_blocks(blocks: nn.ModuleList, final_norm: RMSNorm, x: Tensor, cs: Tensor,
+               attend: Attend, ops: Ops) -> Tensor:
+    """The decoder stack: x [B, T, D] through every block -> final_norm(output) [B, T, D]."""
+    xn = blocks[0].attention_norm(x, ops)
+    for i, block in enumerate(blocks):
+        nxt = blocks[i + 1].attention_norm if i + 1 < len(blocks) else final_norm
+        x, xn = block(x, xn, cs, attend, i, nxt, ops)
+    return xn
 
 
 def gqa_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
@@ -174,9 +188,7 @@ class DualAR(nn.Module):
         """cols: [B, 1+K, T]; positions: [B, T] -> final-normed hidden states h: [B, T, D]."""
         x = self.embed(cols)
         cs = self.rope[positions]  # [B, T, Dh/2, 2]
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cs, attend, i, ops)
-        return self.norm(x, ops)
+        return run_blocks(self.layers, self.norm, x, cs, attend, ops)
 
     def semantic_logits(self, h: Tensor, ops: Ops = REFERENCE) -> Tensor:
         """h: [..., D] -> logits over [semantic 0..N-1, <|im_end|>]: [..., N+1].
@@ -196,7 +208,9 @@ class DualAR(nn.Module):
     # ------------------------------------------------------------------ fast AR
     def forward_fast(self, x: Tensor, pos: int, attend: Attend, ops: Ops = REFERENCE) -> Tensor:
         """One fast-AR position for a batch. x: [B, 1, D]; pos in 0..K-1 -> logits [B, 4096]."""
+        return ops.linear(self.fast_hidden(x, pos, attend, ops), self.fast_output.weight)[:, 0]
+
+    def fast_hidden(self, x: Tensor, pos: int, attend: Attend, ops: Ops = REFERENCE) -> Tensor:
+        """The fast AR's final-normed hidden state at `pos`: x [B, 1, D] -> [B, 1, D]."""
         cs = self.fast_rope[pos: pos + 1].unsqueeze(0).expand(x.shape[0], -1, -1, -1)
-        for i, layer in enumerate(self.fast_layers):
-            x = layer(x, cs, attend, i, ops)
-        return ops.linear(self.fast_norm(x, ops), self.fast_output.weight)[:, 0]
+        return run_blocks(self.fast_layers, self.fast_norm, x, cs, attend, ops)

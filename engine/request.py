@@ -80,6 +80,15 @@ class SequenceSink(Protocol):
     def on_error(self, seq: Sequence, message: str) -> None: ...
 
 
+@dataclass(frozen=True, slots=True)
+class Chunking:
+    """A session's own audio chunking; a field left None takes the engine's setting (and a
+    default first chunk doubles during slow start; a chosen one is kept as chosen)."""
+
+    first: int | None = None  # codec frames in a turn's first chunk
+    size: int | None = None  # codec frames in later chunks
+
+
 @dataclass(slots=True, eq=False)
 class Turn:
     turn_id: str
@@ -121,6 +130,7 @@ class Sequence:
     pos: int = 0  # positions filled in the KV cache
     system_cols: Tensor | None = None
     history: list[tuple[str, Tensor]] = field(default_factory=list)  # (text, codes fed) per turn
+    chunking: Chunking = field(default_factory=Chunking)
     turn: Turn | None = None  # the turn in prefill or on the device
     queued_turn: Turn | None = None  # waits for the voice prompt or a cancelled turn's drain
     decoding: Turn | None = None  # the turn whose frames the device produces

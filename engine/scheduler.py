@@ -791,9 +791,20 @@ class Scheduler:
             self.step_s = dt if self.step_s is None else 0.9 * self.step_s + 0.1 * dt
         self._last_launch = plan.t_launch
 
-    def first_chunk(self) -> int:
-        """Frames in a turn's first audio chunk now: twice first_chunk_frames while the
-        streams generate slower than slow_start_x times realtime."""
+    def chunk(self, seq: Sequence) -> int:
+        """Frames in the later audio chunks of `seq`'s turns."""
+        return seq.chunking.size or self.cfg.chunk_frames
+
+    def first_chunk(self, seq: Sequence | None = None) -> int:
+        """Frames in a turn's first audio chunk now: the session's choice, else twice
+        first_chunk_frames while the streams generate slower than slow_start_x times
+        realtime (never more than the session's later chunks)."""
+        if seq is not None and seq.chunking.first is not None:
+            return seq.chunking.first
+        first = self._default_first()
+        return first if seq is None else min(first, self.chunk(seq))
+
+    def _default_first(self) -> int:
         first, step_s = self.cfg.first_chunk_frames, self.step_s
         if self.cfg.slow_start_x and step_s is not None \
                 and step_s * self.frame_rate * self.cfg.slow_start_x > 1.0:
@@ -808,14 +819,13 @@ class Scheduler:
         of replays on an idle GPU."""
         if not self.prefill_outstanding or self.cfg.prefill_first_lead_s == 0:
             return False
-        first = self.first_chunk()
         for seq in self.running.values():
             turn = seq.decoding
             # a draining (cancelled) turn needs no new step: reading the one in flight frees it
             if seq.draining or turn is None or turn.finished is not None:
                 continue
             n = len(turn.frames)
-            if n < first:  # joined, first chunk not generated yet: waits a bounded time
+            if n < self.first_chunk(seq):  # joined, first chunk not generated yet: waits a bounded time
                 if turn.ready_at is None or now - turn.ready_at >= self.cfg.prefill_first_wait_s:
                     return False
                 continue
@@ -909,7 +919,7 @@ class Scheduler:
         """The streams with a chunk due, their new frames, and the turns whose audio is
         complete (reported here) or dropped (cancelled)."""
         plan = CodecPlan()
-        due, first = False, self.first_chunk()
+        due = False
         ripe: list[tuple[Sequence, Turn, int]] = []
         with self._audio_lock:
             audio = list(self._audio)
@@ -925,10 +935,10 @@ class Scheduler:
                 continue
             # Chunks grow 1, 1, 2, 4, 8, 8…: a small first chunk for TTFA, then doubling, so
             # the listener's buffer is topped up before it drains, then full-size chunks.
-            need = min(self.cfg.chunk_frames, max(first, turn.decoded_frames))
+            need = min(self.chunk(s), max(self.first_chunk(s), turn.decoded_frames))
             if pending == 0 or (pending < need and not finished):
                 continue
-            due |= finished or self._codec_due(turn, pending, now)
+            due |= finished or self._codec_due(turn, pending, self.chunk(s), now)
             ripe.append((s, turn, pending))
         if due:  # else every ripe stream is far enough ahead: wait for a fuller tick
             for s, turn, pending in ripe:
@@ -937,14 +947,14 @@ class Scheduler:
                 plan.work.append((s, turn, codes))
         return plan
 
-    def _codec_due(self, turn: Turn, pending: int, now: float) -> bool:
+    def _codec_due(self, turn: Turn, pending: int, chunk: int, now: float) -> bool:
         """Whether a stream with a chunk's worth of frames needs a tick now. One that is
         more than `codec_hold_s` of audio ahead of realtime playback can wait: it rides
         along in the next tick another stream needs, or goes once it has two chunks
         pending — fewer, fuller ticks (each costs ~3 ms however few streams it carries).
         First chunks never wait (TTFA)."""
-        if self.cfg.codec_hold_s == 0 or turn.decoded_frames < self.cfg.chunk_frames \
-                or pending >= 2 * self.cfg.chunk_frames or turn.first_audio_at is None:
+        if self.cfg.codec_hold_s == 0 or turn.decoded_frames < chunk \
+                or pending >= 2 * chunk or turn.first_audio_at is None:
             return True
         ahead = turn.samples_out / self.sample_rate - (now - turn.first_audio_at)
         return ahead < self.cfg.codec_hold_s

@@ -58,12 +58,22 @@ class _Recorder:
             self.fast.append(out.detach().clone())
             return out
 
+        orig_hidden = model.fast_hidden
+
+        def hidden(x: Tensor, pos: int, attend, ops: Ops = REFERENCE) -> Tensor:  # type: ignore[no-untyped-def]
+            h = orig_hidden(x, pos, attend, ops)
+            if pos == 0:  # the runner takes no logits there (only K/V); the reference's are kept
+                self.fast.append(ops.linear(h, model.fast_output.weight)[:, 0].detach().clone())
+            return h
+
         model.semantic_logits = sem  # type: ignore[method-assign]
         model.forward_fast = fast  # type: ignore[method-assign]
+        model.fast_hidden = hidden  # type: ignore[method-assign]
 
     def restore(self) -> None:
         del self.model.semantic_logits
         del self.model.forward_fast
+        del self.model.fast_hidden
 
 
 def _diff(a: Tensor, b: Tensor) -> float:

@@ -283,8 +283,12 @@ async def _ready(request: Request) -> Response:
         reason = "draining: the server is shutting down"
     elif rt.engine.stalled():
         reason = (f"device stalled: the engine has waited {load['device_wait_s']:.1f} s on the "
-                  f"GPU (limit {rt.engine.cfg.stall_s:g} s); restart the server")
-        log.error("/ready: %s", reason)
+                  f"GPU (limit {rt.engine.cfg.stall_s:g} s); restart the server"
+                  if load["device_wait_s"] >= load["loop_stall_s"] else
+                  f"engine stalled: a worker thread has been in one pass of its loop for "
+                  f"{load['loop_stall_s']:.1f} s (limit {rt.engine.cfg.stall_s:g} s; the "
+                  f"server log has its stack); restart the server")
+        log.error("/ready: %s; the engine threads:%s", reason, rt.engine.thread_stacks())
     elif sessions >= limits.max_sessions:
         reason = f"at capacity: {sessions} live sessions (max_sessions)"
     elif load["waiting"] > 0 or load["kv_blocks_available"] <= load["max_running"] - load["free_rows"]:

@@ -27,6 +27,7 @@ from engine.errors import (
 from engine.loader import Bundle, load_bundle
 from engine.prompt import Reference
 from engine.reference_audio import reference_from_bytes
+from engine.request import Chunking
 from engine.sampler import SamplingParams
 from protocol import ErrorCode, ProtocolError, TTSRequest
 from rtvoice.memory import trim_loop
@@ -230,6 +231,16 @@ class Runtime:
                                   seed=seed)
         except ValueError as exc:
             raise ProtocolError(ErrorCode.BAD_REQUEST, str(exc), event="start") from None
+
+    def chunking(self, req: TTSRequest) -> Chunking:
+        """A request's own audio chunk sizes (the engine's settings for what it leaves out);
+        `ProtocolError(invalid_field)` naming a bad value."""
+        chunking = Chunking(first=req.first_chunk_frames, size=req.chunk_frames)
+        try:
+            self.engine.check_chunking(chunking)
+        except ValueError as exc:
+            raise ProtocolError(ErrorCode.INVALID_FIELD, str(exc), event="start") from None
+        return chunking
 
     async def voice(self, req: TTSRequest) -> list[Reference]:
         """A request's voice: a stored voice (``reference_id``, an id or a name, wins) or its

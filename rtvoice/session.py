@@ -91,13 +91,14 @@ log = logging.getLogger(__name__)
 _FINAL_TIMEOUT_S: Final = 5.0  # last events + close to a client that may not read any more
 
 
-def encode_backlog_chunks(engine: EngineConfig) -> int:
-    """Raw audio chunks (float32 PCM, usually ``chunk_frames`` frames: 64 KiB by default; up
-    to twice that for a stream far ahead of realtime) that may wait for a session's encoder:
-    the chunks of two longest segments (``max_turn_frames``), 528 by default. The encoder
-    falls this far behind the engine only when its thread pool is starved; the session is
-    then dropped like a slow reader (the engine never waits for a session)."""
-    return 2 * math.ceil(engine.max_turn_frames / engine.chunk_frames) + 16
+def encode_backlog_chunks(engine: EngineConfig, chunk_frames: int | None = None) -> int:
+    """Raw audio chunks (float32 PCM, usually ``chunk_frames`` frames, the session's or the
+    engine's: 64 KiB by default; up to twice that for a stream far ahead of realtime) that
+    may wait for a session's encoder: the chunks of two longest segments
+    (``max_turn_frames``), 528 by default. The encoder falls this far behind the engine only
+    when its thread pool is starved; the session is then dropped like a slow reader (the
+    engine never waits for a session)."""
+    return 2 * math.ceil(engine.max_turn_frames / (chunk_frames or engine.chunk_frames)) + 16
 
 
 class ClientGone(Exception):
@@ -181,8 +182,9 @@ class Session:
         self._draining = False  # the server drains: end once the turns are done
         self._drained = False  # ... and they are: the last audio goes out before the error
         self.turns: Turns | None = None  # from `start` on
-        self._jobs: asyncio.Queue[Any] = asyncio.Queue(
-            maxsize=encode_backlog_chunks(self.settings.engine))
+        # bounded by _queue_job, in the session's chunks (known at `start`)
+        self._jobs: asyncio.Queue[Any] = asyncio.Queue()
+        self._backlog = encode_backlog_chunks(self.settings.engine)
         self._raw_bytes = 0  # PCM in _jobs
         self._outbox = Outbox(self.limits.send_queue_bytes, self.limits.send_queue_events)
         self._ready_sent = False  # until then ``done`` events are held back (see _put)
@@ -425,17 +427,10 @@ class Session:
                      time.perf_counter() - self._opened_at)
 
     async def _stop_encoder(self, encoder: asyncio.Task[None]) -> None:
-        """Queue the encode worker's stop. Its queue is bounded: when it is full, the worker
-        (which now only closes encoders, ``_closing`` is set) makes room quickly."""
-        if encoder.done():
-            return
-        try:
+        """Queue the encode worker's stop, behind at most `_backlog` jobs, which the worker
+        (now only closing encoders, ``_closing`` is set) goes through quickly."""
+        if not encoder.done():
             self._jobs.put_nowait(_STOP_JOB)
-        except asyncio.QueueFull:
-            try:
-                await asyncio.wait_for(self._jobs.put(_STOP_JOB), _FINAL_TIMEOUT_S)
-            except TimeoutError:
-                encoder.cancel()
 
     def _finish_ok(self) -> None:
         if not self._end.done():
@@ -600,7 +595,7 @@ class Session:
                                    input_sample_rate=self.sample_rate)
         except ValueError as exc:
             raise ProtocolError(ErrorCode.UNSUPPORTED_FORMAT, str(exc)) from None
-        params = rt.sampling(req)
+        params, chunking = rt.sampling(req), rt.chunking(req)
         references = await rt.voice(req)
         # Cap chunk_length so that any segment fits the context next to this voice prompt
         # (the engine would otherwise refuse a long segment of wide characters: too_large).
@@ -620,7 +615,8 @@ class Session:
                     "max_frames": eng.max_turn_frames, "request_max": req.max_new_tokens})
         rt.metrics.sessions_total += 1
         # Prefill starts now, before any text: it never counts in a turn's TTFA.
-        self._seq = rt.engine.open(references, params, _Sink(self._loop, self))
+        self._backlog = encode_backlog_chunks(self.settings.engine, chunking.size)
+        self._seq = rt.engine.open(references, params, _Sink(self._loop, self), chunking)
         if req.text:  # Fish's legacy SDK may put the text in the request itself
             self.turns.text(None, req.text)
 
@@ -763,13 +759,11 @@ class Session:
     def _queue_job(self, job: _Job) -> None:
         """Hand a job to the encode worker. Never waits (engine callbacks come through here):
         a full backlog means the session cannot keep up, and it is dropped as too slow."""
-        try:
-            self._jobs.put_nowait(job)
-            self._raw_bytes += job.pcm.nbytes if job.pcm is not None else 0
-        except asyncio.QueueFull:
-            raise SlowReader(
-                f"the audio encoder is {self._jobs.maxsize} chunks behind the engine",
-                "encode_backlog") from None
+        if self._jobs.qsize() >= self._backlog:
+            raise SlowReader(f"the audio encoder is {self._backlog} chunks behind the engine",
+                             "encode_backlog")
+        self._jobs.put_nowait(job)
+        self._raw_bytes += job.pcm.nbytes if job.pcm is not None else 0
 
     # ------------------------------------------------------------------------- encoding
 

@@ -113,7 +113,7 @@ class Synthesis:
         rt.claim_session(self.key)
         self._claimed = True
         rt.sessions.add(self)  # the drain sees it (and cuts it if it outlives the deadline)
-        params = rt.sampling(req)
+        params, chunking = rt.sampling(req), rt.chunking(req)
         references = await rt.voice(req)
         chunk_cap = rt.voice_room(references)
         svc, eng = rt.settings.service, rt.settings.engine
@@ -123,7 +123,7 @@ class Synthesis:
             budget={"multiplier": svc.budget_multiplier, "min_frames": svc.min_turn_frames,
                     "max_frames": eng.max_turn_frames, "request_max": req.max_new_tokens})
         try:
-            self._seq = rt.engine.open(references, params, _Sink(self._loop, self))
+            self._seq = rt.engine.open(references, params, _Sink(self._loop, self), chunking)
         except Exception as exc:
             known = known_error(exc)
             if known is None:

@@ -112,6 +112,8 @@ def test_fish_rest_json_body_voice_and_headers(server):
     (b'{"text": "hi", "reference_id": "nope"}', {"content-type": "application/json"}, 404,
      "unknown_voice"),
     (b'{"text": "   "}', {"content-type": "application/json"}, 400, "bad_request"),
+    (b'{"text": "hi", "first_chunk_frames": 9, "chunk_frames": 4}',
+     {"content-type": "application/json"}, 400, "invalid_field"),
     (json.dumps({"text": "x" * 401}).encode(), {"content-type": "application/json"}, 413,
      "too_large"),
     (b"x" * (512 * 1024 + 1), {"content-type": "application/json"}, 413, "too_large"),

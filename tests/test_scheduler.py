@@ -17,7 +17,7 @@ from engine.engine import CollectingSink
 from engine.errors import TurnError
 from engine.kv_pool import prompt_key
 from engine.prompt import PromptBuilder
-from engine.request import FinishReason, RowOp, SeqState, Sequence, Turn
+from engine.request import Chunking, FinishReason, RowOp, SeqState, Sequence, Turn
 from engine.sampler import SamplingParams
 from engine.scheduler import TURN_MARGIN, Scheduler, StepPlan
 from engine.tokenizer import ByteTokenizer
@@ -479,6 +479,35 @@ def test_decode_pauses_for_prefills_while_every_turn_is_ahead():
     sched.running.pop(1)
     sched.cfg.prefill_first_lead_s = 0.0
     assert not sched._yield_to_prefill(now)
+
+
+def test_a_session_chooses_its_own_chunks():
+    """A session's chunking replaces the engine's for its turns only: its first chunk as
+    chosen (no slow-start doubling), then growth up to its chunk size; a session that
+    chose a chunk size only takes the engine's first chunk, cut to that size; the others
+    keep the engine's settings."""
+    sched, _ = make(first_chunk_frames=2, chunk_frames=8, slow_start_x=0.0, codec_hold_s=0)
+
+    def stream(chunking: Chunking) -> list[int]:
+        turn = _audio_turn(sched, 0, 0, 0.0)
+        seq = sched._audio[-1][0]
+        seq.chunking = chunking
+        sizes = []
+        for i in range(40):  # one frame per step, a codec tick after each
+            turn.frames.append(torch.full((K1,), i % 16, dtype=torch.long))
+            sizes += codec_all(sched)
+        sched._drop_audio(turn)
+        return sizes
+
+    assert stream(Chunking()) == [2, 2, 4, 8, 8, 8, 8]
+    assert stream(Chunking(first=1, size=3)) == [1, 1, 2, 3] + [3] * 11
+    assert stream(Chunking(size=1)) == [1] * 40
+    assert stream(Chunking(first=5)) == [5, 5, 8, 8, 8]
+    sched.step_s = 1.0  # very slow streams: slow start doubles the engine's first chunk...
+    sched.cfg.slow_start_x = 2.0
+    assert stream(Chunking())[:2] == [4, 4]
+    assert stream(Chunking(first=1, size=4))[:3] == [1, 1, 2]  # ...never a chosen one
+    assert stream(Chunking(size=3))[:2] == [3, 3]  # cut to the session's chunk size
 
 
 def test_slow_start_doubles_the_first_chunk_while_streams_are_slow():

@@ -357,6 +357,40 @@ async def test_unknown_voice_is_fatal_with_policy_close(server):
     await still_serving(server.ws_url)
 
 
+async def test_a_session_chooses_its_audio_chunks(server):
+    """first_chunk_frames / chunk_frames in `start` are the session's own chunking (the
+    engine's settings for what it leaves out); out-of-range values are refused, naming the
+    field, and leave the server serving."""
+    engine = server.app.state.runtime.engine
+    c = await Client.connect(server.ws_url)
+    await c.send(Start(request=request(first_chunk_frames=1, chunk_frames=1, max_new_tokens=12)))
+    await c.send(Text(text="A sentence long enough to say a dozen frames or so, please."))
+    await c.send(Flush())
+    await poll(lambda: any(q.chunking.size == 1 for q in list(engine.scheduler.live.values())),
+               "the session's chunking never reached the engine")
+    await c.send(Stop())
+    events = await c.until(is_finish)
+    done = next(e for e in events if isinstance(e, Done))
+    audio = audio_of(events)
+    check_audio_sequence(audio)
+    assert done.frames >= 4 and sum(a.duration_s for a in audio) == pytest.approx(
+        done.frames * FRAME_S, abs=1e-4)
+    # one-frame chunks: more, smaller audio events than the engine's 8-frame chunks give
+    assert len(audio) >= math.ceil(done.frames / 2), [round(a.duration_s / FRAME_S) for a in audio]
+    # refused like any bad field of `start`: the socket stays, ready for a good one
+    c = await Client.connect(server.ws_url)
+    for req, field in ((request(first_chunk_frames=5, chunk_frames=3), "first_chunk_frames (5)"),
+                       (request(first_chunk_frames=9), "first_chunk_frames (9)"),
+                       (request(chunk_frames=401), "chunk_frames must be 1..400")):
+        await c.send(Start(request=req))
+        err = await next_error(c)
+        assert err.code == "invalid_field" and field in err.message and not err.fatal, err
+    await c.send(Start(request=request(chunk_frames=3)))
+    assert isinstance(await c.recv(), Ready)
+    await c.send(Stop())
+    await c.until(is_finish)
+
+
 async def test_undecodable_reference_audio(server):
     bad = Start(request=request(references=[ReferenceAudio(audio=b"not audio at all", text="x")]))
     err, code = await _fatal(server.ws_url, bad)
@@ -541,6 +575,34 @@ async def test_ready_reports_a_stalled_device(server):
         assert wait > engine.cfg.stall_s
         r = await http.get("/ready")
         assert r.status_code == 200 and r.json()["engine"]["device_wait_s"] < engine.cfg.stall_s
+
+
+async def test_ready_reports_a_stuck_engine_thread(server, caplog):
+    """A decode thread stuck in one pass of its loop (here: held in an engine command) past
+    the stall limit turns /ready into 503 naming it, shows on /metrics, and logs where the
+    engine threads are; it recovers when the thread moves on."""
+    from rtvoice.http import runtime_of
+
+    engine = runtime_of(server.app).engine
+    gate, limit = threading.Event(), engine.cfg.stall_s
+    async with httpx.AsyncClient(base_url=server, timeout=30) as http:
+        engine._post(lambda: gate.wait(30))  # runs on the decode thread, which waits there
+        try:
+            engine.cfg.stall_s = 0.3
+            await poll(lambda: engine.loop_stall_s() > 0.3, "the decode thread never looked stuck")
+            with caplog.at_level("ERROR", logger="rtvoice.app"):
+                r = await http.get("/ready")
+            text = (await http.get("/metrics")).text
+        finally:
+            gate.set()
+            engine.cfg.stall_s = limit
+        assert r.status_code == 503 and "engine stalled" in r.json()["reason"], r.json()
+        assert "--- rtvoice-decode" in caplog.text and "gate.wait(30)" in caplog.text
+        stall = next(float(line.split()[1]) for line in text.splitlines()
+                     if line.startswith("rtvoice_engine_loop_stall_seconds "))
+        assert stall > 0.3
+        await poll(lambda: engine.loop_stall_s() < 0.3, "the decode thread never moved on")
+        assert (await http.get("/ready")).status_code == 200
 
 
 def test_overloaded_and_idle_timeout():
