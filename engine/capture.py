@@ -88,14 +88,13 @@ def capture_graphs(side: torch.cuda.Stream, keys: Sequence[Hashable],
     it can replay (background captures put it in use then), and `stop()` true ends the
     captures early. `pool`: an earlier capture's memory pool to share (graphs that never
     replay at the same time)."""
-    side.wait_stream(torch.cuda.current_stream())  # the caller's warm-up and inputs first
     graphs: dict[Any, tuple[torch.cuda.CUDAGraph, Any, Any]] = {}
     with gc_paused():
         for key in keys:
             if stop is not None and stop():
                 break
             inp = inputs(key)
-            side.wait_stream(torch.cuda.current_stream())
+            side.wait_stream(torch.cuda.current_stream())  # the caller's warm-up and inputs
             g = torch.cuda.CUDAGraph()
             with _capturing(g, side, pool):
                 out = run(key, inp)

@@ -195,6 +195,9 @@ class Engine:
             first, rest = _first(w.keys(), config.ready_rows and max(config.ready_rows,
                                                                       w.batches[0]))
             self.startup_s["decode_warm_s"] = w.warm()
+            # before serving, the warm-ups' cached blocks go back (captures never flush the
+            # cache themselves: engine/capture.py)
+            torch.cuda.empty_cache()
             self.startup_s["decode_graphs_s"] = w.capture(first)
             self.capture_s = self.startup_s["decode_warm_s"] + self.startup_s["decode_graphs_s"]
             log.info("captured %d decode graphs (batches %s; spans %s) in %.1fs", w.graphs,
