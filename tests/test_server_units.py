@@ -15,7 +15,7 @@ from rtvoice.outbox import Out as _Out
 from rtvoice.outbox import Outbox as _Outbox
 from rtvoice.outbox import SlowReader as _SlowReader
 from rtvoice.segmenter import Segmenter, estimate_speech_seconds, is_speakable
-from rtvoice.session import Session, _Job
+from rtvoice.session import Session, _Job, encode_backlog_chunks
 from rtvoice.settings import Settings
 from rtvoice.turns import frame_budget
 
@@ -345,11 +345,17 @@ async def test_outbox_bounds_queued_events_too():
 
 
 async def test_encoder_backlog_is_bounded_without_waiting():
-    session = Session.__new__(Session)  # only the queue is needed
-    session._jobs = asyncio.Queue(maxsize=2)
+    session = Session.__new__(Session)  # only the queue and its bound are needed
+    session._jobs, session._backlog = asyncio.Queue(), 2
     session._raw_bytes = 0
     job = _Job("audio", None)  # type: ignore[arg-type]
     session._queue_job(job)
     session._queue_job(job)
     with pytest.raises(_SlowReader, match="2 chunks behind"):
         session._queue_job(job)  # never blocks: the engine's callbacks come through here
+    # the bound is the chunks of two longest segments, in the session's own chunk size
+    from engine.config import EngineConfig
+
+    cfg = EngineConfig(max_turn_frames=256, chunk_frames=8)
+    assert encode_backlog_chunks(cfg) == 2 * 32 + 16
+    assert encode_backlog_chunks(cfg, 1) == 2 * 256 + 16
