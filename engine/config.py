@@ -360,8 +360,9 @@ class EngineConfig:
     split_kv: bool = option(False, "decode attention splits a row's positions over more "
                             "blocks when the batch is too small to fill the GPU (measured: "
                             "no gain on the H200)")
-    stall_s: float = option(10.0, "a device wait, or one pass of the decode or codec thread's "
-                            "loop, longer than this marks the engine stalled (/ready 503)", gt=0)
+    stall_s: float = option(10.0, "a device wait, or one pass of a worker thread's loop (a "
+                            "step, codec tick or prefill round), longer than this marks the "
+                            "engine stalled (/ready 503)", gt=0)
     kv_reserve_gib: float = option(
         32.0, "GPU memory (GiB) kept out of the KV pool for activations, CUDA graphs and the "
         "codec (128 decode rows and their codec graphs need more than 8); the pool takes the "

@@ -156,8 +156,10 @@ class Engine:
         self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
         self._threaded = False  # pingpong threads running
-        # when the decode and codec threads last began a pass of their loop (watchdog)
-        self._pass_at = {"decode": time.perf_counter(), "codec": time.perf_counter()}
+        # when each worker thread began the pass of its loop it is in (watchdog); None: the
+        # prefill thread waits for jobs
+        self._pass_at: dict[str, float | None] = dict.fromkeys(
+            ("decode", "codec", "prefill"), time.perf_counter())
         # One stream per thread; cfg.high_priority_streams get the device's higher priority.
         # Each family of CUDA graphs is captured on the stream that replays it: cuBLAS's
         # workspace is per stream and is baked into a captured graph, so graphs captured on
@@ -333,14 +335,14 @@ class Engine:
         return max((now - t for t in since if t is not None), default=0.0)
 
     def loop_stall_s(self) -> float:
-        """How long the decode or codec thread has been in one pass of its loop (0 when the
-        threads are not running). A pass is one step, one codec tick or an idle wait of at
-        most 20 ms; one past `cfg.stall_s` means that thread is stuck (on the host, or on
-        the device: `device_wait_s` says which)."""
+        """How long a worker thread has been in one pass of its loop (0 when the threads are
+        not running). A pass is one step, one codec tick or prefill round, or an idle wait of
+        at most 20 ms (an idle prefill thread is in none); one past `cfg.stall_s` means that
+        thread is stuck (on the host, or on the device: `device_wait_s` says which)."""
         if not self._threaded:
             return 0.0
         now = time.perf_counter()
-        return max(now - t for t in (self._pass_at["decode"], self._pass_at["codec"]))
+        return max((now - t for t in self._pass_at.values() if t is not None), default=0.0)
 
     def stalled(self) -> bool:
         return max(self.device_wait_s(), self.loop_stall_s()) > self.cfg.stall_s
@@ -409,7 +411,8 @@ class Engine:
             return
         self._stop.clear()
         if self.cfg.pingpong:
-            self._pass_at = dict.fromkeys(self._pass_at, time.perf_counter())
+            self._pass_at = {"decode": time.perf_counter(), "codec": time.perf_counter(),
+                             "prefill": None}
             self._threaded = True
             targets = [("rtvoice-decode", self._decode_loop), ("rtvoice-prefill", self._prefill_loop),
                        ("rtvoice-codec", self._codec_loop)]
@@ -610,7 +613,9 @@ class Engine:
                     active.append(job)
             except queue.Empty:
                 pass
+            self._pass_at["prefill"] = time.perf_counter()
             finished = self.prefill_worker.round(active)
+            self._pass_at["prefill"] = None  # idle until the next round (not a stall)
             for job in finished:
                 active.remove(job)
                 self._prefill_out.put(job)

@@ -203,7 +203,7 @@ def render_metrics(m: Metrics, engine: Engine, *, model: str, device: str,
            "How long the engine has been waiting on the device right now (a stall if large).",
            [("", load["device_wait_s"])])
     metric("rtvoice_engine_loop_stall_seconds", "gauge",
-           "How long the engine's decode or codec thread has been in one pass of its loop "
+           "How long an engine worker thread has been in one pass of its loop (step, tick, prefill round) "
            "(milliseconds when healthy; a stuck thread if large).", [("", load["loop_stall_s"])])
     stats = engine.stats
     metric("rtvoice_engine_steps_total", "counter", "Engine steps.", [("", int(stats["steps"]))])

@@ -605,6 +605,34 @@ async def test_ready_reports_a_stuck_engine_thread(server, caplog):
         assert (await http.get("/ready")).status_code == 200
 
 
+async def test_a_stuck_prefill_round_counts_as_a_stall(server):
+    """The prefill thread is watched while it runs a round (not while it waits for jobs): a
+    round held past the limit shows in loop_stall_s, and goes once the round ends."""
+    from rtvoice.http import runtime_of
+
+    engine = runtime_of(server.app).engine
+    worker, gate = engine.prefill_worker, threading.Event()
+    real_round = worker.round
+
+    def held_round(jobs):  # runs on the prefill thread
+        gate.wait(30)
+        return real_round(jobs)
+
+    assert engine.loop_stall_s() < 1.0  # idle prefill thread: not a stall
+    worker.round = held_round
+    try:
+        c = await Client.connect(server.ws_url)
+        await c.send(Start(request=request()))  # its voice prompt's prefill is held
+        await poll(lambda: engine.loop_stall_s() > 0.5, "a held prefill round never showed")
+    finally:
+        worker.round = real_round
+        gate.set()
+    assert isinstance(await c.recv(), Ready)
+    await c.send(Stop())
+    await c.until(is_finish)
+    await poll(lambda: engine.loop_stall_s() < 0.5, "the prefill thread never moved on")
+
+
 def test_overloaded_and_idle_timeout():
     async def run(base: str, url: str) -> None:
         first = await Client.connect(url)
