@@ -156,10 +156,9 @@ class Engine:
         self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
         self._threaded = False  # pingpong threads running
-        # when each worker thread began the pass of its loop it is in (watchdog); None: the
-        # prefill thread waits for jobs
-        self._pass_at: dict[str, float | None] = dict.fromkeys(
-            ("decode", "codec", "prefill"), time.perf_counter())
+        # when each worker thread began the pass of its loop it is in (watchdog, set by
+        # start()); None: the prefill thread waits for jobs
+        self._pass_at: dict[str, float | None] = {}
         # One stream per thread; cfg.high_priority_streams get the device's higher priority.
         # Each family of CUDA graphs is captured on the stream that replays it: cuBLAS's
         # workspace is per stream and is baked into a captured graph, so graphs captured on

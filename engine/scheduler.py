@@ -935,10 +935,11 @@ class Scheduler:
                 continue
             # Chunks grow 1, 1, 2, 4, 8, 8…: a small first chunk for TTFA, then doubling, so
             # the listener's buffer is topped up before it drains, then full-size chunks.
-            need = min(self.chunk(s), max(self.first_chunk(s), turn.decoded_frames))
+            chunk = self.chunk(s)
+            need = min(chunk, max(self.first_chunk(s), turn.decoded_frames))
             if pending == 0 or (pending < need and not finished):
                 continue
-            due |= finished or self._codec_due(turn, pending, self.chunk(s), now)
+            due |= finished or self._codec_due(turn, pending, chunk, now)
             ripe.append((s, turn, pending))
         if due:  # else every ripe stream is far enough ahead: wait for a fuller tick
             for s, turn, pending in ripe:

@@ -4,10 +4,7 @@ helpers (shared by the live-server, hardening, fuzz and soak tests)."""
 from __future__ import annotations
 
 import asyncio
-import sys
-import threading
 import time
-import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -158,18 +155,7 @@ def engine_state(engine: Any) -> str:
     return (f"load {engine.load()}; steps planned {sc.k}, read {sc.processed}; prefills "
             f"outstanding {sc.prefill_outstanding}; running {dict(sc.running)}; row queue "
             f"{list(sc.row_queue)}; block queue {list(sc.block_queue)}; waiting "
-            f"{list(sc.waiting)}; busy {busy}; threads:\n{engine_threads()}")
-
-
-def engine_threads() -> str:
-    """Where each engine thread is now (the innermost frames of its stack)."""
-    frames = sys._current_frames()
-    out = []
-    for t in threading.enumerate():
-        if t.name.startswith("rtvoice-") and t.ident in frames:
-            stack = "".join(traceback.format_stack(frames[t.ident])[-6:])
-            out.append(f"--- {t.name}\n{stack}")
-    return "".join(out) or "(no engine thread)"
+            f"{list(sc.waiting)}; busy {busy}; threads:{engine.thread_stacks()}")
 
 
 def cached_blocks(engine: Any) -> int:
