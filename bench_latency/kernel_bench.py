@@ -1,4 +1,4 @@
-"""csrc kernels against their torch fallbacks, on this machine (CUDA-event-free wall timing
+"""csrc's (and the Triton q/k norm + RoPE) kernels against their torch fallbacks, on this machine (CUDA-event-free wall timing
 after a warm-up, synchronised):
 
     python -m bench_latency.kernel_bench
@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import torch
 
+from engine import functional, fusion
 from engine.kernels import extension_available
 from engine.kernels.activation import (
     bias_residual,
@@ -25,6 +26,7 @@ from engine.kernels.activation import (
 )
 from engine.kernels.decode_attention import decode_attention, decode_attention_torch
 from engine.kernels.prev_tokens import prev_tokens_shift_inplace, prev_tokens_shift_torch
+from engine.kernels.qk_rope import norm_rope_qk
 from engine.kernels.sampling import sample, sample_topk
 
 
@@ -76,6 +78,20 @@ def main() -> int:
         for name, fn in ((kind, sample_topk), ("torch", sample)):
             us = timed(fn, args, 200 if cuda else 20, cuda)
             print(f"sample_topk bs={bs:4d} {name:7s} {us:9.2f} us")
+    # q/k norm + RoPE at the slow AR's decode and prefill shapes (q and k: slices of qkv)
+    compiled = fusion.compiled("norm_rope_qk", functional.norm_rope_qk) if cuda else None
+    for bs, T in ((1, 1), (64, 1), (16, 64)):
+        qkv = torch.randn(bs, T, 48 * 128, device=dev, dtype=dt)
+        q, k = qkv[..., :4096].view(bs, T, 32, 128), qkv[..., 4096:5120].view(bs, T, 8, 128)
+        w = torch.ones(128, device=dev, dtype=dt)
+        cs = functional.rope_table(T + 8, 128, 1e6).to(dev)[None, :T].expand(bs, -1, -1, -1)
+        runs = [("triton" if cuda else "wrapper", norm_rope_qk),
+                ("torch", lambda *a: norm_rope_qk(*a, kernel=False))]
+        if compiled is not None:
+            runs.append(("compiled", compiled))
+        for name, fn in runs:
+            us = timed(fn, (q, k, w, w, cs, 1e-6), 200 if cuda else 5, cuda)
+            print(f"norm_rope_qk bs={bs:3d} T={T:3d} {name:8s} {us:9.2f} us")
     # the codec's pointwise ops at its 64 x 8 tick's shapes, channels-first and channels-last
     # (stored [B, T, C]: the CUDA codec's layout); GB/s over the bytes read and written once
     for layout in ("channels-first", "channels-last"):

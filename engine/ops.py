@@ -17,7 +17,7 @@ from torch import Tensor
 
 from . import functional, fusion, quant
 from .codec.layers import CodecOps
-from .kernels import activation, extension_available, linear, sampling
+from .kernels import activation, extension_available, linear, qk_rope, sampling
 from .kernels.decode_attention import decode_attention
 from .kernels.prev_tokens import prev_tokens_shift_checked, prev_tokens_shift_inplace
 from .quant import Fp8Weight
@@ -74,8 +74,8 @@ def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool 
               linear_table: Path | None = linear.DEFAULT_TABLE) -> Ops:
     """The ops an engine on `device` runs. `fused`: "compile" (torch.compile'd elementwise ops
     and the packed FFN GEMM), "reference", or "auto" (compile on CUDA only). `kernels`: use
-    csrc's kernels where the extension is built (CUDA; False: the torch fallbacks
-    everywhere); `sampler_kernel` / `codec_kernels` / `split_kv` select the sampler's draw,
+    csrc's kernels where the extension is built, and with compiled ops the Triton q/k norm +
+    RoPE kernel (CUDA; False: the torch fallbacks and compiled references everywhere); `sampler_kernel` / `codec_kernels` / `split_kv` select the sampler's draw,
     the codec's Snake/bias kernels and decode attention's split positions among them;
     `codec_channels_last`: the streaming codec's convs as NHWC convs over channels-last
     activations (CUDA only: cuDNN's fast kernels are NHWC).
@@ -94,6 +94,9 @@ def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool 
         parts = {name: fusion.compiled(name, getattr(functional, name))
                  for name in ("rms_norm", "add_rms_norm", "norm_rope_qk", "silu_mul")}
         sample = fusion.compiled("sample", sampling.sample)
+    if kernels and fused == "compile" and cuda and qk_rope.available():
+        # one Triton launch per layer where inductor made up to six
+        parts["norm_rope_qk"] = qk_rope.norm_rope_qk
     if built and sampler_kernel and fused == "compile":  # the kernel replaces the compiled draw
         sample = sampling.sample_topk
     codec = CodecOps(channels_last=cuda and codec_channels_last)

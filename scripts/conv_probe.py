@@ -1,10 +1,12 @@
 """cuDNN's choice for the codec's convolutions: time the streaming tick's conv shapes (64
 streams x 8 frames), channels-first (conv1d) and channels-last (NHWC conv2d, the engine's
-layout), with cudnn.benchmark off or on (argv[1] = 0/1; run each in a fresh process: plans
-are cached per shape; `first_s` is the plan's choice, the autotuner's trials included),
-then, with the autotuner on, the graphed codec.
+layout), with cudnn.benchmark off or on (argv[1]: 0 off, 1 on, L<n> on with at most n
+algorithms tried per shape (cudnn.benchmark_limit); run each in a fresh process: plans are
+cached per shape; `first_s` is the plan's choice, the autotuner's trials included), then the
+graphed codec with the same setting for its capture (`capture_s`) and its ticks (argv[2] =
+"convs": the conv shapes only).
 
-    python scripts/conv_probe.py 0; python scripts/conv_probe.py 1
+    python scripts/conv_probe.py 0; python scripts/conv_probe.py L3; python scripts/conv_probe.py 1
 """
 
 from __future__ import annotations
@@ -16,10 +18,13 @@ import time
 import torch
 import torch.nn.functional as F
 
-bench = sys.argv[1] == "1"
+mode = sys.argv[1]
+bench = mode != "0"
 torch.backends.cudnn.benchmark = bench
+if mode.startswith("L"):
+    torch.backends.cudnn.benchmark_limit = int(mode[1:])
 dt = torch.bfloat16
-out = {"benchmark": bench}
+out = {"benchmark": bench, "benchmark_limit": torch.backends.cudnn.benchmark_limit}
 def timed(fn) -> dict:  # type: ignore[no-untyped-def]
     t0 = time.perf_counter()
     fn()
@@ -49,13 +54,18 @@ for B, C, T, d in ((64, 384, 2048, 9), (64, 384, 2048, 3), (64, 384, 2048, 1), (
     out[key + "_channels_last"] = timed(
         lambda x4=x4, w4=w4, b=b, d=d: F.conv2d(x4, w4, b, dilation=(1, d)))
 print(json.dumps(out), flush=True)
-if bench:
+if len(sys.argv) < 3 or sys.argv[2] != "convs":  # the graphed codec: heuristic vs tuned plans
     from engine.codec import CodecConfig, StreamingDecoder, dummy_codec
     from engine.ops import build_ops
 
     codec = dummy_codec(CodecConfig.preset("s2-pro"), seed=0, device="cuda", dtype=dt)
     dec = StreamingDecoder(codec, max_streams=64, buckets=True, max_frames=4096,
                            ops=build_ops("cuda").codec)
+    # as the engine runs it: capture() autotunes the buckets of AUTOTUNE_MIN_STREAMS streams
+    # and more (with the limit above), the others keep cuDNN's heuristic plans
+    torch.backends.cudnn.benchmark = False
+    if not bench:  # heuristic plans for every bucket
+        dec.AUTOTUNE_MIN_STREAMS = 1 << 30
     from gpu_bench import codec_tick  # this script's folder is on sys.path
 
     res: dict = {"capture_s": round(dec.capture(), 1)}

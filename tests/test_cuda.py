@@ -366,19 +366,19 @@ def test_graph_families_captured_on_their_replay_streams(gpu_bundle, monkeypatch
     """Decode, prefill and codec graphs are captured on the decode, prefill and codec streams
     (three distinct streams): cuBLAS's per-stream workspace is baked into a captured graph,
     and graphs replayed concurrently must not share one."""
-    seen: list[torch.cuda.Stream | None] = []
-    real = torch.cuda.graph.__init__
+    seen: list[torch.cuda.Stream] = []
+    real = torch.cuda.CUDAGraph.capture_begin
 
     def spy(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-        seen.append(kwargs.get("stream", args[2] if len(args) > 2 else None))
-        real(self, *args, **kwargs)
+        seen.append(torch.cuda.current_stream())  # the stream the capture records
+        return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(torch.cuda.graph, "__init__", spy)
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin", spy)
     eng = build_engine(gpu_bundle, EngineConfig(max_running=4, max_len=512,
                                                 high_priority_streams=("decode", "prefill")))
     decode, prefill, codec = (eng.decode_worker.stream, eng.prefill_worker.stream,
                               eng.codec_worker.stream)
-    assert len({decode, prefill, codec}) == 3 and seen and None not in seen
+    assert len({decode, prefill, codec}) == 3 and seen
     assert set(seen) == {decode, prefill, codec}
     # the configured priorities (lower is higher)
     assert decode.priority == prefill.priority < codec.priority

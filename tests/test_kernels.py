@@ -428,6 +428,67 @@ def test_ops_are_chosen_once_per_engine():
         build_ops("cpu", fused="fast")
 
 
+# ---------------------------------------------------------------------- q/k norm + RoPE
+def _qk_case(B, T, H, Hkv, D, dtype, device, *, norm=True, broadcast=False, seed=0):
+    """q and k as the model makes them (column slices of one qkv output), the norm weights
+    and a position table slice."""
+    from engine import functional
+
+    g = torch.Generator().manual_seed(seed)
+    qkv = (3 * torch.randn(B, T, (H + 2 * Hkv) * D, generator=g)).to(dtype).to(device)
+    q, k, _ = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
+    qw = (0.5 + torch.rand(D, generator=g)).to(dtype).to(device) if norm else None
+    kw = (0.5 + torch.rand(D, generator=g)).to(dtype).to(device) if norm else None
+    table = functional.rope_table(4096, D, 1e6).to(device)
+    if broadcast:  # the fast AR: one position for every row
+        cs = table[3:3 + T].unsqueeze(0).expand(B, -1, -1, -1)
+    else:
+        cs = table[torch.randint(0, 4096, (B, T), generator=g).to(device)]
+    return q.view(B, T, H, D), k.view(B, T, Hkv, D), qw, kw, cs
+
+
+def test_norm_rope_qk_fallback_and_contract():
+    """Off CUDA (or with kernel=False) the wrapper is the reference function itself."""
+    from engine import functional
+    from engine.kernels import qk_rope
+
+    q, k, qw, kw, cs = _qk_case(2, 3, 4, 2, 16, torch.bfloat16, "cpu")
+    got = qk_rope.norm_rope_qk(q, k, qw, kw, cs, 1e-6)
+    want = functional.norm_rope_qk(q, k, qw, kw, cs, 1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    with pytest.raises(ValueError, match=r"q must be \[B, T, H, Dh\]"):
+        qk_rope.norm_rope_qk(q[0], k, qw, kw, cs, 1e-6)
+    assert not qk_rope.supported(q, k, qw, kw, cs)  # CPU tensors
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("B,T,H,Hkv,D,norm,broadcast", [
+    (1, 1, 32, 8, 128, True, False),    # the slow AR's decode step (S2-Pro)
+    (64, 1, 32, 8, 128, True, False),
+    (16, 24, 32, 8, 128, True, False),  # a prefill chunk
+    (64, 1, 32, 8, 128, False, True),   # the fast AR: no q/k norm, one position for all
+    (3, 5, 4, 1, 48, True, False),
+])
+def test_norm_rope_qk_kernel_matches_reference(dtype, B, T, H, Hkv, D, norm, broadcast):
+    """One launch, the reference's math and roundings: bf16 equal but for rare one-ulp
+    differences (rsqrt and the sum's order in float32), float32 to a few ulps."""
+    from engine import functional
+    from engine.kernels import qk_rope
+
+    assert qk_rope.available(), "triton is not importable"
+    q, k, qw, kw, cs = _qk_case(B, T, H, Hkv, D, dtype, "cuda", norm=norm, broadcast=broadcast)
+    assert qk_rope.supported(q, k, qw, kw, cs)
+    got = qk_rope.norm_rope_qk(q, k, qw, kw, cs, 1e-6)
+    want = functional.norm_rope_qk(q, k, qw, kw, cs, 1e-6)
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and a.dtype == b.dtype and a.is_contiguous()
+        tol = 2e-6 if dtype == torch.float32 else 2 ** -7  # one bf16 ulp of |x| < 2
+        torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol)
+        if dtype == torch.bfloat16:
+            assert (a != b).float().mean().item() < 1e-3
+
+
 # ---------------------------------------------------------------------- small-M linear
 # csrc/linear.cu (`linear_small_m`): engine/kernels/linear.py's gemv / fp8_gemv wrappers, the
 # per-shape plan (LinearPlan, load_plan) and the Ops.linear it builds (make_linear).

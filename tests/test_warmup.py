@@ -158,7 +158,8 @@ class _FakeCodecGraph:
 
 def test_codec_ticks_use_the_captured_stream_buckets_while_the_rest_warm():
     """With only the one-stream graphs in, a tick of three streams runs as three one-stream
-    replays (not one eager pass of four) and gives the eager decoder's audio."""
+    replays (not one eager pass of four) and gives the eager decoder's audio; with a larger
+    bucket in, as one padded replay of it."""
     from engine.codec import STREAM_ATOL, CodecConfig, StreamingDecoder, dummy_codec
 
     codec = dummy_codec(CodecConfig.preset("tiny"), seed=0)
@@ -189,17 +190,22 @@ def test_codec_ticks_use_the_captured_stream_buckets_while_the_rest_warm():
     assert log and {b for b, _ in log} == {1}  # every pass a one-stream replay
     for a, b in zip(want, got):
         assert float((a - b).abs().max()) <= STREAM_ATOL
-    # the background captures the biggest bucket first: with 1 and 4 in but not 2, two
-    # streams run as one-stream replays, three as one replay of four
-    _, _, dec = run({1, 4})
-    assert dec._group_streams(2) == 1 and dec._group_streams(3) == 4
+    # the background captures the biggest bucket first: with 1 and 4 in but not 2, two and
+    # three streams run as one padded replay of four (cheaper than one-stream replays)
+    got, log, dec = run({1, 4})
+    assert dec._group_streams(2) == 4 and dec._group_streams(3) == 4
+    assert dec._pass_streams(2) == 4 and dec._pass_streams(1) == 1
+    assert log and {b for b, _ in log} == {4}  # three streams: every pass a replay of four
+    for a, b in zip(want, got):
+        assert float((a - b).abs().max()) <= STREAM_ATOL
     _, _, full = run({1, 2, 4})
     assert full._group_streams(2) == 4 and full._group_streams(3) == 4
 
 
 def test_every_codec_pass_replays_while_the_middle_buckets_warm():
     """Largest first: the top stream bucket's graphs are in before the middle ones; a tick
-    whose own bucket is missing splits over a smaller captured one, never an eager pass."""
+    whose own bucket is missing runs as one padded replay of a larger captured one (or
+    splits over a smaller one), never an eager pass."""
     from engine.codec import CodecConfig, StreamingDecoder, dummy_codec
 
     codec = dummy_codec(CodecConfig.preset("tiny"), seed=0)
@@ -221,7 +227,10 @@ def test_every_codec_pass_replays_while_the_middle_buckets_warm():
     sids = [dec.open() for _ in range(2)]
     g = torch.Generator().manual_seed(5)
     dec.decode({sid: torch.randint(0, 1024, (10, 2), generator=g) for sid in sids})
-    assert [b for b, _ in log] == [1, 1] and passes["n"] == 2  # both replays, none eager
+    assert [b for b, _ in log] == [4] and passes["n"] == 1  # one padded replay, none eager
+    dec._group_streams = lambda n: 1  # split over the one-stream graphs instead
+    dec.decode({sid: torch.randint(0, 1024, (10, 2), generator=g) for sid in sids})
+    assert [b for b, _ in log] == [4, 1, 1] and passes["n"] == 3
 
 
 def test_a_started_engine_captures_on_its_own_thread_not_the_serving_loop(tiny_bundle):

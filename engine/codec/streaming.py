@@ -71,6 +71,9 @@ class StreamingDecoder:
     # is a generic kernel 9x slower than the best (9.4 vs 1.0 ms on the H200, docs/PERF.md);
     # smaller buckets keep the heuristic, as timing all 40 buckets costs ~50 s of start-up
     AUTOTUNE_MIN_STREAMS = 32
+    # a graphed tick costs about as much as one of this many streams more (H200, channels-last:
+    # 1 x 2 frames 2.46 ms, 64 x 2 9.7 ms): what `_group_streams` weighs replays by
+    _FLOOR_STREAMS = 20
     _TUNE_LOCK = threading.Lock()  # the cuDNN autotuner flag is process-wide
 
     def __init__(self, codec: Codec, max_streams: int = 64, *, buckets: bool = False,
@@ -330,16 +333,27 @@ class StreamingDecoder:
 
     def _group_streams(self, n: int) -> int:
         """Streams per bucketed pass for a tick of `n` streams: the largest stream bucket, or
-        while graphs are still being captured in the background (engine/warmup.py, largest
-        first) and the bucket `n` needs is not in yet, the largest fully captured bucket
-        below it — a few replays cost less than one eager pass of ~2,000 launches."""
+        while graphs are still being captured in the background (engine/warmup.py) and the
+        bucket `n` needs is not in yet, the fully captured bucket whose replays cost least
+        for `n` streams (a replay's cost: a launch-bound floor plus a share per stream) — a
+        few replays, or one padded one, cost less than an eager pass of ~2,000 launches."""
         top = self.stream_buckets[-1]  # also without graphs: then nothing is complete
-        want = graphs.bucket(self.stream_buckets, min(n, top))
+        n = min(n, top)
+        want = graphs.bucket(self.stream_buckets, n)
         assert want is not None
-        if self._complete(want):
+        done = [b for b in self.stream_buckets if self._complete(b)]
+        if self._complete(want) or not done:
             return top
-        below = [b for b in self.stream_buckets if b < want and self._complete(b)]
-        return below[-1] if below else top
+        return min(done, key=lambda b: -(-n // b) * (1 + b / self._FLOOR_STREAMS))
+
+    def _pass_streams(self, n: int) -> int:
+        """The stream bucket a pass of `n` streams runs in: the smallest that holds them, or
+        the smallest fully captured one above it while that one is not in yet."""
+        want = graphs.bucket(self.stream_buckets, n)
+        assert want is not None  # decode() passes at most the largest bucket's streams
+        if self._complete(want):
+            return want
+        return next((b for b in self.stream_buckets if b > want and self._complete(b)), want)
 
     def bucket_keys(self) -> list[tuple[int, int]]:
         """Every (streams, frames) bucket a graph is captured for."""
@@ -378,13 +392,16 @@ class StreamingDecoder:
         t0 = time.perf_counter()
         keys = self.bucket_keys() if keys is None else list(keys)
         side = side if side is not None else torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm every shape once (cuDNN plans, allocator)
-            for b, n in keys:
-                if stop is not None and stop():
-                    return time.perf_counter() - t0
-                with self._cudnn_plans(b):
-                    self._static_pass(self._inputs(b, n))
+
+        def warmed(key: tuple[int, int]) -> dict[str, Tensor]:
+            # each shape runs once eagerly right before its capture (cuDNN's plan, the
+            # allocator), so that every graph is in use as soon as it can be, not after
+            # every bucket's warm-up
+            inp = self._inputs(*key)
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side), self._cudnn_plans(key[0]):
+                self._static_pass(inp)
+            return inp
 
         def install(key: tuple[int, int], entry: tuple[torch.cuda.CUDAGraph, Any, Any]) -> None:
             self._passes[key] = entry
@@ -392,16 +409,15 @@ class StreamingDecoder:
                 captured(key)
 
         graphs.capture_graphs(side, sorted(keys, reverse=True),  # largest first
-                              lambda key: self._inputs(*key),
-                              lambda key, inp: self._static_pass(inp), stop=stop, captured=install)
+                              warmed, lambda key, inp: self._static_pass(inp), stop=stop,
+                              captured=install)
         return time.perf_counter() - t0
 
     def _decode_bucketed(self, active: list[tuple[int, int, Tensor]], codes_host: list[Tensor],
                          lengths: list[int], slots: list[int],
                          positions: list[int]) -> dict[int, Tensor]:
         B = len(active)
-        Bb = graphs.bucket(self.stream_buckets, B)
-        assert Bb is not None  # decode() passes at most the largest bucket's streams
+        Bb = self._pass_streams(B)
         pieces: list[list[Tensor]] = [[] for _ in range(B)]
         done = [0] * B
         while (left := max(n - d for n, d in zip(lengths, done))) > 0:
