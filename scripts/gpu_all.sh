@@ -17,7 +17,7 @@
 #   3. the server bench: `rtvoice serve` (S2-Pro shapes, bf16 dummy weights, 128 decode rows)
 #      driven by bench-latency over real WebSockets at c = 1, 4, 16, 32, 64, 128, 200 ms
 #      jitter buffer, every session cloning a 10 s voice, turns up to 300 frames (knobs of
-#      scripts/gpu_server_bench.sh: REFERENCE_S, MAX_FRAMES, ARRIVALS, CAPACITY=1);
+#      scripts/gpu_server_bench.sh: REFERENCE_S, MAX_FRAMES, ARRIVALS, POISSON_LEVELS, CAPACITY=1);
 #   4. scripts/gpu_bench.py: the codec profile (graphed and eager ticks at 64x8, 64x2, 16x4
 #      and 1x2 streams x frames, their kernels by category) and the engine sweep (pingpong
 #      with codec at c = 1, 4, 16, 32, 64, the naive loop at 1, pingpong without codec at 1
@@ -101,7 +101,7 @@ servers() {
             SERVER_LEVELS=${SERVER_LEVELS:-1 4 16 32 64 128} \
             timeout ${SERVER_TIMEOUT:-220} bash scripts/gpu_server_bench.sh 2>&1 | grep -v "^ \|^$" | tail -40
         # gpu_server_bench.sh merged the levels into server.json: the device returns few files
-        [ -s "$D_OUT/server.json" ] && rm -f "$D_OUT"/server_c*.json
+        [ -s "$D_OUT/server.json" ] && rm -f "$D_OUT"/server_c[0-9]*.json
         echo "server bench ($DT) done at +$(( $(date +%s) - t0 ))s"
     done
 }

@@ -11,10 +11,12 @@
 # MAX_FRAMES (300): a turn's frame cap. WARM_TIMEOUT (150): the longest wait for the background
 # graphs after /ready (the levels then run anyway; ready.json's warm_s is null).
 # PRESTART=1: start the server once first (until /ready),
-# so that ready.json times a warm machine's start (compile and autotune caches filled). ARRIVALS=poisson (MEAN_GAP_S, 2): staggered turns
-# instead of lockstep bursts. CAPACITY=1: instead of the levels, bench-latency --capacity
-# (TTFA p99 <= 300 ms, 0 underruns) from the first level up to CAPACITY_MAX (512), one
-# result file $OUT/server_capacity.json (+ .png); LEVEL_TIMEOUT then bounds the whole search.
+# so that ready.json times a warm machine's start (compile and autotune caches filled).
+# ARRIVALS=poisson (MEAN_GAP_S, 2): the levels' turns staggered instead of lockstep bursts;
+# POISSON_LEVELS="64 ...": after the levels, these with Poisson arrivals on the same server
+# ($OUT/server_poisson_c<N>.json). CAPACITY=1: last, bench-latency --capacity (TTFA p99 <=
+# 300 ms, 0 underruns) from CAPACITY_FROM (16) streams up to CAPACITY_MAX (512), one result
+# file $OUT/server_capacity.json (+ .png), the search within CAPACITY_TIMEOUT (300) s.
 # After the levels: $OUT/server.json (+ .png) merges them, $OUT/baseline.json is this run's
 # decode_tps per level (bench-latency --save-baseline), and with BASELINE=FILE (e.g.
 # bench_latency/baselines/h200_s2pro_bf16.json) the run is gated against it (exit 1 when
@@ -114,30 +116,36 @@ PY
     REF_ARGS=(--reference "$OUT/reference.wav" --reference-text "This is the reference speaker reading a sentence aloud.")
 fi
 COMMON=(--turns 2 --warmup-turns 1 --max-frames "${MAX_FRAMES:-300}" --jitter-ms "$JITTER_MS"
-        --arrivals "${ARRIVALS:-lockstep}" --mean-gap-s "${MEAN_GAP_S:-2}" --no-progress)
-if [ "${CAPACITY:-0}" = 1 ] && [ $RC -eq 0 ]; then
-    set -- $LEVELS
-    timeout "$LEVEL_TIMEOUT" python3 -m bench_latency --url "ws://127.0.0.1:$PORT/v1/tts/live" \
-        --capacity --concurrency "$1" --capacity-max "${CAPACITY_MAX:-512}" "${COMMON[@]}" \
-        "${REF_ARGS[@]}" --json "$OUT/server_capacity.json" --plot "$OUT/server_capacity.png"
-    RC=$?
-    LEVELS=""
-fi
-for C in $LEVELS; do
-    [ $RC -ne 0 ] && break
-    timeout "$LEVEL_TIMEOUT" python3 -m bench_latency --url "ws://127.0.0.1:$PORT/v1/tts/live" \
-        --concurrency "$C" "${COMMON[@]}" "${REF_ARGS[@]}" --json "$OUT/server_c$C.json"
+        --mean-gap-s "${MEAN_GAP_S:-2}" --no-progress)
+run_level() {  # run_level C RESULT LIMIT_S [more bench-latency args]: its JSON in RESULT
+    local C=$1 RESULT=$2 LIMIT=$3
+    shift 3
+    timeout "$LIMIT" python3 -m bench_latency --url "ws://127.0.0.1:$PORT/v1/tts/live" \
+        --concurrency "$C" "${COMMON[@]}" "${REF_ARGS[@]}" --json "$RESULT" "$@"
     RC=$?
     if [ $RC -eq 124 ]; then
-        echo "level c=$C did not finish in ${LEVEL_TIMEOUT}s: server thread dump in server.log"
+        echo "$RESULT did not finish in ${LIMIT}s: server thread dump in server.log"
         kill -ABRT $SRV; sleep 2
     fi
+}
+for C in $LEVELS; do
+    [ $RC -ne 0 ] && break
+    run_level "$C" "$OUT/server_c$C.json" "$LEVEL_TIMEOUT" --arrivals "${ARRIVALS:-lockstep}"
 done
+for C in ${POISSON_LEVELS:-}; do  # the same server, staggered turns
+    [ $RC -ne 0 ] && break
+    run_level "$C" "$OUT/server_poisson_c$C.json" "$LEVEL_TIMEOUT" --arrivals poisson
+done
+if [ "${CAPACITY:-0}" = 1 ] && [ $RC -eq 0 ]; then
+    run_level "${CAPACITY_FROM:-16}" "$OUT/server_capacity.json" "${CAPACITY_TIMEOUT:-300}" --capacity \
+        --capacity-max "${CAPACITY_MAX:-512}" --arrivals "${ARRIVALS:-lockstep}" \
+        --plot "$OUT/server_capacity.png"
+fi
 kill -INT $SRV 2>/dev/null; wait $SRV
 tail -5 "$OUT/server.log"
-if [ -n "$LEVELS" ] && ls "$OUT"/server_c*.json >/dev/null 2>&1; then
+if [ -n "$LEVELS" ] && ls "$OUT"/server_c[0-9]*.json >/dev/null 2>&1; then
     PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" python3 scripts/plot_server_levels.py "$OUT/server.json" "$OUT/server.png" \
-        $(ls "$OUT"/server_c*.json | sort -V)
+        $(ls "$OUT"/server_c[0-9]*.json | sort -V)
     GATE_ARGS=()
     [ -n "${BASELINE:-}" ] && GATE_ARGS=(--baseline "$BASELINE")
     python3 -m bench_latency --from-json "$OUT/server.json" --save-baseline "$OUT/baseline.json" \
