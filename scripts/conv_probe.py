@@ -62,7 +62,8 @@ if len(sys.argv) < 3 or sys.argv[2] != "convs":  # the graphed codec: heuristic 
     dec = StreamingDecoder(codec, max_streams=64, buckets=True, max_frames=4096,
                            ops=build_ops("cuda").codec)
     # as the engine runs it: capture() autotunes the buckets of AUTOTUNE_MIN_STREAMS streams
-    # and more (with the limit above), the others keep cuDNN's heuristic plans
+    # and more (at most AUTOTUNE_LIMIT algorithms each: modes 1 and L<n> differ in the conv
+    # rows only), the others keep cuDNN's heuristic plans
     torch.backends.cudnn.benchmark = False
     if not bench:  # heuristic plans for every bucket
         dec.AUTOTUNE_MIN_STREAMS = 1 << 30

@@ -16,7 +16,8 @@
 # POISSON_LEVELS="64 ...": after the levels, these with Poisson arrivals on the same server
 # ($OUT/server_poisson_c<N>.json). CAPACITY=1: last, bench-latency --capacity (TTFA p99 <=
 # 300 ms, 0 underruns) from CAPACITY_FROM (16) streams up to CAPACITY_MAX (512), one result
-# file $OUT/server_capacity.json (+ .png), the search within CAPACITY_TIMEOUT (300) s.
+# file $OUT/server_capacity.json (+ .png), the search within CAPACITY_TIMEOUT (300) s;
+# CAPACITY_ARGS: more bench-latency options for it (e.g. "--capacity-resolution 32").
 # After the levels: $OUT/server.json (+ .png) merges them, $OUT/baseline.json is this run's
 # decode_tps per level (bench-latency --save-baseline), and with BASELINE=FILE (e.g.
 # bench_latency/baselines/h200_s2pro_bf16.json) the run is gated against it (exit 1 when
@@ -139,7 +140,7 @@ done
 if [ "${CAPACITY:-0}" = 1 ] && [ $RC -eq 0 ]; then
     run_level "${CAPACITY_FROM:-16}" "$OUT/server_capacity.json" "${CAPACITY_TIMEOUT:-300}" --capacity \
         --capacity-max "${CAPACITY_MAX:-512}" --arrivals "${ARRIVALS:-lockstep}" \
-        --plot "$OUT/server_capacity.png"
+        --plot "$OUT/server_capacity.png" ${CAPACITY_ARGS:-}
 fi
 kill -INT $SRV 2>/dev/null; wait $SRV
 tail -5 "$OUT/server.log"

@@ -161,6 +161,28 @@ def test_bucketed_limits_and_errors(codec: Codec) -> None:
         dec.capture()
 
 
+def test_cudnn_autotuner_only_around_big_buckets(codec: Codec) -> None:
+    """cuDNN's autotuner (process-wide flags) is on, with at most AUTOTUNE_LIMIT algorithms
+    per shape, only while a bucket of AUTOTUNE_MIN_STREAMS streams or more is warmed, and
+    both flags are restored afterwards, also when the pass fails."""
+    cudnn = torch.backends.cudnn
+    dec = StreamingDecoder(codec, max_streams=2, buckets=True, max_frames=10)
+    before = (cudnn.benchmark, cudnn.benchmark_limit)
+    try:
+        cudnn.benchmark, cudnn.benchmark_limit = False, 10
+        with dec._cudnn_plans(dec.AUTOTUNE_MIN_STREAMS - 1):
+            assert (cudnn.benchmark, cudnn.benchmark_limit) == (False, 10)
+        with pytest.raises(KeyError), dec._cudnn_plans(dec.AUTOTUNE_MIN_STREAMS):
+            assert (cudnn.benchmark, cudnn.benchmark_limit) == (True, dec.AUTOTUNE_LIMIT)
+            raise KeyError("a failing warm-up")
+        assert (cudnn.benchmark, cudnn.benchmark_limit) == (False, 10)
+        cudnn.benchmark = True  # a user's own autotuning is left as it was
+        with dec._cudnn_plans(dec.AUTOTUNE_MIN_STREAMS):
+            assert (cudnn.benchmark, cudnn.benchmark_limit) == (True, 10)
+    finally:
+        cudnn.benchmark, cudnn.benchmark_limit = before
+
+
 def test_reset_and_close(codec: Codec) -> None:
     codes = _codes(6, seed=3)
     with deterministic():

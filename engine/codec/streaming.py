@@ -69,8 +69,12 @@ class StreamingDecoder:
     # capture() lets cuDNN time its algorithms (cudnn.benchmark) for buckets of this many
     # streams and more: its heuristic choice for the 384-channel dilation-9 conv at 64 streams
     # is a generic kernel 9x slower than the best (9.4 vs 1.0 ms on the H200, docs/PERF.md);
-    # smaller buckets keep the heuristic, as timing all 40 buckets costs ~50 s of start-up
+    # smaller buckets keep the heuristic, as timing all 40 buckets costs ~50 s of start-up.
+    # At most AUTOTUNE_LIMIT algorithms are timed per shape (cudnn.benchmark_limit): 3 find
+    # the same plans as cuDNN's default 10 (64 x 8 graphed tick 18.98 vs 19.1 ms) and the
+    # capture of every bucket takes 41 s instead of minutes (docs/perf/gpu_s14_conv_*.txt)
     AUTOTUNE_MIN_STREAMS = 32
+    AUTOTUNE_LIMIT = 3
     # a graphed tick costs about as much as one of this many streams more (H200, channels-last:
     # 1 x 2 frames 2.46 ms, 64 x 2 9.7 ms): what `_group_streams` weighs replays by
     _FLOOR_STREAMS = 20
@@ -366,13 +370,15 @@ class StreamingDecoder:
         of AUTOTUNE_MIN_STREAMS streams and more runs with the autotuner on, and the graph
         keeps the plan. The flag is process-wide: set under a lock shared by every decoder
         (other threads' convolutions meanwhile, e.g. the reference encoder's, autotune too)."""
+        cudnn = torch.backends.cudnn
         with self._TUNE_LOCK:
-            tuned = torch.backends.cudnn.benchmark
-            torch.backends.cudnn.benchmark = tuned or streams >= self.AUTOTUNE_MIN_STREAMS
+            tuned, limit = cudnn.benchmark, cudnn.benchmark_limit
+            if not tuned and streams >= self.AUTOTUNE_MIN_STREAMS:
+                cudnn.benchmark, cudnn.benchmark_limit = True, self.AUTOTUNE_LIMIT
             try:
                 yield
             finally:
-                torch.backends.cudnn.benchmark = tuned
+                cudnn.benchmark, cudnn.benchmark_limit = tuned, limit
 
     @torch.no_grad()
     def capture(self, side: torch.cuda.Stream | None = None,
