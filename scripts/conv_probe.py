@@ -61,12 +61,12 @@ if len(sys.argv) < 3 or sys.argv[2] != "convs":  # the graphed codec: heuristic 
     codec = dummy_codec(CodecConfig.preset("s2-pro"), seed=0, device="cuda", dtype=dt)
     dec = StreamingDecoder(codec, max_streams=64, buckets=True, max_frames=4096,
                            ops=build_ops("cuda").codec)
-    # as the engine runs it: capture() autotunes the buckets of AUTOTUNE_MIN_STREAMS streams
-    # and more (at most AUTOTUNE_LIMIT algorithms each: modes 1 and L<n> differ in the conv
+    # as the engine runs it: capture() autotunes the buckets of AUTOTUNE_MIN_WORK stream-
+    # frames and more (at most AUTOTUNE_LIMIT algorithms each: modes 1 and L<n> differ in the conv
     # rows only), the others keep cuDNN's heuristic plans
     torch.backends.cudnn.benchmark = False
     if not bench:  # heuristic plans for every bucket
-        dec.AUTOTUNE_MIN_STREAMS = 1 << 30
+        dec.AUTOTUNE_MIN_WORK = 1 << 30
     from gpu_bench import codec_tick  # this script's folder is on sys.path
 
     res: dict = {"capture_s": round(dec.capture(), 1)}

@@ -163,21 +163,23 @@ def test_bucketed_limits_and_errors(codec: Codec) -> None:
 
 def test_cudnn_autotuner_only_around_big_buckets(codec: Codec) -> None:
     """cuDNN's autotuner (process-wide flags) is on, with at most AUTOTUNE_LIMIT algorithms
-    per shape, only while a bucket of AUTOTUNE_MIN_STREAMS streams or more is warmed, and
+    per shape, only while a bucket of AUTOTUNE_MIN_WORK stream-frames or more is warmed, and
     both flags are restored afterwards, also when the pass fails."""
     cudnn = torch.backends.cudnn
     dec = StreamingDecoder(codec, max_streams=2, buckets=True, max_frames=10)
     before = (cudnn.benchmark, cudnn.benchmark_limit)
     try:
         cudnn.benchmark, cudnn.benchmark_limit = False, 10
-        with dec._cudnn_plans(dec.AUTOTUNE_MIN_STREAMS - 1):
-            assert (cudnn.benchmark, cudnn.benchmark_limit) == (False, 10)
-        with pytest.raises(KeyError), dec._cudnn_plans(dec.AUTOTUNE_MIN_STREAMS):
+        work = dec.AUTOTUNE_MIN_WORK
+        for streams, frames in ((1, 16), (work // 2 - 1, 2)):  # below: heuristic plans
+            with dec._cudnn_plans(streams, frames):
+                assert (cudnn.benchmark, cudnn.benchmark_limit) == (False, 10)
+        with pytest.raises(KeyError), dec._cudnn_plans(work // 2, 2):
             assert (cudnn.benchmark, cudnn.benchmark_limit) == (True, dec.AUTOTUNE_LIMIT)
             raise KeyError("a failing warm-up")
         assert (cudnn.benchmark, cudnn.benchmark_limit) == (False, 10)
         cudnn.benchmark = True  # a user's own autotuning is left as it was
-        with dec._cudnn_plans(dec.AUTOTUNE_MIN_STREAMS):
+        with dec._cudnn_plans(1, 1):
             assert (cudnn.benchmark, cudnn.benchmark_limit) == (True, 10)
     finally:
         cudnn.benchmark, cudnn.benchmark_limit = before

@@ -67,13 +67,15 @@ class StreamingDecoder:
     FRAME_BUCKETS = (1, 2, 4, 8, 16)  # frames per pass in bucketed mode
     STREAM_LADDER = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # streams per pass
     # capture() lets cuDNN time its algorithms (cudnn.benchmark) for buckets of this many
-    # streams and more: its heuristic choice for the 384-channel dilation-9 conv at 64 streams
-    # is a generic kernel 9x slower than the best (9.4 vs 1.0 ms on the H200, docs/PERF.md);
-    # smaller buckets keep the heuristic, as timing all 40 buckets costs ~50 s of start-up.
+    # stream-frames (streams x frames) and more: its heuristic NHWC plan for the 384-channel
+    # dilation-9 conv is a generic kernel 100-600x slower than the best from 64 x 2 stream-
+    # frames up (64 x 8: 552 vs 0.82 ms per conv, a 570 ms tick; 16 x 4 and 32 x 2 are fine:
+    # docs/perf/gpu_s14_conv_*.txt), and one such pass stalls every stream. Buckets below
+    # (the one-stream graphs captured before ready among them) keep the heuristic plans.
     # At most AUTOTUNE_LIMIT algorithms are timed per shape (cudnn.benchmark_limit): 3 find
-    # the same plans as cuDNN's default 10 (64 x 8 graphed tick 18.98 vs 19.1 ms) and the
-    # capture of every bucket takes 41 s instead of minutes (docs/perf/gpu_s14_conv_*.txt)
-    AUTOTUNE_MIN_STREAMS = 32
+    # the same plans as cuDNN's default 10 (64 x 8 graphed tick 18.98 vs 19.1 ms) in far less
+    # time (the capture of every bucket up to 64 streams: 41 s)
+    AUTOTUNE_MIN_WORK = 32
     AUTOTUNE_LIMIT = 3
     # a graphed tick costs about as much as one of this many streams more (H200, channels-last:
     # 1 x 2 frames 2.46 ms, 64 x 2 9.7 ms): what `_group_streams` weighs replays by
@@ -364,16 +366,16 @@ class StreamingDecoder:
         return [(b, n) for b in self.stream_buckets for n in self.FRAME_BUCKETS]
 
     @contextlib.contextmanager
-    def _cudnn_plans(self, streams: int) -> Iterator[None]:
+    def _cudnn_plans(self, streams: int, frames: int) -> Iterator[None]:
         """cuDNN caches a plan per shape and thread, chosen on the shape's first run there (a
         shape run once with its autotuner off keeps the heuristic plan): a capture's warm-up
-        of AUTOTUNE_MIN_STREAMS streams and more runs with the autotuner on, and the graph
+        of AUTOTUNE_MIN_WORK stream-frames and more runs with the autotuner on, and the graph
         keeps the plan. The flag is process-wide: set under a lock shared by every decoder
         (other threads' convolutions meanwhile, e.g. the reference encoder's, autotune too)."""
         cudnn = torch.backends.cudnn
         with self._TUNE_LOCK:
             tuned, limit = cudnn.benchmark, cudnn.benchmark_limit
-            if not tuned and streams >= self.AUTOTUNE_MIN_STREAMS:
+            if not tuned and streams * frames >= self.AUTOTUNE_MIN_WORK:
                 cudnn.benchmark, cudnn.benchmark_limit = True, self.AUTOTUNE_LIMIT
             try:
                 yield
@@ -405,7 +407,7 @@ class StreamingDecoder:
             # every bucket's warm-up
             inp = self._inputs(*key)
             side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side), self._cudnn_plans(key[0]):
+            with torch.cuda.stream(side), self._cudnn_plans(*key):
                 self._static_pass(inp)
             return inp
 
