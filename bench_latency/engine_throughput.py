@@ -151,6 +151,7 @@ def run_level(engine: Engine, c: int, frames: int, *, threaded: bool,
            # alongside the decode steps): a proxy for the codec's share of GPU time
            "codec_share": round(engine.stats["codec_s"] / wall, 3) if wall > 0 else None,
            "codec_ticks": engine.stats["codec_ticks"],
+           "codec_slow_ticks": engine.stats["codec_slow_ticks"],  # slower than their audio
            "prefill_s": round(engine.stats["prefill_s"], 3),
            # times the decode thread left the GPU to prefills, and for how long in all
            # (EngineConfig.prefill_first_*)

@@ -4,6 +4,7 @@ the codec stream, copied to the host in one transfer and cut per stream."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -17,8 +18,15 @@ from .codec import Codec, StreamingDecoder
 from .codec.layers import CodecOps
 from .request import Sequence, Turn
 
+log = logging.getLogger(__name__)
+
 
 class CodecWorker:
+    # a tick slower than the audio it makes (and longer than this) lets every stream fall
+    # behind realtime: counted, and logged at most once per SLOW_LOG_S
+    SLOW_TICK_MIN_S = 0.1
+    SLOW_LOG_S = 30.0
+
     def __init__(self, codec: Codec, ops: CodecOps, stream: torch.cuda.Stream | None, *,
                  n_rows: int, graphed: bool, max_frames: int, call_frames: int = 0,
                  stats: dict[str, float]) -> None:
@@ -32,6 +40,8 @@ class CodecWorker:
                                         graph_streams=n_rows, max_frames=max_frames, ops=ops,
                                         call_frames=call_frames)
         self.waiting_since: float | None = None  # a tick waiting on the device (watchdog)
+        self.frame_s = codec.frame_length / codec.sample_rate  # audio seconds per frame
+        self._slow_logged_at = -float("inf")
 
     def capture(self, keys: list[tuple[int, int]] | None = None) -> float:
         """Capture `keys` (default: every bucket) on the codec stream, before the thread
@@ -70,9 +80,32 @@ class CodecWorker:
             n = out[turn.codec_stream].shape[0]  # type: ignore[index]
             pcm.append(flat[at: at + n])
             at += n
-        self.stats["codec_s"] += time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        self.stats["codec_s"] += took
         self.stats["codec_ticks"] += 1
+        self._check_pace(took, [codes.shape[1] for _, _, codes in work])
         return pcm
+
+    def _check_pace(self, took: float, frames: list[int]) -> None:
+        """Count (and now and then log) a tick that took longer than the audio its longest
+        stream gained: at that pace every stream's audio falls behind realtime."""
+        audio_s = max(frames, default=0) * self.frame_s
+        if took <= max(audio_s, self.SLOW_TICK_MIN_S):
+            return
+        self.stats["codec_slow_ticks"] += 1
+        now = time.monotonic()
+        if now - self._slow_logged_at < self.SLOW_LOG_S:
+            return
+        self._slow_logged_at = now
+        log.warning(
+            "codec tick of %d streams (up to %d frames each) took %.0f ms for %.0f ms of audio "
+            "per stream: audio is falling behind realtime and listeners will hear gaps (%d "
+            "such ticks so far, /metrics rtvoice_engine_codec_slow_ticks_total). Usual causes: "
+            "on a GPU, codec buckets still warming or a conv plan chosen without cuDNN's "
+            "autotuner (StreamingDecoder.AUTOTUNE_MIN_WORK), or other work on the device; on a "
+            "CPU, more speaking sessions than its cores decode in realtime (lower "
+            "--max-running)", len(frames), max(frames), took * 1e3, audio_s * 1e3,
+            self.stats["codec_slow_ticks"])
 
     def release(self, turns: list[Turn]) -> None:
         """Close the codec streams of turns whose audio is over."""

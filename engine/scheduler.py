@@ -93,7 +93,7 @@ class CodecPlan:
 def new_stats() -> dict[str, float]:
     """The engine's counters (shared by the scheduler and the workers; benches reset them)."""
     return {"steps": 0, "frames": 0, "prefill_cols": 0, "decode_s": 0.0, "prefill_s": 0.0,
-            "codec_s": 0.0, "codec_ticks": 0, "wasted_rows": 0, "prefill_calls": 0,
+            "codec_s": 0.0, "codec_ticks": 0, "codec_slow_ticks": 0, "wasted_rows": 0, "prefill_calls": 0,
             "decode_pauses": 0, "decode_paused_s": 0.0, "prefix_hits": 0, "kv_evictions": 0,
             "kv_restores": 0, "kv_restore_s": 0.0, "cow_copies": 0, "row_waits": 0,
             "turns_cut_no_blocks": 0}

@@ -209,4 +209,7 @@ def render_metrics(m: Metrics, engine: Engine, *, model: str, device: str,
     metric("rtvoice_engine_steps_total", "counter", "Engine steps.", [("", int(stats["steps"]))])
     metric("rtvoice_engine_seconds_total", "counter", "Engine time by phase.",
            [(f'{{phase="{p}"}}', float(stats[f"{p}_s"])) for p in ("prefill", "decode", "codec")])
+    metric("rtvoice_engine_codec_slow_ticks_total", "counter", "Codec ticks that took longer "
+           "than the audio they made (streams fall behind realtime; the log says why).",
+           [("", int(stats["codec_slow_ticks"]))])
     return "\n".join(out) + "\n"

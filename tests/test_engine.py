@@ -778,3 +778,46 @@ def test_a_turn_cancelled_before_its_restore_keeps_the_sessions_context(tiny_bun
     eng.submit(seqs[0], "Round 1, session 0.", turn_id="1", max_frames=12)
     eng.run_until_idle()
     assert torch.equal(sinks[0].results[-1].codes, want[1])  # session 0's round-1 codes
+
+
+def test_a_codec_tick_slower_than_its_audio_is_counted_and_logged(caplog, monkeypatch) -> None:
+    """A tick that takes longer than the audio its longest stream gains lets every stream
+    fall behind realtime: counted in the stats (/metrics) and logged with its cause's usual
+    suspects, at most once per SLOW_LOG_S; a tick faster than its audio is not."""
+    import logging
+    import time
+    from types import SimpleNamespace
+
+    from engine.codec import CodecConfig, dummy_codec
+    from engine.codec.layers import CodecOps
+    from engine.codec_worker import CodecWorker
+    from engine.scheduler import new_stats
+
+    stats = new_stats()
+    worker = CodecWorker(dummy_codec(CodecConfig.preset("tiny"), seed=0), CodecOps(), None,
+                         n_rows=2, graphed=False, max_frames=64, stats=stats)
+    real = worker.decoder.decode
+    delay = {"s": 0.0}
+
+    def decode(chunks):  # the real decode, then the stall under test
+        out = real(chunks)
+        time.sleep(delay["s"])
+        return out
+
+    monkeypatch.setattr(worker.decoder, "decode", decode)
+    monkeypatch.setattr(CodecWorker, "SLOW_TICK_MIN_S", 0.5)  # a busy CI machine's fast tick
+    turns = [SimpleNamespace(codec_stream=None) for _ in range(2)]
+    codes = torch.randint(0, 1024, (10, 2))  # 2 frames: ~93 ms of audio at 44.1 kHz
+    work = [(None, t, codes[:, : 1 + i]) for i, t in enumerate(turns)]
+    with caplog.at_level(logging.WARNING, logger="engine.codec_worker"):
+        pcm = worker.decode(work)  # fast: a few ms for 2 frames of the tiny codec
+        assert [len(p) for p in pcm] == [worker.decoder.frame_length * n for n in (1, 2)]
+        assert stats["codec_slow_ticks"] == 0 and not caplog.records
+        delay["s"] = 2 * worker.frame_s + CodecWorker.SLOW_TICK_MIN_S
+        worker.decode(work)
+        worker.decode(work)
+    assert stats["codec_slow_ticks"] == 2 and stats["codec_ticks"] == 3
+    assert len(caplog.records) == 1  # once per SLOW_LOG_S
+    msg = caplog.records[0].getMessage()
+    assert "2 streams (up to 2 frames each)" in msg and "falling behind realtime" in msg
+    assert "rtvoice_engine_codec_slow_ticks_total" in msg

@@ -551,6 +551,7 @@ async def test_health_ready_metrics(server):
     assert samples["rtvoice_frames_total"] > 0
     assert samples['rtvoice_ttfa_seconds_bucket{le="+Inf"}'] == samples["rtvoice_ttfa_seconds_count"] > 0
     assert samples["rtvoice_connections_open"] >= 0
+    assert samples["rtvoice_engine_codec_slow_ticks_total"] >= 0
 
 
 async def test_ready_reports_a_stalled_device(server):
