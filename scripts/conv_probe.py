@@ -4,9 +4,12 @@ layout), with cudnn.benchmark off or on (argv[1]: 0 off, 1 on, L<n> on with at m
 algorithms tried per shape (cudnn.benchmark_limit); run each in a fresh process: plans are
 cached per shape; `first_s` is the plan's choice, the autotuner's trials included), then the
 graphed codec with the same setting for its capture (`capture_s`) and its ticks (argv[2] =
-"convs": the conv shapes only).
+"convs": the conv shapes only; "buckets": no conv rows, and every captured bucket's tick
+timed against the audio it makes, with the torch Snake formulas so that csrc's extension
+need not be built: a bucket slower than realtime would stall a server's streams).
 
     python scripts/conv_probe.py 0; python scripts/conv_probe.py L3; python scripts/conv_probe.py 1
+    python scripts/conv_probe.py L3 buckets
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ def timed(fn) -> dict:  # type: ignore[no-untyped-def]
     return {"ms": round(e0.elapsed_time(e1) / 10, 3), "first_s": round(first, 2)}
 
 
-for B, C, T, d in ((64, 384, 2048, 9), (64, 384, 2048, 3), (64, 384, 2048, 1), (64, 768, 256, 9),
+mode2 = sys.argv[2] if len(sys.argv) > 2 else ""
+for B, C, T, d in () if mode2 == "buckets" else ((64, 384, 2048, 9), (64, 384, 2048, 3), (64, 384, 2048, 1), (64, 768, 256, 9),
                    (64, 192, 8192, 9), (64, 96, 16384, 9), (16, 384, 1024, 9), (32, 384, 512, 9),
                    (65, 384, 2048, 9)):
     x = torch.randn(B, C, T + 6 * d, device="cuda", dtype=dt)
@@ -54,13 +58,15 @@ for B, C, T, d in ((64, 384, 2048, 9), (64, 384, 2048, 3), (64, 384, 2048, 1), (
     out[key + "_channels_last"] = timed(
         lambda x4=x4, w4=w4, b=b, d=d: F.conv2d(x4, w4, b, dilation=(1, d)))
 print(json.dumps(out), flush=True)
-if len(sys.argv) < 3 or sys.argv[2] != "convs":  # the graphed codec: heuristic vs tuned plans
+if mode2 != "convs":  # the graphed codec: heuristic vs tuned plans
     from engine.codec import CodecConfig, StreamingDecoder, dummy_codec
+    from engine.codec.layers import CodecOps
     from engine.ops import build_ops
 
     codec = dummy_codec(CodecConfig.preset("s2-pro"), seed=0, device="cuda", dtype=dt)
     dec = StreamingDecoder(codec, max_streams=64, buckets=True, max_frames=4096,
-                           ops=build_ops("cuda").codec)
+                           ops=CodecOps(channels_last=True) if mode2 == "buckets"
+                           else build_ops("cuda").codec)
     # as the engine runs it: capture() autotunes the buckets of AUTOTUNE_MIN_WORK stream-
     # frames and more (at most AUTOTUNE_LIMIT algorithms each: modes 1 and L<n> differ in the conv
     # rows only), the others keep cuDNN's heuristic plans
@@ -70,6 +76,11 @@ if len(sys.argv) < 3 or sys.argv[2] != "convs":  # the graphed codec: heuristic 
     from gpu_bench import codec_tick  # this script's folder is on sys.path
 
     res: dict = {"capture_s": round(dec.capture(), 1)}
-    for streams, frames in ((16, 4), (64, 8), (64, 2), (1, 2)):
-        res[f"graphs_{streams}x{frames}"] = codec_tick(dec, streams, frames)
+    keys = dec.bucket_keys() if mode2 == "buckets" else [(16, 4), (64, 8), (64, 2), (1, 2)]
+    for streams, frames in keys:
+        res[f"graphs_{streams}x{frames}"] = tick = codec_tick(dec, streams, frames, n=3 if mode2 == "buckets" else 5)
+        tick["behind_realtime"] = tick["x_realtime"] < streams  # slower than its audio
+    if mode2 == "buckets":
+        res["behind_realtime"] = [k for k, v in res.items() if isinstance(v, dict)
+                                  and v["behind_realtime"]]
     print(json.dumps(res), flush=True)
