@@ -15,6 +15,7 @@ need not be built: a bucket slower than realtime would stall a server's streams)
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -75,10 +76,14 @@ if mode2 != "convs":  # the graphed codec: heuristic vs tuned plans
         dec.AUTOTUNE_MIN_WORK = 1 << 30
     from gpu_bench import codec_tick  # this script's folder is on sys.path
 
-    res: dict = {"capture_s": round(dec.capture(), 1)}
+    res: dict = {}
     keys = dec.bucket_keys() if mode2 == "buckets" else [(16, 4), (64, 8), (64, 2), (1, 2)]
+    if os.environ.get("STREAMS"):  # e.g. STREAMS=1,8,16: only these stream buckets
+        keys = [k for k in dec.bucket_keys() if str(k[0]) in os.environ["STREAMS"].split(",")]
+    res["capture_s"] = round(dec.capture(keys=keys if os.environ.get("STREAMS") else None), 1)
     for streams, frames in keys:
-        res[f"graphs_{streams}x{frames}"] = tick = codec_tick(dec, streams, frames, n=3 if mode2 == "buckets" else 5)
+        res[f"graphs_{streams}x{frames}"] = tick = codec_tick(
+            dec, streams, frames, n=3 if mode2 == "buckets" else 5)
         tick["behind_realtime"] = tick["x_realtime"] < streams  # slower than its audio
     if mode2 == "buckets":
         res["behind_realtime"] = [k for k, v in res.items() if isinstance(v, dict)

@@ -75,7 +75,7 @@ class StreamingDecoder:
     # At most AUTOTUNE_LIMIT algorithms are timed per shape (cudnn.benchmark_limit): 3 find
     # the same plans as cuDNN's default 10 (64 x 8 graphed tick 18.98 vs 19.1 ms) in far less
     # time (the capture of every bucket up to 64 streams: 41 s)
-    AUTOTUNE_MIN_WORK = 32
+    AUTOTUNE_MIN_WORK = 16
     AUTOTUNE_LIMIT = 3
     # a graphed tick costs about as much as one of this many streams more (H200, channels-last:
     # 1 x 2 frames 2.46 ms, 64 x 2 9.7 ms): what `_group_streams` weighs replays by
