@@ -67,14 +67,16 @@ class StreamingDecoder:
     FRAME_BUCKETS = (1, 2, 4, 8, 16)  # frames per pass in bucketed mode
     STREAM_LADDER = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # streams per pass
     # capture() lets cuDNN time its algorithms (cudnn.benchmark) for buckets of this many
-    # stream-frames (streams x frames) and more: its heuristic NHWC plan for the 384-channel
-    # dilation-9 conv is a generic kernel 100-600x slower than the best from 64 x 2 stream-
-    # frames up (64 x 8: 552 vs 0.82 ms per conv, a 570 ms tick; 16 x 4 and 32 x 2 are fine:
-    # docs/perf/gpu_s14_conv_*.txt), and one such pass stalls every stream. Buckets below
-    # (the one-stream graphs captured before ready among them) keep the heuristic plans.
+    # stream-frames (streams x frames) and more. Its heuristic NHWC plans are far off for some
+    # sizes, not monotonically: on the H200 graphed ticks of 16 and 24 stream-frames took
+    # 40-76 ms (16 x 1 75.6 ms, 1 x 16 39.5) where every bucket below took 2.5-3.9 ms, and the
+    # 384-channel dilation-9 conv at 64 x 8 took 552 ms per call vs 0.82 autotuned
+    # (docs/perf/gpu_s14_*): one such pass stalls every stream. With this rule the buckets of
+    # 1, 8 and 16 streams re-measured tick in proportion to their size (1 x 16 3.8 ms, 8 x 2
+    # 4.4, 16 x 1 4.7), as every autotuned bucket of 32 stream-frames and more already did.
     # At most AUTOTUNE_LIMIT algorithms are timed per shape (cudnn.benchmark_limit): 3 find
     # the same plans as cuDNN's default 10 (64 x 8 graphed tick 18.98 vs 19.1 ms) in far less
-    # time (the capture of every bucket up to 64 streams: 41 s)
+    # time.
     AUTOTUNE_MIN_WORK = 16
     AUTOTUNE_LIMIT = 3
     # a graphed tick costs about as much as one of this many streams more (H200, channels-last:
