@@ -76,9 +76,13 @@ def _wait_log(log: Path, pattern: str, timeout: float = 120.0) -> re.Match[str]:
     raise AssertionError(f"no {pattern!r} in the supervisor's log:\n{log.read_text()}")
 
 
-def _live(port: int) -> int:
+def _metric(port: int, name: str) -> int:
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-    return int(float(re.search(r"^rtvoice_sessions_live (\S+)$", text, re.M).group(1)))
+    return int(float(re.search(rf"^{name} (\S+)$", text, re.M).group(1)))
+
+
+def _live(port: int) -> int:
+    return _metric(port, "rtvoice_sessions_live")
 
 
 def test_two_replicas_behind_nginx(tmp_path: Path):
@@ -122,6 +126,21 @@ def test_two_replicas_behind_nginx(tmp_path: Path):
                 await c.closed()
 
         asyncio.run(run())
+
+        # the capacity bench against the one front: its sessions spread over both replicas
+        from bench_latency import cli as bench_cli
+
+        before = [_metric(p, "rtvoice_sessions_total") for p in ports]
+        said: list[str] = []
+        rc = bench_cli.main(["--url", ws, "--capacity", "--concurrency", "2", "--capacity-max",
+                             "4", "--capacity-ttfa-ms", "5000", "--jitter-ms", "10000",
+                             "--turns", "1", "--warmup-turns", "0", "--max-frames", "4",
+                             "--tokens-per-s", "0", "--no-progress",
+                             "--json", str(tmp_path / "cap.json")], out=said.append)
+        assert rc == 0, said
+        assert any(line.startswith("capacity: 4 concurrent streams") for line in said), said
+        gained = [_metric(p, "rtvoice_sessions_total") - b for p, b in zip(ports, before)]
+        assert sum(gained) == 2 + 4 and min(gained) >= 1, gained
 
         # a replica killed outright is restarted; the other serves meanwhile
         pid = int(re.search(r"\d+", subprocess.run(
