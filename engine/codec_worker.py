@@ -90,7 +90,7 @@ class CodecWorker:
         """Count (and now and then log) a tick that took longer than the audio its longest
         stream gained: at that pace every stream's audio falls behind realtime."""
         audio_s = max(frames, default=0) * self.frame_s
-        if took <= max(audio_s, self.SLOW_TICK_MIN_S):
+        if not frames or took <= max(audio_s, self.SLOW_TICK_MIN_S):
             return
         self.stats["codec_slow_ticks"] += 1
         now = time.monotonic()
