@@ -83,14 +83,14 @@ class CodecWorker:
         took = time.perf_counter() - t0
         self.stats["codec_s"] += took
         self.stats["codec_ticks"] += 1
-        self._check_pace(took, [codes.shape[1] for _, _, codes in work])
+        self._check_pace(took, len(work), max((codes.shape[1] for _, _, codes in work), default=0))
         return pcm
 
-    def _check_pace(self, took: float, frames: list[int]) -> None:
+    def _check_pace(self, took: float, streams: int, frames: int) -> None:
         """Count (and now and then log) a tick that took longer than the audio its longest
-        stream gained: at that pace every stream's audio falls behind realtime."""
-        audio_s = max(frames, default=0) * self.frame_s
-        if not frames or took <= max(audio_s, self.SLOW_TICK_MIN_S):
+        stream gained (`frames`): at that pace every stream's audio falls behind realtime."""
+        audio_s = frames * self.frame_s
+        if not streams or took <= max(audio_s, self.SLOW_TICK_MIN_S):
             return
         self.stats["codec_slow_ticks"] += 1
         now = time.monotonic()
@@ -104,7 +104,7 @@ class CodecWorker:
             "on a GPU, codec buckets still warming or a conv plan chosen without cuDNN's "
             "autotuner (StreamingDecoder.AUTOTUNE_MIN_WORK), or other work on the device; on a "
             "CPU, more speaking sessions than its cores decode in realtime (lower "
-            "--max-running)", len(frames), max(frames), took * 1e3, audio_s * 1e3,
+            "--max-running)", streams, frames, took * 1e3, audio_s * 1e3,
             self.stats["codec_slow_ticks"])
 
     def release(self, turns: list[Turn]) -> None:

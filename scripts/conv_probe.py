@@ -44,9 +44,10 @@ def timed(fn) -> dict:  # type: ignore[no-untyped-def]
 
 
 mode2 = sys.argv[2] if len(sys.argv) > 2 else ""
-for B, C, T, d in () if mode2 == "buckets" else ((64, 384, 2048, 9), (64, 384, 2048, 3), (64, 384, 2048, 1), (64, 768, 256, 9),
-                   (64, 192, 8192, 9), (64, 96, 16384, 9), (16, 384, 1024, 9), (32, 384, 512, 9),
-                   (65, 384, 2048, 9)):
+SHAPES = ((64, 384, 2048, 9), (64, 384, 2048, 3), (64, 384, 2048, 1), (64, 768, 256, 9),
+          (64, 192, 8192, 9), (64, 96, 16384, 9), (16, 384, 1024, 9), (32, 384, 512, 9),
+          (65, 384, 2048, 9))
+for B, C, T, d in () if mode2 == "buckets" else SHAPES:
     x = torch.randn(B, C, T + 6 * d, device="cuda", dtype=dt)
     w = torch.randn(C, C, 7, device="cuda", dtype=dt) / 30
     b = torch.randn(C, device="cuda", dtype=dt)
@@ -76,11 +77,11 @@ if mode2 != "convs":  # the graphed codec: heuristic vs tuned plans
         dec.AUTOTUNE_MIN_WORK = 1 << 30
     from gpu_bench import codec_tick  # this script's folder is on sys.path
 
-    res: dict = {}
     keys = dec.bucket_keys() if mode2 == "buckets" else [(16, 4), (64, 8), (64, 2), (1, 2)]
-    if os.environ.get("STREAMS"):  # e.g. STREAMS=1,8,16: only these stream buckets
-        keys = [k for k in dec.bucket_keys() if str(k[0]) in os.environ["STREAMS"].split(",")]
-    res["capture_s"] = round(dec.capture(keys=keys if os.environ.get("STREAMS") else None), 1)
+    only = os.environ.get("STREAMS", "") if mode2 == "buckets" else ""  # e.g. STREAMS=1,8,16
+    if only:  # these stream buckets only (every frame bucket of each: a pass needs them all)
+        keys = [k for k in keys if str(k[0]) in only.split(",")]
+    res: dict = {"capture_s": round(dec.capture(keys=keys if only else None), 1)}
     for streams, frames in keys:
         res[f"graphs_{streams}x{frames}"] = tick = codec_tick(
             dec, streams, frames, n=3 if mode2 == "buckets" else 5)
