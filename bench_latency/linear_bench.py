@@ -23,6 +23,11 @@ Time on an H200: about 1.5-2.5 minutes once the csrc extension is built (about 2
 timings, ~10 ms each, and ~20 Triton compilations of ~1 s); the first use of the extension on
 a fresh machine compiles it first (a few minutes). `--shapes`, `--ms`, `--variants`,
 `--no-triton` cut it down.
+
+`--swiglu` times instead the FFN's gated input as the engine runs it at each M where the
+recorded table picks the csrc kernel for the packed [W1; W3]: that linear then the compiled
+silu * mul (two launches) against the kernel's SwiGLU epilogue with the same parameters
+(one), and checks that the two agree.
 """
 
 from __future__ import annotations
@@ -40,8 +45,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from engine import functional, fusion
 from engine.kernels import extension_available
 from engine.kernels.linear import (
+    DEFAULT_TABLE,
     FP8_VARIANTS,
     MAX_M,
     VARIANTS,
@@ -50,6 +57,8 @@ from engine.kernels.linear import (
     _triton_module,
     fp8_gemv,
     gemv,
+    gemv_swiglu,
+    load_plan,
     subnormal_case,
     supports,
 )
@@ -291,6 +300,48 @@ def bench_shape(name: str, n: int, k: int, ms: tuple[int, ...], reps: int, copy:
     return rows
 
 
+def bench_swiglu(ms: tuple[int, ...], reps: int, table: Path) -> list[dict[str, object]]:
+    """The packed FFN input projection + SwiGLU at each M where `table` picks the csrc kernel
+    for it: unfused (the kernel, then the compiled silu * mul, as Ops.swiglu ran it) vs the
+    kernel's SwiGLU epilogue with the same splits / kwarps / variant. Returns one result per
+    M (microseconds, agreement)."""
+    n, k = SHAPES["w13"]
+    i = n // 2
+    plan = load_plan(table)
+    silu_mul = fusion.compiled("silu_mul", functional.silu_mul)
+    g = torch.Generator(device="cuda").manual_seed(n + k)
+    base = (torch.randn(n, k, device="cuda", generator=g) / math.sqrt(k)).to(torch.bfloat16)
+    ws = [base.clone() for _ in range(max(2, math.ceil(ROTATE_BYTES / (2 * n * k))))]
+    results: list[dict[str, object]] = []
+    for m in ms:
+        row = plan.choose(m, n, k, False) if plan is not None else None
+        if row is None or row.impl != "gemv":
+            print(f"swiglu m={m}: the table runs the library linear here (no epilogue)")
+            continue
+        kw = {"splits": row.splits, "kwarps": row.kwarps, "variant": row.variant}
+        x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+
+        def unfused(w: torch.Tensor, x: torch.Tensor = x, kw: dict = kw) -> torch.Tensor:
+            h = gemv(x, w, **kw)
+            return silu_mul(h[:, :i], h[:, i:])
+
+        def fused(w: torch.Tensor, x: torch.Tensor = x, kw: dict = kw) -> torch.Tensor:
+            return gemv_swiglu(x, w, **kw)
+
+        a, b = unfused(ws[0]), fused(ws[0])
+        ulps = (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+        t_un = graph_us([functools.partial(unfused, w) for w in ws], reps)
+        t_fu = graph_us([functools.partial(fused, w) for w in ws], reps)
+        r = {"m": m, **kw, "unfused_us": round(t_un, 2), "fused_us": round(t_fu, 2),
+             "max_ulps": int(ulps.max()), "differing": float((ulps > 0).float().mean())}
+        print(f"swiglu m={m} ({row.splits} splits, kwarps {row.kwarps}, variant "
+              f"{row.variant}): linear + silu*mul {t_un:.2f} us, SwiGLU epilogue {t_fu:.2f} us "
+              f"({t_un - t_fu:+.2f} us saved); results {r['max_ulps']} ulp apart at most "
+              f"({100 * r['differing']:.3f} % differ)", flush=True)
+        results.append(r)
+    return results
+
+
 def _plan_row(fp8: bool, m: int, n: int, k: int, meta: Meta, us: dict[str, float]) -> PlanRow:
     config = meta.get("config")
     return PlanRow(fp8, m, n, k, str(meta["impl"]), int(meta.get("splits", 1)),  # type: ignore[arg-type]
@@ -311,11 +362,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=15, help="graph replays per candidate")
     ap.add_argument("--reference", action="store_true",
                     help="also time the dequantising FP8 reference (slow)")
+    ap.add_argument("--swiglu", action="store_true",
+                    help="time the packed FFN projection + SwiGLU, unfused vs the kernel's "
+                    "epilogue, at the M where the table (--table) picks the kernel")
+    ap.add_argument("--table", type=Path, default=DEFAULT_TABLE,
+                    help="the recorded table --swiglu follows")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("linear_bench needs a CUDA device (the candidates are GPU kernels); nothing "
               "measured", file=sys.stderr)
         return 1
+    if args.swiglu:
+        if not extension_available():
+            print("--swiglu needs the csrc extension, which did not build", file=sys.stderr)
+            return 1
+        with torch.inference_mode():
+            res = bench_swiglu(tuple(int(m) for m in args.ms.split(",")), args.reps, args.table)
+        if args.out:
+            args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(),
+                                            "swiglu": res}, indent=1) + "\n")
+        return 0
     names = [s for s in args.shapes.split(",") if s]
     unknown = [s for s in names if s not in SHAPES]
     if unknown:

@@ -16,6 +16,14 @@
 //                             (a scratch block, for rows that only pad the batch)
 //   pos      [B] int64        each row's position (0 <= pos < MB * BS; not checked on device)
 //   out      [B, H, D]        contiguous
+//   qw, kw   [D] or None      same dtype: with cs, RMSNorm weights of q's and k's heads
+//   cs       [B or 1, D/2, 2] or None, same dtype, last two dims packed: (cos, sin) of each
+//                             row's position (one row for all: row stride 0). Given, the
+//                             kernel first normalises each head of q and k_new (where qw /
+//                             kw are given; eps) and rotates its pairs (2i, 2i+1) by cs[i]
+//                             with every rounding of engine/functional.py's norm_rope_qk,
+//                             and stores and attends with that k: the model's q/k norm and
+//                             RoPE launch folded into this one. Needs D / L even (not D = 40).
 //   splits   int              1: one block reads all of a row's positions; > 1: each row's
 //                             positions are cut into `splits` ranges read by separate blocks
 //                             (partial softmax states in float32, merged by a second kernel);
@@ -69,6 +77,39 @@ __device__ __forceinline__ void load(const T* __restrict__ p, float (&out)[E], b
   for (int e = 0; e < E; ++e) out[e] = to_f(p[e]);
 }
 
+template <typename T>
+__device__ __forceinline__ float round_to(float x) { return to_f(static_cast<T>(x)); }
+
+// One head's RMSNorm (w != nullptr) and interleaved RoPE on a lane's E elements sub * E..
+// (the head spread over the L lanes of a group), rounding to T where the reference does: the
+// normed value, its product with the weight, each rotated element. The products are kept
+// apart (no FMA contraction), as torch computes them. Every lane of the warp must call it
+// (shuffles).
+template <typename T, int E, int L>
+__device__ __forceinline__ void norm_rope(float (&x)[E], const T* __restrict__ w,
+                                          const T* __restrict__ cs, int sub, float eps) {
+  static_assert(E % 2 == 0, "RoPE pairs must not straddle lanes");
+  if (w != nullptr) {
+    float ss = 0.f;
+#pragma unroll
+    for (int e = 0; e < E; ++e) ss = __fadd_rn(ss, __fmul_rn(x[e], x[e]));
+#pragma unroll
+    for (int o = L / 2; o >= 1; o /= 2) ss += __shfl_xor_sync(0xffffffff, ss, o);
+    const float r = rsqrtf(ss / static_cast<float>(E * L) + eps);
+#pragma unroll
+    for (int e = 0; e < E; ++e)
+      x[e] = round_to<T>(__fmul_rn(round_to<T>(__fmul_rn(x[e], r)), to_f(w[sub * E + e])));
+  }
+#pragma unroll
+  for (int i = 0; i < E / 2; ++i) {
+    const int j = sub * (E / 2) + i;
+    const float c = to_f(cs[2 * j]), sn = to_f(cs[2 * j + 1]);
+    const float x0 = x[2 * i], x1 = x[2 * i + 1];
+    x[2 * i] = round_to<T>(__fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, sn)));
+    x[2 * i + 1] = round_to<T>(__fadd_rn(__fmul_rn(x1, c), __fmul_rn(x0, sn)));
+  }
+}
+
 // One block per (row b, R query heads of one kv head g, range of positions): with R = all the
 // heads of g each key/value row is read once (large batches); with R = 1 there are more,
 // smaller blocks to fill the GPU (small batches). E = D / L elements of the head dimension
@@ -81,7 +122,9 @@ __global__ void __launch_bounds__(kGroups * L) decode_attention_kernel(
     T* __restrict__ v_cache, const int64_t* __restrict__ table, int64_t MB,
     const int64_t* __restrict__ wblock, const int64_t* __restrict__ pos, T* __restrict__ out,
     int Hkv, int rep, int64_t BS,
-    float scale, bool vec, int splits, float* __restrict__ ws_o, float* __restrict__ ws_ml) {
+    float scale, bool vec, int splits, float* __restrict__ ws_o, float* __restrict__ ws_ml,
+    const T* __restrict__ qw, const T* __restrict__ kw, const T* __restrict__ cs, int64_t cs_rs,
+    float eps) {
   constexpr int D = E * L;
   constexpr int kThreads = kGroups * L;
   __shared__ float s_m[kGroups][R];
@@ -101,11 +144,27 @@ __global__ void __launch_bounds__(kGroups * L) decode_attention_kernel(
   const T* kn = k_new + b * k_rs + g * D;
   const T* vn = v_new + b * v_rs + g * D;
 
+  // with cs: this lane's elements of the normed, rotated key (every group holds the whole
+  // head), stored below and used in place of k_new at position p
+  const bool rope = E % 2 == 0 && cs != nullptr;  // odd E: refused by the host
+  const T* csr = rope ? cs + b * cs_rs : nullptr;
+  float kx[E];
+  if constexpr (E % 2 == 0) {
+    if (rope) {
+      load<T, E>(kn + sub * E, kx, vec);
+      norm_rope<T, E, L>(kx, kw, csr, sub, eps);
+    }
+  }
+
   if (part == 0 && split == 0) {  // store this position (read back from k_new/v_new below)
     const int64_t w = ((wblock[b] * Hkv + g) * BS + p % BS) * D;
     for (int i = threadIdx.x; i < D; i += kThreads) {
-      k_cache[w + i] = kn[i];
+      if (!rope) k_cache[w + i] = kn[i];
       v_cache[w + i] = vn[i];
+    }
+    if (rope && grp == 0) {
+#pragma unroll
+      for (int e = 0; e < E; ++e) k_cache[w + sub * E + e] = static_cast<T>(kx[e]);
     }
   }
 
@@ -113,6 +172,9 @@ __global__ void __launch_bounds__(kGroups * L) decode_attention_kernel(
 #pragma unroll
   for (int r = 0; r < R; ++r) {
     load<T, E>(q + b * q_rs + (h0 + r) * D + sub * E, qv[r], vec);
+    if constexpr (E % 2 == 0) {
+      if (rope) norm_rope<T, E, L>(qv[r], qw, csr, sub, eps);
+    }
 #pragma unroll
     for (int e = 0; e < E; ++e) qv[r][e] *= scale;
   }
@@ -138,7 +200,12 @@ __global__ void __launch_bounds__(kGroups * L) decode_attention_kernel(
       // 32-bit division: positions and block sizes are small (64-bit division is emulated)
       const int tb = static_cast<int>(t) / bs32, to = static_cast<int>(t) - tb * bs32;
       const int64_t at = t == p ? 0 : ((blocks[tb] * Hkv + g) * BS + to) * D;
-      load<T, E>((t == p ? kn : k_cache + at) + sub * E, kk, vec);
+      if (rope && t == p) {
+#pragma unroll
+        for (int e = 0; e < E; ++e) kk[e] = kx[e];
+      } else {
+        load<T, E>((t == p ? kn : k_cache + at) + sub * E, kk, vec);
+      }
       load<T, E>((t == p ? vn : v_cache + at) + sub * E, vv, vec);
     } else {
 #pragma unroll
@@ -229,19 +296,31 @@ __global__ void decode_attention_combine(const float* __restrict__ ws_o,
   }
 }
 
+// The optional q/k norm + RoPE of a launch (cs undefined: none).
+struct Rope {
+  torch::Tensor qw, kw, cs;
+  int64_t cs_rs = 0;
+  float eps = 0.f;
+  template <typename T>
+  const T* ptr(const torch::Tensor& t) const {
+    return t.defined() ? t.data_ptr<T>() : nullptr;
+  }
+};
+
 template <typename T, int E, int L>
 void launch_e(int R, int rep, dim3 grid, cudaStream_t stream, const torch::Tensor& q,
               const torch::Tensor& k_new, const torch::Tensor& v_new, torch::Tensor& k_cache,
               torch::Tensor& v_cache, const torch::Tensor& table, const torch::Tensor& wblock,
               const torch::Tensor& pos, torch::Tensor& out, float scale, bool vec, int splits,
-              float* ws_o, float* ws_ml) {
+              float* ws_o, float* ws_ml, const Rope& rp) {
 #define RTV_LAUNCH(R_)                                                                      \
   decode_attention_kernel<T, E, R_, L><<<grid, kGroups * L, 0, stream>>>(                         \
       q.data_ptr<T>(), q.stride(0), k_new.data_ptr<T>(), k_new.stride(0),                   \
       v_new.data_ptr<T>(), v_new.stride(0), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),   \
       table.data_ptr<int64_t>(), table.stride(0), wblock.data_ptr<int64_t>(),               \
       pos.data_ptr<int64_t>(), out.data_ptr<T>(), static_cast<int>(k_new.size(1)), rep,     \
-      k_cache.size(2), scale, vec, splits, ws_o, ws_ml)
+      k_cache.size(2), scale, vec, splits, ws_o, ws_ml, rp.ptr<T>(rp.qw), rp.ptr<T>(rp.kw),   \
+      rp.ptr<T>(rp.cs), rp.cs_rs, rp.eps)
   switch (R) {
     case 1: RTV_LAUNCH(1); break;
     case 2: RTV_LAUNCH(2); break;
@@ -260,7 +339,7 @@ template <typename T>
 void launch(const torch::Tensor& q, const torch::Tensor& k_new, const torch::Tensor& v_new,
             torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& table,
             const torch::Tensor& wblock, const torch::Tensor& pos, torch::Tensor& out,
-            int64_t splits) {
+            int64_t splits, const Rope& rp) {
   const int B = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_new.size(1);
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   const int rep = H / Hkv;
@@ -297,10 +376,10 @@ void launch(const torch::Tensor& q, const torch::Tensor& k_new, const torch::Ten
     ml_ptr = ws_ml.data_ptr<float>();
   }
   switch (D) {
-    case 40: launch_e<T, 5, 8>(R, rep, grid, stream, q, k_new, v_new, k_cache, v_cache, table, wblock, pos, out, scale, vec, ns, o_ptr, ml_ptr); break;
-    case 48: launch_e<T, 6, 8>(R, rep, grid, stream, q, k_new, v_new, k_cache, v_cache, table, wblock, pos, out, scale, vec, ns, o_ptr, ml_ptr); break;
-    case 64: launch_e<T, 8, 8>(R, rep, grid, stream, q, k_new, v_new, k_cache, v_cache, table, wblock, pos, out, scale, vec, ns, o_ptr, ml_ptr); break;
-    case 128: launch_e<T, 8, 16>(R, rep, grid, stream, q, k_new, v_new, k_cache, v_cache, table, wblock, pos, out, scale, vec, ns, o_ptr, ml_ptr); break;
+    case 40: launch_e<T, 5, 8>(R, rep, grid, stream, q, k_new, v_new, k_cache, v_cache, table, wblock, pos, out, scale, vec, ns, o_ptr, ml_ptr, rp); break;
+    case 48: launch_e<T, 6, 8>(R, rep, grid, stream, q, k_new, v_new, k_cache, v_cache, table, wblock, pos, out, scale, vec, ns, o_ptr, ml_ptr, rp); break;
+    case 64: launch_e<T, 8, 8>(R, rep, grid, stream, q, k_new, v_new, k_cache, v_cache, table, wblock, pos, out, scale, vec, ns, o_ptr, ml_ptr, rp); break;
+    case 128: launch_e<T, 8, 16>(R, rep, grid, stream, q, k_new, v_new, k_cache, v_cache, table, wblock, pos, out, scale, vec, ns, o_ptr, ml_ptr, rp); break;
     default: TORCH_CHECK(false, "decode_attention: head_dim ", D, " is not supported");
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -316,7 +395,9 @@ void launch(const torch::Tensor& q, const torch::Tensor& k_new, const torch::Ten
 void decode_attention(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new,
                       torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor table,
                       torch::Tensor wblock, torch::Tensor pos, torch::Tensor out,
-                      int64_t splits) {
+                      int64_t splits, std::optional<torch::Tensor> qw,
+                      std::optional<torch::Tensor> kw, std::optional<torch::Tensor> cs,
+                      double eps) {
   TORCH_CHECK(splits >= 0, "decode_attention: splits must be >= 0 (0: automatic), got ", splits);
   TORCH_CHECK(q.is_cuda(), "decode_attention: CUDA tensors expected");
   TORCH_CHECK(q.dim() == 3 && k_new.dim() == 3 && v_new.dim() == 3 && out.dim() == 3,
@@ -342,12 +423,42 @@ void decode_attention(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new,
   for (const auto* t : {&q, &k_new, &v_new})
     TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == D,
                 "decode_attention: heads and dims of q/k_new/v_new must be packed");
+  Rope rp;
+  if (cs.has_value()) {
+    const auto& c = *cs;
+    TORCH_CHECK(D % kMinLanes == 0 && (D == 128 ? D / 16 : D / 8) % 2 == 0,
+                "decode_attention: the fused q/k norm + RoPE needs an even number of elements "
+                "per lane (head_dim 48, 64 or 128), got head_dim ", D);
+    TORCH_CHECK(c.scalar_type() == dt && c.device() == q.device() && c.dim() == 3 &&
+                    (c.size(0) == B || c.size(0) == 1) && c.size(1) == D / 2 &&
+                    c.size(2) == 2 && c.stride(2) == 1 && c.stride(1) == 2,
+                "decode_attention: cs must be [B or 1, head_dim / 2, 2] in q's dtype with its "
+                "last two dims packed, got ", c.scalar_type(), " ", c.sizes(), " strides ",
+                c.strides());
+    for (const auto* w : {&qw, &kw})
+      TORCH_CHECK(!w->has_value() || ((*w)->scalar_type() == dt && (*w)->device() == q.device() &&
+                                      (*w)->dim() == 1 && (*w)->size(0) == D &&
+                                      (*w)->is_contiguous()),
+                  "decode_attention: q/k norm weights must be contiguous [head_dim] in q's dtype");
+    TORCH_CHECK(qw.has_value() == kw.has_value(),
+                "decode_attention: give both q and k norm weights or neither");
+    rp.cs = c;
+    rp.cs_rs = c.size(0) == 1 ? 0 : c.stride(0);
+    if (qw.has_value()) {
+      rp.qw = *qw;
+      rp.kw = *kw;
+    }
+    rp.eps = static_cast<float>(eps);
+  } else {
+    TORCH_CHECK(!qw.has_value() && !kw.has_value(),
+                "decode_attention: q/k norm weights come with cs (the rotation)");
+  }
   if (B == 0) return;
   const c10::cuda::CUDAGuard guard(q.device());
   switch (dt) {
-    case at::kBFloat16: launch<at::BFloat16>(q, k_new, v_new, k_cache, v_cache, table, wblock, pos, out, splits); break;
-    case at::kHalf: launch<at::Half>(q, k_new, v_new, k_cache, v_cache, table, wblock, pos, out, splits); break;
-    case at::kFloat: launch<float>(q, k_new, v_new, k_cache, v_cache, table, wblock, pos, out, splits); break;
+    case at::kBFloat16: launch<at::BFloat16>(q, k_new, v_new, k_cache, v_cache, table, wblock, pos, out, splits, rp); break;
+    case at::kHalf: launch<at::Half>(q, k_new, v_new, k_cache, v_cache, table, wblock, pos, out, splits, rp); break;
+    case at::kFloat: launch<float>(q, k_new, v_new, k_cache, v_cache, table, wblock, pos, out, splits, rp); break;
     default: TORCH_CHECK(false, "decode_attention: unsupported dtype ", dt);
   }
 }

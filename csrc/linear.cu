@@ -57,7 +57,7 @@
 //                  read as +-480 in 0-2, NaN in 3)
 //   scale  [ceil(N/128), ceil(K/128)] float32, contiguous (FP8 only; None for bf16):
 //                  W[n, k] = w[n, k] * scale[n / 128, k / 128]
-//   out    [M, N]  bf16, contiguous
+//   out    [M, N]  bf16, contiguous ([M, N / 2] with glu)
 //   K % 16 == 0; N >= 1; compute capability 8.0+ (variant 3: 8.9+)
 //   splits 1..64: K cut into this many ranges read by separate blocks (float32 partials,
 //                  summed by linear_splits_reduce); 0: automatic
@@ -65,6 +65,13 @@
 //                  0: automatic (variant 0: the fewest that still give two blocks per SM,
 //                  else 8; 1-3: the fewest that give every SM a block, else 8)
 //   variant 0..3 (above); bf16 weights take 0 or 1
+//   glu    SwiGLU epilogue (bf16 W only): w = [W1; W3] (N = 2 I rows, the gate's then the
+//          up projection's), out [M, I] = silu(x W1^T) * (x W3^T), each of the two rounded to
+//          bf16 first as the unfused linear would (then silu in float32, rounded, times the
+//          up value, rounded: what F.silu(a) * b does in bf16). A 16-row tile then holds the
+//          gate rows f0..f0+7 as its rows g and the up rows I+f0.. as its rows g + 8, so each
+//          lane ends with a gate and its up value side by side; with splits > 1 the partials
+//          keep the [splits, M, 2 I] layout and the reduce kernel applies the epilogue.
 
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -264,7 +271,64 @@ struct Args {
   int M, N, K, kb;
   int kw;                // warps per 16-row tile
   int n_chunks, cps;     // K chunks in all, per split
+  int glu;               // > 0: the SwiGLU epilogue, I = N / 2 (y is [M, I]); 0: y = x W^T
 };
+
+// The weight rows of 16-row sub-tile `st` that lane group g multiplies: `ra` as the MMA's
+// row g, `rb` as its row g + 8. Plain: rows 16 st + g and + 8. SwiGLU (glu = I): output f =
+// 8 st + g, its gate row f and its up row I + f. kMayGlu = false (FP8 kernels, which never
+// take the epilogue) compiles the SwiGLU branches out: no registers spent on them.
+struct TileRows {
+  int ra, rb;      // weight rows
+  bool oka, okb;   // rows that exist (a missing one reads row 0 and its result is dropped)
+  int f;           // SwiGLU: the output column
+};
+
+template <bool kMayGlu>
+__device__ __forceinline__ TileRows tile_rows(const Args& a, int st, int g) {
+  if (kMayGlu && a.glu > 0) {
+    const int f = st * 8 + g;
+    return {f, a.glu + f, f < a.glu, f < a.glu, f};
+  }
+  const int n = st * kTileRows + g;
+  return {n, n + 8, n < a.N, n + 8 < a.N, 0};
+}
+
+// silu(gate) * up as the unfused ops compute it in bf16: the linear's outputs rounded, then
+// F.silu (float32 x / (1 + exp(-x)), rounded), then the product, rounded.
+__device__ __forceinline__ __nv_bfloat16 swiglu_bf16(float gate, float up) {
+  const float gb = __bfloat162float(__float2bfloat16(gate));
+  const float ub = __bfloat162float(__float2bfloat16(up));
+  const float s = __bfloat162float(__float2bfloat16(gb / (1.0f + expf(-gb))));
+  return __float2bfloat16(s * ub);
+}
+
+// A lane's four results of one 16-row sub-tile and MMA n-tile: d[e] = row (e < 2 ? ra : rb)
+// times x row m0 + (e & 1). Written as bf16 to y [M, N], as float32 partials to ws (split
+// K), or, SwiGLU without split K, as silu(d[e]) * d[e + 2] to y [M, I].
+template <bool kMayGlu>
+__device__ __forceinline__ void store_tile(const Args& a, const float (&d)[4],
+                                           const TileRows& tr, int m0) {
+  if (kMayGlu && a.glu > 0 && a.ws == nullptr) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int m = m0 + e;
+      if (tr.oka && m < a.M)
+        a.y[static_cast<int64_t>(m) * a.glu + tr.f] = swiglu_bf16(d[e], d[e + 2]);
+    }
+    return;
+  }
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const int n = e >= 2 ? tr.rb : tr.ra, m = m0 + (e & 1);
+    if ((e >= 2 ? tr.okb : tr.oka) && m < a.M) {
+      if (a.ws != nullptr)  // an empty split range writes its zeros too
+        a.ws[(static_cast<int64_t>(blockIdx.y) * a.M + m) * a.N + n] = d[e];
+      else
+        a.y[static_cast<int64_t>(m) * a.N + n] = __float2bfloat16(d[e]);
+    }
+  }
+}
 
 // x fragments of one 16-byte weight load step: x rows 8 j + g (xrow[j] points at the lane's
 // k offset of its row) at k = kk + t * kVec: 8 bf16 (bf16 W) or 16 (FP8 W) per n-tile j.
@@ -330,13 +394,14 @@ __global__ void __launch_bounds__(kThreads, MINB) linear_small_m_kernel(const Ar
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int rt = warp / a.kw, kw = warp - rt * a.kw;
-  const int n0 = (blockIdx.x * (kWarps / a.kw) + rt) * kTileRows;
+  const int tile = blockIdx.x * (kWarps / a.kw) + rt;
+  const int n0 = tile * kTileRows;
   const int c_begin = blockIdx.y * a.cps, c_end = min(a.n_chunks, c_begin + a.cps);
   const int c_full = min(c_end, a.K / kChunk);  // chunks [.., c_full) lie inside K
   const int64_t row_bytes = static_cast<int64_t>(a.K) * kEl;
-  const uint8_t* w0 = a.w + (n0 + g < a.N ? static_cast<int64_t>(n0 + g) * row_bytes : 0) + t * 16;
-  const uint8_t* w1 = a.w + (n0 + g + 8 < a.N ? static_cast<int64_t>(n0 + g + 8) * row_bytes : 0) +
-                      t * 16;
+  const TileRows tr = tile_rows<!F8>(a, tile, g);
+  const uint8_t* w0 = a.w + (tr.oka ? static_cast<int64_t>(tr.ra) * row_bytes : 0) + t * 16;
+  const uint8_t* w1 = a.w + (tr.okb ? static_cast<int64_t>(tr.rb) * row_bytes : 0) + t * 16;
   const __nv_bfloat16* xrow[NT];
 #pragma unroll
   for (int j = 0; j < NT; ++j)
@@ -427,20 +492,9 @@ __global__ void __launch_bounds__(kThreads, MINB) linear_small_m_kernel(const Ar
         for (int e = 0; e < 4; ++e) acc[j][e] += red[warp + o][j * 4 + e][lane];
     }
   }
-  // d[e]: row n0 + g (+ 8 for e >= 2), x row 8 j + 2 t (+ 1 for odd e)
+  // d[e]: row tr.ra (tr.rb for e >= 2), x row 8 j + 2 t (+ 1 for odd e)
 #pragma unroll
-  for (int j = 0; j < NT; ++j) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int n = n0 + g + (e >= 2 ? 8 : 0), m = 8 * j + 2 * t + (e & 1);
-      if (n < a.N && m < a.M) {
-        if (a.ws != nullptr)  // an empty split range writes its zeros too
-          a.ws[(static_cast<int64_t>(blockIdx.y) * a.M + m) * a.N + n] = acc[j][e];
-        else
-          a.y[static_cast<int64_t>(m) * a.N + n] = __float2bfloat16(acc[j][e]);
-      }
-    }
-  }
+  for (int j = 0; j < NT; ++j) store_tile<!F8>(a, acc[j], tr, 8 * j + 2 * t);
 }
 
 // ---------------------------------------------------------------- variants 1-3: pipelined
@@ -475,18 +529,19 @@ __global__ void __launch_bounds__(kThreads, MINB) linear_pipe_kernel(const Args 
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int rt = warp / a.kw, kwi = warp - rt * a.kw;
-  const int n0 = (blockIdx.x * (kWarps / a.kw) + rt) * (kTileRows * RT);
+  const int tile = blockIdx.x * (kWarps / a.kw) + rt;
+  const int n0 = tile * (kTileRows * RT);
   const int c_begin = blockIdx.y * a.cps, c_end = min(a.n_chunks, c_begin + a.cps);
   const int c_full = min(c_end, a.K / kChunk);  // chunks [.., c_full) lie inside K
   const int64_t row_bytes = static_cast<int64_t>(a.K) * kEl;
+  TileRows tr[RT];  // sub-tile r: MMA rows g (h = 0) and g + 8 (h = 1)
   const uint8_t* wrow[RT][2];
 #pragma unroll
-  for (int r = 0; r < RT; ++r)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int n = n0 + kTileRows * r + 8 * h + g;
-      wrow[r][h] = a.w + (n < a.N ? static_cast<int64_t>(n) * row_bytes : 0) + t * 16;
-    }
+  for (int r = 0; r < RT; ++r) {
+    tr[r] = tile_rows<!F8>(a, tile * RT + r, g);
+    wrow[r][0] = a.w + (tr[r].oka ? static_cast<int64_t>(tr[r].ra) * row_bytes : 0) + t * 16;
+    wrow[r][1] = a.w + (tr[r].okb ? static_cast<int64_t>(tr[r].rb) * row_bytes : 0) + t * 16;
+  }
   const __nv_bfloat16* xrow[NT];
 #pragma unroll
   for (int j = 0; j < NT; ++j)
@@ -496,8 +551,9 @@ __global__ void __launch_bounds__(kThreads, MINB) linear_pipe_kernel(const Args 
   unsigned char* ring = smem + warp * (S * kStage);
   const uint32_t ring_lane = smem_u32(ring) + lane * 16;
 
-  // chunk c into stage st: load (r, s, h) = rows n0 + 16 r + 8 h + g, k = c kChunk + s 4 kVec
-  // + t kVec at slot (r * 2 + s) * 2 + h. The chunk reaching past K zero-fills its dead steps.
+  // chunk c into stage st: load (r, s, h) = row tr[r].ra (h = 0) or .rb (h = 1), k = c kChunk
+  // + s 4 kVec + t kVec at slot (r * 2 + s) * 2 + h. The chunk reaching past K zero-fills its
+  // dead steps.
   auto issue = [&](int c, int st) {
     const uint32_t dst = ring_lane + st * kStage;
     const int64_t k0 = static_cast<int64_t>(c) * kChunk;
@@ -670,17 +726,7 @@ __global__ void __launch_bounds__(kThreads, MINB) linear_pipe_kernel(const Args 
 #pragma unroll
   for (int r = 0; r < RT; ++r)
 #pragma unroll
-    for (int j = 0; j < NT; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int n = n0 + kTileRows * r + g + (e >= 2 ? 8 : 0), m = 8 * j + 2 * t + (e & 1);
-        if (n < a.N && m < a.M) {
-          if (a.ws != nullptr)
-            a.ws[(static_cast<int64_t>(blockIdx.y) * a.M + m) * a.N + n] = acc[r][j][e];
-          else
-            a.y[static_cast<int64_t>(m) * a.N + n] = __float2bfloat16(acc[r][j][e]);
-        }
-      }
+    for (int j = 0; j < NT; ++j) store_tile<!F8>(a, acc[r][j], tr[r], 8 * j + 2 * t);
 }
 
 // y = sum over the splits' float32 partials ws [splits, M, N], rounded once to bf16.
@@ -691,6 +737,23 @@ __global__ void linear_splits_reduce(const float* __restrict__ ws, __nv_bfloat16
     float s = 0.f;
     for (int p = 0; p < splits; ++p) s += ws[p * mn + i];
     y[i] = __float2bfloat16(s);
+  }
+}
+
+// The SwiGLU epilogue over split-K partials ws [splits, M, 2 I]: y [M, I] = silu(gate) * up.
+__global__ void linear_splits_reduce_glu(const float* __restrict__ ws,
+                                         __nv_bfloat16* __restrict__ y, int64_t m_rows, int glu,
+                                         int splits) {
+  const int64_t mi = m_rows * glu, mn = 2 * mi;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < mi;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t m = i / glu, at = m * 2 * glu + (i - m * glu);
+    float gate = 0.f, up = 0.f;
+    for (int p = 0; p < splits; ++p) {
+      gate += ws[p * mn + at];
+      up += ws[p * mn + at + glu];
+    }
+    y[i] = swiglu_bf16(gate, up);
   }
 }
 
@@ -792,15 +855,19 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 }  // namespace
 
 void linear_small_m(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> scale,
-                    torch::Tensor out, int64_t splits, int64_t kwarps, int64_t variant) {
+                    torch::Tensor out, int64_t splits, int64_t kwarps, int64_t variant,
+                    bool glu) {
   TORCH_CHECK(x.is_cuda() && w.device() == x.device() && out.device() == x.device(),
               "linear_small_m: x, w and out must be CUDA tensors on one device");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && out.dim() == 2,
               "linear_small_m: x must be [M, K], w [N, K] and out [M, N]");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(w.size(1) == K && out.size(0) == M && out.size(1) == N,
+  TORCH_CHECK(!glu || (N % 2 == 0 && !scale.has_value()),
+              "linear_small_m: the SwiGLU epilogue takes bf16 weights [W1; W3] with an even "
+              "row count, got ", N, " rows", scale.has_value() ? " of FP8 weights" : "");
+  TORCH_CHECK(w.size(1) == K && out.size(0) == M && out.size(1) == (glu ? N / 2 : N),
               "linear_small_m: shapes do not agree: x ", x.sizes(), ", w ", w.sizes(), ", out ",
-              out.sizes());
+              out.sizes(), glu ? " (SwiGLU: out [M, N / 2])" : "");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16,
               "linear_small_m: x and out must be bfloat16");
   const bool f8 = scale.has_value();
@@ -849,7 +916,9 @@ void linear_small_m(torch::Tensor x, torch::Tensor w, std::optional<torch::Tenso
               "capability 8.9 or newer");
   const Kern kern = pick_kernel(f8, static_cast<int>(variant), static_cast<int>((M + 7) / 8),
                                 dev);
-  const int64_t tiles = (N + kern.rows - 1) / kern.rows;
+  // a tile of `rows` weight rows makes rows / 2 SwiGLU outputs
+  const int64_t tiles = glu ? (N / 2 + kern.rows / 2 - 1) / (kern.rows / 2)
+                            : (N + kern.rows - 1) / kern.rows;
   const int64_t n_chunks = (K + kern.chunk - 1) / kern.chunk;
   int kw = static_cast<int>(kwarps);
   if (kw == 0) {
@@ -885,15 +954,21 @@ void linear_small_m(torch::Tensor x, torch::Tensor w, std::optional<torch::Tenso
          splits > 1 ? ws.data_ptr<float>() : nullptr,
          static_cast<int>(M), static_cast<int>(N), static_cast<int>(K),
          static_cast<int>((K + kScaleBlock - 1) / kScaleBlock),
-         kw, static_cast<int>(n_chunks), static_cast<int>(cps)};
+         kw, static_cast<int>(n_chunks), static_cast<int>(cps),
+         glu ? static_cast<int>(N / 2) : 0};
   auto stream = c10::cuda::getCurrentCUDAStream();
   kern.fn<<<grid, kThreads, kern.smem, stream>>>(a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (splits > 1) {
-    const int64_t mn = M * N;
+    const int64_t mn = glu ? M * N / 2 : M * N;  // outputs
     const int blocks = static_cast<int>(std::min<int64_t>((mn + 255) / 256, 4 * n_sm));
-    linear_splits_reduce<<<blocks, 256, 0, stream>>>(ws.data_ptr<float>(), a.y, mn,
-                                                     static_cast<int>(splits));
+    if (glu)
+      linear_splits_reduce_glu<<<blocks, 256, 0, stream>>>(ws.data_ptr<float>(), a.y, M,
+                                                           static_cast<int>(N / 2),
+                                                           static_cast<int>(splits));
+    else
+      linear_splits_reduce<<<blocks, 256, 0, stream>>>(ws.data_ptr<float>(), a.y, mn,
+                                                       static_cast<int>(splits));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 }

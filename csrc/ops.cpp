@@ -7,7 +7,9 @@ void prev_tokens_shift_inplace(torch::Tensor prev, torch::Tensor next_tokens);
 void decode_attention(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new,
                       torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor table,
                       torch::Tensor wblock, torch::Tensor pos, torch::Tensor out,
-                      int64_t splits);
+                      int64_t splits, std::optional<torch::Tensor> qw,
+                      std::optional<torch::Tensor> kw, std::optional<torch::Tensor> cs,
+                      double eps);
 void sample_topk(torch::Tensor logits, torch::Tensor temperature, torch::Tensor top_p,
                  torch::Tensor top_k, torch::Tensor seed, torch::Tensor step,
                  torch::Tensor stream, torch::Tensor out);
@@ -17,20 +19,21 @@ void bias_residual(torch::Tensor x, torch::Tensor y, torch::Tensor bias, torch::
 void snake_cat(torch::Tensor tail, torch::Tensor x, torch::Tensor alpha,
                std::optional<torch::Tensor> bias, torch::Tensor out);
 void linear_small_m(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> scale,
-                    torch::Tensor out, int64_t splits, int64_t kwarps, int64_t variant);
+                    torch::Tensor out, int64_t splits, int64_t kwarps, int64_t variant,
+                    bool glu);
 
 TORCH_LIBRARY(rtvoice_kernels, m) {
   m.def("prev_tokens_shift_inplace(Tensor(a!) prev, Tensor next_tokens) -> ()");
   m.def("decode_attention(Tensor q, Tensor k_new, Tensor v_new, Tensor(a!) k_cache, "
         "Tensor(b!) v_cache, Tensor table, Tensor wblock, Tensor pos, Tensor(c!) out, "
-        "int splits) -> ()");
+        "int splits, Tensor? qw=None, Tensor? kw=None, Tensor? cs=None, float eps=0.0) -> ()");
   m.def("sample_topk(Tensor logits, Tensor temperature, Tensor top_p, Tensor top_k, "
         "Tensor seed, Tensor step, Tensor stream, Tensor(a!) out) -> ()");
   m.def("snake(Tensor x, Tensor alpha, Tensor? bias, Tensor(a!) out) -> ()");
   m.def("bias_residual(Tensor x, Tensor y, Tensor bias, Tensor(a!) out) -> ()");
   m.def("snake_cat(Tensor tail, Tensor x, Tensor alpha, Tensor? bias, Tensor(a!) out) -> ()");
   m.def("linear_small_m(Tensor x, Tensor w, Tensor? scale, Tensor(a!) out, int splits, "
-        "int kwarps, int variant) -> ()");
+        "int kwarps, int variant, bool glu=False) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(rtvoice_kernels, CUDA, m) {

@@ -12,6 +12,8 @@ table entries point at it, so stray writes land where nothing reads.
 The one-position attends (decode) take an optional `kernel`: csrc's decode_attention, which
 stores the new k/v and attends through the block table in one launch (engine/ops.py
 decides); without it they write, gather the rows' blocks and run the model's attention.
+With `fuse_rope` as well they offer `norm_rope_attend`, which hands the kernel q and k before
+their norm and rotation (one launch for both; the model takes it where it exists).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 from torch import Tensor
 
 from .config import ModelConfig, TransformerConfig
-from .kernels.decode_attention import gather_blocks
+from .kernels.decode_attention import Rope, gather_blocks
 from .kv_pool import table_width
 from .model import explicit_attention, gqa_attention
 
@@ -176,9 +178,10 @@ class PagedDecodeAttend:
     attends to its positions [0, positions[b]] through tables[b] ([B, MB])."""
 
     def __init__(self, cache: SlowKVCache, tables: Tensor, wblock: Tensor, positions: Tensor,
-                 span: int, kernel: Kernel = None) -> None:
+                 span: int, kernel: Kernel = None, fuse_rope: bool = False) -> None:
         self.cache, self.tables, self.wblock, self.positions = cache, tables, wblock, positions
         self.span, self.kernel = span, kernel
+        self.norm_rope_attend = self._norm_rope_attend if kernel and fuse_rope else None
         self.w_off = positions % cache.block_size
         k_pos = torch.arange(span, device=positions.device)
         self.mask = (k_pos[None, :] <= positions[:, None])[:, None, None, :]  # [B, 1, 1, S]
@@ -194,14 +197,26 @@ class PagedDecodeAttend:
         vals = gather_blocks(c.v[layer], self.tables, self.span)
         return gqa_attention(q, keys, vals, self.mask)
 
+    def _norm_rope_attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, qw: Tensor | None,
+                          kw: Tensor | None, cs: Tensor, eps: float) -> Tensor:
+        """q [B, 1, H, Dh], k/v [B, 1, Hkv, Dh] before the q/k norm and RoPE (cs [B, 1,
+        Dh/2, 2]) -> the attention output [B, H, 1, Dh]: norm, rotation, store and attend
+        in the kernel's one launch."""
+        c = self.cache
+        assert self.kernel is not None
+        return self.kernel(q[:, 0], k[:, 0], v[:, 0], c.k[layer], c.v[layer], self.tables,
+                           self.wblock, self.positions, self.span,
+                           rope=Rope(qw, kw, cs[:, 0], eps))[:, :, None]
+
 
 class FastKV:
     """The fast AR's cache: 10 positions, rewritten from position 0 for every frame."""
 
     def __init__(self, cfg: ModelConfig, batch: int, *, device: torch.device | str,
-                 dtype: torch.dtype, kernel: Kernel = None) -> None:
+                 dtype: torch.dtype, kernel: Kernel = None, fuse_rope: bool = False) -> None:
         f = cfg.fast
         self.kernel = kernel
+        self.norm_rope_attend = self._norm_rope_attend if kernel and fuse_rope else None
         shape = (f.n_layer, batch, f.n_local_heads, cfg.num_codebooks, f.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
@@ -228,3 +243,12 @@ class FastKV:
         mask = self._masks[p: p + 1, : p + 1][None, None]  # [1, 1, 1, p+1]
         return explicit_attention(q, self.k[layer, :b, :, : p + 1], self.v[layer, :b, :, : p + 1],
                                   mask)
+
+    def _norm_rope_attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, qw: Tensor | None,
+                          kw: Tensor | None, cs: Tensor, eps: float) -> Tensor:
+        """As PagedDecodeAttend's: q/k before their norm and RoPE, one kernel launch."""
+        p, b = self.pos, self.batch
+        assert self.kernel is not None
+        return self.kernel(q[:, 0], k[:, 0], v[:, 0], self.k[layer], self.v[layer],
+                           self._tables[:b], self._rows[:b], self._pos[p, :b], p + 1,
+                           rope=Rope(qw, kw, cs[:, 0], eps))[:, :, None]

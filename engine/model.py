@@ -26,6 +26,10 @@ class Attend(Protocol):
     """Stores this step's k/v for `layer` and returns the attention output.
 
     q: [B, H, T, Dh], k/v: [B, Hkv, T, Dh] (already normed and rotated) -> [B, H, T, Dh]
+
+    An attend may also offer `norm_rope_attend(layer, q, k, v, qw, kw, cs, eps)`: the same
+    with q [B, T, H, Dh] and k/v [B, T, Hkv, Dh] before the q/k norm and rotation, which it
+    applies itself (a kernel that does both in one launch); None or absent: not offered.
     """
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor: ...
@@ -60,8 +64,12 @@ class Attention(nn.Module):
         v = v.view(B, T, c.n_local_heads, c.head_dim)
         # per-head q/k norm (slow AR only) before the rotation
         qw, kw = (self.q_norm.weight, self.k_norm.weight) if c.qk_norm else (None, None)
-        q, k = ops.norm_rope_qk(q, k, qw, kw, cs, c.norm_eps)
-        y = attend(layer, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        fused = getattr(attend, "norm_rope_attend", None)
+        if fused is not None:  # the norm and rotation inside the attention kernel
+            y = fused(layer, q, k, v, qw, kw, cs, c.norm_eps)
+        else:
+            q, k = ops.norm_rope_qk(q, k, qw, kw, cs, c.norm_eps)
+            y = attend(layer, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return ops.linear(y.transpose(1, 2).reshape(B, T, c.q_size), self.wo.weight)
 
 

@@ -39,9 +39,14 @@ class Ops:
     silu_mul: Callable[[Tensor, Tensor], Tensor] = functional.silu_mul
     # one GEMM over W1|W3 where fusion.pack_ffn laid them out as one buffer
     packed_ffn: bool = False
+    # (x, [W1; W3]) -> silu(x W1^T) * (x W3^T) in one launch (csrc's SwiGLU epilogue), or
+    # None where it does not take the call; None: always the linear, then silu_mul
+    swiglu_kernel: Callable[[Tensor, Tensor | Fp8Weight], Tensor | None] | None = None
     # csrc's one-position attention (store k/v + attend, one launch); None: the model's
     # attention over the cache (write, then SDPA)
     decode_attention: Callable[..., Tensor] | None = None
+    # the q/k norm + RoPE of a decode step folded into decode_attention's launch (its `rope`)
+    decode_rope: bool = False
     sample: Callable[..., Tensor] = sampling.sample  # the sampler's draw
     shift_window: Callable[[Tensor, Tensor], None] = prev_tokens_shift_checked  # RAS window
     codec: CodecOps = field(default_factory=CodecOps)
@@ -51,6 +56,10 @@ class Ops:
         w13 = fusion.packed(w1, w3) if self.packed_ffn else None
         if w13 is None:
             return self.silu_mul(self.linear(x, w1), self.linear(x, w3))
+        if self.swiglu_kernel is not None:
+            y = self.swiglu_kernel(x, w13)
+            if y is not None:
+                return y
         h = self.linear(x, w13)  # [..., 2I]: the gate and the up projection side by side
         n = w1.shape[0]
         return self.silu_mul(h[..., :n], h[..., n:])
@@ -59,7 +68,9 @@ class Ops:
         """What runs, for logs and bench reports."""
         return {"fused": self.fused, "linear": getattr(self.linear, "__name__", str(self.linear)),
                 "decode_attention": self.decode_attention is not None,
+                "decode_rope": self.decode_rope,
                 "sampler": getattr(self.sample, "__name__", str(self.sample)),
+                "swiglu_kernel": self.swiglu_kernel is not None,
                 "codec_kernels": self.codec.fold_bias,
                 "codec_channels_last": self.codec.channels_last}
 
@@ -71,12 +82,14 @@ def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool 
               sampler_kernel: bool = True, codec_kernels: bool = True,
               split_kv: bool = False, linear_kernels: bool = True,
               fp8_activations: bool = False, codec_channels_last: bool = True,
+              decode_rope: bool = True,
               linear_table: Path | None = linear.DEFAULT_TABLE) -> Ops:
     """The ops an engine on `device` runs. `fused`: "compile" (torch.compile'd elementwise ops
     and the packed FFN GEMM), "reference", or "auto" (compile on CUDA only). `kernels`: use
     csrc's kernels where the extension is built, and with compiled ops the Triton q/k norm +
     RoPE kernel (CUDA; False: the torch fallbacks and compiled references everywhere); `sampler_kernel` / `codec_kernels` / `split_kv` select the sampler's draw,
-    the codec's Snake/bias kernels and decode attention's split positions among them;
+    the codec's Snake/bias kernels and decode attention's split positions among them,
+    `decode_rope` whether decode attention also does the step's q/k norm and RoPE;
     `codec_channels_last`: the streaming codec's convs as NHWC convs over channels-last
     activations (CUDA only: cuDNN's fast kernels are NHWC).
     On CUDA the linears (dense and FP8) take the implementation the recorded per-shape table
@@ -105,13 +118,16 @@ def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool 
                          bias_residual=activation.bias_residual, fold_bias=True,
                          channels_last=codec.channels_last)
     if cuda:
-        parts["linear"] = linear.make_linear(linear.load_plan(linear_table),
-                                             kernels=built and linear_kernels,
+        plan = linear.load_plan(linear_table)
+        parts["linear"] = linear.make_linear(plan, kernels=built and linear_kernels,
                                              fp8_activations=fp8_activations)
+        if fused == "compile" and built and linear_kernels:  # with the packed FFN only
+            parts["swiglu_kernel"] = linear.make_swiglu(plan, kernels=True)
     return Ops(
         fused=fused, packed_ffn=fused == "compile", sample=sample, codec=codec,
         decode_attention=(functools.partial(decode_attention, splits=0 if split_kv else 1)
                           if built else None),
+        decode_rope=built and decode_rope,
         shift_window=functools.partial(prev_tokens_shift_inplace, kernel=built),
         **parts,  # type: ignore[arg-type]
     )

@@ -40,6 +40,7 @@ from .cache import (
 )
 from .capture import capture_graphs
 from .config import ModelConfig, TransformerConfig
+from .kernels.decode_attention import ROPE_HEAD_DIMS
 from .kernels.decode_attention import supports as kernel_supports
 from .model import DualAR
 from .ops import REFERENCE, Ops
@@ -69,7 +70,8 @@ class ModelRunner:
         self.sampling = SlotSampling(S, d, draw=ops.sample, shift=ops.shift_window)
         self.slow_kernel = self._attention_kernel(self.cfg.slow)
         self.fast_kv = FastKV(self.cfg, S, device=d, dtype=self.dtype,
-                              kernel=self._attention_kernel(self.cfg.fast))
+                              kernel=self._attention_kernel(self.cfg.fast),
+                              fuse_rope=self._fuse_rope(self.cfg.fast))
         self.n_semantic = self.cfg.ids.n_semantic
         # Per-row decode state, device-resident.
         self.next_col = torch.zeros(S, self.cfg.frame_rows, dtype=torch.long, device=d)
@@ -110,6 +112,10 @@ class ModelRunner:
                 or not kernel_supports(c.head_dim, c.n_head, c.n_local_heads):
             return None
         return k
+
+    def _fuse_rope(self, c: TransformerConfig) -> bool:
+        """Whether this stack's decode attention kernel also does the q/k norm and RoPE."""
+        return self.ops.decode_rope and c.head_dim in ROPE_HEAD_DIMS
 
     @property
     def attention_kernel(self) -> bool:
@@ -251,7 +257,8 @@ class ModelRunner:
                span: int) -> Tensor:
         """Rows 0..B-1 feed cols [B, 1+K] at positions [B] through their block tables
         [B, MB], writing into wblock [B] -> frames [B, 1+K]."""
-        attend = PagedDecodeAttend(self.cache, tables, wblock, positions, span, self.slow_kernel)
+        attend = PagedDecodeAttend(self.cache, tables, wblock, positions, span, self.slow_kernel,
+                                   self._fuse_rope(self.cfg.slow))
         h = self.model.forward_slow(cols[:, :, None], positions[:, None], attend,
                                     self.ops)[:, 0]  # [B, D]
         return self.frame_from_hidden(h)

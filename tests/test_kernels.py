@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine import functional
 from engine.kernels import activation, extension_available, linear, prev_tokens, sampling
 from engine.kernels import decode_attention as attention
 
@@ -182,6 +183,112 @@ def test_decode_attention_cuda_kernel_matches_fallback(dtype, tol, B, H, Hkv, D,
     want = attention.decode_attention_torch(q, kn, vn, kc2, vc2, table, wb, pos, S)
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+
+
+def _rope_case(B, D, dtype, device, *, norm=True, shared=False, seed=11):
+    """A Rope for one position per row: norm weights near 1, a real rotation table row per
+    row (or one row for all: the fast AR's shared position)."""
+    g = torch.Generator().manual_seed(seed)
+    w = lambda: (1 + 0.2 * torch.randn(D, generator=g)).to(dtype).to(device)  # noqa: E731
+    table = functional.rope_table(64, D, 10000.0).to(dtype).to(device)  # [64, D/2, 2]
+    rows = torch.randint(0, 64, (1 if shared else B,), generator=g).to(device)
+    return attention.Rope(w() if norm else None, w() if norm else None, table[rows], 1e-6)
+
+
+@pytest.mark.parametrize("norm,shared", [(True, False), (False, False), (False, True)])
+def test_decode_attention_rope_fallback_is_norm_rope_then_attention(norm, shared):
+    """With `rope`, q and k are normed and rotated first (functional.norm_rope_qk) and the
+    cache stores the rotated k: the same as rotating, then calling without it."""
+    q, kn, vn, kc, vc, table, wb, pos = _attention_case(4, 4, 2, 16, 12, torch.float32, "cpu",
+                                                        bs=4)
+    rope = _rope_case(4, 16, torch.float32, "cpu", norm=norm, shared=shared)
+    kc2, vc2 = kc.clone(), vc.clone()
+    got = attention.decode_attention(q, kn, vn, kc, vc, table, wb, pos, span=12, rope=rope)
+    q2, k2 = attention.apply_rope(q, kn, rope)
+    cs = rope.cs[:, None].expand(4, 1, 8, 2) if shared else rope.cs[:, None]
+    want_q, want_k = functional.norm_rope_qk(q[:, None], kn[:, None], rope.qw, rope.kw, cs, 1e-6)
+    assert torch.equal(q2, want_q[:, 0]) and torch.equal(k2, want_k[:, 0])
+    want = attention.decode_attention(q2, k2, vn, kc2, vc2, table, wb, pos, span=12)
+    assert torch.equal(got, want) and torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    assert not torch.equal(k2, kn)  # the rotation did something
+    # what the kernel takes (checked on any device; it runs where built): head_dim 48, 64,
+    # 128 (an even number of elements per lane), one dtype, cs [B or 1, D/2, 2] packed
+    assert not attention.rope_supported(q, rope)  # head_dim 16
+    q48 = torch.zeros(4, 4, 48)
+    r48 = _rope_case(4, 48, torch.float32, "cpu", norm=norm, shared=shared)
+    assert attention.rope_supported(q48, r48)
+    assert attention.rope_supported(q48[:3], r48) == shared  # cs rows: B or 1
+    assert not attention.rope_supported(q48.double(), r48)
+    assert not attention.rope_supported(q48, r48._replace(cs=r48.cs.transpose(1, 2)))
+    if norm:
+        assert not attention.rope_supported(q48, r48._replace(kw=None))
+    d40 = torch.zeros(2, 4, 40)
+    assert not attention.rope_supported(d40, _rope_case(2, 40, torch.float32, "cpu"))
+
+
+def test_model_hands_raw_q_k_to_an_attend_that_norms_and_rotates():
+    """An attend offering norm_rope_attend gets q/k before the norm and RoPE and gives the
+    same hidden states as the model's own norm_rope_qk followed by the plain attend (the
+    decode attends with a kernel and fuse_rope, here through the kernel's CPU fallback)."""
+    import functools
+
+    from engine.cache import PagedDecodeAttend, SlowKVCache
+    from engine.config import preset
+    from engine.model import DualAR
+
+    cfg = preset("tiny")
+    torch.manual_seed(0)
+    model = DualAR(cfg).eval()
+    kernel = functools.partial(attention.decode_attention, kernel=False)
+    B, pos = 3, torch.tensor([0, 5, 9])
+    cols = torch.randint(0, 100, (B, cfg.frame_rows, 1))
+    outs, seen = [], []
+    for fuse in (False, True):
+        cache = SlowKVCache(cfg.slow, 4, 16, 64, device="cpu", dtype=torch.float32)
+        tables = torch.tensor([[0], [1], [2]])
+        attend = PagedDecodeAttend(cache, tables, tables[:, 0].clone(), pos, 16, kernel, fuse)
+        assert (attend.norm_rope_attend is not None) == fuse
+        if fuse:
+            attend.norm_rope_attend = functools.partial(
+                lambda raw, *a: seen.append(a[1].shape) or raw(*a), attend.norm_rope_attend)
+        with torch.no_grad():
+            outs.append(model.forward_slow(cols, pos[:, None], attend))
+        outs.append(cache.k.clone())
+    assert seen and seen[0] == (B, 1, cfg.slow.n_head, cfg.slow.head_dim)  # [B, T, H, Dh]
+    torch.testing.assert_close(outs[2], outs[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(outs[3], outs[1], rtol=1e-6, atol=1e-6)  # the stored keys
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B,H,Hkv,D,S,norm,shared", [
+    (1, 32, 8, 128, 300, True, False), (64, 32, 8, 128, 300, True, False),
+    (34, 32, 8, 128, 256, True, False), (4, 32, 8, 128, 10, False, True),
+    (64, 32, 8, 128, 10, False, True), (3, 4, 2, 48, 17, True, False),
+    (5, 16, 8, 64, 40, False, False)])
+@pytest.mark.parametrize("splits", [1, 0, 7])
+def test_decode_attention_cuda_fused_rope(dtype, B, H, Hkv, D, S, norm, shared, splits):
+    """The kernel's fused q/k norm + RoPE against functional.norm_rope_qk then the kernel:
+    the stored keys and the output agree to the last bf16 ulp at most (the reference's
+    roundings are reproduced; only the float32 sum of squares' order differs)."""
+    assert extension_available(), "the CUDA extension did not build"
+    q, kn, vn, kc, vc, table, wb, pos = _attention_case(B, H, Hkv, D, S, dtype, "cuda", bs=64)
+    pos[-1] = S - 1
+    rope = _rope_case(B, D, dtype, "cuda", norm=norm, shared=shared)
+    assert attention.rope_supported(q, rope)
+    kc2, vc2 = kc.clone(), vc.clone()
+    got = attention.decode_attention(q, kn, vn, kc, vc, table, wb, pos, span=S, splits=splits,
+                                     rope=rope)
+    q2, k2 = attention.apply_rope(q, kn, rope)
+    want = attention.decode_attention(q2, k2, vn, kc2, vc2, table, wb, pos, span=S,
+                                      splits=splits)
+    tol = 2e-6 if dtype == torch.float32 else 2**-7
+    torch.testing.assert_close(kc.float(), kc2.float(), rtol=tol, atol=tol)
+    assert torch.equal(vc, vc2)
+    if dtype == torch.bfloat16:
+        assert float((kc != kc2).float().mean()) < 1e-3
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 * tol, atol=2 * tol)
 
 
 # ---------------------------------------------------------------------- sampling
@@ -776,6 +883,53 @@ def test_linear_resolve_follows_the_plan(monkeypatch):
     assert torch.equal(picked(x, w), F.linear(x, w))
 
 
+def test_swiglu_fallback_contract_and_dispatch():
+    """gemv_swiglu off the kernel is the unfused reference (F.linear over [W1; W3], then
+    F.silu(gate) * up) and checks its contract; make_swiglu answers None (the caller runs
+    the linear and silu_mul) wherever the kernel does not take the call (on CUDA it picks
+    per shape from the plan: test_swiglu_kernel_in_ops_and_graph_replay); Ops.swiglu uses
+    its answer or falls back."""
+    import torch.nn.functional as F
+
+    from engine import functional
+    from engine.ops import Ops
+    from engine.quant import quantize_fp8
+
+    x, w1, w3 = _bf16(3, 64), _bf16(128, 64, seed=1), _bf16(128, 64, seed=2)
+    w13 = torch.cat([w1, w3])
+    want = F.silu(F.linear(x, w1)) * F.linear(x, w3)
+    assert torch.equal(linear.swiglu_reference(x, w13), want)
+    assert torch.equal(linear.gemv_swiglu(x, w13), want)
+    assert torch.equal(linear.gemv_swiglu(x, w13, splits=3, kwarps=2, variant=1), want)
+    assert linear.gemv_swiglu(x[None], w13).shape == (1, 3, 128)
+    for bad, match in ((w13[:-1], "even row count"), (quantize_fp8(w13), "bf16 weights"),
+                       (_bf16(64, 256).t(), "contiguous"),
+                       (_bf16(256, 48), "last dim must be K")):
+        with pytest.raises(ValueError, match=match):
+            linear.gemv_swiglu(x, bad)
+    with pytest.raises(ValueError, match="variant 2 converts FP8"):
+        linear.gemv_swiglu(x, w13, variant=2)
+
+    plan = linear.LinearPlan.from_rows(_plan_rows())  # n = 256, k = 64: gemv at m <= 8
+    fn = linear.make_swiglu(plan, kernels=True)
+    assert fn(_bf16(1, 64), w13) is None  # CPU tensors: never the kernel (tested on CUDA)
+    assert fn(_bf16(1, 64), quantize_fp8(w13)) is None
+    assert linear.make_swiglu(None, kernels=True)(_bf16(1, 64), w13) is None
+
+    # Ops.swiglu: the kernel's answer when it gives one, else the linear and silu_mul
+    a = torch.cat([w1, w3])  # packed: W1 and W3 consecutive rows of one buffer
+    p1, p3 = a[:128], a[128:]
+    marker = torch.full((3, 128), 7.0, dtype=torch.bfloat16)
+    ops = Ops(packed_ffn=True, swiglu_kernel=lambda x, w: marker)
+    assert ops.swiglu(x, p1, p3) is marker
+    ops = Ops(packed_ffn=True, swiglu_kernel=lambda x, w: None)
+    torch.testing.assert_close(ops.swiglu(x, p1, p3), functional.silu_mul(
+        F.linear(x, w1), F.linear(x, w3)), rtol=0, atol=0)
+    # unpacked W1, W3 never reach the kernel
+    ops = Ops(packed_ffn=True, swiglu_kernel=lambda x, w: pytest.fail("not packed"))
+    assert torch.equal(ops.swiglu(x, w1, w3), want)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU message")
 def test_linear_bench_needs_a_gpu(capsys):
     from bench_latency import linear_bench
@@ -996,6 +1150,89 @@ def test_linear_cuda_graph_replay(fp8, variant):
         g.replay()
         torch.cuda.synchronize()
         _assert_linear_close(out, x, dequantize_fp8(fw) if fp8 else w.float())
+
+
+# [W1; W3] shapes: S2-Pro's slow AR FFN (I = 9728), I = 300 (a partial 8-row output group:
+# 300 % 8 = 4, and the gate rows past I must not be read as up rows), I = 17 with K = 2576
+# (a partial K chunk), I = 20 with K = 48 (one partial chunk only)
+_GLU_SHAPES = [(2 * 9728, 2560), (600, 2560), (34, 2576), (40, 48)]
+
+
+def _ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """bf16 values' distance in units in the last place (same-sign neighbours)."""
+    ia, ib = a.view(torch.int16).int(), b.view(torch.int16).int()
+    return torch.where((ia < 0) == (ib < 0), (ia - ib).abs(), (ia & 0x7FFF) + (ib & 0x7FFF))
+
+
+@pytest.mark.cuda
+@_cuda
+@pytest.mark.parametrize("N,K", _GLU_SHAPES)
+@pytest.mark.parametrize("M", _LINEAR_MS)
+def test_gemv_swiglu_cuda_matches_unfused(N, K, M):
+    """The SwiGLU epilogue against the unfused ops on the kernel's own linear: with the same
+    splits, kwarps and variant the gate and up accumulators are gemv's, so the result is
+    F.silu(gate) * up of gemv's output (bit for bit up to the last ulp of torch's exp); and
+    against the float32 math within the bf16 roundings the unfused path makes."""
+    import torch.nn.functional as F
+
+    assert extension_available(), "the CUDA extension did not build"
+    w13 = (_bf16(N, K, seed=N + K, device="cuda").float() / K**0.5).to(torch.bfloat16)
+    x = _bf16(M, K, seed=M, device="cuda")
+    i = N // 2
+    ref32 = F.silu(x.float() @ w13[:i].float().t()) * (x.float() @ w13[i:].float().t())
+    for v in _variants(False):
+        for splits, kwarps in ((0, 0), (1, 0), (3, 0), (64, 0), (1, 1), (1, 2), (1, 4),
+                               (1, 8), (3, 2)):
+            got = linear.gemv_swiglu(x, w13, splits=splits, kwarps=kwarps, variant=v)
+            h = linear.gemv(x, w13, splits=splits, kwarps=kwarps, variant=v)
+            want = F.silu(h[:, :i]) * h[:, i:]
+            where = f"variant {v}, splits {splits}, kwarps {kwarps}"
+            assert got.shape == (M, i) and got.dtype == torch.bfloat16, where
+            ulps = _ulps_apart(got, want)
+            assert int(ulps.max()) <= 1, f"{where}: {int(ulps.max())} ulps off"
+            assert float((ulps > 0).float().mean()) < 1e-3, where
+            # the float32 math: two bf16 roundings of the linears (each within the kernel's
+            # bound), silu's and the product's (|silu'| <= 1.1)
+            err = (got.float() - ref32).abs()
+            s1 = x.float().abs() @ w13[:i].float().abs().t()  # sum |x w1|: the gate's bound
+            s3 = x.float().abs() @ w13[i:].float().abs().t()
+            up = (x.float() @ w13[i:].float().t()).abs()
+            act = F.silu(x.float() @ w13[:i].float().t()).abs()
+            bound = 2**-6 * ref32.abs() + 2**-12 * (s1 * (up + 1) + s3 * (act + 1))
+            assert bool((err <= bound + 1e-6).all()), \
+                f"{where}: max error {float(err.max()):.3g}"
+
+
+@pytest.mark.cuda
+@_cuda
+def test_swiglu_kernel_in_ops_and_graph_replay():
+    """make_swiglu with a plan that picks the kernel (split K through the glu reduce): the
+    kernel's result, captured in a CUDA graph and replayed on new inputs; Ops.swiglu runs it
+    for packed weights; a shape the plan leaves to the library returns None."""
+    from engine.ops import Ops
+
+    assert extension_available(), "the CUDA extension did not build"
+    N, K = 2 * 1024, 2560
+    w13 = (_bf16(N, K, seed=4, device="cuda").float() / K**0.5).to(torch.bfloat16)
+    plan = linear.LinearPlan.from_rows([
+        {"fp8": False, "m": 4, "n": N, "k": K, "impl": "gemv", "splits": 3, "kwarps": 2,
+         "variant": 1},
+        {"fp8": False, "m": 64, "n": N, "k": K, "impl": "library"}])
+    fn = linear.make_swiglu(plan, kernels=True)
+    x = torch.zeros(4, K, dtype=torch.bfloat16, device="cuda")
+    assert fn(_bf16(32, K, device="cuda"), w13) is None
+    ops = Ops(packed_ffn=True, swiglu_kernel=fn)
+    w1, w3 = w13[: N // 2], w13[N // 2:]
+    ops.swiglu(x, w1, w3)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = ops.swiglu(x, w1, w3)
+    for seed in (7, 8):
+        x.copy_(_bf16(4, K, seed=seed, device="cuda"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, linear.gemv_swiglu(x, w13, splits=3, kwarps=2, variant=1))
 
 
 def _cl(B: int, C: int, T: int, *, dtype, device, pad: int = 0, seed: int = 0) -> torch.Tensor:

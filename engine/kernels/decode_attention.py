@@ -1,16 +1,50 @@
 """`decode_attention` (csrc/decode_attention.cu): one query position per row, grouped-query
-attention over the row's paged KV blocks, the new k/v stored in place, in one launch."""
+attention over the row's paged KV blocks, the new k/v stored in place, in one launch; with
+`rope`, the model's q/k RMSNorm and interleaved RoPE of that position folded into it."""
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
+from .. import functional
 from .build import extension_available
 
 HEAD_DIMS = (40, 48, 64, 128)  # head_dim / 8 in the .cu switch
+ROPE_HEAD_DIMS = (48, 64, 128)  # an even number of elements per lane (not 40: 5)
+
+
+class Rope(NamedTuple):
+    """The q/k norm and rotation of the attended position: per-head RMSNorm weights qw, kw
+    [D] (both None: no norm), (cos, sin) per pair cs [B or 1, D/2, 2], the norm's eps: what
+    functional.norm_rope_qk applies before attention."""
+
+    qw: Tensor | None
+    kw: Tensor | None
+    cs: Tensor
+    eps: float
+
+
+def apply_rope(q: Tensor, k: Tensor, rope: Rope) -> tuple[Tensor, Tensor]:
+    """functional.norm_rope_qk on one position: q [B, H, D], k [B, Hkv, D] -> the normed,
+    rotated (q, k) (the reference of the kernel's fused path)."""
+    cs = rope.cs[:, None]  # [B or 1, 1, D/2, 2]
+    qn, kn = functional.norm_rope_qk(q[:, None], k[:, None], rope.qw, rope.kw, cs, rope.eps)
+    return qn[:, 0], kn[:, 0]
+
+
+def rope_supported(q: Tensor, rope: Rope) -> bool:
+    """Whether the kernel takes `rope` with q [B, H, D] (head_dim, dtypes, cs's layout)."""
+    cs, (B, _, D) = rope.cs, q.shape
+    ws = [w for w in (rope.qw, rope.kw) if w is not None]
+    return (D in ROPE_HEAD_DIMS and (rope.qw is None) == (rope.kw is None)
+            and cs.dtype == q.dtype and cs.dim() == 3 and cs.shape[0] in (1, B)
+            and cs.shape[1:] == (D // 2, 2) and cs.stride(2) == 1 and cs.stride(1) == 2
+            and all(w.dtype == q.dtype and w.shape == (D,) and w.is_contiguous() for w in ws)
+            and cs.device == q.device)
 GROUPS = (1, 2, 4)  # query heads per kv head
 MAX_SPLITS = 32
 
@@ -95,7 +129,7 @@ def supports(head_dim: int, n_head: int, n_kv_heads: int) -> bool:
 
 def decode_attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_cache: Tensor,
                      table: Tensor, wblock: Tensor, pos: Tensor, span: int, *, splits: int = 1,
-                     kernel: bool = True) -> Tensor:
+                     kernel: bool = True, rope: Rope | None = None) -> Tensor:
     """q [B, H, D]; k_new/v_new [B, Hkv, D]; k_cache/v_cache [N, Hkv, BS, D]: N blocks of BS
     positions; table int64 [B, MB]: row b's position t is at (table[b, t // BS], t % BS);
     wblock/pos int64 [B]: row b writes k_new/v_new at (wblock[b], :, pos[b] % BS) — its own
@@ -105,13 +139,20 @@ def decode_attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v
     bounds the fallback's reads; the kernel reads exactly 0..pos[b]. A dense cache
     [N, Hkv, S, D] is the case table[b] = [b], BS = S. `splits` (kernel only; the result is
     the same): each row's positions read by this many blocks (at most 32) and merged (1: one
-    block), 0 = as many as fill the GPU at small batches. `kernel=False` runs the fallback.
+    block), 0 = as many as fill the GPU at small batches. `rope`: q and k_new are first
+    normed and rotated (`apply_rope`; in the kernel's launch where `rope_supported`), and
+    that k is what the cache stores. `kernel=False` runs the fallback.
     Returns out [B, H, D] in q's dtype.
     """
     check(q, k_new, v_new, k_cache, v_cache, table, wblock, pos, splits)
-    if kernel and q.is_cuda and supports(q.shape[-1], q.shape[1], k_new.shape[1]):
+    use = kernel and q.is_cuda and supports(q.shape[-1], q.shape[1], k_new.shape[1])
+    if rope is not None and not (use and rope_supported(q, rope)):
+        q, k_new = apply_rope(q, k_new, rope)
+        rope = None
+    if use:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        extra = () if rope is None else (rope.qw, rope.kw, rope.cs, rope.eps)
         torch.ops.rtvoice_kernels.decode_attention(q, k_new, v_new, k_cache, v_cache, table,
-                                                   wblock, pos, out, splits)
+                                                   wblock, pos, out, splits, *extra)
         return out
     return decode_attention_torch(q, k_new, v_new, k_cache, v_cache, table, wblock, pos, span)

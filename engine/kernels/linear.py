@@ -15,6 +15,10 @@ Kernel variants (`variant=`, the table picks one per shape):
   3  FP8 only, sm_89+: 1 with the hardware e4m3x2 -> f16x2 conversion and f16 MMAs; x is
      rounded to f16 (exact for 2^-17 <= |x| <= 65504; larger |x| saturate to 65504)
 
+`gemv_swiglu` runs the same kernel with a SwiGLU epilogue: for the packed FFN input
+projection [W1; W3] it writes silu(x W1^T) * (x W3^T) straight from the accumulators (one
+launch where the FFN took two), and `make_swiglu` picks it per shape like `make_linear`.
+
 The kernels' contract (checked here, then again in C++): x bf16 [..., K] whose leading dims
 flatten to rows without a copy (last dim contiguous; row stride a multiple of 8 elements and
 the base 16-byte aligned), K % 16 == 0, 1 <= M <= 64; W contiguous and 16-byte aligned.
@@ -138,15 +142,30 @@ def _use_kernel(kernel: bool, x: Tensor, wq: Tensor, variant: int = 0) -> bool:
 
 
 def _run(x: Tensor, wq: Tensor, scale: Tensor | None, splits: int, kwarps: int,
-         variant: int = 0) -> Tensor:
-    """The kernel on a contract-checked x [..., K] (CUDA, extension built)."""
+         variant: int = 0, glu: bool = False) -> Tensor:
+    """The kernel on a contract-checked x [..., K] (CUDA, extension built); `glu`: the
+    SwiGLU epilogue (wq = [W1; W3], output [..., N / 2])."""
     n, k = wq.shape
     m = x.numel() // k
-    out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
+    n_out = n // 2 if glu else n
+    out = torch.empty(m, n_out, dtype=torch.bfloat16, device=x.device)
     if m:
         torch.ops.rtvoice_kernels.linear_small_m(x.view(m, k), wq, scale, out, splits, kwarps,
-                                                 variant)
-    return out.view(*x.shape[:-1], n)
+                                                 variant, glu)
+    return out.view(*x.shape[:-1], n_out)
+
+
+def _glu_problem(x: Tensor, w13: object, splits: object, kwarps: object,
+                 variant: object) -> str | None:
+    """What keeps the SwiGLU epilogue from taking x [..., K] and w13 = [W1; W3] [2I, K], or
+    None: the plain kernel's contract, bf16 weights (FP8 W1 and W3 have separate block
+    scales) and an even row count."""
+    if isinstance(w13, Fp8Weight):
+        return "the SwiGLU epilogue takes bf16 weights, not FP8 ones"
+    problem = _problem(x, w13, splits, kwarps, False, variant)  # type: ignore[arg-type]
+    if problem is None and w13.shape[0] % 2:  # type: ignore[union-attr]
+        return f"[W1; W3] must have an even row count, got {w13.shape[0]}"  # type: ignore[union-attr]
+    return problem
 
 
 # ---------------------------------------------------------------------- wrappers
@@ -189,6 +208,30 @@ def fp8_gemv(x: Tensor, w: Fp8Weight, *, splits: int = 0, kwarps: int = 0, varia
     if _use_kernel(kernel, x, w.q, variant):
         return _run(x, w.q, w.scale, splits, kwarps, variant)
     return fp8_linear_torch(x, w)
+
+
+def swiglu_reference(x: Tensor, w13: Tensor) -> Tensor:
+    """silu(x W1^T) * (x W3^T) for w13 = [W1; W3] [2I, K], unfused: the library linear,
+    then F.silu(gate) * up (what the kernel's epilogue reproduces)."""
+    h = F.linear(x, w13)
+    i = w13.shape[0] // 2
+    return F.silu(h[..., :i]) * h[..., i:]
+
+
+def gemv_swiglu(x: Tensor, w13: Tensor, *, splits: int = 0, kwarps: int = 0, variant: int = 0,
+                kernel: bool = True) -> Tensor:
+    """The FFN's gated input in one launch: x [..., K] bf16 and w13 = [W1; W3] [2I, K] bf16
+    (the gate's rows, then the up projection's) -> silu(x W1^T) * (x W3^T) [..., I] bf16, at
+    most 64 rows. The gate and up values are rounded to bf16 as `gemv` would return them,
+    then combined as F.silu(gate) * up computes it in bf16. `splits`, `kwarps`, `variant`: as
+    for `gemv` (same accumulation, so the same gate and up values as `gemv` with the same
+    arguments). `kernel=False`, CPU tensors or no extension: `swiglu_reference`."""
+    problem = _glu_problem(x, w13, splits, kwarps, variant)
+    if problem is not None:
+        raise ValueError(f"gemv_swiglu: {problem}")
+    if _use_kernel(kernel, x, w13, variant):
+        return _run(x, w13, None, splits, kwarps, variant, glu=True)
+    return swiglu_reference(x, w13)
 
 
 # ---------------------------------------------------------------------- the per-shape plan
@@ -458,6 +501,49 @@ def resolve(plan: LinearPlan | None, kernels: bool, m: int, n: int, k: int, fp8:
             return library
         return functools.partial(fn, config=row.triton_config(), split_k=row.splits)
     return library
+
+
+SwigluFn = Callable[[Tensor, Tensor | Fp8Weight], Tensor | None]
+
+
+def _no_swiglu(x: Tensor, w13: Tensor | Fp8Weight) -> None:
+    return None
+
+
+def make_swiglu(plan: LinearPlan | None, kernels: bool) -> SwigluFn:
+    """`Ops.swiglu_kernel`: for x [..., K] and the packed [W1; W3], silu(x W1^T) * (x W3^T)
+    from the csrc kernel's SwiGLU epilogue (`gemv_swiglu` with the plan row's splits, kwarps,
+    variant) where the plan picked the kernel for that [m, k] x [2I, k] linear and the call
+    meets its contract; None otherwise (FP8 weights, the library's shapes, misaligned x): the
+    caller then runs the linear and its silu * mul. Chosen once per (M, N, K, x's dtype,
+    CUDA or not), as `make_linear` does."""
+    chosen: dict[tuple[int, int, int, torch.dtype, bool], SwigluFn] = {}
+
+    def resolve_glu(m: int, n: int, k: int, dtype: torch.dtype, cuda: bool) -> SwigluFn:
+        row = plan.choose(m, n, k, False) if plan is not None else None
+        if (row is None or row.impl != "gemv" or not kernels or not cuda or n % 2
+                or dtype != torch.bfloat16 or not supports(m, n, k, False, row.variant)):
+            return _no_swiglu
+        splits, kwarps, variant = row.splits, row.kwarps, row.variant
+
+        def run(x: Tensor, w13: Tensor | Fp8Weight) -> Tensor | None:
+            if _glu_problem(x, w13, splits, kwarps, variant) is not None:
+                return None
+            return _run(x, w13, None, splits, kwarps, variant, glu=True)  # type: ignore[arg-type]
+
+        return run
+
+    def swiglu(x: Tensor, w13: Tensor | Fp8Weight) -> Tensor | None:
+        if isinstance(w13, Fp8Weight):
+            return None
+        n, k = w13.shape
+        key = (x.numel() // k if k else 0, n, k, x.dtype, x.is_cuda)
+        fn = chosen.get(key)
+        if fn is None:
+            fn = chosen[key] = resolve_glu(*key)
+        return fn(x, w13)
+
+    return swiglu
 
 
 def make_linear(plan: LinearPlan | None, kernels: bool,
