@@ -115,7 +115,9 @@ __device__ __forceinline__ void norm_rope(float (&x)[E], const T* __restrict__ w
 // smaller blocks to fill the GPU (small batches). E = D / L elements of the head dimension
 // per lane. With splits > 1 the block writes its range's softmax state (max, sum, unnormalised
 // output, float32) to ws_ml / ws_o for decode_attention_combine.
-template <typename T, int E, int R, int L>
+// ROPE: the fused q/k norm + RoPE (a separate instantiation, so that the plain kernel is
+// unchanged by it).
+template <typename T, int E, int R, int L, bool ROPE>
 __global__ void __launch_bounds__(kGroups * L) decode_attention_kernel(
     const T* __restrict__ q, int64_t q_rs, const T* __restrict__ k_new, int64_t k_rs,
     const T* __restrict__ v_new, int64_t v_rs, T* __restrict__ k_cache,
@@ -146,25 +148,24 @@ __global__ void __launch_bounds__(kGroups * L) decode_attention_kernel(
 
   // with cs: this lane's elements of the normed, rotated key (every group holds the whole
   // head), stored below and used in place of k_new at position p
-  const bool rope = E % 2 == 0 && cs != nullptr;  // odd E: refused by the host
-  const T* csr = rope ? cs + b * cs_rs : nullptr;
-  float kx[E];
-  if constexpr (E % 2 == 0) {
-    if (rope) {
-      load<T, E>(kn + sub * E, kx, vec);
-      norm_rope<T, E, L>(kx, kw, csr, sub, eps);
-    }
+  const T* csr = ROPE ? cs + b * cs_rs : nullptr;
+  float kx[ROPE ? E : 1];
+  if constexpr (ROPE) {
+    load<T, E>(kn + sub * E, kx, vec);
+    norm_rope<T, E, L>(kx, kw, csr, sub, eps);
   }
 
   if (part == 0 && split == 0) {  // store this position (read back from k_new/v_new below)
     const int64_t w = ((wblock[b] * Hkv + g) * BS + p % BS) * D;
     for (int i = threadIdx.x; i < D; i += kThreads) {
-      if (!rope) k_cache[w + i] = kn[i];
+      if constexpr (!ROPE) k_cache[w + i] = kn[i];
       v_cache[w + i] = vn[i];
     }
-    if (rope && grp == 0) {
+    if constexpr (ROPE) {
+      if (grp == 0) {
 #pragma unroll
-      for (int e = 0; e < E; ++e) k_cache[w + sub * E + e] = static_cast<T>(kx[e]);
+        for (int e = 0; e < E; ++e) k_cache[w + sub * E + e] = static_cast<T>(kx[e]);
+      }
     }
   }
 
@@ -172,9 +173,7 @@ __global__ void __launch_bounds__(kGroups * L) decode_attention_kernel(
 #pragma unroll
   for (int r = 0; r < R; ++r) {
     load<T, E>(q + b * q_rs + (h0 + r) * D + sub * E, qv[r], vec);
-    if constexpr (E % 2 == 0) {
-      if (rope) norm_rope<T, E, L>(qv[r], qw, csr, sub, eps);
-    }
+    if constexpr (ROPE) norm_rope<T, E, L>(qv[r], qw, csr, sub, eps);
 #pragma unroll
     for (int e = 0; e < E; ++e) qv[r][e] *= scale;
   }
@@ -200,13 +199,14 @@ __global__ void __launch_bounds__(kGroups * L) decode_attention_kernel(
       // 32-bit division: positions and block sizes are small (64-bit division is emulated)
       const int tb = static_cast<int>(t) / bs32, to = static_cast<int>(t) - tb * bs32;
       const int64_t at = t == p ? 0 : ((blocks[tb] * Hkv + g) * BS + to) * D;
-      if (rope && t == p) {
-#pragma unroll
-        for (int e = 0; e < E; ++e) kk[e] = kx[e];
-      } else {
-        load<T, E>((t == p ? kn : k_cache + at) + sub * E, kk, vec);
-      }
+      load<T, E>((t == p ? kn : k_cache + at) + sub * E, kk, vec);
       load<T, E>((t == p ? vn : v_cache + at) + sub * E, vv, vec);
+      if constexpr (ROPE) {
+        if (t == p) {
+#pragma unroll
+          for (int e = 0; e < E; ++e) kk[e] = kx[e];  // the normed, rotated key
+        }
+      }
     } else {
 #pragma unroll
       for (int e = 0; e < E; ++e) kk[e] = vv[e] = 0.f;
@@ -314,7 +314,12 @@ void launch_e(int R, int rep, dim3 grid, cudaStream_t stream, const torch::Tenso
               const torch::Tensor& pos, torch::Tensor& out, float scale, bool vec, int splits,
               float* ws_o, float* ws_ml, const Rope& rp) {
 #define RTV_LAUNCH(R_)                                                                      \
-  decode_attention_kernel<T, E, R_, L><<<grid, kGroups * L, 0, stream>>>(                         \
+  if (rp.cs.defined())                                                                      \
+    RTV_KERNEL(R_, E % 2 == 0);                                                             \
+  else                                                                                      \
+    RTV_KERNEL(R_, false)
+#define RTV_KERNEL(R_, ROPE_)                                                               \
+  decode_attention_kernel<T, E, R_, L, ROPE_><<<grid, kGroups * L, 0, stream>>>(            \
       q.data_ptr<T>(), q.stride(0), k_new.data_ptr<T>(), k_new.stride(0),                   \
       v_new.data_ptr<T>(), v_new.stride(0), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),   \
       table.data_ptr<int64_t>(), table.stride(0), wblock.data_ptr<int64_t>(),               \
@@ -327,6 +332,7 @@ void launch_e(int R, int rep, dim3 grid, cudaStream_t stream, const torch::Tenso
     case 4: RTV_LAUNCH(4); break;
     default: TORCH_CHECK(false, "decode_attention: ", R, " query heads per kv head is not supported");
   }
+#undef RTV_KERNEL
 #undef RTV_LAUNCH
 }
 

@@ -82,14 +82,15 @@ def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool 
               sampler_kernel: bool = True, codec_kernels: bool = True,
               split_kv: bool = False, linear_kernels: bool = True,
               fp8_activations: bool = False, codec_channels_last: bool = True,
-              decode_rope: bool = True,
+              decode_rope: bool = False,
               linear_table: Path | None = linear.DEFAULT_TABLE) -> Ops:
     """The ops an engine on `device` runs. `fused`: "compile" (torch.compile'd elementwise ops
     and the packed FFN GEMM), "reference", or "auto" (compile on CUDA only). `kernels`: use
     csrc's kernels where the extension is built, and with compiled ops the Triton q/k norm +
     RoPE kernel (CUDA; False: the torch fallbacks and compiled references everywhere); `sampler_kernel` / `codec_kernels` / `split_kv` select the sampler's draw,
     the codec's Snake/bias kernels and decode attention's split positions among them,
-    `decode_rope` whether decode attention also does the step's q/k norm and RoPE;
+    `decode_rope` whether decode attention also does the step's q/k norm and RoPE (off:
+    measured slower on the H200, docs/PERF.md);
     `codec_channels_last`: the streaming codec's convs as NHWC convs over channels-last
     activations (CUDA only: cuDNN's fast kernels are NHWC).
     On CUDA the linears (dense and FP8) take the implementation the recorded per-shape table

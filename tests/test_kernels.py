@@ -51,10 +51,12 @@ def test_prev_tokens_shift_cuda_kernel_matches_fallback():
 
 
 # ---------------------------------------------------------------------- decode attention
-def _attention_case(B, H, Hkv, D, S, dtype, device, seed=0, strided_v=True, bs=16):
+def _attention_case(B, H, Hkv, D, S, dtype, device, seed=0, strided_v=True, bs=16,
+                    last_at_end=False):
     """A paged case: each row's S positions in blocks of `bs`, scattered over a shuffled
     pool (plus a scratch block, the last); the last row (B > 1) writes to the scratch block
-    like a padding row. Returns q, k_new, v_new, k_cache, v_cache, table, wblock, pos."""
+    like a padding row; `last_at_end`: the last row at position S - 1 (the longest read).
+    Returns q, k_new, v_new, k_cache, v_cache, table, wblock, pos."""
     g = torch.Generator().manual_seed(seed)
 
     def r(*shape):
@@ -70,6 +72,8 @@ def _attention_case(B, H, Hkv, D, S, dtype, device, seed=0, strided_v=True, bs=1
     k_cache, v_cache = r(n, Hkv, bs, D), r(n, Hkv, bs, D)
     table = torch.randperm(n - 1, generator=g)[: B * mb].view(B, mb).to(device)
     pos = torch.randint(0, S, (B,), generator=g).to(device)
+    if last_at_end:  # before wblock: a row writes into its own block at its position
+        pos[-1] = S - 1
     wblock = table[torch.arange(B, device=device), pos // bs].clone()
     if B > 1:
         pos[0], wblock[-1] = 0, n - 1  # a row at position 0; a row writing to the scratch block
@@ -156,8 +160,9 @@ def test_decode_attention_split_positions_match_fallback(dtype, tol, B, H, Hkv, 
     """Rows' positions split over several blocks and merged (small batches, long contexts)
     give the one-block result; the new k/v is written once."""
     assert extension_available(), "the CUDA extension did not build"
-    q, kn, vn, kc, vc, table, wb, pos = _attention_case(B, H, Hkv, D, S, dtype, "cuda", bs=64)
-    pos[-1] = S - 1  # the longest read; _attention_case puts row 0 at position 0 when B > 1
+    # the longest read (last row); _attention_case puts row 0 at position 0 when B > 1
+    q, kn, vn, kc, vc, table, wb, pos = _attention_case(B, H, Hkv, D, S, dtype, "cuda", bs=64,
+                                                        last_at_end=True)
     kc2, vc2 = kc.clone(), vc.clone()
     got = attention.decode_attention(q, kn, vn, kc, vc, table, wb, pos, span=S, splits=splits)
     want = attention.decode_attention_torch(q, kn, vn, kc2, vc2, table, wb, pos, S)
@@ -176,8 +181,8 @@ def test_decode_attention_split_positions_match_fallback(dtype, tol, B, H, Hkv, 
 @pytest.mark.parametrize("bs", [10, 16, 64])  # the fast AR's 10; the pool's power of two
 def test_decode_attention_cuda_kernel_matches_fallback(dtype, tol, B, H, Hkv, D, S, bs):
     assert extension_available(), "the CUDA extension did not build"
-    q, kn, vn, kc, vc, table, wb, pos = _attention_case(B, H, Hkv, D, S, dtype, "cuda", bs=bs)
-    pos[-1] = S - 1  # the longest read
+    q, kn, vn, kc, vc, table, wb, pos = _attention_case(B, H, Hkv, D, S, dtype, "cuda", bs=bs,
+                                                        last_at_end=True)  # the longest read
     kc2, vc2 = kc.clone(), vc.clone()
     got = attention.decode_attention(q, kn, vn, kc, vc, table, wb, pos, span=S)
     want = attention.decode_attention_torch(q, kn, vn, kc2, vc2, table, wb, pos, S)
@@ -273,8 +278,8 @@ def test_decode_attention_cuda_fused_rope(dtype, B, H, Hkv, D, S, norm, shared, 
     the stored keys and the output agree to the last bf16 ulp at most (the reference's
     roundings are reproduced; only the float32 sum of squares' order differs)."""
     assert extension_available(), "the CUDA extension did not build"
-    q, kn, vn, kc, vc, table, wb, pos = _attention_case(B, H, Hkv, D, S, dtype, "cuda", bs=64)
-    pos[-1] = S - 1
+    q, kn, vn, kc, vc, table, wb, pos = _attention_case(B, H, Hkv, D, S, dtype, "cuda", bs=64,
+                                                        last_at_end=True)
     rope = _rope_case(B, D, dtype, "cuda", norm=norm, shared=shared)
     assert attention.rope_supported(q, rope)
     kc2, vc2 = kc.clone(), vc.clone()
