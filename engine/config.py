@@ -298,7 +298,8 @@ class EngineConfig:
     chunk_frames: int = option(8, "codec frames in later audio chunks", ge=1)
     codec_hold_s: float = option(
         1.0, "a stream more than this many seconds of audio ahead of realtime playback lets "
-        "its chunk wait (up to 2 x chunk_frames) for a fuller batched codec tick; keep it well "
+        "its chunk wait (up to 2 x chunk_frames) for a fuller batched codec tick (never one "
+        "carrying a turn's first chunk, which it would lengthen); keep it well "
         "above the clients' jitter buffer; 0: every chunk is decoded as soon as it is ready",
         ge=0)
     prefill_first_lead_s: float = option(

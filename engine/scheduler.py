@@ -919,8 +919,8 @@ class Scheduler:
         """The streams with a chunk due, their new frames, and the turns whose audio is
         complete (reported here) or dropped (cancelled)."""
         plan = CodecPlan()
-        due = False
-        ripe: list[tuple[Sequence, Turn, int]] = []
+        due = first = False
+        ripe: list[tuple[Sequence, Turn, int, bool]] = []  # (.., pending, due on its own)
         with self._audio_lock:
             audio = list(self._audio)
         for s, turn in audio:
@@ -939,10 +939,17 @@ class Scheduler:
             need = min(chunk, max(self.first_chunk(s), turn.decoded_frames))
             if pending == 0 or (pending < need and not finished):
                 continue
-            due |= finished or self._codec_due(turn, pending, chunk, now)
-            ripe.append((s, turn, pending))
+            needs = finished or self._codec_due(turn, pending, chunk, now)
+            due |= needs
+            first |= turn.decoded_frames == 0
+            ripe.append((s, turn, pending, needs))
         if due:  # else every ripe stream is far enough ahead: wait for a fuller tick
-            for s, turn, pending in ripe:
+            for s, turn, pending, needs in ripe:
+                # a stream far ahead rides along in a tick others need, but not in one that
+                # carries a first chunk: its frames would make that tick longer (a tick's
+                # streams are padded to its longest chunk), and TTFA waits for the tick
+                if first and not needs:
+                    continue
                 codes = torch.stack(turn.frames[turn.decoded_frames: turn.decoded_frames + pending],
                                     dim=1)[1:]  # [K, n]
                 plan.work.append((s, turn, codes))
@@ -951,7 +958,8 @@ class Scheduler:
     def _codec_due(self, turn: Turn, pending: int, chunk: int, now: float) -> bool:
         """Whether a stream with a chunk's worth of frames needs a tick now. One that is
         more than `codec_hold_s` of audio ahead of realtime playback can wait: it rides
-        along in the next tick another stream needs, or goes once it has two chunks
+        along in the next tick another stream needs (not one carrying a first chunk:
+        `plan_codec`), or goes once it has two chunks
         pending — fewer, fuller ticks (each costs ~3 ms however few streams it carries).
         First chunks never wait (TTFA)."""
         if self.cfg.codec_hold_s == 0 or turn.decoded_frames < chunk \

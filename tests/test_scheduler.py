@@ -413,14 +413,20 @@ def _audio_turn(sched: Scheduler, frames: int, decoded: int, ahead_s: float,
 
 def test_codec_holds_streams_far_ahead_for_a_fuller_tick():
     """A stream more than codec_hold_s ahead of realtime waits (up to two chunks) and rides
-    along in the next tick another stream needs; first chunks never wait; 0 turns it off."""
+    along in the next tick another stream needs, except one carrying a first chunk (which
+    would get longer: TTFA); first chunks never wait; 0 turns holding off."""
     sched, _ = make(codec_hold_s=1.0)
     a_sink = CollectingSink()
     a = _audio_turn(sched, 16, 8, ahead_s=3.0, sink=a_sink)  # one chunk pending, 3 s ahead
     assert codec_all(sched) == [] and a.decoded_frames == 8  # held
     b = _audio_turn(sched, 2, 0, ahead_s=0.0)  # a new turn's first chunk is due at once...
+    assert codec_all(sched) == [2]
+    assert b.decoded_frames == 2 and a.decoded_frames == 8  # ...alone: a keeps waiting
+    g0 = torch.Generator().manual_seed(2)
+    b.frames += [torch.randint(0, 16, (K1,), generator=g0) for _ in range(2)]
+    b.samples_out = 0  # b's next chunk is due (no audio ahead)...
     assert sorted(codec_all(sched)) == [2, 8]
-    assert b.decoded_frames == 2 and a.decoded_frames == 16  # ...and a rides along
+    assert b.decoded_frames == 4 and a.decoded_frames == 16  # ...and a rides along
     assert len(a_sink.audio) == 1 and len(a_sink.audio[0]) == 8 * HOP
     g = torch.Generator().manual_seed(1)
     a.frames += [torch.randint(0, 16, (K1,), generator=g) for _ in range(15)]
