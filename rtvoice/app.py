@@ -41,7 +41,15 @@ from starlette.websockets import WebSocket
 from engine.loader import Bundle
 from protocol import ErrorCode, ProtocolError
 from rtvoice import logs
-from rtvoice.http import OPEN, UNAUTHORIZED, credential, endpoint, error_response, runtime_of
+from rtvoice.http import (
+    OPEN,
+    UNAUTHORIZED,
+    credential,
+    endpoint,
+    error_response,
+    not_serving,
+    runtime_of,
+)
 from rtvoice.metrics import render_metrics
 from rtvoice.rest import fish_tts, openai_models, openai_speech
 from rtvoice.runtime import Runtime
@@ -67,14 +75,25 @@ def create_app(settings: Settings | None = None, *, bundle: Bundle | None = None
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         for warning in startup_warnings(settings):
             log.warning("%s", warning)
-        runtime = await Runtime.start(settings, bundle)
-        app.state.runtime = runtime
         app.state.started_at = time.time()
+        if settings.network.load_in_background:
+            task = asyncio.create_task(_load(app, settings, bundle), name="rtvoice-load")
+        else:
+            app.state.runtime = await Runtime.start(settings, bundle)
+            task = None
         try:
             yield
         finally:
-            app.state.runtime = None
-            await runtime.stop()
+            if task is not None and not task.done():
+                # the load's current stage (a worker thread) still runs to its end before the
+                # process can exit; its result is dropped
+                log.info("shutting down while the model loads: the load is abandoned")
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            runtime, app.state.runtime = app.state.runtime, None
+            if runtime is not None:
+                await runtime.stop()
 
     routes = [
         WebSocketRoute("/v1/tts/live", _live),
@@ -95,6 +114,23 @@ def create_app(settings: Settings | None = None, *, bundle: Bundle | None = None
     app.state.settings = settings
     app.state.runtime = None
     return app
+
+
+async def _load(app: Starlette, settings: Settings, bundle: Bundle | None) -> None:
+    """load_in_background: the model and engine behind a listening server. A failure is
+    logged, shown by /health (503) and ends the server (exit status 1) where the app runs
+    under `Server`."""
+    app.state.loading = True
+    try:
+        app.state.runtime = await Runtime.start(settings, bundle, build_off_loop=True)
+    except Exception as exc:
+        app.state.load_error = f"{type(exc).__name__}: {exc}"
+        log.exception("loading the model failed (%s); the server exits", app.state.load_error)
+        stop = getattr(app.state, "request_exit", None)
+        if stop is not None:
+            stop(1)
+    finally:
+        app.state.loading = False
 
 
 # ------------------------------------------------------------------------------- websocket
@@ -127,9 +163,10 @@ async def _live(ws: WebSocket) -> None:
         # Draining (or not started): refused before the upgrade, with an HTTP 503 that a load
         # balancer retries on another instance (nginx: proxy_next_upstream http_503).
         if "websocket.http.response" in ws.scope.get("extensions", {}):
+            why = ("the server is shutting down; connect to another instance" if rt is not None
+                   else not_serving(ws.app))
             await ws.send_denial_response(error_response(
-                ErrorCode.SHUTTING_DOWN, "the server is shutting down; connect to another "
-                "instance", headers={"Retry-After": "1"}))
+                ErrorCode.SHUTTING_DOWN, why, headers={"Retry-After": "1"}))
         else:  # pragma: no cover - uvicorn supports denial responses
             await ws.close(code=1013)
         return
@@ -265,16 +302,26 @@ async def _index(request: Request) -> Response:
 
 
 async def _health(request: Request) -> Response:
-    started = getattr(request.app.state, "started_at", None)
-    return JSONResponse(
-        {"status": "ok", "uptime_s": round(time.time() - started, 3) if started else 0.0}
-    )
+    """Liveness: 200 while the process serves or loads its model (load_in_background), 503
+    once a background load has failed (the process is exiting)."""
+    state = request.app.state
+    started = getattr(state, "started_at", None)
+    uptime = round(time.time() - started, 3) if started else 0.0
+    error = getattr(state, "load_error", None)
+    if error:
+        return JSONResponse({"status": "failed", "error": error, "uptime_s": uptime},
+                            status_code=503)
+    return JSONResponse({"status": "loading" if getattr(state, "loading", False) else "ok",
+                         "uptime_s": uptime})
 
 
 async def _ready(request: Request) -> Response:
     rt = runtime_of(request.app)
     if rt is None:
-        return JSONResponse({"ready": False, "reason": "model not loaded"}, status_code=503)
+        loading = getattr(request.app.state, "loading", False)
+        return JSONResponse({"ready": False, "loading": loading,
+                             "reason": "loading the model" if loading else not_serving(request.app)},
+                            status_code=503)
     load = rt.engine.load()
     limits = rt.settings.limits
     sessions = rt.metrics.sessions_live
@@ -385,7 +432,14 @@ class Server(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, app: Starlette) -> None:
         super().__init__(config)
         self.rtvoice_app = app
+        self.exit_code = 0  # 1: the model failed to load behind the listening server
+        app.state.request_exit = self.request_exit
         logs.protect(app.state.settings.network.keys())
+
+    def request_exit(self, code: int) -> None:
+        """End serving with this exit status (a background load that failed)."""
+        self.exit_code = code
+        self.should_exit = True
 
     async def shutdown(self, sockets: Any = None) -> None:
         settings: Settings = self.rtvoice_app.state.settings

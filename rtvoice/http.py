@@ -17,7 +17,8 @@ from protocol import ErrorCode, error_spec
 from rtvoice.runtime import Runtime
 from rtvoice.settings import Settings
 
-__all__ = ["OPEN", "UNAUTHORIZED", "credential", "endpoint", "error_response", "runtime_of"]
+__all__ = ["OPEN", "UNAUTHORIZED", "credential", "endpoint", "error_response", "not_serving",
+           "runtime_of"]
 
 OPEN: Final = -1  # credential()'s answer when authentication is off
 UNAUTHORIZED: Final = ("missing or invalid API key: send 'Authorization: Bearer <key>' "
@@ -27,6 +28,16 @@ UNAUTHORIZED: Final = ("missing or invalid API key: send 'Authorization: Bearer 
 def runtime_of(app: Any) -> Runtime | None:
     """The app's runtime while it serves (None before start-up and after shutdown)."""
     return getattr(app.state, "runtime", None)
+
+
+def not_serving(app: Any) -> str:
+    """Why the app has no runtime now, for a 503's message: loading (load_in_background),
+    a failed load, or not started / shut down."""
+    if getattr(app.state, "load_error", None):
+        return f"the model failed to load ({app.state.load_error}); this instance is exiting"
+    if getattr(app.state, "loading", False):
+        return "the server is starting: the model is still loading; retry shortly"
+    return "the service is not running"
 
 
 def credential(settings: Settings, headers: Mapping[str, str], query: Mapping[str, str]) -> int | None:
@@ -66,7 +77,7 @@ def endpoint(handler: Callable[[Request, Runtime], Awaitable[Response]], *,
     async def route(request: Request) -> Response:
         rt = runtime_of(request.app)
         if rt is None:
-            return refuse(ErrorCode.SHUTTING_DOWN, "the service is not running",
+            return refuse(ErrorCode.SHUTTING_DOWN, not_serving(request.app),
                           headers={"Retry-After": "1"})
         key = credential(rt.settings, request.headers, request.query_params)
         if key is None:

@@ -104,9 +104,11 @@ class Runtime:
         return self.metrics.draining
 
     @classmethod
-    async def start(cls, settings: Settings, bundle: Bundle | None = None) -> Runtime:
+    async def start(cls, settings: Settings, bundle: Bundle | None = None, *,
+                    build_off_loop: bool = False) -> Runtime:
         """Load the model (unless `bundle` is given), build and start the engine, open the
-        voice store."""
+        voice store. `build_off_loop`: build the engine (warm-ups, graph captures) on a worker
+        thread, so that the event loop keeps serving meanwhile (/health while loading)."""
         t0 = time.perf_counter()
         m = settings.model
         if m.torch_threads:
@@ -120,7 +122,8 @@ class Runtime:
                                              seed=settings.engine.seed, max_seq_len=m.max_seq_len,
                                              fp8_keep=m.fp8_keep)
         load_s = time.perf_counter() - t0
-        engine = build_engine(bundle, settings.engine)
+        engine = (await asyncio.to_thread(build_engine, bundle, settings.engine) if build_off_loop
+                  else build_engine(bundle, settings.engine))
         # Even the plain voice prompt (no reference) must leave room for a segment of
         # min_chunk_length characters, or no session could ever speak.
         room = segment_chars(engine.text_room([]))

@@ -106,13 +106,14 @@ def serve(args: argparse.Namespace) -> int:
     # uvicorn drains on SIGTERM, then raises the signal again under the handler found at
     # start: this one makes that a clean exit (status 0) rather than death by signal.
     signal.signal(signal.SIGTERM, _exit_cleanly)
+    server = Server(uvicorn_config(app, settings), app)
     try:
-        Server(uvicorn_config(app, settings), app).run()
+        server.run()
     except KeyboardInterrupt:
         # uvicorn shuts down gracefully on Ctrl-C, then re-raises the signal; that is a normal
         # exit for a server, not a crash.
         log.info("rtvoice: stopped")
-    return 0
+    return server.exit_code
 
 
 def _exit_cleanly(signum: int, frame: Any) -> None:

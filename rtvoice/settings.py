@@ -58,6 +58,12 @@ class NetworkSettings:
     host: str = option("127.0.0.1", "interface to bind")
     port: int = option(8000, "TCP port (0 = any free port)", ge=0, le=65535)
     access_log: bool = option(False, "log every HTTP request and WebSocket connection")
+    load_in_background: bool = option(
+        False, "listen at once and load the model behind it: while it loads /health answers "
+        "200 ('status': 'loading') and /ready 503, other routes 503 with Retry-After; a load "
+        "that fails makes /health 503 and the process exit with status 1. For an orchestrator "
+        "whose liveness probe would kill a slow start (S2-Pro on a fresh GPU machine: about "
+        "2 minutes, most of it compiling kernels). Off: the port opens once the model is ready")
     ws_ping_interval_s: float = option(20.0, "seconds between keepalive pings", gt=0)
     ws_ping_timeout_s: float = option(
         60.0, "seconds to wait for a pong before dropping the socket; keep it above "

@@ -533,6 +533,23 @@ def start_server_process(port: int, tmp: Any, *args: str) -> subprocess.Popen[by
         time.sleep(0.1)
 
 
+def test_serve_exits_1_when_the_background_load_fails(tmp_path):
+    """`rtvoice serve --load-in-background` listens at once; a model that cannot load makes
+    /health 503 with the error, then the process exits with status 1 (never a server stuck
+    at 'loading')."""
+    bad = tmp_path / "bad-model"
+    bad.mkdir()
+    (bad / "config.json").write_text("{}")
+    port = _free_port()
+    env = {**os.environ, "RTVOICE_DATA_DIR": str(tmp_path), "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "rtvoice.cli", "serve", "--port", str(port),
+           "--load-in-background", "--model", str(bad)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, timeout=120)
+    out = proc.stdout.decode() + proc.stderr.decode()
+    assert proc.returncode == 1, out[-2000:]
+    assert "loading the model failed" in out and str(bad) in out
+
+
 def test_sigterm_drains_running_turns_then_exits_0(tmp_path):
     """Found: /ready stayed 200 during the drain after SIGTERM, and every running turn was
     cut at once (13-95 ms). Now: /ready 503 and new connections refused (HTTP 503) at once,

@@ -20,6 +20,7 @@ import httpx
 import msgspec
 import pytest
 import soundfile as sf
+import websockets
 from _audio import wav_bytes
 from _live import (
     Client,
@@ -929,3 +930,75 @@ def test_the_socket_stays_open_after_finish_for_another_start():
 
     with running_server(max_turn_frames=4, max_unstarted=2) as url:
         asyncio.run(crowded(url))
+
+
+# ------------------------------------------------------------------------------ background load
+def test_load_in_background_serves_health_then_speaks(monkeypatch):
+    """load_in_background: the port answers while the engine builds — /health 200 'loading',
+    /ready 503 'loading the model', the API and the socket 503 with Retry-After naming the
+    load — and once it is built the server is ready and speaks."""
+    import rtvoice.runtime
+
+    release, building = threading.Event(), threading.Event()
+    real = rtvoice.runtime.build_engine
+
+    def slow_build(*args: Any, **kwargs: Any) -> Any:
+        building.set()
+        assert release.wait(30), "the test never released the build"
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(rtvoice.runtime, "build_engine", slow_build)
+
+    async def run(url: Any) -> None:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+            assert building.wait(10)
+            r = await http.get("/health")
+            assert r.status_code == 200 and r.json()["status"] == "loading"
+            r = await http.get("/ready")
+            assert r.status_code == 503 and r.json()["loading"] is True
+            assert r.json()["reason"] == "loading the model"
+            r = await http.get("/v1/voices")
+            assert r.status_code == 503 and r.headers["retry-after"] == "1"
+            assert "still loading" in r.text
+            with pytest.raises(websockets.InvalidStatus) as refused:
+                await websockets.connect(url.ws_url, open_timeout=10)
+            denial = refused.value.response
+            assert denial.status_code == 503
+            assert json.loads(denial.body)["error"]["code"] == "shutting_down"
+            assert "still loading" in json.loads(denial.body)["error"]["message"]
+            release.set()
+            deadline = time.monotonic() + 30
+            while (r := await http.get("/ready")).status_code != 200:
+                assert time.monotonic() < deadline, f"not ready after the build: {r.json()}"
+                await asyncio.sleep(0.02)
+            assert r.json()["ready"] is True
+            assert (await http.get("/health")).json()["status"] == "ok"
+        events, code = await speak(url.ws_url, ["Hello there, background load."])
+        assert code == 1000 and audio_of(events)
+
+    try:
+        with running_server(load_in_background=True) as url:
+            asyncio.run(run(url))
+    finally:
+        release.set()
+
+
+def test_load_in_background_failure_fails_health_and_exits(monkeypatch):
+    """A background load that fails: /health turns 503 naming the error and the server ends
+    with exit status 1 (an orchestrator restarts it); nothing hangs at 'loading'."""
+    import rtvoice.runtime
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(0.3)
+        raise RuntimeError("no GPU memory left for the KV pool")
+
+    monkeypatch.setattr(rtvoice.runtime, "build_engine", broken)
+    with running_server(load_in_background=True) as url:
+        app = url.app
+        deadline = time.monotonic() + 10
+        while not getattr(app.state, "load_error", None) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert "no GPU memory left" in app.state.load_error
+        assert not app.state.loading and app.state.runtime is None
+        assert app.state.request_exit.__self__.exit_code == 1
+        assert app.state.request_exit.__self__.should_exit
