@@ -77,6 +77,7 @@ def create_app(settings: Settings | None = None, *, bundle: Bundle | None = None
             log.warning("%s", warning)
         app.state.started_at = time.time()
         if settings.network.load_in_background:
+            app.state.loading = True  # before the first request can look (the task starts later)
             task = asyncio.create_task(_load(app, settings, bundle), name="rtvoice-load")
         else:
             app.state.runtime = await Runtime.start(settings, bundle)
@@ -120,7 +121,6 @@ async def _load(app: Starlette, settings: Settings, bundle: Bundle | None) -> No
     """load_in_background: the model and engine behind a listening server. A failure is
     logged, shown by /health (503) and ends the server (exit status 1) where the app runs
     under `Server`."""
-    app.state.loading = True
     try:
         app.state.runtime = await Runtime.start(settings, bundle, build_off_loop=True)
     except Exception as exc:
