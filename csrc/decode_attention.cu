@@ -95,7 +95,8 @@ __device__ __forceinline__ void norm_rope(float (&x)[E], const T* __restrict__ w
     for (int e = 0; e < E; ++e) ss = __fadd_rn(ss, __fmul_rn(x[e], x[e]));
 #pragma unroll
     for (int o = L / 2; o >= 1; o /= 2) ss += __shfl_xor_sync(0xffffffff, ss, o);
-    const float r = rsqrtf(ss / static_cast<float>(E * L) + eps);
+    // the mean as torch's reduction takes it: the sum times the float 1 / D
+    const float r = rsqrtf(__fmul_rn(ss, 1.0f / static_cast<float>(E * L)) + eps);
 #pragma unroll
     for (int e = 0; e < E; ++e)
       x[e] = round_to<T>(__fmul_rn(round_to<T>(__fmul_rn(x[e], r)), to_f(w[sub * E + e])));
