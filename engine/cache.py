@@ -186,11 +186,18 @@ class PagedDecodeAttend:
         k_pos = torch.arange(span, device=positions.device)
         self.mask = (k_pos[None, :] <= positions[:, None])[:, None, None, :]  # [B, 1, 1, S]
 
+    def _launch(self, layer: int, q: Tensor, k: Tensor, v: Tensor,
+                rope: Rope | None = None) -> Tensor:
+        """The kernel on one position: q [B, H, Dh], k/v [B, Hkv, Dh] -> [B, H, 1, Dh]."""
+        c = self.cache
+        assert self.kernel is not None
+        return self.kernel(q, k, v, c.k[layer], c.v[layer], self.tables, self.wblock,
+                           self.positions, self.span, rope=rope)[:, :, None]
+
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         c = self.cache
         if self.kernel is not None:  # write + attend in one csrc launch
-            return self.kernel(q[:, :, 0], k[:, :, 0], v[:, :, 0], c.k[layer], c.v[layer],
-                               self.tables, self.wblock, self.positions, self.span)[:, :, None]
+            return self._launch(layer, q[:, :, 0], k[:, :, 0], v[:, :, 0])
         c.k[layer, self.wblock, :, self.w_off] = k[:, :, 0]
         c.v[layer, self.wblock, :, self.w_off] = v[:, :, 0]
         keys = gather_blocks(c.k[layer], self.tables, self.span)  # [B, Hkv, S, Dh]
@@ -202,11 +209,7 @@ class PagedDecodeAttend:
         """q [B, 1, H, Dh], k/v [B, 1, Hkv, Dh] before the q/k norm and RoPE (cs [B, 1,
         Dh/2, 2]) -> the attention output [B, H, 1, Dh]: norm, rotation, store and attend
         in the kernel's one launch."""
-        c = self.cache
-        assert self.kernel is not None
-        return self.kernel(q[:, 0], k[:, 0], v[:, 0], c.k[layer], c.v[layer], self.tables,
-                           self.wblock, self.positions, self.span,
-                           rope=Rope(qw, kw, cs[:, 0], eps))[:, :, None]
+        return self._launch(layer, q[:, 0], k[:, 0], v[:, 0], Rope(qw, kw, cs[:, 0], eps))
 
 
 class FastKV:
@@ -232,12 +235,18 @@ class FastKV:
         self.pos, self.batch = pos, batch
         return self
 
+    def _launch(self, layer: int, q: Tensor, k: Tensor, v: Tensor,
+                rope: Rope | None = None) -> Tensor:
+        """The kernel on position `pos`: q [B, H, Dh], k/v [B, Hkv, Dh] -> [B, H, 1, Dh]."""
+        p, b = self.pos, self.batch
+        assert self.kernel is not None
+        return self.kernel(q, k, v, self.k[layer], self.v[layer], self._tables[:b],
+                           self._rows[:b], self._pos[p, :b], p + 1, rope=rope)[:, :, None]
+
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         p, b = self.pos, self.batch
         if self.kernel is not None:
-            return self.kernel(q[:, :, 0], k[:, :, 0], v[:, :, 0], self.k[layer], self.v[layer],
-                               self._tables[:b], self._rows[:b], self._pos[p, :b],
-                               p + 1)[:, :, None]
+            return self._launch(layer, q[:, :, 0], k[:, :, 0], v[:, :, 0])
         self.k[layer, :b, :, p] = k[:, :, 0]
         self.v[layer, :b, :, p] = v[:, :, 0]
         mask = self._masks[p: p + 1, : p + 1][None, None]  # [1, 1, 1, p+1]
@@ -247,8 +256,4 @@ class FastKV:
     def _norm_rope_attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, qw: Tensor | None,
                           kw: Tensor | None, cs: Tensor, eps: float) -> Tensor:
         """As PagedDecodeAttend's: q/k before their norm and RoPE, one kernel launch."""
-        p, b = self.pos, self.batch
-        assert self.kernel is not None
-        return self.kernel(q[:, 0], k[:, 0], v[:, 0], self.k[layer], self.v[layer],
-                           self._tables[:b], self._rows[:b], self._pos[p, :b], p + 1,
-                           rope=Rope(qw, kw, cs[:, 0], eps))[:, :, None]
+        return self._launch(layer, q[:, 0], k[:, 0], v[:, 0], Rope(qw, kw, cs[:, 0], eps))
