@@ -283,6 +283,11 @@ class EngineConfig:
         256, "voice prompts kept in the pool for sharing: sessions with the same voice (a "
         "stored voice, or identical inline references) share one copy of its KV, copy-on-"
         "write, and open without prefilling it; 0: every session prefills its own", ge=0)
+    prefill_ahead: bool = option(
+        True, "while an idle session's next sentence is still streaming in, prefill the part "
+        "of its prompt the text so far fixes (up to its last word), so that when the sentence "
+        "is complete only the rest is prefilled before it speaks; speculative (free blocks "
+        "only, after every other prefill; a turn that begins otherwise rolls it back)")
     prefill_chunk: int = option(256, "prompt columns per prefill round and sequence, so one "
                                 "long prompt cannot hold up the others", ge=1)
     prefill_batch: int = option(16, "sequences prefilled together in one forward", ge=1)

@@ -289,6 +289,12 @@ class Engine:
         turn = Turn(turn_id, text, max(1, budget))
         self._post(lambda: self.scheduler.start_turn(seq, turn))
 
+    def prefill_ahead(self, seq: Sequence, text: str) -> None:
+        """The sequence's next turn will most likely begin with `text` (its text is still
+        streaming): prefill what of its prompt that fixes now, if the sequence is idle
+        (Scheduler.prefill_ahead). Never required; a turn that begins otherwise is exact."""
+        self._post(lambda: self.scheduler.prefill_ahead(seq, text))
+
     def cancel(self, seq: Sequence) -> None:
         """Stop the running turn; no audio of it follows the `cancelled` turn end."""
         self._post(lambda: self.scheduler.cancel(seq))

@@ -147,6 +147,13 @@ class PromptBuilder:
         msgs += self._message("assistant", [], voice=True, close=False)
         return torch.cat(msgs, dim=1)
 
+    def user_head(self, text: str) -> Tensor:
+        """The first columns of `user_turn(text + more)` as far as `text` alone fixes them:
+        the user header and the text's tokens but the last (a BPE token at the end of a
+        prefix may merge with what follows). [1+K, n], n >= the header's columns."""
+        body = self.text(turn_text(text))
+        return torch.cat([self._fixed("<|im_start|>user\n"), body[:, :-1]], dim=1)
+
     def assistant_close(self, codes: Tensor | None = None) -> Tensor:
         """Close an assistant turn. With `codes` [K, F] the frames are written out (the
         re-prefill form); without, they are assumed to be in the KV cache already."""

@@ -111,6 +111,18 @@ class Turn:
 
 
 @dataclass(slots=True, eq=False)
+class Ahead:
+    """The head of a turn prefilled before the turn arrived (its text was still streaming):
+    columns `cols` (the previous assistant turn's close, the user header, the text's first
+    tokens) written at positions [start, start + n) while the sequence was idle."""
+
+    start: int  # the sequence's pos before it (where the turn's prompt begins)
+    cols: Tensor  # [1+K, n] everything prefilled ahead so far
+    closes_previous: bool  # cols begin with the previous assistant turn's <|im_end|>
+    in_flight: int = 0  # its prefill jobs not landed yet
+
+
+@dataclass(slots=True, eq=False)
 class Sequence:
     seq_id: int
     references: tuple[Reference, ...]
@@ -142,6 +154,7 @@ class Sequence:
     closed_turn: bool = True  # the last assistant turn has been closed with <|im_end|>
     needs_rebuild: bool = False  # the cache lost its prompt (rollback past a rebuild)
     prefill_s: float = 0.0
+    ahead: Ahead | None = None  # the next turn's head, prefilled while its text streams
 
     def __repr__(self) -> str:
         return (f"Sequence({self.seq_id}, {self.state.value}, row={self.row}, pos={self.pos}, "
@@ -156,7 +169,7 @@ class PrefillJob:
     seq: Sequence
     cols: Tensor  # [1+K, n] columns to write at `start`
     start: int
-    turn: Turn | None  # None: the voice prompt
+    turn: Turn | None  # None: the voice prompt, or (`ahead`) the head of a turn to come
     blocks: tuple[int, ...]  # fixed at creation: the prefill thread never reads seq.blocks
     restore: tuple[object, tuple[int, ...]] | None = None  # (saved KV, blocks to write it to)
     copies: tuple[tuple[int, int], ...] = ()  # (source, destination) blocks to copy first
@@ -169,6 +182,7 @@ class PrefillJob:
     # joins, None (CPU, or nothing to wait for), or the exception that failed it
     event: object | None = None
     landed_at: float = 0.0  # when the decode thread took it (launched, maybe not done)
+    ahead: bool = False  # columns of `seq.ahead`: a turn's head prefilled before the turn
 
     @property
     def abandoned(self) -> bool:

@@ -49,6 +49,7 @@ from .errors import TurnError
 from .kv_pool import BlockPool, PrefixCache, table_width
 from .prompt import PromptBuilder
 from .request import (
+    Ahead,
     FinishReason,
     PrefillJob,
     RowOp,
@@ -66,6 +67,8 @@ log = logging.getLogger(__name__)
 TURN_FRAMES_ROOM = 64
 TURN_SLACK = 2
 TURN_MARGIN = TURN_FRAMES_ROOM + TURN_SLACK
+# Fewest new columns worth a prefill-ahead job (a round of the prefill stream).
+AHEAD_MIN_COLS = 4
 
 Evict = Callable[[list[int]], object]  # blocks -> their KV saved in host memory
 
@@ -96,7 +99,8 @@ def new_stats() -> dict[str, float]:
             "codec_s": 0.0, "codec_ticks": 0, "codec_slow_ticks": 0, "wasted_rows": 0, "prefill_calls": 0,
             "decode_pauses": 0, "decode_paused_s": 0.0, "prefix_hits": 0, "kv_evictions": 0,
             "kv_restores": 0, "kv_restore_s": 0.0, "cow_copies": 0, "row_waits": 0,
-            "turns_cut_no_blocks": 0}
+            "turns_cut_no_blocks": 0, "ahead_jobs": 0, "ahead_cols": 0, "ahead_hits": 0,
+            "ahead_misses": 0}
 
 
 class Scheduler:
@@ -137,6 +141,7 @@ class Scheduler:
         self._row_ops: list[RowOp] = []
         self._new_jobs: list[PrefillJob] = []
         self.prefill_outstanding = 0  # prefill jobs created and not landed yet
+        self.ahead_outstanding = 0  # ... of which prefill-ahead jobs (speculative)
         self.k = 0  # decode steps planned (launched)
         self.processed = -1  # the last step whose result was read
         # seconds per decode step (EMA over back-to-back launches; None until measured):
@@ -351,12 +356,13 @@ class Scheduler:
 
     def _queue_prefill(self, seq: Sequence, cols: Tensor, start: int, turn: Turn | None, *,
                        restore: tuple[object, tuple[int, ...]] | None = None,
-                       copies: tuple[tuple[int, int], ...] = ()) -> None:
+                       copies: tuple[tuple[int, int], ...] = (), ahead: bool = False) -> None:
         self.prefill_outstanding += 1
+        self.ahead_outstanding += ahead
         seq.jobs_in_flight += 1
         self._new_jobs.append(PrefillJob(seq, cols, start, turn, tuple(seq.blocks),
                                          restore=restore, copies=copies,
-                                         sources=tuple(src for src, _ in copies)))
+                                         sources=tuple(src for src, _ in copies), ahead=ahead))
 
     def start_turn(self, seq: Sequence, turn: Turn) -> None:
         """A turn on a sequence: prefilled now, or queued behind its voice prompt or a
@@ -369,15 +375,23 @@ class Scheduler:
                             TurnError.INVALID_STATE)
             return
         seq.last_used = time.perf_counter()
-        if seq.state is SeqState.IDLE and not seq.draining:
+        if self._turn_may_start(seq):
             seq.turn = turn
             self._queue_turn_prefill(seq)
         else:
             seq.queued_turn = turn
 
+    @staticmethod
+    def _turn_may_start(seq: Sequence) -> bool:
+        """Idle, nothing draining, and no prefill-ahead job writing its head (the turn's
+        job must come after it: two jobs of a sequence never share a prefill round)."""
+        return seq.state is SeqState.IDLE and not seq.draining \
+            and not (seq.ahead is not None and seq.ahead.in_flight)
+
     def _queue_turn_prefill(self, seq: Sequence) -> None:
         turn = seq.turn
         assert turn is not None
+        ahead = self._drop_ahead(seq)  # back where the turn begins; its columns stay cached
         new = self.prompts.user_turn(turn.text)
         close = [] if seq.closed_turn else [self.prompts.assistant_close()]
         cols = torch.cat([*close, new], dim=1)
@@ -392,28 +406,51 @@ class Scheduler:
                 return
             cols = rebuilt
             turn.rebuilt = True
+            ahead = None  # its columns sit at positions the rebuild rewrites
         seq.closed_turn = True
         seq.turn_start_pos = seq.pos
         # -2: one position of slack for the frame a pingpong step may add after a cancel
         turn.max_frames = max(1, min(turn.max_frames, self.max_len - seq.pos - cols.shape[1] - 2))
         seq.state = SeqState.TURN_PREFILL
+        if ahead is not None:  # the turn begins with what was prefilled ahead: keep it
+            hit = _begins_with(cols, ahead.cols)
+            self.stats["ahead_hits" if hit else "ahead_misses"] += 1
+            if hit:
+                seq.pos += ahead.cols.shape[1]
+                cols = cols[:, ahead.cols.shape[1]:]
         turn.cols = cols
         if not self._prefill_turn(seq):
             self.block_queue.append(seq)  # served when blocks free (a close, an idle session)
             self._retry_waits()  # or refused now if none ever can
 
     def _prefill_turn(self, seq: Sequence) -> bool:
-        """Blocks for the turn's prompt and first frames (restoring an evicted session,
-        copying a shared block it will write into), then its prefill job. False: not
+        """Blocks for the turn's prompt and first frames, then its prefill job. False: not
         enough blocks now (nothing was changed)."""
         turn = seq.turn
         assert turn is not None and turn.cols is not None
+        end = seq.pos + turn.cols.shape[1] + min(turn.max_frames, TURN_FRAMES_ROOM) + TURN_SLACK
+        claimed = self._claim_blocks(seq, min(end, self.max_len), evict=True)
+        if claimed is None:
+            return False
+        restore, copies = claimed
+        # all columns but the last go through prefill; the first decode step feeds the last
+        self._queue_prefill(seq, turn.cols[:, :-1], seq.pos, turn, restore=restore,
+                            copies=copies)
+        return True
+
+    def _claim_blocks(self, seq: Sequence, end: int, *, evict: bool
+                      ) -> tuple[tuple[object, tuple[int, ...]] | None,
+                                 tuple[tuple[int, int], ...]] | None:
+        """Make the sequence's blocks cover positions [0, end) and own the ones from `pos`
+        on: an evicted session's saved blocks come back (`restore`), a shared block it will
+        write into is copied first (copy-on-write of a voice prefix's last block). `evict`:
+        free blocks by evicting idle sessions if needed (False: only blocks free now).
+        Returns (restore, copies) for its prefill job, or None: not enough blocks now
+        (nothing was changed)."""
         p = self.pool
         bs = p.block_size
-        end = min(seq.pos + turn.cols.shape[1] + min(turn.max_frames, TURN_FRAMES_ROOM)
-                  + TURN_SLACK, self.max_len)
         want = min(p.blocks_for(end), self.table_width)
-        first = seq.pos // bs  # the first block this turn writes into
+        first = seq.pos // bs  # the first block the job writes into
         shared: list[int] = []  # indices of the blocks it writes into that others hold
         if seq.offloaded is not None:
             # its saved blocks all come back (a context rebuild may have moved pos below them)
@@ -421,8 +458,9 @@ class Scheduler:
         else:
             shared = [i for i in range(first, len(seq.blocks)) if p.holders(seq.blocks[i]) > 1]
             need = max(0, want - len(seq.blocks)) + len(shared)
-        if not self._reserve(need, keep=len(self.running)):
-            return False
+        keep = len(self.running)  # headroom for the speaking turns to grow
+        if not (self._reserve(need, keep=keep) if evict else p.free >= need + keep):
+            return None
         restore, copies = None, []
         if seq.offloaded is not None:
             seq.blocks = p.alloc(want) or []
@@ -443,10 +481,57 @@ class Scheduler:
             more = p.alloc(max(0, want - len(seq.blocks)))
             assert more is not None
             seq.blocks += more
-        # all columns but the last go through prefill; the first decode step feeds the last
-        self._queue_prefill(seq, turn.cols[:, :-1], seq.pos, turn, restore=restore,
-                            copies=tuple(copies))
-        return True
+        return restore, tuple(copies)
+
+    # ================================================================ prefill ahead
+    def prefill_ahead(self, seq: Sequence, text: str) -> None:
+        """The start of the sequence's next turn while its text still streams (`text`: what
+        of it has arrived): the columns it fixes — the previous turn's close, the user
+        header, its tokens but the last — are prefilled now, so that the turn, when it comes
+        and begins with them, prefills only the rest (its TTFA waits for a few columns, not
+        a sentence). Speculative, so never in anyone's way: only on an idle sequence with
+        nothing in flight, only into blocks free now (no eviction), behind every other
+        prefill; a turn that does not begin with these columns rolls them back."""
+        if not self.cfg.prefill_ahead or seq.state is not SeqState.IDLE or seq.draining \
+                or seq.turn is not None or seq.queued_turn is not None \
+                or seq.offloaded is not None or seq.needs_rebuild or seq.jobs_in_flight:
+            return  # (a job in flight: the next call extends the head)
+        seq.last_used = time.perf_counter()
+        ahead = seq.ahead
+        start = seq.pos if ahead is None else ahead.start
+        closes = not seq.closed_turn if ahead is None else ahead.closes_previous
+        close = [self.prompts.assistant_close()] if closes else []
+        cols = torch.cat([*close, self.prompts.user_head(text)], dim=1)
+        if ahead is not None and not _begins_with(cols, ahead.cols):
+            self._drop_ahead(seq)  # the text changed under it (a cancel, a new utterance)
+            self.stats["ahead_misses"] += 1
+            ahead = None
+        done = 0 if ahead is None else ahead.cols.shape[1]
+        if cols.shape[1] - done < AHEAD_MIN_COLS \
+                or start + cols.shape[1] + TURN_MARGIN > self.max_len:
+            return  # too little new, or a turn this long will rebuild the context anyway
+        claimed = self._claim_blocks(seq, start + cols.shape[1], evict=False)
+        if claimed is None:
+            return
+        copies = claimed[1]  # (no restore: an evicted sequence gets no head)
+        if ahead is None:
+            ahead = seq.ahead = Ahead(start, cols, closes)
+            seq.closed_turn = True
+        ahead.cols = cols
+        ahead.in_flight += 1
+        self.stats["ahead_jobs"] += 1
+        self.stats["ahead_cols"] += cols.shape[1] - done
+        self._queue_prefill(seq, cols[:, done:], start + done, None, copies=copies, ahead=True)
+
+    def _drop_ahead(self, seq: Sequence) -> Ahead | None:
+        """Forget the sequence's prefilled head: its cache ends where the head began again
+        (the head's columns stay in the blocks until overwritten). Returns it."""
+        ahead, seq.ahead = seq.ahead, None
+        if ahead is not None:
+            assert not ahead.in_flight, "a prefill-ahead job is still writing"
+            seq.pos = ahead.start
+            seq.closed_turn = not ahead.closes_previous
+        return ahead
 
     def _rebuild_context(self, seq: Sequence, new: Tensor) -> Tensor | None:
         """Drop the oldest turns until system + recent turns + the new turn fit; re-prefill
@@ -620,6 +705,7 @@ class Scheduler:
         voice prompt is in (ready), or the turn joins the decode batch. A failure here fails
         only this job's sequence."""
         self.prefill_outstanding -= 1
+        self.ahead_outstanding -= job.ahead
         if self.prefill_outstanding < 0:  # every job is counted when created: a bug if seen
             log.warning("prefill bookkeeping: %d more jobs landed than were queued",
                         -self.prefill_outstanding)
@@ -642,6 +728,12 @@ class Scheduler:
     def _land(self, job: PrefillJob) -> None:
         seq = job.seq
         if seq.state is SeqState.CLOSED:
+            return
+        if job.ahead:  # a turn's head: the turn (if it came meanwhile) starts from it
+            assert seq.ahead is not None
+            seq.ahead.in_flight -= 1
+            seq.pos = job.start + job.cols.shape[1]
+            self._next_queued_turn(seq)
             return
         if job.turn is None:  # the voice prompt
             seq.pos = job.cols.shape[1]
@@ -705,7 +797,7 @@ class Scheduler:
         return (seq.seed * 1_000_003 + seq.turns_started * 7919) % (2**31)
 
     def _next_queued_turn(self, seq: Sequence) -> None:
-        if seq.queued_turn is not None and seq.state is SeqState.IDLE and not seq.draining:
+        if seq.queued_turn is not None and self._turn_may_start(seq):
             seq.turn, seq.queued_turn = seq.queued_turn, None
             self._queue_turn_prefill(seq)
 
@@ -817,7 +909,8 @@ class Scheduler:
         alone for the same reason: sharing the GPU with decode steps and codec ticks, 64
         turns submitted at once spent 166 ms p50 in prefill (H200, docs/PERF.md) for ~75 ms
         of replays on an idle GPU."""
-        if not self.prefill_outstanding or self.cfg.prefill_first_lead_s == 0:
+        # (a prefill-ahead job is speculative: no turn waits for it)
+        if self.prefill_outstanding == self.ahead_outstanding or self.cfg.prefill_first_lead_s == 0:
             return False
         for seq in self.running.values():
             turn = seq.decoding
@@ -1043,3 +1136,9 @@ class Scheduler:
                           turn.submitted_at, turn.ready_at, turn.first_audio_at,
                           time.perf_counter(), codes=codes, error=error, error_code=code)
 
+
+
+def _begins_with(cols: Tensor, head: Tensor) -> bool:
+    """Whether prompt columns `cols` [1+K, n] start with `head` [1+K, m]."""
+    m = head.shape[1]
+    return cols.shape[1] >= m and bool(torch.equal(cols[:, :m], head))

@@ -212,4 +212,10 @@ def render_metrics(m: Metrics, engine: Engine, *, model: str, device: str,
     metric("rtvoice_engine_codec_slow_ticks_total", "counter", "Codec ticks that took longer "
            "than the audio they made (streams fall behind realtime; the log says why).",
            [("", int(stats["codec_slow_ticks"]))])
+    metric("rtvoice_engine_prefill_ahead_total", "counter", "Turn heads prefilled while their "
+           "text streamed: jobs run, and turns that began with their head (hit) or not (miss: "
+           "rolled back).", [(f'{{result="{k}"}}', int(stats[f"ahead_{k}"]))
+                              for k in ("jobs", "hits", "misses")])
+    metric("rtvoice_engine_prefill_ahead_columns_total", "counter", "Prompt columns prefilled "
+           "ahead of their turn.", [("", int(stats["ahead_cols"]))])
     return "\n".join(out) + "\n"

@@ -113,6 +113,17 @@ class Segmenter:
         """Characters held back (not yet in a segment)."""
         return len(self._buf)
 
+    def head(self) -> str:
+        """The start of the next segment as far as the buffer fixes it: the buffered text up
+        to its last word boundary (whitespace or clause punctuation), stripped; "" without
+        one. More text extends the next segment past it but does not change it (a sentence
+        end inside it would have cut a segment already)."""
+        buf = self._buf
+        for k in range(len(buf), 0, -1):
+            if buf[k - 1].isspace() or buf[k - 1] in _SOFT_BREAKS:
+                return buf[:k].strip()
+        return ""
+
     def push(self, text: str) -> list[str]:
         """Add streamed text; return the segments it completed (possibly none)."""
         return [c.text for c in self.push_cuts(text)]

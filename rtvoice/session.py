@@ -628,6 +628,10 @@ class Session:
         self.rt.engine.submit(self._seq, seg.text, turn_id=seg.turn_id, max_frames=seg.max_frames)
         self.rt.metrics.segments_total += 1
 
+    def ahead(self, text: str) -> None:
+        if self._seq is not None:  # idle: the engine may prefill the next segment's start
+            self.rt.engine.prefill_ahead(self._seq, text)
+
     def cancel_running(self) -> None:
         if self._seq is not None:
             self.rt.engine.cancel(self._seq)  # stops before its next decode step

@@ -288,6 +288,9 @@ class Synthesis:
     def acknowledge_cancel(self, context_id: str | None) -> None:
         pass
 
+    def ahead(self, text: str) -> None:  # a request's text is all there: nothing streams
+        pass
+
     def report(self, error: Error) -> None:
         """A segment the engine refused for the request's reasons: the request fails."""
         self._events.put_nowait((_FAIL, ProtocolError(error.code, error.message)))

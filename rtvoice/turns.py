@@ -36,6 +36,13 @@ from rtvoice.settings import LimitSettings
 __all__ = ["Context", "Segment", "TurnPort", "Turns", "Utterance", "frame_budget",
            "segment_chars"]
 
+# A context's next segment goes to the engine to prefill ahead while its text streams: once
+# its fixed start (Segmenter.head) has HEAD_FIRST_CHARS characters, then each time that has
+# grown by HEAD_STEP_CHARS more — a few prefill jobs per sentence, leaving at most that much
+# text (plus the turn's wrapper) to prefill once the sentence is complete.
+HEAD_FIRST_CHARS = 12
+HEAD_STEP_CHARS = 32
+
 # Worst-case text tokens per character: a code point is at most 4 UTF-8 bytes, and both the
 # byte tokenizer (tiny) and a byte-level BPE (S2-Pro's Qwen3) need at most one token per byte.
 WORST_TOKENS_PER_CHAR = 4
@@ -87,6 +94,7 @@ class Utterance:
     segments_total: int = 0
     segments_done: int = 0
     text_chars: int = 0
+    text_events: int = 0
     frames: int = 0
     gen_s: float = 0.0  # generation wall time of its segments (for rtf)
     samples_in: int = 0  # model-rate samples handed to the encoder
@@ -174,6 +182,10 @@ class TurnPort(Protocol):
     def report(self, error: Error) -> None:
         """Send a non-fatal error event."""
 
+    def ahead(self, text: str) -> None:
+        """Nothing is generating or queued, and the next segment will begin with `text` (its
+        text is still streaming): the engine may prefill that much of it now."""
+
 
 class Turns:
     def __init__(self, port: TurnPort, *, session_id: str, limits: LimitSettings,
@@ -200,6 +212,7 @@ class Turns:
         self.accepting = False
         self._turn_ids = itertools.count()
         self._utt_ids = itertools.count()
+        self._head_sent = ""  # what `port.ahead` last got for the next segment
 
     def close(self) -> None:
         """The session is over: drop every context, utterance and segment. Contexts and their
@@ -271,10 +284,13 @@ class Turns:
             utt = ctx.open = Utterance(ctx, next(self._utt_ids))
             self.open_utterances.add(utt)
         utt.text_chars += len(text)
+        utt.text_events += 1
         before = ctx.segmenter.buffered
         segments = ctx.segmenter.push_cuts(text)
         ctx.unspoken_chars += ctx.segmenter.buffered - before + sum(len(c.text) for c in segments)
         self._queue(utt, segments)
+        if utt.text_events > 1:  # streaming (a sentence sent whole is flushed at once)
+            self._offer_head(ctx)
 
     def flush(self, context_id: str | None) -> None:
         """End of a turn: its buffered text becomes its last segments."""
@@ -332,6 +348,7 @@ class Turns:
             if seg.utterance.cancelled:
                 continue
             seg.turn_id = f"{self.session_id}.{next(self._turn_ids)}"
+            self._head_sent = ""  # the next head is the next segment's
             self.running = seg
             self.by_turn[seg.turn_id] = seg
             self.port.submit(seg)
@@ -405,6 +422,19 @@ class Turns:
         self._evict_idle()
 
     # ------------------------------------------------------------------------- internals
+    def _offer_head(self, ctx: Context) -> None:
+        """While the engine has nothing to do for this session, the start of the context's
+        next segment goes to it (`port.ahead`): first at HEAD_FIRST_CHARS characters, then
+        each HEAD_STEP_CHARS more."""
+        if not self.accepting or self.running is not None or self.fifo:
+            return
+        head, sent = ctx.segmenter.head(), self._head_sent
+        if len(head) < HEAD_FIRST_CHARS or (sent and head.startswith(sent)
+                                            and len(head) < len(sent) + HEAD_STEP_CHARS):
+            return
+        self._head_sent = head
+        self.port.ahead(head)
+
     def _queue(self, utt: Utterance, segments: list[Cut]) -> None:
         if not segments:
             return

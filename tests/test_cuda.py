@@ -3,6 +3,8 @@ pingpong threads vs the synchronous loop. Run on the device with `pytest -m cuda
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -468,6 +470,46 @@ def test_paged_pool_sharing_and_eviction_change_no_frame_on_the_gpu(gpu_bundle):
     assert st["prefix_hits"] == 3 and ev["kv_evictions"] >= 4 and ev["kv_restores"] >= 4
     for got in (shared, evicted):
         assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
+def test_turns_prefilled_ahead_give_the_same_frames_on_the_gpu(gpu_bundle):
+    """The graphed pingpong engine: turns whose heads were prefilled while their text
+    streamed (prefill graphs over the heads, then the tails; the first head written into
+    the shared voice prefix's last block, copy-on-write) give the greedy frames of turns
+    prefilled whole, and a head the turn does not begin with is rolled back."""
+    text = "Hello there, how are you doing on this fine day?"
+
+    def run(heads):
+        eng = build_engine(gpu_bundle, EngineConfig(max_running=2, max_len=512,
+                                                    kv_block_size=16))
+        eng.start()
+        try:
+            sinks = [CollectingSink() for _ in range(2)]
+            seqs = [eng.open([], SamplingParams.greedy(), s) for s in sinks]
+            assert all(s.ready.wait(60) for s in sinks)
+            for rnd in range(2):
+                for seq, s in zip(seqs, sinks):
+                    for h in heads:
+                        eng.prefill_ahead(seq, h)
+                        time.sleep(0.01)  # the command reaches the scheduler
+                        deadline = time.monotonic() + 30
+                        while eng.scheduler.prefill_outstanding and time.monotonic() < deadline:
+                            time.sleep(0.002)
+                    s.done.clear()
+                    eng.submit(seq, text, turn_id=str(rnd), max_frames=10)
+                    assert s.done.wait(60) and not s.errors
+            return [r.codes for s in sinks for r in s.results], dict(eng.stats)
+        finally:
+            eng.shutdown()
+
+    want, st = run([])
+    assert st["ahead_jobs"] == 0
+    got, st = run(["Hello there,", "Hello there, how are you doing on"])
+    assert st["ahead_hits"] == 4 and st["ahead_misses"] == 0
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    missed, st = run(["Goodbye, my friend"])
+    assert st["ahead_misses"] == 4
+    assert all(torch.equal(g, w) for g, w in zip(missed, want, strict=True))
 
 
 def test_graphs_captured_in_the_background_give_the_same_frames(gpu_bundle):

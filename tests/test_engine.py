@@ -821,3 +821,32 @@ def test_a_codec_tick_slower_than_its_audio_is_counted_and_logged(caplog, monkey
     msg = caplog.records[0].getMessage()
     assert "2 streams (up to 2 frames each)" in msg and "falling behind realtime" in msg
     assert "rtvoice_engine_codec_slow_ticks_total" in msg
+
+
+def test_a_turn_prefilled_ahead_speaks_as_it_would_without(tiny_bundle):
+    """The head of a turn prefilled while its text streams (Engine.prefill_ahead) leaves the
+    cache as one prefill of the whole prompt would: the same frames, greedy and sampled; a
+    head the turn does not begin with is rolled back."""
+    text = "Hello there, how are you doing today?"
+
+    def run(heads, params):
+        eng = build_engine(tiny_bundle, EngineConfig(max_running=2, max_len=1024))
+        sink = CollectingSink()
+        seq = eng.open([], params, sink)
+        eng.submit(seq, "First.", turn_id="a", max_frames=6)  # the heads then close it
+        eng.run_until_idle()
+        for h in heads:
+            eng.prefill_ahead(seq, h)
+            eng.run_until_idle()
+        eng.submit(seq, text, turn_id="b", max_frames=10)
+        eng.run_until_idle()
+        return sink.results[-1].codes, eng.stats
+
+    for params in (SamplingParams.greedy(), SamplingParams(seed=3)):
+        plain, st = run([], params)
+        assert st["ahead_jobs"] == 0
+        ahead, st = run(["Hello there,", "Hello there, how are you"], params)
+        assert st["ahead_jobs"] == 2 and st["ahead_hits"] == 1 and st["ahead_misses"] == 0
+        assert torch.equal(plain, ahead)
+        missed, st = run(["Goodbye my friend, see"], params)
+        assert st["ahead_misses"] == 1 and torch.equal(plain, missed)

@@ -819,3 +819,173 @@ def test_a_turn_queued_behind_a_cancel_starts_after_a_failed_step():
     assert seq.queued_turn is None and seq.turn.turn_id == "b"
     run_idle(sched, dev)
     assert seq.sink.results[-1].turn_id == "b" and seq.sink.results[-1].frames == 4
+
+
+# ---------------------------------------------------------------- prefill ahead
+def land(sched: Scheduler, job) -> None:
+    job.done = job.cols.shape[1]
+    sched.prefill_done(job)
+
+
+def test_prefill_ahead_writes_a_turns_head_and_the_turn_prefills_only_the_rest():
+    sched, dev = make()
+    seq = ready(sched)
+    pos0 = seq.pos
+    p = sched.prompts
+    sched.prefill_ahead(seq, "Hello there, how are")
+    (job,) = sched.take_prefill_jobs()
+    head = p.user_head("Hello there, how are")
+    assert job.ahead and job.turn is None and job.start == pos0 and torch.equal(job.cols, head)
+    assert seq.state is SeqState.IDLE and seq.pos == pos0  # not in until it lands
+    land(sched, job)
+    assert seq.pos == pos0 + head.shape[1]
+    sched.prefill_ahead(seq, "Hello there, how are you doing")  # the text grew: the new part
+    (job,) = sched.take_prefill_jobs()
+    head2 = p.user_head("Hello there, how are you doing")
+    assert job.start == pos0 + head.shape[1] and torch.equal(job.cols, head2[:, head.shape[1]:])
+    land(sched, job)
+    sched.prefill_ahead(seq, "Hello there, how are you doing")  # nothing new: no job
+    assert not sched.take_prefill_jobs()
+    text = "Hello there, how are you doing today?"
+    sched.start_turn(seq, Turn("t", text, 5))
+    (job,) = sched.take_prefill_jobs()
+    full = p.user_turn(text)
+    n = head2.shape[1]
+    assert not job.ahead and job.start == pos0 + n and torch.equal(job.cols, full[:, n:-1])
+    assert seq.turn_start_pos == pos0
+    assert sched.stats["ahead_hits"] == 1 and sched.stats["ahead_misses"] == 0
+    assert sched.stats["ahead_jobs"] == 2 and sched.stats["ahead_cols"] == n
+    land(sched, job)
+    run_idle(sched, dev)
+    assert seq.sink.results[-1].frames == 5 and seq.history[-1][0] == text
+    # the same turn without the head ahead ends at the same position
+    other, dev2 = make()
+    s2 = ready(other)
+    other.start_turn(s2, Turn("t", text, 5))
+    run_idle(other, dev2)
+    assert s2.pos == seq.pos and s2.closed_turn == seq.closed_turn is False
+
+
+def test_a_turn_that_begins_otherwise_rolls_the_head_back():
+    sched, dev = make()
+    seq = ready(sched)
+    pos0 = seq.pos
+    sched.prefill_ahead(seq, "Good morning everyone, and")
+    land(sched, sched.take_prefill_jobs()[0])
+    assert seq.pos > pos0
+    sched.start_turn(seq, Turn("t", "Bye now.", 3))
+    (job,) = sched.take_prefill_jobs()
+    assert job.start == pos0 and torch.equal(job.cols, sched.prompts.user_turn("Bye now.")[:, :-1])
+    assert sched.stats["ahead_misses"] == 1 and sched.stats["ahead_hits"] == 0
+    land(sched, job)
+    run_idle(sched, dev)
+    assert seq.sink.results[-1].frames == 3 and seq.ahead is None
+
+
+def test_a_changed_text_replaces_the_head_and_a_later_turn_closes_the_previous_one():
+    sched, dev = make()
+    seq = ready(sched)
+    sched.start_turn(seq, Turn("a", "First turn.", 3))
+    run_idle(sched, dev)
+    pos1 = seq.pos
+    assert seq.closed_turn is False  # the first turn's <|im_end|> is not in the cache yet
+    sched.prefill_ahead(seq, "Something else entirely here")
+    (job,) = sched.take_prefill_jobs()
+    close = sched.prompts.assistant_close()
+    assert job.start == pos1 and torch.equal(job.cols[:, : close.shape[1]], close)
+    land(sched, job)
+    sched.prefill_ahead(seq, "Second turn begins with")  # not what was prefilled: replaced
+    (job,) = sched.take_prefill_jobs()
+    assert sched.stats["ahead_misses"] == 1 and job.start == pos1
+    assert torch.equal(job.cols[:, : close.shape[1]], close)
+    land(sched, job)
+    sched.start_turn(seq, Turn("b", "Second turn begins with these words.", 3))
+    (job,) = sched.take_prefill_jobs()
+    assert sched.stats["ahead_hits"] == 1 and seq.turn_start_pos == pos1
+    assert seq.turn.closes_previous
+    sched.cancel(seq)  # before it spoke: back to before the head, the close undone too
+    assert seq.pos == pos1 and seq.closed_turn is False and seq.ahead is None
+    land(sched, job)
+    sched.start_turn(seq, Turn("c", "Third.", 3))
+    (job,) = sched.take_prefill_jobs()
+    full = torch.cat([close, sched.prompts.user_turn("Third.")], dim=1)
+    assert job.start == pos1 and torch.equal(job.cols, full[:, :-1])
+    land(sched, job)
+    run_idle(sched, dev)
+    assert seq.sink.results[-1].turn_id == "c" and seq.sink.results[-1].frames == 3
+
+
+def test_a_turn_that_arrives_while_its_head_prefills_waits_for_it():
+    sched, dev = make()
+    seq = ready(sched)
+    pos0 = seq.pos
+    sched.prefill_ahead(seq, "Wait for me please")
+    (ahead_job,) = sched.take_prefill_jobs()
+    sched.start_turn(seq, Turn("t", "Wait for me please, thanks.", 3))
+    assert seq.queued_turn is not None and not sched.take_prefill_jobs()
+    sched.prefill_ahead(seq, "Wait for me please, thanks")  # a job in flight: nothing more
+    assert not sched.take_prefill_jobs()
+    land(sched, ahead_job)
+    (job,) = sched.take_prefill_jobs()
+    assert job.start == pos0 + ahead_job.cols.shape[1] and sched.stats["ahead_hits"] == 1
+    land(sched, job)
+    run_idle(sched, dev)
+    assert seq.sink.results[-1].frames == 3
+
+
+def test_prefill_ahead_only_on_an_idle_sequence_and_only_when_asked():
+    sched, dev = make()
+    seq = ready(sched)
+    sched.start_turn(seq, Turn("t", "Speaking now.", 50))
+    prefill_all(sched)
+    sync_step(sched, dev)
+    sched.prefill_ahead(seq, "The next sentence is streaming")  # decoding: not now
+    assert not sched.take_prefill_jobs() and seq.ahead is None
+    sched.cancel(seq)
+    run_idle(sched, dev)
+    sched.prefill_ahead(seq, "Hello there")
+    land(sched, sched.take_prefill_jobs()[0])
+    sched.prefill_ahead(seq, "Hello there, h")  # 2 more columns: not worth a job
+    assert not sched.take_prefill_jobs()
+    off, _ = make(prefill_ahead=False)
+    s2 = ready(off)
+    off.prefill_ahead(s2, "The next sentence is streaming")
+    assert not off.take_prefill_jobs() and s2.ahead is None
+
+
+def test_prefill_ahead_takes_only_free_blocks_and_a_closed_session_returns_them():
+    host = FakeHost()
+    sched, _ = make(n_rows=1, evict=host, kv_block_size=16, kv_blocks=12)
+    a = ready(sched)
+    b = ready(sched, CollectingSink(), 1)
+    free = sched.pool.free
+    long_text = "word " * 100  # more blocks than are free: nobody is evicted for it
+    sched.prefill_ahead(a, long_text)
+    assert not sched.take_prefill_jobs() and not host.saved and b.offloaded is None
+    assert sched.pool.free == free
+    sched.prefill_ahead(a, "A short head of text")
+    (job,) = sched.take_prefill_jobs()
+    sched.close(a)  # its job still writes: the blocks come back when it lands
+    assert a.blocks
+    land(sched, job)
+    assert not a.blocks and sched.pool.free == free + 3  # its voice prompt's and the head's
+
+
+def test_an_evicted_head_comes_back_with_its_session():
+    host = FakeHost()
+    sched, dev = make(n_rows=1, evict=host, kv_block_size=16, kv_blocks=12)
+    a = ready(sched)
+    sched.prefill_ahead(a, "Remember this head of")
+    land(sched, sched.take_prefill_jobs()[0])
+    pos = a.pos
+    others = [ready(sched, CollectingSink(), 10 + i) for i in range(5)]  # a goes to host
+    assert a.offloaded is not None and a.offloaded[2] == sched.pool.blocks_for(pos)
+    assert len(host.saved[0]) == sched.pool.blocks_for(pos)  # the head's positions too
+    for s in others:
+        sched.close(s)
+    sched.start_turn(a, Turn("t", "Remember this head of text.", 3))
+    (job,) = sched.take_prefill_jobs()
+    assert job.restore is not None and job.start == pos and sched.stats["ahead_hits"] == 1
+    land(sched, job)
+    run_idle(sched, dev)
+    assert a.sink.results[-1].frames == 3

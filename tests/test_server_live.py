@@ -528,6 +528,37 @@ async def test_every_segment_ttfa_goes_to_metrics(server):
     assert done.ttfa_ms == round(first * 1000, 3)  # done reports the first segment's
 
 
+async def test_a_streamed_sentence_is_prefilled_ahead_and_sounds_the_same(server):
+    """Text streamed word by word into an idle session: the start of the sentence is
+    prefilled while it streams (the engine's ahead counters move), and the audio is the
+    same as that of the sentence sent whole (same seed)."""
+    words = "Your table for two is booked at eight tonight, and the kitchen closes late."
+    stats = server.app.state.runtime.engine.stats
+
+    async def session(pieces: list[str], pause_s: float) -> bytes:
+        c = await Client.connect(server.ws_url)
+        await c.send(Start(request=request(seed=7, max_new_tokens=5)))
+        assert isinstance(await c.recv(), Ready)
+        for p in pieces:
+            await c.send(Text(text=p))
+            await asyncio.sleep(pause_s)
+        await c.send(Flush())
+        await c.send(Stop())
+        events = await c.until(is_finish)
+        await c.closed()
+        assert next(e for e in events if isinstance(e, Done)).reason in ("length", "eos")
+        return b"".join(a.audio for a in audio_of(events))
+
+    whole = await session([words], 0.0)
+    jobs, hits = stats["ahead_jobs"], stats["ahead_hits"]
+    streamed = await session([w + " " for w in words.split()], 0.05)
+    assert stats["ahead_jobs"] > jobs and stats["ahead_hits"] == hits + 1
+    assert streamed == whole and len(whole) > 0
+    async with httpx.AsyncClient(base_url=server, timeout=30) as http:
+        text = (await http.get("/metrics")).text
+    assert 'rtvoice_engine_prefill_ahead_total{result="hits"}' in text
+
+
 # ------------------------------------------------------------------------------ HTTP side
 
 

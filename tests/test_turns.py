@@ -211,3 +211,35 @@ def test_stop_flushes_every_context_and_idle_contexts_are_bounded():
 
 def test_segment_chars_is_the_worst_case_of_the_tokens_left():
     assert segment_chars(400) == 100 and segment_chars(3) == 0 and segment_chars(-1) == -1
+
+
+class AheadPort(Port):
+    def ahead(self, text: str) -> None:
+        self.log.append(("ahead", text))
+
+
+def test_the_next_segments_start_goes_ahead_while_its_text_streams():
+    port = AheadPort()
+    turns = Turns(port, session_id="s1", limits=LimitSettings(), chunk_length=200,
+                  chunk_cap=None, default_context=None,
+                  budget={"multiplier": 3.0, "min_frames": 8, "max_frames": 100,
+                          "request_max": None}, frame_rate=44100 / 2048)
+    turns.accepting = True
+    aheads = lambda: [t for k, t in port.log if k == "ahead"]  # noqa: E731
+    turns.text(None, "Your table for two is booked")  # one event so far: maybe sent whole
+    assert aheads() == []
+    turns.text(None, " at eight")  # streaming: its start up to the last word goes ahead
+    assert aheads() == ["Your table for two is booked at"]
+    turns.text(None, " tonight, and")  # fewer than HEAD_STEP_CHARS more: not again
+    assert len(aheads()) == 1
+    turns.text(None, " the kitchen closes at eleven, so")
+    assert aheads()[-1] == "Your table for two is booked at eight tonight, and the kitchen closes at eleven,"
+    turns.text(None, " hurry. And")  # a segment cut and submitted: no head while it runs
+    assert port.log[-1] == ("submit", "Your table for two is booked at eight tonight, and the "
+                                      "kitchen closes at eleven, so hurry.")
+    n = len(aheads())
+    turns.text(None, " then some more words follow here")
+    assert len(aheads()) == n
+    end(turns)  # the next segment's text keeps streaming: its start goes ahead now
+    turns.text(None, " after")
+    assert aheads()[-1] == "And then some more words follow here"
