@@ -53,7 +53,7 @@ import random
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -172,11 +172,13 @@ class Backend(Protocol):
 
 
 class _WsSession:
-    def __init__(self, session: Session) -> None:
+    def __init__(self, session: Session, whole: bool) -> None:
         self.session = session
+        self.whole = whole
 
     async def run_turn(self, text: str, tokens_per_s: float) -> Outcome:
-        turn = await self.session.feed(paced(llm_tokens(text), tokens_per_s))
+        tokens = paced(llm_tokens(text), tokens_per_s)
+        turn = await self.session.feed(_joined(tokens) if self.whole else tokens)
         return Outcome.from_turn(await turn)
 
     async def close(self) -> None:
@@ -187,6 +189,12 @@ class _WsSession:
             pass
         finally:
             await self.session.close()
+
+
+async def _joined(tokens: AsyncIterator[str]) -> AsyncIterator[str]:
+    """The paced tokens as one text event, sent when the last one is due (a client that
+    buffers its LLM's sentence: the same flush time, no streamed text before it)."""
+    yield "".join([t async for t in tokens])
 
 
 class WsBackend:
@@ -216,7 +224,7 @@ class WsBackend:
             import msgspec
 
             self.info["ready"] = msgspec.to_builtins(ready)
-        return _WsSession(session), ready.prefill_ms
+        return _WsSession(session, self.args.send_text == "whole"), ready.prefill_ms
 
     async def aclose(self) -> None:
         return None  # sessions close themselves; nothing is shared
@@ -768,6 +776,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="frame budget per segment (max_new_tokens); 0: the server's default")
     ap.add_argument("--tokens-per-s", type=float, default=40.0,
                     help="text streaming pace, LLM-like (0: all at once)")
+    ap.add_argument("--send-text", choices=["stream", "whole"], default="stream",
+                    help="stream: each LLM token as a text event; whole: the turn's tokens "
+                         "collected at the same pace and sent as one text event with its flush "
+                         "(nothing for the server to prefill ahead; --in-process: always whole)")
     ap.add_argument("--pause-ms", type=float, default=0.0,
                     help="lockstep: pause between a session's turns")
     ap.add_argument("--arrivals", choices=["lockstep", "poisson"], default="lockstep",

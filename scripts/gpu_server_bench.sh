@@ -14,7 +14,9 @@
 # so that ready.json times a warm machine's start (compile and autotune caches filled).
 # ARRIVALS=poisson (MEAN_GAP_S, 2): the levels' turns staggered instead of lockstep bursts;
 # POISSON_LEVELS="64 ...": after the levels, these with Poisson arrivals on the same server
-# ($OUT/server_poisson_c<N>.json). CAPACITY=1: last, bench-latency --capacity (TTFA p99 <=
+# ($OUT/server_poisson_c<N>.json). WHOLE_LEVELS="64 ...": before those, these with each turn's
+# paced tokens sent as one text event at the flush (bench-latency --send-text whole: the same
+# arrivals, nothing for the server to prefill ahead; $OUT/server_whole_c<N>.json). CAPACITY=1: last, bench-latency --capacity (TTFA p99 <=
 # 300 ms, 0 underruns) from CAPACITY_FROM (16) streams up to CAPACITY_MAX (512), one result
 # file $OUT/server_capacity.json (+ .png), the search within CAPACITY_TIMEOUT (300) s;
 # CAPACITY_ARGS: more bench-latency options for it (e.g. "--capacity-resolution 32").
@@ -132,6 +134,11 @@ run_level() {  # run_level C RESULT LIMIT_S [more bench-latency args]: its JSON 
 for C in $LEVELS; do
     [ $RC -ne 0 ] && break
     run_level "$C" "$OUT/server_c$C.json" "$LEVEL_TIMEOUT" --arrivals "${ARRIVALS:-lockstep}"
+done
+for C in ${WHOLE_LEVELS:-}; do  # the same server, each turn's text in one event: no prefill ahead
+    [ $RC -ne 0 ] && break
+    run_level "$C" "$OUT/server_whole_c$C.json" "$LEVEL_TIMEOUT" --arrivals "${ARRIVALS:-lockstep}" \
+        --send-text whole
 done
 for C in ${POISSON_LEVELS:-}; do  # the same server, staggered turns
     [ $RC -ne 0 ] && break

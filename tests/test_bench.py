@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -259,6 +260,28 @@ def test_bench_gate_against_itself_and_a_faster_baseline(bench_run: dict[str, Pa
     assert "FAIL" in out[-1]
     # A 20 % drop is still inside a 25 % tolerance.
     assert cli.main([*args, "--baseline", str(f), "--tolerance", "0.25"], out=out.append) == 0
+
+
+def test_send_text_whole_leaves_nothing_to_prefill_ahead(server_url: str) -> None:
+    """--send-text whole: the paced tokens reach the server as one text event (same flush
+    time), so its engine prefills no turn head ahead; streamed, it does."""
+    stats = server_url.app.state.runtime.engine.stats  # type: ignore[attr-defined]
+    texts = ["Your table for two is booked at eight tonight, see you then."]
+
+    def run(mode: str) -> None:
+        out: list[str] = []
+        f = Path(tempfile.mkdtemp()) / "texts.txt"
+        f.write_text("\n".join(texts))
+        assert cli.main(["--url", server_url, "--concurrency", "1", "--turns", "1",
+                         "--warmup-turns", "0", "--max-frames", "4", "--tokens-per-s", "200",
+                         "--texts", str(f), "--send-text", mode, "--no-progress", "--quiet"],
+                        out=out.append) == 0, out
+
+    jobs = stats["ahead_jobs"]
+    run("whole")
+    assert stats["ahead_jobs"] == jobs
+    run("stream")
+    assert stats["ahead_jobs"] > jobs and stats["ahead_hits"] >= 1
 
 
 def test_bench_in_process(tmp_path: Path) -> None:
