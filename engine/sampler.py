@@ -78,7 +78,7 @@ class SlotSampling:
         self.window = torch.full((n_slots, max_window), -1, dtype=torch.int32, device=d)
         self.max_window = max_window
         self.last_ras_condition = torch.zeros(0, dtype=torch.bool, device=d)
-        self._stream_ids: dict[tuple[int, torch.device], Tensor] = {}
+        self._stream_ids: dict[tuple[int, torch.device, int], Tensor] = {}
 
     def assign(self, slot: int, p: SamplingParams, seed: int) -> None:
         if p.ras_window > self.max_window:
@@ -135,19 +135,29 @@ class SlotSampling:
             self.window[slots] = rows[..., 0]
         return chosen
 
-    def _streams(self, B: int, device: torch.device) -> Tensor:
-        """[2B] noise streams: MAIN for the first B rows, RAS for the next B (cached per B)."""
-        key = (B, device)
-        if key not in self._stream_ids:
-            ids = torch.full((2 * B,), STREAM_RAS, dtype=torch.int64, device=device)
-            ids[:B] = STREAM_MAIN  # fills only: legal inside a CUDA graph capture
-            self._stream_ids[key] = ids
-        return self._stream_ids[key]
+    def _streams(self, B: int, device: torch.device, fast: int = -1) -> Tensor:
+        """Noise stream ids: [2B] MAIN for the first B rows and RAS for the next B, or (`fast`
+        = a codebook) [B] of that codebook's. Cached per shape, so a graphed step reads them
+        instead of filling them each step — but made afresh inside a CUDA graph capture (a
+        fill there runs only when that graph replays: the cache would hold garbage until
+        then for every other user)."""
+        key = (B, device, fast)
+        ids = self._stream_ids.get(key)
+        if ids is None:
+            if fast >= 0:
+                ids = torch.full((B,), STREAM_FAST + fast, dtype=torch.int64, device=device)
+            else:
+                ids = torch.full((2 * B,), STREAM_RAS, dtype=torch.int64, device=device)
+                ids[:B] = STREAM_MAIN
+            if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+                self._stream_ids[key] = ids
+        return ids
 
     def sample_fast(self, slots: Tensor | slice, logits: Tensor, codebook: int) -> Tensor:
         """A residual codebook: logits [B, 4096] -> codes [B] (no bias, no RAS)."""
         return self.draw(logits, self.temperature[slots], self.top_p[slots], self.top_k[slots],
-                         self.seed[slots], self.step[slots], STREAM_FAST + codebook)
+                         self.seed[slots], self.step[slots],
+                         self._streams(logits.shape[0], logits.device, codebook))
 
     def advance(self, slots: Tensor | slice) -> None:
         self.step[slots] += 1

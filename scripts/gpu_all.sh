@@ -31,7 +31,8 @@
 # gpu_bench.json, gpu_bench_log.txt. Knobs: TESTS, TESTS_K, SERVER_LEVELS, LEVEL_TIMEOUT,
 # TESTS_TIMEOUT, SERVER_TIMEOUT, ENGINE_LEVELS, ENGINE_RUNS, SKIP (gpu_bench sections;
 # default decode,codec,fixtures,profile), TOTAL (s, default 585), PROBE,
-# COMPILED_SAMPLER=1 (profile the step again with the compiled torch sampler).
+# COMPILED_SAMPLER=1 (profile the step again with the compiled torch sampler), DECODE_ROPE=1
+# (again with the q/k norm + RoPE inside decode attention, batches 1 and 64).
 # SWIGLU=1: `linear_bench --swiglu` (the FFN's packed linear + silu*mul vs csrc's SwiGLU
 # epilogue at the M where the table picks the kernel) into $OUT/swiglu.{json,txt}.
 # FP8 (issue 14): LINEAR=1 first records the per-shape linear table (bench_latency.linear_bench:
@@ -124,6 +125,7 @@ benches() {
         n=$(( n > 1 ? n - 1 : 1 ))
         timeout -s ABRT "$LEFT" python3 -X faulthandler scripts/gpu_bench.py --dtype "$DT" \
             --skip "${SKIP:-decode,codec,fixtures,profile}" ${COMPILED_SAMPLER:+--compiled-sampler} \
+            ${DECODE_ROPE:+--decode-rope} \
             --levels "${ENGINE_LEVELS:-1,4,16,32,64,128}" --frames 64 \
             --engine-runs "${ENGINE_RUNS:-pingpong_codec,pingpong_nocodec,naive_nocodec}" --out "$D_OUT" \
             >"$D_OUT/gpu_bench_log.txt" 2>&1

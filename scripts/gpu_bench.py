@@ -364,8 +364,10 @@ def _category(name: str) -> str:
 
 
 def profile_step(report: dict, device: str, sampler_kernel: bool = True,
-                 dtype: str = "bf16") -> None:
-    """Where one frame step's GPU time goes (eager, fused ops), and graph-replay step time."""
+                 dtype: str = "bf16", decode_rope: bool = False,
+                 batches: tuple[int, ...] = (1, 2, 16, 64)) -> None:
+    """Where one frame step's GPU time goes (eager, fused ops), and graph-replay step time.
+    `decode_rope`: with the q/k norm + RoPE inside decode attention (key profile_decode_rope)."""
     from engine.fusion import pack_ffn
     from engine.loader import load_bundle
     from engine.ops import build_ops
@@ -373,7 +375,8 @@ def profile_step(report: dict, device: str, sampler_kernel: bool = True,
     from engine.sampler import SamplingParams
 
     b = load_bundle("s2-pro", device=device, dtype=dtype, max_seq_len=1024)
-    ops = build_ops(device, fused="compile", sampler_kernel=sampler_kernel)
+    ops = build_ops(device, fused="compile", sampler_kernel=sampler_kernel,
+                    decode_rope=decode_rope)
     pack_ffn(b.model)
     out = {}
     runner = ModelRunner(b.model, n_rows=64, max_len=1024, ops=ops)
@@ -381,7 +384,7 @@ def profile_step(report: dict, device: str, sampler_kernel: bool = True,
     col[0] = b.model.cfg.ids.semantic_start + 5
     # B=2: what the engine runs for one speaking turn with compiled ops (its smallest decode
     # bucket; the second row inactive), beside B=1, the step of one row alone
-    for B in (1, 2, 16, 64):
+    for B in batches:
         active = 1 if B == 2 else B
         for s in range(active):
             runner.join(s, SamplingParams.greedy(), col, 200, 10**6, s, runner.own_blocks(s))
@@ -418,7 +421,8 @@ def profile_step(report: dict, device: str, sampler_kernel: bool = True,
                   "most_launched": [list(x) for x in by_count]}
         print(json.dumps({B: out[B]})[:1500], flush=True)
         del g
-    report["profile" if sampler_kernel else "profile_compiled_sampler"] = out
+    report["profile_decode_rope" if decode_rope
+           else "profile" if sampler_kernel else "profile_compiled_sampler"] = out
     del runner, b
     torch.cuda.empty_cache()
 
@@ -437,6 +441,9 @@ def main() -> int:
     ap.add_argument("--compiled-sampler", action="store_true",
                     help="profile the step again with the compiled torch sampler instead of "
                          "csrc's sample_topk (key profile_compiled_sampler)")
+    ap.add_argument("--decode-rope", action="store_true",
+                    help="profile the step again with the q/k norm + RoPE inside decode "
+                         "attention (key profile_decode_rope; batches 1 and 64)")
     ap.add_argument("--engine-runs", default="", help="comma list of engine runs to keep "
                     "(pingpong_codec, pingpong_codec_decode_priority, "
                     "pingpong_codec_codec_priority, pingpong_codec_prefill_batch_64, "
@@ -463,12 +470,15 @@ def main() -> int:
                      ("profile", lambda: profile_step(report, device, dtype=args.dtype)),
                      ("profile_compiled_sampler",
                       lambda: profile_step(report, device, sampler_kernel=False)),
+                     ("profile_decode_rope",
+                      lambda: profile_step(report, device, decode_rope=True, batches=(1, 64))),
                      ("engine", lambda: engine_sweep(report, device,
                                                      [int(x) for x in args.levels.split(",")],
                                                      args.frames,
                                                      set(filter(None, args.engine_runs.split(","))),
                                                      save, args.dtype))):
-        if name in skip or (name == "profile_compiled_sampler" and not args.compiled_sampler):
+        if name in skip or (name == "profile_compiled_sampler" and not args.compiled_sampler) \
+                or (name == "profile_decode_rope" and not args.decode_rope):
             continue
         t = time.perf_counter()
         stalled = False
