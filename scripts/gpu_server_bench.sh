@@ -3,7 +3,8 @@
 # (deterministic random bf16 weights), driven by bench-latency over real WebSockets, one
 # concurrency level at a time (each level's results are kept even if a later one fails).
 # Results: $OUT/server_c<N>.json per level, $OUT/server.log, $OUT/ready.json (seconds to
-# /ready and to the end of the background graph capture). A level that does not finish in
+# /ready and to the end of the background graph capture), $OUT/server_metrics.txt (the
+# engine's counters after each run: prefill-ahead jobs, hits and misses, steps). A level that does not finish in
 # LEVEL_TIMEOUT seconds gets the server's thread dump (faulthandler, SIGABRT) in server.log.
 # REFERENCE_S (default 10; 0: the default voice): every session clones a voice from an inline
 # clip of that many seconds (turns then decode past a ~215-frame voice prompt, as real
@@ -130,10 +131,17 @@ run_level() {  # run_level C RESULT LIMIT_S [more bench-latency args]: its JSON 
         echo "$RESULT did not finish in ${LIMIT}s: server thread dump in server.log"
         kill -ABRT $SRV; sleep 2
     fi
+    # the engine's counters after each run (cumulative), e.g. the turn heads prefilled ahead
+    { echo "# after $(basename "$RESULT")"
+      python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:$PORT/metrics', timeout=5).read().decode())" \
+          2>/dev/null | grep -E "^rtvoice_engine_(prefill_ahead|steps_total|seconds_total)"; } >> "$OUT/server_metrics.txt"
 }
 for C in $LEVELS; do
     [ $RC -ne 0 ] && break
-    run_level "$C" "$OUT/server_c$C.json" "$LEVEL_TIMEOUT" --arrivals "${ARRIVALS:-lockstep}"
+    F="$OUT/server_c$C.json"
+    N=2
+    while [ -e "$F" ]; do F="$OUT/server_c${C}_$N.json"; N=$((N + 1)); done  # a level run again
+    run_level "$C" "$F" "$LEVEL_TIMEOUT" --arrivals "${ARRIVALS:-lockstep}"
 done
 for C in ${WHOLE_LEVELS:-}; do  # the same server, each turn's text in one event: no prefill ahead
     [ $RC -ne 0 ] && break
