@@ -27,7 +27,11 @@ a fresh machine compiles it first (a few minutes). `--shapes`, `--ms`, `--varian
 `--swiglu` times instead the FFN's gated input as the engine runs it at each M where the
 recorded table picks the csrc kernel for the packed [W1; W3]: that linear then the compiled
 silu * mul (two launches) against the kernel's SwiGLU epilogue with the same parameters
-(one), and checks that the two agree.
+(one), and checks that the two agree. `--norm` times a block's residual add and the RMSNorm
+after it as the engine runs them at each M where the table picks the kernel for both
+projections (wo then wqkv; w2 then the packed w13 with its SwiGLU): the projection, the fused
+add + norm, the next projection (three launches) against the residual epilogue and the normed
+prologue (two), and checks that they agree.
 """
 
 from __future__ import annotations
@@ -57,6 +61,8 @@ from engine.kernels.linear import (
     _triton_module,
     fp8_gemv,
     gemv,
+    gemv_normed,
+    gemv_residual,
     gemv_swiglu,
     load_plan,
     subnormal_case,
@@ -342,6 +348,73 @@ def bench_swiglu(ms: tuple[int, ...], reps: int, table: Path) -> list[dict[str, 
     return results
 
 
+def _norm_pair_unfused(wa: torch.Tensor, wb: torch.Tensor, *, y: torch.Tensor, x: torch.Tensor,
+                       nw: torch.Tensor, eps: float, glu: bool, kw1: dict, kw2: dict,
+                       add_rms_norm: Callable) -> torch.Tensor:
+    """x + y Wa^T, its RMSNorm (one compiled op), then Wb (or its SwiGLU): three launches."""
+    _, hn = add_rms_norm(x, gemv(y, wa, **kw1), nw, eps)
+    return gemv_swiglu(hn, wb, **kw2) if glu else gemv(hn, wb, **kw2)
+
+
+def _norm_pair_fused(wa: torch.Tensor, wb: torch.Tensor, *, y: torch.Tensor, x: torch.Tensor,
+                     nw: torch.Tensor, eps: float, glu: bool, kw1: dict,
+                     kw2: dict) -> torch.Tensor:
+    """The same as the residual epilogue, then the normed prologue: two launches."""
+    h = gemv_residual(y, wa, x, **kw1)
+    return gemv_normed(h, nw, eps, wb, glu=glu, **kw2)
+
+
+def bench_norm(ms: tuple[int, ...], reps: int, table: Path) -> list[dict[str, object]]:
+    """A block's residual add + RMSNorm between two projections, at each M where `table`
+    picks the csrc kernel, variant 0, for both: unfused (projection, compiled add_rms_norm,
+    projection: as the engine ran it before) vs the residual epilogue + normed prologue.
+    Returns one result per (pair, M): microseconds and agreement."""
+    plan = load_plan(table)
+    add_rms_norm = fusion.compiled("add_rms_norm", functional.add_rms_norm)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    eps = 1e-6
+    results: list[dict[str, object]] = []
+    for first, second, glu in (("wo", "wqkv", False), ("w2", "w13", True)):
+        (n1, k1), (n2, k2) = SHAPES[first], SHAPES[second]
+        pair = 2 * (n1 * k1 + n2 * k2)
+        copies = max(2, math.ceil(ROTATE_BYTES / pair))
+        w1s = [(torch.randn(n1, k1, device="cuda", generator=g) / math.sqrt(k1)).to(torch.bfloat16)
+               for _ in range(copies)]
+        w2s = [(torch.randn(n2, k2, device="cuda", generator=g) / math.sqrt(k2)).to(torch.bfloat16)
+               for _ in range(copies)]
+        nw = (1 + 0.1 * torch.randn(k2, device="cuda", generator=g)).to(torch.bfloat16)
+        for m in ms:
+            rows = [plan.choose(m, n, k, False) if plan is not None else None
+                    for n, k in ((n1, k1), (n2, k2))]
+            if any(r is None or r.impl != "gemv" or r.variant != 0 for r in rows) or m > 16:
+                print(f"norm {first}->{second} m={m}: the table does not run both on the "
+                      "kernel's variant 0 here (no fusion)")
+                continue
+            kw1 = {"splits": rows[0].splits, "kwarps": rows[0].kwarps}  # type: ignore[union-attr]
+            kw2 = {"splits": rows[1].splits, "kwarps": rows[1].kwarps}  # type: ignore[union-attr]
+            y = torch.randn(m, k1, device="cuda", generator=g).to(torch.bfloat16)
+            x = torch.randn(m, n1, device="cuda", generator=g).to(torch.bfloat16)
+
+            args = {"y": y, "x": x, "nw": nw, "eps": eps, "glu": glu, "kw1": kw1, "kw2": kw2}
+            unfused = functools.partial(_norm_pair_unfused, add_rms_norm=add_rms_norm, **args)
+            fused = functools.partial(_norm_pair_fused, **args)
+            a, b = unfused(w1s[0], w2s[0]), fused(w1s[0], w2s[0])
+            ulps = (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+            t_un = graph_us([functools.partial(unfused, p, q) for p, q in zip(w1s, w2s)], reps)
+            t_fu = graph_us([functools.partial(fused, p, q) for p, q in zip(w1s, w2s)], reps)
+            r = {"pair": f"{first}->{second}", "m": m, "unfused_us": round(t_un, 2),
+                 "fused_us": round(t_fu, 2), "max_ulps": int(ulps.max()),
+                 "differing": float((ulps > 0).float().mean())}
+            print(f"norm {first}->{second} m={m}: projection + add_rms_norm + projection "
+                  f"{t_un:.2f} us, residual epilogue + normed prologue {t_fu:.2f} us "
+                  f"({t_un - t_fu:+.2f} us saved); results {r['max_ulps']} ulp apart at most "
+                  f"({100 * r['differing']:.3f} % differ)", flush=True)
+            results.append(r)
+        del w1s, w2s
+        torch.cuda.empty_cache()
+    return results
+
+
 def _plan_row(fp8: bool, m: int, n: int, k: int, meta: Meta, us: dict[str, float]) -> PlanRow:
     config = meta.get("config")
     return PlanRow(fp8, m, n, k, str(meta["impl"]), int(meta.get("splits", 1)),  # type: ignore[arg-type]
@@ -365,22 +438,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--swiglu", action="store_true",
                     help="time the packed FFN projection + SwiGLU, unfused vs the kernel's "
                     "epilogue, at the M where the table (--table) picks the kernel")
+    ap.add_argument("--norm", action="store_true",
+                    help="time a block's projection + residual add + RMSNorm + next projection, "
+                    "unfused vs the residual epilogue and normed prologue, at the M where the "
+                    "table (--table) picks the kernel for both")
     ap.add_argument("--table", type=Path, default=DEFAULT_TABLE,
-                    help="the recorded table --swiglu follows")
+                    help="the recorded table --swiglu and --norm follow")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("linear_bench needs a CUDA device (the candidates are GPU kernels); nothing "
               "measured", file=sys.stderr)
         return 1
-    if args.swiglu:
+    if args.swiglu or args.norm:
+        what = "swiglu" if args.swiglu else "norm"
         if not extension_available():
-            print("--swiglu needs the csrc extension, which did not build", file=sys.stderr)
+            print(f"--{what} needs the csrc extension, which did not build", file=sys.stderr)
             return 1
+        bench = bench_swiglu if args.swiglu else bench_norm
         with torch.inference_mode():
-            res = bench_swiglu(tuple(int(m) for m in args.ms.split(",")), args.reps, args.table)
+            res = bench(tuple(int(m) for m in args.ms.split(",")), args.reps, args.table)
         if args.out:
             args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(),
-                                            "swiglu": res}, indent=1) + "\n")
+                                            what: res}, indent=1) + "\n")
         return 0
     names = [s for s in args.shapes.split(",") if s]
     unknown = [s for s in names if s not in SHAPES]

@@ -72,6 +72,14 @@
 //          gate rows f0..f0+7 as its rows g and the up rows I+f0.. as its rows g + 8, so each
 //          lane ends with a gate and its up value side by side; with splits > 1 the partials
 //          keep the [splits, M, 2 I] layout and the reduce kernel applies the epilogue.
+//   residual  [M, N] bf16, rows strided, last dim contiguous (not with glu): out = residual +
+//          x W^T, the product rounded to bf16 first and the sum rounded again, as the
+//          unfused linear and add would (a block's residual add folded into its projection).
+//   norm_weight  [K] bf16 (bf16 W, variant 0, M <= 16, not FP8): x rows are h, multiplied as
+//          rms_norm(h) * norm_weight: bf16(bf16(h * rsqrt(mean(h^2) + eps)) * w), as
+//          engine.functional.rms_norm rounds it. Every block normalises all M rows itself
+//          (reads M x K bf16 from L2 and sums their squares, one barrier) into shared memory,
+//          from which the main loop reads x: the norm's launch folded into the linear's.
 
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -109,6 +117,16 @@ __device__ __forceinline__ uint4 ld_x(const void* p) {
   asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n"
       : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
       : "l"(p));
+  return v;
+}
+
+// 16 bytes of shared memory at a shared-window address. Volatile: never moved across the
+// barrier that ends the prologue writing it.
+__device__ __forceinline__ uint4 ld_smem(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(addr));
   return v;
 }
 
@@ -272,7 +290,18 @@ struct Args {
   int kw;                // warps per 16-row tile
   int n_chunks, cps;     // K chunks in all, per split
   int glu;               // > 0: the SwiGLU epilogue, I = N / 2 (y is [M, I]); 0: y = x W^T
+  const __nv_bfloat16* res;  // residual [M, N] added to y (null: none)
+  int64_t res_rs;            // its row stride (elements)
+  const __nv_bfloat16* nw;   // RMSNorm weight [K]: x rows are normed first (null: plain x)
+  float eps;
+  int xs_rs;                 // row stride (elements) of the normed rows in shared memory
 };
+
+// y = residual + bf16(d): the linear's output rounded, then the residual add rounded (what
+// `x + F.linear(...)` computes in bf16).
+__device__ __forceinline__ __nv_bfloat16 add_residual(float d, __nv_bfloat16 r) {
+  return __float2bfloat16(__bfloat162float(__float2bfloat16(d)) + __bfloat162float(r));
+}
 
 // The weight rows of 16-row sub-tile `st` that lane group g multiplies: `ra` as the MMA's
 // row g, `rb` as its row g + 8. Plain: rows 16 st + g and + 8. SwiGLU (glu = I): output f =
@@ -324,6 +353,8 @@ __device__ __forceinline__ void store_tile(const Args& a, const float (&d)[4],
     if ((e >= 2 ? tr.okb : tr.oka) && m < a.M) {
       if (a.ws != nullptr)  // an empty split range writes its zeros too
         a.ws[(static_cast<int64_t>(blockIdx.y) * a.M + m) * a.N + n] = d[e];
+      else if (a.res != nullptr)
+        a.y[static_cast<int64_t>(m) * a.N + n] = add_residual(d[e], a.res[m * a.res_rs + n]);
       else
         a.y[static_cast<int64_t>(m) * a.N + n] = __float2bfloat16(d[e]);
     }
@@ -345,6 +376,74 @@ __device__ __forceinline__ void load_x(XFrag<NT, F8>& f, const __nv_bfloat16* co
     f.v[j][0] = ld_x(xrow[j] + kk);
     if constexpr (F8) f.v[j][1] = ld_x(xrow[j] + kk + 8);
   }
+}
+
+// The same from normed rows in shared memory (bf16 W only): xrow holds their shared-window
+// addresses (bytes) at the lane's k offset.
+template <int NT>
+__device__ __forceinline__ void load_x(XFrag<NT, false>& f, const uint32_t (&xrow)[NT], int kk) {
+#pragma unroll
+  for (int j = 0; j < NT; ++j) f.v[j][0] = ld_smem(xrow[j] + kk * 2);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// The normed prologue: rows m < M of x (h) -> rms_norm(h) * nw into xs [M, xs_rs] (shared),
+// rounded as engine.functional.rms_norm does. Every thread of the block takes part; it ends
+// with a barrier. R: rows the block may have (8 NT).
+template <int R>
+__device__ __forceinline__ void norm_rows(const Args& a, __nv_bfloat16* xs) {
+  __shared__ float part[kWarps][R];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int per_row = a.K / 8;  // 16-byte chunks
+  float ss[R];
+#pragma unroll
+  for (int m = 0; m < R; ++m) {
+    ss[m] = 0.f;
+    if (m < a.M) {
+      for (int c = threadIdx.x; c < per_row; c += kThreads) {
+        const uint4 v = ld_x(a.x + m * a.x_rs + c * 8);
+        *reinterpret_cast<uint4*>(xs + m * a.xs_rs + c * 8) = v;
+        const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float2 f = __bfloat1622float2(p[i]);
+          ss[m] = fmaf(f.x, f.x, ss[m]);
+          ss[m] = fmaf(f.y, f.y, ss[m]);
+        }
+      }
+    }
+    ss[m] = warp_sum(ss[m]);
+    if (lane == 0) part[warp][m] = ss[m];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int m = 0; m < R; ++m) {
+    if (m >= a.M) break;
+    float s = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) s += part[w][m];  // one order for every thread
+    const float rstd = rsqrtf(s / static_cast<float>(a.K) + a.eps);
+    for (int c = threadIdx.x; c < per_row; c += kThreads) {
+      uint4 v = *reinterpret_cast<const uint4*>(xs + m * a.xs_rs + c * 8);
+      const uint4 wv = ld_x(a.nw + c * 8);
+      __nv_bfloat162* p = reinterpret_cast<__nv_bfloat162*>(&v);
+      const __nv_bfloat162* q = reinterpret_cast<const __nv_bfloat162*>(&wv);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 f = __bfloat1622float2(p[i]);
+        const float2 n = __bfloat1622float2(__floats2bfloat162_rn(f.x * rstd, f.y * rstd));
+        const float2 w = __bfloat1622float2(q[i]);
+        p[i] = __floats2bfloat162_rn(n.x * w.x, n.y * w.y);
+      }
+      *reinterpret_cast<uint4*>(xs + m * a.xs_rs + c * 8) = v;
+    }
+  }
+  __syncthreads();
 }
 
 // d += weight rows g and g + 8 (wa, wb: 8 bf16 or 16 e4m3 values at k = kk + t * kVec) times
@@ -384,8 +483,9 @@ __device__ __forceinline__ void mma_step(float (&d)[NT][4], const uint4& wa, con
 // instead (rows of the MMA are independent: its output is dropped), an x row past M reads x
 // row 0 (so are columns). Only the last, partial batch of a warp (chunks past the split's
 // range, a chunk reaching past K) takes the checked path.
-template <int NT, int U, bool F8, int MINB>
+template <int NT, int U, bool F8, int MINB, bool NORM = false>
 __global__ void __launch_bounds__(kThreads, MINB) linear_small_m_kernel(const Args a) {
+  static_assert(!(NORM && F8), "the normed prologue is for bf16 weights");
   constexpr int kEl = F8 ? 1 : 2;             // bytes per weight element
   constexpr int kVec = 16 / kEl;              // weight elements per 16-byte load
   constexpr int kSteps = F8 ? 2 : 1;          // 16-byte loads per row, lane and chunk
@@ -402,10 +502,21 @@ __global__ void __launch_bounds__(kThreads, MINB) linear_small_m_kernel(const Ar
   const TileRows tr = tile_rows<!F8>(a, tile, g);
   const uint8_t* w0 = a.w + (tr.oka ? static_cast<int64_t>(tr.ra) * row_bytes : 0) + t * 16;
   const uint8_t* w1 = a.w + (tr.okb ? static_cast<int64_t>(tr.rb) * row_bytes : 0) + t * 16;
-  const __nv_bfloat16* xrow[NT];
+  // x rows 8 j + g at the lane's k offset: in global memory, or (NORM) normed in shared
+  using XRow = std::conditional_t<NORM, uint32_t, const __nv_bfloat16*>;
+  XRow xrow[NT];
+  if constexpr (NORM) {
+    extern __shared__ __align__(16) unsigned char smem_x[];
+    __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem_x);
+    norm_rows<8 * NT>(a, xs);
 #pragma unroll
-  for (int j = 0; j < NT; ++j)
-    xrow[j] = a.x + (8 * j + g < a.M ? (8 * j + g) * a.x_rs : 0) + t * kVec;
+    for (int j = 0; j < NT; ++j)
+      xrow[j] = smem_u32(xs + (8 * j + g < a.M ? (8 * j + g) * a.xs_rs : 0) + t * kVec);
+  } else {
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+      xrow[j] = a.x + (8 * j + g < a.M ? (8 * j + g) * a.x_rs : 0) + t * kVec;
+  }
   const float* srow = F8 ? a.scale + static_cast<int64_t>(n0 / kScaleBlock) * a.kb : nullptr;
 
   float acc[NT][4];
@@ -729,14 +840,16 @@ __global__ void __launch_bounds__(kThreads, MINB) linear_pipe_kernel(const Args 
     for (int j = 0; j < NT; ++j) store_tile<!F8>(a, acc[r][j], tr[r], 8 * j + 2 * t);
 }
 
-// y = sum over the splits' float32 partials ws [splits, M, N], rounded once to bf16.
+// y = sum over the splits' float32 partials ws [splits, M, N], rounded once to bf16 (plus
+// the residual res [M, N] (row stride res_rs), if any, as add_residual).
 __global__ void linear_splits_reduce(const float* __restrict__ ws, __nv_bfloat16* __restrict__ y,
-                                     int64_t mn, int splits) {
+                                     int64_t mn, int splits, const __nv_bfloat16* res, int n,
+                                     int64_t res_rs) {
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < mn;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     float s = 0.f;
     for (int p = 0; p < splits; ++p) s += ws[p * mn + i];
-    y[i] = __float2bfloat16(s);
+    y[i] = res != nullptr ? add_residual(s, res[(i / n) * res_rs + i % n]) : __float2bfloat16(s);
   }
 }
 
@@ -808,6 +921,25 @@ Kern v0_kern(int nt) {
   return {fn, 0, kTileRows, F8 ? 128 : 32, 0};
 }
 
+// The most shared memory the normed prologue's rows may take (M x (K + pad) bf16).
+constexpr int kNormSmemMax = 160 * 1024;
+constexpr int kNormPad = 32;  // elements: rows 64 bytes apart mod 128, no bank conflicts
+
+// Variant 0 with the normed prologue (bf16 W, M <= 16), allowed its shared memory once per
+// device.
+Kern v0_norm_kern(int nt, int dev) {
+  void (*fn)(Args) = nt <= 1 ? linear_small_m_kernel<1, 4, false, 3, true>
+                             : linear_small_m_kernel<2, 4, false, 2, true>;
+  static bool set[64][2] = {};
+  const int i = nt <= 1 ? 0 : 1;
+  if (dev >= 64 || !set[dev][i]) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        kNormSmemMax));
+    if (dev < 64) set[dev][i] = true;
+  }
+  return {fn, 0, kTileRows, 32, 0};
+}
+
 // The pipelined kernel with its shared memory set up and its occupancy (cached per device).
 template <int NT, int RT, int S, bool F8, int CONV, int MINB>
 Kern pipe_kern(int dev) {
@@ -856,7 +988,8 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 
 void linear_small_m(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> scale,
                     torch::Tensor out, int64_t splits, int64_t kwarps, int64_t variant,
-                    bool glu) {
+                    bool glu, std::optional<torch::Tensor> residual,
+                    std::optional<torch::Tensor> norm_weight, double eps) {
   TORCH_CHECK(x.is_cuda() && w.device() == x.device() && out.device() == x.device(),
               "linear_small_m: x, w and out must be CUDA tensors on one device");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && out.dim() == 2,
@@ -905,6 +1038,31 @@ void linear_small_m(torch::Tensor x, torch::Tensor w, std::optional<torch::Tenso
               variant);
   TORCH_CHECK(f8 || variant <= 1,
               "linear_small_m: variants 2 and 3 convert FP8 weights; bf16 weights take 0 or 1");
+  if (residual.has_value()) {
+    const auto& r = *residual;
+    TORCH_CHECK(!glu, "linear_small_m: a residual add and the SwiGLU epilogue do not combine");
+    TORCH_CHECK(r.device() == x.device() && r.scalar_type() == at::kBFloat16 && r.dim() == 2 &&
+                    r.size(0) == M && r.size(1) == N && r.stride(1) == 1,
+                "linear_small_m: residual must be a bf16 [M, N] = [", M, ", ", N,
+                "] tensor on x's device with contiguous rows, got ", r.scalar_type(), " ",
+                r.sizes(), " strides ", r.strides());
+  }
+  const int64_t xs_rs = K + kNormPad;
+  if (norm_weight.has_value()) {
+    const auto& nw = *norm_weight;
+    TORCH_CHECK(!f8 && variant == 0,
+                "linear_small_m: the normed prologue takes bf16 weights and variant 0");
+    TORCH_CHECK(M <= 16 && M * xs_rs * 2 <= kNormSmemMax,
+                "linear_small_m: the normed prologue holds M x K rows in shared memory: M <= "
+                "16 and M x (K + ", kNormPad, ") x 2 bytes <= ", kNormSmemMax, ", got M = ", M,
+                ", K = ", K);
+    TORCH_CHECK(nw.device() == x.device() && nw.scalar_type() == at::kBFloat16 &&
+                    nw.dim() == 1 && nw.size(0) == K && nw.is_contiguous() &&
+                    aligned16(nw.data_ptr()),
+                "linear_small_m: norm_weight must be a contiguous, 16-byte aligned bf16 [K] = [",
+                K, "] tensor on x's device, got ", nw.scalar_type(), " ", nw.sizes());
+    TORCH_CHECK(eps >= 0, "linear_small_m: eps must be >= 0, got ", eps);
+  }
   if (M == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
   const int dev = x.get_device();
@@ -914,8 +1072,11 @@ void linear_small_m(torch::Tensor x, torch::Tensor w, std::optional<torch::Tenso
   TORCH_CHECK(variant != 3 || info.major * 10 + info.minor >= 89,
               "linear_small_m: variant 3 (e4m3 conversion instructions) needs compute "
               "capability 8.9 or newer");
-  const Kern kern = pick_kernel(f8, static_cast<int>(variant), static_cast<int>((M + 7) / 8),
-                                dev);
+  const bool norm = norm_weight.has_value();
+  Kern kern = norm ? v0_norm_kern(static_cast<int>((M + 7) / 8), dev)
+                   : pick_kernel(f8, static_cast<int>(variant), static_cast<int>((M + 7) / 8),
+                                 dev);
+  if (norm) kern.smem = static_cast<int>(M * xs_rs * 2);
   // a tile of `rows` weight rows makes rows / 2 SwiGLU outputs
   const int64_t tiles = glu ? (N / 2 + kern.rows / 2 - 1) / (kern.rows / 2)
                             : (N + kern.rows - 1) / kern.rows;
@@ -955,7 +1116,12 @@ void linear_small_m(torch::Tensor x, torch::Tensor w, std::optional<torch::Tenso
          static_cast<int>(M), static_cast<int>(N), static_cast<int>(K),
          static_cast<int>((K + kScaleBlock - 1) / kScaleBlock),
          kw, static_cast<int>(n_chunks), static_cast<int>(cps),
-         glu ? static_cast<int>(N / 2) : 0};
+         glu ? static_cast<int>(N / 2) : 0,
+         residual.has_value() ? reinterpret_cast<const __nv_bfloat16*>(residual->data_ptr())
+                              : nullptr,
+         residual.has_value() ? residual->stride(0) : 0,
+         norm ? reinterpret_cast<const __nv_bfloat16*>(norm_weight->data_ptr()) : nullptr,
+         static_cast<float>(eps), static_cast<int>(xs_rs)};
   auto stream = c10::cuda::getCurrentCUDAStream();
   kern.fn<<<grid, kThreads, kern.smem, stream>>>(a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -968,7 +1134,8 @@ void linear_small_m(torch::Tensor x, torch::Tensor w, std::optional<torch::Tenso
                                                            static_cast<int>(splits));
     else
       linear_splits_reduce<<<blocks, 256, 0, stream>>>(ws.data_ptr<float>(), a.y, mn,
-                                                       static_cast<int>(splits));
+                                                       static_cast<int>(splits), a.res,
+                                                       static_cast<int>(N), a.res_rs);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 }

@@ -359,6 +359,11 @@ class EngineConfig:
                                   "(engine/kernels/linear_table.json, written by `python -m "
                                   "bench_latency.linear_bench`) measured it fastest; false: "
                                   "cuBLAS for bf16 and the Triton kernel for FP8 everywhere")
+    norm_fusion: bool = option(
+        True, "where csrc's small-M kernel runs a block's projections (the decode step's few "
+        "rows), the residual add goes into wo / w2's epilogue and the RMSNorm after it into "
+        "the next projection's prologue: two launches fewer per layer (S2-Pro frame step at "
+        "c=1: 152 of its 729)")
     fp8_activations: bool = option(False, "with FP8 weights: decode-step linears may also "
                                    "quantise their activations to e4m3 per 1x128 block "
                                    "(W8A8 Triton GEMM) where the linear table measured that "

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from .config import ModelConfig, TransformerConfig
 from .functional import rope_table
-from .ops import REFERENCE, Ops
+from .ops import REFERENCE, Normed, Ops
 
 
 class Attend(Protocol):
@@ -55,10 +55,14 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
 
-    def forward(self, x: Tensor, cs: Tensor, attend: Attend, layer: int, ops: Ops) -> Tensor:
+    def heads(self, x: Tensor | Normed, cs: Tensor, attend: Attend, layer: int,
+              ops: Ops) -> Tensor:
+        """x: [B, T, D] (normed; `Normed`: its norm still to apply) -> the heads' output
+        before the output projection wo: [B, T, q_size]."""
         c = self.cfg
-        B, T, _ = x.shape  # x: [B, T, D]
-        q, k, v = ops.linear(x, self.wqkv.weight).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        qkv = ops.project(x, self.wqkv.weight)  # [B, T, q_size + 2 kv_size]
+        B, T, _ = qkv.shape
+        q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
         q = q.view(B, T, c.n_head, c.head_dim)
         k = k.view(B, T, c.n_local_heads, c.head_dim)
         v = v.view(B, T, c.n_local_heads, c.head_dim)
@@ -70,7 +74,7 @@ class Attention(nn.Module):
         else:
             q, k = ops.norm_rope_qk(q, k, qw, kw, cs, c.norm_eps)
             y = attend(layer, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-        return ops.linear(y.transpose(1, 2).reshape(B, T, c.q_size), self.wo.weight)
+        return y.transpose(1, 2).reshape(B, T, c.q_size)
 
 
 class FeedForward(nn.Module):
@@ -80,8 +84,9 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(cfg.dim, cfg.intermediate_size, bias=False)
         self.w2 = nn.Linear(cfg.intermediate_size, cfg.dim, bias=False)
 
-    def forward(self, x: Tensor, ops: Ops) -> Tensor:
-        return ops.linear(ops.swiglu(x, self.w1.weight, self.w3.weight), self.w2.weight)
+    def gate(self, x: Tensor | Normed, ops: Ops) -> Tensor:
+        """The gated input of w2: silu(x W1^T) * (x W3^T). x: [B, T, D] -> [B, T, I]."""
+        return ops.swiglu(x, self.w1.weight, self.w3.weight)
 
 
 class Block(nn.Module):
@@ -92,24 +97,30 @@ class Block(nn.Module):
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
 
-    def forward(self, x: Tensor, xn: Tensor, cs: Tensor, attend: Attend, layer: int,
-                next_norm: RMSNorm, ops: Ops) -> tuple[Tensor, Tensor]:
+    def forward(self, x: Tensor, xn: Tensor | Normed, cs: Tensor, attend: Attend, layer: int,
+                next_norm: RMSNorm, ops: Ops) -> tuple[Tensor, Tensor | Normed]:
         """x: the residual stream [B, T, D]; xn: attention_norm(x) -> (x', next_norm(x')),
-        x' = h + FFN(ffn_norm(h)), h = x + Attn(xn). Each residual add comes with the norm
-        that reads its sum (the next block's attention_norm, or the final norm): one pass."""
-        a = self.attention(xn, cs, attend, layer, ops)
-        h, hn = ops.add_rms_norm(x, a, self.ffn_norm.weight, self.ffn_norm.eps)
-        return ops.add_rms_norm(h, self.feed_forward(hn, ops), next_norm.weight, next_norm.eps)
+        x' = h + gate(ffn_norm(h)) W2^T, h = x + heads(xn) Wo^T. Each residual add comes with
+        the projection whose output it adds and the norm that reads its sum (the next
+        block's attention_norm, or the final norm): one pass, or folded into the
+        projection's epilogue and the next projection's prologue (Ops.linear_add_rms_norm)."""
+        a = self.attention.heads(xn, cs, attend, layer, ops)
+        h, hn = ops.linear_add_rms_norm(a, self.attention.wo.weight, x, self.ffn_norm.weight,
+                                        self.ffn_norm.eps)
+        f = self.feed_forward.gate(hn, ops)
+        return ops.linear_add_rms_norm(f, self.feed_forward.w2.weight, h, next_norm.weight,
+                                       next_norm.eps)
 
 
 def run_blocks(blocks: nn.ModuleList, final_norm: RMSNorm, x: Tensor, cs: Tensor,
                attend: Attend, ops: Ops) -> Tensor:
     """The decoder stack: x [B, T, D] through every block -> final_norm(output) [B, T, D]."""
-    xn = blocks[0].attention_norm(x, ops)
+    first = blocks[0].attention_norm
+    xn = ops.pending_norm(x, first.weight, first.eps)
     for i, block in enumerate(blocks):
         nxt = blocks[i + 1].attention_norm if i + 1 < len(blocks) else final_norm
         x, xn = block(x, xn, cs, attend, i, nxt, ops)
-    return xn
+    return ops.dense(xn)
 
 
 def gqa_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:

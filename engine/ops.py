@@ -25,6 +25,17 @@ from .quant import Fp8Weight
 FUSED_MODES = ("auto", "compile", "reference")
 
 
+@dataclass(frozen=True, slots=True)
+class Normed:
+    """rms_norm(h) * weight, not computed yet: a projection that can read it (csrc's normed
+    prologue: `Ops.project`, `Ops.swiglu`) normalises h on the way in, which saves the norm's
+    own launch; anything else takes `Ops.dense` of it first. h: [..., D]."""
+
+    h: Tensor
+    weight: Tensor
+    eps: float
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Ops:
     """Every swappable piece of the decode and prefill math. Defaults: the reference torch
@@ -42,6 +53,13 @@ class Ops:
     # (x, [W1; W3]) -> silu(x W1^T) * (x W3^T) in one launch (csrc's SwiGLU epilogue), or
     # None where it does not take the call; None: always the linear, then silu_mul
     swiglu_kernel: Callable[[Tensor, Tensor | Fp8Weight], Tensor | None] | None = None
+    # (y, W, r) -> r + y W^T in one launch (csrc's residual epilogue), or None where it does
+    # not take the call; None: the linear, then the add (fused with the norm after it)
+    residual_kernel: Callable[[Tensor, Tensor | Fp8Weight, Tensor], Tensor | None] | None = None
+    # (h, norm weight, eps, W, glu) -> rms_norm(h) W^T (glu: the SwiGLU of [W1; W3]) in one
+    # launch (csrc's normed prologue), or None where it does not take the call; None: norms
+    # are computed when made (`pending_norm` gives a dense tensor)
+    normed_kernel: Callable[..., Tensor | None] | None = None
     # csrc's one-position attention (store k/v + attend, one launch); None: the model's
     # attention over the cache (write, then SDPA)
     decode_attention: Callable[..., Tensor] | None = None
@@ -51,9 +69,50 @@ class Ops:
     shift_window: Callable[[Tensor, Tensor], None] = prev_tokens_shift_checked  # RAS window
     codec: CodecOps = field(default_factory=CodecOps)
 
-    def swiglu(self, x: Tensor, w1: Tensor, w3: Tensor) -> Tensor:
-        """The FFN's gated input: silu(x W1^T) * (x W3^T). x: [..., D] -> [..., I]."""
+    def pending_norm(self, x: Tensor, w: Tensor, eps: float) -> Tensor | Normed:
+        """rms_norm(x) * w for a projection to read: left pending (`Normed`) where a normed
+        kernel may take it, else computed now."""
+        if self.normed_kernel is not None:
+            return Normed(x, w, eps)
+        return self.rms_norm(x, w, eps)
+
+    def dense(self, x: Tensor | Normed) -> Tensor:
+        """x as a tensor: a pending norm computed now."""
+        return self.rms_norm(x.h, x.weight, x.eps) if isinstance(x, Normed) else x
+
+    def project(self, x: Tensor | Normed, w: Tensor | Fp8Weight) -> Tensor:
+        """x [..., K] @ W^T where x may be a pending norm (the normed kernel's prologue applies
+        it where it takes the call)."""
+        if isinstance(x, Normed):
+            if self.normed_kernel is not None:
+                y = self.normed_kernel(x.h, x.weight, x.eps, w, False)
+                if y is not None:
+                    return y
+            x = self.dense(x)
+        return self.linear(x, w)
+
+    def linear_add_rms_norm(self, y: Tensor, w: Tensor | Fp8Weight, x: Tensor, nw: Tensor,
+                            eps: float) -> tuple[Tensor, Tensor | Normed]:
+        """A residual block's output: (h, rms_norm(h) * nw) for h = x + y W^T. With csrc's
+        kernels the add runs in the projection's epilogue and the norm is left pending for
+        the next projection's prologue (no launch of its own); else the projection, then the
+        add and the norm in one fused op."""
+        if self.residual_kernel is not None:
+            h = self.residual_kernel(y, w, x)
+            if h is not None:
+                return h, self.pending_norm(h, nw, eps)
+        return self.add_rms_norm(x, self.linear(y, w), nw, eps)
+
+    def swiglu(self, x: Tensor | Normed, w1: Tensor, w3: Tensor) -> Tensor:
+        """The FFN's gated input: silu(x W1^T) * (x W3^T). x: [..., D] (or a pending norm)
+        -> [..., I]."""
         w13 = fusion.packed(w1, w3) if self.packed_ffn else None
+        if isinstance(x, Normed):
+            if w13 is not None and self.normed_kernel is not None:
+                y = self.normed_kernel(x.h, x.weight, x.eps, w13, True)
+                if y is not None:
+                    return y
+            x = self.dense(x)
         if w13 is None:
             return self.silu_mul(self.linear(x, w1), self.linear(x, w3))
         if self.swiglu_kernel is not None:
@@ -71,6 +130,8 @@ class Ops:
                 "decode_rope": self.decode_rope,
                 "sampler": getattr(self.sample, "__name__", str(self.sample)),
                 "swiglu_kernel": self.swiglu_kernel is not None,
+                "residual_kernel": self.residual_kernel is not None,
+                "normed_kernel": self.normed_kernel is not None,
                 "codec_kernels": self.codec.fold_bias,
                 "codec_channels_last": self.codec.channels_last}
 
@@ -82,7 +143,7 @@ def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool 
               sampler_kernel: bool = True, codec_kernels: bool = True,
               split_kv: bool = False, linear_kernels: bool = True,
               fp8_activations: bool = False, codec_channels_last: bool = True,
-              decode_rope: bool = False,
+              decode_rope: bool = False, norm_fusion: bool = True,
               linear_table: Path | None = linear.DEFAULT_TABLE) -> Ops:
     """The ops an engine on `device` runs. `fused`: "compile" (torch.compile'd elementwise ops
     and the packed FFN GEMM), "reference", or "auto" (compile on CUDA only). `kernels`: use
@@ -92,7 +153,9 @@ def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool 
     `decode_rope` whether decode attention also does the step's q/k norm and RoPE (off:
     measured slower on the H200, docs/PERF.md);
     `codec_channels_last`: the streaming codec's convs as NHWC convs over channels-last
-    activations (CUDA only: cuDNN's fast kernels are NHWC).
+    activations (CUDA only: cuDNN's fast kernels are NHWC); `norm_fusion`: where csrc's
+    small-M kernel runs a block's projections, the residual add in wo / w2's epilogue and the
+    RMSNorm after it in the next projection's prologue (no launch of their own).
     On CUDA the linears (dense and FP8) take the implementation the recorded per-shape table
     `linear_table` picks (csrc's small-M kernel only with `linear_kernels`); FP8 weights
     without a kernel there run the Triton FP8 GEMM (the dequantising reference without it)."""
@@ -124,6 +187,9 @@ def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool 
                                              fp8_activations=fp8_activations)
         if fused == "compile" and built and linear_kernels:  # with the packed FFN only
             parts["swiglu_kernel"] = linear.make_swiglu(plan, kernels=True)
+            if norm_fusion:
+                parts["residual_kernel"] = linear.make_residual(plan, kernels=True)
+                parts["normed_kernel"] = linear.make_normed(plan, kernels=True)
     return Ops(
         fused=fused, packed_ffn=fused == "compile", sample=sample, codec=codec,
         decode_attention=(functools.partial(decode_attention, splits=0 if split_kv else 1)

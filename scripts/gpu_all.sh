@@ -34,7 +34,9 @@
 # COMPILED_SAMPLER=1 (profile the step again with the compiled torch sampler), DECODE_ROPE=1
 # (again with the q/k norm + RoPE inside decode attention, batches 1 and 64).
 # SWIGLU=1: `linear_bench --swiglu` (the FFN's packed linear + silu*mul vs csrc's SwiGLU
-# epilogue at the M where the table picks the kernel) into $OUT/swiglu.{json,txt}.
+# epilogue at the M where the table picks the kernel) into $OUT/swiglu.{json,txt}. NORM=1:
+# `linear_bench --norm` (projection + add_rms_norm + projection vs the residual epilogue and
+# normed prologue) into $OUT/norm.{json,txt}.
 # FP8 (issue 14): LINEAR=1 first records the per-shape linear table (bench_latency.linear_bench:
 # cuBLAS vs csrc's small-M kernel vs the Triton FP8 GEMM, every S2-Pro shape at M = 1..64) into
 # $OUT/linear_table.json and installs it for the rest of the call; FP8_GATE=1 runs the FP8-vs-
@@ -58,7 +60,7 @@ OUT=${OUT:-artifacts/gpu}
 mkdir -p "$OUT"
 export OUT PYTHONUNBUFFERED=1 RTVOICE_FIXTURES=${RTVOICE_FIXTURES:-tests/fixtures/fish_s2_tiny}
 t0=$(date +%s)
-SMOKE="host_sync or engine_audio or pingpong or replay_streams or fused_kernel or bias_folding or split or two_engines or fixtures_with_fused or swiglu or fused_rope or prefilled_ahead"
+SMOKE="host_sync or engine_audio or pingpong or replay_streams or fused_kernel or bias_folding or split or two_engines or fixtures_with_fused or swiglu or fused_rope or prefilled_ahead or residual_epilogue or norm_fusion"
 if [ "${TESTS:-smoke}" = all ]; then K=${TESTS_K:-}; else K=${TESTS_K:-$SMOKE}; fi
 [ "${TESTS:-smoke}" = none ] || timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_kernels.py tests/test_fp8_triton.py tests/test_quant.py \
     ${K:+-k "$K"} 2>&1 | grep -Ev '^ |^$|site-packages|Warning:|warnings.html' | tail -15 | tee "$OUT/tests.txt"
@@ -78,6 +80,11 @@ if [ "${SWIGLU:-0}" = 1 ]; then  # the FFN's linear + silu*mul vs the SwiGLU epi
     timeout 120 python3 -m bench_latency.linear_bench --swiglu --out "$OUT/swiglu.json" 2>&1 \
         | grep -v "Warn\|warn" | tee "$OUT/swiglu.txt" | grep "^swiglu"
     echo "swiglu bench done at +$(( $(date +%s) - t0 ))s"
+fi
+if [ "${NORM:-0}" = 1 ]; then  # residual add + RMSNorm between projections: unfused vs folded (~30 s)
+    timeout 150 python3 -m bench_latency.linear_bench --norm --ms 1,2,4,8,16 --out "$OUT/norm.json" 2>&1 \
+        | grep -v "Warn\|warn" | tee "$OUT/norm.txt" | grep "^norm"
+    echo "norm bench done at +$(( $(date +%s) - t0 ))s"
 fi
 if [ "${LINEAR:-0}" = 1 ]; then  # the per-shape linear table, used by every engine below
     timeout ${LINEAR_TIMEOUT:-240} python3 -m bench_latency.linear_bench --out "$OUT/linear_table.json" ${LINEAR_ARGS:-} \

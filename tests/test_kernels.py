@@ -1293,3 +1293,182 @@ def test_channels_last_kernels_match_the_torch_formulas(dtype, C):
             assert torch.equal(got, want)
         else:
             torch.testing.assert_close(got.float(), once(want), rtol=2**-6, atol=1e-3)
+
+
+# ------------------------------------------------- residual epilogue and normed prologue
+def test_residual_and_normed_fallbacks_contract_and_dispatch():
+    """Off the kernel gemv_residual / gemv_normed are the unfused references and check their
+    contracts; make_residual / make_normed answer None wherever the kernel does not take the
+    call (on CUDA: test_residual_epilogue_and_normed_prologue_cuda)."""
+    import torch.nn.functional as F
+
+    from engine import functional
+    from engine.quant import quantize_fp8
+
+    x, w, r = _bf16(3, 64), _bf16(40, 64, seed=1), _bf16(3, 40, seed=2)
+    assert torch.equal(linear.gemv_residual(x, w, r), r + F.linear(x, w))
+    assert torch.equal(linear.residual_reference(x, w, r), r + F.linear(x, w))
+    for bad, match in ((_bf16(3, 41), "output's shape"), (r.float(), "bfloat16"),
+                       (_bf16(40, 3).t(), "last dim must be contiguous")):
+        with pytest.raises(ValueError, match=match):
+            linear.gemv_residual(x, w, bad)
+    nw = _bf16(64, seed=3)
+    xn = functional.rms_norm(x, nw, 1e-6)
+    assert torch.equal(linear.gemv_normed(x, nw, 1e-6, w), F.linear(xn, w))
+    w13 = _bf16(80, 64, seed=4)
+    assert torch.equal(linear.gemv_normed(x, nw, 1e-6, w13, glu=True),
+                       linear.swiglu_reference(xn, w13))
+    for args, match in (((x, nw, 1e-6, quantize_fp8(_bf16(128, 64))), "bfloat16 tensor"),
+                        ((_bf16(17, 64), nw, 1e-6, w), "at most 16 rows"),
+                        ((x, nw[:32], 1e-6, w), r"bfloat16 \[K\]"),
+                        ((x, nw, -1.0, w), "eps must be")):
+        with pytest.raises(ValueError, match=match):
+            linear.gemv_normed(*args)
+    plan = linear.LinearPlan.from_rows(_plan_rows())  # n = 256, k = 64: gemv at m <= 8
+    w256 = _bf16(256, 64, seed=5)
+    assert linear.make_residual(plan, kernels=True)(x, w256, _bf16(3, 256)) is None  # CPU
+    assert linear.make_normed(plan, kernels=True)(x, nw, 1e-6, w256, False) is None
+    assert linear.make_normed(None, kernels=True)(x, nw, 1e-6, w256, False) is None
+
+
+def _counted(fn, calls, name):
+    def run(*args):
+        out = fn(*args)
+        calls[name] = calls.get(name, 0) + (out is not None)
+        return out
+    return run
+
+
+@pytest.mark.parametrize("normed_takes", [True, False])
+def test_norm_fusion_plumbing_changes_no_value(tiny_bundle, normed_takes):
+    """The model with Ops whose residual / normed kernels are the references: every block's
+    add goes through the residual kernel, every norm but the stacks' final ones stays
+    pending into the next projection (or, when the normed kernel declines, is computed
+    then) — and the slow and fast hidden states are bit-equal to the plain ops'."""
+    import copy
+
+    from engine.fusion import pack_ffn
+    from engine.ops import REFERENCE, Ops
+
+    calls: dict[str, int] = {}
+    normed = ((lambda h, nw, eps, w, glu: linear.normed_reference(h, nw, eps, w, glu))
+              if normed_takes else (lambda *a: None))
+    ops = Ops(packed_ffn=True, residual_kernel=_counted(linear.residual_reference, calls,
+                                                         "residual"),
+              normed_kernel=_counted(normed, calls, "normed"))
+    m = copy.deepcopy(tiny_bundle.model)
+    pack_ffn(m)  # [W1; W3] in one buffer (same values): the normed SwiGLU's weight
+    cfg = m.cfg
+
+    class Attend:  # causal attention over this call's positions only
+        def __call__(self, layer, q, k, v):
+            from engine.model import gqa_attention
+
+            T = q.shape[2]
+            mask = torch.ones(T, T, dtype=torch.bool).tril()[None, None]
+            return gqa_attention(q, k, v, mask)
+
+    cols = torch.zeros(2, cfg.num_codebooks + 1, 5, dtype=torch.long)
+    cols[:, 0] = torch.arange(10, 15)
+    pos = torch.arange(5)[None].expand(2, -1)
+    with torch.inference_mode():
+        want = m.forward_slow(cols, pos, Attend(), REFERENCE)
+        got = m.forward_slow(cols, pos, Attend(), ops)
+        assert torch.equal(got, want)
+        n = cfg.slow.n_layer
+        assert calls["residual"] == 2 * n
+        assert calls.get("normed", 0) == (2 * n if normed_takes else 0)
+        x = torch.randn(2, 1, cfg.fast.dim)
+        assert torch.equal(m.fast_hidden(x, 0, Attend(), ops),
+                           m.fast_hidden(x, 0, Attend(), REFERENCE))
+
+
+@pytest.mark.cuda
+@_cuda
+@pytest.mark.parametrize("M", [1, 2, 5, 8, 9, 16])
+def test_residual_epilogue_and_normed_prologue_cuda(M):
+    """The residual epilogue is bit-equal to the kernel's own product plus the add (split K
+    through the reduce kernel too, strided residual rows); the normed prologue's rows (an
+    identity weight shows them) are functional.rms_norm's up to one bf16 ulp in rare places
+    (the float32 sum of squares in another order), and its products (plain, split, SwiGLU,
+    strided h rows) are the unfused kernel's on those rows."""
+    from engine import functional
+
+    assert extension_available(), "the CUDA extension did not build"
+    for N, K in ((2560, 4096), (40, 48)):
+        w = (_bf16(N, K, seed=N, device="cuda").float() / K**0.5).to(torch.bfloat16)
+        x = _bf16(M, K, seed=M, device="cuda")
+        wide = _bf16(M, N + 24, seed=M + 1, device="cuda")
+        for r in (wide[:, :N].contiguous(), wide[:, 16:16 + N]):
+            for splits, kwarps, v in ((0, 0, 0), (1, 0, 0), (3, 2, 0), (1, 0, 1), (4, 0, 1)):
+                got = linear.gemv_residual(x, w, r, splits=splits, kwarps=kwarps, variant=v)
+                want = r + linear.gemv(x, w, splits=splits, kwarps=kwarps, variant=v)
+                assert torch.equal(got, want), (N, K, splits, kwarps, v)
+    K, eps = 2560, 1e-6
+    h = _bf16(M, K, seed=5, device="cuda") * 3
+    nw = (1 + 0.1 * _bf16(K, seed=6, device="cuda").float()).to(torch.bfloat16)
+    xn = functional.rms_norm(h, nw, eps)
+    eye = torch.eye(K, dtype=torch.bfloat16, device="cuda")
+    ulps = _ulps_apart(linear.gemv_normed(h, nw, eps, eye), xn)
+    assert int(ulps.max()) <= 1 and float((ulps > 0).float().mean()) < 1e-2
+    w = (_bf16(1024, K, seed=7, device="cuda").float() / K**0.5).to(torch.bfloat16)
+    w13 = (_bf16(2 * 600, K, seed=8, device="cuda").float() / K**0.5).to(torch.bfloat16)
+    hwide = torch.zeros(M, K + 64, dtype=torch.bfloat16, device="cuda")
+    hwide[:, 32:32 + K] = h
+    for hh in (h, hwide[:, 32:32 + K]):
+        for splits, kwarps in ((0, 0), (1, 0), (3, 2), (1, 8)):
+            got = linear.gemv_normed(hh, nw, eps, w, splits=splits, kwarps=kwarps)
+            _assert_linear_close(got, xn, w.float())
+            ulps = _ulps_apart(got, linear.gemv(xn, w, splits=splits, kwarps=kwarps))
+            assert int(ulps.max()) <= 2 and float((ulps > 0).float().mean()) < 2e-2
+            got = linear.gemv_normed(hh, nw, eps, w13, glu=True, splits=splits, kwarps=kwarps)
+            ulps = _ulps_apart(got, linear.gemv_swiglu(xn, w13, splits=splits, kwarps=kwarps))
+            assert int(ulps.max()) <= 2 and float((ulps > 0).float().mean()) < 2e-2
+
+
+@pytest.mark.cuda
+@_cuda
+def test_norm_fusion_in_ops_and_graph_replay():
+    """make_residual / make_normed with a plan that picks the kernel: Ops.linear_add_rms_norm
+    leaves the norm pending and Ops.project / Ops.swiglu take it in their prologue, captured
+    in a CUDA graph and replayed on new inputs (the same values as eager); a shape the plan
+    leaves to the library gets None (the unfused ops run)."""
+    from engine.ops import Normed, Ops
+
+    assert extension_available(), "the CUDA extension did not build"
+    D, Q, F = 2560, 4096, 1024
+    rows = [{"fp8": False, "m": 4, "n": n, "k": k, "impl": "gemv", "splits": s, "kwarps": 0,
+             "variant": 0} for n, k, s in ((D, Q, 2), (Q, D, 1), (2 * F, D, 1))]
+    plan = linear.LinearPlan.from_rows(rows)
+    ops = Ops(packed_ffn=True, residual_kernel=linear.make_residual(plan, kernels=True),
+              normed_kernel=linear.make_normed(plan, kernels=True))
+    wo = (_bf16(D, Q, seed=1, device="cuda").float() / Q**0.5).to(torch.bfloat16)
+    wq = (_bf16(Q, D, seed=2, device="cuda").float() / D**0.5).to(torch.bfloat16)
+    w13 = (_bf16(2 * F, D, seed=3, device="cuda").float() / D**0.5).to(torch.bfloat16)
+    nw = _bf16(D, seed=4, device="cuda")
+    y = torch.zeros(4, Q, dtype=torch.bfloat16, device="cuda")
+    x = torch.zeros(4, D, dtype=torch.bfloat16, device="cuda")
+
+    def chain():
+        h, hn = ops.linear_add_rms_norm(y, wo, x, nw, 1e-6)
+        assert isinstance(hn, Normed)
+        return h, ops.project(hn, wq), ops.swiglu(hn, w13[:F], w13[F:])
+
+    chain()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        outs = chain()
+    for seed in (7, 8):
+        y.copy_(_bf16(4, Q, seed=seed, device="cuda"))
+        x.copy_(_bf16(4, D, seed=seed + 1, device="cuda"))
+        g.replay()
+        torch.cuda.synchronize()
+        h = linear.gemv_residual(y, wo, x, splits=2)
+        assert torch.equal(outs[0], h)
+        assert torch.equal(outs[1], linear.gemv_normed(h, nw, 1e-6, wq, splits=1))
+        assert torch.equal(outs[2], linear.gemv_normed(h, nw, 1e-6, w13, glu=True, splits=1))
+    big = _bf16(32, Q, device="cuda")  # the library's rows: no kernel, the unfused ops
+    assert ops.residual_kernel(big, wo, _bf16(32, D, device="cuda")) is None
+    h, hn = ops.linear_add_rms_norm(big, wo, _bf16(32, D, device="cuda"), nw, 1e-6)
+    assert isinstance(hn, torch.Tensor)

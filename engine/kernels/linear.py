@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .. import functional
 from ..quant import Fp8Weight, fp8_linear_torch
 from .build import extension_available, kernel_ok
 
@@ -142,17 +143,71 @@ def _use_kernel(kernel: bool, x: Tensor, wq: Tensor, variant: int = 0) -> bool:
 
 
 def _run(x: Tensor, wq: Tensor, scale: Tensor | None, splits: int, kwarps: int,
-         variant: int = 0, glu: bool = False) -> Tensor:
+         variant: int = 0, glu: bool = False, residual: Tensor | None = None,
+         norm: tuple[Tensor, float] | None = None) -> Tensor:
     """The kernel on a contract-checked x [..., K] (CUDA, extension built); `glu`: the
-    SwiGLU epilogue (wq = [W1; W3], output [..., N / 2])."""
+    SwiGLU epilogue (wq = [W1; W3], output [..., N / 2]); `residual` [..., N]: added to
+    the output (checked by `_residual_problem`); `norm` (weight [K], eps): x is normed
+    first (checked by `_norm_problem`)."""
     n, k = wq.shape
     m = x.numel() // k
     n_out = n // 2 if glu else n
     out = torch.empty(m, n_out, dtype=torch.bfloat16, device=x.device)
     if m:
-        torch.ops.rtvoice_kernels.linear_small_m(x.view(m, k), wq, scale, out, splits, kwarps,
-                                                 variant, glu)
+        nw, eps = norm if norm is not None else (None, 0.0)
+        torch.ops.rtvoice_kernels.linear_small_m(
+            x.view(m, k), wq, scale, out, splits, kwarps, variant, glu,
+            None if residual is None else residual.view(m, n), nw, eps)
     return out.view(*x.shape[:-1], n_out)
+
+
+# the normed prologue keeps M x (K + NORM_PAD) bf16 rows in shared memory (csrc/linear.cu)
+NORM_MAX_M = 16
+NORM_PAD = 32
+NORM_SMEM_MAX = 160 * 1024
+
+
+def _residual_problem(x: Tensor, w: Tensor | Fp8Weight, r: object) -> str | None:
+    """What keeps the residual epilogue from adding r to x W^T (the plain contract aside),
+    or None: r must be a bf16 tensor of the output's shape whose rows flatten without a
+    copy, last dim contiguous."""
+    n = w.shape[0]
+    if not isinstance(r, Tensor) or r.dtype != torch.bfloat16:
+        return f"the residual must be a bfloat16 tensor, got {getattr(r, 'dtype', type(r).__name__)}"
+    want = (*x.shape[:-1], n)
+    if tuple(r.shape) != want:
+        return f"the residual must have the output's shape {want}, got {tuple(r.shape)}"
+    if r.device != x.device:
+        return f"the residual is on {r.device}, x on {x.device}"
+    m = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    try:
+        r2 = r.view(m, n)
+    except RuntimeError:
+        return f"the residual's rows (strides {r.stride()}) do not flatten without a copy"
+    if m and r2.stride(1) != 1:
+        return f"the residual's last dim must be contiguous, got strides {r.stride()}"
+    return None
+
+
+def _norm_problem(x: Tensor, w: object, nw: object, eps: object) -> str | None:
+    """What keeps the normed prologue from taking x [..., K] (the plain contract aside), or
+    None: bf16 weights, at most NORM_MAX_M rows that fit its shared memory, a contiguous bf16
+    norm weight [K], eps >= 0."""
+    if isinstance(w, Fp8Weight):
+        return "the normed prologue takes bf16 weights, not FP8 ones"
+    k = x.shape[-1]
+    m = x.numel() // k if k else 0
+    if m > NORM_MAX_M or m * (k + NORM_PAD) * 2 > NORM_SMEM_MAX:
+        return (f"the normed prologue holds the rows in shared memory: at most {NORM_MAX_M} "
+                f"rows and {NORM_SMEM_MAX} bytes, got {m} rows of K = {k}")
+    if not isinstance(nw, Tensor) or nw.dtype != torch.bfloat16 or nw.shape != (k,):
+        return (f"the norm weight must be a bfloat16 [K] = [{k}] tensor, got "
+                f"{getattr(nw, 'dtype', type(nw).__name__)} {tuple(getattr(nw, 'shape', ()))}")
+    if nw.device != x.device or not nw.is_contiguous() or nw.data_ptr() % 16:
+        return "the norm weight must be contiguous, 16-byte aligned and on x's device"
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
+        return f"eps must be a number >= 0, got {eps!r}"
+    return None
 
 
 def _glu_problem(x: Tensor, w13: object, splits: object, kwarps: object,
@@ -232,6 +287,47 @@ def gemv_swiglu(x: Tensor, w13: Tensor, *, splits: int = 0, kwarps: int = 0, var
     if _use_kernel(kernel, x, w13, variant):
         return _run(x, w13, None, splits, kwarps, variant, glu=True)
     return swiglu_reference(x, w13)
+
+
+def residual_reference(x: Tensor, w: Tensor, r: Tensor) -> Tensor:
+    """r + x W^T as the unfused ops compute it: the linear rounded to bf16, then the add."""
+    return r + F.linear(x, w)
+
+
+def gemv_residual(x: Tensor, w: Tensor, r: Tensor, *, splits: int = 0, kwarps: int = 0,
+                  variant: int = 0, kernel: bool = True) -> Tensor:
+    """r + x W^T in one launch (a residual block's projection and its add): x [..., K] and
+    r [..., N] bf16, w [N, K] bf16. The product is rounded to bf16 as `gemv` returns it,
+    then the sum, as `residual_reference`. `splits`, `kwarps`, `variant`: as for `gemv`.
+    `kernel=False`, CPU tensors or no extension: `residual_reference`."""
+    problem = _problem(x, w, splits, kwarps, False, variant) or _residual_problem(x, w, r)
+    if problem is not None:
+        raise ValueError(f"gemv_residual: {problem}")
+    if _use_kernel(kernel, x, w, variant):
+        return _run(x, w, None, splits, kwarps, variant, residual=r)
+    return residual_reference(x, w, r)
+
+
+def normed_reference(h: Tensor, nw: Tensor, eps: float, w: Tensor, glu: bool = False) -> Tensor:
+    """rms_norm(h) * nw, then the linear (glu: `swiglu_reference` of w = [W1; W3])."""
+    x = functional.rms_norm(h, nw, eps)
+    return swiglu_reference(x, w) if glu else F.linear(x, w)
+
+
+def gemv_normed(h: Tensor, nw: Tensor, eps: float, w: Tensor, *, glu: bool = False,
+                splits: int = 0, kwarps: int = 0, kernel: bool = True) -> Tensor:
+    """rms_norm(h) * nw @ W^T in one launch (the norm in the kernel's prologue, rounded as
+    engine.functional.rms_norm rounds it; glu: the SwiGLU epilogue of w = [W1; W3]): h
+    [..., K] bf16 with at most NORM_MAX_M rows, nw [K] bf16, w [N, K] bf16. Variant 0 only.
+    `kernel=False`, CPU tensors or no extension: `normed_reference`."""
+    problem = ((_glu_problem(h, w, splits, kwarps, 0) if glu
+                else _problem(h, w, splits, kwarps, False, 0))
+               or _norm_problem(h, w, nw, eps))
+    if problem is not None:
+        raise ValueError(f"gemv_normed: {problem}")
+    if _use_kernel(kernel, h, w, 0):
+        return _run(h, w, None, splits, kwarps, 0, glu=glu, norm=(nw, float(eps)))
+    return normed_reference(h, nw, eps, w, glu)
 
 
 # ---------------------------------------------------------------------- the per-shape plan
@@ -503,6 +599,17 @@ def resolve(plan: LinearPlan | None, kernels: bool, m: int, n: int, k: int, fp8:
     return library
 
 
+def _gemv_row(plan: LinearPlan | None, kernels: bool, m: int, n: int, k: int, fp8: bool,
+              dtype: torch.dtype, cuda: bool) -> PlanRow | None:
+    """The plan's row where it picked csrc's kernel for this linear and the kernel can run
+    it here, else None."""
+    row = plan.choose(m, n, k, fp8) if plan is not None else None
+    if (row is None or row.impl != "gemv" or not kernels or not cuda
+            or dtype != torch.bfloat16 or not supports(m, n, k, fp8, row.variant)):
+        return None
+    return row
+
+
 SwigluFn = Callable[[Tensor, Tensor | Fp8Weight], Tensor | None]
 
 
@@ -520,9 +627,8 @@ def make_swiglu(plan: LinearPlan | None, kernels: bool) -> SwigluFn:
     chosen: dict[tuple[int, int, int, torch.dtype, bool], SwigluFn] = {}
 
     def resolve_glu(m: int, n: int, k: int, dtype: torch.dtype, cuda: bool) -> SwigluFn:
-        row = plan.choose(m, n, k, False) if plan is not None else None
-        if (row is None or row.impl != "gemv" or not kernels or not cuda or n % 2
-                or dtype != torch.bfloat16 or not supports(m, n, k, False, row.variant)):
+        row = _gemv_row(plan, kernels, m, n, k, False, dtype, cuda)
+        if row is None or n % 2:
             return _no_swiglu
         splits, kwarps, variant = row.splits, row.kwarps, row.variant
 
@@ -544,6 +650,64 @@ def make_swiglu(plan: LinearPlan | None, kernels: bool) -> SwigluFn:
         return fn(x, w13)
 
     return swiglu
+
+
+ResidualFn = Callable[[Tensor, Tensor | Fp8Weight, Tensor], Tensor | None]
+
+
+def make_residual(plan: LinearPlan | None, kernels: bool) -> ResidualFn:
+    """`Ops.residual_kernel`: (y, W, r) -> r + y W^T from csrc's residual epilogue where the
+    plan picked the kernel for that linear (dense or FP8 W) and the call meets the contract;
+    None otherwise (the caller runs the linear, then the add). Chosen once per shape."""
+    chosen: dict[tuple[int, int, int, bool, torch.dtype, bool], PlanRow | None] = {}
+
+    def residual(y: Tensor, w: Tensor | Fp8Weight, r: Tensor) -> Tensor | None:
+        fp8 = isinstance(w, Fp8Weight)
+        n, k = w.shape
+        key = (y.numel() // k if k else 0, n, k, fp8, y.dtype, y.is_cuda)
+        if key not in chosen:
+            chosen[key] = _gemv_row(plan, kernels, *key)
+        row = chosen[key]
+        if row is None:
+            return None
+        wq, scale = (w.q, w.scale) if isinstance(w, Fp8Weight) else (w, None)
+        if (_problem(y, wq, row.splits, row.kwarps, fp8, row.variant)
+                or _residual_problem(y, w, r)) is not None:
+            return None
+        return _run(y, wq, scale, row.splits, row.kwarps, row.variant, residual=r)
+
+    return residual
+
+
+NormedFn = Callable[[Tensor, Tensor, float, Tensor | Fp8Weight, bool], Tensor | None]
+
+
+def make_normed(plan: LinearPlan | None, kernels: bool) -> NormedFn:
+    """`Ops.normed_kernel`: (h, nw, eps, W, glu) -> rms_norm(h) * nw @ W^T (glu: the SwiGLU
+    of W = [W1; W3]) from csrc's normed prologue where the plan picked the kernel, variant 0,
+    for that linear and the call meets the contract (bf16 W, at most NORM_MAX_M rows); None
+    otherwise (the caller computes the norm first). Chosen once per shape."""
+    chosen: dict[tuple[int, int, int, torch.dtype, bool], PlanRow | None] = {}
+
+    def normed(h: Tensor, nw: Tensor, eps: float, w: Tensor | Fp8Weight,
+               glu: bool) -> Tensor | None:
+        if isinstance(w, Fp8Weight):
+            return None
+        n, k = w.shape
+        key = (h.numel() // k if k else 0, n, k, h.dtype, h.is_cuda)
+        if key not in chosen:
+            row = _gemv_row(plan, kernels, key[0], n, k, False, h.dtype, h.is_cuda)
+            chosen[key] = row if row is not None and row.variant == 0 else None
+        row = chosen[key]
+        if row is None:
+            return None
+        problem = (_glu_problem(h, w, row.splits, row.kwarps, 0) if glu
+                   else _problem(h, w, row.splits, row.kwarps, False, 0))
+        if (problem or _norm_problem(h, w, nw, eps)) is not None:
+            return None
+        return _run(h, w, None, row.splits, row.kwarps, 0, glu=glu, norm=(nw, float(eps)))
+
+    return normed
 
 
 def make_linear(plan: LinearPlan | None, kernels: bool,
