@@ -1441,7 +1441,7 @@ def test_norm_fusion_in_ops_and_graph_replay():
              "variant": 0} for n, k, s in ((D, Q, 2), (Q, D, 1), (2 * F, D, 1))]
     plan = linear.LinearPlan.from_rows(rows)
     ops = Ops(packed_ffn=True, residual_kernel=linear.make_residual(plan, kernels=True),
-              normed_kernel=linear.make_normed(plan, kernels=True))
+              normed_kernel=linear.make_normed(plan, kernels=True, max_m=4))
     wo = (_bf16(D, Q, seed=1, device="cuda").float() / Q**0.5).to(torch.bfloat16)
     wq = (_bf16(Q, D, seed=2, device="cuda").float() / D**0.5).to(torch.bfloat16)
     w13 = (_bf16(2 * F, D, seed=3, device="cuda").float() / D**0.5).to(torch.bfloat16)
@@ -1468,6 +1468,9 @@ def test_norm_fusion_in_ops_and_graph_replay():
         assert torch.equal(outs[0], h)
         assert torch.equal(outs[1], linear.gemv_normed(h, nw, 1e-6, wq, splits=1))
         assert torch.equal(outs[2], linear.gemv_normed(h, nw, 1e-6, w13, glu=True, splits=1))
+    # rows past max_m: the norm is computed first (the plan would run the kernel)
+    assert linear.make_normed(plan, kernels=True)(_bf16(4, D, device="cuda"), nw, 1e-6, wq,
+                                                  False) is None
     big = _bf16(32, Q, device="cuda")  # the library's rows: no kernel, the unfused ops
     assert ops.residual_kernel(big, wo, _bf16(32, D, device="cuda")) is None
     h, hn = ops.linear_add_rms_norm(big, wo, _bf16(32, D, device="cuda"), nw, 1e-6)

@@ -165,6 +165,12 @@ def _run(x: Tensor, wq: Tensor, scale: Tensor | None, splits: int, kwarps: int,
 NORM_MAX_M = 16
 NORM_PAD = 32
 NORM_SMEM_MAX = 160 * 1024
+# The rows up to which Ops takes the normed prologue: measured on the H200 (linear_bench
+# --norm), wo + add_rms_norm + wqkv 22.88 -> 21.79 us at M = 1 and 23.66 -> 23.30 at M = 2,
+# but 24.0 -> 24.3 at M = 4 and 24.2 -> 29.2 at M = 8 (w2 -> w13: 48.4 -> 64.4 us at M = 4):
+# every block's prologue reads its rows' h from L2 one row after another before its main
+# loop starts, which costs more than the norm's own launch from a few rows on.
+NORMED_DISPATCH_M = 2
 
 
 def _residual_problem(x: Tensor, w: Tensor | Fp8Weight, r: object) -> str | None:
@@ -682,11 +688,13 @@ def make_residual(plan: LinearPlan | None, kernels: bool) -> ResidualFn:
 NormedFn = Callable[[Tensor, Tensor, float, Tensor | Fp8Weight, bool], Tensor | None]
 
 
-def make_normed(plan: LinearPlan | None, kernels: bool) -> NormedFn:
+def make_normed(plan: LinearPlan | None, kernels: bool,
+                max_m: int = NORMED_DISPATCH_M) -> NormedFn:
     """`Ops.normed_kernel`: (h, nw, eps, W, glu) -> rms_norm(h) * nw @ W^T (glu: the SwiGLU
-    of W = [W1; W3]) from csrc's normed prologue where the plan picked the kernel, variant 0,
-    for that linear and the call meets the contract (bf16 W, at most NORM_MAX_M rows); None
-    otherwise (the caller computes the norm first). Chosen once per shape."""
+    of W = [W1; W3]) from csrc's normed prologue where h has at most `max_m` rows (where it
+    measured faster than the norm's own launch), the plan picked the kernel, variant 0, for
+    that linear and the call meets the contract (bf16 W); None otherwise (the caller
+    computes the norm first). Chosen once per shape."""
     chosen: dict[tuple[int, int, int, torch.dtype, bool], PlanRow | None] = {}
 
     def normed(h: Tensor, nw: Tensor, eps: float, w: Tensor | Fp8Weight,
@@ -697,7 +705,8 @@ def make_normed(plan: LinearPlan | None, kernels: bool) -> NormedFn:
         key = (h.numel() // k if k else 0, n, k, h.dtype, h.is_cuda)
         if key not in chosen:
             row = _gemv_row(plan, kernels, key[0], n, k, False, h.dtype, h.is_cuda)
-            chosen[key] = row if row is not None and row.variant == 0 else None
+            ok = row is not None and row.variant == 0 and key[0] <= max_m
+            chosen[key] = row if ok else None
         row = chosen[key]
         if row is None:
             return None
