@@ -78,8 +78,9 @@
 //   norm_weight  [K] bf16 (bf16 W, variant 0, M <= 16, not FP8): x rows are h, multiplied as
 //          rms_norm(h) * norm_weight: bf16(bf16(h * rsqrt(mean(h^2) + eps)) * w), as
 //          engine.functional.rms_norm rounds it. Every block normalises all M rows itself
-//          (reads M x K bf16 from L2 and sums their squares, one barrier) into shared memory,
-//          from which the main loop reads x: the norm's launch folded into the linear's.
+//          (a warp per row reads it from L2 in one round trip and sums its squares; one
+//          barrier) into shared memory, from which the main loop reads x: the norm's launch
+//          folded into the linear's.
 
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -393,54 +394,60 @@ __device__ __forceinline__ float warp_sum(float v) {
 }
 
 // The normed prologue: rows m < M of x (h) -> rms_norm(h) * nw into xs [M, xs_rs] (shared),
-// rounded as engine.functional.rms_norm does. Every thread of the block takes part; it ends
-// with a barrier. R: rows the block may have (8 NT).
-template <int R>
+// rounded as engine.functional.rms_norm does. A warp per row (rows w, w + 8): its lanes
+// issue the row's loads together (kB 16-byte chunks per lane in flight, unpredicated: one L2
+// round trip for a row of K <= 2560), sum the squares in one fixed order (each lane's, then
+// the butterfly), and normalise the chunks each lane wrote to shared memory itself; one
+// barrier at the end, before the main loop reads the rows.
 __device__ __forceinline__ void norm_rows(const Args& a, __nv_bfloat16* xs) {
-  __shared__ float part[kWarps][R];
+  constexpr int kB = 10;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int per_row = a.K / 8;  // 16-byte chunks
-  float ss[R];
+  const int per_row = a.K / 8;
+  for (int m = warp; m < a.M; m += kWarps) {
+    const __nv_bfloat16* src = a.x + m * a.x_rs;
+    __nv_bfloat16* dst = xs + m * a.xs_rs;
+    float ss = 0.f;
+    for (int c0 = 0; c0 < per_row; c0 += 32 * kB) {
+      uint4 v[kB];
 #pragma unroll
-  for (int m = 0; m < R; ++m) {
-    ss[m] = 0.f;
-    if (m < a.M) {
-      for (int c = threadIdx.x; c < per_row; c += kThreads) {
-        const uint4 v = ld_x(a.x + m * a.x_rs + c * 8);
-        *reinterpret_cast<uint4*>(xs + m * a.xs_rs + c * 8) = v;
-        const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&v);
+      for (int b = 0; b < kB; ++b)  // a chunk past the row rereads the row's last one
+        v[b] = ld_x(src + min(c0 + b * 32 + lane, per_row - 1) * 8);
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const float2 f = __bfloat1622float2(p[i]);
-          ss[m] = fmaf(f.x, f.x, ss[m]);
-          ss[m] = fmaf(f.y, f.y, ss[m]);
+      for (int b = 0; b < kB; ++b) {
+        const int c = c0 + b * 32 + lane;
+        if (c < per_row) {
+          *reinterpret_cast<uint4*>(dst + c * 8) = v[b];
+          const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&v[b]);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const float2 f = __bfloat1622float2(p[i]);
+            ss = fmaf(f.x, f.x, ss);
+            ss = fmaf(f.y, f.y, ss);
+          }
         }
       }
     }
-    ss[m] = warp_sum(ss[m]);
-    if (lane == 0) part[warp][m] = ss[m];
-  }
-  __syncthreads();
+    const float rstd = rsqrtf(warp_sum(ss) / static_cast<float>(a.K) + a.eps);
+    for (int c0 = 0; c0 < per_row; c0 += 32 * kB) {
+      uint4 w[kB];
 #pragma unroll
-  for (int m = 0; m < R; ++m) {
-    if (m >= a.M) break;
-    float s = 0.f;
+      for (int b = 0; b < kB; ++b) w[b] = ld_x(a.nw + min(c0 + b * 32 + lane, per_row - 1) * 8);
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) s += part[w][m];  // one order for every thread
-    const float rstd = rsqrtf(s / static_cast<float>(a.K) + a.eps);
-    for (int c = threadIdx.x; c < per_row; c += kThreads) {
-      uint4 v = *reinterpret_cast<const uint4*>(xs + m * a.xs_rs + c * 8);
-      const uint4 wv = ld_x(a.nw + c * 8);
-      __nv_bfloat162* p = reinterpret_cast<__nv_bfloat162*>(&v);
-      const __nv_bfloat162* q = reinterpret_cast<const __nv_bfloat162*>(&wv);
+      for (int b = 0; b < kB; ++b) {
+        const int c = c0 + b * 32 + lane;
+        if (c >= per_row) continue;
+        uint4 v = *reinterpret_cast<const uint4*>(dst + c * 8);
+        __nv_bfloat162* p = reinterpret_cast<__nv_bfloat162*>(&v);
+        const __nv_bfloat162* q = reinterpret_cast<const __nv_bfloat162*>(&w[b]);
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float2 f = __bfloat1622float2(p[i]);
-        const float2 n = __bfloat1622float2(__floats2bfloat162_rn(f.x * rstd, f.y * rstd));
-        const float2 w = __bfloat1622float2(q[i]);
-        p[i] = __floats2bfloat162_rn(n.x * w.x, n.y * w.y);
+        for (int i = 0; i < 4; ++i) {
+          const float2 f = __bfloat1622float2(p[i]);
+          const float2 n = __bfloat1622float2(__floats2bfloat162_rn(f.x * rstd, f.y * rstd));
+          const float2 g = __bfloat1622float2(q[i]);
+          p[i] = __floats2bfloat162_rn(n.x * g.x, n.y * g.y);
+        }
+        *reinterpret_cast<uint4*>(dst + c * 8) = v;
       }
-      *reinterpret_cast<uint4*>(xs + m * a.xs_rs + c * 8) = v;
     }
   }
   __syncthreads();
@@ -508,7 +515,7 @@ __global__ void __launch_bounds__(kThreads, MINB) linear_small_m_kernel(const Ar
   if constexpr (NORM) {
     extern __shared__ __align__(16) unsigned char smem_x[];
     __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem_x);
-    norm_rows<8 * NT>(a, xs);
+    norm_rows(a, xs);
 #pragma unroll
     for (int j = 0; j < NT; ++j)
       xrow[j] = smem_u32(xs + (8 * j + g < a.M ? (8 * j + g) * a.xs_rs : 0) + t * kVec);
