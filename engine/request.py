@@ -120,6 +120,7 @@ class Ahead:
     cols: Tensor  # [1+K, n] everything prefilled ahead so far
     closes_previous: bool  # cols begin with the previous assistant turn's <|im_end|>
     in_flight: int = 0  # its prefill jobs not landed yet
+    job: PrefillJob | None = None  # the last one (a turn that waits for it makes it urgent)
 
 
 @dataclass(slots=True, eq=False)
@@ -183,6 +184,7 @@ class PrefillJob:
     event: object | None = None
     landed_at: float = 0.0  # when the decode thread took it (launched, maybe not done)
     ahead: bool = False  # columns of `seq.ahead`: a turn's head prefilled before the turn
+    urgent: bool = False  # (ahead) a turn waits for it: not behind the other jobs any more
 
     @property
     def abandoned(self) -> bool:

@@ -380,6 +380,8 @@ class Scheduler:
             self._queue_turn_prefill(seq)
         else:
             seq.queued_turn = turn
+            if seq.ahead is not None and seq.ahead.job is not None:
+                seq.ahead.job.urgent = True  # its turn waits for it now
 
     @staticmethod
     def _turn_may_start(seq: Sequence) -> bool:
@@ -522,6 +524,7 @@ class Scheduler:
         self.stats["ahead_jobs"] += 1
         self.stats["ahead_cols"] += cols.shape[1] - done
         self._queue_prefill(seq, cols[:, done:], start + done, None, copies=copies, ahead=True)
+        ahead.job = self._new_jobs[-1]
 
     def _drop_ahead(self, seq: Sequence) -> Ahead | None:
         """Forget the sequence's prefilled head: its cache ends where the head began again
@@ -732,6 +735,7 @@ class Scheduler:
         if job.ahead:  # a turn's head: the turn (if it came meanwhile) starts from it
             assert seq.ahead is not None
             seq.ahead.in_flight -= 1
+            seq.ahead.job = None
             seq.pos = job.start + job.cols.shape[1]
             self._next_queued_turn(seq)
             return

@@ -850,3 +850,30 @@ def test_a_turn_prefilled_ahead_speaks_as_it_would_without(tiny_bundle):
         assert torch.equal(plain, ahead)
         missed, st = run(["Goodbye my friend, see"], params)
         assert st["ahead_misses"] == 1 and torch.equal(plain, missed)
+
+
+def test_prefill_ahead_jobs_go_after_the_others_unless_a_turn_waits(tiny_bundle):
+    """A prefill round takes turn and voice-prompt jobs before speculative ahead jobs; an
+    ahead job its turn waits for (urgent) is no longer put last."""
+    from engine.request import Turn
+
+    eng = build_engine(tiny_bundle, EngineConfig(max_running=2, max_len=512, prefill_batch=1))
+    sinks = [CollectingSink(), CollectingSink()]
+    a, b = (eng.open([], SamplingParams.greedy(), s) for s in sinks)
+    eng.run_until_idle()
+    sched, worker = eng.scheduler, eng.prefill_worker
+    sched.prefill_ahead(a, "A head that streams in")
+    sched.start_turn(b, Turn("t", "Hello.", 3))
+    ahead, turn = sched.take_prefill_jobs()
+    assert ahead.ahead and not turn.ahead
+    assert worker.round([ahead, turn]) == [turn] and ahead.done == 0
+    sched.start_turn(a, Turn("u", "A head that streams in, and ends.", 3))  # waits for it
+    assert ahead.urgent
+    # the same columns again (the scheduler never made this one: it only rewrites them)
+    other = ahead.__class__(b, turn.cols, turn.start, turn.turn, turn.blocks)
+    assert worker.round([other, ahead]) == [other]  # FIFO again between the two
+    assert worker.round([ahead]) == [ahead]
+    for job in (turn, ahead):
+        sched.prefill_done(job)
+    eng.run_until_idle()
+    assert sinks[0].results[-1].turn_id == "u" and sched.stats["ahead_hits"] == 1

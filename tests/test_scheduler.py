@@ -921,8 +921,10 @@ def test_a_turn_that_arrives_while_its_head_prefills_waits_for_it():
     pos0 = seq.pos
     sched.prefill_ahead(seq, "Wait for me please")
     (ahead_job,) = sched.take_prefill_jobs()
+    assert not ahead_job.urgent
     sched.start_turn(seq, Turn("t", "Wait for me please, thanks.", 3))
     assert seq.queued_turn is not None and not sched.take_prefill_jobs()
+    assert ahead_job.urgent  # its turn waits: the prefill worker no longer puts it last
     sched.prefill_ahead(seq, "Wait for me please, thanks")  # a job in flight: nothing more
     assert not sched.take_prefill_jobs()
     land(sched, ahead_job)
