@@ -89,6 +89,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <mutex>
 #include <optional>
 #include <type_traits>
 #include <utility>
@@ -932,19 +933,33 @@ Kern v0_kern(int nt) {
 constexpr int kNormSmemMax = 160 * 1024;
 constexpr int kNormPad = 32;  // elements: rows 64 bytes apart mod 128, no bank conflicts
 
-// Variant 0 with the normed prologue (bf16 W, M <= 16), allowed its shared memory once per
-// device.
-Kern v0_norm_kern(int nt, int dev) {
+// Variant 0 with the normed prologue (bf16 W, M <= 16) for `smem` bytes of normed rows: past
+// the default 48 KB the kernel is allowed that much (the largest asked so far per device, under
+// a lock: a smaller setting after a larger one would fail the larger launch), within what the
+// device allows a block beside the kernel's static shared memory.
+Kern v0_norm_kern(int nt, int dev, int smem) {
   void (*fn)(Args) = nt <= 1 ? linear_small_m_kernel<1, 4, false, 3, true>
                              : linear_small_m_kernel<2, 4, false, 2, true>;
-  static bool set[64][2] = {};
+  static std::mutex lock;
+  static int allowed[64][2] = {};
   const int i = nt <= 1 ? 0 : 1;
-  if (dev >= 64 || !set[dev][i]) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        kNormSmemMax));
-    if (dev < 64) set[dev][i] = true;
+  if (smem > 48 * 1024) {
+    const std::lock_guard<std::mutex> hold(lock);
+    if (dev >= 64 || smem > allowed[dev][i]) {
+      cudaFuncAttributes attr;
+      C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, fn));
+      int optin = 0;
+      C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+      TORCH_CHECK(smem + static_cast<int>(attr.sharedSizeBytes) <= optin,
+                  "linear_small_m: the normed prologue needs ",
+                  smem + static_cast<int>(attr.sharedSizeBytes),
+                  " bytes of shared memory for M x (K + ", kNormPad, ") rows; this device "
+                  "allows ", optin, " per block (fewer rows, or no norm_weight)");
+      C10_CUDA_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+      if (dev < 64) allowed[dev][i] = smem;
+    }
   }
-  return {fn, 0, kTileRows, 32, 0};
+  return {fn, smem, kTileRows, 32, 0};
 }
 
 // The pipelined kernel with its shared memory set up and its occupancy (cached per device).
@@ -1080,10 +1095,9 @@ void linear_small_m(torch::Tensor x, torch::Tensor w, std::optional<torch::Tenso
               "linear_small_m: variant 3 (e4m3 conversion instructions) needs compute "
               "capability 8.9 or newer");
   const bool norm = norm_weight.has_value();
-  Kern kern = norm ? v0_norm_kern(static_cast<int>((M + 7) / 8), dev)
-                   : pick_kernel(f8, static_cast<int>(variant), static_cast<int>((M + 7) / 8),
-                                 dev);
-  if (norm) kern.smem = static_cast<int>(M * xs_rs * 2);
+  const Kern kern =
+      norm ? v0_norm_kern(static_cast<int>((M + 7) / 8), dev, static_cast<int>(M * xs_rs * 2))
+           : pick_kernel(f8, static_cast<int>(variant), static_cast<int>((M + 7) / 8), dev);
   // a tile of `rows` weight rows makes rows / 2 SwiGLU outputs
   const int64_t tiles = glu ? (N / 2 + kern.rows / 2 - 1) / (kern.rows / 2)
                             : (N + kern.rows - 1) / kern.rows;

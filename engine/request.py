@@ -184,7 +184,9 @@ class PrefillJob:
     event: object | None = None
     landed_at: float = 0.0  # when the decode thread took it (launched, maybe not done)
     ahead: bool = False  # columns of `seq.ahead`: a turn's head prefilled before the turn
-    urgent: bool = False  # (ahead) a turn waits for it: not behind the other jobs any more
+    # (ahead) a turn waits for it: not behind the other jobs any more, and no longer counted
+    # as speculative (Scheduler.ahead_outstanding)
+    urgent: bool = False
 
     @property
     def abandoned(self) -> bool:

@@ -380,8 +380,10 @@ class Scheduler:
             self._queue_turn_prefill(seq)
         else:
             seq.queued_turn = turn
-            if seq.ahead is not None and seq.ahead.job is not None:
-                seq.ahead.job.urgent = True  # its turn waits for it now
+            job = seq.ahead.job if seq.ahead is not None else None
+            if job is not None and not job.urgent:  # its turn waits for it now: no longer
+                job.urgent = True                   # speculative (first in its round, and
+                self.ahead_outstanding -= 1         # a prefill the decode may pause for)
 
     @staticmethod
     def _turn_may_start(seq: Sequence) -> bool:
@@ -408,7 +410,9 @@ class Scheduler:
                 return
             cols = rebuilt
             turn.rebuilt = True
-            ahead = None  # its columns sit at positions the rebuild rewrites
+            if ahead is not None:  # its columns sit at positions the rebuild rewrites
+                self.stats["ahead_misses"] += 1
+                ahead = None
         seq.closed_turn = True
         seq.turn_start_pos = seq.pos
         # -2: one position of slack for the frame a pingpong step may add after a cancel
@@ -708,7 +712,7 @@ class Scheduler:
         voice prompt is in (ready), or the turn joins the decode batch. A failure here fails
         only this job's sequence."""
         self.prefill_outstanding -= 1
-        self.ahead_outstanding -= job.ahead
+        self.ahead_outstanding -= job.ahead and not job.urgent
         if self.prefill_outstanding < 0:  # every job is counted when created: a bug if seen
             log.warning("prefill bookkeeping: %d more jobs landed than were queued",
                         -self.prefill_outstanding)

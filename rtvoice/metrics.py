@@ -216,6 +216,6 @@ def render_metrics(m: Metrics, engine: Engine, *, model: str, device: str,
            "text streamed: jobs run, and turns that began with their head (hit) or not (miss: "
            "rolled back).", [(f'{{result="{k}"}}', int(stats[f"ahead_{k}"]))
                               for k in ("jobs", "hits", "misses")])
-    metric("rtvoice_engine_prefill_ahead_columns_total", "counter", "Prompt columns prefilled "
-           "ahead of their turn.", [("", int(stats["ahead_cols"]))])
+    metric("rtvoice_engine_prefill_ahead_columns_total", "counter", "Prompt columns queued to "
+           "prefill ahead of their turn.", [("", int(stats["ahead_cols"]))])
     return "\n".join(out) + "\n"

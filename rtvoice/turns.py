@@ -75,6 +75,7 @@ class Context:
     next_seq: int = 0  # audio event sequence number (assigned at send time: no gaps)
     sent_s: float = 0.0  # audio seconds sent in this context (offset of the next chunk)
     next_segment: int = 0  # index of its next ``segment`` event
+    head_sent: str = ""  # the start of its next segment last offered to prefill ahead
 
     @property
     def live(self) -> bool:
@@ -212,7 +213,6 @@ class Turns:
         self.accepting = False
         self._turn_ids = itertools.count()
         self._utt_ids = itertools.count()
-        self._head_sent = ""  # what `port.ahead` last got for the next segment
 
     def close(self) -> None:
         """The session is over: drop every context, utterance and segment. Contexts and their
@@ -316,6 +316,7 @@ class Turns:
         utts = ctx.utterances() if ctx is not None else []
         if ctx is not None:
             ctx.segmenter.clear()
+            ctx.head_sent = ""
             ctx.open = None
             ctx.pending = []
             ctx.unspoken_chars = 0
@@ -348,7 +349,7 @@ class Turns:
             if seg.utterance.cancelled:
                 continue
             seg.turn_id = f"{self.session_id}.{next(self._turn_ids)}"
-            self._head_sent = ""  # the next head is the next segment's
+            seg.utterance.context.head_sent = ""  # its next head is the next segment's
             self.running = seg
             self.by_turn[seg.turn_id] = seg
             self.port.submit(seg)
@@ -428,11 +429,11 @@ class Turns:
         each HEAD_STEP_CHARS more."""
         if not self.accepting or self.running is not None or self.fifo:
             return
-        head, sent = ctx.segmenter.head(), self._head_sent
+        head, sent = ctx.segmenter.head(), ctx.head_sent
         if len(head) < HEAD_FIRST_CHARS or (sent and head.startswith(sent)
                                             and len(head) < len(sent) + HEAD_STEP_CHARS):
             return
-        self._head_sent = head
+        ctx.head_sent = head
         self.port.ahead(head)
 
     def _queue(self, utt: Utterance, segments: list[Cut]) -> None:

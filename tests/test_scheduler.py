@@ -921,13 +921,16 @@ def test_a_turn_that_arrives_while_its_head_prefills_waits_for_it():
     pos0 = seq.pos
     sched.prefill_ahead(seq, "Wait for me please")
     (ahead_job,) = sched.take_prefill_jobs()
-    assert not ahead_job.urgent
+    assert not ahead_job.urgent and sched.ahead_outstanding == 1
     sched.start_turn(seq, Turn("t", "Wait for me please, thanks.", 3))
     assert seq.queued_turn is not None and not sched.take_prefill_jobs()
-    assert ahead_job.urgent  # its turn waits: the prefill worker no longer puts it last
+    # its turn waits: the prefill worker no longer puts it last, and it is no longer
+    # speculative (a prefill the decode steps may pause for)
+    assert ahead_job.urgent and sched.ahead_outstanding == 0 and sched.prefill_outstanding == 1
     sched.prefill_ahead(seq, "Wait for me please, thanks")  # a job in flight: nothing more
     assert not sched.take_prefill_jobs()
     land(sched, ahead_job)
+    assert sched.ahead_outstanding == 0
     (job,) = sched.take_prefill_jobs()
     assert job.start == pos0 + ahead_job.cols.shape[1] and sched.stats["ahead_hits"] == 1
     land(sched, job)
@@ -991,3 +994,21 @@ def test_an_evicted_head_comes_back_with_its_session():
     land(sched, job)
     run_idle(sched, dev)
     assert a.sink.results[-1].frames == 3
+
+
+def test_a_context_rebuild_discards_the_head_as_a_miss():
+    sched, dev = make(max_len=180)
+    seq = ready(sched)
+    sched.start_turn(seq, Turn("0", "Hi.", 4))
+    run_idle(sched, dev)
+    sched.prefill_ahead(seq, "A short head")  # fits: the head and a turn's margin
+    (job,) = sched.take_prefill_jobs()
+    land(sched, job)
+    # the whole turn and its 64 frames do not: the context is rebuilt, the head rewritten
+    sched.start_turn(seq, Turn("r", "A short head, then the rest of it.", 64))
+    (job,) = sched.take_prefill_jobs()
+    assert job.turn.rebuilt and job.start == seq.system_cols.shape[1]
+    assert sched.stats["ahead_misses"] == 1 and sched.stats["ahead_hits"] == 0
+    land(sched, job)
+    run_idle(sched, dev)
+    assert seq.sink.results[-1].turn_id == "r" and seq.sink.results[-1].error is None

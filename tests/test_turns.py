@@ -243,3 +243,24 @@ def test_the_next_segments_start_goes_ahead_while_its_text_streams():
     end(turns)  # the next segment's text keeps streaming: its start goes ahead now
     turns.text(None, " after")
     assert aheads()[-1] == "And then some more words follow here"
+
+
+def test_each_context_offers_its_own_head_and_a_cancel_forgets_it():
+    port = AheadPort()
+    turns = Turns(port, session_id="s1", limits=LimitSettings(), chunk_length=200,
+                  chunk_cap=None, default_context=None,
+                  budget={"multiplier": 3.0, "min_frames": 8, "max_frames": 100,
+                          "request_max": None}, frame_rate=44100 / 2048)
+    turns.accepting = True
+    aheads = lambda: [t for k, t in port.log if k == "ahead"]  # noqa: E731
+    for piece in ("One context streams", " its words"):
+        turns.text("a", piece)
+    for piece in ("Another context speaks", " too"):
+        turns.text("b", piece)
+    assert aheads() == ["One context streams its", "Another context speaks"]
+    turns.text("a", " on")  # a's head barely grew: not offered again
+    assert len(aheads()) == 2
+    turns.cancel("a")
+    for piece in ("One context streams", " again"):
+        turns.text("a", piece)
+    assert aheads()[-1] == "One context streams"  # offered afresh after the cancel

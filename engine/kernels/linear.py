@@ -165,6 +165,7 @@ def _run(x: Tensor, wq: Tensor, scale: Tensor | None, splits: int, kwarps: int,
 NORM_MAX_M = 16
 NORM_PAD = 32
 NORM_SMEM_MAX = 160 * 1024
+NORM_STATIC_SMEM = 8 * 1024  # the kernel's own (its warps' partial sums), at most
 # The rows up to which Ops takes the normed prologue: measured on the H200 (linear_bench
 # --norm), wo + add_rms_norm + wqkv 22.88 -> 21.79 us at M = 1 and 23.66 -> 23.30 at M = 2,
 # but 24.0 -> 24.3 at M = 4 and 24.2 -> 29.2 at M = 8 (w2 -> w13: 48.4 -> 64.4 us at M = 4):
@@ -213,7 +214,19 @@ def _norm_problem(x: Tensor, w: object, nw: object, eps: object) -> str | None:
         return "the norm weight must be contiguous, 16-byte aligned and on x's device"
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
         return f"eps must be a number >= 0, got {eps!r}"
+    if x.is_cuda:
+        room = _smem_optin(x.device.index or 0) - NORM_STATIC_SMEM
+        if m * (k + NORM_PAD) * 2 > room:
+            return (f"the normed prologue's {m} rows of K = {k} need more shared memory than "
+                    f"this device gives a block ({room} bytes beside the kernel's own)")
     return None
+
+
+@functools.cache
+def _smem_optin(index: int) -> int:
+    """Shared memory one block may have on CUDA device `index` (opting in past 48 KB)."""
+    props = torch.cuda.get_device_properties(index)
+    return int(getattr(props, "shared_memory_per_block_optin", 48 * 1024))
 
 
 def _glu_problem(x: Tensor, w13: object, splits: object, kwarps: object,
