@@ -80,14 +80,19 @@ class Ops:
         """x as a tensor: a pending norm computed now."""
         return self.rms_norm(x.h, x.weight, x.eps) if isinstance(x, Normed) else x
 
+    def _normed(self, x: Normed, w: Tensor | Fp8Weight | None, glu: bool) -> Tensor | None:
+        """The normed kernel's answer for a pending norm x and W (None: it does not take it)."""
+        if w is None or self.normed_kernel is None:
+            return None
+        return self.normed_kernel(x.h, x.weight, x.eps, w, glu)
+
     def project(self, x: Tensor | Normed, w: Tensor | Fp8Weight) -> Tensor:
         """x [..., K] @ W^T where x may be a pending norm (the normed kernel's prologue applies
         it where it takes the call)."""
         if isinstance(x, Normed):
-            if self.normed_kernel is not None:
-                y = self.normed_kernel(x.h, x.weight, x.eps, w, False)
-                if y is not None:
-                    return y
+            y = self._normed(x, w, glu=False)
+            if y is not None:
+                return y
             x = self.dense(x)
         return self.linear(x, w)
 
@@ -108,10 +113,9 @@ class Ops:
         -> [..., I]."""
         w13 = fusion.packed(w1, w3) if self.packed_ffn else None
         if isinstance(x, Normed):
-            if w13 is not None and self.normed_kernel is not None:
-                y = self.normed_kernel(x.h, x.weight, x.eps, w13, True)
-                if y is not None:
-                    return y
+            y = self._normed(x, w13, glu=True)
+            if y is not None:
+                return y
             x = self.dense(x)
         if w13 is None:
             return self.silu_mul(self.linear(x, w1), self.linear(x, w3))

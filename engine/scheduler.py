@@ -356,13 +356,15 @@ class Scheduler:
 
     def _queue_prefill(self, seq: Sequence, cols: Tensor, start: int, turn: Turn | None, *,
                        restore: tuple[object, tuple[int, ...]] | None = None,
-                       copies: tuple[tuple[int, int], ...] = (), ahead: bool = False) -> None:
+                       copies: tuple[tuple[int, int], ...] = (),
+                       ahead: bool = False) -> PrefillJob:
         self.prefill_outstanding += 1
         self.ahead_outstanding += ahead
         seq.jobs_in_flight += 1
-        self._new_jobs.append(PrefillJob(seq, cols, start, turn, tuple(seq.blocks),
-                                         restore=restore, copies=copies,
-                                         sources=tuple(src for src, _ in copies), ahead=ahead))
+        job = PrefillJob(seq, cols, start, turn, tuple(seq.blocks), restore=restore,
+                         copies=copies, sources=tuple(src for src, _ in copies), ahead=ahead)
+        self._new_jobs.append(job)
+        return job
 
     def start_turn(self, seq: Sequence, turn: Turn) -> None:
         """A turn on a sequence: prefilled now, or queued behind its voice prompt or a
@@ -527,8 +529,8 @@ class Scheduler:
         ahead.in_flight += 1
         self.stats["ahead_jobs"] += 1
         self.stats["ahead_cols"] += cols.shape[1] - done
-        self._queue_prefill(seq, cols[:, done:], start + done, None, copies=copies, ahead=True)
-        ahead.job = self._new_jobs[-1]
+        ahead.job = self._queue_prefill(seq, cols[:, done:], start + done, None, copies=copies,
+                                        ahead=True)
 
     def _drop_ahead(self, seq: Sequence) -> Ahead | None:
         """Forget the sequence's prefilled head: its cache ends where the head began again

@@ -47,8 +47,8 @@ class Port:
         return [k for k, _ in self.log if k != "ended"]
 
 
-def make(**limits: object) -> tuple[Turns, Port]:
-    port = Port()
+def make(port: Port | None = None, **limits: object) -> tuple[Turns, Port]:
+    port = port or Port()
     turns = Turns(port, session_id="s1", limits=LimitSettings(**limits),  # type: ignore[arg-type]
                   chunk_length=200, chunk_cap=None, default_context=None,
                   budget={"multiplier": 3.0, "min_frames": 8, "max_frames": 100,
@@ -217,15 +217,14 @@ class AheadPort(Port):
     def ahead(self, text: str) -> None:
         self.log.append(("ahead", text))
 
+    def aheads(self) -> list[object]:
+        return [t for k, t in self.log if k == "ahead"]
+
 
 def test_the_next_segments_start_goes_ahead_while_its_text_streams():
-    port = AheadPort()
-    turns = Turns(port, session_id="s1", limits=LimitSettings(), chunk_length=200,
-                  chunk_cap=None, default_context=None,
-                  budget={"multiplier": 3.0, "min_frames": 8, "max_frames": 100,
-                          "request_max": None}, frame_rate=44100 / 2048)
+    turns, port = make(AheadPort())
     turns.accepting = True
-    aheads = lambda: [t for k, t in port.log if k == "ahead"]  # noqa: E731
+    aheads = port.aheads
     turns.text(None, "Your table for two is booked")  # one event so far: maybe sent whole
     assert aheads() == []
     turns.text(None, " at eight")  # streaming: its start up to the last word goes ahead
@@ -246,13 +245,9 @@ def test_the_next_segments_start_goes_ahead_while_its_text_streams():
 
 
 def test_each_context_offers_its_own_head_and_a_cancel_forgets_it():
-    port = AheadPort()
-    turns = Turns(port, session_id="s1", limits=LimitSettings(), chunk_length=200,
-                  chunk_cap=None, default_context=None,
-                  budget={"multiplier": 3.0, "min_frames": 8, "max_frames": 100,
-                          "request_max": None}, frame_rate=44100 / 2048)
+    turns, port = make(AheadPort())
     turns.accepting = True
-    aheads = lambda: [t for k, t in port.log if k == "ahead"]  # noqa: E731
+    aheads = port.aheads
     for piece in ("One context streams", " its words"):
         turns.text("a", piece)
     for piece in ("Another context speaks", " too"):

@@ -671,6 +671,22 @@ def make_swiglu(plan: LinearPlan | None, kernels: bool) -> SwigluFn:
     return swiglu
 
 
+def _row_lookup(plan: LinearPlan | None,
+                kernels: bool) -> Callable[[Tensor, Tensor | Fp8Weight], PlanRow | None]:
+    """x, W -> `_gemv_row` for x @ W^T, chosen once per (M, N, K, FP8, x's dtype, CUDA or
+    not) and kept in a dict (a call costs one lookup)."""
+    chosen: dict[tuple[int, int, int, bool, torch.dtype, bool], PlanRow | None] = {}
+
+    def row_for(x: Tensor, w: Tensor | Fp8Weight) -> PlanRow | None:
+        n, k = w.shape
+        key = (x.numel() // k if k else 0, n, k, isinstance(w, Fp8Weight), x.dtype, x.is_cuda)
+        if key not in chosen:
+            chosen[key] = _gemv_row(plan, kernels, *key)
+        return chosen[key]
+
+    return row_for
+
+
 ResidualFn = Callable[[Tensor, Tensor | Fp8Weight, Tensor], Tensor | None]
 
 
@@ -678,17 +694,13 @@ def make_residual(plan: LinearPlan | None, kernels: bool) -> ResidualFn:
     """`Ops.residual_kernel`: (y, W, r) -> r + y W^T from csrc's residual epilogue where the
     plan picked the kernel for that linear (dense or FP8 W) and the call meets the contract;
     None otherwise (the caller runs the linear, then the add). Chosen once per shape."""
-    chosen: dict[tuple[int, int, int, bool, torch.dtype, bool], PlanRow | None] = {}
+    row_for = _row_lookup(plan, kernels)
 
     def residual(y: Tensor, w: Tensor | Fp8Weight, r: Tensor) -> Tensor | None:
-        fp8 = isinstance(w, Fp8Weight)
-        n, k = w.shape
-        key = (y.numel() // k if k else 0, n, k, fp8, y.dtype, y.is_cuda)
-        if key not in chosen:
-            chosen[key] = _gemv_row(plan, kernels, *key)
-        row = chosen[key]
+        row = row_for(y, w)
         if row is None:
             return None
+        fp8 = isinstance(w, Fp8Weight)
         wq, scale = (w.q, w.scale) if isinstance(w, Fp8Weight) else (w, None)
         if (_problem(y, wq, row.splits, row.kwarps, fp8, row.variant)
                 or _residual_problem(y, w, r)) is not None:
@@ -708,20 +720,14 @@ def make_normed(plan: LinearPlan | None, kernels: bool,
     measured faster than the norm's own launch), the plan picked the kernel, variant 0, for
     that linear and the call meets the contract (bf16 W); None otherwise (the caller
     computes the norm first). Chosen once per shape."""
-    chosen: dict[tuple[int, int, int, torch.dtype, bool], PlanRow | None] = {}
+    row_for = _row_lookup(plan, kernels)
 
     def normed(h: Tensor, nw: Tensor, eps: float, w: Tensor | Fp8Weight,
                glu: bool) -> Tensor | None:
         if isinstance(w, Fp8Weight):
             return None
-        n, k = w.shape
-        key = (h.numel() // k if k else 0, n, k, h.dtype, h.is_cuda)
-        if key not in chosen:
-            row = _gemv_row(plan, kernels, key[0], n, k, False, h.dtype, h.is_cuda)
-            ok = row is not None and row.variant == 0 and key[0] <= max_m
-            chosen[key] = row if ok else None
-        row = chosen[key]
-        if row is None:
+        row = row_for(h, w)
+        if row is None or row.variant != 0 or h.numel() > max_m * w.shape[1]:
             return None
         problem = (_glu_problem(h, w, row.splits, row.kwarps, 0) if glu
                    else _problem(h, w, row.splits, row.kwarps, False, 0))
