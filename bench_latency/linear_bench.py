@@ -200,13 +200,15 @@ def _chunks(k: int, fp8: bool, variant: int) -> int:
     return -(-k // (128 if fp8 else (32 if variant == 0 else 64)))
 
 
-def sweep_gemv(timer: Timer, fp8: bool, variants: tuple[int, ...], chunks_of) -> None:
-    """Each variant over kwarps (no split), then over splits at its best kwarps."""
+def sweep_gemv(timer: Timer, fp8: bool, variants: tuple[int, ...], chunks_of,
+               pdl: bool = True) -> None:
+    """Each variant over kwarps (no split), then over splits at its best kwarps; `pdl`: the
+    kernel launched with programmatic dependent launch, as the engine launches it."""
     fn = fp8_gemv if fp8 else gemv
     for v in variants:
         best: tuple[float, int] | None = None
         for kw in KWARPS:
-            call = functools.partial(fn, splits=1, kwarps=kw, variant=v)
+            call = functools.partial(fn, splits=1, kwarps=kw, variant=v, pdl=pdl)
             t = timer.time(f"gemv:v{v}:k{kw}:s1", call,
                            {"impl": "gemv", "splits": 1, "kwarps": kw, "variant": v})
             if t is not None and (best is None or t < best[0]):
@@ -217,14 +219,14 @@ def sweep_gemv(timer: Timer, fp8: bool, variants: tuple[int, ...], chunks_of) ->
         for s in SPLITS:
             if s > chunks_of(v) // kw:  # a split with no chunk for some warp
                 break
-            call = functools.partial(fn, splits=s, kwarps=kw, variant=v)
+            call = functools.partial(fn, splits=s, kwarps=kw, variant=v, pdl=pdl)
             timer.time(f"gemv:v{v}:k{kw}:s{s}", call,
                        {"impl": "gemv", "splits": s, "kwarps": kw, "variant": v})
 
 
 def bench_shape(name: str, n: int, k: int, ms: tuple[int, ...], reps: int, copy: float,
                 built: bool, reference: bool, variants: tuple[int, ...],
-                triton: bool) -> list[PlanRow]:
+                triton: bool, pdl: bool = True) -> list[PlanRow]:
     rows: list[PlanRow] = []
     g = torch.Generator(device="cuda").manual_seed(n + k)
     base = (torch.randn(n, k, device="cuda", generator=g) / math.sqrt(k)).to(torch.bfloat16)
@@ -257,7 +259,7 @@ def bench_shape(name: str, n: int, k: int, ms: tuple[int, ...], reps: int, copy:
             if built and m <= MAX_M:
                 vs = tuple(v for v in variants if fp8 or v not in FP8_VARIANTS)
                 vs = tuple(v for v in vs if supports(m, n, k, fp8, v))
-                sweep_gemv(timer, fp8, vs, functools.partial(_chunks, k, fp8))
+                sweep_gemv(timer, fp8, vs, functools.partial(_chunks, k, fp8), pdl)
             w8a8: Timer | None = None
             if fp8 and mod is not None:
                 # N not a multiple of 16 compiles every config anew: the default one only
@@ -306,7 +308,8 @@ def bench_shape(name: str, n: int, k: int, ms: tuple[int, ...], reps: int, copy:
     return rows
 
 
-def bench_swiglu(ms: tuple[int, ...], reps: int, table: Path) -> list[dict[str, object]]:
+def bench_swiglu(ms: tuple[int, ...], reps: int, table: Path,
+                 pdl: bool = True) -> list[dict[str, object]]:
     """The packed FFN input projection + SwiGLU at each M where `table` picks the csrc kernel
     for it: unfused (the kernel, then the compiled silu * mul, as Ops.swiglu ran it) vs the
     kernel's SwiGLU epilogue with the same splits / kwarps / variant. Returns one result per
@@ -324,7 +327,7 @@ def bench_swiglu(ms: tuple[int, ...], reps: int, table: Path) -> list[dict[str, 
         if row is None or row.impl != "gemv":
             print(f"swiglu m={m}: the table runs the library linear here (no epilogue)")
             continue
-        kw = {"splits": row.splits, "kwarps": row.kwarps, "variant": row.variant}
+        kw = {"splits": row.splits, "kwarps": row.kwarps, "variant": row.variant, "pdl": pdl}
         x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
 
         def unfused(w: torch.Tensor, x: torch.Tensor = x, kw: dict = kw) -> torch.Tensor:
@@ -364,7 +367,8 @@ def _norm_pair_fused(wa: torch.Tensor, wb: torch.Tensor, *, y: torch.Tensor, x: 
     return gemv_normed(h, nw, eps, wb, glu=glu, **kw2)
 
 
-def bench_norm(ms: tuple[int, ...], reps: int, table: Path) -> list[dict[str, object]]:
+def bench_norm(ms: tuple[int, ...], reps: int, table: Path,
+               pdl: bool = True) -> list[dict[str, object]]:
     """A block's residual add + RMSNorm between two projections, at each M where `table`
     picks the csrc kernel, variant 0, for both: unfused (projection, compiled add_rms_norm,
     projection: as the engine ran it before) vs the residual epilogue + normed prologue.
@@ -390,8 +394,10 @@ def bench_norm(ms: tuple[int, ...], reps: int, table: Path) -> list[dict[str, ob
                 print(f"norm {first}->{second} m={m}: the table does not run both on the "
                       "kernel's variant 0 here (no fusion)")
                 continue
-            kw1 = {"splits": rows[0].splits, "kwarps": rows[0].kwarps}  # type: ignore[union-attr]
-            kw2 = {"splits": rows[1].splits, "kwarps": rows[1].kwarps}  # type: ignore[union-attr]
+            kw1 = {"splits": rows[0].splits, "kwarps": rows[0].kwarps,  # type: ignore[union-attr]
+                   "pdl": pdl}
+            kw2 = {"splits": rows[1].splits, "kwarps": rows[1].kwarps,  # type: ignore[union-attr]
+                   "pdl": pdl}
             y = torch.randn(m, k1, device="cuda", generator=g).to(torch.bfloat16)
             x = torch.randn(m, n1, device="cuda", generator=g).to(torch.bfloat16)
 
@@ -442,6 +448,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="time a block's projection + residual add + RMSNorm + next projection, "
                     "unfused vs the residual epilogue and normed prologue, at the M where the "
                     "table (--table) picks the kernel for both")
+    ap.add_argument("--no-pdl", action="store_true",
+                    help="launch csrc's kernel without programmatic dependent launch (the "
+                    "engine launches it with PDL: each call's first weights are fetched while "
+                    "the call before ends)")
     ap.add_argument("--table", type=Path, default=DEFAULT_TABLE,
                     help="the recorded table --swiglu and --norm follow")
     args = ap.parse_args(argv)
@@ -456,7 +466,8 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         bench = bench_swiglu if args.swiglu else bench_norm
         with torch.inference_mode():
-            res = bench(tuple(int(m) for m in args.ms.split(",")), args.reps, args.table)
+            res = bench(tuple(int(m) for m in args.ms.split(",")), args.reps, args.table,
+                        not args.no_pdl)
         if args.out:
             args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(),
                                             what: res}, indent=1) + "\n")
@@ -496,12 +507,12 @@ def main(argv: list[str] | None = None) -> int:
         for s in names:
             print(f"-- {s} {SHAPES[s]} at {time.perf_counter() - t0:.0f} s", flush=True)
             rows += bench_shape(s, *SHAPES[s], ms, args.reps, copy, built, args.reference,
-                                variants, triton)
+                                variants, triton, not args.no_pdl)
     print(f"done in {time.perf_counter() - t0:.0f} s")
     if args.out:
         args.out.write_text(json.dumps(
             {"device": device, "copy_gbs": round(copy, 1), "torch": torch.__version__,
-             "variants": list(variants), "rows": [r.to_json() for r in rows]}, indent=1) + "\n")
+             "variants": list(variants), "pdl": not args.no_pdl, "rows": [r.to_json() for r in rows]}, indent=1) + "\n")
         print(f"wrote {len(rows)} rows to {args.out}")
     return 0
 

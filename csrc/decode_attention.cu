@@ -45,7 +45,12 @@
 
 #include <cmath>
 
+#include "launch.cuh"
+
 namespace {
+
+using rtvoice::pdl_trigger;
+using rtvoice::pdl_wait;
 
 // A block is 16 groups of L adjacent lanes (L = 8, or 16 for head_dim 128: 8 elements, one
 // 16-byte load, per lane keeps the R = 4 variant near 100 registers instead of 222, so more
@@ -139,6 +144,8 @@ __global__ void __launch_bounds__(kGroups * L) decode_attention_kernel(
   const int split = blockIdx.z;
   const int h0 = g * rep + part * R;  // first query head of this block
   const int grp = threadIdx.x / L, sub = threadIdx.x % L;
+  pdl_wait();  // (PDL) q, k_new, v_new, pos come from the kernels before
+  pdl_trigger();
   const int64_t p = pos[b];
   // this block's positions [t_begin, t_end) of 0..p (empty for a split past the row's end)
   // ranges in whole passes of kGroups positions, so only a range's last pass runs part-empty
@@ -281,6 +288,8 @@ __global__ void decode_attention_combine(const float* __restrict__ ws_o,
                                          const float* __restrict__ ws_ml, T* __restrict__ out,
                                          int splits, int D) {
   const int64_t bh = blockIdx.x;
+  pdl_wait();
+  pdl_trigger();
   const float* ml = ws_ml + 2 * bh * splits;
   float M = -INFINITY;
   for (int s = 0; s < splits; ++s)
@@ -313,14 +322,15 @@ void launch_e(int R, int rep, dim3 grid, cudaStream_t stream, const torch::Tenso
               const torch::Tensor& k_new, const torch::Tensor& v_new, torch::Tensor& k_cache,
               torch::Tensor& v_cache, const torch::Tensor& table, const torch::Tensor& wblock,
               const torch::Tensor& pos, torch::Tensor& out, float scale, bool vec, int splits,
-              float* ws_o, float* ws_ml, const Rope& rp) {
+              float* ws_o, float* ws_ml, const Rope& rp, bool pdl) {
 #define RTV_LAUNCH(R_)                                                                      \
   if (rp.cs.defined())                                                                      \
     RTV_KERNEL(R_, E % 2 == 0);                                                             \
   else                                                                                      \
     RTV_KERNEL(R_, false)
 #define RTV_KERNEL(R_, ROPE_)                                                               \
-  decode_attention_kernel<T, E, R_, L, ROPE_><<<grid, kGroups * L, 0, stream>>>(            \
+  rtvoice::launch_kernel(decode_attention_kernel<T, E, R_, L, ROPE_>, grid,                 \
+      dim3(kGroups * L), 0, stream, pdl,                                                    \
       q.data_ptr<T>(), q.stride(0), k_new.data_ptr<T>(), k_new.stride(0),                   \
       v_new.data_ptr<T>(), v_new.stride(0), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),   \
       table.data_ptr<int64_t>(), table.stride(0), wblock.data_ptr<int64_t>(),               \
@@ -346,7 +356,7 @@ template <typename T>
 void launch(const torch::Tensor& q, const torch::Tensor& k_new, const torch::Tensor& v_new,
             torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& table,
             const torch::Tensor& wblock, const torch::Tensor& pos, torch::Tensor& out,
-            int64_t splits, const Rope& rp) {
+            int64_t splits, const Rope& rp, bool pdl) {
   const int B = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_new.size(1);
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   const int rep = H / Hkv;
@@ -383,17 +393,16 @@ void launch(const torch::Tensor& q, const torch::Tensor& k_new, const torch::Ten
     ml_ptr = ws_ml.data_ptr<float>();
   }
   switch (D) {
-    case 40: launch_e<T, 5, 8>(R, rep, grid, stream, q, k_new, v_new, k_cache, v_cache, table, wblock, pos, out, scale, vec, ns, o_ptr, ml_ptr, rp); break;
-    case 48: launch_e<T, 6, 8>(R, rep, grid, stream, q, k_new, v_new, k_cache, v_cache, table, wblock, pos, out, scale, vec, ns, o_ptr, ml_ptr, rp); break;
-    case 64: launch_e<T, 8, 8>(R, rep, grid, stream, q, k_new, v_new, k_cache, v_cache, table, wblock, pos, out, scale, vec, ns, o_ptr, ml_ptr, rp); break;
-    case 128: launch_e<T, 8, 16>(R, rep, grid, stream, q, k_new, v_new, k_cache, v_cache, table, wblock, pos, out, scale, vec, ns, o_ptr, ml_ptr, rp); break;
+    case 40: launch_e<T, 5, 8>(R, rep, grid, stream, q, k_new, v_new, k_cache, v_cache, table, wblock, pos, out, scale, vec, ns, o_ptr, ml_ptr, rp, pdl); break;
+    case 48: launch_e<T, 6, 8>(R, rep, grid, stream, q, k_new, v_new, k_cache, v_cache, table, wblock, pos, out, scale, vec, ns, o_ptr, ml_ptr, rp, pdl); break;
+    case 64: launch_e<T, 8, 8>(R, rep, grid, stream, q, k_new, v_new, k_cache, v_cache, table, wblock, pos, out, scale, vec, ns, o_ptr, ml_ptr, rp, pdl); break;
+    case 128: launch_e<T, 8, 16>(R, rep, grid, stream, q, k_new, v_new, k_cache, v_cache, table, wblock, pos, out, scale, vec, ns, o_ptr, ml_ptr, rp, pdl); break;
     default: TORCH_CHECK(false, "decode_attention: head_dim ", D, " is not supported");
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (ns > 1) {
-    decode_attention_combine<T><<<static_cast<unsigned>(B * H), 128, 0, stream>>>(
-        o_ptr, ml_ptr, out.data_ptr<T>(), ns, D);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    rtvoice::launch_kernel(decode_attention_combine<T>, dim3(static_cast<unsigned>(B * H)),
+                           dim3(128), 0, stream, pdl, o_ptr, ml_ptr, out.data_ptr<T>(), ns, D);
   }
 }
 
@@ -404,7 +413,7 @@ void decode_attention(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new,
                       torch::Tensor wblock, torch::Tensor pos, torch::Tensor out,
                       int64_t splits, std::optional<torch::Tensor> qw,
                       std::optional<torch::Tensor> kw, std::optional<torch::Tensor> cs,
-                      double eps) {
+                      double eps, bool pdl) {
   TORCH_CHECK(splits >= 0, "decode_attention: splits must be >= 0 (0: automatic), got ", splits);
   TORCH_CHECK(q.is_cuda(), "decode_attention: CUDA tensors expected");
   TORCH_CHECK(q.dim() == 3 && k_new.dim() == 3 && v_new.dim() == 3 && out.dim() == 3,
@@ -462,10 +471,11 @@ void decode_attention(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new,
   }
   if (B == 0) return;
   const c10::cuda::CUDAGuard guard(q.device());
+  pdl = pdl && rtvoice::pdl_device(q.get_device());
   switch (dt) {
-    case at::kBFloat16: launch<at::BFloat16>(q, k_new, v_new, k_cache, v_cache, table, wblock, pos, out, splits, rp); break;
-    case at::kHalf: launch<at::Half>(q, k_new, v_new, k_cache, v_cache, table, wblock, pos, out, splits, rp); break;
-    case at::kFloat: launch<float>(q, k_new, v_new, k_cache, v_cache, table, wblock, pos, out, splits, rp); break;
+    case at::kBFloat16: launch<at::BFloat16>(q, k_new, v_new, k_cache, v_cache, table, wblock, pos, out, splits, rp, pdl); break;
+    case at::kHalf: launch<at::Half>(q, k_new, v_new, k_cache, v_cache, table, wblock, pos, out, splits, rp, pdl); break;
+    case at::kFloat: launch<float>(q, k_new, v_new, k_cache, v_cache, table, wblock, pos, out, splits, rp, pdl); break;
     default: TORCH_CHECK(false, "decode_attention: unsupported dtype ", dt);
   }
 }

@@ -81,6 +81,9 @@
 //          (a warp per row reads it from L2 in one round trip and sums its squares; one
 //          barrier) into shared memory, from which the main loop reads x: the norm's launch
 //          folded into the linear's.
+//   pdl    launch with programmatic dependent launch (sm_90+; ignored before): each warp
+//          brings its first two batches of weights into L2 before waiting for the kernel
+//          before (csrc/launch.cuh), so a linear's first loads overlap that kernel's tail.
 
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -94,7 +97,12 @@
 #include <type_traits>
 #include <utility>
 
+#include "launch.cuh"
+
 namespace {
+
+using rtvoice::pdl_trigger;
+using rtvoice::pdl_wait;
 
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
@@ -297,6 +305,7 @@ struct Args {
   const __nv_bfloat16* nw;   // RMSNorm weight [K]: x rows are normed first (null: plain x)
   float eps;
   int xs_rs;                 // row stride (elements) of the normed rows in shared memory
+  int pdl;                   // launched with PDL: prefetch the first weights before the wait
 };
 
 // y = residual + bf16(d): the linear's output rounded, then the residual add rounded (what
@@ -510,6 +519,25 @@ __global__ void __launch_bounds__(kThreads, MINB) linear_small_m_kernel(const Ar
   const TileRows tr = tile_rows<!F8>(a, tile, g);
   const uint8_t* w0 = a.w + (tr.oka ? static_cast<int64_t>(tr.ra) * row_bytes : 0) + t * 16;
   const uint8_t* w1 = a.w + (tr.okb ? static_cast<int64_t>(tr.rb) * row_bytes : 0) + t * 16;
+  if (a.pdl) {
+    // launched early (PDL): the first kPrefetch full batches of this warp's weights into L2
+    // while the kernel before, whose output x is, finishes
+    constexpr int kPrefetch = 2;
+    for (int b = 0; b < kPrefetch; ++b) {
+      const int cb = c_begin + (kw + b * a.kw) * U;
+      if (cb + U > c_full) break;
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int s = 0; s < kSteps; ++s) {
+          const int64_t kk = static_cast<int64_t>(cb + u) * kChunk + s * 4 * kVec;
+          rtvoice::prefetch_l2(w0 + kk * kEl);
+          rtvoice::prefetch_l2(w1 + kk * kEl);
+        }
+    }
+  }
+  pdl_wait();
+  pdl_trigger();
   // x rows 8 j + g at the lane's k offset: in global memory, or (NORM) normed in shared
   using XRow = std::conditional_t<NORM, uint32_t, const __nv_bfloat16*>;
   XRow xrow[NT];
@@ -669,6 +697,8 @@ __global__ void __launch_bounds__(kThreads, MINB) linear_pipe_kernel(const Args 
 
   unsigned char* ring = smem + warp * (S * kStage);
   const uint32_t ring_lane = smem_u32(ring) + lane * 16;
+  pdl_wait();  // (PDL) x and the outputs belong to the kernels before
+  pdl_trigger();
 
   // chunk c into stage st: load (r, s, h) = row tr[r].ra (h = 0) or .rb (h = 1), k = c kChunk
   // + s 4 kVec + t kVec at slot (r * 2 + s) * 2 + h. The chunk reaching past K zero-fills its
@@ -853,6 +883,8 @@ __global__ void __launch_bounds__(kThreads, MINB) linear_pipe_kernel(const Args 
 __global__ void linear_splits_reduce(const float* __restrict__ ws, __nv_bfloat16* __restrict__ y,
                                      int64_t mn, int splits, const __nv_bfloat16* res, int n,
                                      int64_t res_rs) {
+  pdl_wait();
+  pdl_trigger();
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < mn;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     float s = 0.f;
@@ -866,6 +898,8 @@ __global__ void linear_splits_reduce_glu(const float* __restrict__ ws,
                                          __nv_bfloat16* __restrict__ y, int64_t m_rows, int glu,
                                          int splits) {
   const int64_t mi = m_rows * glu, mn = 2 * mi;
+  pdl_wait();
+  pdl_trigger();
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < mi;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t m = i / glu, at = m * 2 * glu + (i - m * glu);
@@ -1011,7 +1045,7 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 void linear_small_m(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> scale,
                     torch::Tensor out, int64_t splits, int64_t kwarps, int64_t variant,
                     bool glu, std::optional<torch::Tensor> residual,
-                    std::optional<torch::Tensor> norm_weight, double eps) {
+                    std::optional<torch::Tensor> norm_weight, double eps, bool pdl) {
   TORCH_CHECK(x.is_cuda() && w.device() == x.device() && out.device() == x.device(),
               "linear_small_m: x, w and out must be CUDA tensors on one device");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && out.dim() == 2,
@@ -1142,21 +1176,21 @@ void linear_small_m(torch::Tensor x, torch::Tensor w, std::optional<torch::Tenso
                               : nullptr,
          residual.has_value() ? residual->stride(0) : 0,
          norm ? reinterpret_cast<const __nv_bfloat16*>(norm_weight->data_ptr()) : nullptr,
-         static_cast<float>(eps), static_cast<int>(xs_rs)};
+         static_cast<float>(eps), static_cast<int>(xs_rs), 0};
+  pdl = pdl && rtvoice::pdl_device(dev);
+  a.pdl = pdl ? 1 : 0;
   auto stream = c10::cuda::getCurrentCUDAStream();
-  kern.fn<<<grid, kThreads, kern.smem, stream>>>(a);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  rtvoice::launch_kernel(kern.fn, grid, dim3(kThreads), kern.smem, stream, pdl, a);
   if (splits > 1) {
     const int64_t mn = glu ? M * N / 2 : M * N;  // outputs
     const int blocks = static_cast<int>(std::min<int64_t>((mn + 255) / 256, 4 * n_sm));
     if (glu)
-      linear_splits_reduce_glu<<<blocks, 256, 0, stream>>>(ws.data_ptr<float>(), a.y, M,
-                                                           static_cast<int>(N / 2),
-                                                           static_cast<int>(splits));
+      rtvoice::launch_kernel(linear_splits_reduce_glu, dim3(blocks), dim3(256), 0, stream, pdl,
+                             ws.data_ptr<float>(), a.y, M, static_cast<int>(N / 2),
+                             static_cast<int>(splits));
     else
-      linear_splits_reduce<<<blocks, 256, 0, stream>>>(ws.data_ptr<float>(), a.y, mn,
-                                                       static_cast<int>(splits), a.res,
-                                                       static_cast<int>(N), a.res_rs);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+      rtvoice::launch_kernel(linear_splits_reduce, dim3(blocks), dim3(256), 0, stream, pdl,
+                             ws.data_ptr<float>(), a.y, mn, static_cast<int>(splits), a.res,
+                             static_cast<int>(N), a.res_rs);
   }
 }

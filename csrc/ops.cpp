@@ -9,10 +9,10 @@ void decode_attention(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new,
                       torch::Tensor wblock, torch::Tensor pos, torch::Tensor out,
                       int64_t splits, std::optional<torch::Tensor> qw,
                       std::optional<torch::Tensor> kw, std::optional<torch::Tensor> cs,
-                      double eps);
+                      double eps, bool pdl);
 void sample_topk(torch::Tensor logits, torch::Tensor temperature, torch::Tensor top_p,
                  torch::Tensor top_k, torch::Tensor seed, torch::Tensor step,
-                 torch::Tensor stream, torch::Tensor out);
+                 torch::Tensor stream, torch::Tensor out, bool pdl);
 void snake(torch::Tensor x, torch::Tensor alpha, std::optional<torch::Tensor> bias,
            torch::Tensor out);
 void bias_residual(torch::Tensor x, torch::Tensor y, torch::Tensor bias, torch::Tensor out);
@@ -21,21 +21,22 @@ void snake_cat(torch::Tensor tail, torch::Tensor x, torch::Tensor alpha,
 void linear_small_m(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> scale,
                     torch::Tensor out, int64_t splits, int64_t kwarps, int64_t variant,
                     bool glu, std::optional<torch::Tensor> residual,
-                    std::optional<torch::Tensor> norm_weight, double eps);
+                    std::optional<torch::Tensor> norm_weight, double eps, bool pdl);
 
 TORCH_LIBRARY(rtvoice_kernels, m) {
   m.def("prev_tokens_shift_inplace(Tensor(a!) prev, Tensor next_tokens) -> ()");
   m.def("decode_attention(Tensor q, Tensor k_new, Tensor v_new, Tensor(a!) k_cache, "
         "Tensor(b!) v_cache, Tensor table, Tensor wblock, Tensor pos, Tensor(c!) out, "
-        "int splits, Tensor? qw=None, Tensor? kw=None, Tensor? cs=None, float eps=0.0) -> ()");
+        "int splits, Tensor? qw=None, Tensor? kw=None, Tensor? cs=None, float eps=0.0, "
+        "bool pdl=False) -> ()");
   m.def("sample_topk(Tensor logits, Tensor temperature, Tensor top_p, Tensor top_k, "
-        "Tensor seed, Tensor step, Tensor stream, Tensor(a!) out) -> ()");
+        "Tensor seed, Tensor step, Tensor stream, Tensor(a!) out, bool pdl=False) -> ()");
   m.def("snake(Tensor x, Tensor alpha, Tensor? bias, Tensor(a!) out) -> ()");
   m.def("bias_residual(Tensor x, Tensor y, Tensor bias, Tensor(a!) out) -> ()");
   m.def("snake_cat(Tensor tail, Tensor x, Tensor alpha, Tensor? bias, Tensor(a!) out) -> ()");
   m.def("linear_small_m(Tensor x, Tensor w, Tensor? scale, Tensor(a!) out, int splits, "
         "int kwarps, int variant, bool glu=False, Tensor? residual=None, "
-        "Tensor? norm_weight=None, float eps=0.0) -> ()");
+        "Tensor? norm_weight=None, float eps=0.0, bool pdl=False) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(rtvoice_kernels, CUDA, m) {

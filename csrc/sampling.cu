@@ -25,6 +25,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "launch.cuh"
+
 namespace {
 
 constexpr int kThreads = 512;
@@ -111,6 +113,8 @@ __global__ void __launch_bounds__(kThreads) sample_topk_kernel(
   const int b = blockIdx.x, tid = threadIdx.x;
   const T* row = logits + b * row_stride;
   const int K = V < kK ? V : kK;
+  rtvoice::pdl_wait();  // (PDL) the logits and the draw's inputs come from the kernels before
+  rtvoice::pdl_trigger();
 
   // 1. the row, as float, and its softmax normaliser
   float lmax = -INFINITY;
@@ -275,7 +279,7 @@ __global__ void __launch_bounds__(kThreads) sample_topk_kernel(
 
 void sample_topk(torch::Tensor logits, torch::Tensor temperature, torch::Tensor top_p,
                  torch::Tensor top_k, torch::Tensor seed, torch::Tensor step,
-                 torch::Tensor stream, torch::Tensor out) {
+                 torch::Tensor stream, torch::Tensor out, bool pdl) {
   TORCH_CHECK(logits.is_cuda() && logits.dim() == 2 && logits.stride(1) == 1,
               "sample_topk: logits must be a CUDA [B, V] tensor with contiguous rows");
   const int64_t B = logits.size(0), V = logits.size(1);
@@ -292,8 +296,10 @@ void sample_topk(torch::Tensor logits, torch::Tensor temperature, torch::Tensor 
   if (B == 0) return;
   const c10::cuda::CUDAGuard guard(logits.device());
   auto s = c10::cuda::getCurrentCUDAStream();
+  pdl = pdl && rtvoice::pdl_device(logits.get_device());
 #define RTV_SAMPLE(T_)                                                                        \
-  sample_topk_kernel<T_><<<B, kThreads, 0, s>>>(                                              \
+  rtvoice::launch_kernel(sample_topk_kernel<T_>, dim3(static_cast<unsigned>(B)),            \
+      dim3(kThreads), 0, s, pdl,                                                              \
       logits.data_ptr<T_>(), logits.stride(0), static_cast<int>(V),                           \
       temperature.data_ptr<float>(), top_p.data_ptr<float>(), top_k.data_ptr<int64_t>(),      \
       seed.data_ptr<int64_t>(), step.data_ptr<int64_t>(), stream.data_ptr<int64_t>(),         \
@@ -304,5 +310,4 @@ void sample_topk(torch::Tensor logits, torch::Tensor temperature, torch::Tensor 
     default: TORCH_CHECK(false, "sample_topk: logits must be float32 or bfloat16");
   }
 #undef RTV_SAMPLE
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -689,7 +689,8 @@ def build_engine(bundle: Bundle, config: EngineConfig | None = None, *,
         ops = build_ops(device, fused=cfg.fused_ops, kernels=cfg.cuda_kernels,
                         sampler_kernel=cfg.sampler_kernel, codec_kernels=cfg.codec_kernels,
                         split_kv=cfg.split_kv, linear_kernels=cfg.linear_kernels,
-                        fp8_activations=cfg.fp8_activations, norm_fusion=cfg.norm_fusion)
+                        fp8_activations=cfg.fp8_activations, norm_fusion=cfg.norm_fusion,
+                        pdl=cfg.pdl)
     ops_s = time.perf_counter() - t0
     if ops.packed_ffn:
         from .fusion import pack_ffn

@@ -65,6 +65,9 @@ class Ops:
     decode_attention: Callable[..., Tensor] | None = None
     # the q/k norm + RoPE of a decode step folded into decode_attention's launch (its `rope`)
     decode_rope: bool = False
+    # csrc's step kernels launched with programmatic dependent launch (sm_90+): each may start
+    # while the kernel before it ends (csrc/launch.cuh); recorded here for describe()
+    pdl: bool = False
     sample: Callable[..., Tensor] = sampling.sample  # the sampler's draw
     shift_window: Callable[[Tensor, Tensor], None] = prev_tokens_shift_checked  # RAS window
     codec: CodecOps = field(default_factory=CodecOps)
@@ -132,6 +135,7 @@ class Ops:
         return {"fused": self.fused, "linear": getattr(self.linear, "__name__", str(self.linear)),
                 "decode_attention": self.decode_attention is not None,
                 "decode_rope": self.decode_rope,
+                "pdl": self.pdl,
                 "sampler": getattr(self.sample, "__name__", str(self.sample)),
                 "swiglu_kernel": self.swiglu_kernel is not None,
                 "residual_kernel": self.residual_kernel is not None,
@@ -147,7 +151,7 @@ def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool 
               sampler_kernel: bool = True, codec_kernels: bool = True,
               split_kv: bool = False, linear_kernels: bool = True,
               fp8_activations: bool = False, codec_channels_last: bool = True,
-              decode_rope: bool = False, norm_fusion: bool = True,
+              decode_rope: bool = False, norm_fusion: bool = True, pdl: bool = True,
               linear_table: Path | None = linear.DEFAULT_TABLE) -> Ops:
     """The ops an engine on `device` runs. `fused`: "compile" (torch.compile'd elementwise ops
     and the packed FFN GEMM), "reference", or "auto" (compile on CUDA only). `kernels`: use
@@ -159,7 +163,10 @@ def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool 
     `codec_channels_last`: the streaming codec's convs as NHWC convs over channels-last
     activations (CUDA only: cuDNN's fast kernels are NHWC); `norm_fusion`: where csrc's
     small-M kernel runs a block's projections, the residual add in wo / w2's epilogue and the
-    RMSNorm after it in the next projection's prologue (no launch of their own).
+    RMSNorm after it in the next projection's prologue (no launch of their own); `pdl`: csrc's
+    linear, attention and sampling kernels launched with programmatic dependent launch (a
+    no-op before sm_90; same results), so each one's first weight loads overlap the end of
+    the kernel before it.
     On CUDA the linears (dense and FP8) take the implementation the recorded per-shape table
     `linear_table` picks (csrc's small-M kernel only with `linear_kernels`); FP8 weights
     without a kernel there run the Triton FP8 GEMM (the dequantising reference without it)."""
@@ -178,8 +185,10 @@ def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool 
     if kernels and fused == "compile" and cuda and qk_rope.available():
         # one Triton launch per layer where inductor made up to six
         parts["norm_rope_qk"] = qk_rope.norm_rope_qk
+    pdl = built and pdl
     if built and sampler_kernel and fused == "compile":  # the kernel replaces the compiled draw
-        sample = sampling.sample_topk
+        sample = (functools.wraps(sampling.sample_topk)(
+            functools.partial(sampling.sample_topk, pdl=True)) if pdl else sampling.sample_topk)
     codec = CodecOps(channels_last=cuda and codec_channels_last)
     if built and codec_kernels:
         codec = CodecOps(snake=activation.snake, snake_cat=activation.snake_cat,
@@ -188,17 +197,18 @@ def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool 
     if cuda:
         plan = linear.load_plan(linear_table)
         parts["linear"] = linear.make_linear(plan, kernels=built and linear_kernels,
-                                             fp8_activations=fp8_activations)
+                                             fp8_activations=fp8_activations, pdl=pdl)
         if fused == "compile" and built and linear_kernels:  # with the packed FFN only
-            parts["swiglu_kernel"] = linear.make_swiglu(plan, kernels=True)
+            parts["swiglu_kernel"] = linear.make_swiglu(plan, kernels=True, pdl=pdl)
             if norm_fusion:
-                parts["residual_kernel"] = linear.make_residual(plan, kernels=True)
-                parts["normed_kernel"] = linear.make_normed(plan, kernels=True)
+                parts["residual_kernel"] = linear.make_residual(plan, kernels=True, pdl=pdl)
+                parts["normed_kernel"] = linear.make_normed(plan, kernels=True, pdl=pdl)
     return Ops(
         fused=fused, packed_ffn=fused == "compile", sample=sample, codec=codec,
-        decode_attention=(functools.partial(decode_attention, splits=0 if split_kv else 1)
+        decode_attention=(functools.partial(decode_attention, splits=0 if split_kv else 1,
+                                            pdl=pdl)
                           if built else None),
-        decode_rope=built and decode_rope,
+        decode_rope=built and decode_rope, pdl=pdl,
         shift_window=functools.partial(prev_tokens_shift_inplace, kernel=built),
         **parts,  # type: ignore[arg-type]
     )

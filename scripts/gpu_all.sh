@@ -32,14 +32,16 @@
 # TESTS_TIMEOUT, SERVER_TIMEOUT, ENGINE_LEVELS, ENGINE_RUNS, SKIP (gpu_bench sections;
 # default decode,codec,fixtures,profile), TOTAL (s, default 585), PROBE,
 # COMPILED_SAMPLER=1 (profile the step again with the compiled torch sampler), DECODE_ROPE=1
-# (again with the q/k norm + RoPE inside decode attention, batches 1 and 64).
+# (again with the q/k norm + RoPE inside decode attention, batches 1 and 64), NO_PDL=1 (again
+# with csrc's kernels launched without programmatic dependent launch, batches 1, 2, 64).
 # SWIGLU=1: `linear_bench --swiglu` (the FFN's packed linear + silu*mul vs csrc's SwiGLU
 # epilogue at the M where the table picks the kernel) into $OUT/swiglu.{json,txt}. NORM=1:
 # `linear_bench --norm` (projection + add_rms_norm + projection vs the residual epilogue and
 # normed prologue) into $OUT/norm.{json,txt}.
 # FP8 (issue 14): LINEAR=1 first records the per-shape linear table (bench_latency.linear_bench:
 # cuBLAS vs csrc's small-M kernel vs the Triton FP8 GEMM, every S2-Pro shape at M = 1..64) into
-# $OUT/linear_table.json and installs it for the rest of the call; FP8_GATE=1 runs the FP8-vs-
+# $OUT/linear_table.json and installs it for the rest of the call (LINEAR_INSTALL=0: not, for a
+# partial sweep such as LINEAR_ARGS="--shapes wo --ms 1 --variants 0,3"); FP8_GATE=1 runs the FP8-vs-
 # bf16 correctness gate at real size with its negative controls (engine.fp8_gate);
 # DTYPES="bf16 fp8" runs the server bench and gpu_bench once per model dtype, under
 # $OUT/<dtype>/ (default: bf16 only, straight under $OUT); the server bench saves each
@@ -60,7 +62,7 @@ OUT=${OUT:-artifacts/gpu}
 mkdir -p "$OUT"
 export OUT PYTHONUNBUFFERED=1 RTVOICE_FIXTURES=${RTVOICE_FIXTURES:-tests/fixtures/fish_s2_tiny}
 t0=$(date +%s)
-SMOKE="host_sync or engine_audio or pingpong or replay_streams or fused_kernel or bias_folding or split or two_engines or fixtures_with_fused or swiglu or fused_rope or prefilled_ahead or residual_epilogue or norm_fusion"
+SMOKE="host_sync or engine_audio or pingpong or replay_streams or fused_kernel or bias_folding or split or two_engines or fixtures_with_fused or swiglu or fused_rope or prefilled_ahead or residual_epilogue or norm_fusion or pdl"
 if [ "${TESTS:-smoke}" = all ]; then K=${TESTS_K:-}; else K=${TESTS_K:-$SMOKE}; fi
 [ "${TESTS:-smoke}" = none ] || timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_kernels.py tests/test_fp8_triton.py tests/test_quant.py \
     ${K:+-k "$K"} 2>&1 | grep -Ev '^ |^$|site-packages|Warning:|warnings.html' | tail -15 | tee "$OUT/tests.txt"
@@ -90,7 +92,8 @@ if [ "${LINEAR:-0}" = 1 ]; then  # the per-shape linear table, used by every eng
     timeout ${LINEAR_TIMEOUT:-240} python3 -m bench_latency.linear_bench --out "$OUT/linear_table.json" ${LINEAR_ARGS:-} \
         > "$OUT/linear_bench.txt" 2>&1
     tail -40 "$OUT/linear_bench.txt"
-    [ -s "$OUT/linear_table.json" ] && cp "$OUT/linear_table.json" engine/kernels/linear_table.json
+    [ -s "$OUT/linear_table.json" ] && [ "${LINEAR_INSTALL:-1}" = 1 ] \
+        && cp "$OUT/linear_table.json" engine/kernels/linear_table.json
     echo "linear bench done at +$(( $(date +%s) - t0 ))s"
 fi
 if [ "${FP8_GATE:-0}" = 1 ]; then  # FP8 vs bf16 at real size, with the negative controls
@@ -132,7 +135,7 @@ benches() {
         n=$(( n > 1 ? n - 1 : 1 ))
         timeout -s ABRT "$LEFT" python3 -X faulthandler scripts/gpu_bench.py --dtype "$DT" \
             --skip "${SKIP:-decode,codec,fixtures,profile}" ${COMPILED_SAMPLER:+--compiled-sampler} \
-            ${DECODE_ROPE:+--decode-rope} \
+            ${DECODE_ROPE:+--decode-rope} ${NO_PDL:+--no-pdl} \
             --levels "${ENGINE_LEVELS:-1,4,16,32,64,128}" --frames 64 \
             --engine-runs "${ENGINE_RUNS:-pingpong_codec,pingpong_nocodec,naive_nocodec}" --out "$D_OUT" \
             >"$D_OUT/gpu_bench_log.txt" 2>&1

@@ -83,6 +83,19 @@ def test_graphs_match_eager(gpu_bundle):
         assert torch.equal(a, b)
 
 
+def test_pdl_launches_change_no_frame(gpu_bundle):
+    """The graphed engine with csrc's kernels launched with programmatic dependent launch (the
+    default) gives the greedy frames of plain launches."""
+    on, eng = _run(gpu_bundle, EngineConfig(max_running=4, max_len=512, pingpong=False),
+                   TEXTS[:4])
+    assert eng.ops.pdl and eng.runner.step_graphs
+    off, eng = _run(gpu_bundle, EngineConfig(max_running=4, max_len=512, pingpong=False,
+                                             pdl=False), TEXTS[:4])
+    assert not eng.ops.pdl
+    for a, b in zip(on, off):
+        assert torch.equal(a, b)
+
+
 def test_pingpong_matches_sync(gpu_bundle):
     sync, _ = _run(gpu_bundle, EngineConfig(max_running=8, max_len=512, pingpong=False), TEXTS)
     pp, _eng = _run(gpu_bundle, EngineConfig(max_running=8, max_len=512, pingpong=True), TEXTS)

@@ -1475,3 +1475,66 @@ def test_norm_fusion_in_ops_and_graph_replay():
     assert ops.residual_kernel(big, wo, _bf16(32, D, device="cuda")) is None
     h, hn = ops.linear_add_rms_norm(big, wo, _bf16(32, D, device="cuda"), nw, 1e-6)
     assert isinstance(hn, torch.Tensor)
+
+
+@pytest.mark.cuda
+@_cuda
+def test_pdl_launches_change_no_value_eager_or_in_a_graph():
+    """A chain of csrc kernels, each reading the one before it (the residual epilogue through
+    split K's reduce kernel, the normed prologue, decode attention on the projection's heads,
+    the SwiGLU epilogue, a torch op between them, FP8 with split K, the head and the sampler's
+    draw), launched with programmatic dependent launch: the same values as plain launches,
+    eager and captured in a CUDA graph replayed on new inputs (a kernel that read its input
+    before waiting for the kernel before it would read the previous replay's values)."""
+    from engine.quant import quantize_fp8
+
+    assert extension_available(), "the CUDA extension did not build"
+    B, H, Hkv, D, K, F = 2, 4, 2, 128, 2560, 1024
+    _, _, _, kc, vc, table, wb, pos = _attention_case(B, H, Hkv, D, 40, torch.bfloat16, "cuda",
+                                                      bs=16)
+
+    def w(n, k, seed):
+        return (_bf16(n, k, seed=seed, device="cuda").float() / k**0.5).to(torch.bfloat16)
+
+    wo, wqkv, w13 = w(K, K, 1), w((H + 2 * Hkv) * D, K, 2), w(2 * F, H * D, 3)
+    w2, head = quantize_fp8(w(K, F, 4)), w(1024, K, 5)
+    nw = (1 + 0.1 * _bf16(K, seed=6, device="cuda").float()).to(torch.bfloat16)
+    temp = torch.tensor([0.0, 1.0], device="cuda")
+    top_p = torch.tensor([1.0, 0.9], device="cuda")
+    top_k = torch.tensor([0, 50], device="cuda")
+    seed = torch.tensor([3, 4], device="cuda")
+    step = torch.tensor([0, 7], device="cuda")
+    y = torch.zeros(B, K, dtype=torch.bfloat16, device="cuda")
+    x = torch.zeros(B, K, dtype=torch.bfloat16, device="cuda")
+
+    def chain(pdl):
+        h = linear.gemv_residual(y, wo, x, splits=3, pdl=pdl)
+        qkv = linear.gemv_normed(h, nw, 1e-6, wqkv, pdl=pdl)
+        q = qkv[:, :H * D].view(B, H, D)
+        kn = qkv[:, H * D:(H + Hkv) * D].view(B, Hkv, D)
+        vn = qkv[:, (H + Hkv) * D:].view(B, Hkv, D)
+        a = attention.decode_attention(q, kn, vn, kc, vc, table, wb, pos, span=40, pdl=pdl)
+        z = linear.gemv_swiglu(a.view(B, H * D), w13, pdl=pdl) * 2  # a torch kernel between
+        u = linear.fp8_gemv(z, w2, splits=2, pdl=pdl)
+        logits = linear.gemv(u, head, pdl=pdl)
+        ids = sampling.sample_topk(logits, temp, top_p, top_k, seed, step, 0, pdl=pdl)
+        return h, qkv, a, u, logits, ids
+
+    def fill(s):
+        y.copy_(_bf16(B, K, seed=s, device="cuda"))
+        x.copy_(_bf16(B, K, seed=s + 1, device="cuda"))
+
+    fill(10)
+    plain, eager = chain(False), chain(True)
+    for p, e in zip(plain, eager):
+        assert torch.equal(p, e)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        outs = chain(True)
+    for s in (20, 30, 40):
+        fill(s)
+        g.replay()
+        torch.cuda.synchronize()
+        for p, o in zip(chain(False), outs):
+            assert torch.equal(p, o), s

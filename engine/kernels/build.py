@@ -9,6 +9,7 @@ by the `Ops` it is built with (engine/ops.py), never here.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 from pathlib import Path
 
@@ -37,7 +38,8 @@ def extension_available() -> bool:
         load(name="rtvoice_kernels",
              sources=[str(CSRC / f) for f in ("ops.cpp", *KERNEL_FILES)],
              extra_cuda_cflags=["-O3", f"-gencode=arch=compute_{major}{minor},"
-                                       f"code=sm_{major}{minor}"],
+                                       f"code=sm_{major}{minor}",
+                                f"-DRTV_HEADERS_HASH={_headers_hash()}"],
              verbose=False)
         ok = all(hasattr(torch.ops.rtvoice_kernels, op) for op in KERNEL_OPS)
         log.info("rtvoice CUDA kernels loaded (sm_%d%d)", major, minor)
@@ -45,6 +47,15 @@ def extension_available() -> bool:
     except Exception as e:
         log.warning("rtvoice CUDA kernels unavailable (%s); using the torch fallbacks", e)
         return False
+
+
+def _headers_hash() -> str:
+    """A hash of csrc's headers: torch's extension cache hashes the sources and flags only,
+    so the headers' hash goes into the flags (a changed header rebuilds)."""
+    h = hashlib.sha256()
+    for p in sorted(CSRC.glob("*.cuh")):
+        h.update(p.name.encode() + b"\0" + p.read_bytes())
+    return h.hexdigest()[:16]
 
 
 def kernel_ok(use: bool, *ts: torch.Tensor) -> bool:

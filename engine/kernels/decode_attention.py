@@ -129,7 +129,7 @@ def supports(head_dim: int, n_head: int, n_kv_heads: int) -> bool:
 
 def decode_attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_cache: Tensor,
                      table: Tensor, wblock: Tensor, pos: Tensor, span: int, *, splits: int = 1,
-                     kernel: bool = True, rope: Rope | None = None) -> Tensor:
+                     kernel: bool = True, rope: Rope | None = None, pdl: bool = False) -> Tensor:
     """q [B, H, D]; k_new/v_new [B, Hkv, D]; k_cache/v_cache [N, Hkv, BS, D]: N blocks of BS
     positions; table int64 [B, MB]: row b's position t is at (table[b, t // BS], t % BS);
     wblock/pos int64 [B]: row b writes k_new/v_new at (wblock[b], :, pos[b] % BS) — its own
@@ -141,7 +141,8 @@ def decode_attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v
     the same): each row's positions read by this many blocks (at most 32) and merged (1: one
     block), 0 = as many as fill the GPU at small batches. `rope`: q and k_new are first
     normed and rotated (`apply_rope`; in the kernel's launch where `rope_supported`), and
-    that k is what the cache stores. `kernel=False` runs the fallback.
+    that k is what the cache stores. `kernel=False` runs the fallback. `pdl` (kernel only,
+    sm_90+): launched with programmatic dependent launch (csrc/launch.cuh; same result).
     Returns out [B, H, D] in q's dtype.
     """
     check(q, k_new, v_new, k_cache, v_cache, table, wblock, pos, splits)
@@ -151,8 +152,10 @@ def decode_attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v
         rope = None
     if use:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        extra = () if rope is None else (rope.qw, rope.kw, rope.cs, rope.eps)
+        qw, kw, cs, eps = (None, None, None, 0.0) if rope is None else (
+            rope.qw, rope.kw, rope.cs, rope.eps)
         torch.ops.rtvoice_kernels.decode_attention(q, k_new, v_new, k_cache, v_cache, table,
-                                                   wblock, pos, out, splits, *extra)
+                                                   wblock, pos, out, splits, qw, kw, cs, eps,
+                                                   pdl)
         return out
     return decode_attention_torch(q, k_new, v_new, k_cache, v_cache, table, wblock, pos, span)

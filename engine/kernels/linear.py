@@ -144,11 +144,12 @@ def _use_kernel(kernel: bool, x: Tensor, wq: Tensor, variant: int = 0) -> bool:
 
 def _run(x: Tensor, wq: Tensor, scale: Tensor | None, splits: int, kwarps: int,
          variant: int = 0, glu: bool = False, residual: Tensor | None = None,
-         norm: tuple[Tensor, float] | None = None) -> Tensor:
+         norm: tuple[Tensor, float] | None = None, pdl: bool = False) -> Tensor:
     """The kernel on a contract-checked x [..., K] (CUDA, extension built); `glu`: the
     SwiGLU epilogue (wq = [W1; W3], output [..., N / 2]); `residual` [..., N]: added to
     the output (checked by `_residual_problem`); `norm` (weight [K], eps): x is normed
-    first (checked by `_norm_problem`)."""
+    first (checked by `_norm_problem`); `pdl`: launched with programmatic dependent launch
+    (sm_90+, csrc/launch.cuh: the first weights prefetched while the kernel before ends)."""
     n, k = wq.shape
     m = x.numel() // k
     n_out = n // 2 if glu else n
@@ -157,7 +158,7 @@ def _run(x: Tensor, wq: Tensor, scale: Tensor | None, splits: int, kwarps: int,
         nw, eps = norm if norm is not None else (None, 0.0)
         torch.ops.rtvoice_kernels.linear_small_m(
             x.view(m, k), wq, scale, out, splits, kwarps, variant, glu,
-            None if residual is None else residual.view(m, n), nw, eps)
+            None if residual is None else residual.view(m, n), nw, eps, pdl)
     return out.view(*x.shape[:-1], n_out)
 
 
@@ -252,26 +253,27 @@ def supports(m: int, n: int, k: int, fp8: bool, variant: int = 0) -> bool:
 
 
 def gemv(x: Tensor, w: Tensor, *, splits: int = 0, kwarps: int = 0, variant: int = 0,
-         kernel: bool = True) -> Tensor:
+         kernel: bool = True, pdl: bool = False) -> Tensor:
     """x [..., K] bf16 @ w [N, K]^T bf16 -> [..., N] bf16 (float32 accumulation), at most 64
     rows. `splits`: K cut into this many ranges read by separate blocks (partial sums in
     float32, then summed), 0: automatic; `kwarps`: warps of a block sharing a row tile
     (1, 2, 4, 8; 0: automatic); `variant`: 0 or 1 (module docstring). None of them changes
-    the result beyond float32 summation order. `kernel=False`, CPU tensors or no extension:
-    `F.linear`."""
+    the result beyond float32 summation order; nor does `pdl` (launched with programmatic
+    dependent launch on sm_90+, as the engine's step does). `kernel=False`, CPU tensors or
+    no extension: `F.linear`."""
     problem = _problem(x, w, splits, kwarps, False, variant)
     if problem is not None:
         raise ValueError(f"gemv: {problem}")
     if _use_kernel(kernel, x, w, variant):
-        return _run(x, w, None, splits, kwarps, variant)
+        return _run(x, w, None, splits, kwarps, variant, pdl=pdl)
     return F.linear(x, w)
 
 
 def fp8_gemv(x: Tensor, w: Fp8Weight, *, splits: int = 0, kwarps: int = 0, variant: int = 0,
-             kernel: bool = True) -> Tensor:
+             kernel: bool = True, pdl: bool = False) -> Tensor:
     """x [..., K] bf16 @ W^T with W = w.q * w.scale (e4m3 [N, K], float32 scales per 128 x 128
     block) -> [..., N] bf16: weight-only FP8, the values converted in registers, each 128-wide
-    K block's sum scaled in float32. `splits`, `kwarps`: as for `gemv`; `variant` 0..3 (module
+    K block's sum scaled in float32. `splits`, `kwarps`, `pdl`: as for `gemv`; `variant` 0..3 (module
     docstring: 0 and 1 are exact like the reference's float32 product, 2 where the tensor
     cores keep subnormals, 3 rounds x to f16). `kernel=False`, CPU tensors or no extension:
     `engine.quant.fp8_linear_torch` (the dequantising reference)."""
@@ -280,7 +282,7 @@ def fp8_gemv(x: Tensor, w: Fp8Weight, *, splits: int = 0, kwarps: int = 0, varia
     if problem is not None:
         raise ValueError(f"fp8_gemv: {problem}")
     if _use_kernel(kernel, x, w.q, variant):
-        return _run(x, w.q, w.scale, splits, kwarps, variant)
+        return _run(x, w.q, w.scale, splits, kwarps, variant, pdl=pdl)
     return fp8_linear_torch(x, w)
 
 
@@ -293,18 +295,18 @@ def swiglu_reference(x: Tensor, w13: Tensor) -> Tensor:
 
 
 def gemv_swiglu(x: Tensor, w13: Tensor, *, splits: int = 0, kwarps: int = 0, variant: int = 0,
-                kernel: bool = True) -> Tensor:
+                kernel: bool = True, pdl: bool = False) -> Tensor:
     """The FFN's gated input in one launch: x [..., K] bf16 and w13 = [W1; W3] [2I, K] bf16
     (the gate's rows, then the up projection's) -> silu(x W1^T) * (x W3^T) [..., I] bf16, at
     most 64 rows. The gate and up values are rounded to bf16 as `gemv` would return them,
-    then combined as F.silu(gate) * up computes it in bf16. `splits`, `kwarps`, `variant`: as
+    then combined as F.silu(gate) * up computes it in bf16. `splits`, `kwarps`, `variant`, `pdl`: as
     for `gemv` (same accumulation, so the same gate and up values as `gemv` with the same
     arguments). `kernel=False`, CPU tensors or no extension: `swiglu_reference`."""
     problem = _glu_problem(x, w13, splits, kwarps, variant)
     if problem is not None:
         raise ValueError(f"gemv_swiglu: {problem}")
     if _use_kernel(kernel, x, w13, variant):
-        return _run(x, w13, None, splits, kwarps, variant, glu=True)
+        return _run(x, w13, None, splits, kwarps, variant, glu=True, pdl=pdl)
     return swiglu_reference(x, w13)
 
 
@@ -314,16 +316,16 @@ def residual_reference(x: Tensor, w: Tensor, r: Tensor) -> Tensor:
 
 
 def gemv_residual(x: Tensor, w: Tensor, r: Tensor, *, splits: int = 0, kwarps: int = 0,
-                  variant: int = 0, kernel: bool = True) -> Tensor:
+                  variant: int = 0, kernel: bool = True, pdl: bool = False) -> Tensor:
     """r + x W^T in one launch (a residual block's projection and its add): x [..., K] and
     r [..., N] bf16, w [N, K] bf16. The product is rounded to bf16 as `gemv` returns it,
-    then the sum, as `residual_reference`. `splits`, `kwarps`, `variant`: as for `gemv`.
+    then the sum, as `residual_reference`. `splits`, `kwarps`, `variant`, `pdl`: as for `gemv`.
     `kernel=False`, CPU tensors or no extension: `residual_reference`."""
     problem = _problem(x, w, splits, kwarps, False, variant) or _residual_problem(x, w, r)
     if problem is not None:
         raise ValueError(f"gemv_residual: {problem}")
     if _use_kernel(kernel, x, w, variant):
-        return _run(x, w, None, splits, kwarps, variant, residual=r)
+        return _run(x, w, None, splits, kwarps, variant, residual=r, pdl=pdl)
     return residual_reference(x, w, r)
 
 
@@ -334,10 +336,12 @@ def normed_reference(h: Tensor, nw: Tensor, eps: float, w: Tensor, glu: bool = F
 
 
 def gemv_normed(h: Tensor, nw: Tensor, eps: float, w: Tensor, *, glu: bool = False,
-                splits: int = 0, kwarps: int = 0, kernel: bool = True) -> Tensor:
+                splits: int = 0, kwarps: int = 0, kernel: bool = True,
+                pdl: bool = False) -> Tensor:
     """rms_norm(h) * nw @ W^T in one launch (the norm in the kernel's prologue, rounded as
     engine.functional.rms_norm rounds it; glu: the SwiGLU epilogue of w = [W1; W3]): h
-    [..., K] bf16 with at most NORM_MAX_M rows, nw [K] bf16, w [N, K] bf16. Variant 0 only.
+    [..., K] bf16 with at most NORM_MAX_M rows, nw [K] bf16, w [N, K] bf16. Variant 0 only;
+    `pdl` as for `gemv`.
     `kernel=False`, CPU tensors or no extension: `normed_reference`."""
     problem = ((_glu_problem(h, w, splits, kwarps, 0) if glu
                 else _problem(h, w, splits, kwarps, False, 0))
@@ -345,7 +349,7 @@ def gemv_normed(h: Tensor, nw: Tensor, eps: float, w: Tensor, *, glu: bool = Fal
     if problem is not None:
         raise ValueError(f"gemv_normed: {problem}")
     if _use_kernel(kernel, h, w, 0):
-        return _run(h, w, None, splits, kwarps, 0, glu=glu, norm=(nw, float(eps)))
+        return _run(h, w, None, splits, kwarps, 0, glu=glu, norm=(nw, float(eps)), pdl=pdl)
     return normed_reference(h, nw, eps, w, glu)
 
 
@@ -579,7 +583,8 @@ def triton_fp8() -> LinearFn | None:
     return None if mod is None else mod.fp8_linear_triton
 
 
-def _kernel_or(fallback: LinearFn, splits: int, kwarps: int = 0, variant: int = 0) -> LinearFn:
+def _kernel_or(fallback: LinearFn, splits: int, kwarps: int = 0, variant: int = 0,
+               pdl: bool = False) -> LinearFn:
     """The kernel where this call's x and W meet its layout contract (the shape was checked
     when the plan was consulted; strides and alignment can differ between calls), else
     `fallback`."""
@@ -588,16 +593,18 @@ def _kernel_or(fallback: LinearFn, splits: int, kwarps: int = 0, variant: int = 
         fp8 = isinstance(w, Fp8Weight)
         wq, scale = (w.q, w.scale) if fp8 else (w, None)
         if _problem(x, wq, splits, kwarps, fp8, variant) is None:  # type: ignore[arg-type]
-            return _run(x, wq, scale, splits, kwarps, variant)
+            return _run(x, wq, scale, splits, kwarps, variant, pdl=pdl)
         return fallback(x, w)
 
     return run
 
 
 def resolve(plan: LinearPlan | None, kernels: bool, m: int, n: int, k: int, fp8: bool,
-            dtype: torch.dtype, cuda: bool, fp8_activations: bool = False) -> LinearFn:
+            dtype: torch.dtype, cuda: bool, fp8_activations: bool = False,
+            pdl: bool = False) -> LinearFn:
     """The function that computes an [m, k] x [n, k] linear for x of `dtype` on CUDA or not
-    (`make_linear` calls this once per shape and keeps it)."""
+    (`make_linear` calls this once per shape and keeps it); `pdl`: csrc's kernel launched
+    with programmatic dependent launch."""
     row = (plan.choose(m, n, k, fp8, fp8_activations) if plan is not None
            else PlanRow(fp8, m, n, k, "library"))
     triton_ok = fp8 and cuda and dtype in (torch.bfloat16, torch.float16)
@@ -609,7 +616,7 @@ def resolve(plan: LinearPlan | None, kernels: bool, m: int, n: int, k: int, fp8:
         library = F.linear
     if (row.impl == "gemv" and kernels and cuda and dtype == torch.bfloat16
             and supports(m, n, k, fp8, row.variant)):
-        return _kernel_or(library, row.splits, row.kwarps, row.variant)
+        return _kernel_or(library, row.splits, row.kwarps, row.variant, pdl)
     if row.impl in ("triton", W8A8) and mod is not None:
         fn = mod.fp8_linear_triton_w8a8 if row.impl == W8A8 else mod.fp8_linear_triton
         if row.config is None and row.impl == "triton":
@@ -636,13 +643,13 @@ def _no_swiglu(x: Tensor, w13: Tensor | Fp8Weight) -> None:
     return None
 
 
-def make_swiglu(plan: LinearPlan | None, kernels: bool) -> SwigluFn:
+def make_swiglu(plan: LinearPlan | None, kernels: bool, pdl: bool = False) -> SwigluFn:
     """`Ops.swiglu_kernel`: for x [..., K] and the packed [W1; W3], silu(x W1^T) * (x W3^T)
     from the csrc kernel's SwiGLU epilogue (`gemv_swiglu` with the plan row's splits, kwarps,
     variant) where the plan picked the kernel for that [m, k] x [2I, k] linear and the call
     meets its contract; None otherwise (FP8 weights, the library's shapes, misaligned x): the
     caller then runs the linear and its silu * mul. Chosen once per (M, N, K, x's dtype,
-    CUDA or not), as `make_linear` does."""
+    CUDA or not), as `make_linear` does; `pdl` as there."""
     chosen: dict[tuple[int, int, int, torch.dtype, bool], SwigluFn] = {}
 
     def resolve_glu(m: int, n: int, k: int, dtype: torch.dtype, cuda: bool) -> SwigluFn:
@@ -654,7 +661,8 @@ def make_swiglu(plan: LinearPlan | None, kernels: bool) -> SwigluFn:
         def run(x: Tensor, w13: Tensor | Fp8Weight) -> Tensor | None:
             if _glu_problem(x, w13, splits, kwarps, variant) is not None:
                 return None
-            return _run(x, w13, None, splits, kwarps, variant, glu=True)  # type: ignore[arg-type]
+            return _run(x, w13, None, splits, kwarps, variant, glu=True,  # type: ignore[arg-type]
+                        pdl=pdl)
 
         return run
 
@@ -690,10 +698,11 @@ def _row_lookup(plan: LinearPlan | None,
 ResidualFn = Callable[[Tensor, Tensor | Fp8Weight, Tensor], Tensor | None]
 
 
-def make_residual(plan: LinearPlan | None, kernels: bool) -> ResidualFn:
+def make_residual(plan: LinearPlan | None, kernels: bool, pdl: bool = False) -> ResidualFn:
     """`Ops.residual_kernel`: (y, W, r) -> r + y W^T from csrc's residual epilogue where the
     plan picked the kernel for that linear (dense or FP8 W) and the call meets the contract;
-    None otherwise (the caller runs the linear, then the add). Chosen once per shape."""
+    None otherwise (the caller runs the linear, then the add). Chosen once per shape; `pdl`
+    as for `make_linear`."""
     row_for = _row_lookup(plan, kernels)
 
     def residual(y: Tensor, w: Tensor | Fp8Weight, r: Tensor) -> Tensor | None:
@@ -705,7 +714,7 @@ def make_residual(plan: LinearPlan | None, kernels: bool) -> ResidualFn:
         if (_problem(y, wq, row.splits, row.kwarps, fp8, row.variant)
                 or _residual_problem(y, w, r)) is not None:
             return None
-        return _run(y, wq, scale, row.splits, row.kwarps, row.variant, residual=r)
+        return _run(y, wq, scale, row.splits, row.kwarps, row.variant, residual=r, pdl=pdl)
 
     return residual
 
@@ -714,12 +723,12 @@ NormedFn = Callable[[Tensor, Tensor, float, Tensor | Fp8Weight, bool], Tensor | 
 
 
 def make_normed(plan: LinearPlan | None, kernels: bool,
-                max_m: int = NORMED_DISPATCH_M) -> NormedFn:
+                max_m: int = NORMED_DISPATCH_M, pdl: bool = False) -> NormedFn:
     """`Ops.normed_kernel`: (h, nw, eps, W, glu) -> rms_norm(h) * nw @ W^T (glu: the SwiGLU
     of W = [W1; W3]) from csrc's normed prologue where h has at most `max_m` rows (where it
     measured faster than the norm's own launch), the plan picked the kernel, variant 0, for
     that linear and the call meets the contract (bf16 W); None otherwise (the caller
-    computes the norm first). Chosen once per shape."""
+    computes the norm first). Chosen once per shape; `pdl` as for `make_linear`."""
     row_for = _row_lookup(plan, kernels)
 
     def normed(h: Tensor, nw: Tensor, eps: float, w: Tensor | Fp8Weight,
@@ -733,13 +742,14 @@ def make_normed(plan: LinearPlan | None, kernels: bool,
                    else _problem(h, w, row.splits, row.kwarps, False, 0))
         if (problem or _norm_problem(h, w, nw, eps)) is not None:
             return None
-        return _run(h, w, None, row.splits, row.kwarps, 0, glu=glu, norm=(nw, float(eps)))
+        return _run(h, w, None, row.splits, row.kwarps, 0, glu=glu, norm=(nw, float(eps)),
+                    pdl=pdl)
 
     return normed
 
 
 def make_linear(plan: LinearPlan | None, kernels: bool,
-                fp8_activations: bool = False) -> LinearFn:
+                fp8_activations: bool = False, pdl: bool = False) -> LinearFn:
     """`Ops.linear`: x [..., K] @ W^T for a dense weight (F.linear, or `gemv` where the plan
     picked it) or an `Fp8Weight` (`fp8_gemv` where the plan picked it, the Triton FP8 kernel
     with the plan's config where it picked that, else with its defaults if importable, else
@@ -749,7 +759,9 @@ def make_linear(plan: LinearPlan | None, kernels: bool,
     numerics) where the plan measured it faster; off by default. Without a plan every shape
     takes the library path. The choice is made once per (M, N, K, FP8, x's dtype, CUDA or
     not) and kept in a dict, so a call costs one lookup (eager prefill runs this per layer; a
-    CUDA graph captures it once per shape)."""
+    CUDA graph captures it once per shape). `pdl`: csrc's kernel launched with programmatic
+    dependent launch (sm_90+; csrc/launch.cuh), where each linear's first weight loads
+    overlap the end of the kernel before it."""
     chosen: dict[tuple[int, int, int, bool, torch.dtype, bool], LinearFn] = {}
 
     def linear(x: Tensor, w: Tensor | Fp8Weight) -> Tensor:
@@ -758,7 +770,8 @@ def make_linear(plan: LinearPlan | None, kernels: bool,
         key = (x.numel() // k if k else 0, n, k, fp8, x.dtype, x.is_cuda)
         fn = chosen.get(key)
         if fn is None:
-            fn = chosen[key] = resolve(plan, kernels, *key, fp8_activations=fp8_activations)
+            fn = chosen[key] = resolve(plan, kernels, *key, fp8_activations=fp8_activations,
+                                       pdl=pdl)
         return fn(x, w)
 
     return linear

@@ -84,10 +84,12 @@ def check(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor,
 
 
 def sample_topk(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor, seed: Tensor,
-                step: Tensor, stream: int | Tensor, *, kernel: bool = True) -> Tensor:
+                step: Tensor, stream: int | Tensor, *, kernel: bool = True,
+                pdl: bool = False) -> Tensor:
     """`sample` in one launch per batch: the same rule and noise, equal results but for float
     rounding at top-p boundaries and race near-ties. Runs `sample` off CUDA, for V > 8192,
-    without the extension, or with `kernel=False`."""
+    without the extension, or with `kernel=False`. `pdl` (sm_90+): the launch may start
+    while the kernel before it finishes (csrc/launch.cuh; same result)."""
     if isinstance(stream, int):
         stream = torch.full((logits.shape[0],), stream, dtype=torch.int64, device=logits.device)
     check(logits, temperature, top_p, top_k, seed, step, stream)
@@ -95,6 +97,6 @@ def sample_topk(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tenso
         out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
         torch.ops.rtvoice_kernels.sample_topk(logits, temperature.contiguous(), top_p.contiguous(),
                                               top_k.contiguous(), seed.contiguous(),
-                                              step.contiguous(), stream.contiguous(), out)
+                                              step.contiguous(), stream.contiguous(), out, pdl)
         return out
     return sample(logits, temperature, top_p, top_k, seed, step, stream)
