@@ -65,7 +65,8 @@
 //                  0: automatic (variant 0: the fewest that still give two blocks per SM,
 //                  else 8; 1-3: the fewest that give every SM a block, else 8)
 //   variant 0..3 (above); bf16 weights take 0 or 1
-//   glu    SwiGLU epilogue (bf16 W only): w = [W1; W3] (N = 2 I rows, the gate's then the
+//   glu    SwiGLU epilogue (bf16 W; FP8 W in variant 0 with I % 128 == 0, the tile's gate and
+//          up rows scaled by their own block rows): w = [W1; W3] (N = 2 I rows, the gate's then the
 //          up projection's), out [M, I] = silu(x W1^T) * (x W3^T), each of the two rounded to
 //          bf16 first as the unfused linear would (then silu in float32, rounded, times the
 //          up value, rounded: what F.silu(a) * b does in bf16). A 16-row tile then holds the
@@ -316,8 +317,8 @@ __device__ __forceinline__ __nv_bfloat16 add_residual(float d, __nv_bfloat16 r) 
 
 // The weight rows of 16-row sub-tile `st` that lane group g multiplies: `ra` as the MMA's
 // row g, `rb` as its row g + 8. Plain: rows 16 st + g and + 8. SwiGLU (glu = I): output f =
-// 8 st + g, its gate row f and its up row I + f. kMayGlu = false (FP8 kernels, which never
-// take the epilogue) compiles the SwiGLU branches out: no registers spent on them.
+// 8 st + g, its gate row f and its up row I + f. kMayGlu = false (the pipelined FP8 kernels,
+// which never take the epilogue) compiles the SwiGLU branches out: no registers spent on them.
 struct TileRows {
   int ra, rb;      // weight rows
   bool oka, okb;   // rows that exist (a missing one reads row 0 and its result is dropped)
@@ -516,7 +517,7 @@ __global__ void __launch_bounds__(kThreads, MINB) linear_small_m_kernel(const Ar
   const int c_begin = blockIdx.y * a.cps, c_end = min(a.n_chunks, c_begin + a.cps);
   const int c_full = min(c_end, a.K / kChunk);  // chunks [.., c_full) lie inside K
   const int64_t row_bytes = static_cast<int64_t>(a.K) * kEl;
-  const TileRows tr = tile_rows<!F8>(a, tile, g);
+  const TileRows tr = tile_rows<true>(a, tile, g);
   const uint8_t* w0 = a.w + (tr.oka ? static_cast<int64_t>(tr.ra) * row_bytes : 0) + t * 16;
   const uint8_t* w1 = a.w + (tr.okb ? static_cast<int64_t>(tr.rb) * row_bytes : 0) + t * 16;
   if (a.pdl) {
@@ -553,7 +554,12 @@ __global__ void __launch_bounds__(kThreads, MINB) linear_small_m_kernel(const Ar
     for (int j = 0; j < NT; ++j)
       xrow[j] = a.x + (8 * j + g < a.M ? (8 * j + g) * a.x_rs : 0) + t * kVec;
   }
-  const float* srow = F8 ? a.scale + static_cast<int64_t>(n0 / kScaleBlock) * a.kb : nullptr;
+  // FP8: the scale rows of the tile's MMA rows g (sa) and g + 8 (sb): one block row for a
+  // plain tile (16 rows inside a 128-row block); with SwiGLU the gate rows' and the up
+  // rows' (8 each, the host checked I % 128 == 0)
+  const int64_t na = a.glu > 0 ? tile * 8 : n0, nb = a.glu > 0 ? a.glu + tile * 8 : n0;
+  const float* sra = F8 ? a.scale + (na / kScaleBlock) * a.kb : nullptr;
+  const float* srb = F8 ? a.scale + (nb / kScaleBlock) * a.kb : nullptr;
 
   float acc[NT][4];
 #pragma unroll
@@ -606,11 +612,12 @@ __global__ void __launch_bounds__(kThreads, MINB) linear_small_m_kernel(const Ar
         float part[NT][4] = {};  // this chunk's (scale block's) sum
 #pragma unroll
         for (int s = 0; s < kSteps; ++s) mma_step<NT, F8>(part, wa[u][s], wb[u][s], xf[u][s]);
-        const float sc = !kCheck || c0 + u < c_end ? __ldg(srow + c0 + u) : 0.f;
+        const bool in = !kCheck || c0 + u < c_end;
+        const float sa = in ? __ldg(sra + c0 + u) : 0.f, sb = in ? __ldg(srb + c0 + u) : 0.f;
 #pragma unroll
         for (int j = 0; j < NT; ++j)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) acc[j][e] = fmaf(sc, part[j][e], acc[j][e]);
+          for (int e = 0; e < 4; ++e) acc[j][e] = fmaf(e < 2 ? sa : sb, part[j][e], acc[j][e]);
       } else {
         mma_step<NT, F8>(acc, wa[u][0], wb[u][0], xf[u][0]);
       }
@@ -641,7 +648,7 @@ __global__ void __launch_bounds__(kThreads, MINB) linear_small_m_kernel(const Ar
   }
   // d[e]: row tr.ra (tr.rb for e >= 2), x row 8 j + 2 t (+ 1 for odd e)
 #pragma unroll
-  for (int j = 0; j < NT; ++j) store_tile<!F8>(a, acc[j], tr, 8 * j + 2 * t);
+  for (int j = 0; j < NT; ++j) store_tile<true>(a, acc[j], tr, 8 * j + 2 * t);
 }
 
 // ---------------------------------------------------------------- variants 1-3: pipelined
@@ -1051,9 +1058,12 @@ void linear_small_m(torch::Tensor x, torch::Tensor w, std::optional<torch::Tenso
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && out.dim() == 2,
               "linear_small_m: x must be [M, K], w [N, K] and out [M, N]");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(!glu || (N % 2 == 0 && !scale.has_value()),
-              "linear_small_m: the SwiGLU epilogue takes bf16 weights [W1; W3] with an even "
-              "row count, got ", N, " rows", scale.has_value() ? " of FP8 weights" : "");
+  TORCH_CHECK(!glu || (N % 2 == 0 && (!scale.has_value() ||
+                                       (variant == 0 && (N / 2) % kScaleBlock == 0))),
+              "linear_small_m: the SwiGLU epilogue takes weights [W1; W3] with an even row "
+              "count (FP8: variant 0 and I = N / 2 a multiple of ", kScaleBlock, ", so that W1 "
+              "and W3 keep their own block scales), got ", N, " rows",
+              scale.has_value() ? " of FP8 weights" : "", " and variant ", variant);
   TORCH_CHECK(w.size(1) == K && out.size(0) == M && out.size(1) == (glu ? N / 2 : N),
               "linear_small_m: shapes do not agree: x ", x.sizes(), ", w ", w.sizes(), ", out ",
               out.sizes(), glu ? " (SwiGLU: out [M, N / 2])" : "");

@@ -898,7 +898,7 @@ def test_swiglu_fallback_contract_and_dispatch():
 
     from engine import functional
     from engine.ops import Ops
-    from engine.quant import quantize_fp8
+    from engine.quant import fp8_linear_torch, quantize_fp8
 
     x, w1, w3 = _bf16(3, 64), _bf16(128, 64, seed=1), _bf16(128, 64, seed=2)
     w13 = torch.cat([w1, w3])
@@ -907,13 +907,20 @@ def test_swiglu_fallback_contract_and_dispatch():
     assert torch.equal(linear.gemv_swiglu(x, w13), want)
     assert torch.equal(linear.gemv_swiglu(x, w13, splits=3, kwarps=2, variant=1), want)
     assert linear.gemv_swiglu(x[None], w13).shape == (1, 3, 128)
-    for bad, match in ((w13[:-1], "even row count"), (quantize_fp8(w13), "bf16 weights"),
+    for bad, match in ((w13[:-1], "even row count"),
+                       (quantize_fp8(_bf16(128, 64)), "multiple of 128"),
                        (_bf16(64, 256).t(), "contiguous"),
                        (_bf16(256, 48), "last dim must be K")):
         with pytest.raises(ValueError, match=match):
             linear.gemv_swiglu(x, bad)
     with pytest.raises(ValueError, match="variant 2 converts FP8"):
         linear.gemv_swiglu(x, w13, variant=2)
+    # FP8 [W1; W3] (I a multiple of 128): the dequantising linear, then silu * up
+    f13 = quantize_fp8(w13)
+    hf = fp8_linear_torch(x, f13)
+    assert torch.equal(linear.gemv_swiglu(x, f13), F.silu(hf[:, :128]) * hf[:, 128:])
+    with pytest.raises(ValueError, match="FP8 weights runs in variant 0"):
+        linear.gemv_swiglu(x, f13, variant=1)
 
     plan = linear.LinearPlan.from_rows(_plan_rows())  # n = 256, k = 64: gemv at m <= 8
     fn = linear.make_swiglu(plan, kernels=True)
@@ -1206,6 +1213,35 @@ def test_gemv_swiglu_cuda_matches_unfused(N, K, M):
             bound = 2**-6 * ref32.abs() + 2**-12 * (s1 * (up + 1) + s3 * (act + 1))
             assert bool((err <= bound + 1e-6).all()), \
                 f"{where}: max error {float(err.max()):.3g}"
+
+
+@pytest.mark.cuda
+@_cuda
+@pytest.mark.parametrize("M", [1, 2, 5, 8, 16, 33, 64])
+def test_gemv_swiglu_fp8_cuda_matches_unfused(M):
+    """The SwiGLU epilogue on FP8 [W1; W3] (variant 0, I a multiple of 128): the gate rows
+    and the up rows of a tile scaled by their own block-scale rows, so the result is
+    F.silu(gate) * up of fp8_gemv's output (up to the last ulp of torch's exp), splits and
+    kwarps included; I = 384 has three block rows each."""
+    import torch.nn.functional as F
+
+    from engine.quant import quantize_fp8
+
+    assert extension_available(), "the CUDA extension did not build"
+    for N, K in ((2 * 9728, 2560), (768, 256)):
+        w = (_bf16(N, K, seed=N, device="cuda").float() / K**0.5).to(torch.bfloat16)
+        # per-block magnitudes that differ between W1's and W3's block rows
+        w = (w.float() * torch.linspace(0.5, 4.0, N, device="cuda")[:, None]).to(torch.bfloat16)
+        f13 = quantize_fp8(w)
+        x = _bf16(M, K, seed=M, device="cuda")
+        i = N // 2
+        for splits, kwarps in ((0, 0), (1, 0), (3, 2), (1, 8)):
+            got = linear.gemv_swiglu(x, f13, splits=splits, kwarps=kwarps)
+            h = linear.fp8_gemv(x, f13, splits=splits, kwarps=kwarps)
+            ulps = _ulps_apart(got, F.silu(h[:, :i]) * h[:, i:])
+            where = f"N {N}, splits {splits}, kwarps {kwarps}"
+            assert int(ulps.max()) <= 1, f"{where}: {int(ulps.max())} ulps off"
+            assert float((ulps > 0).float().mean()) < 1e-3, where
 
 
 @pytest.mark.cuda

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import functional
+from ..quant import BLOCK as FP8_BLOCK
 from ..quant import Fp8Weight, fp8_linear_torch
 from .build import extension_available, kernel_ok
 
@@ -232,15 +233,23 @@ def _smem_optin(index: int) -> int:
 
 def _glu_problem(x: Tensor, w13: object, splits: object, kwarps: object,
                  variant: object) -> str | None:
-    """What keeps the SwiGLU epilogue from taking x [..., K] and w13 = [W1; W3] [2I, K], or
-    None: the plain kernel's contract, bf16 weights (FP8 W1 and W3 have separate block
-    scales) and an even row count."""
-    if isinstance(w13, Fp8Weight):
-        return "the SwiGLU epilogue takes bf16 weights, not FP8 ones"
-    problem = _problem(x, w13, splits, kwarps, False, variant)  # type: ignore[arg-type]
-    if problem is None and w13.shape[0] % 2:  # type: ignore[union-attr]
-        return f"[W1; W3] must have an even row count, got {w13.shape[0]}"  # type: ignore[union-attr]
-    return problem
+    """What keeps the SwiGLU epilogue from taking x [..., K] and w13 = [W1; W3] [2I, K] (bf16
+    or an Fp8Weight), or None: the plain kernel's contract and an even row count; FP8: variant
+    0 and I a multiple of the 128-row scale block (a tile's 8 gate and 8 up rows each inside
+    one block row of W1's and W3's scales)."""
+    fp8 = isinstance(w13, Fp8Weight)
+    wq = w13.q if fp8 else w13  # type: ignore[union-attr]
+    problem = _problem(x, wq, splits, kwarps, fp8, variant)  # type: ignore[arg-type]
+    if problem is not None:
+        return problem
+    if wq.shape[0] % 2:
+        return f"[W1; W3] must have an even row count, got {wq.shape[0]}"
+    if fp8 and variant != 0:
+        return f"the SwiGLU epilogue of FP8 weights runs in variant 0, got variant {variant}"
+    if fp8 and (wq.shape[0] // 2) % FP8_BLOCK:
+        return (f"FP8 [W1; W3] needs I = {wq.shape[0] // 2} to be a multiple of {FP8_BLOCK} "
+                "(W1's and W3's block scales apart)")
+    return None
 
 
 # ---------------------------------------------------------------------- wrappers
@@ -286,27 +295,29 @@ def fp8_gemv(x: Tensor, w: Fp8Weight, *, splits: int = 0, kwarps: int = 0, varia
     return fp8_linear_torch(x, w)
 
 
-def swiglu_reference(x: Tensor, w13: Tensor) -> Tensor:
-    """silu(x W1^T) * (x W3^T) for w13 = [W1; W3] [2I, K], unfused: the library linear,
-    then F.silu(gate) * up (what the kernel's epilogue reproduces)."""
-    h = F.linear(x, w13)
+def swiglu_reference(x: Tensor, w13: Tensor | Fp8Weight) -> Tensor:
+    """silu(x W1^T) * (x W3^T) for w13 = [W1; W3] [2I, K], unfused: the library linear (the
+    dequantising reference for an Fp8Weight), then F.silu(gate) * up (what the kernel's
+    epilogue reproduces)."""
+    h = fp8_linear_torch(x, w13) if isinstance(w13, Fp8Weight) else F.linear(x, w13)
     i = w13.shape[0] // 2
     return F.silu(h[..., :i]) * h[..., i:]
 
 
-def gemv_swiglu(x: Tensor, w13: Tensor, *, splits: int = 0, kwarps: int = 0, variant: int = 0,
+def gemv_swiglu(x: Tensor, w13: Tensor | Fp8Weight, *, splits: int = 0, kwarps: int = 0, variant: int = 0,
                 kernel: bool = True, pdl: bool = False) -> Tensor:
     """The FFN's gated input in one launch: x [..., K] bf16 and w13 = [W1; W3] [2I, K] bf16
-    (the gate's rows, then the up projection's) -> silu(x W1^T) * (x W3^T) [..., I] bf16, at
-    most 64 rows. The gate and up values are rounded to bf16 as `gemv` would return them,
+    or an Fp8Weight (variant 0, I a multiple of 128) (the gate's rows, then the up
+    projection's) -> silu(x W1^T) * (x W3^T) [..., I] bf16, at most 64 rows. The gate and up values are rounded to bf16 as `gemv` would return them,
     then combined as F.silu(gate) * up computes it in bf16. `splits`, `kwarps`, `variant`, `pdl`: as
     for `gemv` (same accumulation, so the same gate and up values as `gemv` with the same
     arguments). `kernel=False`, CPU tensors or no extension: `swiglu_reference`."""
     problem = _glu_problem(x, w13, splits, kwarps, variant)
     if problem is not None:
         raise ValueError(f"gemv_swiglu: {problem}")
-    if _use_kernel(kernel, x, w13, variant):
-        return _run(x, w13, None, splits, kwarps, variant, glu=True, pdl=pdl)
+    wq, scale = (w13.q, w13.scale) if isinstance(w13, Fp8Weight) else (w13, None)
+    if _use_kernel(kernel, x, wq, variant):
+        return _run(x, wq, scale, splits, kwarps, variant, glu=True, pdl=pdl)
     return swiglu_reference(x, w13)
 
 
@@ -647,30 +658,31 @@ def make_swiglu(plan: LinearPlan | None, kernels: bool, pdl: bool = False) -> Sw
     """`Ops.swiglu_kernel`: for x [..., K] and the packed [W1; W3], silu(x W1^T) * (x W3^T)
     from the csrc kernel's SwiGLU epilogue (`gemv_swiglu` with the plan row's splits, kwarps,
     variant) where the plan picked the kernel for that [m, k] x [2I, k] linear and the call
-    meets its contract; None otherwise (FP8 weights, the library's shapes, misaligned x): the
-    caller then runs the linear and its silu * mul. Chosen once per (M, N, K, x's dtype,
-    CUDA or not), as `make_linear` does; `pdl` as there."""
-    chosen: dict[tuple[int, int, int, torch.dtype, bool], SwigluFn] = {}
+    meets its contract (FP8 weights: where the plan picked variant 0); None otherwise (the
+    library's shapes, misaligned x): the caller then runs the linear and its silu * mul.
+    Chosen once per (M, N, K, FP8, x's dtype, CUDA or not), as `make_linear` does; `pdl` as
+    there."""
+    chosen: dict[tuple[int, int, int, bool, torch.dtype, bool], SwigluFn] = {}
 
-    def resolve_glu(m: int, n: int, k: int, dtype: torch.dtype, cuda: bool) -> SwigluFn:
-        row = _gemv_row(plan, kernels, m, n, k, False, dtype, cuda)
-        if row is None or n % 2:
+    def resolve_glu(m: int, n: int, k: int, fp8: bool, dtype: torch.dtype,
+                    cuda: bool) -> SwigluFn:
+        row = _gemv_row(plan, kernels, m, n, k, fp8, dtype, cuda)
+        if row is None or n % 2 or (fp8 and row.variant != 0):
             return _no_swiglu
         splits, kwarps, variant = row.splits, row.kwarps, row.variant
 
         def run(x: Tensor, w13: Tensor | Fp8Weight) -> Tensor | None:
             if _glu_problem(x, w13, splits, kwarps, variant) is not None:
                 return None
-            return _run(x, w13, None, splits, kwarps, variant, glu=True,  # type: ignore[arg-type]
-                        pdl=pdl)
+            wq, scale = (w13.q, w13.scale) if isinstance(w13, Fp8Weight) else (w13, None)
+            return _run(x, wq, scale, splits, kwarps, variant, glu=True, pdl=pdl)
 
         return run
 
     def swiglu(x: Tensor, w13: Tensor | Fp8Weight) -> Tensor | None:
-        if isinstance(w13, Fp8Weight):
-            return None
         n, k = w13.shape
-        key = (x.numel() // k if k else 0, n, k, x.dtype, x.is_cuda)
+        key = (x.numel() // k if k else 0, n, k, isinstance(w13, Fp8Weight), x.dtype,
+               x.is_cuda)
         fn = chosen.get(key)
         if fn is None:
             fn = chosen[key] = resolve_glu(*key)
