@@ -201,7 +201,7 @@ def _chunks(k: int, fp8: bool, variant: int) -> int:
 
 
 def sweep_gemv(timer: Timer, fp8: bool, variants: tuple[int, ...], chunks_of,
-               pdl: bool = True) -> None:
+               pdl: int = 1) -> None:
     """Each variant over kwarps (no split), then over splits at its best kwarps; `pdl`: the
     kernel launched with programmatic dependent launch, as the engine launches it."""
     fn = fp8_gemv if fp8 else gemv
@@ -226,7 +226,7 @@ def sweep_gemv(timer: Timer, fp8: bool, variants: tuple[int, ...], chunks_of,
 
 def bench_shape(name: str, n: int, k: int, ms: tuple[int, ...], reps: int, copy: float,
                 built: bool, reference: bool, variants: tuple[int, ...],
-                triton: bool, pdl: bool = True) -> list[PlanRow]:
+                triton: bool, pdl: int = 1) -> list[PlanRow]:
     rows: list[PlanRow] = []
     g = torch.Generator(device="cuda").manual_seed(n + k)
     base = (torch.randn(n, k, device="cuda", generator=g) / math.sqrt(k)).to(torch.bfloat16)
@@ -309,7 +309,7 @@ def bench_shape(name: str, n: int, k: int, ms: tuple[int, ...], reps: int, copy:
 
 
 def bench_swiglu(ms: tuple[int, ...], reps: int, table: Path,
-                 pdl: bool = True) -> list[dict[str, object]]:
+                 pdl: int = 1) -> list[dict[str, object]]:
     """The packed FFN input projection + SwiGLU at each M where `table` picks the csrc kernel
     for it: unfused (the kernel, then the compiled silu * mul, as Ops.swiglu ran it) vs the
     kernel's SwiGLU epilogue with the same splits / kwarps / variant. Returns one result per
@@ -368,7 +368,7 @@ def _norm_pair_fused(wa: torch.Tensor, wb: torch.Tensor, *, y: torch.Tensor, x: 
 
 
 def bench_norm(ms: tuple[int, ...], reps: int, table: Path,
-               pdl: bool = True) -> list[dict[str, object]]:
+               pdl: int = 1) -> list[dict[str, object]]:
     """A block's residual add + RMSNorm between two projections, at each M where `table`
     picks the csrc kernel, variant 0, for both: unfused (projection, compiled add_rms_norm,
     projection: as the engine ran it before) vs the residual epilogue + normed prologue.
@@ -448,10 +448,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="time a block's projection + residual add + RMSNorm + next projection, "
                     "unfused vs the residual epilogue and normed prologue, at the M where the "
                     "table (--table) picks the kernel for both")
-    ap.add_argument("--no-pdl", action="store_true",
-                    help="launch csrc's kernel without programmatic dependent launch (the "
-                    "engine launches it with PDL: each call's first weights are fetched while "
-                    "the call before ends)")
+    ap.add_argument("--pdl", type=int, default=1, choices=(0, 1, 2, 3),
+                    help="csrc's kernel launch: 1 (the engine's) programmatic dependent launch, "
+                    "each call's first weights fetched while the call before ends; 0 a plain "
+                    "launch; 2, 3 csrc/linear.cu's other PDL modes")
     ap.add_argument("--table", type=Path, default=DEFAULT_TABLE,
                     help="the recorded table --swiglu and --norm follow")
     args = ap.parse_args(argv)
@@ -467,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
         bench = bench_swiglu if args.swiglu else bench_norm
         with torch.inference_mode():
             res = bench(tuple(int(m) for m in args.ms.split(",")), args.reps, args.table,
-                        not args.no_pdl)
+                        args.pdl)
         if args.out:
             args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(),
                                             what: res}, indent=1) + "\n")
@@ -507,12 +507,12 @@ def main(argv: list[str] | None = None) -> int:
         for s in names:
             print(f"-- {s} {SHAPES[s]} at {time.perf_counter() - t0:.0f} s", flush=True)
             rows += bench_shape(s, *SHAPES[s], ms, args.reps, copy, built, args.reference,
-                                variants, triton, not args.no_pdl)
+                                variants, triton, args.pdl)
     print(f"done in {time.perf_counter() - t0:.0f} s")
     if args.out:
         args.out.write_text(json.dumps(
             {"device": device, "copy_gbs": round(copy, 1), "torch": torch.__version__,
-             "variants": list(variants), "pdl": not args.no_pdl, "rows": [r.to_json() for r in rows]}, indent=1) + "\n")
+             "variants": list(variants), "pdl": args.pdl, "rows": [r.to_json() for r in rows]}, indent=1) + "\n")
         print(f"wrote {len(rows)} rows to {args.out}")
     return 0
 

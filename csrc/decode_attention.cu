@@ -145,7 +145,6 @@ __global__ void __launch_bounds__(kGroups * L) decode_attention_kernel(
   const int h0 = g * rep + part * R;  // first query head of this block
   const int grp = threadIdx.x / L, sub = threadIdx.x % L;
   pdl_wait();  // (PDL) q, k_new, v_new, pos come from the kernels before
-  pdl_trigger();
   const int64_t p = pos[b];
   // this block's positions [t_begin, t_end) of 0..p (empty for a split past the row's end)
   // ranges in whole passes of kGroups positions, so only a range's last pass runs part-empty
@@ -245,6 +244,7 @@ __global__ void __launch_bounds__(kGroups * L) decode_attention_kernel(
     }
   }
 
+  pdl_trigger();  // the next kernel's blocks may come in for the merge below
 #pragma unroll
   for (int r = 0; r < R; ++r) {
     if (sub == 0) {

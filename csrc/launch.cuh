@@ -12,8 +12,10 @@
 // that is not PDL-aware (torch, Triton) after one of these waits for its completion.
 //
 // Rules for a kernel launched with `pdl`: no global write and no read of anything an earlier
-// kernel of the stream writes before `pdl_wait`; `pdl_trigger` after `pdl_wait` (the kernel
-// after it may then come in while this one runs: at most two kernels' blocks wait at once).
+// kernel of the stream writes before `pdl_wait`; `pdl_trigger` after `pdl_wait`, and late:
+// after the main loop, so that the next kernel's blocks come in for this one's tail (a block
+// waiting in `pdl_wait` holds its SM slot; triggered right after the wait, every SM would
+// keep one for this kernel's whole run).
 #pragma once
 
 #include <c10/cuda/CUDAException.h>

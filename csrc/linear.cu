@@ -82,9 +82,11 @@
 //          (a warp per row reads it from L2 in one round trip and sums its squares; one
 //          barrier) into shared memory, from which the main loop reads x: the norm's launch
 //          folded into the linear's.
-//   pdl    launch with programmatic dependent launch (sm_90+; ignored before): each warp
-//          brings its first two batches of weights into L2 before waiting for the kernel
-//          before (csrc/launch.cuh), so a linear's first loads overlap that kernel's tail.
+//   pdl    0: a plain launch; 1..3: programmatic dependent launch (sm_90+; a plain launch
+//          before, csrc/launch.cuh): 1 each warp brings its first two batches of weights
+//          into L2 before waiting for the kernel before, so a linear's first loads overlap
+//          that kernel's tail; 2 the same without the prefetch; 3 as 1, triggering the next
+//          kernel right after the wait instead of after the main loop (kPdl* above).
 
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -290,6 +292,15 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+// PDL modes (`pdl`): how a launch overlaps the kernel before it and lets the next one in.
+// The next kernel may start once every block of this one has triggered: triggering early
+// keeps a waiting block of it on every SM for this kernel's whole run, triggering after the
+// main loop only for its tail.
+constexpr int kPdlOff = 0;            // plain launch; trigger after the main loop
+constexpr int kPdlLate = 1;           // PDL launch, first weights prefetched; trigger late
+constexpr int kPdlLateNoPrefetch = 2; // PDL launch, no prefetch; trigger late
+constexpr int kPdlEarly = 3;          // PDL launch, prefetch; trigger right after the wait
+
 struct Args {
   const __nv_bfloat16* x;
   int64_t x_rs;          // x's row stride (elements)
@@ -306,7 +317,7 @@ struct Args {
   const __nv_bfloat16* nw;   // RMSNorm weight [K]: x rows are normed first (null: plain x)
   float eps;
   int xs_rs;                 // row stride (elements) of the normed rows in shared memory
-  int pdl;                   // launched with PDL: prefetch the first weights before the wait
+  int pdl;                   // PDL mode (kPdl*): prefetch before the wait, where to trigger
 };
 
 // y = residual + bf16(d): the linear's output rounded, then the residual add rounded (what
@@ -520,7 +531,7 @@ __global__ void __launch_bounds__(kThreads, MINB) linear_small_m_kernel(const Ar
   const TileRows tr = tile_rows<true>(a, tile, g);
   const uint8_t* w0 = a.w + (tr.oka ? static_cast<int64_t>(tr.ra) * row_bytes : 0) + t * 16;
   const uint8_t* w1 = a.w + (tr.okb ? static_cast<int64_t>(tr.rb) * row_bytes : 0) + t * 16;
-  if (a.pdl) {
+  if (a.pdl == kPdlLate || a.pdl == kPdlEarly) {
     // launched early (PDL): the first kPrefetch full batches of this warp's weights into L2
     // while the kernel before, whose output x is, finishes
     constexpr int kPrefetch = 2;
@@ -538,7 +549,7 @@ __global__ void __launch_bounds__(kThreads, MINB) linear_small_m_kernel(const Ar
     }
   }
   pdl_wait();
-  pdl_trigger();
+  if (a.pdl == kPdlEarly) pdl_trigger();
   // x rows 8 j + g at the lane's k offset: in global memory, or (NORM) normed in shared
   using XRow = std::conditional_t<NORM, uint32_t, const __nv_bfloat16*>;
   XRow xrow[NT];
@@ -628,6 +639,7 @@ __global__ void __launch_bounds__(kThreads, MINB) linear_small_m_kernel(const Ar
   int c0 = c_begin + kw * U;
   for (; c0 + U <= c_full; c0 += a.kw * U) batch(c0, std::false_type{});
   if (c0 < c_end) batch(c0, std::true_type{});
+  if (a.pdl != kPdlEarly) pdl_trigger();  // the next kernel's blocks come in for our tail
 
   // the kw warps of a tile: the first one sums the others' accumulators
   if (a.kw > 1) {
@@ -705,7 +717,7 @@ __global__ void __launch_bounds__(kThreads, MINB) linear_pipe_kernel(const Args 
   unsigned char* ring = smem + warp * (S * kStage);
   const uint32_t ring_lane = smem_u32(ring) + lane * 16;
   pdl_wait();  // (PDL) x and the outputs belong to the kernels before
-  pdl_trigger();
+  if (a.pdl == kPdlEarly) pdl_trigger();
 
   // chunk c into stage st: load (r, s, h) = row tr[r].ra (h = 0) or .rb (h = 1), k = c kChunk
   // + s 4 kVec + t kVec at slot (r * 2 + s) * 2 + h. The chunk reaching past K zero-fills its
@@ -851,6 +863,7 @@ __global__ void __launch_bounds__(kThreads, MINB) linear_pipe_kernel(const Args 
     st_r = st_r == S - 1 ? 0 : st_r + 1;
   }
   cp_async_wait<0>();
+  if (a.pdl != kPdlEarly) pdl_trigger();
 
   // the kw warps of a tile: the first one sums the others' accumulators (through the rings'
   // memory, once every warp of the block is done with its ring)
@@ -975,7 +988,7 @@ constexpr int kNormSmemMax = 160 * 1024;
 constexpr int kNormPad = 32;  // elements: rows 64 bytes apart mod 128, no bank conflicts
 
 // Variant 0 with the normed prologue (bf16 W, M <= 16) for `smem` bytes of normed rows: past
-// the default 48 KB the kernel is allowed that much (the largest asked so far per device, under
+// the default 48 KB (with its static shared memory) the kernel is allowed that much (the largest asked so far per device, under
 // a lock: a smaller setting after a larger one would fail the larger launch), within what the
 // device allows a block beside the kernel's static shared memory.
 Kern v0_norm_kern(int nt, int dev, int smem) {
@@ -984,7 +997,10 @@ Kern v0_norm_kern(int nt, int dev, int smem) {
   static std::mutex lock;
   static int allowed[64][2] = {};
   const int i = nt <= 1 ? 0 : 1;
-  if (smem > 48 * 1024) {
+  // the kernel's static shared memory (its warps' partial sums, red[kWarps][NT * 4][32])
+  // counts toward the default 48 KB per block too
+  const int stat = kWarps * (i + 1) * 4 * 32 * static_cast<int>(sizeof(float));
+  if (smem + stat > 48 * 1024) {
     const std::lock_guard<std::mutex> hold(lock);
     if (dev >= 64 || smem > allowed[dev][i]) {
       cudaFuncAttributes attr;
@@ -1052,7 +1068,7 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 void linear_small_m(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> scale,
                     torch::Tensor out, int64_t splits, int64_t kwarps, int64_t variant,
                     bool glu, std::optional<torch::Tensor> residual,
-                    std::optional<torch::Tensor> norm_weight, double eps, bool pdl) {
+                    std::optional<torch::Tensor> norm_weight, double eps, int64_t pdl) {
   TORCH_CHECK(x.is_cuda() && w.device() == x.device() && out.device() == x.device(),
               "linear_small_m: x, w and out must be CUDA tensors on one device");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && out.dim() == 2,
@@ -1102,6 +1118,8 @@ void linear_small_m(torch::Tensor x, torch::Tensor w, std::optional<torch::Tenso
               "linear_small_m: kwarps must be 0 (automatic), 1, 2, 4 or 8, got ", kwarps);
   TORCH_CHECK(variant >= 0 && variant <= 3, "linear_small_m: variant must be 0..3, got ",
               variant);
+  TORCH_CHECK(pdl >= kPdlOff && pdl <= kPdlEarly, "linear_small_m: pdl must be 0..3, got ",
+              pdl);
   TORCH_CHECK(f8 || variant <= 1,
               "linear_small_m: variants 2 and 3 convert FP8 weights; bf16 weights take 0 or 1");
   if (residual.has_value()) {
@@ -1187,19 +1205,21 @@ void linear_small_m(torch::Tensor x, torch::Tensor w, std::optional<torch::Tenso
          residual.has_value() ? residual->stride(0) : 0,
          norm ? reinterpret_cast<const __nv_bfloat16*>(norm_weight->data_ptr()) : nullptr,
          static_cast<float>(eps), static_cast<int>(xs_rs), 0};
-  pdl = pdl && rtvoice::pdl_device(dev);
-  a.pdl = pdl ? 1 : 0;
+  const bool launch_pdl = pdl != kPdlOff && rtvoice::pdl_device(dev);
+  a.pdl = launch_pdl ? static_cast<int>(pdl) : kPdlOff;
   auto stream = c10::cuda::getCurrentCUDAStream();
-  rtvoice::launch_kernel(kern.fn, grid, dim3(kThreads), kern.smem, stream, pdl, a);
+  rtvoice::launch_kernel(kern.fn, grid, dim3(kThreads), kern.smem, stream, launch_pdl, a);
   if (splits > 1) {
     const int64_t mn = glu ? M * N / 2 : M * N;  // outputs
     const int blocks = static_cast<int>(std::min<int64_t>((mn + 255) / 256, 4 * n_sm));
     if (glu)
-      rtvoice::launch_kernel(linear_splits_reduce_glu, dim3(blocks), dim3(256), 0, stream, pdl,
+      rtvoice::launch_kernel(linear_splits_reduce_glu, dim3(blocks), dim3(256), 0, stream,
+                             launch_pdl,
                              ws.data_ptr<float>(), a.y, M, static_cast<int>(N / 2),
                              static_cast<int>(splits));
     else
-      rtvoice::launch_kernel(linear_splits_reduce, dim3(blocks), dim3(256), 0, stream, pdl,
+      rtvoice::launch_kernel(linear_splits_reduce, dim3(blocks), dim3(256), 0, stream,
+                             launch_pdl,
                              ws.data_ptr<float>(), a.y, mn, static_cast<int>(splits), a.res,
                              static_cast<int>(N), a.res_rs);
   }

@@ -114,7 +114,6 @@ __global__ void __launch_bounds__(kThreads) sample_topk_kernel(
   const T* row = logits + b * row_stride;
   const int K = V < kK ? V : kK;
   rtvoice::pdl_wait();  // (PDL) the logits and the draw's inputs come from the kernels before
-  rtvoice::pdl_trigger();
 
   // 1. the row, as float, and its softmax normaliser
   float lmax = -INFINITY;
@@ -212,6 +211,7 @@ __global__ void __launch_bounds__(kThreads) sample_topk_kernel(
     }
   }
 
+  rtvoice::pdl_trigger();  // what is left is one warp's work: the next kernel may come in
   // 5. top-p / top-k masks, tempered softmax of the kept candidates, the race (one warp)
   if (tid < 32) {
     const float t = fmaxf(temperature[b], 1e-5f), p_top = top_p[b];

@@ -151,7 +151,7 @@ def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool 
               sampler_kernel: bool = True, codec_kernels: bool = True,
               split_kv: bool = False, linear_kernels: bool = True,
               fp8_activations: bool = False, codec_channels_last: bool = True,
-              decode_rope: bool = False, norm_fusion: bool = True, pdl: bool = True,
+              decode_rope: bool = False, norm_fusion: bool = True, pdl: bool | int = True,
               linear_table: Path | None = linear.DEFAULT_TABLE) -> Ops:
     """The ops an engine on `device` runs. `fused`: "compile" (torch.compile'd elementwise ops
     and the packed FFN GEMM), "reference", or "auto" (compile on CUDA only). `kernels`: use
@@ -166,7 +166,8 @@ def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool 
     RMSNorm after it in the next projection's prologue (no launch of their own); `pdl`: csrc's
     linear, attention and sampling kernels launched with programmatic dependent launch (a
     no-op before sm_90; same results), so each one's first weight loads overlap the end of
-    the kernel before it.
+    the kernel before it (an int picks csrc/linear.cu's PDL mode for the linears, for
+    benchmarks; True = 1).
     On CUDA the linears (dense and FP8) take the implementation the recorded per-shape table
     `linear_table` picks (csrc's small-M kernel only with `linear_kernels`); FP8 weights
     without a kernel there run the Triton FP8 GEMM (the dequantising reference without it)."""
@@ -185,7 +186,7 @@ def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool 
     if kernels and fused == "compile" and cuda and qk_rope.available():
         # one Triton launch per layer where inductor made up to six
         parts["norm_rope_qk"] = qk_rope.norm_rope_qk
-    pdl = built and pdl
+    pdl = pdl if built else False
     if built and sampler_kernel and fused == "compile":  # the kernel replaces the compiled draw
         sample = (functools.wraps(sampling.sample_topk)(
             functools.partial(sampling.sample_topk, pdl=True)) if pdl else sampling.sample_topk)
@@ -206,9 +207,9 @@ def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool 
     return Ops(
         fused=fused, packed_ffn=fused == "compile", sample=sample, codec=codec,
         decode_attention=(functools.partial(decode_attention, splits=0 if split_kv else 1,
-                                            pdl=pdl)
+                                            pdl=bool(pdl))
                           if built else None),
-        decode_rope=built and decode_rope, pdl=pdl,
+        decode_rope=built and decode_rope, pdl=bool(pdl),
         shift_window=functools.partial(prev_tokens_shift_inplace, kernel=built),
         **parts,  # type: ignore[arg-type]
     )

@@ -32,8 +32,9 @@
 # TESTS_TIMEOUT, SERVER_TIMEOUT, ENGINE_LEVELS, ENGINE_RUNS, SKIP (gpu_bench sections;
 # default decode,codec,fixtures,profile), TOTAL (s, default 585), PROBE,
 # COMPILED_SAMPLER=1 (profile the step again with the compiled torch sampler), DECODE_ROPE=1
-# (again with the q/k norm + RoPE inside decode attention, batches 1 and 64), NO_PDL=1 (again
-# with csrc's kernels launched without programmatic dependent launch, batches 1, 2, 64).
+# (again with the q/k norm + RoPE inside decode attention, batches 1 and 64), PDL_MODES="0,2" (again
+# with csrc's kernels launched without programmatic dependent launch (0) or in the linears'
+# other PDL modes, batches 1, 2, 64).
 # SWIGLU=1: `linear_bench --swiglu` (the FFN's packed linear + silu*mul vs csrc's SwiGLU
 # epilogue at the M where the table picks the kernel) into $OUT/swiglu.{json,txt}. NORM=1:
 # `linear_bench --norm` (projection + add_rms_norm + projection vs the residual epilogue and
@@ -135,7 +136,7 @@ benches() {
         n=$(( n > 1 ? n - 1 : 1 ))
         timeout -s ABRT "$LEFT" python3 -X faulthandler scripts/gpu_bench.py --dtype "$DT" \
             --skip "${SKIP:-decode,codec,fixtures,profile}" ${COMPILED_SAMPLER:+--compiled-sampler} \
-            ${DECODE_ROPE:+--decode-rope} ${NO_PDL:+--no-pdl} \
+            ${DECODE_ROPE:+--decode-rope} ${PDL_MODES:+--pdl-modes $PDL_MODES} \
             --levels "${ENGINE_LEVELS:-1,4,16,32,64,128}" --frames 64 \
             --engine-runs "${ENGINE_RUNS:-pingpong_codec,pingpong_nocodec,naive_nocodec}" --out "$D_OUT" \
             >"$D_OUT/gpu_bench_log.txt" 2>&1

@@ -13,6 +13,7 @@ Prints one JSON document (also written to DIR/gpu_bench.json).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -364,11 +365,12 @@ def _category(name: str) -> str:
 
 
 def profile_step(report: dict, device: str, sampler_kernel: bool = True,
-                 dtype: str = "bf16", decode_rope: bool = False, pdl: bool = True,
+                 dtype: str = "bf16", decode_rope: bool = False, pdl: int = 1,
                  batches: tuple[int, ...] = (1, 2, 16, 64)) -> None:
     """Where one frame step's GPU time goes (eager, fused ops), and graph-replay step time.
     `decode_rope`: with the q/k norm + RoPE inside decode attention (key profile_decode_rope);
-    `pdl=False`: csrc's kernels launched plainly (key profile_no_pdl)."""
+    `pdl`: csrc's PDL mode (0: plain launches, 2, 3: the linears' other modes; key
+    profile_pdl<mode> where not 1, the default)."""
     from engine.fusion import pack_ffn
     from engine.loader import load_bundle
     from engine.ops import build_ops
@@ -422,7 +424,7 @@ def profile_step(report: dict, device: str, sampler_kernel: bool = True,
                   "most_launched": [list(x) for x in by_count]}
         print(json.dumps({B: out[B]})[:1500], flush=True)
         del g
-    report["profile_decode_rope" if decode_rope else "profile_no_pdl" if not pdl
+    report["profile_decode_rope" if decode_rope else f"profile_pdl{pdl}" if pdl != 1
            else "profile" if sampler_kernel else "profile_compiled_sampler"] = out
     del runner, b
     torch.cuda.empty_cache()
@@ -445,9 +447,10 @@ def main() -> int:
     ap.add_argument("--decode-rope", action="store_true",
                     help="profile the step again with the q/k norm + RoPE inside decode "
                          "attention (key profile_decode_rope; batches 1 and 64)")
-    ap.add_argument("--no-pdl", action="store_true",
-                    help="profile the step again with csrc's kernels launched without "
-                         "programmatic dependent launch (key profile_no_pdl; batches 1, 2, 64)")
+    ap.add_argument("--pdl-modes", default="",
+                    help="comma list of csrc PDL modes to profile the step again with (0: "
+                         "plain launches; 2, 3: csrc/linear.cu's other modes; keys "
+                         "profile_pdl<mode>, batches 1, 2, 64)")
     ap.add_argument("--engine-runs", default="", help="comma list of engine runs to keep "
                     "(pingpong_codec, pingpong_codec_decode_priority, "
                     "pingpong_codec_codec_priority, pingpong_codec_prefill_batch_64, "
@@ -476,17 +479,17 @@ def main() -> int:
                       lambda: profile_step(report, device, sampler_kernel=False)),
                      ("profile_decode_rope",
                       lambda: profile_step(report, device, decode_rope=True, batches=(1, 64))),
-                     ("profile_no_pdl",
-                      lambda: profile_step(report, device, dtype=args.dtype, pdl=False,
-                                           batches=(1, 2, 64))),
+                     *((f"profile_pdl{mode}",
+                        functools.partial(profile_step, report, device, dtype=args.dtype,
+                                          pdl=mode, batches=(1, 2, 64)))
+                       for mode in sorted({int(x) for x in args.pdl_modes.split(",") if x})),
                      ("engine", lambda: engine_sweep(report, device,
                                                      [int(x) for x in args.levels.split(",")],
                                                      args.frames,
                                                      set(filter(None, args.engine_runs.split(","))),
                                                      save, args.dtype))):
         if name in skip or (name == "profile_compiled_sampler" and not args.compiled_sampler) \
-                or (name == "profile_decode_rope" and not args.decode_rope) \
-                or (name == "profile_no_pdl" and not args.no_pdl):
+                or (name == "profile_decode_rope" and not args.decode_rope):
             continue
         t = time.perf_counter()
         stalled = False

@@ -145,12 +145,13 @@ def _use_kernel(kernel: bool, x: Tensor, wq: Tensor, variant: int = 0) -> bool:
 
 def _run(x: Tensor, wq: Tensor, scale: Tensor | None, splits: int, kwarps: int,
          variant: int = 0, glu: bool = False, residual: Tensor | None = None,
-         norm: tuple[Tensor, float] | None = None, pdl: bool = False) -> Tensor:
+         norm: tuple[Tensor, float] | None = None, pdl: bool | int = False) -> Tensor:
     """The kernel on a contract-checked x [..., K] (CUDA, extension built); `glu`: the
     SwiGLU epilogue (wq = [W1; W3], output [..., N / 2]); `residual` [..., N]: added to
     the output (checked by `_residual_problem`); `norm` (weight [K], eps): x is normed
     first (checked by `_norm_problem`); `pdl`: launched with programmatic dependent launch
-    (sm_90+, csrc/launch.cuh: the first weights prefetched while the kernel before ends)."""
+    (sm_90+, csrc/launch.cuh: the first weights prefetched while the kernel before ends;
+    an int picks one of csrc/linear.cu's PDL modes, True = 1)."""
     n, k = wq.shape
     m = x.numel() // k
     n_out = n // 2 if glu else n
@@ -159,7 +160,7 @@ def _run(x: Tensor, wq: Tensor, scale: Tensor | None, splits: int, kwarps: int,
         nw, eps = norm if norm is not None else (None, 0.0)
         torch.ops.rtvoice_kernels.linear_small_m(
             x.view(m, k), wq, scale, out, splits, kwarps, variant, glu,
-            None if residual is None else residual.view(m, n), nw, eps, pdl)
+            None if residual is None else residual.view(m, n), nw, eps, int(pdl))
     return out.view(*x.shape[:-1], n_out)
 
 
@@ -262,13 +263,14 @@ def supports(m: int, n: int, k: int, fp8: bool, variant: int = 0) -> bool:
 
 
 def gemv(x: Tensor, w: Tensor, *, splits: int = 0, kwarps: int = 0, variant: int = 0,
-         kernel: bool = True, pdl: bool = False) -> Tensor:
+         kernel: bool = True, pdl: bool | int = False) -> Tensor:
     """x [..., K] bf16 @ w [N, K]^T bf16 -> [..., N] bf16 (float32 accumulation), at most 64
     rows. `splits`: K cut into this many ranges read by separate blocks (partial sums in
     float32, then summed), 0: automatic; `kwarps`: warps of a block sharing a row tile
     (1, 2, 4, 8; 0: automatic); `variant`: 0 or 1 (module docstring). None of them changes
     the result beyond float32 summation order; nor does `pdl` (launched with programmatic
-    dependent launch on sm_90+, as the engine's step does). `kernel=False`, CPU tensors or
+    dependent launch on sm_90+, as the engine's step does; 2 and 3 are csrc/linear.cu's
+    other PDL modes, for benchmarks). `kernel=False`, CPU tensors or
     no extension: `F.linear`."""
     problem = _problem(x, w, splits, kwarps, False, variant)
     if problem is not None:
@@ -279,7 +281,7 @@ def gemv(x: Tensor, w: Tensor, *, splits: int = 0, kwarps: int = 0, variant: int
 
 
 def fp8_gemv(x: Tensor, w: Fp8Weight, *, splits: int = 0, kwarps: int = 0, variant: int = 0,
-             kernel: bool = True, pdl: bool = False) -> Tensor:
+             kernel: bool = True, pdl: bool | int = False) -> Tensor:
     """x [..., K] bf16 @ W^T with W = w.q * w.scale (e4m3 [N, K], float32 scales per 128 x 128
     block) -> [..., N] bf16: weight-only FP8, the values converted in registers, each 128-wide
     K block's sum scaled in float32. `splits`, `kwarps`, `pdl`: as for `gemv`; `variant` 0..3 (module
@@ -305,7 +307,7 @@ def swiglu_reference(x: Tensor, w13: Tensor | Fp8Weight) -> Tensor:
 
 
 def gemv_swiglu(x: Tensor, w13: Tensor | Fp8Weight, *, splits: int = 0, kwarps: int = 0, variant: int = 0,
-                kernel: bool = True, pdl: bool = False) -> Tensor:
+                kernel: bool = True, pdl: bool | int = False) -> Tensor:
     """The FFN's gated input in one launch: x [..., K] bf16 and w13 = [W1; W3] [2I, K] bf16
     or an Fp8Weight (variant 0, I a multiple of 128) (the gate's rows, then the up
     projection's) -> silu(x W1^T) * (x W3^T) [..., I] bf16, at most 64 rows. The gate and up values are rounded to bf16 as `gemv` would return them,
@@ -327,7 +329,7 @@ def residual_reference(x: Tensor, w: Tensor, r: Tensor) -> Tensor:
 
 
 def gemv_residual(x: Tensor, w: Tensor, r: Tensor, *, splits: int = 0, kwarps: int = 0,
-                  variant: int = 0, kernel: bool = True, pdl: bool = False) -> Tensor:
+                  variant: int = 0, kernel: bool = True, pdl: bool | int = False) -> Tensor:
     """r + x W^T in one launch (a residual block's projection and its add): x [..., K] and
     r [..., N] bf16, w [N, K] bf16. The product is rounded to bf16 as `gemv` returns it,
     then the sum, as `residual_reference`. `splits`, `kwarps`, `variant`, `pdl`: as for `gemv`.
@@ -348,7 +350,7 @@ def normed_reference(h: Tensor, nw: Tensor, eps: float, w: Tensor, glu: bool = F
 
 def gemv_normed(h: Tensor, nw: Tensor, eps: float, w: Tensor, *, glu: bool = False,
                 splits: int = 0, kwarps: int = 0, kernel: bool = True,
-                pdl: bool = False) -> Tensor:
+                pdl: bool | int = False) -> Tensor:
     """rms_norm(h) * nw @ W^T in one launch (the norm in the kernel's prologue, rounded as
     engine.functional.rms_norm rounds it; glu: the SwiGLU epilogue of w = [W1; W3]): h
     [..., K] bf16 with at most NORM_MAX_M rows, nw [K] bf16, w [N, K] bf16. Variant 0 only;
@@ -595,7 +597,7 @@ def triton_fp8() -> LinearFn | None:
 
 
 def _kernel_or(fallback: LinearFn, splits: int, kwarps: int = 0, variant: int = 0,
-               pdl: bool = False) -> LinearFn:
+               pdl: bool | int = False) -> LinearFn:
     """The kernel where this call's x and W meet its layout contract (the shape was checked
     when the plan was consulted; strides and alignment can differ between calls), else
     `fallback`."""
@@ -612,7 +614,7 @@ def _kernel_or(fallback: LinearFn, splits: int, kwarps: int = 0, variant: int = 
 
 def resolve(plan: LinearPlan | None, kernels: bool, m: int, n: int, k: int, fp8: bool,
             dtype: torch.dtype, cuda: bool, fp8_activations: bool = False,
-            pdl: bool = False) -> LinearFn:
+            pdl: bool | int = False) -> LinearFn:
     """The function that computes an [m, k] x [n, k] linear for x of `dtype` on CUDA or not
     (`make_linear` calls this once per shape and keeps it); `pdl`: csrc's kernel launched
     with programmatic dependent launch."""
@@ -654,7 +656,8 @@ def _no_swiglu(x: Tensor, w13: Tensor | Fp8Weight) -> None:
     return None
 
 
-def make_swiglu(plan: LinearPlan | None, kernels: bool, pdl: bool = False) -> SwigluFn:
+def make_swiglu(plan: LinearPlan | None, kernels: bool,
+                pdl: bool | int = False) -> SwigluFn:
     """`Ops.swiglu_kernel`: for x [..., K] and the packed [W1; W3], silu(x W1^T) * (x W3^T)
     from the csrc kernel's SwiGLU epilogue (`gemv_swiglu` with the plan row's splits, kwarps,
     variant) where the plan picked the kernel for that [m, k] x [2I, k] linear and the call
@@ -710,7 +713,8 @@ def _row_lookup(plan: LinearPlan | None,
 ResidualFn = Callable[[Tensor, Tensor | Fp8Weight, Tensor], Tensor | None]
 
 
-def make_residual(plan: LinearPlan | None, kernels: bool, pdl: bool = False) -> ResidualFn:
+def make_residual(plan: LinearPlan | None, kernels: bool,
+                  pdl: bool | int = False) -> ResidualFn:
     """`Ops.residual_kernel`: (y, W, r) -> r + y W^T from csrc's residual epilogue where the
     plan picked the kernel for that linear (dense or FP8 W) and the call meets the contract;
     None otherwise (the caller runs the linear, then the add). Chosen once per shape; `pdl`
@@ -735,7 +739,7 @@ NormedFn = Callable[[Tensor, Tensor, float, Tensor | Fp8Weight, bool], Tensor | 
 
 
 def make_normed(plan: LinearPlan | None, kernels: bool,
-                max_m: int = NORMED_DISPATCH_M, pdl: bool = False) -> NormedFn:
+                max_m: int = NORMED_DISPATCH_M, pdl: bool | int = False) -> NormedFn:
     """`Ops.normed_kernel`: (h, nw, eps, W, glu) -> rms_norm(h) * nw @ W^T (glu: the SwiGLU
     of W = [W1; W3]) from csrc's normed prologue where h has at most `max_m` rows (where it
     measured faster than the norm's own launch), the plan picked the kernel, variant 0, for
@@ -761,7 +765,7 @@ def make_normed(plan: LinearPlan | None, kernels: bool,
 
 
 def make_linear(plan: LinearPlan | None, kernels: bool,
-                fp8_activations: bool = False, pdl: bool = False) -> LinearFn:
+                fp8_activations: bool = False, pdl: bool | int = False) -> LinearFn:
     """`Ops.linear`: x [..., K] @ W^T for a dense weight (F.linear, or `gemv` where the plan
     picked it) or an `Fp8Weight` (`fp8_gemv` where the plan picked it, the Triton FP8 kernel
     with the plan's config where it picked that, else with its defaults if importable, else
