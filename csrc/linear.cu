@@ -76,7 +76,7 @@
 //   residual  [M, N] bf16, rows strided, last dim contiguous (not with glu): out = residual +
 //          x W^T, the product rounded to bf16 first and the sum rounded again, as the
 //          unfused linear and add would (a block's residual add folded into its projection).
-//   norm_weight  [K] bf16 (bf16 W, variant 0, M <= 16, not FP8): x rows are h, multiplied as
+//   norm_weight  [K] bf16 (variant 0, M <= 16; bf16 or FP8 W): x rows are h, multiplied as
 //          rms_norm(h) * norm_weight: bf16(bf16(h * rsqrt(mean(h^2) + eps)) * w), as
 //          engine.functional.rms_norm rounds it. Every block normalises all M rows itself
 //          (a warp per row reads it from L2 in one round trip and sums its squares; one
@@ -401,12 +401,15 @@ __device__ __forceinline__ void load_x(XFrag<NT, F8>& f, const __nv_bfloat16* co
   }
 }
 
-// The same from normed rows in shared memory (bf16 W only): xrow holds their shared-window
-// addresses (bytes) at the lane's k offset.
-template <int NT>
-__device__ __forceinline__ void load_x(XFrag<NT, false>& f, const uint32_t (&xrow)[NT], int kk) {
+// The same from normed rows in shared memory: xrow holds their shared-window addresses
+// (bytes) at the lane's k offset.
+template <int NT, bool F8>
+__device__ __forceinline__ void load_x(XFrag<NT, F8>& f, const uint32_t (&xrow)[NT], int kk) {
 #pragma unroll
-  for (int j = 0; j < NT; ++j) f.v[j][0] = ld_smem(xrow[j] + kk * 2);
+  for (int j = 0; j < NT; ++j) {
+    f.v[j][0] = ld_smem(xrow[j] + kk * 2);
+    if constexpr (F8) f.v[j][1] = ld_smem(xrow[j] + (kk + 8) * 2);
+  }
 }
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -514,7 +517,6 @@ __device__ __forceinline__ void mma_step(float (&d)[NT][4], const uint4& wa, con
 // range, a chunk reaching past K) takes the checked path.
 template <int NT, int U, bool F8, int MINB, bool NORM = false>
 __global__ void __launch_bounds__(kThreads, MINB) linear_small_m_kernel(const Args a) {
-  static_assert(!(NORM && F8), "the normed prologue is for bf16 weights");
   constexpr int kEl = F8 ? 1 : 2;             // bytes per weight element
   constexpr int kVec = 16 / kEl;              // weight elements per 16-byte load
   constexpr int kSteps = F8 ? 2 : 1;          // 16-byte loads per row, lane and chunk
@@ -987,19 +989,23 @@ Kern v0_kern(int nt) {
 constexpr int kNormSmemMax = 160 * 1024;
 constexpr int kNormPad = 32;  // elements: rows 64 bytes apart mod 128, no bank conflicts
 
-// Variant 0 with the normed prologue (bf16 W, M <= 16) for `smem` bytes of normed rows: past
-// the default 48 KB (with its static shared memory) the kernel is allowed that much (the largest asked so far per device, under
-// a lock: a smaller setting after a larger one would fail the larger launch), within what the
-// device allows a block beside the kernel's static shared memory.
-Kern v0_norm_kern(int nt, int dev, int smem) {
-  void (*fn)(Args) = nt <= 1 ? linear_small_m_kernel<1, 4, false, 3, true>
-                             : linear_small_m_kernel<2, 4, false, 2, true>;
+// Variant 0 with the normed prologue (bf16 or FP8 W, M <= 16) for `smem` bytes of normed
+// rows: past the default 48 KB (with its static shared memory) the kernel is allowed that much
+// (the largest asked so far per device and instantiation, under a lock: a smaller setting
+// after a larger one would fail the larger launch), within what the device allows a block
+// beside the kernel's static shared memory.
+Kern v0_norm_kern(bool f8, int nt, int dev, int smem) {
+  // the instantiations of v0_kern with the prologue
+  void (*fn)(Args) = f8 ? (nt <= 1 ? linear_small_m_kernel<1, 2, true, 2, true>
+                                   : linear_small_m_kernel<2, 2, true, 2, true>)
+                        : (nt <= 1 ? linear_small_m_kernel<1, 4, false, 3, true>
+                                   : linear_small_m_kernel<2, 4, false, 2, true>);
   static std::mutex lock;
-  static int allowed[64][2] = {};
-  const int i = nt <= 1 ? 0 : 1;
+  static int allowed[64][4] = {};
+  const int i = (nt <= 1 ? 0 : 1) + (f8 ? 2 : 0);
   // the kernel's static shared memory (its warps' partial sums, red[kWarps][NT * 4][32])
   // counts toward the default 48 KB per block too
-  const int stat = kWarps * (i + 1) * 4 * 32 * static_cast<int>(sizeof(float));
+  const int stat = kWarps * (nt <= 1 ? 1 : 2) * 4 * 32 * static_cast<int>(sizeof(float));
   if (smem + stat > 48 * 1024) {
     const std::lock_guard<std::mutex> hold(lock);
     if (dev >= 64 || smem > allowed[dev][i]) {
@@ -1016,7 +1022,7 @@ Kern v0_norm_kern(int nt, int dev, int smem) {
       if (dev < 64) allowed[dev][i] = smem;
     }
   }
-  return {fn, smem, kTileRows, 32, 0};
+  return {fn, smem, kTileRows, f8 ? 128 : 32, 0};
 }
 
 // The pipelined kernel with its shared memory set up and its occupancy (cached per device).
@@ -1134,8 +1140,8 @@ void linear_small_m(torch::Tensor x, torch::Tensor w, std::optional<torch::Tenso
   const int64_t xs_rs = K + kNormPad;
   if (norm_weight.has_value()) {
     const auto& nw = *norm_weight;
-    TORCH_CHECK(!f8 && variant == 0,
-                "linear_small_m: the normed prologue takes bf16 weights and variant 0");
+    TORCH_CHECK(variant == 0, "linear_small_m: the normed prologue runs in variant 0, got ",
+                variant);
     TORCH_CHECK(M <= 16 && M * xs_rs * 2 <= kNormSmemMax,
                 "linear_small_m: the normed prologue holds M x K rows in shared memory: M <= "
                 "16 and M x (K + ", kNormPad, ") x 2 bytes <= ", kNormSmemMax, ", got M = ", M,
@@ -1158,7 +1164,7 @@ void linear_small_m(torch::Tensor x, torch::Tensor w, std::optional<torch::Tenso
               "capability 8.9 or newer");
   const bool norm = norm_weight.has_value();
   const Kern kern =
-      norm ? v0_norm_kern(static_cast<int>((M + 7) / 8), dev, static_cast<int>(M * xs_rs * 2))
+      norm ? v0_norm_kern(f8, static_cast<int>((M + 7) / 8), dev, static_cast<int>(M * xs_rs * 2))
            : pick_kernel(f8, static_cast<int>(variant), static_cast<int>((M + 7) / 8), dev);
   // a tile of `rows` weight rows makes rows / 2 SwiGLU outputs
   const int64_t tiles = glu ? (N / 2 + kern.rows / 2 - 1) / (kern.rows / 2)

@@ -1339,7 +1339,7 @@ def test_residual_and_normed_fallbacks_contract_and_dispatch():
     import torch.nn.functional as F
 
     from engine import functional
-    from engine.quant import quantize_fp8
+    from engine.quant import fp8_linear_torch, quantize_fp8
 
     x, w, r = _bf16(3, 64), _bf16(40, 64, seed=1), _bf16(3, 40, seed=2)
     assert torch.equal(linear.gemv_residual(x, w, r), r + F.linear(x, w))
@@ -1354,7 +1354,12 @@ def test_residual_and_normed_fallbacks_contract_and_dispatch():
     w13 = _bf16(80, 64, seed=4)
     assert torch.equal(linear.gemv_normed(x, nw, 1e-6, w13, glu=True),
                        linear.swiglu_reference(xn, w13))
-    for args, match in (((x, nw, 1e-6, quantize_fp8(_bf16(128, 64))), "bfloat16 tensor"),
+    # FP8 weights: the norm, then the dequantising linear (its SwiGLU for [W1; W3])
+    f8, f13 = quantize_fp8(_bf16(128, 64, seed=6)), quantize_fp8(_bf16(256, 64, seed=7))
+    assert torch.equal(linear.gemv_normed(x, nw, 1e-6, f8), fp8_linear_torch(xn, f8))
+    assert torch.equal(linear.gemv_normed(x, nw, 1e-6, f13, glu=True),
+                       linear.swiglu_reference(xn, f13))
+    for args, match in (((x, nw, 1e-6, f8.q), "bfloat16 tensor"),
                         ((_bf16(17, 64), nw, 1e-6, w), "at most 16 rows"),
                         ((x, nw[:32], 1e-6, w), r"bfloat16 \[K\]"),
                         ((x, nw, -1.0, w), "eps must be")):
@@ -1429,6 +1434,7 @@ def test_residual_epilogue_and_normed_prologue_cuda(M):
     (the float32 sum of squares in another order), and its products (plain, split, SwiGLU,
     strided h rows) are the unfused kernel's on those rows."""
     from engine import functional
+    from engine.quant import quantize_fp8
 
     assert extension_available(), "the CUDA extension did not build"
     for N, K in ((2560, 4096), (40, 48)):
@@ -1459,6 +1465,18 @@ def test_residual_epilogue_and_normed_prologue_cuda(M):
             assert int(ulps.max()) <= 2 and float((ulps > 0).float().mean()) < 2e-2
             got = linear.gemv_normed(hh, nw, eps, w13, glu=True, splits=splits, kwarps=kwarps)
             ulps = _ulps_apart(got, linear.gemv_swiglu(xn, w13, splits=splits, kwarps=kwarps))
+            assert int(ulps.max()) <= 2 and float((ulps > 0).float().mean()) < 2e-2
+    # FP8 weights (the prologue feeding the e4m3 tiles; [W1; W3] with its SwiGLU)
+    f8 = quantize_fp8(w)
+    f13 = quantize_fp8((_bf16(2 * 640, K, seed=9, device="cuda").float() / K**0.5)
+                       .to(torch.bfloat16))
+    for hh in (h, hwide[:, 32:32 + K]):
+        for splits, kwarps in ((0, 0), (1, 0), (3, 2), (1, 8)):
+            got = linear.gemv_normed(hh, nw, eps, f8, splits=splits, kwarps=kwarps)
+            ulps = _ulps_apart(got, linear.fp8_gemv(xn, f8, splits=splits, kwarps=kwarps))
+            assert int(ulps.max()) <= 2 and float((ulps > 0).float().mean()) < 2e-2
+            got = linear.gemv_normed(hh, nw, eps, f13, glu=True, splits=splits, kwarps=kwarps)
+            ulps = _ulps_apart(got, linear.gemv_swiglu(xn, f13, splits=splits, kwarps=kwarps))
             assert int(ulps.max()) <= 2 and float((ulps > 0).float().mean()) < 2e-2
 
 

@@ -200,11 +200,9 @@ def _residual_problem(x: Tensor, w: Tensor | Fp8Weight, r: object) -> str | None
 
 
 def _norm_problem(x: Tensor, w: object, nw: object, eps: object) -> str | None:
-    """What keeps the normed prologue from taking x [..., K] (the plain contract aside), or
-    None: bf16 weights, at most NORM_MAX_M rows that fit its shared memory, a contiguous bf16
-    norm weight [K], eps >= 0."""
-    if isinstance(w, Fp8Weight):
-        return "the normed prologue takes bf16 weights, not FP8 ones"
+    """What keeps the normed prologue from taking x [..., K] (the plain contract aside; bf16
+    or FP8 W, variant 0), or None: at most NORM_MAX_M rows that fit its shared memory, a
+    contiguous bf16 norm weight [K], eps >= 0."""
     k = x.shape[-1]
     m = x.numel() // k if k else 0
     if m > NORM_MAX_M or m * (k + NORM_PAD) * 2 > NORM_SMEM_MAX:
@@ -342,27 +340,33 @@ def gemv_residual(x: Tensor, w: Tensor, r: Tensor, *, splits: int = 0, kwarps: i
     return residual_reference(x, w, r)
 
 
-def normed_reference(h: Tensor, nw: Tensor, eps: float, w: Tensor, glu: bool = False) -> Tensor:
-    """rms_norm(h) * nw, then the linear (glu: `swiglu_reference` of w = [W1; W3])."""
+def normed_reference(h: Tensor, nw: Tensor, eps: float, w: Tensor | Fp8Weight,
+                     glu: bool = False) -> Tensor:
+    """rms_norm(h) * nw, then the linear (the dequantising one for an Fp8Weight; glu:
+    `swiglu_reference` of w = [W1; W3])."""
     x = functional.rms_norm(h, nw, eps)
-    return swiglu_reference(x, w) if glu else F.linear(x, w)
+    if glu:
+        return swiglu_reference(x, w)
+    return fp8_linear_torch(x, w) if isinstance(w, Fp8Weight) else F.linear(x, w)
 
 
-def gemv_normed(h: Tensor, nw: Tensor, eps: float, w: Tensor, *, glu: bool = False,
+def gemv_normed(h: Tensor, nw: Tensor, eps: float, w: Tensor | Fp8Weight, *, glu: bool = False,
                 splits: int = 0, kwarps: int = 0, kernel: bool = True,
                 pdl: bool | int = False) -> Tensor:
     """rms_norm(h) * nw @ W^T in one launch (the norm in the kernel's prologue, rounded as
     engine.functional.rms_norm rounds it; glu: the SwiGLU epilogue of w = [W1; W3]): h
-    [..., K] bf16 with at most NORM_MAX_M rows, nw [K] bf16, w [N, K] bf16. Variant 0 only;
-    `pdl` as for `gemv`.
+    [..., K] bf16 with at most NORM_MAX_M rows, nw [K] bf16, w [N, K] bf16 or an Fp8Weight.
+    Variant 0 only; `pdl` as for `gemv`.
     `kernel=False`, CPU tensors or no extension: `normed_reference`."""
+    fp8 = isinstance(w, Fp8Weight)
+    wq, scale = (w.q, w.scale) if isinstance(w, Fp8Weight) else (w, None)
     problem = ((_glu_problem(h, w, splits, kwarps, 0) if glu
-                else _problem(h, w, splits, kwarps, False, 0))
+                else _problem(h, wq, splits, kwarps, fp8, 0))
                or _norm_problem(h, w, nw, eps))
     if problem is not None:
         raise ValueError(f"gemv_normed: {problem}")
-    if _use_kernel(kernel, h, w, 0):
-        return _run(h, w, None, splits, kwarps, 0, glu=glu, norm=(nw, float(eps)), pdl=pdl)
+    if _use_kernel(kernel, h, wq, 0):
+        return _run(h, wq, scale, splits, kwarps, 0, glu=glu, norm=(nw, float(eps)), pdl=pdl)
     return normed_reference(h, nw, eps, w, glu)
 
 
@@ -743,22 +747,22 @@ def make_normed(plan: LinearPlan | None, kernels: bool,
     """`Ops.normed_kernel`: (h, nw, eps, W, glu) -> rms_norm(h) * nw @ W^T (glu: the SwiGLU
     of W = [W1; W3]) from csrc's normed prologue where h has at most `max_m` rows (where it
     measured faster than the norm's own launch), the plan picked the kernel, variant 0, for
-    that linear and the call meets the contract (bf16 W); None otherwise (the caller
+    that linear (bf16 or FP8 W) and the call meets the contract; None otherwise (the caller
     computes the norm first). Chosen once per shape; `pdl` as for `make_linear`."""
     row_for = _row_lookup(plan, kernels)
 
     def normed(h: Tensor, nw: Tensor, eps: float, w: Tensor | Fp8Weight,
                glu: bool) -> Tensor | None:
-        if isinstance(w, Fp8Weight):
-            return None
         row = row_for(h, w)
         if row is None or row.variant != 0 or h.numel() > max_m * w.shape[1]:
             return None
+        fp8 = isinstance(w, Fp8Weight)
+        wq, scale = (w.q, w.scale) if isinstance(w, Fp8Weight) else (w, None)
         problem = (_glu_problem(h, w, row.splits, row.kwarps, 0) if glu
-                   else _problem(h, w, row.splits, row.kwarps, False, 0))
+                   else _problem(h, wq, row.splits, row.kwarps, fp8, 0))
         if (problem or _norm_problem(h, w, nw, eps)) is not None:
             return None
-        return _run(h, w, None, row.splits, row.kwarps, 0, glu=glu, norm=(nw, float(eps)),
+        return _run(h, wq, scale, row.splits, row.kwarps, 0, glu=glu, norm=(nw, float(eps)),
                     pdl=pdl)
 
     return normed
