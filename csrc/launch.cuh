@@ -4,9 +4,9 @@
 // for the previous one to finish completely: its tail (the last blocks, while most SMs idle),
 // its completion and the next launch are a few microseconds per kernel with the HBM mostly
 // idle. Launched with PDL, a kernel may start as soon as the kernel before it has called
-// `pdl_trigger` in every block (or exited): it does what depends on no earlier kernel (the
-// linears bring their first weight batches into L2: weights are the step's constants), then
-// `pdl_wait`s for the previous kernel's completion and memory before reading its outputs or
+// `pdl_trigger` in every block (or exited): it does what depends on no earlier kernel (in
+// linear.cu's mode 2, its first weight batches into L2: weights are the step's constants),
+// then `pdl_wait`s for the previous kernel's completion and memory before reading its outputs or
 // writing anything. A kernel launched without PDL, or after one that never triggers, waits as
 // usual (`pdl_wait` returns at once), so every kernel here is correct either way; a kernel
 // that is not PDL-aware (torch, Triton) after one of these waits for its completion.

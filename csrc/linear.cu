@@ -83,10 +83,10 @@
 //          barrier) into shared memory, from which the main loop reads x: the norm's launch
 //          folded into the linear's.
 //   pdl    0: a plain launch; 1..3: programmatic dependent launch (sm_90+; a plain launch
-//          before, csrc/launch.cuh): 1 each warp brings its first two batches of weights
-//          into L2 before waiting for the kernel before, so a linear's first loads overlap
-//          that kernel's tail; 2 the same without the prefetch; 3 as 1, triggering the next
-//          kernel right after the wait instead of after the main loop (kPdl* above).
+//          before, csrc/launch.cuh): 1 the kernel's blocks may start while the kernel before
+//          ends and wait for it, the next kernel's may come in for this one's tail; 2 as 1,
+//          each warp also bringing its first two weight batches into L2 before the wait; 3
+//          as 2, triggering the next kernel right after the wait (kPdl* above).
 
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -295,11 +295,12 @@ __device__ __forceinline__ void cp_async_wait() {
 // PDL modes (`pdl`): how a launch overlaps the kernel before it and lets the next one in.
 // The next kernel may start once every block of this one has triggered: triggering early
 // keeps a waiting block of it on every SM for this kernel's whole run, triggering after the
-// main loop only for its tail.
-constexpr int kPdlOff = 0;            // plain launch; trigger after the main loop
-constexpr int kPdlLate = 1;           // PDL launch, first weights prefetched; trigger late
-constexpr int kPdlLateNoPrefetch = 2; // PDL launch, no prefetch; trigger late
-constexpr int kPdlEarly = 3;          // PDL launch, prefetch; trigger right after the wait
+// main loop only for its tail. Measured on the H200 (linear_bench, docs/PERF.md): 1 is the
+// fastest; the L2 prefetch of 2 and the early trigger of 3 cost more than they hide.
+constexpr int kPdlOff = 0;       // plain launch; trigger after the main loop
+constexpr int kPdlLate = 1;      // PDL launch; trigger after the main loop
+constexpr int kPdlPrefetch = 2;  // 1, each warp's first weight batches prefetched into L2
+constexpr int kPdlEarly = 3;     // 2, triggering right after the wait
 
 struct Args {
   const __nv_bfloat16* x;
@@ -533,7 +534,7 @@ __global__ void __launch_bounds__(kThreads, MINB) linear_small_m_kernel(const Ar
   const TileRows tr = tile_rows<true>(a, tile, g);
   const uint8_t* w0 = a.w + (tr.oka ? static_cast<int64_t>(tr.ra) * row_bytes : 0) + t * 16;
   const uint8_t* w1 = a.w + (tr.okb ? static_cast<int64_t>(tr.rb) * row_bytes : 0) + t * 16;
-  if (a.pdl == kPdlLate || a.pdl == kPdlEarly) {
+  if (a.pdl == kPdlPrefetch || a.pdl == kPdlEarly) {
     // launched early (PDL): the first kPrefetch full batches of this warp's weights into L2
     // while the kernel before, whose output x is, finishes
     constexpr int kPrefetch = 2;

@@ -364,10 +364,13 @@ class EngineConfig:
         "into wo / w2's epilogue and (at most 2 rows: where it measured faster) the RMSNorm "
         "after it into the next projection's prologue: two launches fewer per layer (H200, "
         "S2-Pro frame step at batch 1: 729 -> 568 launches, 6.38 -> 6.28 ms)")
-    pdl: bool = option(True, "csrc's decode-step kernels (linears, attention, sampling) "
-                       "launched with programmatic dependent launch (compute capability 9.0+; "
-                       "elsewhere a plain launch): each starts while the kernel before it "
-                       "ends and brings its first weights into L2 (same results)")
+    pdl: str = option(
+        "auto", "csrc's decode-step kernels (linears, attention, sampling) launched with "
+        "programmatic dependent launch (compute capability 9.0+; elsewhere a plain launch): "
+        "each starts while the kernel before it ends (same results). on, off, or auto: on for "
+        "FP8 weights only, where it measured faster (H200 frame step at batch 1/2: FP8 "
+        "5.42/5.48 -> 5.13/5.21 ms; bf16 6.34/6.41 -> 6.15/6.48)",
+        choices=("auto", "on", "off"))
     fp8_activations: bool = option(False, "with FP8 weights: decode-step linears may also "
                                    "quantise their activations to e4m3 per 1x128 block "
                                    "(W8A8 Triton GEMM) where the linear table measured that "

@@ -49,6 +49,7 @@ from .loader import Bundle
 from .ops import Ops, build_ops
 from .prefill_worker import PrefillWorker
 from .prompt import PromptBuilder, Reference
+from .quant import fp8_layers
 from .request import Chunking, PrefillJob, Sequence, SequenceSink, Turn, TurnResult
 from .runner import ModelRunner
 from .sampler import SamplingParams
@@ -690,7 +691,7 @@ def build_engine(bundle: Bundle, config: EngineConfig | None = None, *,
                         sampler_kernel=cfg.sampler_kernel, codec_kernels=cfg.codec_kernels,
                         split_kv=cfg.split_kv, linear_kernels=cfg.linear_kernels,
                         fp8_activations=cfg.fp8_activations, norm_fusion=cfg.norm_fusion,
-                        pdl=cfg.pdl)
+                        pdl=cfg.pdl == "on" or (cfg.pdl == "auto" and bool(fp8_layers(model))))
     ops_s = time.perf_counter() - t0
     if ops.packed_ffn:
         from .fusion import pack_ffn

@@ -32,9 +32,9 @@
 # TESTS_TIMEOUT, SERVER_TIMEOUT, ENGINE_LEVELS, ENGINE_RUNS, SKIP (gpu_bench sections;
 # default decode,codec,fixtures,profile), TOTAL (s, default 585), PROBE,
 # COMPILED_SAMPLER=1 (profile the step again with the compiled torch sampler), DECODE_ROPE=1
-# (again with the q/k norm + RoPE inside decode attention, batches 1 and 64), PDL_MODES="0,2" (again
-# with csrc's kernels launched without programmatic dependent launch (0) or in the linears'
-# other PDL modes, batches 1, 2, 64).
+# (again with the q/k norm + RoPE inside decode attention, batches 1 and 64), PDL_MODES="0,1" (again
+# with csrc's kernels launched without (0) or with (1) programmatic dependent launch, or in
+# the linears' other PDL modes 2, 3; batches 1, 2, 64).
 # SWIGLU=1: `linear_bench --swiglu` (the FFN's packed linear + silu*mul vs csrc's SwiGLU
 # epilogue at the M where the table picks the kernel) into $OUT/swiglu.{json,txt}. NORM=1:
 # `linear_bench --norm` (projection + add_rms_norm + projection vs the residual epilogue and

@@ -365,12 +365,12 @@ def _category(name: str) -> str:
 
 
 def profile_step(report: dict, device: str, sampler_kernel: bool = True,
-                 dtype: str = "bf16", decode_rope: bool = False, pdl: int = 1,
+                 dtype: str = "bf16", decode_rope: bool = False, pdl: int | None = None,
                  batches: tuple[int, ...] = (1, 2, 16, 64)) -> None:
     """Where one frame step's GPU time goes (eager, fused ops), and graph-replay step time.
     `decode_rope`: with the q/k norm + RoPE inside decode attention (key profile_decode_rope);
-    `pdl`: csrc's PDL mode (0: plain launches, 2, 3: the linears' other modes; key
-    profile_pdl<mode> where not 1, the default)."""
+    `pdl`: csrc's PDL mode (0: plain launches, 1: PDL, 2, 3: the linears' other modes; key
+    profile_pdl<mode>); None (key profile): the engine's `pdl=auto`, PDL for FP8 only."""
     from engine.fusion import pack_ffn
     from engine.loader import load_bundle
     from engine.ops import build_ops
@@ -379,7 +379,8 @@ def profile_step(report: dict, device: str, sampler_kernel: bool = True,
 
     b = load_bundle("s2-pro", device=device, dtype=dtype, max_seq_len=1024)
     ops = build_ops(device, fused="compile", sampler_kernel=sampler_kernel,
-                    decode_rope=decode_rope, pdl=pdl)
+                    decode_rope=decode_rope,
+                    pdl=(1 if dtype == "fp8" else 0) if pdl is None else pdl)
     pack_ffn(b.model)
     out = {}
     runner = ModelRunner(b.model, n_rows=64, max_len=1024, ops=ops)
@@ -424,7 +425,7 @@ def profile_step(report: dict, device: str, sampler_kernel: bool = True,
                   "most_launched": [list(x) for x in by_count]}
         print(json.dumps({B: out[B]})[:1500], flush=True)
         del g
-    report["profile_decode_rope" if decode_rope else f"profile_pdl{pdl}" if pdl != 1
+    report["profile_decode_rope" if decode_rope else f"profile_pdl{pdl}" if pdl is not None
            else "profile" if sampler_kernel else "profile_compiled_sampler"] = out
     del runner, b
     torch.cuda.empty_cache()
@@ -449,8 +450,9 @@ def main() -> int:
                          "attention (key profile_decode_rope; batches 1 and 64)")
     ap.add_argument("--pdl-modes", default="",
                     help="comma list of csrc PDL modes to profile the step again with (0: "
-                         "plain launches; 2, 3: csrc/linear.cu's other modes; keys "
-                         "profile_pdl<mode>, batches 1, 2, 64)")
+                         "plain launches, 1: PDL; 2, 3: csrc/linear.cu's other modes; keys "
+                         "profile_pdl<mode>, batches 1, 2, 64; key profile: the engine's "
+                         "pdl=auto, on for FP8 only)")
     ap.add_argument("--engine-runs", default="", help="comma list of engine runs to keep "
                     "(pingpong_codec, pingpong_codec_decode_priority, "
                     "pingpong_codec_codec_priority, pingpong_codec_prefill_batch_64, "

@@ -84,14 +84,15 @@ def test_graphs_match_eager(gpu_bundle):
 
 
 def test_pdl_launches_change_no_frame(gpu_bundle):
-    """The graphed engine with csrc's kernels launched with programmatic dependent launch (the
-    default) gives the greedy frames of plain launches."""
-    on, eng = _run(gpu_bundle, EngineConfig(max_running=4, max_len=512, pingpong=False),
-                   TEXTS[:4])
+    """The graphed engine with csrc's kernels launched with programmatic dependent launch
+    (`pdl="on"`; auto turns it on for FP8 weights) gives the greedy frames of plain
+    launches."""
+    on, eng = _run(gpu_bundle, EngineConfig(max_running=4, max_len=512, pingpong=False,
+                                            pdl="on"), TEXTS[:4])
     assert eng.ops.pdl and eng.runner.step_graphs
-    off, eng = _run(gpu_bundle, EngineConfig(max_running=4, max_len=512, pingpong=False,
-                                             pdl=False), TEXTS[:4])
-    assert not eng.ops.pdl
+    off, eng = _run(gpu_bundle, EngineConfig(max_running=4, max_len=512, pingpong=False),
+                    TEXTS[:4])
+    assert not eng.ops.pdl  # auto: bf16 weights launch plainly
     for a, b in zip(on, off):
         assert torch.equal(a, b)
 

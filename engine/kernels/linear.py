@@ -150,8 +150,8 @@ def _run(x: Tensor, wq: Tensor, scale: Tensor | None, splits: int, kwarps: int,
     SwiGLU epilogue (wq = [W1; W3], output [..., N / 2]); `residual` [..., N]: added to
     the output (checked by `_residual_problem`); `norm` (weight [K], eps): x is normed
     first (checked by `_norm_problem`); `pdl`: launched with programmatic dependent launch
-    (sm_90+, csrc/launch.cuh: the first weights prefetched while the kernel before ends;
-    an int picks one of csrc/linear.cu's PDL modes, True = 1)."""
+    (sm_90+, csrc/launch.cuh: the kernel's blocks start while the kernel before ends; an
+    int picks one of csrc/linear.cu's PDL modes, True = 1)."""
     n, k = wq.shape
     m = x.numel() // k
     n_out = n // 2 if glu else n
@@ -175,6 +175,10 @@ NORM_STATIC_SMEM = 8 * 1024  # the kernel's own (its warps' partial sums), at mo
 # every block's prologue reads its rows' h from L2 one row after another before its main
 # loop starts, which costs more than the norm's own launch from a few rows on.
 NORMED_DISPATCH_M = 2
+# FP8 weights: none. The FP8 frame step at batch 1 took 5.19 ms with the norms as their own
+# launches and 5.42 ms with the prologue (H200, 2026-12-03): the e4m3 kernel's main loop is
+# short enough that each block's prologue costs more than the norm's launch saves.
+NORMED_DISPATCH_M_FP8 = 0
 
 
 def _residual_problem(x: Tensor, w: Tensor | Fp8Weight, r: object) -> str | None:
@@ -742,21 +746,23 @@ def make_residual(plan: LinearPlan | None, kernels: bool,
 NormedFn = Callable[[Tensor, Tensor, float, Tensor | Fp8Weight, bool], Tensor | None]
 
 
-def make_normed(plan: LinearPlan | None, kernels: bool,
-                max_m: int = NORMED_DISPATCH_M, pdl: bool | int = False) -> NormedFn:
+def make_normed(plan: LinearPlan | None, kernels: bool, max_m: int = NORMED_DISPATCH_M,
+                max_m_fp8: int = NORMED_DISPATCH_M_FP8, pdl: bool | int = False) -> NormedFn:
     """`Ops.normed_kernel`: (h, nw, eps, W, glu) -> rms_norm(h) * nw @ W^T (glu: the SwiGLU
-    of W = [W1; W3]) from csrc's normed prologue where h has at most `max_m` rows (where it
-    measured faster than the norm's own launch), the plan picked the kernel, variant 0, for
+    of W = [W1; W3]) from csrc's normed prologue where h has at most `max_m` rows
+    (`max_m_fp8` for FP8 W; where it measured faster than the norm's own launch), the plan picked the kernel, variant 0, for
     that linear (bf16 or FP8 W) and the call meets the contract; None otherwise (the caller
     computes the norm first). Chosen once per shape; `pdl` as for `make_linear`."""
     row_for = _row_lookup(plan, kernels)
 
     def normed(h: Tensor, nw: Tensor, eps: float, w: Tensor | Fp8Weight,
                glu: bool) -> Tensor | None:
-        row = row_for(h, w)
-        if row is None or row.variant != 0 or h.numel() > max_m * w.shape[1]:
-            return None
         fp8 = isinstance(w, Fp8Weight)
+        if h.numel() > (max_m_fp8 if fp8 else max_m) * w.shape[1]:
+            return None
+        row = row_for(h, w)
+        if row is None or row.variant != 0:
+            return None
         wq, scale = (w.q, w.scale) if isinstance(w, Fp8Weight) else (w, None)
         problem = (_glu_problem(h, w, row.splits, row.kwarps, 0) if glu
                    else _problem(h, wq, row.splits, row.kwarps, fp8, 0))
