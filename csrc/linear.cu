@@ -65,8 +65,8 @@
 //                  0: automatic (variant 0: the fewest that still give two blocks per SM,
 //                  else 8; 1-3: the fewest that give every SM a block, else 8)
 //   variant 0..3 (above); bf16 weights take 0 or 1
-//   glu    SwiGLU epilogue (bf16 W; FP8 W in variant 0 with I % 128 == 0, the tile's gate and
-//          up rows scaled by their own block rows): w = [W1; W3] (N = 2 I rows, the gate's then the
+//   glu    SwiGLU epilogue (bf16 W; FP8 W in variant 0 at M <= 16 with I % 128 == 0, the
+//          tile's gate and up rows scaled by their own block rows): w = [W1; W3] (N = 2 I rows, the gate's then the
 //          up projection's), out [M, I] = silu(x W1^T) * (x W3^T), each of the two rounded to
 //          bf16 first as the unfused linear would (then silu in float32, rounded, times the
 //          up value, rounded: what F.silu(a) * b does in bf16). A 16-row tile then holds the
@@ -531,7 +531,10 @@ __global__ void __launch_bounds__(kThreads, MINB) linear_small_m_kernel(const Ar
   const int c_begin = blockIdx.y * a.cps, c_end = min(a.n_chunks, c_begin + a.cps);
   const int c_full = min(c_end, a.K / kChunk);  // chunks [.., c_full) lie inside K
   const int64_t row_bytes = static_cast<int64_t>(a.K) * kEl;
-  const TileRows tr = tile_rows<true>(a, tile, g);
+  // FP8 takes the SwiGLU epilogue at M <= 16 only (NT <= 2): compiled into the larger FP8
+  // tiles, its branches and second scale row cost registers (spills at NT = 4)
+  constexpr bool kGlu = !F8 || NT <= 2;
+  const TileRows tr = tile_rows<kGlu>(a, tile, g);
   const uint8_t* w0 = a.w + (tr.oka ? static_cast<int64_t>(tr.ra) * row_bytes : 0) + t * 16;
   const uint8_t* w1 = a.w + (tr.okb ? static_cast<int64_t>(tr.rb) * row_bytes : 0) + t * 16;
   if (a.pdl == kPdlPrefetch || a.pdl == kPdlEarly) {
@@ -571,7 +574,8 @@ __global__ void __launch_bounds__(kThreads, MINB) linear_small_m_kernel(const Ar
   // FP8: the scale rows of the tile's MMA rows g (sa) and g + 8 (sb): one block row for a
   // plain tile (16 rows inside a 128-row block); with SwiGLU the gate rows' and the up
   // rows' (8 each, the host checked I % 128 == 0)
-  const int64_t na = a.glu > 0 ? tile * 8 : n0, nb = a.glu > 0 ? a.glu + tile * 8 : n0;
+  const int64_t na = kGlu && a.glu > 0 ? tile * 8 : n0;
+  const int64_t nb = kGlu && a.glu > 0 ? a.glu + tile * 8 : n0;
   const float* sra = F8 ? a.scale + (na / kScaleBlock) * a.kb : nullptr;
   const float* srb = F8 ? a.scale + (nb / kScaleBlock) * a.kb : nullptr;
 
@@ -627,7 +631,8 @@ __global__ void __launch_bounds__(kThreads, MINB) linear_small_m_kernel(const Ar
 #pragma unroll
         for (int s = 0; s < kSteps; ++s) mma_step<NT, F8>(part, wa[u][s], wb[u][s], xf[u][s]);
         const bool in = !kCheck || c0 + u < c_end;
-        const float sa = in ? __ldg(sra + c0 + u) : 0.f, sb = in ? __ldg(srb + c0 + u) : 0.f;
+        const float sa = in ? __ldg(sra + c0 + u) : 0.f;
+        const float sb = !kGlu ? sa : in ? __ldg(srb + c0 + u) : 0.f;
 #pragma unroll
         for (int j = 0; j < NT; ++j)
 #pragma unroll
@@ -663,7 +668,7 @@ __global__ void __launch_bounds__(kThreads, MINB) linear_small_m_kernel(const Ar
   }
   // d[e]: row tr.ra (tr.rb for e >= 2), x row 8 j + 2 t (+ 1 for odd e)
 #pragma unroll
-  for (int j = 0; j < NT; ++j) store_tile<true>(a, acc[j], tr, 8 * j + 2 * t);
+  for (int j = 0; j < NT; ++j) store_tile<kGlu>(a, acc[j], tr, 8 * j + 2 * t);
 }
 
 // ---------------------------------------------------------------- variants 1-3: pipelined
@@ -988,7 +993,9 @@ Kern v0_kern(int nt) {
 
 // The most shared memory the normed prologue's rows may take (M x (K + pad) bf16).
 constexpr int kNormSmemMax = 160 * 1024;
-constexpr int kNormPad = 32;  // elements: rows 64 bytes apart mod 128, no bank conflicts
+// elements: rows 64 bytes apart mod 128, no bank conflicts for bf16 W's reads (16 bytes per
+// lane at t * 16); FP8 W's (32 bytes at t * 32) conflict two ways
+constexpr int kNormPad = 32;
 
 // Variant 0 with the normed prologue (bf16 or FP8 W, M <= 16) for `smem` bytes of normed
 // rows: past the default 48 KB (with its static shared memory) the kernel is allowed that much
@@ -1082,11 +1089,12 @@ void linear_small_m(torch::Tensor x, torch::Tensor w, std::optional<torch::Tenso
               "linear_small_m: x must be [M, K], w [N, K] and out [M, N]");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   TORCH_CHECK(!glu || (N % 2 == 0 && (!scale.has_value() ||
-                                       (variant == 0 && (N / 2) % kScaleBlock == 0))),
+                                       (variant == 0 && (N / 2) % kScaleBlock == 0 &&
+                                        M <= 16))),
               "linear_small_m: the SwiGLU epilogue takes weights [W1; W3] with an even row "
-              "count (FP8: variant 0 and I = N / 2 a multiple of ", kScaleBlock, ", so that W1 "
-              "and W3 keep their own block scales), got ", N, " rows",
-              scale.has_value() ? " of FP8 weights" : "", " and variant ", variant);
+              "count (FP8: variant 0, M <= 16 rows and I = N / 2 a multiple of ", kScaleBlock,
+              ", so that W1 and W3 keep their own block scales), got ", N, " rows",
+              scale.has_value() ? " of FP8 weights" : "", ", M = ", M, " and variant ", variant);
   TORCH_CHECK(w.size(1) == K && out.size(0) == M && out.size(1) == (glu ? N / 2 : N),
               "linear_small_m: shapes do not agree: x ", x.sizes(), ", w ", w.sizes(), ", out ",
               out.sizes(), glu ? " (SwiGLU: out [M, N / 2])" : "");

@@ -175,6 +175,9 @@ NORM_STATIC_SMEM = 8 * 1024  # the kernel's own (its warps' partial sums), at mo
 # every block's prologue reads its rows' h from L2 one row after another before its main
 # loop starts, which costs more than the norm's own launch from a few rows on.
 NORMED_DISPATCH_M = 2
+# FP8 [W1; W3]: the SwiGLU epilogue's rows (compiled into the two smallest FP8 tiles only:
+# in the larger ones its registers made the kernel spill)
+FP8_GLU_MAX_M = 16
 # FP8 weights: none. The FP8 frame step at batch 1 took 5.19 ms with the norms as their own
 # launches and 5.42 ms with the prologue (H200, 2026-12-03): the e4m3 kernel's main loop is
 # short enough that each block's prologue costs more than the norm's launch saves.
@@ -238,8 +241,8 @@ def _glu_problem(x: Tensor, w13: object, splits: object, kwarps: object,
                  variant: object) -> str | None:
     """What keeps the SwiGLU epilogue from taking x [..., K] and w13 = [W1; W3] [2I, K] (bf16
     or an Fp8Weight), or None: the plain kernel's contract and an even row count; FP8: variant
-    0 and I a multiple of the 128-row scale block (a tile's 8 gate and 8 up rows each inside
-    one block row of W1's and W3's scales)."""
+    0, at most FP8_GLU_MAX_M rows and I a multiple of the 128-row scale block (a tile's 8 gate
+    and 8 up rows each inside one block row of W1's and W3's scales)."""
     fp8 = isinstance(w13, Fp8Weight)
     wq = w13.q if fp8 else w13  # type: ignore[union-attr]
     problem = _problem(x, wq, splits, kwarps, fp8, variant)  # type: ignore[arg-type]
@@ -249,6 +252,10 @@ def _glu_problem(x: Tensor, w13: object, splits: object, kwarps: object,
         return f"[W1; W3] must have an even row count, got {wq.shape[0]}"
     if fp8 and variant != 0:
         return f"the SwiGLU epilogue of FP8 weights runs in variant 0, got variant {variant}"
+    m = x.numel() // wq.shape[1]
+    if fp8 and m > FP8_GLU_MAX_M:
+        return (f"the SwiGLU epilogue of FP8 weights takes at most {FP8_GLU_MAX_M} rows, "
+                f"got {m}")
     if fp8 and (wq.shape[0] // 2) % FP8_BLOCK:
         return (f"FP8 [W1; W3] needs I = {wq.shape[0] // 2} to be a multiple of {FP8_BLOCK} "
                 "(W1's and W3's block scales apart)")
