@@ -103,6 +103,7 @@ def _flag_value(name: str):  # type: ignore[no-untyped-def]
     special = {"host": ("0.0.0.0", "0.0.0.0"), "model": ("s2-pro", "s2-pro"),
                "device": ("cuda:1", "cuda:1"), "dtype": ("fp16", "fp16"),
                "fused_ops": ("reference", "reference"), "api_keys": ("k1,k2", "k1,k2"),
+               "pdl": ("on", "on"),
                "high_priority_streams": ("decode,codec", ("decode", "codec")),
                "data_dir": ("/tmp/rtvoice-x", Path("/tmp/rtvoice-x")),
                "max_chunk_length": ("999", 999), "min_chunk_length": ("11", 11),
