@@ -369,7 +369,7 @@ class EngineConfig:
         "programmatic dependent launch (compute capability 9.0+; elsewhere a plain launch): "
         "each starts while the kernel before it ends (same results). on, off, or auto: on for "
         "FP8 weights only, where it measured faster (H200 frame step at batch 1/2: FP8 "
-        "5.42/5.48 -> 5.13/5.21 ms; bf16 6.34/6.41 -> 6.15/6.48)",
+        "5.18/5.22 -> 4.93/5.05 ms; bf16 6.34/6.41 -> 6.15/6.48)",
         choices=("auto", "on", "off"))
     fp8_activations: bool = option(False, "with FP8 weights: decode-step linears may also "
                                    "quantise their activations to e4m3 per 1x128 block "

@@ -165,8 +165,8 @@ def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool 
     small-M kernel runs a block's projections, the residual add in wo / w2's epilogue and the
     RMSNorm after it in the next projection's prologue (no launch of their own); `pdl`: csrc's
     linear, attention and sampling kernels launched with programmatic dependent launch (a
-    no-op before sm_90; same results), so each one's first weight loads overlap the end of
-    the kernel before it (an int picks csrc/linear.cu's PDL mode for the linears, for
+    no-op before sm_90; same results), so each one's blocks start while the kernel before it
+    ends (an int picks csrc/linear.cu's PDL mode for the linears, for
     benchmarks; True = 1).
     On CUDA the linears (dense and FP8) take the implementation the recorded per-shape table
     `linear_table` picks (csrc's small-M kernel only with `linear_kernels`); FP8 weights
