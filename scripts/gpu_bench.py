@@ -17,11 +17,16 @@ import functools
 import json
 import os
 import platform
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+# the repository's packages (engine, bench_latency) without an install: the device machine
+# runs this from a plain checkout
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def _sync() -> None:
