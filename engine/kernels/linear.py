@@ -112,6 +112,12 @@ def _problem(x: Tensor, wq: Tensor, splits: object, kwarps: object,
     return None
 
 
+def _operands(w: Tensor | Fp8Weight) -> tuple[Tensor, Tensor | None]:
+    """The kernel's weight operands: (e4m3 values, block scales) of an Fp8Weight, (w, None)
+    of a dense weight."""
+    return (w.q, w.scale) if isinstance(w, Fp8Weight) else (w, None)
+
+
 def _check_fp8(w: object) -> Fp8Weight:
     if not isinstance(w, Fp8Weight):
         raise ValueError(f"fp8_gemv takes an Fp8Weight, got {type(w).__name__}")
@@ -315,18 +321,19 @@ def swiglu_reference(x: Tensor, w13: Tensor | Fp8Weight) -> Tensor:
     return F.silu(h[..., :i]) * h[..., i:]
 
 
-def gemv_swiglu(x: Tensor, w13: Tensor | Fp8Weight, *, splits: int = 0, kwarps: int = 0, variant: int = 0,
-                kernel: bool = True, pdl: bool | int = False) -> Tensor:
+def gemv_swiglu(x: Tensor, w13: Tensor | Fp8Weight, *, splits: int = 0, kwarps: int = 0,
+                variant: int = 0, kernel: bool = True, pdl: bool | int = False) -> Tensor:
     """The FFN's gated input in one launch: x [..., K] bf16 and w13 = [W1; W3] [2I, K] bf16
-    or an Fp8Weight (variant 0, I a multiple of 128) (the gate's rows, then the up
-    projection's) -> silu(x W1^T) * (x W3^T) [..., I] bf16, at most 64 rows. The gate and up values are rounded to bf16 as `gemv` would return them,
-    then combined as F.silu(gate) * up computes it in bf16. `splits`, `kwarps`, `variant`, `pdl`: as
+    or an Fp8Weight (variant 0, at most 16 rows, I a multiple of 128) (the gate's rows,
+    then the up projection's) -> silu(x W1^T) * (x W3^T) [..., I] bf16, at most 64 rows. The
+    gate and up values are rounded to bf16 as `gemv` would return them, then combined as
+    F.silu(gate) * up computes it in bf16. `splits`, `kwarps`, `variant`, `pdl`: as
     for `gemv` (same accumulation, so the same gate and up values as `gemv` with the same
     arguments). `kernel=False`, CPU tensors or no extension: `swiglu_reference`."""
     problem = _glu_problem(x, w13, splits, kwarps, variant)
     if problem is not None:
         raise ValueError(f"gemv_swiglu: {problem}")
-    wq, scale = (w13.q, w13.scale) if isinstance(w13, Fp8Weight) else (w13, None)
+    wq, scale = _operands(w13)
     if _use_kernel(kernel, x, wq, variant):
         return _run(x, wq, scale, splits, kwarps, variant, glu=True, pdl=pdl)
     return swiglu_reference(x, w13)
@@ -369,10 +376,9 @@ def gemv_normed(h: Tensor, nw: Tensor, eps: float, w: Tensor | Fp8Weight, *, glu
     [..., K] bf16 with at most NORM_MAX_M rows, nw [K] bf16, w [N, K] bf16 or an Fp8Weight.
     Variant 0 only; `pdl` as for `gemv`.
     `kernel=False`, CPU tensors or no extension: `normed_reference`."""
-    fp8 = isinstance(w, Fp8Weight)
-    wq, scale = (w.q, w.scale) if isinstance(w, Fp8Weight) else (w, None)
+    wq, scale = _operands(w)
     problem = ((_glu_problem(h, w, splits, kwarps, 0) if glu
-                else _problem(h, wq, splits, kwarps, fp8, 0))
+                else _problem(h, wq, splits, kwarps, scale is not None, 0))
                or _norm_problem(h, w, nw, eps))
     if problem is not None:
         raise ValueError(f"gemv_normed: {problem}")
@@ -618,9 +624,8 @@ def _kernel_or(fallback: LinearFn, splits: int, kwarps: int = 0, variant: int = 
     `fallback`."""
 
     def run(x: Tensor, w: Tensor | Fp8Weight) -> Tensor:
-        fp8 = isinstance(w, Fp8Weight)
-        wq, scale = (w.q, w.scale) if fp8 else (w, None)
-        if _problem(x, wq, splits, kwarps, fp8, variant) is None:  # type: ignore[arg-type]
+        wq, scale = _operands(w)
+        if _problem(x, wq, splits, kwarps, scale is not None, variant) is None:
             return _run(x, wq, scale, splits, kwarps, variant, pdl=pdl)
         return fallback(x, w)
 
@@ -692,7 +697,7 @@ def make_swiglu(plan: LinearPlan | None, kernels: bool,
         def run(x: Tensor, w13: Tensor | Fp8Weight) -> Tensor | None:
             if _glu_problem(x, w13, splits, kwarps, variant) is not None:
                 return None
-            wq, scale = (w13.q, w13.scale) if isinstance(w13, Fp8Weight) else (w13, None)
+            wq, scale = _operands(w13)
             return _run(x, wq, scale, splits, kwarps, variant, glu=True, pdl=pdl)
 
         return run
@@ -740,9 +745,8 @@ def make_residual(plan: LinearPlan | None, kernels: bool,
         row = row_for(y, w)
         if row is None:
             return None
-        fp8 = isinstance(w, Fp8Weight)
-        wq, scale = (w.q, w.scale) if isinstance(w, Fp8Weight) else (w, None)
-        if (_problem(y, wq, row.splits, row.kwarps, fp8, row.variant)
+        wq, scale = _operands(w)
+        if (_problem(y, wq, row.splits, row.kwarps, scale is not None, row.variant)
                 or _residual_problem(y, w, r)) is not None:
             return None
         return _run(y, wq, scale, row.splits, row.kwarps, row.variant, residual=r, pdl=pdl)
@@ -770,7 +774,7 @@ def make_normed(plan: LinearPlan | None, kernels: bool, max_m: int = NORMED_DISP
         row = row_for(h, w)
         if row is None or row.variant != 0:
             return None
-        wq, scale = (w.q, w.scale) if isinstance(w, Fp8Weight) else (w, None)
+        wq, scale = _operands(w)
         problem = (_glu_problem(h, w, row.splits, row.kwarps, 0) if glu
                    else _problem(h, wq, row.splits, row.kwarps, fp8, 0))
         if (problem or _norm_problem(h, w, nw, eps)) is not None:
