@@ -10,7 +10,8 @@ Triton weight-only kernel (engine/kernels/fp8_triton.py) in `sweep_configs(M)`'s
 and the Triton W8A8 kernel (activations quantised to e4m3: other numerics, recorded as a
 separate "triton_w8a8" row that `make_linear` takes only with `fp8_activations=True`), plus
 the dequantising reference with --reference (slow). Each csrc variant is swept over kwarps
-1, 2, 4, 8 without a K split, then over splits 2, 4, 8 at its best kwarps. Each candidate's
+1, 2, 4, 8 without a K split, then over splits 2, 4, 8 at its best kwarps; each Triton config
+at its automatic K split and, from M = 16, at splits 1, 2, 3, 4, 6, 8. Each candidate's
 output is checked first (weight-only: against the float32 product, to bf16 rounding; W8A8:
 against its torch reference); a candidate that disagrees is reported and never chosen.
 Variants 2 and 3 are probed once for exactness on subnormal products (variant 2 relies on
@@ -84,6 +85,11 @@ MS = (1, 2, 4, 8, 16, 32, 64)
 KWARPS = (1, 2, 4, 8)
 SPLITS = (2, 4, 8)  # tried at each variant's best kwarps (1 is part of the kwarps sweep)
 ROTATE_BYTES = 200 * 2**20
+# Triton FP8 configs are timed at their automatic K split and, from this M on, at these too:
+# the automatic rule aims at two programs per SM, which the 128-wide tiles at M >= 32 (one
+# program per SM by shared memory) turn into two waves
+TRITON_SPLIT_SWEEP_M = 16
+TRITON_SPLITS = (1, 2, 3, 4, 6, 8)
 
 Meta = dict[str, object]  # a candidate's PlanRow fields: impl, splits, kwarps, variant, config
 
@@ -158,6 +164,19 @@ def probe_variant(variant: int) -> str | None:
         return (f"{int(bad.sum())} of {bad.numel()} outputs off (max relative error "
                 f"{float(((got - ref).abs() / ref.abs().clamp_min(1e-30)).max()):.3g})")
     return None
+
+
+def _triton_splits(mod, m: int, n: int, k: int, cfg, sms: int) -> list[int]:  # type: ignore[no-untyped-def]
+    """The K splits to time a Triton config with: the automatic one (about two programs per
+    SM) and, from TRITON_SPLIT_SWEEP_M rows on (where the Triton kernels compete), the splits
+    of TRITON_SPLITS that launch a different count (a split costs a launch, not a compile)."""
+    splits = [mod.launch_split(m, n, k, cfg, 0, sms)]
+    if m >= TRITON_SPLIT_SWEEP_M:
+        for s in TRITON_SPLITS:
+            s = mod.launch_split(m, n, k, cfg, s, sms)
+            if s not in splits:
+                splits.append(s)
+    return splits
 
 
 def _cfg_name(cfg) -> str:
@@ -265,22 +284,23 @@ def bench_shape(name: str, n: int, k: int, ms: tuple[int, ...], reps: int, copy:
                 # N not a multiple of 16 compiles every config anew: the default one only
                 cfgs = mod.sweep_configs(m)[: None if n % 16 == 0 else 1]
                 for cfg in cfgs:
-                    split = mod.launch_split(m, n, k, cfg, 0, sms)
-                    call = functools.partial(mod.fp8_linear_triton, config=cfg, split_k=split)
-                    timer.time(f"triton:{_cfg_name(cfg)}", call,
-                               {"impl": "triton", "splits": split, "config": cfg.to_json()})
+                    for split in _triton_splits(mod, m, n, k, cfg, sms):
+                        call = functools.partial(mod.fp8_linear_triton, config=cfg,
+                                                 split_k=split)
+                        timer.time(f"triton:{_cfg_name(cfg)}:k{split}", call,
+                                   {"impl": "triton", "splits": split, "config": cfg.to_json()})
                 if n % 16 == 0:
                     want8 = mod.fp8_linear_w8a8_torch(x, ws[0])
                     mag = x.float().abs() @ wf.abs().T
                     w8a8 = Timer(ws, x, want8, reps, label)
                     for cfg in mod.sweep_configs(m, w8a8=True):
-                        split = mod.launch_split(m, n, k, cfg, 0, sms)
-                        call = functools.partial(mod.fp8_linear_triton_w8a8, config=cfg,
-                                                 split_k=split)
-                        w8a8.time(f"{W8A8}:{_cfg_name(cfg)}", call,
-                                  {"impl": W8A8, "splits": split, "config": cfg.to_json()},
-                                  check=lambda out, want8=want8, mag=mag: _agrees_w8a8(
-                                      out, want8, mag))
+                        for split in _triton_splits(mod, m, n, k, cfg, sms):
+                            call = functools.partial(mod.fp8_linear_triton_w8a8, config=cfg,
+                                                     split_k=split)
+                            w8a8.time(f"{W8A8}:{_cfg_name(cfg)}:k{split}", call,
+                                      {"impl": W8A8, "splits": split, "config": cfg.to_json()},
+                                      check=lambda out, want8=want8, mag=mag: _agrees_w8a8(
+                                          out, want8, mag))
             if not timer.us:
                 continue
             best = min(timer.us, key=timer.us.__getitem__)

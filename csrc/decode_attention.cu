@@ -196,50 +196,61 @@ __global__ void __launch_bounds__(kGroups * L) decode_attention_kernel(
   const int64_t* blocks = table + static_cast<int64_t>(b) * MB;
   const int bs32 = static_cast<int>(BS);
   // Trips are uniform across the block (t0 is), so every lane reaches every shuffle; a group
-  // whose position t is past the range computes nothing and keeps its state.
-  for (int64_t t0 = t_begin; t0 < t_end; t0 += kGroups) {
-    const int64_t t = t0 + grp;
-    const bool live = t < t_end;
-    float kk[E], vv[E];
-    float s[R];
-    if (live) {  // key and value loads issued together: two memory round trips overlap
-      // 32-bit division: positions and block sizes are small (64-bit division is emulated)
-      const int tb = static_cast<int>(t) / bs32, to = static_cast<int>(t) - tb * bs32;
-      const int64_t at = t == p ? 0 : ((blocks[tb] * Hkv + g) * BS + to) * D;
-      load<T, E>((t == p ? kn : k_cache + at) + sub * E, kk, vec);
-      load<T, E>((t == p ? vn : v_cache + at) + sub * E, vv, vec);
-      if constexpr (ROPE) {
-        if (t == p) {
+  // whose position t is past the range computes nothing and keeps its state. A trip takes U
+  // positions per group (t0 + u * kGroups + grp) and issues all their loads before the first
+  // score: with R = 1 (small batches: few blocks, each walking many positions) a trip then
+  // costs one table + one key/value round trip for U positions instead of one per position.
+  constexpr int U = R == 1 ? 4 : 1;
+  for (int64_t t0 = t_begin; t0 < t_end; t0 += kGroups * U) {
+    float kk[U][E], vv[U][E];
+    bool live[U];
 #pragma unroll
-          for (int e = 0; e < E; ++e) kk[e] = kx[e];  // the normed, rotated key
+    for (int u = 0; u < U; ++u) {
+      const int64_t t = t0 + u * kGroups + grp;
+      live[u] = t < t_end;
+      if (live[u]) {  // key and value loads issued together: their round trips overlap
+        // 32-bit division: positions and block sizes are small (64-bit division is emulated)
+        const int tb = static_cast<int>(t) / bs32, to = static_cast<int>(t) - tb * bs32;
+        const int64_t at = t == p ? 0 : ((blocks[tb] * Hkv + g) * BS + to) * D;
+        load<T, E>((t == p ? kn : k_cache + at) + sub * E, kk[u], vec);
+        load<T, E>((t == p ? vn : v_cache + at) + sub * E, vv[u], vec);
+        if constexpr (ROPE) {
+          if (t == p) {
+#pragma unroll
+            for (int e = 0; e < E; ++e) kk[u][e] = kx[e];  // the normed, rotated key
+          }
         }
+      } else {
+#pragma unroll
+        for (int e = 0; e < E; ++e) kk[u][e] = vv[u][e] = 0.f;
       }
-    } else {
-#pragma unroll
-      for (int e = 0; e < E; ++e) kk[e] = vv[e] = 0.f;
     }
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-      float d = 0.f;
-#pragma unroll
-      for (int e = 0; e < E; ++e) d += qv[r][e] * kk[e];
-      s[r] = d;
-    }
-    // the L lanes of a group are adjacent in the warp: reduce within them
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-#pragma unroll
-      for (int o = L / 2; o >= 1; o /= 2) s[r] += __shfl_xor_sync(0xffffffff, s[r], o);
-    }
-    if (live) {
+    for (int u = 0; u < U; ++u) {
+      float s[R];
 #pragma unroll
       for (int r = 0; r < R; ++r) {
-        const float mn = fmaxf(m[r], s[r]);
-        const float c = __expf(m[r] - mn), w = __expf(s[r] - mn);
-        l[r] = l[r] * c + w;
+        float d = 0.f;
 #pragma unroll
-        for (int e = 0; e < E; ++e) acc[r][e] = acc[r][e] * c + w * vv[e];
-        m[r] = mn;
+        for (int e = 0; e < E; ++e) d += qv[r][e] * kk[u][e];
+        s[r] = d;
+      }
+      // the L lanes of a group are adjacent in the warp: reduce within them
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+#pragma unroll
+        for (int o = L / 2; o >= 1; o /= 2) s[r] += __shfl_xor_sync(0xffffffff, s[r], o);
+      }
+      if (live[u]) {
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          const float mn = fmaxf(m[r], s[r]);
+          const float c = __expf(m[r] - mn), w = __expf(s[r] - mn);
+          l[r] = l[r] * c + w;
+#pragma unroll
+          for (int e = 0; e < E; ++e) acc[r][e] = acc[r][e] * c + w * vv[u][e];
+          m[r] = mn;
+        }
       }
     }
   }

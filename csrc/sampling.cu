@@ -109,6 +109,8 @@ __global__ void __launch_bounds__(kThreads) sample_topk_kernel(
   __shared__ float cv[kK];  // candidates: value, index
   __shared__ int ci[kK];
   __shared__ float cw[kK];  // race weights
+  __shared__ float sv[kK];  // the candidates in rank order: value, index
+  __shared__ int si[kK];
 
   const int b = blockIdx.x, tid = threadIdx.x;
   const T* row = logits + b * row_stride;
@@ -119,7 +121,7 @@ __global__ void __launch_bounds__(kThreads) sample_topk_kernel(
   float lmax = -INFINITY;
   for (int i = tid; i < V; i += kThreads) {
     const float x = to_f(row[i]);
-    xs[i] = x;
+    xs[i] = x == 0.f ? 0.f : x;  // -0 as +0: one key for equal values (ties rank by index)
     lmax = fmaxf(lmax, x);
   }
   const float mx = block_max(lmax, red);
@@ -127,29 +129,52 @@ __global__ void __launch_bounds__(kThreads) sample_topk_kernel(
   for (int i = tid; i < V; i += kThreads) lsum += expf(xs[i] - mx);
   const float total = block_sum(lsum, red);
 
-  // 2. radix select: the key of the K-th largest value, 8 bits at a time from the top
+  // 2. radix select: the key of the K-th largest value, 8 bits at a time from the top.
+  //    Logits of one row share their top bits, so most keys of a pass fall into a few bins:
+  //    the lanes of a warp that hit one bin add to it once (__match_any_sync), not 32 times
+  //    over one shared-memory address. The bin is then found by a parallel suffix sum over
+  //    the 256 bins (thread i owns bin 255 - i) instead of a serial walk down from 255.
   if (tid == 0) {
     s_prefix = 0;
     s_need = K;
   }
+  const int lane = tid % 32, warp = tid / 32;
   for (int shift = 24; shift >= 0; shift -= 8) {
     for (int i = tid; i < 256; i += kThreads) hist[i] = 0;
     __syncthreads();
     const uint32_t prefix = s_prefix;
+    const int need = s_need;
     const uint32_t hi_mask = shift == 24 ? 0u : (0xFFFFFFFFu << (shift + 8));
-    for (int i = tid; i < V; i += kThreads) {
-      const uint32_t k = order_key(xs[i]);
-      if ((k & hi_mask) == (prefix & hi_mask)) atomicAdd(&hist[(k >> shift) & 0xFF], 1);
+    for (int base = 0; base < V; base += kThreads) {  // warp-uniform trip count
+      const int i = base + tid;
+      uint32_t bin = 256u;  // no bin: past the row, or outside the prefix
+      if (i < V) {
+        const uint32_t k = order_key(xs[i]);
+        if ((k & hi_mask) == (prefix & hi_mask)) bin = (k >> shift) & 0xFFu;
+      }
+      const uint32_t peers = __match_any_sync(0xffffffffu, bin);
+      if (bin < 256u && lane == __ffs(peers) - 1) atomicAdd(&hist[bin], __popc(peers));
     }
     __syncthreads();
-    if (tid == 0) {
-      int need = s_need, bin = 255;
-      for (; bin > 0; --bin) {  // from the largest bin down until `need` is reached
-        if (hist[bin] >= need) break;
-        need -= hist[bin];
+    // inclusive suffix sums S[b] = hist[b] + ... + hist[255]; the bin is the one with
+    // S[b + 1] < need <= S[b] (exactly one: the keys under the prefix number >= need)
+    int h = 0, inc = 0;
+    if (tid < 256) {
+      h = hist[255 - tid];
+      inc = h;
+      for (int o = 1; o < 32; o <<= 1) {
+        const int n = __shfl_up_sync(0xffffffffu, inc, o);
+        if (lane >= o) inc += n;
       }
-      s_prefix = prefix | (static_cast<uint32_t>(bin) << shift);
-      s_need = need;  // how many of the keys equal to the final prefix are taken
+      if (lane == 31) ired[warp] = inc;
+    }
+    __syncthreads();
+    if (tid < 256) {
+      for (int w = 0; w < warp; ++w) inc += ired[w];
+      if (inc - h < need && need <= inc) {
+        s_prefix = prefix | (static_cast<uint32_t>(255 - tid) << shift);
+        s_need = need - (inc - h);  // how many of the keys equal to the final prefix are taken
+      }
     }
     __syncthreads();
   }
@@ -189,27 +214,33 @@ __global__ void __launch_bounds__(kThreads) sample_topk_kernel(
   }
   __syncthreads();
 
-  // 4. bitonic sort of the kK slots: value descending, index ascending on ties
-  for (int size = 2; size <= kK; size <<= 1) {
-    for (int stride = size >> 1; stride > 0; stride >>= 1) {
-      if (tid < kK) {
-        const int j = tid ^ stride;
-        if (j > tid) {
-          const bool desc = (tid & size) == 0;
-          const float a = cv[tid], c = cv[j];
-          const int ia = ci[tid], ic = ci[j];
-          const bool a_first = a > c || (a == c && ia < ic);
-          if (a_first != desc) {
-            cv[tid] = c;
-            cv[j] = a;
-            ci[tid] = ic;
-            ci[j] = ia;
-          }
-        }
-      }
-      __syncthreads();
+  // 4. sort the kK slots (value descending, index ascending on ties; the slot breaks the
+  //    padding's ties) by rank: slot i's rank is the number of slots ordered before it, a
+  //    permutation of 0..kK-1 (the key order is total), counted by four adjacent
+  //    threads over a quarter of the slots each (broadcast reads) — one barrier, where a
+  //    bitonic network takes 28
+  static_assert(kThreads == 4 * kK, "four threads rank each candidate slot");
+  {
+    const int slot = tid / 4, quarter = tid % 4;
+    const float v = cv[slot];
+    const int ix = ci[slot];
+    const uint32_t kv = order_key(v);
+    int rank = 0;
+#pragma unroll 8
+    for (int j = quarter * (kK / 4); j < (quarter + 1) * (kK / 4); ++j) {
+      const float u = cv[j];
+      const uint32_t ku = order_key(u);
+      const int iu = ci[j];
+      rank += ku > kv || (ku == kv && (iu < ix || (iu == ix && j < slot)));
+    }
+    rank += __shfl_xor_sync(0xffffffffu, rank, 1);
+    rank += __shfl_xor_sync(0xffffffffu, rank, 2);
+    if (quarter == 0) {
+      sv[rank] = v;
+      si[rank] = ix;
     }
   }
+  __syncthreads();
 
   rtvoice::pdl_trigger();  // what is left is one warp's work: the next kernel may come in
   // 5. top-p / top-k masks, tempered softmax of the kept candidates, the race (one warp)
@@ -224,7 +255,7 @@ __global__ void __launch_bounds__(kThreads) sample_topk_kernel(
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int r = tid * 4 + j;
-      pr[j] = r < K ? expf(cv[r] - mx) / total : 0.f;
+      pr[j] = r < K ? expf(sv[r] - mx) / total : 0.f;
       run += pr[j];
     }
     float inc = run;
@@ -233,7 +264,7 @@ __global__ void __launch_bounds__(kThreads) sample_topk_kernel(
       if (tid >= o) inc += n;
     }
     float cum = inc - run;
-    const float top = cv[0] / t;
+    const float top = sv[0] / t;
     float best = -1.f;
     int best_r = 0;
 #pragma unroll
@@ -241,7 +272,7 @@ __global__ void __launch_bounds__(kThreads) sample_topk_kernel(
       const int r = tid * 4 + j;
       cum += pr[j];
       const bool keep = r < K && (r == 0 || cum <= p_top) && r < k_top;
-      cw[r] = keep ? expf(cv[r] / t - top) : 0.f;
+      cw[r] = keep ? expf(sv[r] / t - top) : 0.f;
     }
     __syncwarp();
     float s = 0.f;
@@ -252,7 +283,7 @@ __global__ void __launch_bounds__(kThreads) sample_topk_kernel(
     for (int j = 0; j < 4; ++j) {
       const int r = tid * 4 + j;
       if (cw[r] > 0.f) {
-        const uint64_t x = mix32(key + static_cast<uint64_t>(ci[r]) * 0xC2B2AE3Dull);
+        const uint64_t x = mix32(key + static_cast<uint64_t>(si[r]) * 0xC2B2AE3Dull);
         // as engine/sampler.py: the top value would round to 1.0 (E = 0): clamp below 1
         const float u = fminf((static_cast<float>(x >> 8) + 0.5f) * (1.0f / 16777216.0f),
                               1.0f - 5.9604644775390625e-8f);
@@ -271,7 +302,7 @@ __global__ void __launch_bounds__(kThreads) sample_topk_kernel(
         best_r = orr;
       }
     }
-    if (tid == 0) out[b] = temperature[b] > 0.f ? ci[best_r] : ci[0];
+    if (tid == 0) out[b] = temperature[b] > 0.f ? si[best_r] : si[0];
   }
 }
 

@@ -160,6 +160,19 @@ def kernel_table(prof, categorize, cuda_only: bool = False):  # type: ignore[no-
     return cats, top, n_kernels
 
 
+def per_launch_us(prof, names: tuple[str, ...]) -> dict[str, list[float]]:  # type: ignore[no-untyped-def]
+    """Each launch's GPU microseconds, in launch order, of the kernels whose name contains one
+    of `names` (e.g. the slow AR's attention apart from the fast AR's), from a torch.profiler
+    run."""
+    out: dict[str, list[float]] = {n: [] for n in names}
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    for e in sorted(kernels, key=lambda e: e.time_range.start):
+        for n in names:
+            if n in e.name and "combine" not in e.name:
+                out[n].append(round(e.time_range.elapsed_us(), 1))
+    return out
+
+
 def codec_bench(report: dict, device: str) -> None:
     from engine.codec import CodecConfig, StreamingDecoder, dummy_codec
     from engine.ops import build_ops
@@ -404,6 +417,7 @@ def profile_step(report: dict, device: str, sampler_kernel: bool = True,
             runner.step(B, 256)
             _sync()
         cats, kernels, n_kernels = kernel_table(prof, _category)
+        launches = per_launch_us(prof, ("decode_attention", "sample_topk"))
         top = [(t, c, k[:90]) for t, c, k in kernels]
         by_count = sorted(((c, round(t, 3), k) for t, c, k in top), reverse=True)[:15]
         g = torch.cuda.CUDAGraph()
@@ -427,7 +441,9 @@ def profile_step(report: dict, device: str, sampler_kernel: bool = True,
                   "eager_kernel_ms_by_category": {k: round(v, 3) for k, v in sorted(cats.items())},
                   "kernels_per_step": n_kernels,
                   "top_kernels_ms": [[round(t, 3), c, k] for t, c, k in top[:12]],
-                  "most_launched": [list(x) for x in by_count]}
+                  "most_launched": [list(x) for x in by_count],
+                  # in launch order: the slow AR's layers, then the fast AR's codebook steps
+                  "per_launch_us": launches}
         print(json.dumps({B: out[B]})[:1500], flush=True)
         del g
     report["profile_decode_rope" if decode_rope else f"profile_pdl{pdl}" if pdl is not None

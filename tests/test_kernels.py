@@ -363,6 +363,33 @@ def test_sample_topk_cuda_bf16_ties():
     assert bool((rank < args[3]).all())
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("V", [4097, 100])
+def test_sample_topk_cuda_all_equal_and_few_distinct(V):
+    """Rows where every key lands in one radix bin (all equal, signed zeros among them) or in
+    a handful of values: ties rank by index, so a greedy row takes the lowest index of its
+    maximum and every draw is among the row's top_k by (value descending, index ascending)."""
+    assert extension_available(), "the CUDA extension did not build"
+    args = list(_draw_case(48, V, "cuda", seed=11))
+    logits = torch.zeros(48, V, device="cuda")
+    logits[16:32] = torch.randint(-2, 3, (16, V), device="cuda").float()  # five values
+    logits[32:, ::7] = -0.0  # signed zeros tie with the zeros
+    args[0] = logits
+    args[1][[0, 1, 16, 17, 32, 33]] = 0  # greedy rows in each group
+    args[2] = torch.ones_like(args[2])  # top-p keeps every candidate: top_k alone cuts
+    got = sampling.sample_topk(*args).cpu()
+    vals, top_k, temp = logits.cpu(), args[3].cpu(), args[1].cpu()
+    for b in range(48):
+        row = vals[b].tolist()
+        order = sorted(range(V), key=lambda i: (-row[i], i))
+        allowed = order[: int(top_k[b])]
+        if temp[b] == 0:
+            assert int(got[b]) == order[0], (b, int(got[b]), order[0])
+        else:
+            assert int(got[b]) in allowed, (b, int(got[b]), allowed[:8])
+
+
 # ---------------------------------------------------------------------- snake activation
 def test_snake_fallback_and_snake_cat_semantics():
     from engine.codec.layers import snake as formula
