@@ -54,6 +54,7 @@ from engine import functional, fusion
 from engine.kernels import extension_available
 from engine.kernels.linear import (
     DEFAULT_TABLE,
+    EXACT_VARIANTS,
     FP8_VARIANTS,
     MAX_M,
     VARIANTS,
@@ -181,7 +182,7 @@ def _triton_splits(mod, m: int, n: int, k: int, cfg, sms: int) -> list[int]:  # 
 
 def _cfg_name(cfg) -> str:
     return (f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}w{cfg.num_warps}s{cfg.num_stages}"
-            f"{'T' if cfg.swap_ab else ''}")
+            f"{'T' if cfg.swap_ab else ''}{'P' if cfg.prescale else ''}")
 
 
 class Timer:
@@ -455,8 +456,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", default=",".join(SHAPES),
                     help=f"comma-separated subset of {','.join(SHAPES)}")
     ap.add_argument("--ms", default=",".join(map(str, MS)), help="rows (M) to time")
-    ap.add_argument("--variants", default=",".join(map(str, VARIANTS)),
-                    help="csrc kernel variants to time")
+    ap.add_argument("--variants", default=",".join(map(str, EXACT_VARIANTS)),
+                    help=f"csrc kernel variants to time (of {','.join(map(str, VARIANTS))}; "
+                    "3 rounds x to f16: not by default)")
     ap.add_argument("--no-triton", action="store_true", help="leave the Triton kernels out")
     ap.add_argument("--reps", type=int, default=15, help="graph replays per candidate")
     ap.add_argument("--reference", action="store_true",

@@ -201,28 +201,68 @@ __global__ void __launch_bounds__(kGroups * L) decode_attention_kernel(
   // score: with R = 1 (small batches: few blocks, each walking many positions) a trip then
   // costs one table + one key/value round trip for U positions instead of one per position.
   constexpr int U = R == 1 ? 4 : 1;
+  // 16-byte pieces of a lane's E elements (the raw loads; 0: not a whole number of them)
+  constexpr int kRaw = (E * sizeof(T)) % 16 == 0 ? E * sizeof(T) / 16 : 0;
   for (int64_t t0 = t_begin; t0 < t_end; t0 += kGroups * U) {
     float kk[U][E], vv[U][E];
     bool live[U];
+    if (kRaw > 0 && vec) {
+      // every load of the trip first, without a branch (a slot past the range reads the new
+      // key and value, and its result is dropped), then the conversions: U key/value round
+      // trips overlap (a conversion right after each load would wait for it)
+      uint4 kr[U][kRaw > 0 ? kRaw : 1], vr[U][kRaw > 0 ? kRaw : 1];
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int64_t t = t0 + u * kGroups + grp;
-      live[u] = t < t_end;
-      if (live[u]) {  // key and value loads issued together: their round trips overlap
+      for (int u = 0; u < U; ++u) {
+        const int64_t t = t0 + u * kGroups + grp;
+        live[u] = t < t_end;
+        const int64_t tt = live[u] ? t : p;
         // 32-bit division: positions and block sizes are small (64-bit division is emulated)
-        const int tb = static_cast<int>(t) / bs32, to = static_cast<int>(t) - tb * bs32;
-        const int64_t at = t == p ? 0 : ((blocks[tb] * Hkv + g) * BS + to) * D;
-        load<T, E>((t == p ? kn : k_cache + at) + sub * E, kk[u], vec);
-        load<T, E>((t == p ? vn : v_cache + at) + sub * E, vv[u], vec);
-        if constexpr (ROPE) {
-          if (t == p) {
+        const int tb = static_cast<int>(tt) / bs32, to = static_cast<int>(tt) - tb * bs32;
+        const int64_t at = tt == p ? 0 : ((blocks[tb] * Hkv + g) * BS + to) * D;
+        const uint4* kp = reinterpret_cast<const uint4*>((tt == p ? kn : k_cache + at) + sub * E);
+        const uint4* vp = reinterpret_cast<const uint4*>((tt == p ? vn : v_cache + at) + sub * E);
 #pragma unroll
-            for (int e = 0; e < E; ++e) kk[u][e] = kx[e];  // the normed, rotated key
+        for (int c = 0; c < kRaw; ++c) {
+          kr[u][c] = kp[c];
+          vr[u][c] = vp[c];
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+#pragma unroll
+        for (int c = 0; c < kRaw; ++c) {
+          const T* kv = reinterpret_cast<const T*>(&kr[u][c]);
+          const T* vv_ = reinterpret_cast<const T*>(&vr[u][c]);
+#pragma unroll
+          for (int e = 0; e < 16 / static_cast<int>(sizeof(T)); ++e) {
+            kk[u][c * (16 / sizeof(T)) + e] = to_f(kv[e]);
+            vv[u][c * (16 / sizeof(T)) + e] = to_f(vv_[e]);
           }
         }
-      } else {
+      }
+    } else {
 #pragma unroll
-        for (int e = 0; e < E; ++e) kk[u][e] = vv[u][e] = 0.f;
+      for (int u = 0; u < U; ++u) {
+        const int64_t t = t0 + u * kGroups + grp;
+        live[u] = t < t_end;
+        if (live[u]) {  // key and value loads issued together: their round trips overlap
+          const int tb = static_cast<int>(t) / bs32, to = static_cast<int>(t) - tb * bs32;
+          const int64_t at = t == p ? 0 : ((blocks[tb] * Hkv + g) * BS + to) * D;
+          load<T, E>((t == p ? kn : k_cache + at) + sub * E, kk[u], false);
+          load<T, E>((t == p ? vn : v_cache + at) + sub * E, vv[u], false);
+        } else {
+#pragma unroll
+          for (int e = 0; e < E; ++e) kk[u][e] = vv[u][e] = 0.f;
+        }
+      }
+    }
+    if constexpr (ROPE) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        if (t0 + u * kGroups + grp == p) {
+#pragma unroll
+          for (int e = 0; e < E; ++e) kk[u][e] = kx[e];  // the normed, rotated key
+        }
       }
     }
 #pragma unroll

@@ -33,6 +33,7 @@ constexpr int kThreads = 512;
 constexpr int kMaxV = 8192;
 constexpr int kK = 128;  // TOPK_MAX in engine/sampler.py
 constexpr int kWarps = kThreads / 32;
+constexpr int kLoads = kMaxV / kThreads;  // row elements a thread loads at once: all of them
 
 __device__ __forceinline__ uint32_t order_key(float f) {
   // float -> uint32 with the same order (larger float, larger key); NaN sorts high
@@ -116,13 +117,38 @@ __global__ void __launch_bounds__(kThreads) sample_topk_kernel(
   const T* row = logits + b * row_stride;
   const int K = V < kK ? V : kK;
   rtvoice::pdl_wait();  // (PDL) the logits and the draw's inputs come from the kernels before
+  // the draw's parameters, loaded now (read by the last warp at the end): their round trip
+  // overlaps the row's
+  float temp_b = 0.f, top_p_b = 0.f;
+  int64_t k_top = 0, seed_b = 0, stream_b = 0, step_b = 0;
+  if (tid < 32) {
+    temp_b = temperature[b];
+    top_p_b = top_p[b];
+    k_top = top_k[b];
+    seed_b = seed[b];
+    stream_b = stream[b];
+    step_b = step[b];
+  }
 
-  // 1. the row, as float, and its softmax normaliser
+  // 1. the row, as float, and its softmax normaliser. A thread's loads are issued together
+  //    (all of its up to kLoads elements, unrolled): one round trip, not one per element as
+  //    a loop that stores each value before loading the next takes.
   float lmax = -INFINITY;
-  for (int i = tid; i < V; i += kThreads) {
-    const float x = to_f(row[i]);
-    xs[i] = x == 0.f ? 0.f : x;  // -0 as +0: one key for equal values (ties rank by index)
-    lmax = fmaxf(lmax, x);
+  for (int base = 0; base < V; base += kThreads * kLoads) {  // one trip (V <= kMaxV)
+    float x[kLoads];
+#pragma unroll
+    for (int j = 0; j < kLoads; ++j) {
+      const int i = base + j * kThreads + tid;
+      x[j] = i < V ? to_f(row[i]) : 0.f;
+    }
+#pragma unroll
+    for (int j = 0; j < kLoads; ++j) {
+      const int i = base + j * kThreads + tid;
+      if (i < V) {
+        xs[i] = x[j] == 0.f ? 0.f : x[j];  // -0 as +0: one key for equal values
+        lmax = fmaxf(lmax, x[j]);
+      }
+    }
   }
   const float mx = block_max(lmax, red);
   float lsum = 0.f;
@@ -131,8 +157,8 @@ __global__ void __launch_bounds__(kThreads) sample_topk_kernel(
 
   // 2. radix select: the key of the K-th largest value, 8 bits at a time from the top.
   //    Logits of one row share their top bits, so most keys of a pass fall into a few bins:
-  //    the lanes of a warp that hit one bin add to it once (__match_any_sync), not 32 times
-  //    over one shared-memory address. The bin is then found by a parallel suffix sum over
+  //    the lanes of a warp that hit one bin add to it once, not 32 times over one
+  //    shared-memory address. The bin is then found by a parallel suffix sum over
   //    the 256 bins (thread i owns bin 255 - i) instead of a serial walk down from 255.
   if (tid == 0) {
     s_prefix = 0;
@@ -152,8 +178,18 @@ __global__ void __launch_bounds__(kThreads) sample_topk_kernel(
         const uint32_t k = order_key(xs[i]);
         if ((k & hi_mask) == (prefix & hi_mask)) bin = (k >> shift) & 0xFFu;
       }
-      const uint32_t peers = __match_any_sync(0xffffffffu, bin);
-      if (bin < 256u && lane == __ffs(peers) - 1) atomicAdd(&hist[bin], __popc(peers));
+      // the warp's most common bins, one atomic each: a lane names its bin, the lanes with
+      // it are counted by a ballot (up to 4 rounds: one to three bins is the common case
+      // where the keys crowd), the rest (bins spread out: few conflicts) add themselves
+      unsigned todo = __ballot_sync(0xffffffffu, bin < 256u);
+      for (int round = 0; round < 4 && todo != 0u; ++round) {
+        const int leader = __ffs(todo) - 1;
+        const uint32_t lb = __shfl_sync(0xffffffffu, bin, leader);
+        const unsigned same = __ballot_sync(0xffffffffu, bin == lb);
+        if (lane == leader) atomicAdd(&hist[lb], __popc(same));
+        todo &= ~same;
+      }
+      if ((todo >> lane) & 1u) atomicAdd(&hist[bin], 1);
     }
     __syncthreads();
     // inclusive suffix sums S[b] = hist[b] + ... + hist[255]; the bin is the one with
@@ -245,11 +281,10 @@ __global__ void __launch_bounds__(kThreads) sample_topk_kernel(
   rtvoice::pdl_trigger();  // what is left is one warp's work: the next kernel may come in
   // 5. top-p / top-k masks, tempered softmax of the kept candidates, the race (one warp)
   if (tid < 32) {
-    const float t = fmaxf(temperature[b], 1e-5f), p_top = top_p[b];
-    const int64_t k_top = top_k[b];
-    const uint64_t key0 = mix32(static_cast<uint64_t>(seed[b]) * 0x9E3779B1ull +
-                                static_cast<uint64_t>(stream[b]) * 0x632BE5ABull);
-    const uint64_t key = mix32(key0 + static_cast<uint64_t>(step[b]) * 0x85EBCA77ull);
+    const float t = fmaxf(temp_b, 1e-5f), p_top = top_p_b;
+    const uint64_t key0 = mix32(static_cast<uint64_t>(seed_b) * 0x9E3779B1ull +
+                                static_cast<uint64_t>(stream_b) * 0x632BE5ABull);
+    const uint64_t key = mix32(key0 + static_cast<uint64_t>(step_b) * 0x85EBCA77ull);
     // inclusive cumulative probability in rank order: each lane owns 4 consecutive ranks
     float pr[4], run = 0.f;
 #pragma unroll
@@ -302,7 +337,7 @@ __global__ void __launch_bounds__(kThreads) sample_topk_kernel(
         best_r = orr;
       }
     }
-    if (tid == 0) out[b] = temperature[b] > 0.f ? si[best_r] : si[0];
+    if (tid == 0) out[b] = temp_b > 0.f ? si[best_r] : si[0];
   }
 }
 

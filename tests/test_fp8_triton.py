@@ -66,7 +66,23 @@ def reference(x: torch.Tensor, w: Fp8Weight) -> tuple[torch.Tensor, torch.Tensor
     return xd @ wd.T, xd.abs() @ wd.abs().T
 
 
-def assert_matches(out: torch.Tensor, x: torch.Tensor, w: Fp8Weight, *, exact: bool = True):
+def assert_matches(out: torch.Tensor, x: torch.Tensor, w: Fp8Weight, *, exact: bool = True,
+                   prescaled: bool = False):
+    """`out` against the exact product: to the kernel's rounding (`exact`: bf16 output,
+    float32 sums) or to fp8_linear_torch's (its weight rounded to x's dtype first). A
+    `prescaled` kernel rounds the weight as fp8_linear_torch does, so it is held to the
+    kernel's rounding around that weight's exact product."""
+    if prescaled:
+        wd = dequantize_fp8(w, x.dtype).double()
+        ref, mag = x.double() @ wd.T, x.double().abs() @ wd.abs().T
+        assert out.shape == ref.shape and out.dtype == x.dtype
+        err = (out.double() - ref).abs()
+        bound = 2**-8 * ref.abs() + 1e-5 * mag + 1e-30
+        bad = err > bound
+        assert not bad.any(), (f"{int(bad.sum())} of {bad.numel()} outputs off the prescaled "
+                               f"product; worst {float((err / bound).max()):.3g} x the bound")
+        assert_matches(out, x, w, exact=False)
+        return
     ref, mag = reference(x, w)
     assert out.shape == ref.shape and out.dtype == x.dtype
     err = (out.double() - ref).abs()
@@ -239,6 +255,12 @@ def test_sweep_configs_are_candidates_and_round_trip():
         ft.Config.from_json({**cfg, "stages": 3})
     with pytest.raises(ValueError, match="must be an int"):
         ft.Config.from_json({**cfg, "block_m": "16"})
+    assert any(c.prescale for c in ft.sweep_configs(64))
+    assert not any(c.prescale for c in ft.sweep_configs(64, w8a8=True))
+    with pytest.raises(ValueError, match="weight-only"):
+        ft.Config.from_json({**ft.Config(16, 64, 128).to_json(), "prescale": True}, w8a8=True)
+    with pytest.raises(ValueError, match="true or false"):
+        ft.Config.from_json({**cfg, "prescale": 1})
 
 
 @pytest.mark.parametrize("m,n,k", [(1, 2560, 9728), (64, 19456, 2560), (5, 300, 260)])
@@ -346,7 +368,8 @@ def test_kernel_every_config(m):
     for cfg in ft.configs():
         for split in (1, 3):
             try:
-                assert_matches(ft.fp8_linear_triton(x, w, config=cfg, split_k=split), x, w)
+                assert_matches(ft.fp8_linear_triton(x, w, config=cfg, split_k=split), x, w,
+                               prescaled=cfg.prescale)
             except AssertionError as e:
                 raise AssertionError(f"{cfg} split_k={split}: {e}") from None
 
@@ -461,7 +484,8 @@ def test_interp_every_config(interp):
         x = make_x(m, k, seed=m, pad=8)
         for cfg in ft.configs():
             try:
-                assert_matches(ft._launch(x, w, cfg, 2, sms=132), x, w)
+                assert_matches(ft._launch(x, w, cfg, 2, sms=132), x, w,
+                               prescaled=cfg.prescale)
             except AssertionError as e:
                 raise AssertionError(f"{cfg}: {e}") from None
 

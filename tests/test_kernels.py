@@ -1272,6 +1272,39 @@ def test_gemv_swiglu_fp8_cuda_matches_unfused(M):
             assert int(ulps.max()) <= 1, f"{where}: {int(ulps.max())} ulps off"
             assert float((ulps > 0).float().mean()) < 1e-3, where
 
+def test_glu_row_prefers_a_candidate_with_the_epilogue(monkeypatch):
+    """The packed [W1; W3] linear runs the SwiGLU epilogue with the plan's row where its kernel
+    has one, else with the fastest recorded csrc candidate that has it (FP8: variant 0) when
+    that costs less than the silu * mul launch it saves; never a slower one, never on the CPU."""
+    monkeypatch.setattr(linear, "supports", lambda m, n, k, fp8, variant=0: variant in (0, 1, 2))
+
+    def row(fp8, impl, us, variant=0, config=None):
+        return linear.PlanRow(fp8, 1, 256, 128, impl, 1, tuple(us.items()), 4, variant, config)
+
+    def glu(r, cuda=True):
+        return linear._glu_row(linear.LinearPlan((r,)), True, 1, 256, 128, r.fp8,
+                               torch.bfloat16, cuda)
+
+    # FP8, the fastest is variant 2 (no epilogue): variant 0's best within 1.5 us is taken
+    r = row(True, "gemv", {"gemv:v2:k2:s1": 10.0, "gemv:v0:k4:s1": 11.2, "gemv:v0:k2:s2": 11.0,
+                           "triton:16x64x128w4s4:k3": 10.5}, variant=2)
+    g = glu(r)
+    assert (g.impl, g.variant, g.kwarps, g.splits) == ("gemv", 0, 2, 2)
+    assert glu(r, cuda=False) is None
+    # ... but not when the epilogue's candidate is slower by more than the launch it saves
+    r = row(True, "gemv", {"gemv:v2:k2:s1": 10.0, "gemv:v0:k4:s1": 11.6}, variant=2)
+    assert glu(r) is None
+    # a Triton choice: a close csrc candidate takes the FFN with its epilogue
+    cfg = (("block_k", 128), ("block_m", 16), ("block_n", 64))
+    r = row(True, "triton", {"triton:16x64x128w4s4:k3": 10.0, "gemv:v0:k8:s1": 10.9}, config=cfg)
+    g = glu(r)
+    assert (g.impl, g.variant, g.kwarps, g.config) == ("gemv", 0, 8, None)
+    # bf16: the chosen variant 1 has the epilogue and is kept as it is
+    r = row(False, "gemv", {"gemv:v1:k8:s1": 9.0, "gemv:v0:k8:s1": 9.1}, variant=1)
+    assert glu(r) == r
+    # the library's shapes with no csrc candidate: none
+    assert glu(row(False, "library", {"library": 9.0})) is None
+
 
 @pytest.mark.cuda
 @_cuda

@@ -9,6 +9,10 @@ and fp16), accumulates `tl.dot` in fp32 over the block's 128 / BLOCK_K steps, th
 partial product times the block's scale. BLOCK_N divides 128, so a tile's columns share one
 scale row and the scale is one scalar per K block. `swap_ab` configs compute the transposed
 tile (W_tile @ x_tile^T) instead: the MMA's M side is then BLOCK_N, not the tiny M.
+`prescale` configs scale the converted weight tile by its block's scale and round it to x's
+dtype before the dot instead, which is exactly the reference's dequantised weight
+(`engine.quant.fp8_linear_torch`), and chain every K block's dot into one accumulator (no
+per-block partial to wait for and rescale).
 
 `fp8_linear_triton_w8a8`: the same, with the activations quantised on the fly per 1 x 128
 block (amax / 448, round to e4m3) and an fp8 x fp8 `tl.dot`, each block's partial product
@@ -30,6 +34,7 @@ Triton is imported lazily: importing this module needs neither triton nor CUDA, 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -55,6 +60,10 @@ class Config:
     num_warps: int = 4
     num_stages: int = 3
     swap_ab: bool = False  # compute the tile as W @ x^T (MMA M side = block_n)
+    # weight-only: scale the weight tile before the dot (the reference's bf16 dequantised
+    # weight, exactly) and accumulate every K block into one chain of dots, instead of a
+    # float32 partial per K block scaled after its dot (which waits for each block's MMA)
+    prescale: bool = False
 
     def check(self, *, w8a8: bool = False) -> None:
         if self.block_m not in (16, 32, 64, 128, 256):
@@ -63,6 +72,9 @@ class Config:
             raise ValueError(f"block_n must divide 128 (16, 32, 64 or 128), got {self.block_n}")
         if self.block_k not in (32, 64, 128):
             raise ValueError(f"block_k must divide 128 (32, 64 or 128), got {self.block_k}")
+        if w8a8 and self.prescale:
+            raise ValueError("prescale scales the weight tile in the activations' dtype: a "
+                             "weight-only config (the W8A8 kernel scales each block's product)")
         if w8a8 and self.block_k != BLOCK:
             raise ValueError(f"the W8A8 kernel quantises activations per 1 x {BLOCK} block: "
                              f"block_k must be {BLOCK}, got {self.block_k}")
@@ -74,7 +86,7 @@ class Config:
     def to_json(self) -> dict[str, int | bool]:
         return {"block_m": self.block_m, "block_n": self.block_n, "block_k": self.block_k,
                 "num_warps": self.num_warps, "num_stages": self.num_stages,
-                "swap_ab": self.swap_ab}
+                "swap_ab": self.swap_ab, "prescale": self.prescale}
 
     @classmethod
     def from_json(cls, d: object, *, w8a8: bool = False) -> Config:
@@ -82,7 +94,8 @@ class Config:
         what is wrong."""
         if not isinstance(d, dict):
             raise ValueError(f"a Triton config must be an object, got {type(d).__name__}")
-        names = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "swap_ab")
+        names = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "swap_ab",
+                 "prescale")
         unknown = set(d) - set(names)
         missing = {"block_m", "block_n", "block_k"} - set(d)
         if unknown or missing:
@@ -92,9 +105,9 @@ class Config:
             v = d.get(key, 1)
             if isinstance(v, bool) or not isinstance(v, int):
                 raise ValueError(f"Triton config {key} must be an int, got {v!r}")
-        if not isinstance(d.get("swap_ab", False), bool):
-            raise ValueError(f"Triton config swap_ab must be true or false, got "
-                             f"{d['swap_ab']!r}")
+        for key in ("swap_ab", "prescale"):
+            if not isinstance(d.get(key, False), bool):
+                raise ValueError(f"Triton config {key} must be true or false, got {d[key]!r}")
         cfg = cls(**d)
         cfg.check(w8a8=w8a8)
         return cfg
@@ -119,9 +132,9 @@ def default_config(m: int, n: int, k: int, *, w8a8: bool = False) -> Config:
     """The table's config for an [m, k] x [n, k]^T GEMM (no autotuning: fixed per shape)."""
     cfg = next(c for bound, c in (_TABLE_W8A8 if w8a8 else _TABLE) if m <= bound)
     if k <= 2 * BLOCK and cfg.num_stages > 2:
-        cfg = Config(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, 2, cfg.swap_ab)
+        cfg = dataclasses.replace(cfg, num_stages=2)
     if n <= 64 and cfg.block_n > 32:  # a tiny N: narrower tiles for more programs
-        cfg = Config(cfg.block_m, 32, cfg.block_k, cfg.num_warps, cfg.num_stages, cfg.swap_ab)
+        cfg = dataclasses.replace(cfg, block_n=32)
     return cfg
 
 
@@ -137,6 +150,16 @@ _SWEEP: tuple[tuple[int, tuple[Config, ...]], ...] = (
     (64, (Config(64, 64, 128, 4, 4), Config(64, 128, 128, 4, 4),
           Config(64, 64, 128, 4, 4, swap_ab=True), Config(64, 128, 128, 8, 4, swap_ab=True),
           Config(64, 128, 64, 4, 5, swap_ab=True))),
+)
+# the prescaled kernel (weight-only): some of the same tiles with one chain of dots
+_SWEEP_PRESCALE: tuple[tuple[int, tuple[Config, ...]], ...] = (
+    (16, (Config(16, 64, 128, 4, 4, prescale=True),
+          Config(16, 128, 128, 4, 4, swap_ab=True, prescale=True))),
+    (32, (Config(32, 64, 128, 4, 4, swap_ab=True, prescale=True),
+          Config(32, 128, 128, 4, 4, swap_ab=True, prescale=True))),
+    (64, (Config(64, 64, 128, 4, 4, swap_ab=True, prescale=True),
+          Config(64, 128, 128, 8, 4, swap_ab=True, prescale=True),
+          Config(64, 128, 64, 4, 5, swap_ab=True, prescale=True))),
 )
 _SWEEP_W8A8: tuple[tuple[int, tuple[Config, ...]], ...] = (
     (16, (Config(16, 64, 128, 4, 4),)),
@@ -158,17 +181,23 @@ def configs(*, w8a8: bool = False) -> tuple[Config, ...]:
                 out.append(Config(bm, bn, bk, warps, stages))
                 if bm <= 64:  # small M: W @ x^T puts block_n on the MMA's M side
                     out.append(Config(bm, bn, bk, warps, stages, swap_ab=True))
-    for _, cs in (_SWEEP_W8A8 if w8a8 else _SWEEP):
-        out += cs
+    for sweep in ((_SWEEP_W8A8,) if w8a8 else (_SWEEP, _SWEEP_PRESCALE)):
+        for _, cs in sweep:
+            out += cs
     return tuple(dict.fromkeys(out))
 
 
 def sweep_configs(m: int, *, w8a8: bool = False) -> tuple[Config, ...]:
-    """The few configs worth timing for M = m rows (m <= 64; above, the table's entry)."""
-    for bound, cs in (_SWEEP_W8A8 if w8a8 else _SWEEP):
-        if m <= bound:
-            return cs
-    return (default_config(m, 4096, 4096, w8a8=w8a8),)
+    """The few configs worth timing for M = m rows (m <= 64; above, the table's entry):
+    weight-only, the M bucket's configs and its prescaled ones."""
+    if w8a8:
+        sweeps: tuple[tuple[tuple[int, tuple[Config, ...]], ...], ...] = (_SWEEP_W8A8,)
+    else:
+        sweeps = (_SWEEP, _SWEEP_PRESCALE)
+    out = [next((cs for bound, cs in sweep if m <= bound), ()) for sweep in sweeps]
+    if not out[0]:
+        return (default_config(m, 4096, 4096, w8a8=w8a8),)
+    return tuple(c for cs in out for c in cs)
 
 
 def auto_split_k(m: int, n: int, k: int, cfg: Config, sms: int) -> int:
@@ -280,7 +309,7 @@ def fit_smem(cfg: Config, smem: int | None, *, w8a8: bool = False) -> Config:
         stages -= 1
     if stages == cfg.num_stages:
         return cfg
-    return Config(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, stages, cfg.swap_ab)
+    return dataclasses.replace(cfg, num_stages=stages)
 
 
 # ------------------------------------------------------------------------------ kernels
@@ -295,7 +324,8 @@ def _kernels():
     def fp8_gemm(x_ptr, q_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride_om, stride_os,
                  blocks_per_split,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr, ACT_FP8: tl.constexpr):
+                 EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr, ACT_FP8: tl.constexpr,
+                 PRESCALE: tl.constexpr):
         # program (pid, split): output tile pid (M tiles fastest, so the programs reading one
         # weight tile run together and share it through L2), K blocks of split `split`
         pid = tl.program_id(0)
@@ -319,6 +349,7 @@ def _kernels():
         else:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for b in range(b0, b1):
+            s_b = tl.load(s_ptrs + b)
             if SWAP_AB:
                 part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             else:
@@ -332,7 +363,13 @@ def _kernels():
                     kmask = (k0 + offs_k) < K
                     xt = tl.load(x_ptrs + k0, mask=kmask[None, :], other=0.0)
                     wt = tl.load(q_ptrs + k0, mask=kmask[None, :], other=0.0)
-                if ACT_FP8:  # BLOCK_K == 128: this tile is the rows' 1 x 128 blocks
+                if PRESCALE:  # W's tile scaled and rounded as the reference dequantises it
+                    wb = (wt.to(tl.float32) * s_b).to(xt.dtype)
+                    if SWAP_AB:
+                        acc = tl.dot(wb, tl.trans(xt), acc)
+                    else:
+                        acc = tl.dot(xt, tl.trans(wb), acc)
+                elif ACT_FP8:  # BLOCK_K == 128: this tile is the rows' 1 x 128 blocks
                     xf = xt.to(tl.float32)
                     a_s = tl.maximum(tl.max(tl.abs(xf), axis=1), 1e-30) / 448.0  # [BLOCK_M]
                     xq = tl.clamp(xf / a_s[:, None], -448.0, 448.0).to(tl.float8e4nv)
@@ -346,7 +383,8 @@ def _kernels():
                         part = tl.dot(wb, tl.trans(xt), part)
                     else:
                         part = tl.dot(xt, tl.trans(wb), part)
-            acc += part * tl.load(s_ptrs + b)
+            if not PRESCALE:
+                acc += part * s_b
         out = acc.to(out_ptr.dtype.element_ty)
         base = out_ptr + split * stride_os
         if SWAP_AB:
@@ -392,7 +430,7 @@ def _launch(x2: Tensor, w: Fp8Weight, cfg: Config, split_k: int, sms: int, *,
     gemm[(tiles, split)](
         x2, w.q, w.scale, dst, m, n, k, x2.stride(0), n, 0 if split == 1 else m * n, per,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        EVEN_K=k % BLOCK == 0, SWAP_AB=cfg.swap_ab, ACT_FP8=w8a8,
+        EVEN_K=k % BLOCK == 0, SWAP_AB=cfg.swap_ab, ACT_FP8=w8a8, PRESCALE=cfg.prescale,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split > 1:
         reduce_splits[(triton.cdiv(m * n, REDUCE_BLOCK),)](dst, out, m * n, split,

@@ -28,10 +28,12 @@ Output: bf16 [..., N], float32 accumulation, rounded once.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import functools
 import json
 import logging
 import math
+import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +53,9 @@ K_MULTIPLE = 16
 KWARPS = (0, 1, 2, 4, 8)  # warps per 16-row tile splitting K inside a block; 0: automatic
 VARIANTS = (0, 1, 2, 3)  # csrc kernel variants (module docstring)
 FP8_VARIANTS = (2, 3)  # variants that exist for FP8 weights only
+# what a recorded table chooses among by default: the variants exact to bf16 x (3 rounds x to
+# f16, which saturates above 65504: only for activations known to be small, on request)
+EXACT_VARIANTS = (0, 1, 2)
 IMPLS = ("library", "gemv", "triton", "triton_w8a8")
 W8A8 = "triton_w8a8"  # FP8 activations: another numerics, taken only when asked
 DEFAULT_TABLE = Path(__file__).with_name("linear_table.json")
@@ -676,21 +681,58 @@ def _no_swiglu(x: Tensor, w13: Tensor | Fp8Weight) -> None:
     return None
 
 
+# What the SwiGLU epilogue saves beside the linear itself: the separate silu * mul launch
+# (H200: the packed w13 linear + compiled silu * mul 29.8 us vs the epilogue 28.7 at M = 1,
+# linear_bench --swiglu; docs/PERF.md). A recorded csrc candidate that takes the epilogue is
+# preferred to a faster one that does not by up to this much.
+GLU_SAVES_US = 1.5
+_GEMV_LABEL = re.compile(r"gemv:v(\d+):k(\d+):s(\d+)$")
+
+
+def _glu_row(plan: LinearPlan | None, kernels: bool, m: int, n: int, k: int, fp8: bool,
+             dtype: torch.dtype, cuda: bool) -> PlanRow | None:
+    """The plan row to run the packed [W1; W3] linear with its SwiGLU epilogue, or None: the
+    chosen row where it is csrc's kernel in a variant with the epilogue (FP8: variant 0),
+    else the fastest recorded csrc candidate with it when that is within GLU_SAVES_US of the
+    chosen implementation (which would need the silu * mul launch after it)."""
+    row = plan.choose(m, n, k, fp8) if plan is not None else None
+    if row is None or not kernels or not cuda or dtype != torch.bfloat16 or n % 2:
+        return None
+    if row.impl == "gemv" and not (fp8 and row.variant != 0) and supports(m, n, k, fp8,
+                                                                          row.variant):
+        return row
+    best: tuple[float, int, int, int] | None = None
+    for label, us in row.us:
+        hit = _GEMV_LABEL.match(label)
+        if hit is None:
+            continue
+        variant, kwarps, splits = (int(g) for g in hit.groups())
+        if (fp8 and variant != 0) or not supports(m, n, k, fp8, variant):
+            continue
+        if best is None or us < best[0]:
+            best = (us, variant, kwarps, splits)
+    if best is None or best[0] > row.best_us + GLU_SAVES_US:
+        return None
+    _, variant, kwarps, splits = best
+    return dataclasses.replace(row, impl="gemv", variant=variant, kwarps=kwarps, splits=splits,
+                               config=None)
+
+
 def make_swiglu(plan: LinearPlan | None, kernels: bool,
                 pdl: bool | int = False) -> SwigluFn:
     """`Ops.swiglu_kernel`: for x [..., K] and the packed [W1; W3], silu(x W1^T) * (x W3^T)
-    from the csrc kernel's SwiGLU epilogue (`gemv_swiglu` with the plan row's splits, kwarps,
-    variant) where the plan picked the kernel for that [m, k] x [2I, k] linear and the call
-    meets its contract (FP8 weights: where the plan picked variant 0); None otherwise (the
-    library's shapes, misaligned x): the caller then runs the linear and its silu * mul.
-    Chosen once per (M, N, K, FP8, x's dtype, CUDA or not), as `make_linear` does; `pdl` as
-    there."""
+    from the csrc kernel's SwiGLU epilogue (`gemv_swiglu` with `_glu_row`'s splits, kwarps,
+    variant: the plan's row, or its fastest recorded candidate with the epilogue where that
+    costs less than the silu * mul launch it saves) where the call meets the contract; None
+    otherwise (the library's shapes, misaligned x): the caller then runs the linear and its
+    silu * mul. Chosen once per (M, N, K, FP8, x's dtype, CUDA or not), as `make_linear`
+    does; `pdl` as there."""
     chosen: dict[tuple[int, int, int, bool, torch.dtype, bool], SwigluFn] = {}
 
     def resolve_glu(m: int, n: int, k: int, fp8: bool, dtype: torch.dtype,
                     cuda: bool) -> SwigluFn:
-        row = _gemv_row(plan, kernels, m, n, k, fp8, dtype, cuda)
-        if row is None or n % 2 or (fp8 and row.variant != 0):
+        row = _glu_row(plan, kernels, m, n, k, fp8, dtype, cuda)
+        if row is None:
             return _no_swiglu
         splits, kwarps, variant = row.splits, row.kwarps, row.variant
 
