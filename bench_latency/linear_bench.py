@@ -244,9 +244,15 @@ def sweep_gemv(timer: Timer, fp8: bool, variants: tuple[int, ...], chunks_of,
                        {"impl": "gemv", "splits": s, "kwarps": kw, "variant": v})
 
 
+def pdl_mode(pdl: str, fp8: bool) -> int:
+    """csrc's PDL mode for a `--pdl` value: "auto" as the engine's `pdl=auto` (FP8 weights:
+    mode 1; bf16: plain), else the mode given."""
+    return (1 if fp8 else 0) if pdl == "auto" else int(pdl)
+
+
 def bench_shape(name: str, n: int, k: int, ms: tuple[int, ...], reps: int, copy: float,
                 built: bool, reference: bool, variants: tuple[int, ...],
-                triton: bool, pdl: int = 1) -> list[PlanRow]:
+                triton: bool, pdl: str = "auto") -> list[PlanRow]:
     rows: list[PlanRow] = []
     g = torch.Generator(device="cuda").manual_seed(n + k)
     base = (torch.randn(n, k, device="cuda", generator=g) / math.sqrt(k)).to(torch.bfloat16)
@@ -279,7 +285,8 @@ def bench_shape(name: str, n: int, k: int, ms: tuple[int, ...], reps: int, copy:
             if built and m <= MAX_M:
                 vs = tuple(v for v in variants if fp8 or v not in FP8_VARIANTS)
                 vs = tuple(v for v in vs if supports(m, n, k, fp8, v))
-                sweep_gemv(timer, fp8, vs, functools.partial(_chunks, k, fp8), pdl)
+                sweep_gemv(timer, fp8, vs, functools.partial(_chunks, k, fp8),
+                           pdl_mode(pdl, fp8))
             w8a8: Timer | None = None
             if fp8 and mod is not None:
                 # N not a multiple of 16 compiles every config anew: the default one only
@@ -470,10 +477,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="time a block's projection + residual add + RMSNorm + next projection, "
                     "unfused vs the residual epilogue and normed prologue, at the M where the "
                     "table (--table) picks the kernel for both")
-    ap.add_argument("--pdl", type=int, default=1, choices=(0, 1, 2, 3),
-                    help="csrc's kernel launch: 1 (the engine's) programmatic dependent launch, "
-                    "each call's first weights fetched while the call before ends; 0 a plain "
-                    "launch; 2, 3 csrc/linear.cu's other PDL modes")
+    ap.add_argument("--pdl", default="auto", choices=("auto", "0", "1", "2", "3"),
+                    help="csrc's kernel launch: auto (the engine's pdl=auto: FP8 weights with "
+                    "programmatic dependent launch, bf16 plainly), 1 PDL, each call's first "
+                    "weights fetched while the call before ends; 0 a plain launch; 2, 3 "
+                    "csrc/linear.cu's other PDL modes")
     ap.add_argument("--table", type=Path, default=DEFAULT_TABLE,
                     help="the recorded table --swiglu and --norm follow")
     args = ap.parse_args(argv)
@@ -489,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
         bench = bench_swiglu if args.swiglu else bench_norm
         with torch.inference_mode():
             res = bench(tuple(int(m) for m in args.ms.split(",")), args.reps, args.table,
-                        args.pdl)
+                        pdl_mode(args.pdl, False))  # both time bf16 weights
         if args.out:
             args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(),
                                             what: res}, indent=1) + "\n")

@@ -1272,6 +1272,22 @@ def test_gemv_swiglu_fp8_cuda_matches_unfused(M):
             assert int(ulps.max()) <= 1, f"{where}: {int(ulps.max())} ulps off"
             assert float((ulps > 0).float().mean()) < 1e-3, where
 
+def test_normed_params_take_fewer_warps_per_tile_within_the_slack():
+    """The normed prologue runs in every block: it takes the fewest warps per tile among the
+    row's variant-0 candidates within NORMED_SLACK_US of the fastest, else the row's own."""
+    def row(us, kwarps=8, splits=1, variant=0):
+        return linear.PlanRow(False, 1, 19456, 2560, "gemv", splits, tuple(us.items()), kwarps,
+                              variant)
+
+    r = row({"gemv:v0:k8:s1": 27.8, "gemv:v0:k4:s1": 28.1, "gemv:v0:k1:s2": 28.4,
+             "gemv:v1:k2:s1": 27.9, "library": 30.0})
+    assert linear._normed_params(r) == (2, 1)  # k1 (split 2) is within 1 us; v1 is not v0
+    r = row({"gemv:v0:k8:s1": 27.8, "gemv:v0:k4:s1": 28.9, "gemv:v0:k1:s1": 30.0})
+    assert linear._normed_params(r) == (1, 8)  # nothing close enough: the row's own
+    r = row({"gemv:v0:k2:s4": 9.0, "gemv:v0:k8:s1": 9.5}, kwarps=2, splits=4)
+    assert linear._normed_params(r) == (4, 2)  # already the fewest
+
+
 def test_glu_row_prefers_a_candidate_with_the_epilogue(monkeypatch):
     """The packed [W1; W3] linear runs the SwiGLU epilogue with the plan's row where its kernel
     has one, else with the fastest recorded csrc candidate that has it (FP8: variant 0) when

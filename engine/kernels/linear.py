@@ -799,13 +799,38 @@ def make_residual(plan: LinearPlan | None, kernels: bool,
 NormedFn = Callable[[Tensor, Tensor, float, Tensor | Fp8Weight, bool], Tensor | None]
 
 
+# Every block of the normed prologue normalises all of x's rows itself, and a launch has
+# tiles x kwarps / 8 blocks: the plan's kwarps, timed without the prologue, can cost it more
+# than they gain (H200 bf16 step at batch 1: the 152 normed launches of wqkv and the packed
+# w13 averaged 23.5 us with a table's kwarps 8 for both, 20.5 us with 4 and 1, where the
+# plain kernels' timings were within 0.6 us of each other). The prologue runs with the fewest
+# warps per tile among the row's variant-0 candidates within this much of its fastest.
+NORMED_SLACK_US = 1.0
+
+
+def _normed_params(row: PlanRow) -> tuple[int, int]:
+    """(splits, kwarps) for the normed prologue on `row`'s shape: the row's own, or a
+    recorded variant-0 candidate with fewer warps per tile (fewer blocks, each normalising
+    the rows) within NORMED_SLACK_US of the row's fastest time."""
+    kwarps, splits = row.kwarps, row.splits
+    for label, us in row.us:
+        hit = _GEMV_LABEL.match(label)
+        if hit is None:
+            continue
+        variant, kw, sp = (int(g) for g in hit.groups())
+        if variant == 0 and 0 < kw < kwarps and us <= row.best_us + NORMED_SLACK_US:
+            kwarps, splits = kw, sp
+    return splits, kwarps
+
+
 def make_normed(plan: LinearPlan | None, kernels: bool, max_m: int = NORMED_DISPATCH_M,
                 max_m_fp8: int = NORMED_DISPATCH_M_FP8, pdl: bool | int = False) -> NormedFn:
     """`Ops.normed_kernel`: (h, nw, eps, W, glu) -> rms_norm(h) * nw @ W^T (glu: the SwiGLU
     of W = [W1; W3]) from csrc's normed prologue where h has at most `max_m` rows
-    (`max_m_fp8` for FP8 W; where it measured faster than the norm's own launch), the plan picked the kernel, variant 0, for
-    that linear (bf16 or FP8 W) and the call meets the contract; None otherwise (the caller
-    computes the norm first). Chosen once per shape; `pdl` as for `make_linear`."""
+    (`max_m_fp8` for FP8 W; where it measured faster than the norm's own launch), the plan
+    picked the kernel, variant 0, for that linear (bf16 or FP8 W) and the call meets the
+    contract (with `_normed_params`' kwarps); None otherwise (the caller computes the norm
+    first). Chosen once per shape; `pdl` as for `make_linear`."""
     row_for = _row_lookup(plan, kernels)
 
     def normed(h: Tensor, nw: Tensor, eps: float, w: Tensor | Fp8Weight,
@@ -816,13 +841,13 @@ def make_normed(plan: LinearPlan | None, kernels: bool, max_m: int = NORMED_DISP
         row = row_for(h, w)
         if row is None or row.variant != 0:
             return None
+        splits, kwarps = _normed_params(row)
         wq, scale = _operands(w)
-        problem = (_glu_problem(h, w, row.splits, row.kwarps, 0) if glu
-                   else _problem(h, wq, row.splits, row.kwarps, fp8, 0))
+        problem = (_glu_problem(h, w, splits, kwarps, 0) if glu
+                   else _problem(h, wq, splits, kwarps, fp8, 0))
         if (problem or _norm_problem(h, w, nw, eps)) is not None:
             return None
-        return _run(h, wq, scale, row.splits, row.kwarps, 0, glu=glu, norm=(nw, float(eps)),
-                    pdl=pdl)
+        return _run(h, wq, scale, splits, kwarps, 0, glu=glu, norm=(nw, float(eps)), pdl=pdl)
 
     return normed
 
