@@ -200,7 +200,7 @@ __global__ void __launch_bounds__(kGroups * L) decode_attention_kernel(
   // positions per group (t0 + u * kGroups + grp) and issues all their loads before the first
   // score: with R = 1 (small batches: few blocks, each walking many positions) a trip then
   // costs one table + one key/value round trip for U positions instead of one per position.
-  constexpr int U = R == 1 ? 4 : 1;
+  constexpr int U = R == 1 ? 4 : (ROPE ? 1 : 2);
   // 16-byte pieces of a lane's E elements (the raw loads; 0: not a whole number of them)
   constexpr int kRaw = (E * sizeof(T)) % 16 == 0 ? E * sizeof(T) / 16 : 0;
   for (int64_t t0 = t_begin; t0 < t_end; t0 += kGroups * U) {

@@ -152,7 +152,8 @@ def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool 
               split_kv: bool = False, linear_kernels: bool = True,
               fp8_activations: bool = False, codec_channels_last: bool = True,
               decode_rope: bool = False, norm_fusion: bool = True, pdl: bool | int = False,
-              linear_table: Path | None = linear.DEFAULT_TABLE) -> Ops:
+              linear_table: Path | None = linear.DEFAULT_TABLE,
+              normed_max_m_fp8: int = linear.NORMED_DISPATCH_M_FP8) -> Ops:
     """The ops an engine on `device` runs. `fused`: "compile" (torch.compile'd elementwise ops
     and the packed FFN GEMM), "reference", or "auto" (compile on CUDA only). `kernels`: use
     csrc's kernels where the extension is built, and with compiled ops the Triton q/k norm +
@@ -167,7 +168,8 @@ def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool 
     linear, attention and sampling kernels launched with programmatic dependent launch (a
     no-op before sm_90; same results), so each one's blocks start while the kernel before it
     ends (an int picks csrc/linear.cu's PDL mode for the linears, for
-    benchmarks; True = 1).
+    benchmarks; True = 1); `normed_max_m_fp8`: the most rows for which FP8 weights take the
+    normed prologue (benchmarks: the engine's is `linear.NORMED_DISPATCH_M_FP8`).
     On CUDA the linears (dense and FP8) take the implementation the recorded per-shape table
     `linear_table` picks (csrc's small-M kernel only with `linear_kernels`); FP8 weights
     without a kernel there run the Triton FP8 GEMM (the dequantising reference without it)."""
@@ -203,7 +205,8 @@ def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool 
             parts["swiglu_kernel"] = linear.make_swiglu(plan, kernels=True, pdl=pdl)
             if norm_fusion:
                 parts["residual_kernel"] = linear.make_residual(plan, kernels=True, pdl=pdl)
-                parts["normed_kernel"] = linear.make_normed(plan, kernels=True, pdl=pdl)
+                parts["normed_kernel"] = linear.make_normed(
+                    plan, kernels=True, max_m_fp8=normed_max_m_fp8, pdl=pdl)
     return Ops(
         fused=fused, packed_ffn=fused == "compile", sample=sample, codec=codec,
         decode_attention=(functools.partial(decode_attention, splits=0 if split_kv else 1,

@@ -34,7 +34,8 @@
 # COMPILED_SAMPLER=1 (profile the step again with the compiled torch sampler), DECODE_ROPE=1
 # (again with the q/k norm + RoPE inside decode attention, batches 1 and 64), PDL_MODES="0,1" (again
 # with csrc's kernels launched without (0) or with (1) programmatic dependent launch, or in
-# the linears' other PDL modes 2, 3; batches 1, 2, 64).
+# the linears' other PDL modes 2, 3; batches 1, 2, 64), FP8_NORMED=M (the FP8 step again with
+# the normed prologue for FP8 weights up to M rows; batches 1, 2).
 # SWIGLU=1: `linear_bench --swiglu` (the FFN's packed linear + silu*mul vs csrc's SwiGLU
 # epilogue at the M where the table picks the kernel) into $OUT/swiglu.{json,txt}. NORM=1:
 # `linear_bench --norm` (projection + add_rms_norm + projection vs the residual epilogue and
@@ -137,6 +138,7 @@ benches() {
         timeout -s ABRT "$LEFT" python3 -X faulthandler scripts/gpu_bench.py --dtype "$DT" \
             --skip "${SKIP:-decode,codec,fixtures,profile}" ${COMPILED_SAMPLER:+--compiled-sampler} \
             ${DECODE_ROPE:+--decode-rope} ${PDL_MODES:+--pdl-modes $PDL_MODES} \
+            ${FP8_NORMED:+--fp8-normed $FP8_NORMED} \
             --levels "${ENGINE_LEVELS:-1,4,16,32,64,128}" --frames 64 \
             --engine-runs "${ENGINE_RUNS:-pingpong_codec,pingpong_nocodec,naive_nocodec}" --out "$D_OUT" \
             >"$D_OUT/gpu_bench_log.txt" 2>&1

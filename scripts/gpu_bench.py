@@ -384,11 +384,14 @@ def _category(name: str) -> str:
 
 def profile_step(report: dict, device: str, sampler_kernel: bool = True,
                  dtype: str = "bf16", decode_rope: bool = False, pdl: int | None = None,
-                 batches: tuple[int, ...] = (1, 2, 16, 64)) -> None:
+                 batches: tuple[int, ...] = (1, 2, 16, 64),
+                 normed_fp8: int | None = None) -> None:
     """Where one frame step's GPU time goes (eager, fused ops), and graph-replay step time.
     `decode_rope`: with the q/k norm + RoPE inside decode attention (key profile_decode_rope);
     `pdl`: csrc's PDL mode (0: plain launches, 1: PDL, 2, 3: the linears' other modes; key
-    profile_pdl<mode>); None (key profile): the engine's `pdl=auto`, PDL for FP8 only."""
+    profile_pdl<mode>); None (key profile): the engine's `pdl=auto`, PDL for FP8 only;
+    `normed_fp8`: FP8 weights take the normed prologue up to this many rows (key
+    profile_fp8_normed)."""
     from engine.fusion import pack_ffn
     from engine.loader import load_bundle
     from engine.ops import build_ops
@@ -398,6 +401,7 @@ def profile_step(report: dict, device: str, sampler_kernel: bool = True,
     b = load_bundle("s2-pro", device=device, dtype=dtype, max_seq_len=1024)
     ops = build_ops(device, fused="compile", sampler_kernel=sampler_kernel,
                     decode_rope=decode_rope,
+                    **({} if normed_fp8 is None else {"normed_max_m_fp8": normed_fp8}),
                     pdl=(1 if dtype == "fp8" else 0) if pdl is None else pdl)
     pack_ffn(b.model)
     out = {}
@@ -447,6 +451,7 @@ def profile_step(report: dict, device: str, sampler_kernel: bool = True,
         print(json.dumps({B: out[B]})[:1500], flush=True)
         del g
     report["profile_decode_rope" if decode_rope else f"profile_pdl{pdl}" if pdl is not None
+           else "profile_fp8_normed" if normed_fp8 is not None
            else "profile" if sampler_kernel else "profile_compiled_sampler"] = out
     del runner, b
     torch.cuda.empty_cache()
@@ -474,6 +479,10 @@ def main() -> int:
                          "plain launches, 1: PDL; 2, 3: csrc/linear.cu's other modes; keys "
                          "profile_pdl<mode>, batches 1, 2, 64; key profile: the engine's "
                          "pdl=auto, on for FP8 only)")
+    ap.add_argument("--fp8-normed", type=int, default=0,
+                    help="profile the FP8 step again (batches 1, 2) with the normed prologue "
+                    "for FP8 weights up to this many rows (key profile_fp8_normed; the "
+                    "engine's: engine.kernels.linear.NORMED_DISPATCH_M_FP8)")
     ap.add_argument("--engine-runs", default="", help="comma list of engine runs to keep "
                     "(pingpong_codec, pingpong_codec_decode_priority, "
                     "pingpong_codec_codec_priority, pingpong_codec_prefill_batch_64, "
@@ -502,6 +511,10 @@ def main() -> int:
                       lambda: profile_step(report, device, sampler_kernel=False)),
                      ("profile_decode_rope",
                       lambda: profile_step(report, device, decode_rope=True, batches=(1, 64))),
+                     *((("profile_fp8_normed",
+                         functools.partial(profile_step, report, device, dtype="fp8",
+                                           normed_fp8=args.fp8_normed, batches=(1, 2))),)
+                       if args.fp8_normed else ()),
                      *((f"profile_pdl{mode}",
                         functools.partial(profile_step, report, device, dtype=args.dtype,
                                           pdl=mode, batches=(1, 2, 64)))
