@@ -189,10 +189,11 @@ NORMED_DISPATCH_M = 2
 # FP8 [W1; W3]: the SwiGLU epilogue's rows (compiled into the two smallest FP8 tiles only:
 # in the larger ones its registers made the kernel spill)
 FP8_GLU_MAX_M = 16
-# FP8 weights: none. The FP8 frame step at batch 1 took 5.19 ms with the norms as their own
-# launches and 5.42 ms with the prologue (H200, 2026-12-03): the e4m3 kernel's main loop is
-# short enough that each block's prologue costs more than the norm's launch saves.
-NORMED_DISPATCH_M_FP8 = 0
+# FP8 weights: the same. With the fewest warps per tile (`_normed_params`: fewer blocks
+# normalising the rows) the FP8 frame step took 4.64 / 4.81 ms at batch 1 / 2 with the
+# prologue against 4.68 / 4.87 with the norms as their own launches (H200, 2026-12-03;
+# with the plan's own kwarps it had lost: 5.42 against 5.19 ms).
+NORMED_DISPATCH_M_FP8 = 2
 
 
 def _residual_problem(x: Tensor, w: Tensor | Fp8Weight, r: object) -> str | None:
