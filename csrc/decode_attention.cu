@@ -53,7 +53,7 @@ using rtvoice::pdl_trigger;
 using rtvoice::pdl_wait;
 
 // A block is 16 groups of L adjacent lanes (L = 8, or 16 for head_dim 128: 8 elements, one
-// 16-byte load, per lane keeps the R = 4 variant near 100 registers instead of 222, so more
+// 16-byte load, per lane keeps the R = 4 variant near 128 registers instead of 222, so more
 // blocks fit on an SM); a group owns one position at a time (U of them per
 // trip of the position loop, their loads issued together).
 constexpr int kGroups = 16;
