@@ -479,10 +479,10 @@ def main() -> int:
                          "plain launches, 1: PDL; 2, 3: csrc/linear.cu's other modes; keys "
                          "profile_pdl<mode>, batches 1, 2, 64; key profile: the engine's "
                          "pdl=auto, on for FP8 only)")
-    ap.add_argument("--fp8-normed", type=int, default=0,
+    ap.add_argument("--fp8-normed", type=int, default=None,
                     help="profile the FP8 step again (batches 1, 2) with the normed prologue "
-                    "for FP8 weights up to this many rows (key profile_fp8_normed; the "
-                    "engine's: engine.kernels.linear.NORMED_DISPATCH_M_FP8)")
+                    "for FP8 weights up to this many rows, 0: never (key profile_fp8_normed; "
+                    "the engine's: engine.kernels.linear.NORMED_DISPATCH_M_FP8)")
     ap.add_argument("--engine-runs", default="", help="comma list of engine runs to keep "
                     "(pingpong_codec, pingpong_codec_decode_priority, "
                     "pingpong_codec_codec_priority, pingpong_codec_prefill_batch_64, "
@@ -514,7 +514,7 @@ def main() -> int:
                      *((("profile_fp8_normed",
                          functools.partial(profile_step, report, device, dtype="fp8",
                                            normed_fp8=args.fp8_normed, batches=(1, 2))),)
-                       if args.fp8_normed else ()),
+                       if args.fp8_normed is not None else ()),
                      *((f"profile_pdl{mode}",
                         functools.partial(profile_step, report, device, dtype=args.dtype,
                                           pdl=mode, batches=(1, 2, 64)))

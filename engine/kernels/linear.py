@@ -809,6 +809,7 @@ NormedFn = Callable[[Tensor, Tensor, float, Tensor | Fp8Weight, bool], Tensor | 
 NORMED_SLACK_US = 1.0
 
 
+@functools.cache  # per plan row (frozen, hashable): a call costs one lookup
 def _normed_params(row: PlanRow) -> tuple[int, int]:
     """(splits, kwarps) for the normed prologue on `row`'s shape: the row's own, or a
     recorded variant-0 candidate with fewer warps per tile (fewer blocks, each normalising
