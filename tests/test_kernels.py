@@ -979,6 +979,23 @@ def test_linear_bench_needs_a_gpu(capsys):
     assert "needs a CUDA device" in capsys.readouterr().err
 
 
+def test_linear_bench_launches_and_splits_as_the_engine():
+    """`--pdl auto` times FP8 weights with PDL and bf16 plainly (the engine's pdl=auto); a
+    Triton config is timed at its automatic K split and, from TRITON_SPLIT_SWEEP_M rows on,
+    at every distinct split of TRITON_SPLITS that launches."""
+    from bench_latency import linear_bench as lb
+    from engine.kernels import fp8_triton as ft
+
+    assert (lb.pdl_mode("auto", True), lb.pdl_mode("auto", False)) == (1, 0)
+    assert (lb.pdl_mode("0", True), lb.pdl_mode("3", False)) == (0, 3)
+    cfg = ft.Config(64, 128, 128, 8, 4, swap_ab=True, prescale=True)
+    few = lb._triton_splits(ft, 1, 2560, 9728, cfg, 132)
+    assert few == [ft.launch_split(1, 2560, 9728, cfg, 0, 132)]
+    many = lb._triton_splits(ft, 64, 2560, 9728, cfg, 132)
+    assert many[0] == ft.launch_split(64, 2560, 9728, cfg, 0, 132)
+    assert len(many) == len(set(many)) and set(many) >= {1, 2, 3, 4, 6, 8}
+
+
 # S2-Pro's decode shapes (wqkv, wo, w2, semantic logits with N = 4097) and odd ones: N = 300
 # and 17 (partial 16-row tiles), K = 2576 (a partial K chunk: 2576 % 32 = 2576 % 128 = 16),
 # K = 48 (one partial chunk only)
