@@ -181,20 +181,21 @@ def configs(*, w8a8: bool = False) -> tuple[Config, ...]:
                 out.append(Config(bm, bn, bk, warps, stages))
                 if bm <= 64:  # small M: W @ x^T puts block_n on the MMA's M side
                     out.append(Config(bm, bn, bk, warps, stages, swap_ab=True))
-    for sweep in ((_SWEEP_W8A8,) if w8a8 else (_SWEEP, _SWEEP_PRESCALE)):
+    for sweep in _sweeps(w8a8):
         for _, cs in sweep:
             out += cs
     return tuple(dict.fromkeys(out))
 
 
+def _sweeps(w8a8: bool) -> tuple[tuple[tuple[int, tuple[Config, ...]], ...], ...]:
+    """The sweep tables of a kind: W8A8's, or weight-only's plain and prescaled."""
+    return (_SWEEP_W8A8,) if w8a8 else (_SWEEP, _SWEEP_PRESCALE)
+
+
 def sweep_configs(m: int, *, w8a8: bool = False) -> tuple[Config, ...]:
     """The few configs worth timing for M = m rows (m <= 64; above, the table's entry):
     weight-only, the M bucket's configs and its prescaled ones."""
-    if w8a8:
-        sweeps: tuple[tuple[tuple[int, tuple[Config, ...]], ...], ...] = (_SWEEP_W8A8,)
-    else:
-        sweeps = (_SWEEP, _SWEEP_PRESCALE)
-    out = [next((cs for bound, cs in sweep if m <= bound), ()) for sweep in sweeps]
+    out = [next((cs for bound, cs in sweep if m <= bound), ()) for sweep in _sweeps(w8a8)]
     if not out[0]:
         return (default_config(m, 4096, 4096, w8a8=w8a8),)
     return tuple(c for cs in out for c in cs)

@@ -394,6 +394,8 @@ def gemv_normed(h: Tensor, nw: Tensor, eps: float, w: Tensor | Fp8Weight, *, glu
 
 
 # ---------------------------------------------------------------------- the per-shape plan
+# a csrc candidate's label in a row's recorded timings (linear_bench)
+_GEMV_LABEL = re.compile(r"gemv:v(\d+):k(\d+):s(\d+)$")
 @dataclass(frozen=True, slots=True)
 class PlanRow:
     """One measured shape: the fastest implementation of an [m, k] x [n, k] linear (`fp8`: FP8
@@ -414,6 +416,17 @@ class PlanRow:
     kwarps: int = 0
     variant: int = 0
     config: tuple[tuple[str, int | bool], ...] | None = None
+
+    def gemv_candidates(self) -> list[tuple[float, int, int, int]]:
+        """The recorded csrc candidates as (us, variant, kwarps, splits), from their labels
+        ("gemv:v{variant}:k{kwarps}:s{splits}")."""
+        out = []
+        for label, us in self.us:
+            hit = _GEMV_LABEL.match(label)
+            if hit is not None:
+                variant, kwarps, splits = (int(g) for g in hit.groups())
+                out.append((us, variant, kwarps, splits))
+        return out
 
     @property
     def best_us(self) -> float:
@@ -687,7 +700,6 @@ def _no_swiglu(x: Tensor, w13: Tensor | Fp8Weight) -> None:
 # linear_bench --swiglu; docs/PERF.md). A recorded csrc candidate that takes the epilogue is
 # preferred to a faster one that does not by up to this much.
 GLU_SAVES_US = 1.5
-_GEMV_LABEL = re.compile(r"gemv:v(\d+):k(\d+):s(\d+)$")
 
 
 def _glu_row(plan: LinearPlan | None, kernels: bool, m: int, n: int, k: int, fp8: bool,
@@ -702,16 +714,9 @@ def _glu_row(plan: LinearPlan | None, kernels: bool, m: int, n: int, k: int, fp8
     if row.impl == "gemv" and not (fp8 and row.variant != 0) and supports(m, n, k, fp8,
                                                                           row.variant):
         return row
-    best: tuple[float, int, int, int] | None = None
-    for label, us in row.us:
-        hit = _GEMV_LABEL.match(label)
-        if hit is None:
-            continue
-        variant, kwarps, splits = (int(g) for g in hit.groups())
-        if (fp8 and variant != 0) or not supports(m, n, k, fp8, variant):
-            continue
-        if best is None or us < best[0]:
-            best = (us, variant, kwarps, splits)
+    best = min((c for c in row.gemv_candidates()
+                if not (fp8 and c[1] != 0) and supports(m, n, k, fp8, c[1])),
+               key=lambda c: c[0], default=None)
     if best is None or best[0] > row.best_us + GLU_SAVES_US:
         return None
     _, variant, kwarps, splits = best
@@ -815,11 +820,7 @@ def _normed_params(row: PlanRow) -> tuple[int, int]:
     recorded variant-0 candidate with fewer warps per tile (fewer blocks, each normalising
     the rows) within NORMED_SLACK_US of the row's fastest time."""
     kwarps, splits = row.kwarps, row.splits
-    for label, us in row.us:
-        hit = _GEMV_LABEL.match(label)
-        if hit is None:
-            continue
-        variant, kw, sp = (int(g) for g in hit.groups())
+    for us, variant, kw, sp in row.gemv_candidates():
         if variant == 0 and 0 < kw < kwarps and us <= row.best_us + NORMED_SLACK_US:
             kwarps, splits = kw, sp
     return splits, kwarps
