@@ -10,8 +10,7 @@ Triton weight-only kernel (engine/kernels/fp8_triton.py) in `sweep_configs(M)`'s
 and the Triton W8A8 kernel (activations quantised to e4m3: other numerics, recorded as a
 separate "triton_w8a8" row that `make_linear` takes only with `fp8_activations=True`), plus
 the dequantising reference with --reference (slow). Each csrc variant is swept over kwarps
-1, 2, 4, 8 without a K split, then over splits 2, 3, 4, 6, 8 at its two best kwarps (a
-cluster's blocks summed inside the kernel on sm_90+: no reduce launch); each Triton config
+1, 2, 4, 8 without a K split, then over splits 2, 4, 8 at its best kwarps; each Triton config
 at its automatic K split and, from M = 16, at splits 1, 2, 3, 4, 6, 8. Each candidate's
 output is checked first (weight-only: against the float32 product, to bf16 rounding; W8A8:
 against its torch reference); a candidate that disagrees is reported and never chosen.
@@ -85,11 +84,7 @@ SHAPES = {
 }
 MS = (1, 2, 4, 8, 16, 32, 64)
 KWARPS = (1, 2, 4, 8)
-# tried at each variant's two best kwarps (1 is part of the kwarps sweep); up to 8 the
-# splits of a tile are one thread block cluster summed inside the kernel on sm_90+ (no reduce
-# launch), so uneven counts are worth timing too
-SPLITS = (2, 3, 4, 6, 8)
-SPLIT_KWARPS = 2  # how many of a variant's best kwarps the splits are tried at
+SPLITS = (2, 4, 8)  # tried at each variant's best kwarps (1 is part of the kwarps sweep)
 ROTATE_BYTES = 200 * 2**20
 # Triton FP8 configs are timed at their automatic K split and, from this M on, at these too:
 # the automatic rule aims at two programs per SM, which the 128-wide tiles at M >= 32 (one
@@ -227,24 +222,26 @@ def _chunks(k: int, fp8: bool, variant: int) -> int:
 
 def sweep_gemv(timer: Timer, fp8: bool, variants: tuple[int, ...], chunks_of,
                pdl: int = 1) -> None:
-    """Each variant over kwarps (no split), then over splits at its SPLIT_KWARPS best kwarps; `pdl`: the
+    """Each variant over kwarps (no split), then over splits at its best kwarps; `pdl`: the
     kernel launched with programmatic dependent launch, as the engine launches it."""
     fn = fp8_gemv if fp8 else gemv
     for v in variants:
-        timed: list[tuple[float, int]] = []
+        best: tuple[float, int] | None = None
         for kw in KWARPS:
             call = functools.partial(fn, splits=1, kwarps=kw, variant=v, pdl=pdl)
             t = timer.time(f"gemv:v{v}:k{kw}:s1", call,
                            {"impl": "gemv", "splits": 1, "kwarps": kw, "variant": v})
-            if t is not None:
-                timed.append((t, kw))
-        for _, kw in sorted(timed)[:SPLIT_KWARPS]:
-            for s in SPLITS:
-                if s > chunks_of(v) // kw:  # a split with no chunk for some warp
-                    break
-                call = functools.partial(fn, splits=s, kwarps=kw, variant=v, pdl=pdl)
-                timer.time(f"gemv:v{v}:k{kw}:s{s}", call,
-                           {"impl": "gemv", "splits": s, "kwarps": kw, "variant": v})
+            if t is not None and (best is None or t < best[0]):
+                best = (t, kw)
+        if best is None:
+            continue
+        kw = best[1]
+        for s in SPLITS:
+            if s > chunks_of(v) // kw:  # a split with no chunk for some warp
+                break
+            call = functools.partial(fn, splits=s, kwarps=kw, variant=v, pdl=pdl)
+            timer.time(f"gemv:v{v}:k{kw}:s{s}", call,
+                       {"impl": "gemv", "splits": s, "kwarps": kw, "variant": v})
 
 
 def pdl_mode(pdl: str, fp8: bool) -> int:

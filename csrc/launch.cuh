@@ -55,40 +55,22 @@ inline bool pdl_device(int dev) {
 }
 
 // fn<<<grid, block, smem, stream>>>(args...), with programmatic stream serialisation when
-// `pdl` (the caller checked pdl_device) and thread block clusters of `cluster` blocks when it
-// is not (1, 1, 1) (sm_90+; each grid dimension a multiple of the cluster's). Works under
-// CUDA-graph capture (the PDL dependency becomes a programmatic edge of the graph).
+// `pdl` (the caller checked pdl_device). Works under CUDA-graph capture (the dependency
+// becomes a programmatic edge of the graph).
 template <typename... P, typename... A>
-void launch_kernel_ex(void (*fn)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-                      bool pdl, dim3 cluster, A&&... args) {
-  cudaLaunchAttribute attr[2];
-  int n = 0;
-  if (pdl) {
-    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[n].val.programmaticStreamSerializationAllowed = 1;
-    ++n;
-  }
-  if (cluster.x * cluster.y * cluster.z > 1) {
-    attr[n].id = cudaLaunchAttributeClusterDimension;
-    attr[n].val.clusterDim.x = cluster.x;
-    attr[n].val.clusterDim.y = cluster.y;
-    attr[n].val.clusterDim.z = cluster.z;
-    ++n;
-  }
+void launch_kernel(void (*fn)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                   bool pdl, A&&... args) {
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
   cfg.attrs = attr;
-  cfg.numAttrs = n;
+  cfg.numAttrs = pdl ? 1 : 0;
   C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, fn, std::forward<A>(args)...));
-}
-
-template <typename... P, typename... A>
-void launch_kernel(void (*fn)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-                   bool pdl, A&&... args) {
-  launch_kernel_ex(fn, grid, block, smem, stream, pdl, dim3(1, 1, 1), std::forward<A>(args)...);
 }
 
 }  // namespace rtvoice

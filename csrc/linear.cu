@@ -18,11 +18,8 @@
 //     read through L1 by every warp that needs it;
 //   - fills the GPU at small N by splitting K: inside a block (the warps of a row tile take
 //     interleaved K chunks, summed through shared memory once at the end; 8 warps on one tile
-//     for N <= ~4,200) and, with `splits` > 1, across blocks: on sm_90+ with splits <= 8 the
-//     blocks of a tile's splits form a thread block cluster and rank 0 adds the others'
-//     float32 partials from their shared memory (one launch); otherwise the partials go to a
-//     workspace, summed by a second, tiny kernel. Both add the splits in order from 0.f: the
-//     same bits either way.
+//     for N <= ~4,200) and, with `splits` > 1, across blocks (float32 partials to a workspace,
+//     summed by a second, tiny kernel).
 // Variants (`variant`), one of which the recorded plan picks per shape:
 //   0: register batches. A warp issues a whole batch of loads (U chunks x 2 rows x 16 bytes
 //      per lane: 8 x 16 B at M <= 16, 4 KB per warp) with an L2 256-byte prefetch hint and no
@@ -63,9 +60,7 @@
 //   out    [M, N]  bf16, contiguous ([M, N / 2] with glu)
 //   K % 16 == 0; N >= 1; compute capability 8.0+ (variant 3: 8.9+)
 //   splits 1..64: K cut into this many ranges read by separate blocks (float32 partials,
-//                  summed in a cluster, or by linear_splits_reduce: above); 0: automatic
-//   cluster_reduce false: the workspace and reduce kernel at any split count (for tests and
-//                  benchmarks; true: clusters where they apply)
+//                  summed by linear_splits_reduce); 0: automatic
 //   kwarps 1, 2, 4, 8: warps of a block sharing one row tile (K split inside the block);
 //                  0: automatic (variant 0: the fewest that still give two blocks per SM,
 //                  else 8; 1-3: the fewest that give every SM a block, else 8)
@@ -117,7 +112,6 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kTileRows = 16;  // weight rows per warp tile (the MMA's M)
 constexpr int kMaxM = 64;      // 8 MMA n-tiles of 8 x rows
 constexpr int kMaxSplits = 64;
-constexpr int kMaxCluster = 8;  // the portable cluster size
 constexpr int kScaleBlock = 128;
 
 // 16 bytes of weights, read once: no L1 allocation, the L2 fetches 256-byte lines. Never
@@ -298,69 +292,6 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
-// Thread block clusters (sm_90+): the blocks of one cluster run at once on one GPC and read
-// each other's shared memory. `cluster_sync` is a barrier of every thread of the cluster with
-// release/acquire semantics for shared memory; every thread of every block must reach it.
-__device__ __forceinline__ void cluster_sync() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("barrier.cluster.arrive.release.aligned;\n"
-               "barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-#else
-  __trap();  // the host launches clusters on sm_90+ only
-#endif
-}
-
-__device__ __forceinline__ uint32_t cluster_rank() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-  return r;
-#else
-  return 0;
-#endif
-}
-
-// The float at shared-window address `addr` of the cluster's block `rank`.
-__device__ __forceinline__ float ld_cluster_f32(uint32_t addr, uint32_t rank) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  uint32_t remote;
-  float v;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(addr), "r"(rank));
-  asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(remote) : "memory");
-  return v;
-#else
-  __trap();
-  return 0.f;
-#endif
-}
-
-// Split K reduced inside the kernel: the `splits` blocks of a cluster (grid y = the split,
-// cluster (1, splits, 1): rank = split) each hold the float32 partial sums of the same row
-// tile; the lead warps of each tile (`lead`) put theirs in shared memory (`slot`, N x 32
-// floats: value i of lane l at i * 32 + l), and rank 0's lead warps add the splits' values in
-// split order from 0.f — exactly what linear_splits_reduce computes from the workspace, with
-// neither the workspace's round trip through memory nor the reduce kernel's launch. Every
-// thread of the block calls this (its barriers are the cluster's).
-template <int N>
-__device__ __forceinline__ void cluster_sum(float* acc, float* slot, bool lead, int splits) {
-  const int lane = threadIdx.x & 31;
-  if (lead) {
-#pragma unroll
-    for (int i = 0; i < N; ++i) slot[i * 32 + lane] = acc[i];
-  }
-  cluster_sync();
-  if (lead && cluster_rank() == 0) {
-    const uint32_t at = smem_u32(slot) + lane * 4;
-#pragma unroll
-    for (int i = 0; i < N; ++i) {
-      float v = 0.f;
-      for (int p = 0; p < splits; ++p) v += ld_cluster_f32(at + i * 128, p);
-      acc[i] = v;
-    }
-  }
-  cluster_sync();  // every block's partials stay until rank 0 has read them
-}
-
 // PDL modes (`pdl`): how a launch overlaps the kernel before it and lets the next one in.
 // The next kernel may start once every block of this one has triggered: triggering early
 // keeps a waiting block of it on every SM for this kernel's whole run, triggering after the
@@ -388,7 +319,6 @@ struct Args {
   float eps;
   int xs_rs;                 // row stride (elements) of the normed rows in shared memory
   int pdl;                   // PDL mode (kPdl*): prefetch before the wait, where to trigger
-  int cluster;               // > 1: the K splits are one cluster's blocks, summed in-kernel
 };
 
 // y = residual + bf16(d): the linear's output rounded, then the residual add rounded (what
@@ -719,29 +649,23 @@ __global__ void __launch_bounds__(kThreads, MINB) linear_small_m_kernel(const Ar
   if (c0 < c_end) batch(c0, std::true_type{});
   if (a.pdl != kPdlEarly) pdl_trigger();  // the next kernel's blocks come in for our tail
 
-  // the kw warps of a tile: the first (lead) one sums the others' accumulators
-  const bool lead = kw == 0;
+  // the kw warps of a tile: the first one sums the others' accumulators
   if (a.kw > 1) {
-    if (!lead) {
+    if (kw > 0) {
 #pragma unroll
       for (int j = 0; j < NT; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) red[warp][j * 4 + e][lane] = acc[j][e];
     }
     __syncthreads();
-    if (lead) {
-      for (int o = 1; o < a.kw; ++o) {
+    if (kw > 0) return;
+    for (int o = 1; o < a.kw; ++o) {
 #pragma unroll
-        for (int j = 0; j < NT; ++j)
+      for (int j = 0; j < NT; ++j)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) acc[j][e] += red[warp + o][j * 4 + e][lane];
-      }
+        for (int e = 0; e < 4; ++e) acc[j][e] += red[warp + o][j * 4 + e][lane];
     }
   }
-  // split K over a cluster: the lead warp's own red slot carries its partials (the kw sum
-  // above reads only the other warps' slots)
-  if (a.cluster > 1) cluster_sum<NT * 4>(&acc[0][0], &red[warp][0][0], lead, a.cluster);
-  if (!lead || (a.cluster > 1 && cluster_rank() != 0)) return;
   // d[e]: row tr.ra (tr.rb for e >= 2), x row 8 j + 2 t (+ 1 for odd e)
 #pragma unroll
   for (int j = 0; j < NT; ++j) store_tile<kGlu>(a, acc[j], tr, 8 * j + 2 * t);
@@ -949,15 +873,13 @@ __global__ void __launch_bounds__(kThreads, MINB) linear_pipe_kernel(const Args 
   cp_async_wait<0>();
   if (a.pdl != kPdlEarly) pdl_trigger();
 
-  // the kw warps of a tile: the first (lead) one sums the others' accumulators, and split K
-  // over a cluster sums the blocks' (both through the rings' memory, once every warp of the
-  // block is done with its ring)
-  float* red = reinterpret_cast<float*>(smem);
-  constexpr int kAcc = RT * NT * 4;
-  const bool lead = kwi == 0;
-  if (a.kw > 1 || a.cluster > 1) __syncthreads();
+  // the kw warps of a tile: the first one sums the others' accumulators (through the rings'
+  // memory, once every warp of the block is done with its ring)
   if (a.kw > 1) {
-    if (!lead) {
+    float* red = reinterpret_cast<float*>(smem);
+    constexpr int kAcc = RT * NT * 4;
+    __syncthreads();
+    if (kwi > 0) {
 #pragma unroll
       for (int r = 0; r < RT; ++r)
 #pragma unroll
@@ -967,20 +889,17 @@ __global__ void __launch_bounds__(kThreads, MINB) linear_pipe_kernel(const Args 
             red[(warp * kAcc + (r * NT + j) * 4 + e) * 32 + lane] = acc[r][j][e];
     }
     __syncthreads();
-    if (lead) {
-      for (int o = 1; o < a.kw; ++o) {
+    if (kwi > 0) return;
+    for (int o = 1; o < a.kw; ++o) {
 #pragma unroll
-        for (int r = 0; r < RT; ++r)
+      for (int r = 0; r < RT; ++r)
 #pragma unroll
-          for (int j = 0; j < NT; ++j)
+        for (int j = 0; j < NT; ++j)
 #pragma unroll
-            for (int e = 0; e < 4; ++e)
-              acc[r][j][e] += red[((warp + o) * kAcc + (r * NT + j) * 4 + e) * 32 + lane];
-      }
+          for (int e = 0; e < 4; ++e)
+            acc[r][j][e] += red[((warp + o) * kAcc + (r * NT + j) * 4 + e) * 32 + lane];
     }
   }
-  if (a.cluster > 1) cluster_sum<kAcc>(&acc[0][0][0], red + warp * kAcc * 32, lead, a.cluster);
-  if (!lead || (a.cluster > 1 && cluster_rank() != 0)) return;
 #pragma unroll
   for (int r = 0; r < RT; ++r)
 #pragma unroll
@@ -1163,8 +1082,7 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 void linear_small_m(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> scale,
                     torch::Tensor out, int64_t splits, int64_t kwarps, int64_t variant,
                     bool glu, std::optional<torch::Tensor> residual,
-                    std::optional<torch::Tensor> norm_weight, double eps, int64_t pdl,
-                    bool cluster_reduce) {
+                    std::optional<torch::Tensor> norm_weight, double eps, int64_t pdl) {
   TORCH_CHECK(x.is_cuda() && w.device() == x.device() && out.device() == x.device(),
               "linear_small_m: x, w and out must be CUDA tensors on one device");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && out.dim() == 2,
@@ -1285,16 +1203,14 @@ void linear_small_m(torch::Tensor x, torch::Tensor w, std::optional<torch::Tenso
   const int64_t cps = (n_chunks + splits - 1) / splits;
   const dim3 grid(static_cast<unsigned>((tiles * kw + kWarps - 1) / kWarps),
                   static_cast<unsigned>(splits));
-  // the splits of a tile as one cluster (sm_90+), else through the workspace
-  const bool cluster = cluster_reduce && splits > 1 && splits <= kMaxCluster && info.major >= 9;
   torch::Tensor ws;
-  if (splits > 1 && !cluster) ws = torch::empty({splits, M, N}, x.options().dtype(at::kFloat));
+  if (splits > 1) ws = torch::empty({splits, M, N}, x.options().dtype(at::kFloat));
   Args a{reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()),
          M > 1 ? x.stride(0) : 0,
          reinterpret_cast<const uint8_t*>(w.data_ptr()),
          f8 ? scale->data_ptr<float>() : nullptr,
          reinterpret_cast<__nv_bfloat16*>(out.data_ptr()),
-         ws.defined() ? ws.data_ptr<float>() : nullptr,
+         splits > 1 ? ws.data_ptr<float>() : nullptr,
          static_cast<int>(M), static_cast<int>(N), static_cast<int>(K),
          static_cast<int>((K + kScaleBlock - 1) / kScaleBlock),
          kw, static_cast<int>(n_chunks), static_cast<int>(cps),
@@ -1303,14 +1219,12 @@ void linear_small_m(torch::Tensor x, torch::Tensor w, std::optional<torch::Tenso
                               : nullptr,
          residual.has_value() ? residual->stride(0) : 0,
          norm ? reinterpret_cast<const __nv_bfloat16*>(norm_weight->data_ptr()) : nullptr,
-         static_cast<float>(eps), static_cast<int>(xs_rs), 0,
-         cluster ? static_cast<int>(splits) : 1};
+         static_cast<float>(eps), static_cast<int>(xs_rs), 0};
   const bool launch_pdl = pdl != kPdlOff && rtvoice::pdl_device(dev);
   a.pdl = launch_pdl ? static_cast<int>(pdl) : kPdlOff;
   auto stream = c10::cuda::getCurrentCUDAStream();
-  rtvoice::launch_kernel_ex(kern.fn, grid, dim3(kThreads), kern.smem, stream, launch_pdl,
-                            dim3(1, cluster ? static_cast<unsigned>(splits) : 1u, 1), a);
-  if (ws.defined()) {
+  rtvoice::launch_kernel(kern.fn, grid, dim3(kThreads), kern.smem, stream, launch_pdl, a);
+  if (splits > 1) {
     const int64_t mn = glu ? M * N / 2 : M * N;  // outputs
     const int blocks = static_cast<int>(std::min<int64_t>((mn + 255) / 256, 4 * n_sm));
     if (glu)

@@ -21,8 +21,7 @@ void snake_cat(torch::Tensor tail, torch::Tensor x, torch::Tensor alpha,
 void linear_small_m(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> scale,
                     torch::Tensor out, int64_t splits, int64_t kwarps, int64_t variant,
                     bool glu, std::optional<torch::Tensor> residual,
-                    std::optional<torch::Tensor> norm_weight, double eps, int64_t pdl,
-                    bool cluster_reduce);
+                    std::optional<torch::Tensor> norm_weight, double eps, int64_t pdl);
 
 TORCH_LIBRARY(rtvoice_kernels, m) {
   m.def("prev_tokens_shift_inplace(Tensor(a!) prev, Tensor next_tokens) -> ()");
@@ -37,7 +36,7 @@ TORCH_LIBRARY(rtvoice_kernels, m) {
   m.def("snake_cat(Tensor tail, Tensor x, Tensor alpha, Tensor? bias, Tensor(a!) out) -> ()");
   m.def("linear_small_m(Tensor x, Tensor w, Tensor? scale, Tensor(a!) out, int splits, "
         "int kwarps, int variant, bool glu=False, Tensor? residual=None, "
-        "Tensor? norm_weight=None, float eps=0.0, int pdl=0, bool cluster_reduce=True) -> ()");
+        "Tensor? norm_weight=None, float eps=0.0, int pdl=0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(rtvoice_kernels, CUDA, m) {

@@ -1074,54 +1074,6 @@ def test_fp8_gemv_cuda_kernel_matches_reference(N, K, M):
 
 @pytest.mark.cuda
 @_cuda
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
-                    reason="thread block clusters need sm_90+")
-@pytest.mark.parametrize("M", [1, 5, 16, 33, 64])
-def test_linear_cluster_reduce_is_the_workspace_reduce(M):
-    """Split K summed inside the kernel across a cluster's blocks (splits <= 8 on sm_90+) is
-    bit-equal to the float32 workspace + reduce kernel (the same splits added in the same
-    order), for every variant, bf16 and FP8 weights, kwarps 1 and 8, splits with empty K
-    ranges (K = 48), and with the SwiGLU epilogue, the residual epilogue and the normed
-    prologue where they apply."""
-    from engine.quant import quantize_fp8
-
-    assert extension_available(), "the CUDA extension did not build"
-    op = torch.ops.rtvoice_kernels.linear_small_m
-
-    def both(x, w, scale, n_out, splits, kwarps, v, glu=False, res=None, nw=None):
-        outs = []
-        for cluster in (True, False):
-            out = torch.full((x.shape[0], n_out), float("nan"), dtype=torch.bfloat16,
-                             device="cuda")
-            op(x, w, scale, out, splits, kwarps, v, glu, res, nw, 1e-6, 1, cluster)
-            outs.append(out)
-        assert bool(torch.isfinite(outs[0]).all()), (splits, kwarps, v, glu)
-        assert torch.equal(outs[0], outs[1]), (splits, kwarps, v, glu, res is not None,
-                                               nw is not None)
-
-    for N, K in ((2560, 4096), (1280, 2560), (40, 48)):
-        wb = (_bf16(N, K, seed=N, device="cuda").float() / K**0.5).to(torch.bfloat16)
-        f8 = quantize_fp8(wb)
-        x = _bf16(M, K, seed=M, device="cuda")
-        r = _bf16(M, N, seed=M + 3, device="cuda")
-        for fp8 in (False, True):
-            w, scale = (f8.q, f8.scale) if fp8 else (wb, None)
-            for v in _variants(fp8):
-                for splits in (2, 3, 8):
-                    for kwarps in (1, 8):
-                        both(x, w, scale, N, splits, kwarps, v)
-                        if v == 0:
-                            both(x, w, scale, N, splits, kwarps, v, res=r)
-                            if M <= 16 and K % 16 == 0:
-                                nw = (1 + 0.1 * _bf16(K, seed=6, device="cuda").float()
-                                      ).to(torch.bfloat16)
-                                both(x, w, scale, N, splits, kwarps, v, nw=nw)
-                        if N % 256 == 0 and (not fp8 or (v == 0 and M <= 16)):
-                            both(x, w, scale, N // 2, splits, kwarps, v, glu=True)
-
-
-@pytest.mark.cuda
-@_cuda
 def test_fp8_gemv_cuda_every_e4m3_value():
     """All 254 finite e4m3 codes (subnormals, both zeros, +-448) through the kernel's
     bit-level e4m3 -> bf16 conversion, with scales far from 1."""

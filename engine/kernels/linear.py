@@ -287,8 +287,7 @@ def gemv(x: Tensor, w: Tensor, *, splits: int = 0, kwarps: int = 0, variant: int
          kernel: bool = True, pdl: bool | int = False) -> Tensor:
     """x [..., K] bf16 @ w [N, K]^T bf16 -> [..., N] bf16 (float32 accumulation), at most 64
     rows. `splits`: K cut into this many ranges read by separate blocks (partial sums in
-    float32, then summed in split order: inside the kernel across a thread block cluster on
-    sm_90+ at <= 8 splits, else by a second kernel), 0: automatic; `kwarps`: warps of a block sharing a row tile
+    float32, then summed), 0: automatic; `kwarps`: warps of a block sharing a row tile
     (1, 2, 4, 8; 0: automatic); `variant`: 0 or 1 (module docstring). None of them changes
     the result beyond float32 summation order; nor does `pdl` (launched with programmatic
     dependent launch on sm_90+, as the engine's step does; 2 and 3 are csrc/linear.cu's
