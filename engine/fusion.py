@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .quant import BLOCK, Fp8Linear, Fp8Weight
+from .quant import BLOCK, Fp8Linear, Fp8Weight, dequantize_fp8
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,11 @@ def packed(w1: Tensor | Fp8Weight, w3: Tensor | Fp8Weight) -> Tensor | Fp8Weight
         if w1.q.shape[0] % BLOCK:
             return None
         q, s = _adjacent(w1.q, w3.q), _adjacent(w1.scale, w3.scale)
-        return None if q is None or s is None else Fp8Weight(q, s)
+        if q is None or s is None:
+            return None
+        d = (_adjacent(w1.dense, w3.dense)
+             if w1.dense is not None and w3.dense is not None else None)
+        return Fp8Weight(q, s, d)
     if isinstance(w1, Tensor) and isinstance(w3, Tensor):
         return _adjacent(w1, w3)
     return None
@@ -109,8 +113,10 @@ def pack_ffn(m: nn.Module) -> int:
         if isinstance(ff.w1, Fp8Linear):
             if ff.w1.qweight.shape[0] % BLOCK:
                 continue  # the scales of W1's last block row would mix with W3's
-            for buf in ("qweight", "weight_scale_inv"):
+            for buf in ("qweight", "weight_scale_inv", "dense_weight"):
                 a, b = getattr(ff.w1, buf), getattr(ff.w3, buf)
+                if a is None or b is None:  # no dense copies (yet)
+                    continue
                 both = torch.cat([a, b])
                 setattr(ff.w1, buf, both[: a.shape[0]])
                 setattr(ff.w3, buf, both[a.shape[0]:])
@@ -120,3 +126,37 @@ def pack_ffn(m: nn.Module) -> int:
             ff.w3.weight = nn.Parameter(both[w1.shape[0]:], requires_grad=False)
         n += 1
     return n
+
+
+@torch.no_grad()
+def add_dense_copies(m: nn.Module, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Give every FP8 linear of `m` a dequantised copy of its weight in `dtype` (the
+    `Fp8Weight.dense` the linears run large batches through; packed W1|W3 get adjacent
+    copies, so `packed` still gives one GEMM). Layers that have one keep it. Returns the bytes
+    added."""
+    added = 0
+    for ff in m.modules():  # packed FFNs first: one copy of W1|W3, split like their values
+        w1, w3 = getattr(ff, "w1", None), getattr(ff, "w3", None)
+        if (isinstance(w1, Fp8Linear) and isinstance(w3, Fp8Linear)
+                and w1.dense_weight is None and w3.dense_weight is None):
+            both = packed(w1.weight, w3.weight)
+            if both is not None:
+                d = dequantize_fp8(both, dtype)
+                n = w1.qweight.shape[0]
+                w1.dense_weight, w3.dense_weight = d[:n], d[n:]
+                added += d.numel() * d.element_size()
+    for mod in m.modules():
+        if isinstance(mod, Fp8Linear) and mod.dense_weight is None:
+            mod.dense_weight = dequantize_fp8(mod.weight, dtype)
+            added += mod.dense_weight.numel() * mod.dense_weight.element_size()
+    return added
+
+
+def add_dense_copies_where_faster(m: nn.Module, plan: Any) -> int:
+    """`add_dense_copies` when `plan` (a kernels.linear.LinearPlan, or None) measured some FP8
+    linear shape of `m` faster in bf16 at some batch size (`dense_pays`); else nothing.
+    Returns the bytes added."""
+    shapes = {tuple(f.qweight.shape) for f in m.modules() if isinstance(f, Fp8Linear)}
+    if plan is None or not any(plan.dense_pays(n, k) for n, k in shapes):
+        return 0
+    return add_dense_copies(m, torch.bfloat16)

@@ -68,6 +68,9 @@ class Ops:
     # csrc's step kernels launched with programmatic dependent launch (sm_90+): each may start
     # while the kernel before it ends (csrc/launch.cuh); recorded here for describe()
     pdl: bool = False
+    # the recorded per-shape table the linears choose from (None: none; CPU and reference
+    # ops): the engine asks it whether FP8 linears gain from dense copies (dense_pays)
+    linear_plan: linear.LinearPlan | None = None
     sample: Callable[..., Tensor] = sampling.sample  # the sampler's draw
     shift_window: Callable[[Tensor, Tensor], None] = prev_tokens_shift_checked  # RAS window
     codec: CodecOps = field(default_factory=CodecOps)
@@ -140,6 +143,7 @@ class Ops:
                 "swiglu_kernel": self.swiglu_kernel is not None,
                 "residual_kernel": self.residual_kernel is not None,
                 "normed_kernel": self.normed_kernel is not None,
+                "linear_plan": self.linear_plan is not None,
                 "codec_kernels": self.codec.fold_bias,
                 "codec_channels_last": self.codec.channels_last}
 
@@ -199,6 +203,7 @@ def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool 
                          channels_last=codec.channels_last)
     if cuda:
         plan = linear.load_plan(linear_table)
+        parts["linear_plan"] = plan
         parts["linear"] = linear.make_linear(plan, kernels=built and linear_kernels,
                                              fp8_activations=fp8_activations, pdl=pdl)
         if fused == "compile" and built and linear_kernels:  # with the packed FFN only

@@ -37,10 +37,14 @@ DEFAULT_QUANTISED = ("layers.*", "fast_layers.*")
 @dataclass(frozen=True, slots=True, eq=False)
 class Fp8Weight:
     """A linear layer's weight as e4m3 values `q` [N, K] and block scales `scale`
-    [ceil(N/128), ceil(K/128)] (float32): W[n, k] = q[n, k] * scale[n // 128, k // 128]."""
+    [ceil(N/128), ceil(K/128)] (float32): W[n, k] = q[n, k] * scale[n // 128, k // 128].
+    `dense`: the same W dequantised to bf16 (`dequantize_fp8(w, torch.bfloat16)`, exactly
+    the weight `fp8_linear_torch` multiplies bf16 x by), kept where the engine runs large
+    batches through the dense kernels (fusion.add_dense_copies); None: FP8 kernels only."""
 
     q: Tensor
     scale: Tensor
+    dense: Tensor | None = None
 
     @property
     def shape(self) -> torch.Size:
@@ -125,10 +129,12 @@ class Fp8Linear(nn.Module):
         super().__init__()
         self.register_buffer("qweight", q)
         self.register_buffer("weight_scale_inv", scale)
+        # the dequantised bf16 copy (fusion.add_dense_copies), never saved: it is derived
+        self.register_buffer("dense_weight", None, persistent=False)
 
     @property
     def weight(self) -> Fp8Weight:
-        return Fp8Weight(self.qweight, self.weight_scale_inv)
+        return Fp8Weight(self.qweight, self.weight_scale_inv, self.dense_weight)
 
     @property
     def in_features(self) -> int:

@@ -35,7 +35,8 @@
 # (again with the q/k norm + RoPE inside decode attention, batches 1 and 64), PDL_MODES="0,1" (again
 # with csrc's kernels launched without (0) or with (1) programmatic dependent launch, or in
 # the linears' other PDL modes 2, 3; batches 1, 2, 64), FP8_NORMED=M (the FP8 step again with
-# the normed prologue for FP8 weights up to M rows; batches 1, 2).
+# the normed prologue for FP8 weights up to M rows; batches 1, 2), FP8_NODENSE=1 (the FP8 step
+# again without the bf16 copies of its linears, batches 16, 32, 64).
 # SWIGLU=1: `linear_bench --swiglu` (the FFN's packed linear + silu*mul vs csrc's SwiGLU
 # epilogue at the M where the table picks the kernel) into $OUT/swiglu.{json,txt}. NORM=1:
 # `linear_bench --norm` (projection + add_rms_norm + projection vs the residual epilogue and
@@ -139,6 +140,7 @@ benches() {
             --skip "${SKIP:-decode,codec,fixtures,profile}" ${COMPILED_SAMPLER:+--compiled-sampler} \
             ${DECODE_ROPE:+--decode-rope} ${PDL_MODES:+--pdl-modes $PDL_MODES} \
             ${FP8_NORMED:+--fp8-normed $FP8_NORMED} \
+            $([ "$DT" = fp8 ] && [ "${FP8_NODENSE:-0}" = 1 ] && echo --fp8-nodense) \
             --levels "${ENGINE_LEVELS:-1,4,16,32,64,128}" --frames 64 \
             --engine-runs "${ENGINE_RUNS:-pingpong_codec,pingpong_nocodec,naive_nocodec}" --out "$D_OUT" \
             >"$D_OUT/gpu_bench_log.txt" 2>&1

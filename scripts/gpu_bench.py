@@ -385,14 +385,16 @@ def _category(name: str) -> str:
 def profile_step(report: dict, device: str, sampler_kernel: bool = True,
                  dtype: str = "bf16", decode_rope: bool = False, pdl: int | None = None,
                  batches: tuple[int, ...] = (1, 2, 16, 64),
-                 normed_fp8: int | None = None) -> None:
+                 normed_fp8: int | None = None, dense_copy: bool = True) -> None:
     """Where one frame step's GPU time goes (eager, fused ops), and graph-replay step time.
     `decode_rope`: with the q/k norm + RoPE inside decode attention (key profile_decode_rope);
     `pdl`: csrc's PDL mode (0: plain launches, 1: PDL, 2, 3: the linears' other modes; key
     profile_pdl<mode>); None (key profile): the engine's `pdl=auto`, PDL for FP8 only;
     `normed_fp8`: FP8 weights take the normed prologue up to this many rows (key
-    profile_fp8_normed)."""
-    from engine.fusion import pack_ffn
+    profile_fp8_normed); `dense_copy`: FP8 linears get their bf16 copies where the table
+    measured them faster, as the engine's fp8_dense_copy does (False: key
+    profile_fp8_nodense)."""
+    from engine.fusion import add_dense_copies_where_faster, pack_ffn
     from engine.loader import load_bundle
     from engine.ops import build_ops
     from engine.runner import ModelRunner
@@ -404,6 +406,8 @@ def profile_step(report: dict, device: str, sampler_kernel: bool = True,
                     **({} if normed_fp8 is None else {"normed_max_m_fp8": normed_fp8}),
                     pdl=(1 if dtype == "fp8" else 0) if pdl is None else pdl)
     pack_ffn(b.model)
+    if dense_copy:
+        add_dense_copies_where_faster(b.model, ops.linear_plan)
     out = {}
     runner = ModelRunner(b.model, n_rows=64, max_len=1024, ops=ops)
     col = torch.zeros(11, dtype=torch.long)
@@ -452,6 +456,7 @@ def profile_step(report: dict, device: str, sampler_kernel: bool = True,
         del g
     report["profile_decode_rope" if decode_rope else f"profile_pdl{pdl}" if pdl is not None
            else "profile_fp8_normed" if normed_fp8 is not None
+           else "profile_fp8_nodense" if not dense_copy
            else "profile" if sampler_kernel else "profile_compiled_sampler"] = out
     del runner, b
     torch.cuda.empty_cache()
@@ -483,6 +488,9 @@ def main() -> int:
                     help="profile the FP8 step again (batches 1, 2) with the normed prologue "
                     "for FP8 weights up to this many rows, 0: never (key profile_fp8_normed; "
                     "the engine's: engine.kernels.linear.NORMED_DISPATCH_M_FP8)")
+    ap.add_argument("--fp8-nodense", action="store_true",
+                    help="profile the FP8 step again without the bf16 copies of its linears "
+                    "(batches 16, 32, 64; key profile_fp8_nodense)")
     ap.add_argument("--engine-runs", default="", help="comma list of engine runs to keep "
                     "(pingpong_codec, pingpong_codec_decode_priority, "
                     "pingpong_codec_codec_priority, pingpong_codec_prefill_batch_64, "
@@ -515,6 +523,10 @@ def main() -> int:
                          functools.partial(profile_step, report, device, dtype="fp8",
                                            normed_fp8=args.fp8_normed, batches=(1, 2))),)
                        if args.fp8_normed is not None else ()),
+                     *((("profile_fp8_nodense",
+                         functools.partial(profile_step, report, device, dtype="fp8",
+                                           dense_copy=False, batches=(16, 32, 64))),)
+                       if args.fp8_nodense else ()),
                      *((f"profile_pdl{mode}",
                         functools.partial(profile_step, report, device, dtype=args.dtype,
                                           pdl=mode, batches=(1, 2, 64)))

@@ -585,3 +585,50 @@ def test_graphs_captured_in_the_background_give_the_same_frames(gpu_bundle):
         assert a.shape == b.shape
         assert float(np.linalg.norm(a - b) / np.linalg.norm(a)) < 0.02
         assert float(abs(a - b).max()) < 0.05
+
+
+def test_fp8_engine_runs_dense_copies_where_its_table_measured_bf16_faster(tmp_path):
+    """An FP8 engine whose linear table measured bf16 faster from 2 rows on: build_engine
+    gives every FP8 linear its bf16 copy (fp8_dense_copy, before the KV pool is sized), the
+    linears at 4 rows run on it (F.linear on the copy, bit for bit), and turns at c=3 run
+    through the captured graphs; with fp8_dense_copy=False no copy is made."""
+    import json
+
+    import torch.nn.functional as F
+
+    from engine.fusion import packed
+    from engine.quant import Fp8Linear
+
+    b = load_bundle("tiny", device="cuda", dtype="fp8", max_seq_len=1024)
+    fp8 = [m for m in b.model.modules() if isinstance(m, Fp8Linear)]
+    shapes = {tuple(m.qweight.shape) for m in fp8}
+    for ff in (blk.feed_forward for blk in [*b.model.layers, *b.model.fast_layers]):
+        shapes.add((2 * ff.w1.qweight.shape[0], ff.w1.qweight.shape[1]))
+    rows = [{"fp8": f8, "m": m, "n": n, "k": k, "impl": "library", "us": {"library": t}}
+            for n, k in shapes
+            for f8, m, t in ((True, 1, 1.0), (False, 1, 2.0), (True, 64, 3.0), (False, 64, 2.0))]
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps({"rows": rows}))
+    off = build_engine(b, EngineConfig(max_running=4, max_len=512, fp8_dense_copy=False),
+                       ops=build_ops("cuda", linear_table=table))
+    assert all(m.dense_weight is None for m in fp8)
+    del off
+    ops = build_ops("cuda", linear_table=table)
+    eng = build_engine(b, EngineConfig(max_running=4, max_len=512, pingpong=True), ops=ops)
+    assert all(m.dense_weight is not None for m in fp8)
+    w = b.model.layers[0].attention.wqkv.weight
+    x = torch.randn(4, w.shape[1], device="cuda").to(torch.bfloat16)
+    assert torch.equal(ops.linear(x, w), F.linear(x, w.dense))
+    ff = b.model.layers[0].feed_forward
+    assert packed(ff.w1.weight, ff.w3.weight).dense is not None  # W1|W3: one dense GEMM
+    sinks = [CollectingSink() for _ in range(3)]
+    seqs = [eng.open([], SamplingParams.greedy(), s) for s in sinks]
+    eng.start()
+    for seq, t in zip(seqs, TEXTS):
+        eng.submit(seq, t, turn_id="a", max_frames=8)
+    for s in sinks:
+        assert s.done.wait(120)
+    eng.shutdown()
+    for s in sinks:
+        codes = s.results[-1].codes
+        assert codes.shape[0] >= 1 and bool((codes >= 0).all())

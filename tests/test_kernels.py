@@ -836,6 +836,37 @@ def test_linear_plan_checks_triton_configs(config, match):
         linear.LinearPlan.from_rows(rows)
 
 
+def test_fp8_linears_run_their_dense_copy_where_the_plan_measured_bf16_faster():
+    """`LinearPlan.dense_faster` compares a shape's FP8 and bf16 rows at m's bucket (past the
+    largest recorded M, the largest); `make_linear` runs an `Fp8Weight` with a dense copy on
+    that copy there (a zero copy here shows which ran), and the FP8 path elsewhere or
+    without a copy."""
+    from engine.quant import Fp8Weight, fp8_linear_torch, quantize_fp8
+
+    n, k = 256, 64
+    rows = [{"fp8": fp8, "m": m, "n": n, "k": k, "impl": "library", "us": {"library": t}}
+            for fp8, m, t in ((True, 1, 5.0), (False, 1, 8.0), (True, 16, 9.0),
+                              (False, 16, 7.0), (True, 64, 12.0))]
+    plan = linear.LinearPlan.from_rows(rows)
+    assert [plan.dense_faster(m, n, k) for m in (1, 2, 16, 17, 64, 500)] == \
+        [False, True, True, True, True, True]  # 17..: the bf16 rows end at 16
+    assert not plan.dense_faster(16, n, 128) and not plan.dense_pays(n, 128)
+    assert plan.dense_pays(n, k)
+    fw = quantize_fp8(torch.randn(n, k))
+    with_copy = Fp8Weight(fw.q, fw.scale, torch.zeros(n, k, dtype=torch.bfloat16))
+    lin = linear.make_linear(plan, kernels=False)
+    for m in (1, 16, 40):
+        x = torch.randn(m, k).to(torch.bfloat16)
+        got = lin(x, with_copy)
+        if plan.dense_faster(m, n, k):
+            assert torch.equal(got, torch.zeros(m, n, dtype=torch.bfloat16))
+        else:
+            assert torch.equal(got, fp8_linear_torch(x, fw))
+        assert torch.equal(lin(x, fw), fp8_linear_torch(x, fw))  # no copy: FP8 always
+    assert not linear.make_linear(None, kernels=False)(
+        torch.ones(4, k, dtype=torch.bfloat16), with_copy).eq(0).all()
+
+
 def test_make_linear_on_cpu_runs_the_references(monkeypatch):
     """On a CPU every shape takes the library / reference path whatever the plan says, and
     the choice is made once per shape (one dict lookup per call after that)."""

@@ -220,6 +220,41 @@ def test_packed_fp8_ffn_is_one_gemm_with_the_same_result(tiny):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_dense_copies_are_the_dequantised_weights_packed_like_their_values(tiny):
+    """fusion.add_dense_copies gives every FP8 linear the bf16 weight `fp8_linear_torch`
+    multiplies by (so F.linear on it is the FP8 reference bit for bit), packed W1|W3 get one
+    adjacent copy (one GEMM, `packed` carries it), the copies are never saved, and a second
+    call adds nothing. Where the plan measured no shape faster in bf16, nothing is added."""
+    from engine.kernels import linear
+
+    m = copy.deepcopy(tiny)
+    quantize_model(m)
+    fusion.pack_ffn(m)
+    saved = set(m.state_dict())
+    names = fp8_layers(m)
+    rows = [{"fp8": fp8, "m": 8, "n": 7, "k": 64, "impl": "library", "us": {"library": t}}
+            for fp8, t in ((True, 1.0), (False, 2.0))]
+    assert fusion.add_dense_copies_where_faster(m, linear.LinearPlan.from_rows(rows)) == 0
+    assert fusion.add_dense_copies_where_faster(m, None) == 0
+    want = sum(m.get_submodule(n).qweight.numel() * 2 for n in names)
+    assert fusion.add_dense_copies(m) == want
+    assert fusion.add_dense_copies(m) == 0
+    assert set(m.state_dict()) == saved  # derived: not part of a checkpoint
+    x = torch.randn(3, m.cfg.slow.dim).to(torch.bfloat16)
+    for n in names:
+        w = m.get_submodule(n).weight
+        assert w.dense is not None and w.dense.dtype == torch.bfloat16
+        assert torch.equal(w.dense, dequantize_fp8(w, torch.bfloat16))
+        if w.shape[1] == x.shape[1]:
+            assert torch.equal(torch.nn.functional.linear(x, w.dense), fp8_linear_torch(x, w))
+    ff = m.layers[0].feed_forward
+    both = fusion.packed(ff.w1.weight, ff.w3.weight)
+    if m.cfg.slow.intermediate_size % BLOCK == 0:
+        assert both is not None and both.dense is not None
+        assert torch.equal(both.dense, dequantize_fp8(both, torch.bfloat16))
+        assert both.dense.data_ptr() == ff.w1.weight.dense.data_ptr()
+
+
 def test_quantize_cli(tmp_path, fixture_dir):
     from rtvoice.cli import main
 

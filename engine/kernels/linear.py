@@ -515,6 +515,9 @@ class LinearPlan:
     # (fp8, n, k, w8a8 row) -> [(m, row)] sorted by m
     _index: dict[tuple[bool, int, int, bool], list[tuple[int, PlanRow]]] = field(
         init=False, repr=False, compare=False)
+    # (m, n, k) -> dense_faster's answer, filled as asked
+    _dense: dict[tuple[int, int, int], bool] = field(
+        init=False, repr=False, compare=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         index: dict[tuple[bool, int, int, bool], list[tuple[int, PlanRow]]] = {}
@@ -556,6 +559,28 @@ class LinearPlan:
                                                     and alt.best_us < row.best_us)):
                 row = alt
         return row if row is not None else PlanRow(bool(fp8), m, n, k, "library")
+
+    def dense_faster(self, m: int, n: int, k: int) -> bool:
+        """Whether the table measured this shape faster with bf16 weights than with FP8 ones
+        at m rows' bucket (both rows recorded there, each with its fastest candidate's time):
+        an FP8 linear with a dequantised copy (`Fp8Weight.dense`) then runs on that. Past the
+        table's largest M, its largest bucket decides (a dense GEMM's lead over the FP8
+        kernels only grows with M: it becomes compute-bound on bf16 MMAs either way)."""
+        hit = self._dense.get((m, n, k))
+        if hit is None:
+            f8, bf = self._index.get((True, n, k, False)), self._index.get((False, n, k, False))
+            hit = False
+            if f8 and bf:
+                mm = min(m, f8[-1][0], bf[-1][0])
+                a, b = self._bucket(mm, n, k, True, False), self._bucket(mm, n, k, False, False)
+                hit = (a is not None and b is not None and a.m == b.m and bool(a.us)
+                       and bool(b.us) and b.best_us < a.best_us)
+            self._dense[(m, n, k)] = hit
+        return hit
+
+    def dense_pays(self, n: int, k: int) -> bool:
+        """Whether any recorded M of this shape runs faster on a dense copy (dense_faster)."""
+        return any(self.dense_faster(m, n, k) for m, _ in self._index.get((True, n, k, False), ()))
 
     def to_json(self) -> list[dict[str, object]]:
         return [r.to_json() for r in self.rows]
@@ -677,6 +702,16 @@ def resolve(plan: LinearPlan | None, kernels: bool, m: int, n: int, k: int, fp8:
     return library
 
 
+def _as_dense(plan: LinearPlan | None, w: Tensor | Fp8Weight, m: int) -> Tensor | Fp8Weight:
+    """W's dequantised bf16 copy where it has one and the plan measured the dense path faster
+    at m rows (`LinearPlan.dense_faster`), else W itself: the same weight values either way
+    (`Fp8Weight.dense` is exactly what `fp8_linear_torch` multiplies by)."""
+    if (isinstance(w, Fp8Weight) and w.dense is not None and plan is not None
+            and plan.dense_faster(m, *w.shape)):
+        return w.dense
+    return w
+
+
 def _gemv_row(plan: LinearPlan | None, kernels: bool, m: int, n: int, k: int, fp8: bool,
               dtype: torch.dtype, cuda: bool) -> PlanRow | None:
     """The plan's row where it picked csrc's kernel for this linear and the kernel can run
@@ -752,6 +787,7 @@ def make_swiglu(plan: LinearPlan | None, kernels: bool,
 
     def swiglu(x: Tensor, w13: Tensor | Fp8Weight) -> Tensor | None:
         n, k = w13.shape
+        w13 = _as_dense(plan, w13, x.numel() // k if k else 0)
         key = (x.numel() // k if k else 0, n, k, isinstance(w13, Fp8Weight), x.dtype,
                x.is_cuda)
         fn = chosen.get(key)
@@ -790,6 +826,7 @@ def make_residual(plan: LinearPlan | None, kernels: bool,
     row_for = _row_lookup(plan, kernels)
 
     def residual(y: Tensor, w: Tensor | Fp8Weight, r: Tensor) -> Tensor | None:
+        w = _as_dense(plan, w, y.numel() // w.shape[1] if w.shape[1] else 0)
         row = row_for(y, w)
         if row is None:
             return None
@@ -838,6 +875,7 @@ def make_normed(plan: LinearPlan | None, kernels: bool, max_m: int = NORMED_DISP
 
     def normed(h: Tensor, nw: Tensor, eps: float, w: Tensor | Fp8Weight,
                glu: bool) -> Tensor | None:
+        w = _as_dense(plan, w, h.numel() // w.shape[1] if w.shape[1] else 0)
         fp8 = isinstance(w, Fp8Weight)
         if h.numel() > (max_m_fp8 if fp8 else max_m) * w.shape[1]:
             return None
@@ -863,7 +901,10 @@ def make_linear(plan: LinearPlan | None, kernels: bool,
     the dequantising reference). `kernels=False` never runs the csrc kernel (the Triton
     kernel is FP8's library path and stays). `fp8_activations`: FP8 shapes may take the W8A8
     Triton kernel (activations quantised to e4m3 per 1 x 128 block: not the weight-only
-    numerics) where the plan measured it faster; off by default. Without a plan every shape
+    numerics) where the plan measured it faster; off by default. An `Fp8Weight` with a
+    dequantised copy (`dense`, fusion.add_dense_copies) runs on that, as a bf16 weight, at
+    the M where the plan measured bf16 faster than FP8 (`LinearPlan.dense_faster`; compared
+    with the weight-only FP8 row). Without a plan every shape
     takes the library path. The choice is made once per (M, N, K, FP8, x's dtype, CUDA or
     not) and kept in a dict, so a call costs one lookup (eager prefill runs this per layer; a
     CUDA graph captures it once per shape). `pdl`: csrc's kernel launched with programmatic
@@ -872,8 +913,9 @@ def make_linear(plan: LinearPlan | None, kernels: bool,
     chosen: dict[tuple[int, int, int, bool, torch.dtype, bool], LinearFn] = {}
 
     def linear(x: Tensor, w: Tensor | Fp8Weight) -> Tensor:
-        fp8 = isinstance(w, Fp8Weight)
         n, k = w.shape
+        w = _as_dense(plan, w, x.numel() // k if k else 0)
+        fp8 = isinstance(w, Fp8Weight)
         key = (x.numel() // k if k else 0, n, k, fp8, x.dtype, x.is_cuda)
         fn = chosen.get(key)
         if fn is None:
