@@ -1322,7 +1322,9 @@ def test_gemv_swiglu_fp8_cuda_matches_unfused(M):
 
 def test_normed_params_take_fewer_warps_per_tile_within_the_slack():
     """The normed prologue runs in every block: it takes the fewest warps per tile among the
-    row's variant-0 candidates within NORMED_SLACK_US of the fastest, else the row's own."""
+    row's variant-0 candidates within NORMED_SLACK_US of the fastest (the row's own among
+    them), also where the row chose another implementation by less than that; None where no
+    variant-0 candidate is that close."""
     def row(us, kwarps=8, splits=1, variant=0):
         return linear.PlanRow(False, 1, 19456, 2560, "gemv", splits, tuple(us.items()), kwarps,
                               variant)
@@ -1334,6 +1336,17 @@ def test_normed_params_take_fewer_warps_per_tile_within_the_slack():
     assert linear._normed_params(r) == (1, 8)  # nothing close enough: the row's own
     r = row({"gemv:v0:k2:s4": 9.0, "gemv:v0:k8:s1": 9.5}, kwarps=2, splits=4)
     assert linear._normed_params(r) == (4, 2)  # already the fewest
+    # another implementation chosen by less than the slack: the prologue still runs
+    lib = linear.PlanRow(False, 1, 6144, 2560, "library", 1,
+                         (("library", 11.18), ("gemv:v0:k8:s1", 11.2), ("gemv:v0:k4:s1", 11.83),
+                          ("gemv:v1:k8:s1", 11.3)))
+    assert linear._normed_params(lib) == (1, 4)
+    v1 = row({"gemv:v1:k8:s1": 10.0, "gemv:v0:k8:s1": 10.6, "gemv:v0:k2:s1": 11.5},
+             variant=1)
+    assert linear._normed_params(v1) == (1, 8)
+    far = linear.PlanRow(False, 1, 6144, 2560, "library", 1,
+                         (("library", 9.0), ("gemv:v0:k8:s1", 10.5), ("gemv:v1:k8:s1", 9.2)))
+    assert linear._normed_params(far) is None  # no variant-0 candidate close enough
 
 
 def test_glu_row_prefers_a_candidate_with_the_epilogue(monkeypatch):

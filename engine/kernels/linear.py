@@ -847,19 +847,28 @@ NormedFn = Callable[[Tensor, Tensor, float, Tensor | Fp8Weight, bool], Tensor | 
 # than they gain (H200 bf16 step at batch 1: the 152 normed launches of wqkv and the packed
 # w13 averaged 23.5 us with a table's kwarps 8 for both, 20.5 us with 4 and 1, where the
 # plain kernels' timings were within 0.6 us of each other). The prologue runs with the fewest
-# warps per tile among the row's variant-0 candidates within this much of its fastest.
+# warps per tile among the row's variant-0 candidates within this much of its fastest; and
+# where the row chose another implementation (cuBLAS, variant 1) by less than this, the
+# prologue still runs on the variant-0 candidate: it saves the norm's launch (a re-recorded
+# H200 table chose cuBLAS for bf16 wqkv at M = 1 by 0.02 us, which cost the batch-1 step its
+# 76 normed prologues: 568 -> 644 launches, 6.07 -> 6.49 ms).
 NORMED_SLACK_US = 1.0
 
 
 @functools.cache  # per plan row (frozen, hashable): a call costs one lookup
-def _normed_params(row: PlanRow) -> tuple[int, int]:
-    """(splits, kwarps) for the normed prologue on `row`'s shape: the row's own, or a
-    recorded variant-0 candidate with fewer warps per tile (fewer blocks, each normalising
-    the rows) within NORMED_SLACK_US of the row's fastest time."""
-    kwarps, splits = row.kwarps, row.splits
-    for us, variant, kw, sp in row.gemv_candidates():
-        if variant == 0 and 0 < kw < kwarps and us <= row.best_us + NORMED_SLACK_US:
-            kwarps, splits = kw, sp
+def _normed_params(row: PlanRow) -> tuple[int, int] | None:
+    """(splits, kwarps) for the normed prologue on `row`'s shape, or None: the recorded
+    variant-0 csrc candidates within NORMED_SLACK_US of the row's fastest time (the row's
+    own choice when that is one) with the fewest warps per tile (fewer blocks, each
+    normalising the rows), the fastest of those; None when no variant-0 candidate is that
+    close."""
+    near = [(kw, us, sp) for us, variant, kw, sp in row.gemv_candidates()
+            if variant == 0 and kw > 0 and us <= row.best_us + NORMED_SLACK_US]
+    if row.impl == "gemv" and row.variant == 0:
+        near.append((row.kwarps, row.best_us, row.splits))
+    if not near:
+        return None
+    kwarps, _, splits = min(near)
     return splits, kwarps
 
 
@@ -868,21 +877,31 @@ def make_normed(plan: LinearPlan | None, kernels: bool, max_m: int = NORMED_DISP
     """`Ops.normed_kernel`: (h, nw, eps, W, glu) -> rms_norm(h) * nw @ W^T (glu: the SwiGLU
     of W = [W1; W3]) from csrc's normed prologue where h has at most `max_m` rows
     (`max_m_fp8` for FP8 W; where it measured faster than the norm's own launch), the plan
-    picked the kernel, variant 0, for that linear (bf16 or FP8 W) and the call meets the
-    contract (with `_normed_params`' kwarps); None otherwise (the caller computes the norm
-    first). Chosen once per shape; `pdl` as for `make_linear`."""
-    row_for = _row_lookup(plan, kernels)
+    recorded a variant-0 kernel candidate for that linear (bf16 or FP8 W) within
+    NORMED_SLACK_US of its choice and the call meets the contract (with `_normed_params`'
+    splits and kwarps); None otherwise (the caller computes the norm first). Chosen once per shape; `pdl` as for `make_linear`."""
+    chosen: dict[tuple[int, int, int, bool, torch.dtype, bool], tuple[int, int] | None] = {}
+
+    def params(m: int, n: int, k: int, fp8: bool, dtype: torch.dtype,
+               cuda: bool) -> tuple[int, int] | None:
+        if (plan is None or not kernels or not cuda or dtype != torch.bfloat16
+                or not supports(m, n, k, fp8, 0)):
+            return None
+        return _normed_params(plan.choose(m, n, k, fp8))
 
     def normed(h: Tensor, nw: Tensor, eps: float, w: Tensor | Fp8Weight,
                glu: bool) -> Tensor | None:
         w = _as_dense(plan, w, h.numel() // w.shape[1] if w.shape[1] else 0)
         fp8 = isinstance(w, Fp8Weight)
-        if h.numel() > (max_m_fp8 if fp8 else max_m) * w.shape[1]:
+        n, k = w.shape
+        if h.numel() > (max_m_fp8 if fp8 else max_m) * k:
             return None
-        row = row_for(h, w)
-        if row is None or row.variant != 0:
+        key = (h.numel() // k if k else 0, n, k, fp8, h.dtype, h.is_cuda)
+        if key not in chosen:
+            chosen[key] = params(*key)
+        if chosen[key] is None:
             return None
-        splits, kwarps = _normed_params(row)
+        splits, kwarps = chosen[key]  # type: ignore[misc]
         wq, scale = _operands(w)
         problem = (_glu_problem(h, w, splits, kwarps, 0) if glu
                    else _problem(h, wq, splits, kwarps, fp8, 0))
