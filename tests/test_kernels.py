@@ -1511,6 +1511,29 @@ def test_residual_and_normed_fallbacks_contract_and_dispatch():
     assert linear.make_normed(None, kernels=True)(x, nw, 1e-6, w256, False) is None
 
 
+def test_residual_row_takes_a_csrc_candidate_within_the_slack(monkeypatch):
+    """make_residual's row (`_gemv_row` with RESIDUAL_SLACK_US): the plan's csrc row; where the
+    plan chose another implementation, its fastest csrc candidate within the slack as a
+    "gemv" row (the add's launch saved); nothing when none is that close or off CUDA."""
+    monkeypatch.setattr(linear, "supports", lambda m, n, k, fp8, variant=0: variant in (0, 1))
+    rows = [{"fp8": False, "m": 1, "n": 2560, "k": 4096, "impl": "library", "splits": 1,
+             "us": {"library": 8.6, "gemv:v0:k8:s1": 8.67, "gemv:v1:k4:s2": 9.0}},
+            {"fp8": False, "m": 2, "n": 2560, "k": 4096, "impl": "library", "splits": 1,
+             "us": {"library": 8.0, "gemv:v0:k8:s1": 9.5}},
+            {"fp8": False, "m": 4, "n": 2560, "k": 4096, "impl": "gemv", "splits": 1,
+             "kwarps": 4, "variant": 1, "us": {"gemv:v1:k4:s1": 8.0, "library": 8.1}}]
+    plan = linear.LinearPlan.from_rows(rows)
+    args = (2560, 4096, False, torch.bfloat16, True)
+    near = linear._gemv_row(plan, True, 1, *args, slack_us=linear.RESIDUAL_SLACK_US)
+    assert (near.impl, near.variant, near.kwarps, near.splits) == ("gemv", 0, 8, 1)
+    assert linear._gemv_row(plan, True, 1, *args) is None  # no slack: the plan's library
+    assert linear._gemv_row(plan, True, 2, *args, slack_us=linear.RESIDUAL_SLACK_US) is None
+    own = linear._gemv_row(plan, True, 4, *args, slack_us=linear.RESIDUAL_SLACK_US)
+    assert (own.variant, own.kwarps) == (1, 4)
+    assert linear._gemv_row(plan, True, 1, 2560, 4096, False, torch.bfloat16, False,
+                            slack_us=5.0) is None  # not CUDA
+
+
 def _counted(fn, calls, name):
     def run(*args):
         out = fn(*args)

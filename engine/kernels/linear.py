@@ -713,14 +713,22 @@ def _as_dense(plan: LinearPlan | None, w: Tensor | Fp8Weight, m: int) -> Tensor 
 
 
 def _gemv_row(plan: LinearPlan | None, kernels: bool, m: int, n: int, k: int, fp8: bool,
-              dtype: torch.dtype, cuda: bool) -> PlanRow | None:
+              dtype: torch.dtype, cuda: bool, slack_us: float = 0.0) -> PlanRow | None:
     """The plan's row where it picked csrc's kernel for this linear and the kernel can run
-    it here, else None."""
+    it here; where it picked another implementation, its fastest recorded csrc candidate
+    when that is within `slack_us` of the choice (as a "gemv" row); else None."""
     row = plan.choose(m, n, k, fp8) if plan is not None else None
-    if (row is None or row.impl != "gemv" or not kernels or not cuda
-            or dtype != torch.bfloat16 or not supports(m, n, k, fp8, row.variant)):
+    if row is None or not kernels or not cuda or dtype != torch.bfloat16:
         return None
-    return row
+    if row.impl == "gemv":
+        return row if supports(m, n, k, fp8, row.variant) else None
+    best = min((c for c in row.gemv_candidates() if supports(m, n, k, fp8, c[1])),
+               key=lambda c: c[0], default=None)
+    if best is None or best[0] > row.best_us + slack_us:
+        return None
+    _, variant, kwarps, splits = best
+    return dataclasses.replace(row, impl="gemv", variant=variant, kwarps=kwarps, splits=splits,
+                               config=None)
 
 
 SwigluFn = Callable[[Tensor, Tensor | Fp8Weight], Tensor | None]
@@ -798,8 +806,8 @@ def make_swiglu(plan: LinearPlan | None, kernels: bool,
     return swiglu
 
 
-def _row_lookup(plan: LinearPlan | None,
-                kernels: bool) -> Callable[[Tensor, Tensor | Fp8Weight], PlanRow | None]:
+def _row_lookup(plan: LinearPlan | None, kernels: bool,
+                slack_us: float = 0.0) -> Callable[[Tensor, Tensor | Fp8Weight], PlanRow | None]:
     """x, W -> `_gemv_row` for x @ W^T, chosen once per (M, N, K, FP8, x's dtype, CUDA or
     not) and kept in a dict (a call costs one lookup)."""
     chosen: dict[tuple[int, int, int, bool, torch.dtype, bool], PlanRow | None] = {}
@@ -808,7 +816,7 @@ def _row_lookup(plan: LinearPlan | None,
         n, k = w.shape
         key = (x.numel() // k if k else 0, n, k, isinstance(w, Fp8Weight), x.dtype, x.is_cuda)
         if key not in chosen:
-            chosen[key] = _gemv_row(plan, kernels, *key)
+            chosen[key] = _gemv_row(plan, kernels, *key, slack_us=slack_us)
         return chosen[key]
 
     return row_for
@@ -816,14 +824,20 @@ def _row_lookup(plan: LinearPlan | None,
 
 ResidualFn = Callable[[Tensor, Tensor | Fp8Weight, Tensor], Tensor | None]
 
+# The residual epilogue saves the add's launch (with the norm after it, one add_rms_norm; and
+# the next projection's normed prologue only reads a pending norm): a csrc candidate within
+# this much of a plan row that chose cuBLAS or Triton runs instead, with the epilogue.
+RESIDUAL_SLACK_US = 1.0
+
 
 def make_residual(plan: LinearPlan | None, kernels: bool,
                   pdl: bool | int = False) -> ResidualFn:
     """`Ops.residual_kernel`: (y, W, r) -> r + y W^T from csrc's residual epilogue where the
     plan picked the kernel for that linear (dense or FP8 W) and the call meets the contract;
-    None otherwise (the caller runs the linear, then the add). Chosen once per shape; `pdl`
-    as for `make_linear`."""
-    row_for = _row_lookup(plan, kernels)
+    None otherwise (the caller runs the linear, then the add). Where the plan chose another
+    implementation by less than RESIDUAL_SLACK_US, the fastest recorded csrc candidate runs
+    with the epilogue instead. Chosen once per shape; `pdl` as for `make_linear`."""
+    row_for = _row_lookup(plan, kernels, RESIDUAL_SLACK_US)
 
     def residual(y: Tensor, w: Tensor | Fp8Weight, r: Tensor) -> Tensor | None:
         w = _as_dense(plan, w, y.numel() // w.shape[1] if w.shape[1] else 0)
