@@ -375,8 +375,8 @@ class EngineConfig:
         True, "with FP8 weights on CUDA: keep a bf16 copy of each FP8 linear's dequantised "
         "weight (the same values; S2-Pro: +8.1 GB, taken from the KV pool) and run it through "
         "the dense kernels at the batch sizes where the linear table measured them faster "
-        "than the FP8 ones (H200: from 17-33 rows on, by shape); false: FP8 kernels at every "
-        "batch size")
+        "than the FP8 ones (H200: wqkv from 17 rows, the other projections from 33); false: "
+        "FP8 kernels at every batch size")
     fp8_activations: bool = option(False, "with FP8 weights: decode-step linears may also "
                                    "quantise their activations to e4m3 per 1x128 block "
                                    "(W8A8 Triton GEMM) where the linear table measured that "
