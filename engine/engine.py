@@ -675,6 +675,24 @@ class Engine:
         return self.decode_worker.idle_gaps_ms()
 
 
+def _add_fp8_dense_copies(model: torch.nn.Module, plan: object) -> None:
+    """The FP8 linears' bf16 copies where `plan` measured them faster (fusion.
+    add_dense_copies_where_faster); a GPU without room for them is a clear start-up error."""
+    from .fusion import add_dense_copies_where_faster
+
+    gc.collect()  # as before the KV sizing: memory an earlier engine still holds
+    torch.cuda.empty_cache()
+    try:
+        added = add_dense_copies_where_faster(model, plan)
+    except torch.cuda.OutOfMemoryError as e:
+        raise EngineOutOfMemory(
+            "no GPU memory for the FP8 linears' bf16 copies (fp8_dense_copy: S2-Pro needs "
+            "+8.1 GB); start with --no-fp8-dense-copy, or on a GPU with more free memory") from e
+    if added:
+        log.info("FP8: bf16 copies of the FP8 linears for the batch sizes where the linear "
+                 "table measured the dense kernels faster (+%.1f GiB)", added / 2**30)
+
+
 def build_engine(bundle: Bundle, config: EngineConfig | None = None, *,
                  ops: Ops | None = None) -> Engine:
     """An engine over a loaded bundle (model, tokenizer, codec): its ops built once from the
@@ -691,20 +709,15 @@ def build_engine(bundle: Bundle, config: EngineConfig | None = None, *,
                         sampler_kernel=cfg.sampler_kernel, codec_kernels=cfg.codec_kernels,
                         split_kv=cfg.split_kv, linear_kernels=cfg.linear_kernels,
                         fp8_activations=cfg.fp8_activations, norm_fusion=cfg.norm_fusion,
-                        pdl=cfg.pdl == "on" or (cfg.pdl == "auto" and bool(fp8_layers(model))))
+                        pdl=cfg.pdl == "on" or (cfg.pdl == "auto" and bool(fp8_layers(model))),
+                        fp8_dense=cfg.fp8_dense_copy)
     ops_s = time.perf_counter() - t0
     if ops.packed_ffn:
         from .fusion import pack_ffn
 
         pack_ffn(model)  # W1|W3 in one buffer (same values): its copies go before the sizing
-    if cfg.fp8_dense_copy and cuda:
-        from .fusion import add_dense_copies_where_faster
-
-        added = add_dense_copies_where_faster(model, ops.linear_plan)  # before the KV sizing
-        if added:
-            log.info("FP8: bf16 copies of the FP8 linears for the batch sizes where the "
-                     "linear table measured the dense kernels faster (+%.1f GiB)",
-                     added / 2**30)
+    if cfg.fp8_dense_copy and ops.fp8_dense and cuda:  # before the KV pool's sizing
+        _add_fp8_dense_copies(model, ops.linear_plan)
     n_rows, bs = cfg.max_running, cfg.kv_block_size
     context = -(-cfg.max_len // bs)
     n_blocks = cfg.kv_blocks or n_rows * 2 * context

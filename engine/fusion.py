@@ -128,35 +128,62 @@ def pack_ffn(m: nn.Module) -> int:
     return n
 
 
+def _dequantized(w: Fp8Weight, dtype: torch.dtype, rows: int = 8 * BLOCK) -> Tensor:
+    """dequantize_fp8(w, dtype), made a block of rows at a time into one tensor (its float32
+    temporaries stay small: the whole packed w13 at once would take ~600 MB of them)."""
+    n, k = w.q.shape
+    out = torch.empty(n, k, dtype=dtype, device=w.q.device)
+    for r in range(0, n, rows):  # rows is a multiple of BLOCK: each chunk keeps its scales
+        part = Fp8Weight(w.q[r: r + rows], w.scale[r // BLOCK: -(-(r + rows) // BLOCK)])
+        out[r: r + rows] = dequantize_fp8(part, dtype)
+    return out
+
+
 @torch.no_grad()
-def add_dense_copies(m: nn.Module, dtype: torch.dtype = torch.bfloat16) -> int:
-    """Give every FP8 linear of `m` a dequantised copy of its weight in `dtype` (the
-    `Fp8Weight.dense` the linears run large batches through; packed W1|W3 get adjacent
-    copies, so `packed` still gives one GEMM). Layers that have one keep it. Returns the bytes
-    added."""
+def add_dense_copies(m: nn.Module, dtype: torch.dtype = torch.bfloat16,
+                     pays: Callable[[int, int], bool] | None = None) -> int:
+    """Give the FP8 linears of `m` a dequantised copy of their weight in `dtype` (the
+    `Fp8Weight.dense` the linears run large batches through): those whose [N, K] `pays`
+    (default: all), a packed W1|W3 judged by its packed shape and given adjacent copies, so
+    `packed` still gives one GEMM. Layers that have one keep it. On running out of memory the
+    copies made here are dropped again and the error re-raised. Returns the bytes added."""
+    made: list[Fp8Linear] = []
+    packed_halves: set[int] = set()  # W1, W3 of packed FFNs: never copied one by one
     added = 0
-    for ff in m.modules():  # packed FFNs first: one copy of W1|W3, split like their values
-        w1, w3 = getattr(ff, "w1", None), getattr(ff, "w3", None)
-        if (isinstance(w1, Fp8Linear) and isinstance(w3, Fp8Linear)
-                and w1.dense_weight is None and w3.dense_weight is None):
-            both = packed(w1.weight, w3.weight)
-            if both is not None:
-                d = dequantize_fp8(both, dtype)
-                n = w1.qweight.shape[0]
-                w1.dense_weight, w3.dense_weight = d[:n], d[n:]
-                added += d.numel() * d.element_size()
-    for mod in m.modules():
-        if isinstance(mod, Fp8Linear) and mod.dense_weight is None:
-            mod.dense_weight = dequantize_fp8(mod.weight, dtype)
-            added += mod.dense_weight.numel() * mod.dense_weight.element_size()
+    try:
+        for ff in m.modules():  # packed FFNs first: one copy of W1|W3, split like their values
+            w1, w3 = getattr(ff, "w1", None), getattr(ff, "w3", None)
+            if (isinstance(w1, Fp8Linear) and isinstance(w3, Fp8Linear)
+                    and w1.dense_weight is None and w3.dense_weight is None):
+                both = packed(w1.weight, w3.weight)
+                if both is None:
+                    continue
+                packed_halves.update((id(w1), id(w3)))
+                if pays is None or pays(*both.shape):
+                    d = _dequantized(both, dtype)
+                    n = w1.qweight.shape[0]
+                    w1.dense_weight, w3.dense_weight = d[:n], d[n:]
+                    made += [w1, w3]
+                    added += d.numel() * d.element_size()
+        for mod in m.modules():
+            if (isinstance(mod, Fp8Linear) and mod.dense_weight is None
+                    and id(mod) not in packed_halves
+                    and (pays is None or pays(*mod.qweight.shape))):
+                mod.dense_weight = _dequantized(mod.weight, dtype)
+                made.append(mod)
+                added += mod.dense_weight.numel() * mod.dense_weight.element_size()
+    except torch.cuda.OutOfMemoryError:
+        for mod in made:
+            mod.dense_weight = None
+        raise
     return added
 
 
 def add_dense_copies_where_faster(m: nn.Module, plan: Any) -> int:
-    """`add_dense_copies` when `plan` (a kernels.linear.LinearPlan, or None) measured some FP8
-    linear shape of `m` faster in bf16 at some batch size (`dense_pays`); else nothing.
-    Returns the bytes added."""
-    shapes = {tuple(f.qweight.shape) for f in m.modules() if isinstance(f, Fp8Linear)}
-    if plan is None or not any(plan.dense_pays(n, k) for n, k in shapes):
+    """`add_dense_copies` for the FP8 linears of `m` whose shape `plan` (a
+    kernels.linear.LinearPlan, or None: none) measured faster in bf16 at some batch size
+    (`dense_pays`; a packed W1|W3 by its packed shape, which the FFN runs). Returns the bytes
+    added."""
+    if plan is None:
         return 0
-    return add_dense_copies(m, torch.bfloat16)
+    return add_dense_copies(m, torch.bfloat16, pays=plan.dense_pays)

@@ -71,6 +71,9 @@ class Ops:
     # the recorded per-shape table the linears choose from (None: none; CPU and reference
     # ops): the engine asks it whether FP8 linears gain from dense copies (dense_pays)
     linear_plan: linear.LinearPlan | None = None
+    # FP8 linears run their dequantised bf16 copies (Fp8Weight.dense) where the table measured
+    # bf16 faster; the engine makes the copies only for ops that take them
+    fp8_dense: bool = False
     sample: Callable[..., Tensor] = sampling.sample  # the sampler's draw
     shift_window: Callable[[Tensor, Tensor], None] = prev_tokens_shift_checked  # RAS window
     codec: CodecOps = field(default_factory=CodecOps)
@@ -144,6 +147,7 @@ class Ops:
                 "residual_kernel": self.residual_kernel is not None,
                 "normed_kernel": self.normed_kernel is not None,
                 "linear_plan": self.linear_plan is not None,
+                "fp8_dense": self.fp8_dense,
                 "codec_kernels": self.codec.fold_bias,
                 "codec_channels_last": self.codec.channels_last}
 
@@ -157,7 +161,8 @@ def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool 
               fp8_activations: bool = False, codec_channels_last: bool = True,
               decode_rope: bool = False, norm_fusion: bool = True, pdl: bool | int = False,
               linear_table: Path | None = linear.DEFAULT_TABLE,
-              normed_max_m_fp8: int = linear.NORMED_DISPATCH_M_FP8) -> Ops:
+              normed_max_m_fp8: int = linear.NORMED_DISPATCH_M_FP8,
+              fp8_dense: bool = True) -> Ops:
     """The ops an engine on `device` runs. `fused`: "compile" (torch.compile'd elementwise ops
     and the packed FFN GEMM), "reference", or "auto" (compile on CUDA only). `kernels`: use
     csrc's kernels where the extension is built, and with compiled ops the Triton q/k norm +
@@ -173,7 +178,9 @@ def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool 
     no-op before sm_90; same results), so each one's blocks start while the kernel before it
     ends (an int picks csrc/linear.cu's PDL mode for the linears, for
     benchmarks; True = 1); `normed_max_m_fp8`: the most rows for which FP8 weights take the
-    normed prologue (benchmarks: the engine's is `linear.NORMED_DISPATCH_M_FP8`).
+    normed prologue (benchmarks: the engine's is `linear.NORMED_DISPATCH_M_FP8`);
+    `fp8_dense`: FP8 linears with a dequantised bf16 copy run it at the batch sizes where the
+    table measured bf16 faster (CUDA; the engine makes the copies, `fp8_dense_copy`).
     On CUDA the linears (dense and FP8) take the implementation the recorded per-shape table
     `linear_table` picks (csrc's small-M kernel only with `linear_kernels`); FP8 weights
     without a kernel there run the Triton FP8 GEMM (the dequantising reference without it)."""
@@ -204,14 +211,18 @@ def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool 
     if cuda:
         plan = linear.load_plan(linear_table)
         parts["linear_plan"] = plan
+        parts["fp8_dense"] = fp8_dense
         parts["linear"] = linear.make_linear(plan, kernels=built and linear_kernels,
-                                             fp8_activations=fp8_activations, pdl=pdl)
+                                             fp8_activations=fp8_activations, pdl=pdl,
+                                             dense=fp8_dense)
         if fused == "compile" and built and linear_kernels:  # with the packed FFN only
-            parts["swiglu_kernel"] = linear.make_swiglu(plan, kernels=True, pdl=pdl)
+            parts["swiglu_kernel"] = linear.make_swiglu(plan, kernels=True, pdl=pdl,
+                                                        dense=fp8_dense)
             if norm_fusion:
-                parts["residual_kernel"] = linear.make_residual(plan, kernels=True, pdl=pdl)
+                parts["residual_kernel"] = linear.make_residual(plan, kernels=True, pdl=pdl,
+                                                                dense=fp8_dense)
                 parts["normed_kernel"] = linear.make_normed(
-                    plan, kernels=True, max_m_fp8=normed_max_m_fp8, pdl=pdl)
+                    plan, kernels=True, max_m_fp8=normed_max_m_fp8, pdl=pdl, dense=fp8_dense)
     return Ops(
         fused=fused, packed_ffn=fused == "compile", sample=sample, codec=codec,
         decode_attention=(functools.partial(decode_attention, splits=0 if split_kv else 1,

@@ -402,7 +402,7 @@ def profile_step(report: dict, device: str, sampler_kernel: bool = True,
 
     b = load_bundle("s2-pro", device=device, dtype=dtype, max_seq_len=1024)
     ops = build_ops(device, fused="compile", sampler_kernel=sampler_kernel,
-                    decode_rope=decode_rope,
+                    decode_rope=decode_rope, fp8_dense=dense_copy,
                     **({} if normed_fp8 is None else {"normed_max_m_fp8": normed_fp8}),
                     pdl=(1 if dtype == "fp8" else 0) if pdl is None else pdl)
     pack_ffn(b.model)

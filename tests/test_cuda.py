@@ -588,15 +588,15 @@ def test_graphs_captured_in_the_background_give_the_same_frames(gpu_bundle):
 
 
 def test_fp8_engine_runs_dense_copies_where_its_table_measured_bf16_faster(tmp_path):
-    """An FP8 engine whose linear table measured bf16 faster from 2 rows on: build_engine
-    gives every FP8 linear its bf16 copy (fp8_dense_copy, before the KV pool is sized), the
-    linears at 4 rows run on it (F.linear on the copy, bit for bit), and turns at c=3 run
-    through the captured graphs; with fp8_dense_copy=False no copy is made."""
+    """An FP8 engine whose linear table measured bf16 (csrc's kernel) faster from 2 rows on:
+    build_engine gives every FP8 linear its bf16 copy (fp8_dense_copy, before the KV pool is
+    sized); at 4 rows the linear, the residual epilogue and the packed SwiGLU, and at 2 rows
+    the normed prologue, run csrc's kernel on the copy (bit-equal to calling it on the copy);
+    turns at c=3 run through the captured graphs; with fp8_dense_copy=False no copy is made."""
     import json
 
-    import torch.nn.functional as F
-
     from engine.fusion import packed
+    from engine.kernels import linear
     from engine.quant import Fp8Linear
 
     b = load_bundle("tiny", device="cuda", dtype="fp8", max_seq_len=1024)
@@ -604,7 +604,8 @@ def test_fp8_engine_runs_dense_copies_where_its_table_measured_bf16_faster(tmp_p
     shapes = {tuple(m.qweight.shape) for m in fp8}
     for ff in (blk.feed_forward for blk in [*b.model.layers, *b.model.fast_layers]):
         shapes.add((2 * ff.w1.qweight.shape[0], ff.w1.qweight.shape[1]))
-    rows = [{"fp8": f8, "m": m, "n": n, "k": k, "impl": "library", "us": {"library": t}}
+    rows = [{"fp8": f8, "m": m, "n": n, "k": k, "impl": "gemv", "splits": 1, "kwarps": 8,
+             "variant": 0, "us": {"gemv:v0:k8:s1": t}}
             for n, k in shapes
             for f8, m, t in ((True, 1, 1.0), (False, 1, 2.0), (True, 64, 3.0), (False, 64, 2.0))]
     table = tmp_path / "table.json"
@@ -615,12 +616,23 @@ def test_fp8_engine_runs_dense_copies_where_its_table_measured_bf16_faster(tmp_p
     del off
     ops = build_ops("cuda", linear_table=table)
     eng = build_engine(b, EngineConfig(max_running=4, max_len=512, pingpong=True), ops=ops)
-    assert all(m.dense_weight is not None for m in fp8)
-    w = b.model.layers[0].attention.wqkv.weight
+    assert ops.fp8_dense and all(m.dense_weight is not None for m in fp8)
+    kw = {"splits": 1, "kwarps": 8, "variant": 0}
+    att, ff = b.model.layers[0].attention, b.model.layers[0].feed_forward
+    w, wo = att.wqkv.weight, att.wo.weight
     x = torch.randn(4, w.shape[1], device="cuda").to(torch.bfloat16)
-    assert torch.equal(ops.linear(x, w), F.linear(x, w.dense))
-    ff = b.model.layers[0].feed_forward
-    assert packed(ff.w1.weight, ff.w3.weight).dense is not None  # W1|W3: one dense GEMM
+    assert torch.equal(ops.linear(x, w), linear.gemv(x, w.dense, **kw))
+    y = torch.randn(4, wo.shape[1], device="cuda").to(torch.bfloat16)
+    r = torch.randn(4, wo.shape[0], device="cuda").to(torch.bfloat16)
+    assert torch.equal(ops.residual_kernel(y, wo, r), linear.gemv_residual(y, wo.dense, r, **kw))
+    w13 = packed(ff.w1.weight, ff.w3.weight)
+    assert w13.dense is not None  # W1|W3: one dense GEMM
+    assert torch.equal(ops.swiglu(x, ff.w1.weight, ff.w3.weight),
+                       linear.gemv_swiglu(x, w13.dense, **kw))
+    nw = (1 + 0.1 * torch.randn(w.shape[1], device="cuda")).to(torch.bfloat16)
+    assert torch.equal(ops.normed_kernel(x[:2], nw, 1e-6, w, False),
+                       linear.gemv_normed(x[:2], nw, 1e-6, w.dense, **{k: kw[k] for k in
+                                                                          ("splits", "kwarps")}))
     sinks = [CollectingSink() for _ in range(3)]
     seqs = [eng.open([], SamplingParams.greedy(), s) for s in sinks]
     eng.start()

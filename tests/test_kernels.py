@@ -839,8 +839,8 @@ def test_linear_plan_checks_triton_configs(config, match):
 def test_fp8_linears_run_their_dense_copy_where_the_plan_measured_bf16_faster():
     """`LinearPlan.dense_faster` compares a shape's FP8 and bf16 rows at m's bucket (past the
     largest recorded M, the largest); `make_linear` runs an `Fp8Weight` with a dense copy on
-    that copy there (a zero copy here shows which ran), and the FP8 path elsewhere or
-    without a copy."""
+    that copy there when built with `dense` (a zero copy here shows which ran), and the FP8
+    path elsewhere, without a copy, without `dense`, or for x in another dtype."""
     from engine.quant import Fp8Weight, fp8_linear_torch, quantize_fp8
 
     n, k = 256, 64
@@ -854,7 +854,7 @@ def test_fp8_linears_run_their_dense_copy_where_the_plan_measured_bf16_faster():
     assert plan.dense_pays(n, k)
     fw = quantize_fp8(torch.randn(n, k))
     with_copy = Fp8Weight(fw.q, fw.scale, torch.zeros(n, k, dtype=torch.bfloat16))
-    lin = linear.make_linear(plan, kernels=False)
+    lin = linear.make_linear(plan, kernels=False, dense=True)
     for m in (1, 16, 40):
         x = torch.randn(m, k).to(torch.bfloat16)
         got = lin(x, with_copy)
@@ -863,8 +863,12 @@ def test_fp8_linears_run_their_dense_copy_where_the_plan_measured_bf16_faster():
         else:
             assert torch.equal(got, fp8_linear_torch(x, fw))
         assert torch.equal(lin(x, fw), fp8_linear_torch(x, fw))  # no copy: FP8 always
-    assert not linear.make_linear(None, kernels=False)(
-        torch.ones(4, k, dtype=torch.bfloat16), with_copy).eq(0).all()
+    x = torch.ones(40, k, dtype=torch.bfloat16)
+    for other in (linear.make_linear(None, kernels=False, dense=True),  # no table
+                  linear.make_linear(plan, kernels=False)):  # ops that take no copies
+        assert not other(x, with_copy).eq(0).all()
+    # x in another dtype than the copy: the FP8 path (which takes any float x)
+    assert torch.equal(lin(x.float(), with_copy), fp8_linear_torch(x.float(), fw))
 
 
 def test_make_linear_on_cpu_runs_the_references(monkeypatch):

@@ -255,6 +255,60 @@ def test_dense_copies_are_the_dequantised_weights_packed_like_their_values(tiny)
         assert both.dense.data_ptr() == ff.w1.weight.dense.data_ptr()
 
 
+def test_dense_copies_by_shape_packed_later_and_dropped_on_oom(tiny, monkeypatch):
+    """Copies go to the layers whose shape pays (a packed W1|W3 by its packed shape, its
+    halves never one by one); pack_ffn after the copies packs them too; running out of memory
+    midway drops every copy made in that call and re-raises; build_engine's copy step names
+    the option that avoids it."""
+    from engine.engine import _add_fp8_dense_copies
+    from engine.errors import EngineOutOfMemory
+
+    m = copy.deepcopy(tiny)
+    quantize_model(m)
+    fusion.pack_ffn(m)
+    ff = m.layers[0].feed_forward
+    two_i, d = 2 * ff.w1.qweight.shape[0], ff.w1.qweight.shape[1]
+    wqkv = m.layers[0].attention.wqkv
+    fusion.add_dense_copies(m, pays=lambda n, k: (n, k) == tuple(wqkv.qweight.shape))
+    assert wqkv.dense_weight is not None
+    assert ff.w1.dense_weight is None and ff.w2.dense_weight is None  # not their shapes
+    fusion.add_dense_copies(m, pays=lambda n, k: (n, k) == (two_i, d))
+    assert ff.w1.dense_weight is not None and ff.w2.dense_weight is None
+    assert fusion.packed(ff.w1.weight, ff.w3.weight).dense is not None
+    # copies first, packing after
+    late = copy.deepcopy(tiny)
+    quantize_model(late)
+    fusion.add_dense_copies(late)
+    fusion.pack_ffn(late)
+    lf = late.layers[0].feed_forward
+    both = fusion.packed(lf.w1.weight, lf.w3.weight)
+    assert both is not None and both.dense is not None
+    assert torch.equal(both.dense, dequantize_fp8(both, torch.bfloat16))
+    # out of memory on the third copy: none of this call's copies stay
+    oom = copy.deepcopy(tiny)
+    quantize_model(oom)
+    real, calls = fusion._dequantized, []
+
+    def failing(w, dtype):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        if len(calls) == 3:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (test)")
+        return real(w, dtype)
+
+    monkeypatch.setattr(fusion, "_dequantized", failing)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        fusion.add_dense_copies(oom)
+    assert all(oom.get_submodule(n).dense_weight is None for n in fp8_layers(oom))
+
+    class Pays:
+        def dense_pays(self, n: int, k: int) -> bool:
+            return True
+
+    calls.clear()
+    with pytest.raises(EngineOutOfMemory, match="no-fp8-dense-copy"):
+        _add_fp8_dense_copies(oom, Pays())
+
+
 def test_quantize_cli(tmp_path, fixture_dir):
     from rtvoice.cli import main
 

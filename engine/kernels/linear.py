@@ -702,13 +702,16 @@ def resolve(plan: LinearPlan | None, kernels: bool, m: int, n: int, k: int, fp8:
     return library
 
 
-def _as_dense(plan: LinearPlan | None, w: Tensor | Fp8Weight, m: int) -> Tensor | Fp8Weight:
-    """W's dequantised bf16 copy where it has one and the plan measured the dense path faster
-    at m rows (`LinearPlan.dense_faster`), else W itself: the same weight values either way
-    (`Fp8Weight.dense` is exactly what `fp8_linear_torch` multiplies by)."""
+def _as_dense(plan: LinearPlan | None, w: Tensor | Fp8Weight, x: Tensor) -> Tensor | Fp8Weight:
+    """W's dequantised copy where it has one in x's dtype and the plan (None: the ops take no
+    copies) measured the dense path faster at x's rows (`LinearPlan.dense_faster`), else W
+    itself: the same weight values either way (`Fp8Weight.dense` is exactly what
+    `fp8_linear_torch` multiplies bf16 x by)."""
     if (isinstance(w, Fp8Weight) and w.dense is not None and plan is not None
-            and plan.dense_faster(m, *w.shape)):
-        return w.dense
+            and w.dense.dtype == x.dtype):
+        n, k = w.shape
+        if plan.dense_faster(x.numel() // k if k else 0, n, k):
+            return w.dense
     return w
 
 
@@ -768,7 +771,7 @@ def _glu_row(plan: LinearPlan | None, kernels: bool, m: int, n: int, k: int, fp8
 
 
 def make_swiglu(plan: LinearPlan | None, kernels: bool,
-                pdl: bool | int = False) -> SwigluFn:
+                pdl: bool | int = False, dense: bool = False) -> SwigluFn:
     """`Ops.swiglu_kernel`: for x [..., K] and the packed [W1; W3], silu(x W1^T) * (x W3^T)
     from the csrc kernel's SwiGLU epilogue (`gemv_swiglu` with `_glu_row`'s splits, kwarps,
     variant: the plan's row, or its fastest recorded candidate with the epilogue where that
@@ -776,6 +779,7 @@ def make_swiglu(plan: LinearPlan | None, kernels: bool,
     otherwise (the library's shapes, misaligned x): the caller then runs the linear and its
     silu * mul. Chosen once per (M, N, K, FP8, x's dtype, CUDA or not), as `make_linear`
     does; `pdl` as there."""
+    dense_plan = plan if dense else None  # FP8 weights' dense copies taken or not
     chosen: dict[tuple[int, int, int, bool, torch.dtype, bool], SwigluFn] = {}
 
     def resolve_glu(m: int, n: int, k: int, fp8: bool, dtype: torch.dtype,
@@ -795,7 +799,7 @@ def make_swiglu(plan: LinearPlan | None, kernels: bool,
 
     def swiglu(x: Tensor, w13: Tensor | Fp8Weight) -> Tensor | None:
         n, k = w13.shape
-        w13 = _as_dense(plan, w13, x.numel() // k if k else 0)
+        w13 = _as_dense(dense_plan, w13, x)
         key = (x.numel() // k if k else 0, n, k, isinstance(w13, Fp8Weight), x.dtype,
                x.is_cuda)
         fn = chosen.get(key)
@@ -831,16 +835,17 @@ RESIDUAL_SLACK_US = 1.0
 
 
 def make_residual(plan: LinearPlan | None, kernels: bool,
-                  pdl: bool | int = False) -> ResidualFn:
+                  pdl: bool | int = False, dense: bool = False) -> ResidualFn:
     """`Ops.residual_kernel`: (y, W, r) -> r + y W^T from csrc's residual epilogue where the
     plan picked the kernel for that linear (dense or FP8 W) and the call meets the contract;
     None otherwise (the caller runs the linear, then the add). Where the plan chose another
     implementation by less than RESIDUAL_SLACK_US, the fastest recorded csrc candidate runs
     with the epilogue instead. Chosen once per shape; `pdl` as for `make_linear`."""
+    dense_plan = plan if dense else None  # FP8 weights' dense copies taken or not
     row_for = _row_lookup(plan, kernels, RESIDUAL_SLACK_US)
 
     def residual(y: Tensor, w: Tensor | Fp8Weight, r: Tensor) -> Tensor | None:
-        w = _as_dense(plan, w, y.numel() // w.shape[1] if w.shape[1] else 0)
+        w = _as_dense(dense_plan, w, y)
         row = row_for(y, w)
         if row is None:
             return None
@@ -887,13 +892,15 @@ def _normed_params(row: PlanRow) -> tuple[int, int] | None:
 
 
 def make_normed(plan: LinearPlan | None, kernels: bool, max_m: int = NORMED_DISPATCH_M,
-                max_m_fp8: int = NORMED_DISPATCH_M_FP8, pdl: bool | int = False) -> NormedFn:
+                max_m_fp8: int = NORMED_DISPATCH_M_FP8, pdl: bool | int = False,
+                dense: bool = False) -> NormedFn:
     """`Ops.normed_kernel`: (h, nw, eps, W, glu) -> rms_norm(h) * nw @ W^T (glu: the SwiGLU
     of W = [W1; W3]) from csrc's normed prologue where h has at most `max_m` rows
     (`max_m_fp8` for FP8 W; where it measured faster than the norm's own launch), the plan
     recorded a variant-0 kernel candidate for that linear (bf16 or FP8 W) within
     NORMED_SLACK_US of its choice and the call meets the contract (with `_normed_params`'
     splits and kwarps); None otherwise (the caller computes the norm first). Chosen once per shape; `pdl` as for `make_linear`."""
+    dense_plan = plan if dense else None  # FP8 weights' dense copies taken or not
     chosen: dict[tuple[int, int, int, bool, torch.dtype, bool], tuple[int, int] | None] = {}
 
     def params(m: int, n: int, k: int, fp8: bool, dtype: torch.dtype,
@@ -905,7 +912,7 @@ def make_normed(plan: LinearPlan | None, kernels: bool, max_m: int = NORMED_DISP
 
     def normed(h: Tensor, nw: Tensor, eps: float, w: Tensor | Fp8Weight,
                glu: bool) -> Tensor | None:
-        w = _as_dense(plan, w, h.numel() // w.shape[1] if w.shape[1] else 0)
+        w = _as_dense(dense_plan, w, h)
         fp8 = isinstance(w, Fp8Weight)
         n, k = w.shape
         if h.numel() > (max_m_fp8 if fp8 else max_m) * k:
@@ -927,27 +934,30 @@ def make_normed(plan: LinearPlan | None, kernels: bool, max_m: int = NORMED_DISP
 
 
 def make_linear(plan: LinearPlan | None, kernels: bool,
-                fp8_activations: bool = False, pdl: bool | int = False) -> LinearFn:
+                fp8_activations: bool = False, pdl: bool | int = False,
+                dense: bool = False) -> LinearFn:
     """`Ops.linear`: x [..., K] @ W^T for a dense weight (F.linear, or `gemv` where the plan
     picked it) or an `Fp8Weight` (`fp8_gemv` where the plan picked it, the Triton FP8 kernel
     with the plan's config where it picked that, else with its defaults if importable, else
     the dequantising reference). `kernels=False` never runs the csrc kernel (the Triton
     kernel is FP8's library path and stays). `fp8_activations`: FP8 shapes may take the W8A8
     Triton kernel (activations quantised to e4m3 per 1 x 128 block: not the weight-only
-    numerics) where the plan measured it faster; off by default. An `Fp8Weight` with a
-    dequantised copy (`dense`, fusion.add_dense_copies) runs on that, as a bf16 weight, at
-    the M where the plan measured bf16 faster than FP8 (`LinearPlan.dense_faster`; compared
-    with the weight-only FP8 row). Without a plan every shape
+    numerics) where the plan measured it faster; off by default. With `dense`, an
+    `Fp8Weight` with a dequantised copy in x's dtype (`Fp8Weight.dense`,
+    fusion.add_dense_copies) runs on that, as a bf16 weight, at the M where the plan
+    measured bf16 faster than FP8 (`LinearPlan.dense_faster`; compared with the weight-only
+    FP8 row); so do make_swiglu's, make_residual's and make_normed's with `dense`. Without a plan every shape
     takes the library path. The choice is made once per (M, N, K, FP8, x's dtype, CUDA or
     not) and kept in a dict, so a call costs one lookup (eager prefill runs this per layer; a
     CUDA graph captures it once per shape). `pdl`: csrc's kernel launched with programmatic
     dependent launch (sm_90+; csrc/launch.cuh), where each linear's first weight loads
     overlap the end of the kernel before it."""
+    dense_plan = plan if dense else None  # FP8 weights' dense copies taken or not
     chosen: dict[tuple[int, int, int, bool, torch.dtype, bool], LinearFn] = {}
 
     def linear(x: Tensor, w: Tensor | Fp8Weight) -> Tensor:
         n, k = w.shape
-        w = _as_dense(plan, w, x.numel() // k if k else 0)
+        w = _as_dense(dense_plan, w, x)
         fp8 = isinstance(w, Fp8Weight)
         key = (x.numel() // k if k else 0, n, k, fp8, x.dtype, x.is_cuda)
         fn = chosen.get(key)
