@@ -852,6 +852,9 @@ def test_fp8_linears_run_their_dense_copy_where_the_plan_measured_bf16_faster():
         [False, True, True, True, True, True]  # 17..: the bf16 rows end at 16
     assert not plan.dense_faster(16, n, 128) and not plan.dense_pays(n, 128)
     assert plan.dense_pays(n, k)
+    w8 = linear.LinearPlan.from_rows([*rows, {"fp8": True, "m": 16, "n": n, "k": k,
+                                              "impl": "triton_w8a8", "us": {"w8": 6.0}}])
+    assert w8.dense_faster(16, n, k) and not w8.dense_faster(16, n, k, fp8_activations=True)
     fw = quantize_fp8(torch.randn(n, k))
     with_copy = Fp8Weight(fw.q, fw.scale, torch.zeros(n, k, dtype=torch.bfloat16))
     lin = linear.make_linear(plan, kernels=False, dense=True)

@@ -515,8 +515,8 @@ class LinearPlan:
     # (fp8, n, k, w8a8 row) -> [(m, row)] sorted by m
     _index: dict[tuple[bool, int, int, bool], list[tuple[int, PlanRow]]] = field(
         init=False, repr=False, compare=False)
-    # (m, n, k) -> dense_faster's answer, filled as asked
-    _dense: dict[tuple[int, int, int], bool] = field(
+    # (m, n, k, fp8_activations) -> dense_faster's answer, filled as asked
+    _dense: dict[tuple[int, int, int, bool], bool] = field(
         init=False, repr=False, compare=False, default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -560,22 +560,28 @@ class LinearPlan:
                 row = alt
         return row if row is not None else PlanRow(bool(fp8), m, n, k, "library")
 
-    def dense_faster(self, m: int, n: int, k: int) -> bool:
+    def dense_faster(self, m: int, n: int, k: int, fp8_activations: bool = False) -> bool:
         """Whether the table measured this shape faster with bf16 weights than with FP8 ones
-        at m rows' bucket (both rows recorded there, each with its fastest candidate's time):
-        an FP8 linear with a dequantised copy (`Fp8Weight.dense`) then runs on that. Past the
-        table's largest M, its largest bucket decides (a dense GEMM's lead over the FP8
-        kernels only grows with M: it becomes compute-bound on bf16 MMAs either way)."""
-        hit = self._dense.get((m, n, k))
+        at m rows' bucket (both rows recorded there, each with its fastest candidate's time;
+        with `fp8_activations`, FP8's W8A8 row of that bucket too): an FP8 linear with a
+        dequantised copy (`Fp8Weight.dense`) then runs on that. Past the table's largest M,
+        its largest bucket decides (a dense GEMM's lead over the FP8 kernels only grows with
+        M: it becomes compute-bound on bf16 MMAs either way)."""
+        key = (m, n, k, fp8_activations)
+        hit = self._dense.get(key)
         if hit is None:
             f8, bf = self._index.get((True, n, k, False)), self._index.get((False, n, k, False))
             hit = False
             if f8 and bf:
                 mm = min(m, f8[-1][0], bf[-1][0])
                 a, b = self._bucket(mm, n, k, True, False), self._bucket(mm, n, k, False, False)
-                hit = (a is not None and b is not None and a.m == b.m and bool(a.us)
-                       and bool(b.us) and b.best_us < a.best_us)
-            self._dense[(m, n, k)] = hit
+                if a is not None and b is not None and a.m == b.m and a.us and b.us:
+                    fp8_us = a.best_us
+                    alt = self._bucket(mm, n, k, True, True) if fp8_activations else None
+                    if alt is not None and alt.m == a.m and alt.us:
+                        fp8_us = min(fp8_us, alt.best_us)
+                    hit = b.best_us < fp8_us
+            self._dense[key] = hit
         return hit
 
     def dense_pays(self, n: int, k: int) -> bool:
@@ -702,15 +708,16 @@ def resolve(plan: LinearPlan | None, kernels: bool, m: int, n: int, k: int, fp8:
     return library
 
 
-def _as_dense(plan: LinearPlan | None, w: Tensor | Fp8Weight, x: Tensor) -> Tensor | Fp8Weight:
+def _as_dense(plan: LinearPlan | None, w: Tensor | Fp8Weight, x: Tensor,
+              fp8_activations: bool = False) -> Tensor | Fp8Weight:
     """W's dequantised copy where it has one in x's dtype and the plan (None: the ops take no
-    copies) measured the dense path faster at x's rows (`LinearPlan.dense_faster`), else W
-    itself: the same weight values either way (`Fp8Weight.dense` is exactly what
-    `fp8_linear_torch` multiplies bf16 x by)."""
+    copies) measured the dense path faster at x's rows (`LinearPlan.dense_faster`; with
+    `fp8_activations`, faster than the W8A8 kernel too), else W itself: the same weight values
+    either way (`Fp8Weight.dense` is exactly what `fp8_linear_torch` multiplies bf16 x by)."""
     if (isinstance(w, Fp8Weight) and w.dense is not None and plan is not None
             and w.dense.dtype == x.dtype):
         n, k = w.shape
-        if plan.dense_faster(x.numel() // k if k else 0, n, k):
+        if plan.dense_faster(x.numel() // k if k else 0, n, k, fp8_activations):
             return w.dense
     return w
 
@@ -946,7 +953,8 @@ def make_linear(plan: LinearPlan | None, kernels: bool,
     `Fp8Weight` with a dequantised copy in x's dtype (`Fp8Weight.dense`,
     fusion.add_dense_copies) runs on that, as a bf16 weight, at the M where the plan
     measured bf16 faster than FP8 (`LinearPlan.dense_faster`; compared with the weight-only
-    FP8 row); so do make_swiglu's, make_residual's and make_normed's with `dense`. Without a plan every shape
+    FP8 row, and with `fp8_activations` its W8A8 row too); so do make_swiglu's,
+    make_residual's and make_normed's with `dense`. Without a plan every shape
     takes the library path. The choice is made once per (M, N, K, FP8, x's dtype, CUDA or
     not) and kept in a dict, so a call costs one lookup (eager prefill runs this per layer; a
     CUDA graph captures it once per shape). `pdl`: csrc's kernel launched with programmatic
@@ -957,7 +965,7 @@ def make_linear(plan: LinearPlan | None, kernels: bool,
 
     def linear(x: Tensor, w: Tensor | Fp8Weight) -> Tensor:
         n, k = w.shape
-        w = _as_dense(dense_plan, w, x)
+        w = _as_dense(dense_plan, w, x, fp8_activations)
         fp8 = isinstance(w, Fp8Weight)
         key = (x.numel() // k if k else 0, n, k, fp8, x.dtype, x.is_cuda)
         fn = chosen.get(key)
