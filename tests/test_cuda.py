@@ -43,6 +43,20 @@ def _run(bundle, cfg: EngineConfig, texts, frames=12):
 TEXTS = ["Hello there.", "مرحبا بالعالم.", "你好，世界。", "こんにちは。", "Five.", "Six!"]
 
 
+def _speak(eng, n: int, frames: int) -> list[CollectingSink]:
+    """One greedy turn on each of n new sessions of a pingpong engine (TEXTS), to the end;
+    the engine is shut down after."""
+    sinks = [CollectingSink() for _ in range(n)]
+    seqs = [eng.open([], SamplingParams.greedy(), s) for s in sinks]
+    eng.start()
+    for seq, t in zip(seqs, TEXTS):
+        eng.submit(seq, t, turn_id="a", max_frames=frames)
+    for s in sinks:
+        assert s.done.wait(120)
+    eng.shutdown()
+    return sinks
+
+
 def test_masked_gqa_attention_keeps_a_fused_kernel():
     """The prefill's masked GQA attention at S2-Pro's heads (32 query, 8 kv, head_dim 128,
     bf16) runs without SDPA's math fallback (which repeats K/V and materialises the scores)
@@ -193,14 +207,7 @@ def test_engine_audio_same_with_codec_graphs(codec_kernels):
                                                    codec_kernels=codec_kernels))
         assert (eng.codec_worker.decoder.graphs > 0) == codec_graphs
         assert eng.ops.codec.fold_bias is codec_kernels, "the CUDA extension did not build"
-        sinks = [CollectingSink() for _ in TEXTS[:3]]
-        seqs = [eng.open([], SamplingParams.greedy(), s) for s in sinks]
-        eng.start()
-        for seq, t in zip(seqs, TEXTS):
-            eng.submit(seq, t, turn_id="a", max_frames=20)
-        for s in sinks:
-            assert s.done.wait(120)
-        eng.shutdown()
+        sinks = _speak(eng, 3, 20)
         return [(s.results[-1].codes, np.concatenate(s.audio)) for s in sinks]
 
     # Each engine's streamed audio against the offline decode (the torch ops) of the codes it
@@ -633,14 +640,6 @@ def test_fp8_engine_runs_dense_copies_where_its_table_measured_bf16_faster(tmp_p
     assert torch.equal(ops.normed_kernel(x[:2], nw, 1e-6, w, False),
                        linear.gemv_normed(x[:2], nw, 1e-6, w.dense, **{k: kw[k] for k in
                                                                           ("splits", "kwarps")}))
-    sinks = [CollectingSink() for _ in range(3)]
-    seqs = [eng.open([], SamplingParams.greedy(), s) for s in sinks]
-    eng.start()
-    for seq, t in zip(seqs, TEXTS):
-        eng.submit(seq, t, turn_id="a", max_frames=8)
-    for s in sinks:
-        assert s.done.wait(120)
-    eng.shutdown()
-    for s in sinks:
+    for s in _speak(eng, 3, 8):
         codes = s.results[-1].codes
         assert codes.shape[0] >= 1 and bool((codes >= 0).all())

@@ -723,16 +723,18 @@ def _as_dense(plan: LinearPlan | None, w: Tensor | Fp8Weight, x: Tensor,
 
 
 def _gemv_row(plan: LinearPlan | None, kernels: bool, m: int, n: int, k: int, fp8: bool,
-              dtype: torch.dtype, cuda: bool, slack_us: float = 0.0) -> PlanRow | None:
-    """The plan's row where it picked csrc's kernel for this linear and the kernel can run
-    it here; where it picked another implementation, its fastest recorded csrc candidate
-    when that is within `slack_us` of the choice (as a "gemv" row); else None."""
+              dtype: torch.dtype, cuda: bool, slack_us: float = 0.0,
+              variant_ok: Callable[[int], bool] = lambda variant: True) -> PlanRow | None:
+    """The plan's row where it picked csrc's kernel (in a variant `variant_ok` takes) for
+    this linear and the kernel can run it here; otherwise its fastest such recorded csrc
+    candidate when that is within `slack_us` of the choice (as a "gemv" row); else None."""
     row = plan.choose(m, n, k, fp8) if plan is not None else None
     if row is None or not kernels or not cuda or dtype != torch.bfloat16:
         return None
-    if row.impl == "gemv":
-        return row if supports(m, n, k, fp8, row.variant) else None
-    best = min((c for c in row.gemv_candidates() if supports(m, n, k, fp8, c[1])),
+    if row.impl == "gemv" and variant_ok(row.variant) and supports(m, n, k, fp8, row.variant):
+        return row
+    best = min((c for c in row.gemv_candidates()
+                if variant_ok(c[1]) and supports(m, n, k, fp8, c[1])),
                key=lambda c: c[0], default=None)
     if best is None or best[0] > row.best_us + slack_us:
         return None
@@ -761,20 +763,10 @@ def _glu_row(plan: LinearPlan | None, kernels: bool, m: int, n: int, k: int, fp8
     chosen row where it is csrc's kernel in a variant with the epilogue (FP8: variant 0),
     else the fastest recorded csrc candidate with it when that is within GLU_SAVES_US of the
     chosen implementation (which would need the silu * mul launch after it)."""
-    row = plan.choose(m, n, k, fp8) if plan is not None else None
-    if row is None or not kernels or not cuda or dtype != torch.bfloat16 or n % 2:
+    if n % 2:
         return None
-    if row.impl == "gemv" and not (fp8 and row.variant != 0) and supports(m, n, k, fp8,
-                                                                          row.variant):
-        return row
-    best = min((c for c in row.gemv_candidates()
-                if not (fp8 and c[1] != 0) and supports(m, n, k, fp8, c[1])),
-               key=lambda c: c[0], default=None)
-    if best is None or best[0] > row.best_us + GLU_SAVES_US:
-        return None
-    _, variant, kwarps, splits = best
-    return dataclasses.replace(row, impl="gemv", variant=variant, kwarps=kwarps, splits=splits,
-                               config=None)
+    return _gemv_row(plan, kernels, m, n, k, fp8, dtype, cuda, GLU_SAVES_US,
+                     lambda variant: not (fp8 and variant != 0))
 
 
 def make_swiglu(plan: LinearPlan | None, kernels: bool,
