@@ -112,6 +112,16 @@ class Block(nn.Module):
                                        next_norm.eps)
 
 
+def write_kv(blocks: nn.ModuleList, x: Tensor, cs: Tensor, attend: Attend, ops: Ops) -> None:
+    """The decoder stack where only every layer's K/V matter (`attend` writes them): the
+    blocks but the last in full, the last one's attention alone (x [B, T, D])."""
+    first = blocks[0].attention_norm
+    xn = ops.pending_norm(x, first.weight, first.eps)
+    for i in range(len(blocks) - 1):
+        x, xn = blocks[i](x, xn, cs, attend, i, blocks[i + 1].attention_norm, ops)
+    blocks[-1].attention.heads(xn, cs, attend, len(blocks) - 1, ops)
+
+
 def run_blocks(blocks: nn.ModuleList, final_norm: RMSNorm, x: Tensor, cs: Tensor,
                attend: Attend, ops: Ops) -> Tensor:
     """The decoder stack: x [B, T, D] through every block -> final_norm(output) [B, T, D]."""
@@ -233,3 +243,11 @@ class DualAR(nn.Module):
         """The fast AR's final-normed hidden state at `pos`: x [B, 1, D] -> [B, 1, D]."""
         cs = self.fast_rope[pos: pos + 1].unsqueeze(0).expand(x.shape[0], -1, -1, -1)
         return run_blocks(self.fast_layers, self.fast_norm, x, cs, attend, ops)
+
+    def fast_kv(self, x: Tensor, attend: Attend, ops: Ops = REFERENCE) -> None:
+        """The fast AR's position 0 (x [B, 1, D]: the slow hidden state), whose logits are
+        never sampled: only its K/V, which every later position attends to. The last layer's
+        attention writes them; its output projection, its FFN and the final norm are skipped
+        (fast_hidden(x, 0, ...) writes the same K/V)."""
+        cs = self.fast_rope[0:1].unsqueeze(0).expand(x.shape[0], -1, -1, -1)
+        write_kv(self.fast_layers, x, cs, attend, ops)

@@ -275,7 +275,7 @@ class ModelRunner:
         code = torch.where(idx < self.n_semantic, idx, torch.zeros_like(idx))
         fkv = self.fast_kv
         # position 0: the slow hidden state, for its K/V only (no logits: no head GEMM)
-        m.fast_hidden(h[:, None], 0, fkv.at(0, B), ops)
+        m.fast_kv(h[:, None], fkv.at(0, B), ops)
         codes = [code]
         for j in range(1, self.cfg.num_codebooks):
             logits = m.forward_fast(m.fast_embeddings(code)[:, None], j, fkv.at(j, B), ops)

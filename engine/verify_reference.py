@@ -58,22 +58,20 @@ class _Recorder:
             self.fast.append(out.detach().clone())
             return out
 
-        orig_hidden = model.fast_hidden
-
-        def hidden(x: Tensor, pos: int, attend, ops: Ops = REFERENCE) -> Tensor:  # type: ignore[no-untyped-def]
-            h = orig_hidden(x, pos, attend, ops)
-            if pos == 0:  # the runner takes no logits there (only K/V); the reference's are kept
-                self.fast.append(ops.linear(h, model.fast_output.weight)[:, 0].detach().clone())
-            return h
+        def kv(x: Tensor, attend, ops: Ops = REFERENCE) -> None:  # type: ignore[no-untyped-def]
+            # the runner writes position 0's K/V only (no logits there); the whole position
+            # writes the same K/V and gives the reference's logits, which are kept
+            h = model.fast_hidden(x, 0, attend, ops)
+            self.fast.append(ops.linear(h, model.fast_output.weight)[:, 0].detach().clone())
 
         model.semantic_logits = sem  # type: ignore[method-assign]
         model.forward_fast = fast  # type: ignore[method-assign]
-        model.fast_hidden = hidden  # type: ignore[method-assign]
+        model.fast_kv = kv  # type: ignore[method-assign]
 
     def restore(self) -> None:
         del self.model.semantic_logits
         del self.model.forward_fast
-        del self.model.fast_hidden
+        del self.model.fast_kv
 
 
 def _diff(a: Tensor, b: Tensor) -> float:

@@ -303,3 +303,36 @@ def test_a_fused_op_raises_the_recompile_limit_in_every_thread_that_calls_it():
     sys.setrecursionlimit(recursion)
     assert torch.equal(seen["y"], torch.full((3,), 2.0))
     assert seen["limit"] >= 64
+
+
+def test_fast_position_zero_writes_the_whole_positions_kv(fixture_dir, fixture_model,
+                                                          monkeypatch):
+    """The runner's fast AR position 0 (`DualAR.fast_kv`: the last layer's attention alone,
+    no output projection, FFN or final norm) writes exactly the K/V of the whole position
+    (`fast_hidden(x, 0, ...)`), so every frame is the same either way."""
+    case = CASES[0]
+    p = load_file(str(fixture_dir / "cases" / f"{case}.safetensors"))["b0.prompt"]
+
+    def decode() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        runner = ModelRunner(fixture_model, n_rows=1, max_len=512)
+        blocks = runner.own_blocks(0)
+        runner.prefill(blocks, p[:, :-1], 0)
+        runner.join(0, SamplingParams.greedy(), p[:, -1], p.shape[1] - 1, 8, 0, blocks)
+        frames = [runner.step(1, 200).clone() for _ in range(8)]
+        return frames, [t.clone() for t in (runner.fast_kv.k, runner.fast_kv.v)]
+
+    frames, kv = decode()
+    calls: list[int] = []
+    whole = fixture_model.fast_hidden
+
+    from engine.ops import REFERENCE
+
+    def whole_position(x, attend, ops=REFERENCE):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        whole(x, 0, attend, ops)
+
+    monkeypatch.setattr(fixture_model, "fast_kv", whole_position)
+    frames_whole, kv_whole = decode()
+    assert len(calls) == 8
+    assert all(torch.equal(a, b) for a, b in zip(frames, frames_whole))
+    assert all(torch.equal(a, b) for a, b in zip(kv, kv_whole))
