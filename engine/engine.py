@@ -675,7 +675,7 @@ class Engine:
         return self.decode_worker.idle_gaps_ms()
 
 
-def _add_fp8_dense_copies(model: torch.nn.Module, plan: object) -> None:
+def _add_fp8_dense_copies(model: torch.nn.Module, plan: object) -> None:  # on CUDA
     """The FP8 linears' bf16 copies where `plan` measured them faster (fusion.
     add_dense_copies_where_faster); a GPU without room for them is a clear start-up error."""
     from .fusion import add_dense_copies_where_faster
@@ -716,8 +716,8 @@ def build_engine(bundle: Bundle, config: EngineConfig | None = None, *,
         from .fusion import pack_ffn
 
         pack_ffn(model)  # W1|W3 in one buffer (same values): its copies go before the sizing
-    if cfg.fp8_dense_copy and ops.fp8_dense and cuda:  # before the KV pool's sizing
-        _add_fp8_dense_copies(model, ops.linear_plan)
+    if cfg.fp8_dense_copy and ops.dense_plan is not None and fp8_layers(model):
+        _add_fp8_dense_copies(model, ops.dense_plan)  # before the KV pool's sizing
     n_rows, bs = cfg.max_running, cfg.kv_block_size
     context = -(-cfg.max_len // bs)
     n_blocks = cfg.kv_blocks or n_rows * 2 * context

@@ -128,17 +128,6 @@ def pack_ffn(m: nn.Module) -> int:
     return n
 
 
-def _dequantized(w: Fp8Weight, dtype: torch.dtype, rows: int = 8 * BLOCK) -> Tensor:
-    """dequantize_fp8(w, dtype), made a block of rows at a time into one tensor (its float32
-    temporaries stay small: the whole packed w13 at once would take ~600 MB of them)."""
-    n, k = w.q.shape
-    out = torch.empty(n, k, dtype=dtype, device=w.q.device)
-    for r in range(0, n, rows):  # rows is a multiple of BLOCK: each chunk keeps its scales
-        part = Fp8Weight(w.q[r: r + rows], w.scale[r // BLOCK: -(-(r + rows) // BLOCK)])
-        out[r: r + rows] = dequantize_fp8(part, dtype)
-    return out
-
-
 @torch.no_grad()
 def add_dense_copies(m: nn.Module, dtype: torch.dtype = torch.bfloat16,
                      pays: Callable[[int, int], bool] | None = None) -> int:
@@ -160,7 +149,7 @@ def add_dense_copies(m: nn.Module, dtype: torch.dtype = torch.bfloat16,
                     continue
                 packed_halves.update((id(w1), id(w3)))
                 if pays is None or pays(*both.shape):
-                    d = _dequantized(both, dtype)
+                    d = dequantize_fp8(both, dtype)
                     n = w1.qweight.shape[0]
                     w1.dense_weight, w3.dense_weight = d[:n], d[n:]
                     made += [w1, w3]
@@ -169,7 +158,7 @@ def add_dense_copies(m: nn.Module, dtype: torch.dtype = torch.bfloat16,
             if (isinstance(mod, Fp8Linear) and mod.dense_weight is None
                     and id(mod) not in packed_halves
                     and (pays is None or pays(*mod.qweight.shape))):
-                mod.dense_weight = _dequantized(mod.weight, dtype)
+                mod.dense_weight = dequantize_fp8(mod.weight, dtype)
                 made.append(mod)
                 added += mod.dense_weight.numel() * mod.dense_weight.element_size()
     except torch.cuda.OutOfMemoryError:

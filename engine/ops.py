@@ -68,15 +68,18 @@ class Ops:
     # csrc's step kernels launched with programmatic dependent launch (sm_90+): each may start
     # while the kernel before it ends (csrc/launch.cuh); recorded here for describe()
     pdl: bool = False
-    # the recorded per-shape table the linears choose from (None: none; CPU and reference
-    # ops): the engine asks it whether FP8 linears gain from dense copies (dense_pays)
-    linear_plan: linear.LinearPlan | None = None
-    # FP8 linears run their dequantised bf16 copies (Fp8Weight.dense) where the table measured
-    # bf16 faster; the engine makes the copies only for ops that take them
-    fp8_dense: bool = False
+    # the recorded per-shape table by which FP8 linears run their dequantised bf16 copies
+    # (Fp8Weight.dense) where it measured bf16 faster; the engine makes the copies where it
+    # says they pay (dense_pays). None: the ops take no copies (and none are made)
+    dense_plan: linear.LinearPlan | None = None
     sample: Callable[..., Tensor] = sampling.sample  # the sampler's draw
     shift_window: Callable[[Tensor, Tensor], None] = prev_tokens_shift_checked  # RAS window
     codec: CodecOps = field(default_factory=CodecOps)
+
+    @property
+    def fp8_dense(self) -> bool:
+        """Whether FP8 linears take their dense copies (`dense_plan`)."""
+        return self.dense_plan is not None
 
     def pending_norm(self, x: Tensor, w: Tensor, eps: float) -> Tensor | Normed:
         """rms_norm(x) * w for a projection to read: left pending (`Normed`) where a normed
@@ -146,7 +149,6 @@ class Ops:
                 "swiglu_kernel": self.swiglu_kernel is not None,
                 "residual_kernel": self.residual_kernel is not None,
                 "normed_kernel": self.normed_kernel is not None,
-                "linear_plan": self.linear_plan is not None,
                 "fp8_dense": self.fp8_dense,
                 "codec_kernels": self.codec.fold_bias,
                 "codec_channels_last": self.codec.channels_last}
@@ -210,8 +212,7 @@ def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool 
                          channels_last=codec.channels_last)
     if cuda:
         plan = linear.load_plan(linear_table)
-        parts["linear_plan"] = plan
-        parts["fp8_dense"] = fp8_dense
+        parts["dense_plan"] = plan if fp8_dense else None
         parts["linear"] = linear.make_linear(plan, kernels=built and linear_kernels,
                                              fp8_activations=fp8_activations, pdl=pdl,
                                              dense=fp8_dense)

@@ -101,11 +101,21 @@ def quantize_fp8(w: Tensor) -> Fp8Weight:
     return Fp8Weight(q, scale.contiguous())
 
 
-def dequantize_fp8(w: Fp8Weight, dtype: torch.dtype = torch.float32) -> Tensor:
-    """The weight the FP8 values stand for, [N, K] in `dtype` (float32 math, one rounding)."""
+def dequantize_fp8(w: Fp8Weight, dtype: torch.dtype = torch.float32,
+                   rows: int = 8 * BLOCK) -> Tensor:
+    """The weight the FP8 values stand for, [N, K] in `dtype` (float32 math, one rounding),
+    made `rows` rows (a multiple of the scale block) at a time: its float32 temporaries stay
+    small (S2-Pro's packed w13 at once would take ~600 MB of them)."""
+    if rows < 1 or rows % BLOCK:
+        raise ValueError(f"dequantize_fp8: rows must be a positive multiple of {BLOCK}, "
+                         f"got {rows}")
     n, k = w.q.shape
-    s = w.scale.repeat_interleave(BLOCK, 0)[:n].repeat_interleave(BLOCK, 1)[:, :k]
-    return (w.q.float() * s).to(dtype)
+    out = torch.empty(n, k, dtype=dtype, device=w.q.device)
+    for r in range(0, n, rows):
+        q = w.q[r: r + rows]
+        s = w.scale[r // BLOCK:].repeat_interleave(BLOCK, 0)[: q.shape[0]]
+        out[r: r + rows] = q.float() * s.repeat_interleave(BLOCK, 1)[:, :k]
+    return out
 
 
 def fp8_linear_torch(x: Tensor, w: Fp8Weight) -> Tensor:

@@ -406,8 +406,7 @@ def profile_step(report: dict, device: str, sampler_kernel: bool = True,
                     **({} if normed_fp8 is None else {"normed_max_m_fp8": normed_fp8}),
                     pdl=(1 if dtype == "fp8" else 0) if pdl is None else pdl)
     pack_ffn(b.model)
-    if dense_copy:
-        add_dense_copies_where_faster(b.model, ops.linear_plan)
+    add_dense_copies_where_faster(b.model, ops.dense_plan)  # None (no dense_copy): none
     out = {}
     runner = ModelRunner(b.model, n_rows=64, max_len=1024, ops=ops)
     col = torch.zeros(11, dtype=torch.long)

@@ -287,7 +287,7 @@ def test_dense_copies_by_shape_packed_later_and_dropped_on_oom(tiny, monkeypatch
     # out of memory on the third copy: none of this call's copies stay
     oom = copy.deepcopy(tiny)
     quantize_model(oom)
-    real, calls = fusion._dequantized, []
+    real, calls = fusion.dequantize_fp8, []
 
     def failing(w, dtype):  # type: ignore[no-untyped-def]
         calls.append(1)
@@ -295,7 +295,7 @@ def test_dense_copies_by_shape_packed_later_and_dropped_on_oom(tiny, monkeypatch
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (test)")
         return real(w, dtype)
 
-    monkeypatch.setattr(fusion, "_dequantized", failing)
+    monkeypatch.setattr(fusion, "dequantize_fp8", failing)
     with pytest.raises(torch.cuda.OutOfMemoryError):
         fusion.add_dense_copies(oom)
     assert all(oom.get_submodule(n).dense_weight is None for n in fp8_layers(oom))

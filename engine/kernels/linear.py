@@ -898,7 +898,8 @@ def make_normed(plan: LinearPlan | None, kernels: bool, max_m: int = NORMED_DISP
     (`max_m_fp8` for FP8 W; where it measured faster than the norm's own launch), the plan
     recorded a variant-0 kernel candidate for that linear (bf16 or FP8 W) within
     NORMED_SLACK_US of its choice and the call meets the contract (with `_normed_params`'
-    splits and kwarps); None otherwise (the caller computes the norm first). Chosen once per shape; `pdl` as for `make_linear`."""
+    splits and kwarps); None otherwise (the caller computes the norm first). Chosen once per
+    shape; `pdl` as for `make_linear`."""
     dense_plan = plan if dense else None  # FP8 weights' dense copies taken or not
     chosen: dict[tuple[int, int, int, bool, torch.dtype, bool], tuple[int, int] | None] = {}
 
