@@ -363,7 +363,7 @@ class EngineConfig:
         True, "where csrc's small-M kernel runs a block's projections, the residual add goes "
         "into wo / w2's epilogue and (at most 2 rows: where it measured faster) the RMSNorm "
         "after it into the next projection's prologue: two launches fewer per layer (H200, "
-        "S2-Pro frame step at batch 1: 729 -> 568 launches, 6.38 -> 6.28 ms)")
+        "S2-Pro frame step at batch 1: 729 -> 568 launches, 6.38 -> 6.30 ms)")
     pdl: str = option(
         "auto", "csrc's decode-step kernels (linears, attention, sampling) launched with "
         "programmatic dependent launch (compute capability 9.0+; elsewhere a plain launch): "
