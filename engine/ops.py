@@ -7,6 +7,7 @@ state decides which kernel runs, so two engines in one process can run different
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ from torch import Tensor
 
 from . import functional, fusion, quant
 from .codec.layers import CodecOps
-from .kernels import activation, extension_available, linear, qk_rope, sampling
+from .kernels import activation, codec_conv, extension_available, linear, qk_rope, sampling
 from .kernels.decode_attention import decode_attention
 from .kernels.prev_tokens import prev_tokens_shift_checked, prev_tokens_shift_inplace
 from .quant import Fp8Weight
@@ -151,6 +152,7 @@ class Ops:
                 "normed_kernel": self.normed_kernel is not None,
                 "fp8_dense": self.fp8_dense,
                 "codec_kernels": self.codec.fold_bias,
+                "codec_conv_plan": self.codec.conv_plan is not None,
                 "codec_channels_last": self.codec.channels_last}
 
 
@@ -164,7 +166,8 @@ def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool 
               decode_rope: bool = False, norm_fusion: bool = True, pdl: bool | int = False,
               linear_table: Path | None = linear.DEFAULT_TABLE,
               normed_max_m_fp8: int = linear.NORMED_DISPATCH_M_FP8,
-              fp8_dense: bool = True) -> Ops:
+              fp8_dense: bool = True, codec_conv_kernel: bool = True,
+              codec_conv_table: Path = codec_conv.DEFAULT_TABLE) -> Ops:
     """The ops an engine on `device` runs. `fused`: "compile" (torch.compile'd elementwise ops
     and the packed FFN GEMM), "reference", or "auto" (compile on CUDA only). `kernels`: use
     csrc's kernels where the extension is built, and with compiled ops the Triton q/k norm +
@@ -182,7 +185,11 @@ def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool 
     benchmarks; True = 1); `normed_max_m_fp8`: the most rows for which FP8 weights take the
     normed prologue (benchmarks: the engine's is `linear.NORMED_DISPATCH_M_FP8`);
     `fp8_dense`: FP8 linears with a dequantised bf16 copy run it at the batch sizes where the
-    table measured bf16 faster (CUDA; the engine makes the copies, `fp8_dense_copy`).
+    table measured bf16 faster (CUDA; the engine makes the copies, `fp8_dense_copy`);
+    `codec_conv_kernel`: the codec's residual-unit convs as Triton convs with the Snake or
+    the residual sum in their epilogues where the recorded table `codec_conv_table` measured
+    them faster than cuDNN's conv + csrc's pass (CUDA, channels-last, with csrc's codec
+    kernels).
     On CUDA the linears (dense and FP8) take the implementation the recorded per-shape table
     `linear_table` picks (csrc's small-M kernel only with `linear_kernels`); FP8 weights
     without a kernel there run the Triton FP8 GEMM (the dequantising reference without it)."""
@@ -210,6 +217,9 @@ def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool 
         codec = CodecOps(snake=activation.snake, snake_cat=activation.snake_cat,
                          bias_residual=activation.bias_residual, fold_bias=True,
                          channels_last=codec.channels_last)
+    if (built and codec_kernels and codec.channels_last and codec_conv_kernel
+            and codec_conv.available()):
+        codec = dataclasses.replace(codec, conv_plan=codec_conv.load_plan(codec_conv_table))
     if cuda:
         plan = linear.load_plan(linear_table)
         parts["dense_plan"] = plan if fp8_dense else None

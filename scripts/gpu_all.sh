@@ -37,6 +37,10 @@
 # the linears' other PDL modes 2, 3; batches 1, 2, 64), FP8_NORMED=M (the FP8 step again with
 # the normed prologue for FP8 weights up to M rows; batches 1, 2), FP8_NODENSE=1 (the FP8 step
 # again without the bf16 copies of its linears, batches 16, 32, 64).
+# CONV=1: `python -m bench_latency.codec_conv_bench` (the codec's fused residual-unit convs
+# against cuDNN's conv + csrc's pass at the 64 x 8 tick's shapes, then graphed ticks with and
+# without them and their bf16 audio against float32; CONV_ARGS="--sweep": every launch shape)
+# into $OUT/codec_conv.{json,txt}.
 # SWIGLU=1: `linear_bench --swiglu` (the FFN's packed linear + silu*mul vs csrc's SwiGLU
 # epilogue at the M where the table picks the kernel) into $OUT/swiglu.{json,txt}. NORM=1:
 # `linear_bench --norm` (projection + add_rms_norm + projection vs the residual epilogue and
@@ -67,7 +71,7 @@ export OUT PYTHONUNBUFFERED=1 RTVOICE_FIXTURES=${RTVOICE_FIXTURES:-tests/fixture
 t0=$(date +%s)
 SMOKE="host_sync or engine_audio or pingpong or replay_streams or fused_kernel or bias_folding or split or two_engines or fixtures_with_fused or swiglu or fused_rope or prefilled_ahead or residual_epilogue or norm_fusion or pdl"
 if [ "${TESTS:-smoke}" = all ]; then K=${TESTS_K:-}; else K=${TESTS_K:-$SMOKE}; fi
-[ "${TESTS:-smoke}" = none ] || timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_kernels.py tests/test_fp8_triton.py tests/test_quant.py \
+[ "${TESTS:-smoke}" = none ] || timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_kernels.py tests/test_fp8_triton.py tests/test_quant.py tests/test_codec_conv.py \
     ${K:+-k "$K"} 2>&1 | grep -Ev '^ |^$|site-packages|Warning:|warnings.html' | tail -15 | tee "$OUT/tests.txt"
 echo "tests done at +$(( $(date +%s) - t0 ))s"
 if [ "${GATE:-0}" = 1 ]; then  # the change's ±5 % gate against .baseline (~200 s)
@@ -80,6 +84,11 @@ if [ "${PROBE:-0}" = 1 ]; then  # prefill graphs alone: what a burst of turns co
     timeout 60 python3 -m bench_latency.kernel_bench 2>&1 | grep -v "Warn\|warn" | tee -a "$OUT/probes.txt" | grep decode_attention
     # where the server's start goes before the engine (import, CUDA init, random weights)
     timeout 60 python3 scripts/start_probe.py 2>&1 | tail -1 | tee -a "$OUT/probes.txt"
+fi
+if [ "${CONV:-0}" = 1 ]; then  # the codec's fused residual-unit convs vs cuDNN + a pass, ticks
+    timeout ${CONV_TIMEOUT:-240} python3 -m bench_latency.codec_conv_bench ${CONV_ARGS:-} \
+        --json "$OUT/codec_conv.json" 2>&1 | grep -v "Warn\|warn" | tee "$OUT/codec_conv.txt" | tail -20
+    echo "codec conv bench done at +$(( $(date +%s) - t0 ))s"
 fi
 if [ "${SWIGLU:-0}" = 1 ]; then  # the FFN's linear + silu*mul vs the SwiGLU epilogue (~20 s)
     timeout 120 python3 -m bench_latency.linear_bench --swiglu --out "$OUT/swiglu.json" 2>&1 \

@@ -37,6 +37,7 @@ from ..kernels.activation import (
     snake_formula,
     snake_torch,
 )
+from ..kernels.codec_conv import Plan, causal_conv, conv_taps
 from .config import WindowTransformerConfig
 
 __all__ = [
@@ -172,6 +173,10 @@ class CodecOps:
     snake_cat: Callable[..., Tensor] = snake_cat_torch  # (tail, x, alpha): [tail | Snake(x)]
     bias_residual: Callable[..., Tensor] = bias_residual_torch  # (x, y, bias): x + (y + bias)
     fold_bias: bool = False
+    # where a residual unit's conv runs as engine/kernels/codec_conv.py's Triton conv with the
+    # Snake after it (the first) or the residual sum (the second) in its epilogue; the others
+    # as the conv, then the pointwise op (needs fold_bias' ops)
+    conv_plan: Plan | None = None
     # convs as 2-D NHWC convs over channels-last activations ([B, C, T] stored as [B, T, C]):
     # cuDNN's fast kernels are NHWC, and a channels-first conv pays a transpose of its input
     # and of its output (4 of a 64 x 8 tick's 12 ms of convs on the H200)
@@ -199,17 +204,23 @@ def _stream_input(tail: Tensor, x: Tensor, act: Tensor | None, ctx: StreamContex
     return cat_time(tail, x) if act is None else ctx.ops.snake_cat(tail, x, act)
 
 
-def _weight_cl(conv: nn.Conv1d | nn.ConvTranspose1d) -> Tensor:
-    """The conv's weight as a channels-last 2-D kernel [O, I, 1, k], made once per weight
-    (inference weights do not change; a new weight tensor, new storage, dtype or device, or an
-    in-place edit remakes it)."""
+def _derived_weight(conv: nn.Conv1d | nn.ConvTranspose1d, name: str,
+                    make: Callable[[Tensor], Tensor]) -> Tensor:
+    """``make(conv.weight)``, made once per weight (inference weights do not change; a new
+    weight tensor, new storage, dtype or device, or an in-place edit remakes it)."""
     w = conv.weight
     key = (id(w), w._version, w.data_ptr(), w.dtype, w.device)
-    cached = conv.__dict__.get("_weight_cl")
+    cached = conv.__dict__.get(name)
     if cached is None or cached[0] != key:
-        cached = (key, w.detach().unsqueeze(2).contiguous(memory_format=torch.channels_last))
-        conv.__dict__["_weight_cl"] = cached
+        cached = (key, make(w.detach()))
+        conv.__dict__[name] = cached
     return cached[1]
+
+
+def _weight_cl(conv: nn.Conv1d | nn.ConvTranspose1d) -> Tensor:
+    """The conv's weight as a channels-last 2-D kernel [O, I, 1, k]."""
+    return _derived_weight(conv, "_weight_cl",
+                           lambda w: w.unsqueeze(2).contiguous(memory_format=torch.channels_last))
 
 
 def conv_cl(conv: nn.Conv1d | nn.ConvTranspose1d, x: Tensor, bias: bool = True) -> Tensor:
@@ -272,13 +283,39 @@ class CausalConv1d(Stateful, nn.Module):
         # x: [B, Cin, T] new samples (padded) -> [B, Cout, T]; the saved tail replaces the zeros
         # the offline conv pads on the left. act: a preceding Snake's alpha, applied to x first.
         # bias=False: the conv's bias is left out (the caller adds it in a later op).
+        return self._conv(self.stream_input(x, ctx, act), bias, ctx)
+
+    def stream_input(self, x: Tensor, ctx: StreamContext, act: Tensor | None = None) -> Tensor:
+        """The conv's input for new samples x [B, Cin, T] (activated by a preceding Snake
+        when ``act`` is its alpha): [B, Cin, left_pad + T], the saved tail first; the new
+        tail is saved."""
         if self.stride != 1:
             raise RuntimeError("streaming is only defined for stride-1 causal convs")
         if self.left_pad == 0:
-            return self._conv(x if act is None else ctx.ops.snake(x, act), bias, ctx)
+            return x if act is None else ctx.ops.snake(x, act)
         xx = _stream_input(ctx.get(self, "tail"), x, act, ctx)  # [B, Cin, left_pad + T]
         ctx.put(self, "tail", ctx.take_last(xx, self.left_pad))
-        return self._conv(xx, bias, ctx)
+        return xx
+
+    def stream_then(self, x: Tensor, ctx: StreamContext, act: Tensor | None = None, *,
+                    alpha: Tensor | None = None, residual: Tensor | None = None) -> Tensor:
+        """``stream`` with the conv's bias, then the Snake with ``alpha`` or the sum with
+        ``residual``: in one pass where ``ctx.ops.conv_plan`` chose the fused conv for this
+        shape, else the conv without its bias and the pointwise op adding it."""
+        c, ops = self.conv, ctx.ops
+        assert ops.conv_plan is not None and c.bias is not None and c.groups == 1
+        xx = self.stream_input(x, ctx, act)
+        (k,), (d,) = c.kernel_size, c.dilation
+        t = xx.shape[-1] - (k - 1) * d
+        cfg = ops.conv_plan.choose(c.in_channels, k, d, xx.shape[0] * t)
+        if cfg is not None:  # the kernel on CUDA, its formulas elsewhere
+            return causal_conv(xx, c.weight, c.bias, d, alpha=alpha, residual=residual,
+                               taps=_derived_weight(c, "_conv_taps", conv_taps), config=cfg)
+        y = self._conv(xx, False, ctx)
+        if alpha is not None:
+            return ops.snake(y, alpha, c.bias)
+        assert residual is not None
+        return ops.bias_residual(residual, y, c.bias)
 
     def _conv(self, x: Tensor, bias: bool, ctx: StreamContext) -> Tensor:
         c = self.conv
@@ -363,6 +400,12 @@ class ResidualUnit(nn.Module):
     def stream(self, x: Tensor, ctx: StreamContext) -> Tensor:
         act1, conv7, act2, conv1 = self.block
         ops = ctx.ops
+        if ops.conv_plan is not None and conv7.conv.bias is not None \
+                and conv1.conv.bias is not None:
+            # conv7 + bias + Snake, then conv1 + bias + the residual sum (each one pass where
+            # the plan chose the fused conv)
+            h = conv7.stream_then(x, ctx, act1.alpha, alpha=act2.alpha)
+            return conv1.stream_then(h, ctx, residual=x)
         if not (ops.fold_bias and conv7.conv.bias is not None and conv1.conv.bias is not None):
             return x + stream_sequential(self.block, x, ctx)
         # the same math with both conv biases folded into the pointwise ops after them

@@ -1,0 +1,204 @@
+"""The codec's fused residual-unit convs (engine/kernels/codec_conv.py) against the path they
+replace: cuDNN's channels-last conv (autotuned, as the codec's graph capture does) plus csrc's
+Snake / bias-residual pass, at the S2-Pro decoder's shapes for a tick of 64 streams x 8 frames;
+then the graphed streaming codec's ticks with and without the fused convs, and each one's bf16
+audio against the float32 offline decode.
+
+    python -m bench_latency.codec_conv_bench [--sweep] [--streams 64,4] [--json out.json]
+        [--no-ticks]
+
+`--sweep` times every launch shape of `SWEEP` per conv and reports the fastest: the JSON is
+then a table the codec's plan loads (`codec_conv.load_plan`: the fused conv where its best
+shape beat cuDNN's conv + pass). Timing: CUDA events over 20 calls after 3 warm-ups.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from engine.kernels import codec_conv as cc
+from engine.kernels.activation import bias_residual, snake
+
+# (channels, samples per stream) at each decoder block for 8 frames of 2,048 samples
+LEVELS = ((768, 256), (384, 2048), (192, 8192), (96, 16384))
+SWEEP = tuple(cc.Config(*c) for c in (  # (block_m, block_n, block_k, warps, stages)
+    (128, 64, 64, 4, 3), (128, 64, 64, 4, 4), (64, 64, 64, 4, 3), (128, 128, 64, 4, 3),
+    (256, 128, 64, 8, 3), (256, 64, 64, 8, 3), (128, 32, 64, 4, 3), (128, 128, 32, 4, 4)))
+
+
+def timed_ms(fn: Callable[[], object], n: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(n):
+        fn()
+    e1.record()
+    torch.cuda.synchronize()
+    return e0.elapsed_time(e1) / n
+
+
+def _cfg(c: cc.Config) -> list[int]:
+    return [c.block_m, c.block_n, c.block_k, c.warps, c.stages]
+
+
+def wall_ms(fn: Callable[[], object], n: int = 10) -> float:
+    """Wall time per call, synchronised (the codec may run on streams of its own)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / n * 1000
+
+
+def conv_rows(streams: list[int], sweep: bool) -> list[dict]:
+    torch.backends.cudnn.benchmark, torch.backends.cudnn.benchmark_limit = True, 3
+    rows = []
+    for n in streams:
+        for c, t in LEVELS:
+            for k, d in ((7, 9), (7, 3), (7, 1), (1, 1)):
+                row = conv_row(n, c, t, k, d, sweep)
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+    return rows
+
+
+def conv_row(streams: int, c: int, t: int, k: int, d: int, sweep: bool) -> dict:
+    """One conv of c -> c channels over `streams` x t samples: cuDNN + its pass vs fused."""
+    dt = torch.bfloat16
+    P = (k - 1) * d
+    x = torch.randn(streams, P + t, c, device="cuda", dtype=dt).transpose(1, 2)
+    w = (torch.randn(c, c, k, device="cuda") / (c * k) ** 0.5).to(dt)
+    bias = torch.randn(c, device="cuda", dtype=dt) * 0.1
+    alpha = torch.rand(c, device="cuda", dtype=dt) + 0.3
+    res = torch.randn(streams, t, c, device="cuda", dtype=dt).transpose(1, 2)
+    w4 = w.unsqueeze(2).contiguous(memory_format=torch.channels_last)
+    ep = {"alpha": alpha} if k == 7 else {"residual": res}
+    taps = cc.conv_taps(w)
+
+    def cudnn() -> torch.Tensor:  # the engine's path before: conv, then one pass
+        y = F.conv2d(x.unsqueeze(2), w4, None, 1, 0, (1, d)).squeeze(2)
+        return snake(y, alpha, bias) if k == 7 else bias_residual(res, y, bias)
+
+    def fused(cfg: cc.Config | None = None) -> torch.Tensor:
+        return cc.causal_conv(x, w, bias, d, taps=taps, config=cfg, **ep)
+
+    flop = 2 * streams * t * c * c * k
+    cfg = cc.config_for(streams * t, c, c)
+    ms = timed_ms(fused)
+    row: dict = {"streams": streams, "channels": c, "samples": t, "k": k, "dilation": d,
+                 "cudnn_ms": round(timed_ms(cudnn), 4), "fused_ms": round(ms, 4),
+                 "fused_config": _cfg(cfg), "fused_tflops": round(flop / ms / 1e9, 1),
+                 "max_abs_vs_cudnn": round(float((fused().float() - cudnn().float())
+                                                 .abs().max()), 4)}
+    if sweep:
+        best = None
+        for s in SWEEP:
+            s = cc.Config(s.block_m, s.block_n, min(s.block_k, 32 if c % 64 else 64),
+                          s.warps, s.stages)
+            try:
+                ms = timed_ms(lambda s=s: fused(s))
+            except Exception as e:  # a shape that does not fit (shared memory)
+                print(f"  {s}: {type(e).__name__}: {str(e)[:80]}", flush=True)
+                continue
+            if best is None or ms < best[0]:
+                best = (ms, s)
+        if best is not None:
+            row.update(best_ms=round(best[0], 4), best_tflops=round(flop / best[0] / 1e9, 1),
+                       best_config=_cfg(best[1]))
+    return row
+
+
+def _tick_ms(dec, streams: int, frames: int) -> float:  # type: ignore[no-untyped-def]
+    sids = [dec.open() for _ in range(streams)]
+    chunk = {s: torch.randint(0, 1024, (10, frames)) for s in sids}
+    with torch.inference_mode():
+        ms = wall_ms(lambda: dec.decode(chunk))
+    for s in sids:
+        dec.close(s)
+    return ms
+
+
+def tick_rows(table: str | None) -> dict:
+    """Graphed ticks with the fused convs where the plan (`table`: this run's measurement,
+    else the committed one) chose them and with cuDNN everywhere, and each one's bf16 audio
+    against the float32 offline decode."""
+    from engine.codec import CodecConfig, StreamingDecoder, dummy_codec
+    from engine.ops import build_ops
+
+    out: dict = {}
+    g = torch.Generator().manual_seed(0)
+    same = torch.randint(0, 1024, (1, 10, 32), generator=g)
+    ref = dummy_codec(CodecConfig.preset("s2-pro"), seed=0, device="cuda", dtype=torch.float32)
+    with torch.inference_mode():
+        want = ref.decode(same.cuda())[0, 0].float().cpu()
+    del ref
+    codec = dummy_codec(CodecConfig.preset("s2-pro"), seed=0, device="cuda", dtype=torch.bfloat16)
+    keys = [(64, 8), (64, 2), (16, 4), (1, 2), (1, 8)]
+    plan_ops = build_ops("cuda", **({"codec_conv_table": Path(table)} if table else {})).codec
+    print(f"plan: {plan_ops.conv_plan}", flush=True)
+    for name, ops in (("plan", plan_ops),
+                      ("cudnn", build_ops("cuda", codec_conv_kernel=False).codec)):
+        dec = StreamingDecoder(codec, max_streams=64, buckets=True, max_frames=4096, ops=ops)
+        t0 = time.perf_counter()
+        dec.capture(keys=keys)
+        row: dict = {"fused_convs": sum(cfg is not None for *_, cfg in ops.conv_plan.rows)
+                     if ops.conv_plan is not None else 0,
+                     "capture_s": round(time.perf_counter() - t0, 1)}
+        for streams, frames in keys[:4]:
+            ms = _tick_ms(dec, streams, frames)
+            row[f"{streams}x{frames}_ms"] = round(ms, 2)
+            row[f"{streams}x{frames}_x_realtime"] = round(streams * frames * 2048 / 44100
+                                                          / ms * 1000, 1)
+        sid = dec.open()
+        with torch.inference_mode():
+            got = torch.cat([dec.decode({sid: same[0, :, a:a + 8]})[sid].float().cpu()
+                             for a in range(0, 32, 8)])
+        err = got - want
+        row["rel_l2_vs_fp32"] = round(float(err.norm() / want.norm()), 5)
+        row["max_abs_vs_fp32"] = round(float(err.abs().max()), 5)
+        print(json.dumps({name: row}), flush=True)
+        out[name] = row
+        del dec
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sweep", action="store_true", help="time every launch shape of SWEEP")
+    ap.add_argument("--streams", default="64",
+                    help="comma-separated streams per tick (8 frames each) to time the convs at")
+    ap.add_argument("--no-ticks", action="store_true", help="the convs only")
+    ap.add_argument("--ticks-only", action="store_true",
+                    help="the ticks only (the committed plan against cuDNN)")
+    ap.add_argument("--json", help="write the results here (a table the codec can load: "
+                    "build_ops(codec_conv_table=), engine/kernels/codec_conv_table.json)")
+    a = ap.parse_args(argv)
+    if not cc.available():
+        print("codec_conv_bench needs a CUDA device and Triton")
+        return 2
+    streams = [int(v) for v in a.streams.split(",")]
+    report: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                    "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+                    "convs": [] if a.ticks_only else conv_rows(streams, a.sweep)}
+    if a.json:
+        Path(a.json).write_text(json.dumps(report, indent=1))
+    if not a.no_ticks:  # with this run's plan where it swept, else the committed one
+        report["ticks"] = tick_rows(a.json if a.sweep and not a.ticks_only else None)
+        if a.json:
+            Path(a.json).write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

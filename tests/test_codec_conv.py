@@ -1,0 +1,276 @@
+"""engine/kernels/codec_conv.py: the contract, the formulas against torch's conv and the
+codec's Snake / residual sum, the residual unit streamed through `CodecOps.conv` against the
+offline layers, and (with TRITON_INTERPRET=1 on the CPU, or on CUDA) the Triton kernel
+against a float64 reference.
+
+Tolerance of the kernel: it multiplies bf16 operands exactly, accumulates in float32 and
+rounds once, so against float64 each output may be off by bf16's rounding (2^-8 relative)
+plus the accumulation error (1e-5 of sum |x w| bounds it here); the Snake's sine is float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import pytest
+import torch
+
+from engine.codec.layers import (
+    CausalConv1d,
+    CodecOps,
+    ResidualUnit,
+    Snake1d,
+    StreamContext,
+    stream_sequential,
+)
+from engine.kernels import codec_conv as cc
+from engine.kernels.fp8_triton import _triton_importable
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and _triton_importable()
+CUDA = cc.available()
+needs_interp = pytest.mark.skipif(not INTERPRET,
+                                  reason="needs TRITON_INTERPRET=1 and triton importable")
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device and Triton")
+
+
+def _operands(B, C, N, T, k, d, device="cpu", dtype=torch.bfloat16, seed=0):  # type: ignore[no-untyped-def]
+    """x [B, C, P + T] channels-last with streams further apart than P + T (a slice), weight
+    [N, C, k], bias, alpha, residual [B, N, T] channels-last (a slice of a wider buffer)."""
+    g = torch.Generator().manual_seed(seed)
+    P = (k - 1) * d
+    x = torch.randn(B, P + T + 3, C, generator=g)[:, :P + T].transpose(1, 2)
+    w = torch.randn(N, C, k, generator=g) / (C * k) ** 0.5
+    bias = torch.randn(N, generator=g) * 0.1
+    alpha = torch.rand(N, generator=g) + 0.3
+    res = torch.randn(B, T + 2, N, generator=g)[:, 1:T + 1].transpose(1, 2)
+    return [t.to(device=device, dtype=dtype) for t in (x, w, bias, alpha, res)]
+
+
+def _reference(x, w, bias, d, alpha=None, residual=None):  # type: ignore[no-untyped-def]
+    """float64: conv + bias, then Snake or the residual sum; and sum |x w| per output."""
+    xd, wd, bd = x.double(), w.double(), bias.double().reshape(1, -1, 1)
+    y = torch.nn.functional.conv1d(xd, wd, None, dilation=d) + bd
+    mag = torch.nn.functional.conv1d(xd.abs(), wd.abs(), None, dilation=d)
+    if alpha is not None:
+        a = alpha.double().reshape(1, -1, 1)
+        y = y + torch.sin(a * y) ** 2 / (a + 1e-9)
+    elif residual is not None:
+        y = residual.double() + y
+    return y, mag
+
+
+def _assert_kernel_close(got, x, w, bias, d, alpha=None, residual=None):  # type: ignore[no-untyped-def]
+    ref, mag = _reference(x, w, bias, d, alpha, residual)
+    assert got.shape == ref.shape
+    # channels-last, dense: [B, T, N] in memory
+    assert got.transpose(1, 2).is_contiguous()
+    err = (got.double() - ref).abs()
+    # Snake's derivative is at most 1 + |alpha|-ish: scale the accumulation bound by 3
+    bound = 2 ** -8 * ref.abs() + 3e-5 * (mag + 1) + 1e-6
+    worst = float((err - bound).max())
+    assert worst <= 0, f"kernel vs float64: exceeds the bound by {worst:.3g} " \
+                       f"(max err {float(err.max()):.3g})"
+
+
+CASES = [  # B, C, N, T, k, d, epilogue
+    (2, 32, 48, 5, 7, 3, "snake"), (3, 64, 64, 9, 1, 1, "residual"),
+    (1, 16, 130, 4, 7, 1, "none"), (2, 96, 96, 37, 7, 9, "snake"), (5, 48, 200, 3, 1, 1,
+                                                                  "residual")]
+
+
+def _epilogue(kind, alpha, res):  # type: ignore[no-untyped-def]
+    return {"snake": {"alpha": alpha}, "residual": {"residual": res}, "none": {}}[kind]
+
+
+# ------------------------------------------------------------------------- the formulas
+@pytest.mark.parametrize("B,C,N,T,k,d,kind", CASES)
+def test_formulas_are_the_unfused_ops(B, C, N, T, k, d, kind):
+    """On the CPU `causal_conv` runs the formulas: torch's conv rounded, then the codec's
+    Snake (bias folded in) or x + (y + bias), exactly as the unfused residual unit does."""
+    x, w, bias, alpha, res = _operands(B, C, N, T, k, d, dtype=torch.float32)
+    got = cc.causal_conv(x, w, bias, d, **_epilogue(kind, alpha, res))
+    y = torch.nn.functional.conv1d(x, w, None, dilation=d)
+    want = {"snake": lambda: (y + bias.view(1, -1, 1)) + torch.sin(
+                alpha.view(1, -1, 1) * (y + bias.view(1, -1, 1))) ** 2
+                * (alpha.view(1, -1, 1) + 1e-9).reciprocal(),
+            "residual": lambda: res + (y + bias.view(1, -1, 1)),
+            "none": lambda: y + bias.view(1, -1, 1)}[kind]()
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_bad_arguments_name_the_problem():
+    x, w, bias, alpha, res = _operands(2, 16, 8, 5, 7, 1, dtype=torch.float32)
+    with pytest.raises(ValueError, match="do not fit"):
+        cc.causal_conv(x, w[:, :8], bias, 1)
+    with pytest.raises(ValueError, match="dilation"):
+        cc.causal_conv(x, w, bias, 0)
+    with pytest.raises(ValueError, match="fewer than the conv's span"):
+        cc.causal_conv(x, w, bias, 9)
+    with pytest.raises(ValueError, match="not both"):
+        cc.causal_conv(x, w, bias, 1, alpha=alpha, residual=res)
+    with pytest.raises(ValueError, match="bias has 7 values for 8 channels"):
+        cc.causal_conv(x, w, bias[:7], 1)
+    with pytest.raises(ValueError, match="residual"):
+        cc.causal_conv(x, w, bias, 1, residual=res[:, :, :3])
+    with pytest.raises(TypeError, match="alpha"):
+        cc.causal_conv(x, w, bias, 1, alpha=alpha.double())
+    with pytest.raises(ValueError, match="power of two"):
+        cc.Config(block_m=96).check()
+    with pytest.raises(ValueError, match="conv1d weight"):
+        cc.conv_taps(w[0])
+
+
+def test_taps_layout():
+    """conv_taps: row j * C + c holds weight[:, c, j], the output channels padded with
+    zeros to a multiple of 128."""
+    w = torch.randn(130, 16, 7)
+    taps = cc.conv_taps(w)
+    assert taps.shape == (7 * 16, 256) and taps.is_contiguous()
+    assert torch.equal(taps[3 * 16 + 5, :130], w[:, 5, 3])
+    assert not taps[:, 130:].any()
+
+
+def test_config_rule_fits_the_codec():
+    """The launch rule's reduction step divides every S2-Pro residual unit's channels."""
+    for c in (96, 192, 384, 768):
+        for m in (32, 4096, 131072):
+            cfg = cc.config_for(m, c, c)
+            cfg.check()
+            assert c % cfg.block_k == 0
+
+
+# ------------------------------------------------------------------------- the plan
+def test_plan_chooses_by_measurement(tmp_path):
+    """load_plan: the fused conv where its best shape beat cuDNN + its pass by the margin,
+    the nearest measured row count of the conv's (c, k, d), cuDNN for anything unmeasured;
+    a bad table is a ValueError naming the file and the command that writes one."""
+    rows = [{"streams": s, "samples": 100, "channels": 96, "k": 7, "dilation": 9,
+             "cudnn_ms": 1.0, "best_ms": best, "best_config": [128, 64, 32, 4, 3]}
+            for s, best in ((64, 0.5), (1, 0.99))]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"convs": rows}))
+    plan = cc.load_plan(path)
+    assert plan.choose(96, 7, 9, 64 * 100) == cc.Config(128, 64, 32, 4, 3)
+    assert plan.choose(96, 7, 9, 3000) == cc.Config(128, 64, 32, 4, 3)  # nearer 6,400
+    assert plan.choose(96, 7, 9, 150) is None  # nearer 100: 0.99 is within the margin
+    assert plan.choose(96, 7, 9, 40) is None  # under half the fewest rows measured
+    assert plan.choose(96, 7, 3, 6400) is None and plan.choose(192, 7, 9, 6400) is None
+    path.write_text("{}")
+    with pytest.raises(ValueError, match="codec_conv_bench"):
+        cc.load_plan(path)
+    committed = cc.load_plan()  # the committed table loads and picks some convs
+    assert any(cfg is not None for *_, cfg in committed.rows)
+
+
+# ------------------------------------------------------------------------- the residual unit
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("fuse", ["both", "conv7", "none"])
+def test_residual_unit_streams_through_the_plan(monkeypatch, channels_last, fuse):
+    """A residual unit streamed in uneven chunks with `CodecOps.conv_plan` gives the offline
+    unit, whichever convs the plan fuses: those go through `causal_conv` (its formulas on the
+    CPU: the call path the kernel takes on a GPU), the others through the conv and the
+    pointwise op."""
+    import engine.codec.layers as layers
+
+    calls = []
+
+    def conv(*a, **k):  # type: ignore[no-untyped-def]
+        calls.append("alpha" if k.get("alpha") is not None else "residual")
+        return cc.causal_conv(*a, **k)
+
+    monkeypatch.setattr(layers, "causal_conv", conv)
+    cfg = cc.Config(64, 64, 16)
+    plan = cc.Plan(((16, 7, 3, 1, cfg if fuse != "none" else None),
+                    (16, 1, 1, 1, cfg if fuse == "both" else None)))
+    ops = CodecOps(conv_plan=plan, channels_last=channels_last)
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(ResidualUnit(16, dilation=3), Snake1d(16),
+                                CausalConv1d(16, 4, kernel_size=7)).eval()
+    for m in block.modules():
+        if isinstance(m, Snake1d):
+            m.alpha.data = torch.rand_like(m.alpha) + 0.3
+    x = torch.randn(2, 16, 50)
+    with torch.no_grad():
+        want = block(x)
+        states = {}
+        for name, m in block.named_modules():
+            if hasattr(m, "state_shapes"):
+                m.state_key = name
+                for key, shape in m.state_shapes().items():
+                    states[f"{name}.{key}"] = torch.zeros(2, *shape)
+        got = []
+        for a, b in ((0, 7), (7, 8), (8, 31), (31, 50)):
+            xs = x[..., a:b]
+            if channels_last:
+                xs = xs.transpose(1, 2).contiguous().transpose(1, 2)
+            ctx = StreamContext(torch.tensor([b - a] * 2), torch.tensor([a] * 2), b - a, a,
+                                states, uniform=True, ops=ops)
+            got.append(stream_sequential(block, xs, ctx))
+            states = {**states, **ctx.new_state}
+    torch.testing.assert_close(torch.cat(got, -1), want, rtol=1e-5, atol=1e-5)
+    assert calls == {"both": ["alpha", "residual"], "conv7": ["alpha"], "none": []}[fuse] * 4
+
+
+# ------------------------------------------------------------------------- the kernel
+@needs_interp
+@pytest.mark.parametrize("B,C,N,T,k,d,kind", CASES)
+def test_interp_kernel_matches_reference(monkeypatch, B, C, N, T, k, d, kind):
+    from tests.test_fp8_triton import _patch_interpreter
+
+    _patch_interpreter(monkeypatch)
+    x, w, bias, alpha, res = _operands(B, C, N, T, k, d)
+    ep = _epilogue(kind, alpha, res)
+    for cfg in (cc.Config(16, 32, 16, 4, 1), cc.Config(32, 64, 16, 4, 1)):
+        got = cc._launch(x, w, bias, d, ep.get("alpha"), ep.get("residual"), None, cfg,
+                         x.shape[2] - (k - 1) * d)
+        _assert_kernel_close(got, x, w, bias, d, **ep)
+
+
+@needs_cuda
+@pytest.mark.parametrize("B,C,N,T,k,d,kind", [
+    *CASES, (64, 384, 384, 64, 7, 9, "snake"), (64, 96, 96, 512, 1, 1, "residual"),
+    (3, 768, 768, 8, 7, 3, "snake"), (1, 192, 192, 1, 7, 1, "snake")])
+def test_cuda_kernel_matches_reference(B, C, N, T, k, d, kind):
+    x, w, bias, alpha, res = _operands(B, C, N, T, k, d, device="cuda")
+    ep = _epilogue(kind, alpha, res)
+    assert cc.supported(x, w, ep.get("residual"))
+    _assert_kernel_close(cc.causal_conv(x, w, bias, d, **ep), x, w, bias, d, **ep)
+    for cfg in (cc.Config(64, 64, 16, 4, 2), cc.Config(128, 256, 16, 8, 3)):
+        _assert_kernel_close(cc.causal_conv(x, w, bias, d, config=cfg, **ep), x, w, bias, d,
+                             **ep)
+
+
+@needs_cuda
+def test_cuda_codec_with_the_fused_convs():
+    """The S2-Pro codec streamed in bf16 through CUDA graphs with every residual-unit conv
+    fused, against the float32 offline decode: no further from it than the cuDNN path is."""
+    from engine.codec import CodecConfig, StreamingDecoder, dummy_codec
+    from engine.ops import build_ops
+
+    # every residual-unit conv fused (the committed plan fuses some), against cuDNN
+    every = cc.Plan(tuple((c, k, d, 1, cc.config_for(4096, c, c)) for c in (96, 192, 384, 768)
+                          for k, d in ((7, 1), (7, 3), (7, 9), (1, 1))))
+    fused = dataclasses.replace(build_ops("cuda").codec, conv_plan=every)
+    plain = build_ops("cuda", codec_conv_kernel=False).codec
+    assert plain.conv_plan is None and plain.fold_bias, "the CUDA extension did not build"
+    codes = torch.randint(0, 1024, (1, 10, 12), generator=torch.Generator().manual_seed(3))
+    ref_codec = dummy_codec(CodecConfig.preset("s2-pro"), seed=0, device="cuda",
+                            dtype=torch.float32)
+    with torch.inference_mode():
+        want = ref_codec.decode(codes.cuda())[0, 0].cpu()
+    del ref_codec
+    codec = dummy_codec(CodecConfig.preset("s2-pro"), seed=0, device="cuda",
+                        dtype=torch.bfloat16)
+    errs = {}
+    for name, ops in (("fused", fused), ("cudnn", plain)):
+        dec = StreamingDecoder(codec, max_streams=2, buckets=True, max_frames=64, ops=ops)
+        dec.capture(keys=[(1, 1), (1, 4), (1, 8)])
+        sid = dec.open()
+        with torch.inference_mode():
+            got = torch.cat([dec.decode({sid: codes[0, :, a:b]})[sid].float().cpu()
+                             for a, b in ((0, 1), (1, 5), (5, 12))])
+        assert got.shape == want.shape
+        errs[name] = float((got - want).norm() / want.norm())
+    assert errs["fused"] <= 1.1 * errs["cudnn"] + 1e-3, errs
