@@ -16,14 +16,10 @@ import os
 
 import pytest
 import torch
+from _codec_stream import stream_vs_offline, unit_block
 
 from engine.codec.layers import (
-    CausalConv1d,
     CodecOps,
-    ResidualUnit,
-    Snake1d,
-    StreamContext,
-    stream_sequential,
 )
 from engine.kernels import codec_conv as cc
 from engine.kernels.fp8_triton import _triton_importable
@@ -118,6 +114,8 @@ def test_bad_arguments_name_the_problem():
         cc.causal_conv(x, w, bias, 1, alpha=alpha.double())
     with pytest.raises(ValueError, match="power of two"):
         cc.Config(block_m=96).check()
+    with pytest.raises(ValueError, match="at most 128"):
+        cc.Config(block_n=256).check()
     with pytest.raises(ValueError, match="conv1d weight"):
         cc.conv_taps(w[0])
 
@@ -185,31 +183,9 @@ def test_residual_unit_streams_through_the_plan(monkeypatch, channels_last, fuse
     plan = cc.Plan(((16, 7, 3, 1, cfg if fuse != "none" else None),
                     (16, 1, 1, 1, cfg if fuse == "both" else None)))
     ops = CodecOps(conv_plan=plan, channels_last=channels_last)
-    torch.manual_seed(0)
-    block = torch.nn.Sequential(ResidualUnit(16, dilation=3), Snake1d(16),
-                                CausalConv1d(16, 4, kernel_size=7)).eval()
-    for m in block.modules():
-        if isinstance(m, Snake1d):
-            m.alpha.data = torch.rand_like(m.alpha) + 0.3
-    x = torch.randn(2, 16, 50)
-    with torch.no_grad():
-        want = block(x)
-        states = {}
-        for name, m in block.named_modules():
-            if hasattr(m, "state_shapes"):
-                m.state_key = name
-                for key, shape in m.state_shapes().items():
-                    states[f"{name}.{key}"] = torch.zeros(2, *shape)
-        got = []
-        for a, b in ((0, 7), (7, 8), (8, 31), (31, 50)):
-            xs = x[..., a:b]
-            if channels_last:
-                xs = xs.transpose(1, 2).contiguous().transpose(1, 2)
-            ctx = StreamContext(torch.tensor([b - a] * 2), torch.tensor([a] * 2), b - a, a,
-                                states, uniform=True, ops=ops)
-            got.append(stream_sequential(block, xs, ctx))
-            states = {**states, **ctx.new_state}
-    torch.testing.assert_close(torch.cat(got, -1), want, rtol=1e-5, atol=1e-5)
+    block = unit_block(16)
+    got, want = stream_vs_offline(block, torch.randn(2, 16, 50), ops, channels_last)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert calls == {"both": ["alpha", "residual"], "conv7": ["alpha"], "none": []}[fuse] * 4
 
 
@@ -237,7 +213,7 @@ def test_cuda_kernel_matches_reference(B, C, N, T, k, d, kind):
     ep = _epilogue(kind, alpha, res)
     assert cc.supported(x, w, ep.get("residual"))
     _assert_kernel_close(cc.causal_conv(x, w, bias, d, **ep), x, w, bias, d, **ep)
-    for cfg in (cc.Config(64, 64, 16, 4, 2), cc.Config(128, 256, 16, 8, 3)):
+    for cfg in (cc.Config(64, 64, 16, 4, 2), cc.Config(128, 128, 16, 8, 3)):
         _assert_kernel_close(cc.causal_conv(x, w, bias, d, config=cfg, **ep), x, w, bias, d,
                              **ep)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _codec_stream import stream_vs_offline, unit_block
 
 from engine import functional
 from engine.kernels import activation, extension_available, linear, prev_tokens, sampling
@@ -425,12 +426,7 @@ def test_streaming_snake_conv_pairs_match_offline(kernel_ops, fold):
     them, and with the kernel wrappers (their fallbacks here), as the engine's ops run them
     on a GPU."""
     from engine.codec.layers import (
-        CausalConv1d,
         CodecOps,
-        ResidualUnit,
-        Snake1d,
-        StreamContext,
-        stream_sequential,
     )
 
     calls = {"snake_bias": 0, "bias_residual": 0}
@@ -446,28 +442,9 @@ def test_streaming_snake_conv_pairs_match_offline(kernel_ops, fold):
         return base.bias_residual(x, y, bias)
 
     ops = CodecOps(snake, base.snake_cat, bias_residual, fold_bias=fold)
-    torch.manual_seed(0)
-    block = torch.nn.Sequential(ResidualUnit(8, dilation=3), Snake1d(8),
-                                CausalConv1d(8, 4, kernel_size=7)).eval()
-    for m in block.modules():
-        if isinstance(m, Snake1d):
-            m.alpha.data = torch.rand_like(m.alpha) + 0.3
-    x = torch.randn(1, 8, 50)
-    with torch.no_grad():
-        want = block(x)
-        states = {}
-        for name, m in block.named_modules():
-            if hasattr(m, "state_shapes"):
-                m.state_key = name
-                for k, shape in m.state_shapes().items():
-                    states[f"{name}.{k}"] = torch.zeros(1, *shape)
-        got = []
-        for a, b in ((0, 7), (7, 8), (8, 31), (31, 50)):
-            ctx = StreamContext(torch.tensor([b - a]), torch.tensor([a]), b - a, a, states,
-                                uniform=True, ops=ops)
-            got.append(stream_sequential(block, x[..., a:b], ctx))
-            states = {**states, **ctx.new_state}
-    torch.testing.assert_close(torch.cat(got, -1), want, rtol=1e-5, atol=1e-6)
+    block = unit_block(8)
+    got, want = stream_vs_offline(block, torch.randn(1, 8, 50), ops)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     # the folded path ran once per chunk, or not at all
     assert calls == ({"snake_bias": 4, "bias_residual": 4} if fold
                      else {"snake_bias": 0, "bias_residual": 0})

@@ -58,6 +58,19 @@ def _headers_hash() -> str:
     return h.hexdigest()[:16]
 
 
+@functools.cache
+def triton_available() -> bool:
+    """Triton importable and a CUDA device present (the Triton kernels' precondition)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import triton
+        import triton.language  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
 def kernel_ok(use: bool, *ts: torch.Tensor) -> bool:
     """Whether a wrapper runs its kernel: asked to (`use`), CUDA tensors, extension built."""
     return use and all(t.is_cuda for t in ts) and extension_available()

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .activation import bias_residual_torch, snake_torch
+from .build import triton_available
 
 __all__ = ["Config", "Plan", "available", "causal_conv", "causal_conv_torch", "config_for",
            "conv_taps", "load_plan", "supported"]
@@ -65,8 +66,8 @@ class Config:
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ValueError(f"Config.{name} must be a power of two >= 16, got {v}")
-        if self.block_n > N_PAD and self.block_n % N_PAD:
-            raise ValueError(f"Config.block_n must divide or be a multiple of {N_PAD}")
+        if self.block_n > N_PAD:  # the taps' padding: wider tiles would read past it
+            raise ValueError(f"Config.block_n must be at most {N_PAD}, got {self.block_n}")
         if self.warps not in (1, 2, 4, 8, 16) or not 1 <= self.stages <= 8:
             raise ValueError(f"Config.warps in (1, 2, 4, 8, 16), stages in 1..8: got "
                              f"{self.warps}, {self.stages}")
@@ -151,17 +152,7 @@ def causal_conv_torch(x: Tensor, weight: Tensor, bias: Tensor, dilation: int, *,
 
 
 # ------------------------------------------------------------------------- the kernel
-@functools.cache
-def available() -> bool:
-    """Triton importable and a CUDA device present."""
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import triton
-        import triton.language  # noqa: F401
-    except Exception:
-        return False
-    return True
+available = triton_available  # Triton importable and a CUDA device present
 
 
 def _check(x: Tensor, weight: Tensor, bias: Tensor, dilation: int, alpha: Tensor | None,
@@ -241,8 +232,8 @@ def _launch(x: Tensor, weight: Tensor, bias: Tensor, dilation: int, alpha: Tenso
     _kernel()[grid](
         x, taps, bias.reshape(-1), alpha.reshape(-1) if alpha is not None else bias, r, out,
         m, t, n, C, taps.shape[1], dilation * x.stride(2), x.stride(0), x.stride(2),
-        r.stride(0), r.stride(2), TAPS=k, EPI=epi, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
-        num_warps=cfg.warps, num_stages=cfg.stages)
+        r.stride(0), r.stride(2), TAPS=k, EPI=epi, BM=cfg.block_m, BN=cfg.block_n,
+        BK=cfg.block_k, num_warps=cfg.warps, num_stages=cfg.stages)
     return out.transpose(1, 2)
 
 

@@ -26,21 +26,12 @@ import torch
 from torch import Tensor
 
 from .. import functional
+from .build import triton_available
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-@functools.cache
-def available() -> bool:
-    """Triton importable and a CUDA device present."""
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import triton
-        import triton.language  # noqa: F401
-    except Exception:
-        return False
-    return True
+available = triton_available  # Triton importable and a CUDA device present
 
 
 def supported(q: Tensor, k: Tensor, qw: Tensor | None, kw: Tensor | None, cs: Tensor) -> bool:
