@@ -12,8 +12,9 @@ table entries point at it, so stray writes land where nothing reads.
 The one-position attends (decode) take an optional `kernel`: csrc's decode_attention, which
 stores the new k/v and attends through the block table in one launch (engine/ops.py
 decides); without it they write, gather the rows' blocks and run the model's attention.
-With `fuse_rope` as well they offer `norm_rope_attend`, which hands the kernel q and k before
-their norm and rotation (one launch for both; the model takes it where it exists).
+With `fuse_rope` (FastKV: `rope_rows` covering the batch) they also offer
+`norm_rope_attend`, which hands the kernel q and k before their norm and rotation (one
+launch for both; the model takes it where it exists).
 """
 
 from __future__ import annotations
@@ -216,10 +217,11 @@ class FastKV:
     """The fast AR's cache: 10 positions, rewritten from position 0 for every frame."""
 
     def __init__(self, cfg: ModelConfig, batch: int, *, device: torch.device | str,
-                 dtype: torch.dtype, kernel: Kernel = None, fuse_rope: bool = False) -> None:
+                 dtype: torch.dtype, kernel: Kernel = None, rope_rows: int = 0) -> None:
         f = cfg.fast
         self.kernel = kernel
-        self.norm_rope_attend = self._norm_rope_attend if kernel and fuse_rope else None
+        self.rope_rows = rope_rows if kernel else 0  # `at` offers norm_rope_attend up to these
+        self.norm_rope_attend: Callable[..., Tensor] | None = None
         shape = (f.n_layer, batch, f.n_local_heads, cfg.num_codebooks, f.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
@@ -233,6 +235,7 @@ class FastKV:
 
     def at(self, pos: int, batch: int) -> FastKV:
         self.pos, self.batch = pos, batch
+        self.norm_rope_attend = self._norm_rope_attend if batch <= self.rope_rows else None
         return self
 
     def _launch(self, layer: int, q: Tensor, k: Tensor, v: Tensor,

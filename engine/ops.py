@@ -64,8 +64,10 @@ class Ops:
     # csrc's one-position attention (store k/v + attend, one launch); None: the model's
     # attention over the cache (write, then SDPA)
     decode_attention: Callable[..., Tensor] | None = None
-    # the q/k norm + RoPE of a decode step folded into decode_attention's launch (its `rope`)
-    decode_rope: bool = False
+    # the most rows of a decode step whose q/k norm + RoPE are folded into decode_attention's
+    # launch (its `rope`; 0: never): 76 launches fewer per frame step, measured no slower at
+    # 1-2 rows and slower at 64 (H200, docs/PERF.md)
+    decode_rope: int = 0
     # csrc's step kernels launched with programmatic dependent launch (sm_90+): each may start
     # while the kernel before it ends (csrc/launch.cuh); recorded here for describe()
     pdl: bool = False
@@ -157,13 +159,25 @@ class Ops:
 
 
 REFERENCE = Ops()
+DECODE_ROPE_ROWS = 2  # build_ops' default: decode_rope for one speaking turn's buckets
+ALL_ROWS = 1 << 30
+
+
+def _rope_rows(decode_rope: bool | int) -> int:
+    if decode_rope is True:
+        return ALL_ROWS
+    if decode_rope is False:
+        return 0
+    if not isinstance(decode_rope, int) or decode_rope < 0:
+        raise ValueError(f"decode_rope must be a bool or a row count >= 0, got {decode_rope!r}")
+    return decode_rope
 
 
 def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool = True,
               sampler_kernel: bool = True, codec_kernels: bool = True,
               split_kv: bool = False, linear_kernels: bool = True,
               fp8_activations: bool = False, codec_channels_last: bool = True,
-              decode_rope: bool = False, norm_fusion: bool = True, pdl: bool | int = False,
+              decode_rope: bool | int = DECODE_ROPE_ROWS, norm_fusion: bool = True, pdl: bool | int = False,
               linear_table: Path | None = linear.DEFAULT_TABLE,
               normed_max_m_fp8: int = linear.NORMED_DISPATCH_M_FP8,
               fp8_dense: bool = True, codec_conv_kernel: bool = True,
@@ -173,8 +187,9 @@ def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool 
     csrc's kernels where the extension is built, and with compiled ops the Triton q/k norm +
     RoPE kernel (CUDA; False: the torch fallbacks and compiled references everywhere); `sampler_kernel` / `codec_kernels` / `split_kv` select the sampler's draw,
     the codec's Snake/bias kernels and decode attention's split positions among them,
-    `decode_rope` whether decode attention also does the step's q/k norm and RoPE (off:
-    measured slower on the H200, docs/PERF.md);
+    `decode_rope` up to how many rows decode attention also does the step's q/k norm and
+    RoPE (True: every batch, False: none; default `DECODE_ROPE_ROWS`: the c=1 buckets, where it
+    saves 76 launches per step; slower at 64 rows on the H200, docs/PERF.md);
     `codec_channels_last`: the streaming codec's convs as NHWC convs over channels-last
     activations (CUDA only: cuDNN's fast kernels are NHWC); `norm_fusion`: where csrc's
     small-M kernel runs a block's projections, the residual add in wo / w2's epilogue and the
@@ -239,7 +254,7 @@ def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool 
         decode_attention=(functools.partial(decode_attention, splits=0 if split_kv else 1,
                                             pdl=bool(pdl))
                           if built else None),
-        decode_rope=built and decode_rope, pdl=bool(pdl),
+        decode_rope=_rope_rows(decode_rope) if built else 0, pdl=bool(pdl),
         shift_window=functools.partial(prev_tokens_shift_inplace, kernel=built),
         **parts,  # type: ignore[arg-type]
     )

@@ -71,7 +71,7 @@ class ModelRunner:
         self.slow_kernel = self._attention_kernel(self.cfg.slow)
         self.fast_kv = FastKV(self.cfg, S, device=d, dtype=self.dtype,
                               kernel=self._attention_kernel(self.cfg.fast),
-                              fuse_rope=self._fuse_rope(self.cfg.fast))
+                              rope_rows=self._rope_rows(self.cfg.fast))
         self.n_semantic = self.cfg.ids.n_semantic
         # Per-row decode state, device-resident.
         self.next_col = torch.zeros(S, self.cfg.frame_rows, dtype=torch.long, device=d)
@@ -113,9 +113,10 @@ class ModelRunner:
             return None
         return k
 
-    def _fuse_rope(self, c: TransformerConfig) -> bool:
-        """Whether this stack's decode attention kernel also does the q/k norm and RoPE."""
-        return self.ops.decode_rope and c.head_dim in ROPE_HEAD_DIMS
+    def _rope_rows(self, c: TransformerConfig) -> int:
+        """Up to how many rows this stack's decode attention kernel also does the q/k norm
+        and RoPE (0: never)."""
+        return self.ops.decode_rope if c.head_dim in ROPE_HEAD_DIMS else 0
 
     @property
     def attention_kernel(self) -> bool:
@@ -258,7 +259,7 @@ class ModelRunner:
         """Rows 0..B-1 feed cols [B, 1+K] at positions [B] through their block tables
         [B, MB], writing into wblock [B] -> frames [B, 1+K]."""
         attend = PagedDecodeAttend(self.cache, tables, wblock, positions, span, self.slow_kernel,
-                                   self._fuse_rope(self.cfg.slow))
+                                   cols.shape[0] <= self._rope_rows(self.cfg.slow))
         h = self.model.forward_slow(cols[:, :, None], positions[:, None], attend,
                                     self.ops)[:, 0]  # [B, D]
         return self.frame_from_hidden(h)

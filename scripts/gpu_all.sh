@@ -31,8 +31,9 @@
 # gpu_bench.json, gpu_bench_log.txt. Knobs: TESTS, TESTS_K, SERVER_LEVELS, LEVEL_TIMEOUT,
 # TESTS_TIMEOUT, SERVER_TIMEOUT, ENGINE_LEVELS, ENGINE_RUNS, SKIP (gpu_bench sections;
 # default decode,codec,fixtures,profile), TOTAL (s, default 585), PROBE,
-# COMPILED_SAMPLER=1 (profile the step again with the compiled torch sampler), DECODE_ROPE=1
-# (again with the q/k norm + RoPE inside decode attention, batches 1 and 64), PDL_MODES="0,1" (again
+# COMPILED_SAMPLER=1 (profile the step again with the compiled torch sampler), DECODE_ROPE=ROWS
+# (again with the q/k norm + RoPE inside decode attention up to ROWS rows, 0: never; batches
+# 1, 2 and 64), PDL_MODES="0,1" (again
 # with csrc's kernels launched without (0) or with (1) programmatic dependent launch, or in
 # the linears' other PDL modes 2, 3; batches 1, 2, 64), FP8_NORMED=M (the FP8 step again with
 # the normed prologue for FP8 weights up to M rows; batches 1, 2), FP8_NODENSE=1 (the FP8 step
@@ -147,7 +148,7 @@ benches() {
         n=$(( n > 1 ? n - 1 : 1 ))
         timeout -s ABRT "$LEFT" python3 -X faulthandler scripts/gpu_bench.py --dtype "$DT" \
             --skip "${SKIP:-decode,codec,fixtures,profile}" ${COMPILED_SAMPLER:+--compiled-sampler} \
-            ${DECODE_ROPE:+--decode-rope} ${PDL_MODES:+--pdl-modes $PDL_MODES} \
+            ${DECODE_ROPE:+--decode-rope $DECODE_ROPE} ${PDL_MODES:+--pdl-modes $PDL_MODES} \
             ${FP8_NORMED:+--fp8-normed $FP8_NORMED} \
             $([ "$DT" = fp8 ] && [ "${FP8_NODENSE:-0}" = 1 ] && echo --fp8-nodense) \
             --levels "${ENGINE_LEVELS:-1,4,16,32,64,128}" --frames 64 \

@@ -383,11 +383,12 @@ def _category(name: str) -> str:
 
 
 def profile_step(report: dict, device: str, sampler_kernel: bool = True,
-                 dtype: str = "bf16", decode_rope: bool = False, pdl: int | None = None,
+                 dtype: str = "bf16", decode_rope: int | None = None, pdl: int | None = None,
                  batches: tuple[int, ...] = (1, 2, 16, 64),
                  normed_fp8: int | None = None, dense_copy: bool = True) -> None:
     """Where one frame step's GPU time goes (eager, fused ops), and graph-replay step time.
-    `decode_rope`: with the q/k norm + RoPE inside decode attention (key profile_decode_rope);
+    `decode_rope`: the q/k norm + RoPE inside decode attention up to that many rows (key
+    profile_decode_rope<rows>; None: the engine's default);
     `pdl`: csrc's PDL mode (0: plain launches, 1: PDL, 2, 3: the linears' other modes; key
     profile_pdl<mode>); None (key profile): the engine's `pdl=auto`, PDL for FP8 only;
     `normed_fp8`: FP8 weights take the normed prologue up to this many rows (key
@@ -402,7 +403,8 @@ def profile_step(report: dict, device: str, sampler_kernel: bool = True,
 
     b = load_bundle("s2-pro", device=device, dtype=dtype, max_seq_len=1024)
     ops = build_ops(device, fused="compile", sampler_kernel=sampler_kernel,
-                    decode_rope=decode_rope, fp8_dense=dense_copy,
+                    **({} if decode_rope is None else {"decode_rope": decode_rope}),
+                    fp8_dense=dense_copy,
                     **({} if normed_fp8 is None else {"normed_max_m_fp8": normed_fp8}),
                     pdl=(1 if dtype == "fp8" else 0) if pdl is None else pdl)
     pack_ffn(b.model)
@@ -453,7 +455,8 @@ def profile_step(report: dict, device: str, sampler_kernel: bool = True,
                   "per_launch_us": launches}
         print(json.dumps({B: out[B]})[:1500], flush=True)
         del g
-    report["profile_decode_rope" if decode_rope else f"profile_pdl{pdl}" if pdl is not None
+    report[f"profile_decode_rope{decode_rope}" if decode_rope is not None
+           else f"profile_pdl{pdl}" if pdl is not None
            else "profile_fp8_normed" if normed_fp8 is not None
            else "profile_fp8_nodense" if not dense_copy
            else "profile" if sampler_kernel else "profile_compiled_sampler"] = out
@@ -475,9 +478,10 @@ def main() -> int:
     ap.add_argument("--compiled-sampler", action="store_true",
                     help="profile the step again with the compiled torch sampler instead of "
                          "csrc's sample_topk (key profile_compiled_sampler)")
-    ap.add_argument("--decode-rope", action="store_true",
+    ap.add_argument("--decode-rope", type=int, default=None, metavar="ROWS",
                     help="profile the step again with the q/k norm + RoPE inside decode "
-                         "attention (key profile_decode_rope; batches 1 and 64)")
+                         "attention up to ROWS rows (0: never; key profile_decode_rope<ROWS>; "
+                         "batches 1, 2 and 64)")
     ap.add_argument("--pdl-modes", default="",
                     help="comma list of csrc PDL modes to profile the step again with (0: "
                          "plain launches, 1: PDL; 2, 3: csrc/linear.cu's other modes; keys "
@@ -517,7 +521,8 @@ def main() -> int:
                      ("profile_compiled_sampler",
                       lambda: profile_step(report, device, sampler_kernel=False)),
                      ("profile_decode_rope",
-                      lambda: profile_step(report, device, decode_rope=True, batches=(1, 64))),
+                      lambda: profile_step(report, device, dtype=args.dtype,
+                                           decode_rope=args.decode_rope, batches=(1, 2, 64))),
                      *((("profile_fp8_normed",
                          functools.partial(profile_step, report, device, dtype="fp8",
                                            normed_fp8=args.fp8_normed, batches=(1, 2))),)
@@ -536,7 +541,7 @@ def main() -> int:
                                                      set(filter(None, args.engine_runs.split(","))),
                                                      save, args.dtype))):
         if name in skip or (name == "profile_compiled_sampler" and not args.compiled_sampler) \
-                or (name == "profile_decode_rope" and not args.decode_rope):
+                or (name == "profile_decode_rope" and args.decode_rope is None):
             continue
         t = time.perf_counter()
         stalled = False

@@ -336,3 +336,55 @@ def test_fast_position_zero_writes_the_whole_positions_kv(fixture_dir, fixture_m
     assert len(calls) == 8
     assert all(torch.equal(a, b) for a, b in zip(frames, frames_whole))
     assert all(torch.equal(a, b) for a, b in zip(kv, kv_whole))
+
+
+@pytest.mark.parametrize("rope_rows", [0, 1, 4])
+def test_decode_rope_rows_fold_the_norm_and_rope_per_batch(fixture_dir, fixture_model,
+                                                           monkeypatch, rope_rows):
+    """`Ops.decode_rope` = N: decode steps of at most N rows hand q/k before their norm and
+    RoPE to the attention kernel (here its CPU fallback), bigger batches norm and rotate
+    first; the frames are the reference's either way. FastKV offers the folded attend per
+    batch the same way."""
+    import dataclasses
+    import functools
+
+    from engine.cache import FastKV, PagedDecodeAttend
+    from engine.kernels.decode_attention import ROPE_HEAD_DIMS, decode_attention
+    from engine.ops import REFERENCE
+
+    ops = dataclasses.replace(
+        REFERENCE, decode_attention=functools.partial(decode_attention, kernel=False),
+        decode_rope=rope_rows)
+    fused: list[tuple[str, int]] = []
+    for cls in (PagedDecodeAttend, FastKV):
+        def spy(self, layer, q, *a, _raw=cls._norm_rope_attend, _name=cls.__name__):  # type: ignore[no-untyped-def]
+            fused.append((_name, q.shape[0]))
+            return _raw(self, layer, q, *a)
+        monkeypatch.setattr(cls, "_norm_rope_attend", spy)
+    # the kernel's CPU fallback stands in for csrc's (the runner takes the kernel on CUDA)
+    monkeypatch.setattr(ModelRunner, "_attention_kernel", lambda self, c: self.ops.decode_attention)
+    prompts = _prompts(fixture_dir)
+    for B in (1, 3):
+        fused.clear()
+        runner = ModelRunner(fixture_model, n_rows=B, max_len=512, block_size=16, ops=ops)
+        for s, (p, _) in enumerate(prompts[:B]):
+            blocks = runner.own_blocks(s)
+            runner.prefill(blocks, p[:, :-1], 0)
+            runner.join(s, SamplingParams.greedy(), p[:, -1], p.shape[1] - 1, 6, 0, blocks)
+        got = torch.stack([runner.step(B, 200) for _ in range(6)], dim=2)
+        for b, (_, want) in enumerate(prompts[:B]):
+            assert torch.equal(got[b, :11], want[:, :6]), (B, b)
+        cfg = fixture_model.cfg
+        if B <= rope_rows:  # every slow attention of the 6 steps
+            assert fused.count(("PagedDecodeAttend", B)) == 6 * cfg.slow.n_layer
+        # the fast AR's head_dim 40 has no fused RoPE (ROPE_HEAD_DIMS): never folded
+        assert cfg.fast.head_dim not in ROPE_HEAD_DIMS
+        assert fused.count(("PagedDecodeAttend", B)) == len(fused)
+        if B > rope_rows:
+            assert fused == []
+    fast = FastKV(cfg, 4, device="cpu", dtype=torch.float32, kernel=ops.decode_attention,
+                  rope_rows=rope_rows)
+    for b in (1, 2, 4):
+        assert (fast.at(3, b).norm_rope_attend is not None) == (b <= rope_rows)
+    no_kernel = FastKV(cfg, 4, device="cpu", dtype=torch.float32, rope_rows=rope_rows)
+    assert no_kernel.at(0, 1).norm_rope_attend is None
