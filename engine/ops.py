@@ -65,8 +65,8 @@ class Ops:
     # attention over the cache (write, then SDPA)
     decode_attention: Callable[..., Tensor] | None = None
     # the most rows of a decode step whose q/k norm + RoPE are folded into decode_attention's
-    # launch (its `rope`; 0: never): 76 launches fewer per frame step, measured no slower at
-    # 1-2 rows and slower at 64 (H200, docs/PERF.md)
+    # launch (its `rope`; 0: never): 76 launches fewer per frame step, 1-2 % faster at 1-2
+    # rows and slower at 64 (H200, docs/PERF.md)
     decode_rope: int = 0
     # csrc's step kernels launched with programmatic dependent launch (sm_90+): each may start
     # while the kernel before it ends (csrc/launch.cuh); recorded here for describe()
@@ -177,7 +177,8 @@ def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool 
               sampler_kernel: bool = True, codec_kernels: bool = True,
               split_kv: bool = False, linear_kernels: bool = True,
               fp8_activations: bool = False, codec_channels_last: bool = True,
-              decode_rope: bool | int = DECODE_ROPE_ROWS, norm_fusion: bool = True, pdl: bool | int = False,
+              decode_rope: bool | int = DECODE_ROPE_ROWS, norm_fusion: bool = True,
+              pdl: bool | int = False,
               linear_table: Path | None = linear.DEFAULT_TABLE,
               normed_max_m_fp8: int = linear.NORMED_DISPATCH_M_FP8,
               fp8_dense: bool = True, codec_conv_kernel: bool = True,
