@@ -158,8 +158,26 @@ def test_plan_chooses_by_measurement(tmp_path):
     path.write_text("{}")
     with pytest.raises(ValueError, match="codec_conv_bench"):
         cc.load_plan(path)
-    committed = cc.load_plan()  # the committed table loads and picks some convs
+    path.write_text("[]")
+    with pytest.raises(ValueError, match="codec_conv_bench"):
+        cc.load_plan(path)
+    # the committed table loads and picks some convs on the GPU it was recorded on
+    committed = cc.load_plan(device="NVIDIA H200")
     assert any(cfg is not None for *_, cfg in committed.rows)
+    assert cc.load_plan(device=None) == committed  # no GPU to compare: as recorded
+
+
+def test_a_table_from_another_gpu_is_ignored(tmp_path, caplog):
+    """A table records the GPU it was measured on: on another, the plan is empty (cuDNN
+    everywhere) and a warning names both GPUs and the command that records a table."""
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"device": "NVIDIA H200", "convs": [
+        {"streams": 1, "samples": 64, "channels": 96, "k": 1, "dilation": 1, "cudnn_ms": 1.0,
+         "best_ms": 0.5, "best_config": [64, 64, 32, 4, 3]}]}))
+    assert cc.load_plan(path, device="NVIDIA H200").rows
+    with caplog.at_level("WARNING"):
+        assert cc.load_plan(path, device="NVIDIA A100-SXM4-80GB") == cc.Plan()
+    assert "NVIDIA A100" in caplog.text and "codec_conv_bench --sweep" in caplog.text
 
 
 # ------------------------------------------------------------------------- the residual unit

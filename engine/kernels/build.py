@@ -58,6 +58,20 @@ def _headers_hash() -> str:
     return h.hexdigest()[:16]
 
 
+CURRENT_DEVICE = "current"  # recorded tables: compare their device with the current GPU's
+
+
+def current_device_name() -> str | None:
+    """The current CUDA device's name (what recorded kernel tables are keyed by), or None
+    without one."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        return torch.cuda.get_device_name()
+    except Exception:  # a broken CUDA setup: no comparison possible
+        return None
+
+
 @functools.cache
 def triton_available() -> bool:
     """Triton importable and a CUDA device present (the Triton kernels' precondition)."""

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,11 +42,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .activation import bias_residual_torch, snake_torch
-from .build import triton_available
+from .build import CURRENT_DEVICE, current_device_name, triton_available
 
 __all__ = ["Config", "Plan", "available", "causal_conv", "causal_conv_torch", "config_for",
            "conv_taps", "load_plan", "supported"]
 
+log = logging.getLogger(__name__)
 N_PAD = 128  # the taps' output channels are padded to this: the kernel's loads need no mask
 _DTYPES = (torch.bfloat16, torch.float16)
 
@@ -107,11 +109,15 @@ DEFAULT_TABLE = Path(__file__).with_name("codec_conv_table.json")
 MARGIN = 0.03  # the fused conv must beat cuDNN + its pass by this fraction to be chosen
 
 
-def load_plan(path: Path | str = DEFAULT_TABLE, margin: float = MARGIN) -> Plan:
+def load_plan(path: Path | str = DEFAULT_TABLE, margin: float = MARGIN,
+              device: str | None = CURRENT_DEVICE) -> Plan:
     """The plan from a codec_conv_bench JSON (its "convs" rows); a clear error if the file
-    is not one."""
+    is not one. The table is for the GPU it was measured on ("device"): when `device` (the
+    current CUDA device's name by default; None: no check) differs, it is ignored with a
+    warning and the plan is empty (cuDNN everywhere: the timings do not carry over)."""
     try:
         data = json.loads(Path(path).read_text())
+        recorded = data.get("device")
         rows = []
         for r in data["convs"]:
             cfg = None
@@ -120,10 +126,18 @@ def load_plan(path: Path | str = DEFAULT_TABLE, margin: float = MARGIN) -> Plan:
                 cfg.check()
             rows.append((int(r["channels"]), int(r["k"]), int(r["dilation"]),
                          int(r["streams"]) * int(r["samples"]), cfg))
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"codec conv table {path}: {type(e).__name__}: {e} (write one with "
                          f"`python -m bench_latency.codec_conv_bench --sweep --json FILE`)"
                          ) from e
+    if device == CURRENT_DEVICE:
+        device = current_device_name()
+    if recorded is not None and device is not None and recorded != device:
+        log.warning("%s was recorded on %r, not this %r: ignored (the codec's convs run "
+                    "cuDNN's; record a table here with `python -m "
+                    "bench_latency.codec_conv_bench --sweep --streams 64,4 --json FILE`)",
+                    path, recorded, device)
+        return Plan()
     return Plan(tuple(rows))
 
 

@@ -45,7 +45,7 @@ from torch import Tensor
 from .. import functional
 from ..quant import BLOCK as FP8_BLOCK
 from ..quant import Fp8Weight, fp8_linear_torch
-from .build import extension_available, kernel_ok
+from .build import CURRENT_DEVICE, current_device_name, extension_available, kernel_ok
 
 MAX_M = 64  # the kernel's largest template: 8 MMA tiles of 8 rows
 MAX_SPLITS = 64
@@ -59,7 +59,6 @@ EXACT_VARIANTS = (0, 1, 2)
 IMPLS = ("library", "gemv", "triton", "triton_w8a8")
 W8A8 = "triton_w8a8"  # FP8 activations: another numerics, taken only when asked
 DEFAULT_TABLE = Path(__file__).with_name("linear_table.json")
-CURRENT_DEVICE = "current"  # load_plan: compare the table's device with the current GPU's
 
 log = logging.getLogger(__name__)
 
@@ -592,15 +591,6 @@ class LinearPlan:
         return [r.to_json() for r in self.rows]
 
 
-def _current_device_name() -> str | None:
-    if not torch.cuda.is_available():
-        return None
-    try:
-        return torch.cuda.get_device_name()
-    except Exception:  # a broken CUDA setup: no comparison possible
-        return None
-
-
 def load_plan(path: str | Path | None = DEFAULT_TABLE,
               device: str | None = CURRENT_DEVICE) -> LinearPlan | None:
     """The plan recorded at `path` (a JSON list of rows, or an object with a "rows" list and
@@ -624,7 +614,7 @@ def load_plan(path: str | Path | None = DEFAULT_TABLE,
     plan = LinearPlan.from_rows(rows, where=str(p))
     recorded = data.get("device") if isinstance(data, dict) else None
     if device == CURRENT_DEVICE:
-        device = _current_device_name()
+        device = current_device_name()
     if recorded is not None and device is not None and recorded != device:
         log.warning("%s was recorded on %r, not this %r: ignored (every linear takes the "
                     "library path; record a table here with `python -m "
