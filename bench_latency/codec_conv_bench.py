@@ -4,12 +4,13 @@ Snake / bias-residual pass, at the S2-Pro decoder's shapes for a tick of 64 stre
 then the graphed streaming codec's ticks with and without the fused convs, and each one's bf16
 audio against the float32 offline decode.
 
-    python -m bench_latency.codec_conv_bench [--sweep] [--streams 64,4] [--json out.json]
-        [--no-ticks]
+    python -m bench_latency.codec_conv_bench [--sweep [--wide]] [--streams 64,4]
+        [--json out.json] [--no-ticks | --ticks-only]
 
-`--sweep` times every launch shape of `SWEEP` per conv and reports the fastest: the JSON is
-then a table the codec's plan loads (`codec_conv.load_plan`: the fused conv where its best
-shape beat cuDNN's conv + pass). Timing: CUDA events over 20 calls after 3 warm-ups.
+`--sweep` times every launch shape of `SWEEP` (`--wide`: and of `WIDE`) per conv and reports
+the fastest: the JSON is then a table the codec's plan loads (`codec_conv.load_plan`: the
+fused conv where its best shape beat cuDNN's conv + pass). Timing: CUDA events over 20 calls
+after 3 warm-ups.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ LEVELS = ((768, 256), (384, 2048), (192, 8192), (96, 16384))
 SWEEP = tuple(cc.Config(*c) for c in (  # (block_m, block_n, block_k, warps, stages)
     (128, 64, 64, 4, 3), (128, 64, 64, 4, 4), (64, 64, 64, 4, 3), (128, 128, 64, 4, 3),
     (256, 128, 64, 8, 3), (256, 64, 64, 8, 3), (128, 32, 64, 4, 3), (128, 128, 32, 4, 4)))
+WIDE = tuple(cc.Config(*c) for c in (  # beyond SWEEP: what the next table may find faster
+    (128, 128, 128, 8, 3), (128, 64, 128, 4, 3), (128, 128, 64, 8, 4), (64, 128, 64, 4, 4),
+    (128, 64, 64, 4, 5), (256, 64, 32, 8, 4)))
 
 
 def timed_ms(fn: Callable[[], object], n: int = 20) -> float:
@@ -61,7 +65,7 @@ def wall_ms(fn: Callable[[], object], n: int = 10) -> float:
     return (time.perf_counter() - t) / n * 1000
 
 
-def conv_rows(streams: list[int], sweep: bool) -> list[dict]:
+def conv_rows(streams: list[int], sweep: tuple[cc.Config, ...]) -> list[dict]:
     torch.backends.cudnn.benchmark, torch.backends.cudnn.benchmark_limit = True, 3
     rows = []
     for n in streams:
@@ -73,7 +77,8 @@ def conv_rows(streams: list[int], sweep: bool) -> list[dict]:
     return rows
 
 
-def conv_row(streams: int, c: int, t: int, k: int, d: int, sweep: bool) -> dict:
+def conv_row(streams: int, c: int, t: int, k: int, d: int,
+             sweep: tuple[cc.Config, ...]) -> dict:
     """One conv of c -> c channels over `streams` x t samples: cuDNN + its pass vs fused."""
     dt = torch.bfloat16
     P = (k - 1) * d
@@ -103,9 +108,10 @@ def conv_row(streams: int, c: int, t: int, k: int, d: int, sweep: bool) -> dict:
                                                  .abs().max()), 4)}
     if sweep:
         best = None
-        for s in SWEEP:
-            s = cc.Config(s.block_m, s.block_n, min(s.block_k, 32 if c % 64 else 64),
-                          s.warps, s.stages)
+        for s in sweep:
+            # the widest reduction step up to the shape's that divides C
+            bk = next(b for b in (128, 64, 32, 16) if b <= s.block_k and c % b == 0)
+            s = cc.Config(s.block_m, s.block_n, bk, s.warps, s.stages)
             try:
                 ms = timed_ms(lambda s=s: fused(s))
             except Exception as e:  # a shape that does not fit (shared memory)
@@ -176,6 +182,9 @@ def tick_rows(table: str | None) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sweep", action="store_true", help="time every launch shape of SWEEP")
+    ap.add_argument("--wide", action="store_true",
+                    help="with --sweep, also the shapes of WIDE (128-channel reduction steps, "
+                         "deeper pipelines, 8 warps per 128 x 128 tile)")
     ap.add_argument("--streams", default="64",
                     help="comma-separated streams per tick (8 frames each) to time the convs at")
     ap.add_argument("--no-ticks", action="store_true", help="the convs only")
@@ -190,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     streams = [int(v) for v in a.streams.split(",")]
     report: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                     "time": time.strftime("%Y-%m-%d %H:%M:%S"),
-                    "convs": [] if a.ticks_only else conv_rows(streams, a.sweep)}
+                    "convs": [] if a.ticks_only else conv_rows(
+                        streams, (SWEEP + (WIDE if a.wide else ())) if a.sweep else ())}
     if a.json:
         Path(a.json).write_text(json.dumps(report, indent=1))
     if not a.no_ticks:  # with this run's plan where it swept, else the committed one
