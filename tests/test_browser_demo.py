@@ -288,7 +288,10 @@ def test_browser_demo(browser: Any, server: str, voice_id: str, tmp_path: Path) 
     assert cancelled["reason"] == "cancelled" and cancelled["cancelled"]
     # Not a sample of it was taken after the interrupt (late chunks are dropped).
     assert cancelled["samples"] == at_click["turnSamples"]
-    assert cancelled["samples"] > s["samplesPlayed"] - played_before  # it was cut short
+    # nothing played beyond what arrived before the interrupt (on a loaded machine the player
+    # may have caught up with a starved stream, so everything that arrived may have played;
+    # that the turn was cut short is its reason, checked above, with none before the click)
+    assert s["samplesPlayed"] - played_before <= cancelled["samples"]
     row = driver.find_element(By.ID, f"turn-row-{cancelled['id']}")
     assert row.find_element(By.CSS_SELECTOR, ".reason").text == "cancelled"
 
