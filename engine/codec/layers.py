@@ -38,6 +38,7 @@ from ..kernels.activation import (
     snake_torch,
 )
 from ..kernels.codec_conv import Plan, causal_conv, conv_taps
+from ..kernels.codec_conv import supported as causal_conv_supported
 from .config import WindowTransformerConfig
 
 __all__ = [
@@ -308,7 +309,9 @@ class CausalConv1d(Stateful, nn.Module):
         (k,), (d,) = c.kernel_size, c.dilation
         t = xx.shape[-1] - (k - 1) * d
         cfg = ops.conv_plan.choose(c.in_channels, k, d, xx.shape[0] * t)
-        if cfg is not None:  # the kernel on CUDA, its formulas elsewhere
+        # the kernel where it takes these tensors; its formulas on a CPU (the same call path);
+        # a CUDA input it does not take (float32) keeps cuDNN's conv below
+        if cfg is not None and (not xx.is_cuda or causal_conv_supported(xx, c.weight, residual)):
             return causal_conv(xx, c.weight, c.bias, d, alpha=alpha, residual=residual,
                                taps=_derived_weight(c, "_conv_taps", conv_taps), config=cfg)
         y = self._conv(xx, False, ctx)
