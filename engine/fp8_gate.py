@@ -92,7 +92,7 @@ from torch import Tensor
 
 from .config import PRESETS, TINY_IDS, ModelConfig, TransformerConfig, preset
 from .model import DualAR
-from .ops import REFERENCE, Ops, build_ops
+from .ops import REFERENCE, Normed, Ops, build_ops
 from .prompt import PromptBuilder, Reference
 from .quant import BLOCK, Fp8Linear, quantisable, quantize_model
 from .runner import ModelRunner
@@ -182,9 +182,9 @@ class _Recorder:
 
         orig_hidden = model.fast_hidden
 
-        def hidden(x: Tensor, pos: int, attend, ops: Ops = REFERENCE) -> Tensor:  # type: ignore[no-untyped-def]
-            out = orig_hidden(x, pos, attend, ops)
-            self._fast_h = out[0, -1].float().clone()
+        def hidden(x: Tensor, pos: int, attend, ops: Ops = REFERENCE) -> Tensor | Normed:  # type: ignore[no-untyped-def]
+            out = orig_hidden(x, pos, attend, ops)  # a pending norm: computed here to keep
+            self._fast_h = ops.dense(out)[0, -1].float().clone()
             return out
 
         model.semantic_logits = sem  # type: ignore[method-assign]

@@ -8,6 +8,8 @@
   within float rounding (tests/test_cuda.py checks it on the device).
 - `pack_ffn(model)` lays each FFN's W1 and W3 out as consecutive halves of one buffer (same
   values), so the FFN's input projection is one GEMM (`packed`).
+- `gathered_rows(w, rows)`: a contiguous copy of some row ranges of a weight, so a head over
+  scattered rows of the tied embedding (the semantic slice and <|im_end|>) is one GEMM.
 """
 
 from __future__ import annotations
@@ -95,6 +97,19 @@ def packed(w1: Tensor | Fp8Weight, w3: Tensor | Fp8Weight) -> Tensor | Fp8Weight
     if isinstance(w1, Tensor) and isinstance(w3, Tensor):
         return _adjacent(w1, w3)
     return None
+
+
+@torch.no_grad()
+def gathered_rows(w: Tensor, rows: tuple[tuple[int, int], ...]) -> Tensor:
+    """[w[a0:b0]; w[a1:b1]; ...] as one contiguous matrix (a head over scattered rows of a
+    tied embedding as one GEMM), made once per weight and kept on it: inference weights do
+    not change, and new storage, dtype, device or an in-place edit remakes it."""
+    key = (rows, w._version, w.data_ptr(), w.dtype, w.device)
+    cache = w.__dict__.setdefault("_gathered_rows", {})
+    hit = cache.get(rows)
+    if hit is None or hit[0] != key:
+        hit = cache[rows] = (key, torch.cat([w[a:b] for a, b in rows]).contiguous())
+    return hit[1]
 
 
 @torch.no_grad()

@@ -123,14 +123,15 @@ def write_kv(blocks: nn.ModuleList, x: Tensor, cs: Tensor, attend: Attend, ops: 
 
 
 def run_blocks(blocks: nn.ModuleList, final_norm: RMSNorm, x: Tensor, cs: Tensor,
-               attend: Attend, ops: Ops) -> Tensor:
-    """The decoder stack: x [B, T, D] through every block -> final_norm(output) [B, T, D]."""
+               attend: Attend, ops: Ops) -> Tensor | Normed:
+    """The decoder stack: x [B, T, D] through every block -> final_norm(output) [B, T, D],
+    left pending (`Normed`) where `ops` may fold it into the projection that reads it."""
     first = blocks[0].attention_norm
     xn = ops.pending_norm(x, first.weight, first.eps)
     for i, block in enumerate(blocks):
         nxt = blocks[i + 1].attention_norm if i + 1 < len(blocks) else final_norm
         x, xn = block(x, xn, cs, attend, i, nxt, ops)
-    return ops.dense(xn)
+    return xn
 
 
 def gqa_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
@@ -217,7 +218,8 @@ class DualAR(nn.Module):
         """cols: [B, 1+K, T]; positions: [B, T] -> final-normed hidden states h: [B, T, D]."""
         x = self.embed(cols)
         cs = self.rope[positions]  # [B, T, Dh/2, 2]
-        return run_blocks(self.layers, self.norm, x, cs, attend, ops)
+        # dense: h feeds two heads and the fast AR's residual stream
+        return ops.dense(run_blocks(self.layers, self.norm, x, cs, attend, ops))
 
     def semantic_logits(self, h: Tensor, ops: Ops = REFERENCE) -> Tensor:
         """h: [..., D] -> logits over [semantic 0..N-1, <|im_end|>]: [..., N+1].
@@ -225,10 +227,8 @@ class DualAR(nn.Module):
         Only these 4,097 rows of the tied 155,776-row head can ever be sampled.
         """
         ids = self.cfg.ids
-        w = self.embeddings.weight
-        sem = ops.linear(h, w[ids.semantic_start: ids.semantic_end + 1])
-        end = ops.linear(h, w[ids.im_end: ids.im_end + 1])
-        return torch.cat([sem, end], dim=-1)
+        rows = ((ids.semantic_start, ids.semantic_end + 1), (ids.im_end, ids.im_end + 1))
+        return ops.rows_linear(h, self.embeddings.weight, rows)
 
     def full_logits(self, h: Tensor) -> Tensor:
         """Logits over the whole text vocabulary (for reference checks only)."""
@@ -237,10 +237,13 @@ class DualAR(nn.Module):
     # ------------------------------------------------------------------ fast AR
     def forward_fast(self, x: Tensor, pos: int, attend: Attend, ops: Ops = REFERENCE) -> Tensor:
         """One fast-AR position for a batch. x: [B, 1, D]; pos in 0..K-1 -> logits [B, 4096]."""
-        return ops.linear(self.fast_hidden(x, pos, attend, ops), self.fast_output.weight)[:, 0]
+        return ops.project(self.fast_hidden(x, pos, attend, ops), self.fast_output.weight)[:, 0]
 
-    def fast_hidden(self, x: Tensor, pos: int, attend: Attend, ops: Ops = REFERENCE) -> Tensor:
-        """The fast AR's final-normed hidden state at `pos`: x [B, 1, D] -> [B, 1, D]."""
+    def fast_hidden(self, x: Tensor, pos: int, attend: Attend,
+                    ops: Ops = REFERENCE) -> Tensor | Normed:
+        """The fast AR's final-normed hidden state at `pos`: x [B, 1, D] -> [B, 1, D], the
+        final norm left pending (`Normed`: `ops.dense` computes it) where `ops` may fold it
+        into the head's prologue."""
         cs = self.fast_rope[pos: pos + 1].unsqueeze(0).expand(x.shape[0], -1, -1, -1)
         return run_blocks(self.fast_layers, self.fast_norm, x, cs, attend, ops)
 

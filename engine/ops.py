@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from . import functional, fusion, quant
+from .bookkeeping import Bookkeeping
 from .codec.layers import CodecOps
 from .kernels import activation, codec_conv, extension_available, linear, qk_rope, sampling
 from .kernels.decode_attention import decode_attention
@@ -51,6 +52,9 @@ class Ops:
     silu_mul: Callable[[Tensor, Tensor], Tensor] = functional.silu_mul
     # one GEMM over W1|W3 where fusion.pack_ffn laid them out as one buffer
     packed_ffn: bool = False
+    # a head over row ranges of one weight (`rows_linear`) as one GEMM over a packed copy of
+    # them (fusion.gathered_rows), not one GEMM per range and a concatenation
+    packed_heads: bool = False
     # (x, [W1; W3]) -> silu(x W1^T) * (x W3^T) in one launch (csrc's SwiGLU epilogue), or
     # None where it does not take the call; None: always the linear, then silu_mul
     swiglu_kernel: Callable[[Tensor, Tensor | Fp8Weight], Tensor | None] | None = None
@@ -78,6 +82,8 @@ class Ops:
     sample: Callable[..., Tensor] = sampling.sample  # the sampler's draw
     shift_window: Callable[[Tensor, Tensor], None] = prev_tokens_shift_checked  # RAS window
     codec: CodecOps = field(default_factory=CodecOps)
+    # the step's per-row bookkeeping and the RAS choice (engine/bookkeeping.py)
+    book: Bookkeeping = field(default_factory=Bookkeeping)
 
     @property
     def fp8_dense(self) -> bool:
@@ -123,6 +129,12 @@ class Ops:
                 return h, self.pending_norm(h, nw, eps)
         return self.add_rms_norm(x, self.linear(y, w), nw, eps)
 
+    def rows_linear(self, x: Tensor, w: Tensor, rows: tuple[tuple[int, int], ...]) -> Tensor:
+        """x [..., K] @ [w[a0:b0]; w[a1:b1]; ...]^T -> [..., sum of (b - a)]."""
+        if self.packed_heads:
+            return self.linear(x, fusion.gathered_rows(w, rows))
+        return torch.cat([self.linear(x, w[a:b]) for a, b in rows], dim=-1)
+
     def swiglu(self, x: Tensor | Normed, w1: Tensor, w3: Tensor) -> Tensor:
         """The FFN's gated input: silu(x W1^T) * (x W3^T). x: [..., D] (or a pending norm)
         -> [..., I]."""
@@ -153,6 +165,8 @@ class Ops:
                 "residual_kernel": self.residual_kernel is not None,
                 "normed_kernel": self.normed_kernel is not None,
                 "fp8_dense": self.fp8_dense,
+                "packed_heads": self.packed_heads,
+                "bookkeeping": getattr(self.book.step_end, "__name__", str(self.book.step_end)),
                 "codec_kernels": self.codec.fold_bias,
                 "codec_conv_plan": self.codec.conv_plan is not None,
                 "codec_channels_last": self.codec.channels_last}
@@ -221,6 +235,7 @@ def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool 
         parts = {name: fusion.compiled(name, getattr(functional, name))
                  for name in ("rms_norm", "add_rms_norm", "norm_rope_qk", "silu_mul")}
         sample = fusion.compiled("sample", sampling.sample)
+        parts["book"] = Bookkeeping.built(fusion.compiled)
     if kernels and fused == "compile" and cuda and qk_rope.available():
         # one Triton launch per layer where inductor made up to six
         parts["norm_rope_qk"] = qk_rope.norm_rope_qk
@@ -251,7 +266,8 @@ def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool 
                 parts["normed_kernel"] = linear.make_normed(
                     plan, kernels=True, max_m_fp8=normed_max_m_fp8, pdl=pdl, dense=fp8_dense)
     return Ops(
-        fused=fused, packed_ffn=fused == "compile", sample=sample, codec=codec,
+        fused=fused, packed_ffn=fused == "compile", packed_heads=fused == "compile",
+        sample=sample, codec=codec,
         decode_attention=(functools.partial(decode_attention, splits=0 if split_kv else 1,
                                             pdl=bool(pdl))
                           if built else None),

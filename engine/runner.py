@@ -67,7 +67,8 @@ class ModelRunner:
         self.cache = SlowKVCache(self.cfg.slow, n_blocks, block_size, max_len,
                                  device=self.device, dtype=self.dtype)
         S, d = n_rows + 1, self.device  # + the scratch row
-        self.sampling = SlotSampling(S, d, draw=ops.sample, shift=ops.shift_window)
+        self.sampling = SlotSampling(S, d, draw=ops.sample, shift=ops.shift_window,
+                                     book=ops.book)
         self.slow_kernel = self._attention_kernel(self.cfg.slow)
         self.fast_kv = FastKV(self.cfg, S, device=d, dtype=self.dtype,
                               kernel=self._attention_kernel(self.cfg.fast),
@@ -239,20 +240,12 @@ class ModelRunner:
     def step(self, B: int, span: int) -> Tensor:
         """One frame for rows 0..B-1; `span` bounds max(pos)+1 of the active rows.
         Returns out [B, 1+K+2] int64: frame [t, c0..c9], was_active, stopped."""
-        was = self.active[:B].clone()
-        cols, pos = self.next_col[:B], torch.where(was, self.pos[:B], 0)
-        tables = self.tables[:B]
-        # inactive rows write into the scratch block: blocks being prefilled, or now held by
-        # another sequence, are never touched
-        wblock = torch.where(was, tables.gather(1, (pos // self.cache.block_size)[:, None])[:, 0],
-                             self.cache.scratch)
-        frames = self.decode(cols, pos, tables, wblock, span)
-        self.next_col[:B] = torch.where(was[:, None], frames, cols)
-        self.pos[:B] += was
-        self.frames_left[:B] -= was.long()
-        stop = was & ((frames[:, 0] == self.cfg.ids.im_end) | (self.frames_left[:B] <= 0))
-        self.active[:B] = was & ~stop
-        return torch.cat([frames, was[:, None].long(), stop[:, None].long()], dim=1)
+        book = self.ops.book
+        was, pos, wblock = book.step_begin(self.active[:B], self.pos[:B], self.tables[:B],
+                                           self.cache.block_size, self.cache.scratch)
+        frames = self.decode(self.next_col[:B], pos, self.tables[:B], wblock, span)
+        return book.step_end(frames, was, self.next_col[:B], self.pos[:B],
+                             self.frames_left[:B], self.active[:B], self.cfg.ids.im_end)
 
     def decode(self, cols: Tensor, positions: Tensor, tables: Tensor, wblock: Tensor,
                span: int) -> Tensor:
@@ -270,10 +263,7 @@ class ModelRunner:
         B = h.shape[0]
         rows = slice(0, B)
         idx = self.sampling.sample_main(rows, m.semantic_logits(h, ops), self.n_semantic)
-        token = torch.where(idx < self.n_semantic, idx + ids.semantic_start,
-                            torch.full_like(idx, ids.im_end))
-        # c0 is the semantic index (0 for <|im_end|>, as the reference clamps it).
-        code = torch.where(idx < self.n_semantic, idx, torch.zeros_like(idx))
+        token, code = ops.book.frame_tokens(idx, self.n_semantic, ids.semantic_start, ids.im_end)
         fkv = self.fast_kv
         # position 0: the slow hidden state, for its K/V only (no logits: no head GEMM)
         m.fast_kv(h[:, None], fkv.at(0, B), ops)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .bookkeeping import Bookkeeping
 from .kernels.prev_tokens import prev_tokens_shift_checked
 from .kernels.sampling import TOPK_MAX, exponential_noise, sample
 
@@ -62,9 +63,11 @@ class SlotSampling:
 
     def __init__(self, n_slots: int, device: torch.device | str, max_window: int = 16, *,
                  draw: Callable[..., Tensor] = sample,
-                 shift: Callable[[Tensor, Tensor], None] | None = None) -> None:
+                 shift: Callable[[Tensor, Tensor], None] | None = None,
+                 book: Bookkeeping | None = None) -> None:
         d = torch.device(device)
         self.draw = draw
+        self.book = book or Bookkeeping()
         self.shift = shift or prev_tokens_shift_checked
         self.temperature = torch.zeros(n_slots, device=d)
         self.top_p = torch.ones(n_slots, device=d)
@@ -109,24 +112,13 @@ class SlotSampling:
         # made by the prefill never enters the window (step 0 does not push). Both draws run
         # as one batch of 2B rows (one top-k, one launch sequence), each with its own stream.
         B = logits.shape[0]
-        greedy = self.temperature[slots] == 0
-        both = self.draw(
-            torch.cat([logits, logits]),
-            torch.cat([self.temperature[slots], torch.where(greedy, 0.0, self.ras_temperature[slots])]),
-            torch.cat([self.top_p[slots], self.ras_top_p[slots]]),
-            torch.cat([self.top_k[slots], self.top_k[slots]]),
-            torch.cat([seed, seed]), torch.cat([step, step]),
-            self._streams(B, logits.device))
-        main, high = both[:B], both[B:]
-        win = self.window[slots]  # [B, W]
-        live = torch.arange(self.max_window, device=win.device)[None, :] >= (
-            self.max_window - self.ras_window[slots])[:, None]
-        in_window = ((win == main[:, None]) & live).any(dim=-1)
-        self.last_ras_condition = in_window & (main < n_semantic)  # [B], for tests/telemetry
-        chosen = torch.where(self.last_ras_condition, high, main)
-        # Push the chosen token; a row at step 0 (its prefill frame) pushes -1 instead, which
-        # leaves its freshly reset all -1 window unchanged.
-        nxt = torch.where(step > 0, chosen, -1).to(torch.int32)[:, None]  # [B, 1]
+        both = self.draw(*self.book.ras_inputs(
+            logits, self.temperature[slots], self.ras_temperature[slots], self.top_p[slots],
+            self.ras_top_p[slots], self.top_k[slots], seed, step), self._streams(B, logits.device))
+        chosen, self.last_ras_condition, nxt = self.book.ras_choose(
+            both, self.window[slots], self.ras_window[slots], step, n_semantic)
+        # Push the chosen token (nxt [B, 1]); a row at step 0 (its prefill frame) pushes -1
+        # instead, which leaves its freshly reset all -1 window unchanged.
         if isinstance(slots, slice):  # dense rows: the window rows are a contiguous view
             self.shift(self.window[slots].unsqueeze(-1), nxt)
         else:

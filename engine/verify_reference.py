@@ -62,7 +62,7 @@ class _Recorder:
             # the runner writes position 0's K/V only (no logits there); the whole position
             # writes the same K/V and gives the reference's logits, which are kept
             h = model.fast_hidden(x, 0, attend, ops)
-            self.fast.append(ops.linear(h, model.fast_output.weight)[:, 0].detach().clone())
+            self.fast.append(ops.project(h, model.fast_output.weight)[:, 0].detach().clone())
 
         model.semantic_logits = sem  # type: ignore[method-assign]
         model.forward_fast = fast  # type: ignore[method-assign]

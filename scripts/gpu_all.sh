@@ -72,7 +72,7 @@ export OUT PYTHONUNBUFFERED=1 RTVOICE_FIXTURES=${RTVOICE_FIXTURES:-tests/fixture
 t0=$(date +%s)
 SMOKE="host_sync or engine_audio or pingpong or replay_streams or fused_kernel or bias_folding or split or two_engines or fixtures_with_fused or swiglu or fused_rope or prefilled_ahead or residual_epilogue or norm_fusion or pdl"
 if [ "${TESTS:-smoke}" = all ]; then K=${TESTS_K:-}; else K=${TESTS_K:-$SMOKE}; fi
-[ "${TESTS:-smoke}" = none ] || timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_kernels.py tests/test_fp8_triton.py tests/test_quant.py tests/test_codec_conv.py \
+[ "${TESTS:-smoke}" = none ] || timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_kernels.py tests/test_fp8_triton.py tests/test_quant.py tests/test_codec_conv.py tests/test_bookkeeping.py \
     ${K:+-k "$K"} 2>&1 | grep -Ev '^ |^$|site-packages|Warning:|warnings.html' | tail -15 | tee "$OUT/tests.txt"
 echo "tests done at +$(( $(date +%s) - t0 ))s"
 if [ "${GATE:-0}" = 1 ]; then  # the change's ±5 % gate against .baseline (~200 s)

@@ -1566,8 +1566,14 @@ def test_norm_fusion_plumbing_changes_no_value(tiny_bundle, normed_takes):
         assert calls["residual"] == 2 * n
         assert calls.get("normed", 0) == (2 * n if normed_takes else 0)
         x = torch.randn(2, 1, cfg.fast.dim)
-        assert torch.equal(m.fast_hidden(x, 0, Attend(), ops),
+        assert torch.equal(ops.dense(m.fast_hidden(x, 0, Attend(), ops)),
                            m.fast_hidden(x, 0, Attend(), REFERENCE))
+        # the fast head reads the fast AR's final norm pending (its prologue, where taken)
+        calls.clear()
+        got = m.forward_fast(x, 1, Attend(), ops)
+        assert torch.equal(got, m.forward_fast(x, 1, Attend(), REFERENCE))
+        n_fast = cfg.fast.n_layer
+        assert calls.get("normed", 0) == (2 * n_fast + 1 if normed_takes else 0)
 
 
 @pytest.mark.cuda

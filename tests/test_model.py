@@ -388,3 +388,35 @@ def test_decode_rope_rows_fold_the_norm_and_rope_per_batch(fixture_dir, fixture_
         assert (fast.at(3, b).norm_rope_attend is not None) == (b <= rope_rows)
     no_kernel = FastKV(cfg, 4, device="cpu", dtype=torch.float32, rope_rows=rope_rows)
     assert no_kernel.at(0, 1).norm_rope_attend is None
+
+
+def test_packed_semantic_head_matches_the_two_gemms(fixture_dir, fixture_model):
+    """`Ops.packed_heads`: the semantic slice and <|im_end|> (scattered rows of the tied
+    embedding) as one GEMM over a packed copy gives the logits of the two GEMMs and their
+    concatenation; the copy is made once and remade when the weight changes in place."""
+    import copy
+
+    from engine.ops import REFERENCE, Ops
+
+    m = copy.deepcopy(fixture_model)
+    ids = m.cfg.ids
+    packed = Ops(packed_heads=True)
+    h = torch.randn(3, m.cfg.slow.dim)
+    with torch.inference_mode():
+        want = m.semantic_logits(h, REFERENCE)
+        got = m.semantic_logits(h, packed)
+    assert got.shape == (3, ids.n_semantic + 1)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    w = m.embeddings.weight
+    rows = ((ids.semantic_start, ids.semantic_end + 1), (ids.im_end, ids.im_end + 1))
+    first = w.__dict__["_gathered_rows"][rows][1]
+    with torch.inference_mode():
+        m.semantic_logits(h, packed)
+    assert w.__dict__["_gathered_rows"][rows][1] is first  # made once
+    with torch.no_grad():
+        w[ids.im_end].mul_(2.0)  # an in-place edit of a packed row
+    with torch.inference_mode():
+        got2 = m.semantic_logits(h, packed)
+        want2 = m.semantic_logits(h, REFERENCE)
+    torch.testing.assert_close(got2, want2, rtol=0, atol=1e-5)
+    assert not torch.equal(got2[:, -1], got[:, -1])
