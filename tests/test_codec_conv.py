@@ -108,6 +108,15 @@ def test_bad_arguments_name_the_problem():
         cc.causal_conv(x, w, bias, 1, alpha=alpha, residual=res)
     with pytest.raises(ValueError, match="bias has 7 values for 8 channels"):
         cc.causal_conv(x, w, bias[:7], 1)
+    buf = torch.empty(2, 8, 11)
+    with pytest.raises(ValueError, match="residual sum only"):
+        cc.causal_conv(x, w, bias, 1, next_input=(buf, alpha))
+    with pytest.raises(ValueError, match="next_input buffer"):
+        cc.causal_conv(x, w, bias, 1, residual=res, next_input=(buf[..., :3], alpha))
+    with pytest.raises(ValueError, match="next_input's alpha"):
+        cc.causal_conv(x, w, bias, 1, residual=res, next_input=(buf, alpha[:3]))
+    with pytest.raises(TypeError, match="next_input buffer"):
+        cc.causal_conv(x, w, bias, 1, residual=res, next_input=(buf.double(), alpha))
     with pytest.raises(ValueError, match="residual"):
         cc.causal_conv(x, w, bias, 1, residual=res[:, :, :3])
     with pytest.raises(TypeError, match="alpha"):
@@ -234,6 +243,80 @@ def test_cuda_kernel_matches_reference(B, C, N, T, k, d, kind):
     for cfg in (cc.Config(64, 64, 16, 4, 2), cc.Config(128, 128, 16, 8, 3)):
         _assert_kernel_close(cc.causal_conv(x, w, bias, d, config=cfg, **ep), x, w, bias, d,
                              **ep)
+
+
+def _next_input_case(B, C, N, T, k, d, device, config=None, launch=False,  # type: ignore[no-untyped-def]
+                     dtype=torch.bfloat16):
+    """The residual epilogue with the next Snake into a [tail | new] buffer (P2 = 5 tail
+    rows holding a sentinel): the output as the residual epilogue's, the buffer's new rows
+    the Snake of the output's rounded values (as the unfused snake_cat computes it from the
+    stored output), its tail untouched."""
+    from engine.kernels.activation import snake_torch
+
+    x, w, bias, _, res = _operands(B, C, N, T, k, d, device=device, dtype=dtype)
+    alpha2 = (torch.rand(N, generator=torch.Generator().manual_seed(1)) + 0.3).to(x)
+    buf = torch.full((B, 5 + T, N), 7.0, dtype=x.dtype, device=device).transpose(1, 2)
+    if launch:
+        y = cc._launch(x, w, bias, d, None, res, None, config, T, (buf, alpha2))
+    else:
+        y = cc.causal_conv(x, w, bias, d, residual=res, next_input=(buf, alpha2), config=config)
+    _assert_kernel_close(y, x, w, bias, d, residual=res)
+    assert bool((buf[..., :5] == 7.0).all())
+    want = snake_torch(y.float(), alpha2.float()).to(y.dtype)
+    torch.testing.assert_close(buf[..., 5:].float(), want.float(), rtol=2 ** -7, atol=1e-5)
+
+
+def test_formulas_write_the_next_input():
+    _next_input_case(2, 32, 48, 6, 1, 1, "cpu", dtype=torch.float32)
+
+
+@needs_interp
+@pytest.mark.parametrize("B,C,N,T,k,d", [(2, 32, 48, 6, 1, 1), (3, 16, 130, 4, 7, 3)])
+def test_interp_kernel_writes_the_next_input(monkeypatch, B, C, N, T, k, d):
+    from tests.test_fp8_triton import _patch_interpreter
+
+    _patch_interpreter(monkeypatch)
+    _next_input_case(B, C, N, T, k, d, "cpu", cc.Config(16, 32, 16, 4, 1), launch=True)
+
+
+@needs_cuda
+@pytest.mark.parametrize("B,C,N,T,k,d", [(2, 32, 48, 6, 1, 1), (64, 96, 96, 512, 1, 1),
+                                         (5, 48, 200, 3, 1, 1), (3, 16, 130, 4, 7, 3)])
+def test_cuda_kernel_writes_the_next_input(B, C, N, T, k, d):
+    for cfg in (None, cc.Config(64, 64, 16, 4, 2), cc.Config(128, 128, 16, 8, 3)):
+        _next_input_case(B, C, N, T, k, d, "cuda", cfg)
+
+
+@pytest.mark.parametrize("fuse", ["all", "conv7"])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_residual_units_write_the_next_convs_input(monkeypatch, fuse, channels_last):
+    """Two residual units, a Snake and a conv streamed in uneven chunks: where a unit's last
+    conv runs fused it writes the next module's [tail | Snake] input (the next unit's first
+    conv, then the output conv), which takes it as it is — the offline output either way."""
+    import engine.codec.layers as layers
+    from engine.codec.layers import CausalConv1d, ResidualUnit, Snake1d
+
+    nexts = []
+
+    def conv(*a, **k):  # type: ignore[no-untyped-def]
+        nexts.append(k.get("next_input") is not None)
+        return cc.causal_conv(*a, **k)
+
+    monkeypatch.setattr(layers, "causal_conv", conv)
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(ResidualUnit(16, dilation=3), ResidualUnit(16, dilation=1),
+                                Snake1d(16), CausalConv1d(16, 4, kernel_size=7)).eval()
+    for m in block.modules():
+        if isinstance(m, Snake1d):
+            m.alpha.data = torch.rand_like(m.alpha) + 0.3
+    cfg = cc.Config(64, 64, 16)
+    k1 = cfg if fuse == "all" else None
+    plan = cc.Plan(((16, 7, 3, 1, cfg), (16, 7, 1, 1, cfg), (16, 1, 1, 1, k1)))
+    ops = CodecOps(conv_plan=plan, channels_last=channels_last)
+    got, want = stream_vs_offline(block, torch.randn(2, 16, 50), ops, channels_last)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    per_chunk = [False, True, False, True] if fuse == "all" else [False, False]
+    assert nexts == per_chunk * 4
 
 
 @needs_cuda

@@ -33,6 +33,7 @@ from ..functional import apply_rope, rms_norm, rope_table
 from ..kernels.activation import (
     bias_residual_torch,
     cat_time,
+    empty_like_layout,
     snake_cat_torch,
     snake_formula,
     snake_torch,
@@ -58,6 +59,7 @@ __all__ = [
     "WindowLimitedTransformer",
     "conv_cl",
     "snake",
+    "stream_modules",
     "stream_sequential",
 ]
 
@@ -136,20 +138,47 @@ class StreamContext:
 
 
 def stream_sequential(seq: nn.Module, x: Tensor, ctx: StreamContext) -> Tensor:
-    """Run an ``nn.Sequential`` (or a single module) in streaming mode: children with a
-    ``stream`` method continue from saved state, the others are pointwise and run as is. A
-    Snake followed by a causal (transposed) conv is handed to the conv as its input
-    activation, so the activation can be written straight into the conv's [tail | new] input
-    (``ctx.ops.snake_cat``) instead of being concatenated afterwards."""
-    mods = list(seq.children()) if isinstance(seq, nn.Sequential) else [seq]
-    i = 0
+    """Run an ``nn.Sequential`` (or a single module) in streaming mode (`stream_modules` over
+    its children)."""
+    return stream_modules(list(seq.children()) if isinstance(seq, nn.Sequential) else [seq],
+                          x, ctx)
+
+
+def _next_conv(mods: list[nn.Module], i: int) -> tuple[Stateful, Tensor] | None:
+    """The streaming conv that starts at mods[i] with a Snake before it, and that Snake's
+    alpha: a residual unit's first conv, or a Snake + causal (transposed) conv pair whose
+    conv keeps a tail (its input is [tail | Snake(x)]); None otherwise."""
+    m = mods[i] if i < len(mods) else None
+    nxt = mods[i + 1] if i + 1 < len(mods) else None
+    if isinstance(m, ResidualUnit):
+        return m.block[1], m.block[0].alpha
+    if isinstance(m, Snake1d) and isinstance(nxt, CausalConv1d | CausalConvTranspose1d) \
+            and nxt.state_shapes():
+        return nxt, m.alpha
+    return None
+
+
+def stream_modules(mods: list[nn.Module], x: Tensor, ctx: StreamContext) -> Tensor:
+    """Run modules one after another in streaming mode: those with a ``stream`` method
+    continue from saved state, the others are pointwise and run as is. A Snake followed by
+    a causal (transposed) conv is handed to the conv as its input activation, so the
+    activation is written straight into the conv's [tail | new] input (``ctx.ops.snake_cat``)
+    instead of being concatenated afterwards; a residual unit whose next module starts with
+    such a Snake + conv writes that input itself where its last conv runs fused
+    (`ResidualUnit.stream_chain`), and the conv takes it as it is."""
+    i, xx = 0, None  # xx: the next conv's input, made by the module before
     while i < len(mods):
         m = mods[i]
         nxt = mods[i + 1] if i + 1 < len(mods) else None
         if isinstance(m, Snake1d) and isinstance(nxt, CausalConv1d | CausalConvTranspose1d):
-            x = nxt.stream(x, ctx, act=m.alpha)
+            x, xx = nxt.stream(x, ctx, act=m.alpha, xx=xx), None
             i += 2
             continue
+        if isinstance(m, ResidualUnit):
+            x, xx = m.stream_chain(x, ctx, xx, _next_conv(mods, i + 1))
+            i += 1
+            continue
+        assert xx is None  # made only for a Snake + conv or a residual unit
         x = m.stream(x, ctx) if hasattr(m, "stream") else m(x)
         i += 1
     return x
@@ -203,6 +232,14 @@ def _stream_input(tail: Tensor, x: Tensor, act: Tensor | None, ctx: StreamContex
     """A streaming conv's input: the saved tail, then the new samples (activated by the
     preceding Snake when ``act`` is its alpha), in x's layout."""
     return cat_time(tail, x) if act is None else ctx.ops.snake_cat(tail, x, act)
+
+
+def _input_buffer(tail: Tensor, like: Tensor) -> Tensor:
+    """[tail | T empty samples] for new samples shaped like ``like`` [B, C, T], in like's
+    layout: a streaming conv's input for the module before it to fill."""
+    xx = empty_like_layout(like, tail.shape[-1] + like.shape[-1])
+    xx[..., : tail.shape[-1]] = tail
+    return xx
 
 
 def _derived_weight(conv: nn.Conv1d | nn.ConvTranspose1d, name: str,
@@ -280,45 +317,76 @@ class CausalConv1d(Stateful, nn.Module):
         return {"tail": (self.conv.in_channels, self.left_pad)}
 
     def stream(self, x: Tensor, ctx: StreamContext, act: Tensor | None = None,
-               bias: bool = True) -> Tensor:
+               bias: bool = True, xx: Tensor | None = None) -> Tensor:
         # x: [B, Cin, T] new samples (padded) -> [B, Cout, T]; the saved tail replaces the zeros
         # the offline conv pads on the left. act: a preceding Snake's alpha, applied to x first.
-        # bias=False: the conv's bias is left out (the caller adds it in a later op).
-        return self._conv(self.stream_input(x, ctx, act), bias, ctx)
+        # bias=False: the conv's bias is left out (the caller adds it in a later op). xx: the
+        # input already made by the module before (`input_buffer`, filled).
+        return self._conv(self.stream_input(x, ctx, act, xx), bias, ctx)
 
-    def stream_input(self, x: Tensor, ctx: StreamContext, act: Tensor | None = None) -> Tensor:
+    def stream_input(self, x: Tensor, ctx: StreamContext, act: Tensor | None = None,
+                     xx: Tensor | None = None) -> Tensor:
         """The conv's input for new samples x [B, Cin, T] (activated by a preceding Snake
         when ``act`` is its alpha): [B, Cin, left_pad + T], the saved tail first; the new
-        tail is saved."""
+        tail is saved. xx: that input already made (`input_buffer`, its new samples written
+        by the module before), taken as it is."""
         if self.stride != 1:
             raise RuntimeError("streaming is only defined for stride-1 causal convs")
-        if self.left_pad == 0:
-            return x if act is None else ctx.ops.snake(x, act)
-        xx = _stream_input(ctx.get(self, "tail"), x, act, ctx)  # [B, Cin, left_pad + T]
+        if xx is None:
+            if self.left_pad == 0:
+                return x if act is None else ctx.ops.snake(x, act)
+            xx = _stream_input(ctx.get(self, "tail"), x, act, ctx)  # [B, Cin, left_pad + T]
         ctx.put(self, "tail", ctx.take_last(xx, self.left_pad))
         return xx
 
+    def input_buffer(self, like: Tensor, ctx: StreamContext) -> Tensor:
+        """This conv's streaming input for new samples shaped like ``like`` [B, Cin, T], for
+        the module before to fill: [B, Cin, left_pad + T] in like's layout, the saved tail
+        in its first left_pad samples, the new samples' left empty."""
+        return _input_buffer(ctx.get(self, "tail"), like)
+
     def stream_then(self, x: Tensor, ctx: StreamContext, act: Tensor | None = None, *,
-                    alpha: Tensor | None = None, residual: Tensor | None = None) -> Tensor:
+                    alpha: Tensor | None = None, residual: Tensor | None = None,
+                    xx: Tensor | None = None) -> Tensor:
         """``stream`` with the conv's bias, then the Snake with ``alpha`` or the sum with
         ``residual``: in one pass where ``ctx.ops.conv_plan`` chose the fused conv for this
         shape, else the conv without its bias and the pointwise op adding it."""
+        return self.stream_sum_then(x, ctx, act, alpha=alpha, residual=residual, xx=xx)[0]
+
+    def stream_sum_then(self, x: Tensor, ctx: StreamContext, act: Tensor | None = None, *,
+                        alpha: Tensor | None = None, residual: Tensor | None = None,
+                        xx: Tensor | None = None,
+                        then: tuple[Stateful, Tensor] | None = None
+                        ) -> tuple[Tensor, Tensor | None]:
+        """`stream_then`; with ``residual`` and ``then`` = (the next streaming conv, the
+        Snake's alpha before it), where the fused conv runs it also writes that Snake of
+        its output into the next conv's `input_buffer` in the same pass, which it returns
+        (filled) with the output (None where it does not: the next conv makes its input)."""
         c, ops = self.conv, ctx.ops
         assert ops.conv_plan is not None and c.bias is not None and c.groups == 1
-        xx = self.stream_input(x, ctx, act)
+        xx = self.stream_input(x, ctx, act, xx)
         (k,), (d,) = c.kernel_size, c.dilation
         t = xx.shape[-1] - (k - 1) * d
         cfg = ops.conv_plan.choose(c.in_channels, k, d, xx.shape[0] * t)
         # the kernel where it takes these tensors; its formulas on a CPU (the same call path);
         # a CUDA input it does not take (float32) keeps cuDNN's conv below
         if cfg is not None and (not xx.is_cuda or causal_conv_supported(xx, c.weight, residual)):
-            return causal_conv(xx, c.weight, c.bias, d, alpha=alpha, residual=residual,
-                               taps=_derived_weight(c, "_conv_taps", conv_taps), config=cfg)
+            nxt = None
+            if then is not None and residual is not None:
+                consumer, alpha2 = then
+                like = residual  # [B, Cout, T] in the output's layout (channels-last on CUDA)
+                buf = consumer.input_buffer(like, ctx)
+                if not xx.is_cuda or causal_conv_supported(xx, c.weight, residual, buf):
+                    nxt = (buf, alpha2)
+            y = causal_conv(xx, c.weight, c.bias, d, alpha=alpha, residual=residual,
+                            next_input=nxt, taps=_derived_weight(c, "_conv_taps", conv_taps),
+                            config=cfg)
+            return y, nxt[0] if nxt is not None else None
         y = self._conv(xx, False, ctx)
         if alpha is not None:
-            return ops.snake(y, alpha, c.bias)
+            return ops.snake(y, alpha, c.bias), None
         assert residual is not None
-        return ops.bias_residual(residual, y, c.bias)
+        return ops.bias_residual(residual, y, c.bias), None
 
     def _conv(self, x: Tensor, bias: bool, ctx: StreamContext) -> Tensor:
         c = self.conv
@@ -365,17 +433,26 @@ class CausalConvTranspose1d(Stateful, nn.Module):
             return {}
         return {"tail": (self.conv.in_channels, self.history)}
 
-    def stream(self, x: Tensor, ctx: StreamContext, act: Tensor | None = None) -> Tensor:
-        # x: [B, Cin, T] -> [B, Cout, T * stride]; act: a preceding Snake's alpha
+    def stream(self, x: Tensor, ctx: StreamContext, act: Tensor | None = None,
+               xx: Tensor | None = None) -> Tensor:
+        # x: [B, Cin, T] -> [B, Cout, T * stride]; act: a preceding Snake's alpha; xx: the
+        # input already made by the module before (`input_buffer`, filled)
         conv = (lambda v: conv_cl(self.conv, v)) if ctx.ops.channels_last else self.conv
         if self.history == 0:
             y = conv(x if act is None else ctx.ops.snake(x, act))
             return y[..., : y.shape[-1] - self.trim]
-        xx = _stream_input(ctx.get(self, "tail"), x, act, ctx)  # [B, Cin, history + T]
+        if xx is None:
+            xx = _stream_input(ctx.get(self, "tail"), x, act, ctx)  # [B, Cin, history + T]
         ctx.put(self, "tail", ctx.take_last(xx, self.history))
         y = conv(xx)  # [B, Cout, (history + T - 1)*stride + kernel]
         start = self.history * self.stride  # outputs of the tail alone were emitted last call
         return y[..., start : start + x.shape[-1] * self.stride]
+
+    def input_buffer(self, like: Tensor, ctx: StreamContext) -> Tensor:
+        """This conv's streaming input for new samples shaped like ``like`` [B, Cin, T]:
+        [B, Cin, history + T], the saved tail first, the new samples' left for the module
+        before to fill (as CausalConv1d.input_buffer)."""
+        return _input_buffer(ctx.get(self, "tail"), like)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -401,20 +478,32 @@ class ResidualUnit(nn.Module):
         return x + y
 
     def stream(self, x: Tensor, ctx: StreamContext) -> Tensor:
+        return self.stream_chain(x, ctx)[0]
+
+    def stream_chain(self, x: Tensor, ctx: StreamContext, xx: Tensor | None = None,
+                     then: tuple[Stateful, Tensor] | None = None
+                     ) -> tuple[Tensor, Tensor | None]:
+        """`stream`, where ``xx`` (when given) is the first conv's input already made (the
+        module before wrote Snake(x) into its `input_buffer`) and ``then`` = (the next
+        module's streaming conv, the Snake before it): where this unit's last conv runs
+        fused, it writes that Snake of the unit's output into the next conv's input in the
+        same pass and returns it beside the output (else None), which saves the next conv's
+        Snake-and-concatenate pass."""
         act1, conv7, act2, conv1 = self.block
         ops = ctx.ops
         if ops.conv_plan is not None and conv7.conv.bias is not None \
                 and conv1.conv.bias is not None:
             # conv7 + bias + Snake, then conv1 + bias + the residual sum (each one pass where
             # the plan chose the fused conv)
-            h = conv7.stream_then(x, ctx, act1.alpha, alpha=act2.alpha)
-            return conv1.stream_then(h, ctx, residual=x)
+            h = conv7.stream_then(x, ctx, act1.alpha, alpha=act2.alpha, xx=xx)
+            return conv1.stream_sum_then(h, ctx, residual=x, then=then)
         if not (ops.fold_bias and conv7.conv.bias is not None and conv1.conv.bias is not None):
-            return x + stream_sequential(self.block, x, ctx)
+            y = conv7.stream(x, ctx, act=act1.alpha, xx=xx)
+            return x + stream_sequential(self.block[2:], y, ctx), None
         # the same math with both conv biases folded into the pointwise ops after them
-        y = conv7.stream(x, ctx, act=act1.alpha, bias=False)
+        y = conv7.stream(x, ctx, act=act1.alpha, bias=False, xx=xx)
         y = conv1.stream(ops.snake(y, act2.alpha, conv7.conv.bias), ctx, bias=False)
-        return ops.bias_residual(x, y, conv1.conv.bias)
+        return ops.bias_residual(x, y, conv1.conv.bias), None
 
 
 class ConvNeXtBlock(nn.Module):

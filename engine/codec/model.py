@@ -24,6 +24,7 @@ from .layers import (
     Stateful,
     StreamContext,
     WindowLimitedTransformer,
+    stream_modules,
     stream_sequential,
 )
 from .quantizer import CodecQuantizer
@@ -122,7 +123,12 @@ class Decoder(nn.Module):
         return self.model(x)
 
     def stream(self, x: Tensor, ctx: StreamContext) -> Tensor:
-        return stream_sequential(self.model, x, ctx)
+        # the blocks' modules as one chain: a block's last residual unit can then write the
+        # next block's (or the output conv's) input itself (`stream_modules`)
+        mods: list[nn.Module] = []
+        for m in self.model:
+            mods += list(m.block) if isinstance(m, DecoderBlock) else [m]
+        return stream_modules(mods, x, ctx)
 
 
 class Codec(nn.Module):

@@ -6,7 +6,10 @@ input), plus the conv's bias, and then in the same pass either
 
 - the next Snake: ``snake(conv(x) + bias, alpha)`` (a residual unit's dilated k=7 conv and
   the Snake after it), or
-- the residual sum: ``residual + (conv(x) + bias)`` (its k=1 conv and the unit's output).
+- the residual sum: ``residual + (conv(x) + bias)`` (its k=1 conv and the unit's output),
+  optionally with the next Snake of that sum written as a second output (`next_input`:
+  straight into the next streaming conv's ``[tail | new]`` input, which then needs no
+  Snake-and-concatenate pass of its own).
 
 cuDNN runs these as a conv and then a pointwise pass each (a 64-stream x 8-frame codec tick:
 ~8 ms of convs at ~165 TFLOP/s, ~4.9 ms of Snake/bias passes on the H200, docs/PERF.md).
@@ -21,6 +24,9 @@ Contract (checked by the wrapper; anything else runs the torch formulas):
   taps      [k * C, Np] the conv weight [N, C, k] as (tap, input channel) rows, output
             channels zero-padded to Np (a multiple of 128): `conv_taps(weight)`
   bias      [N], alpha [N] (Snake), residual [B, N, T] channels-last: x's dtype
+  next_input  (xx [B, N, P2 + T] channels-last, stored dense [B, P2 + T, N]; alpha2 [N]):
+            with residual only; rows P2.. of each stream get snake(output, alpha2), the
+            output's rounded values activated as the unfused Snake would
   -> a new [B, N, T] channels-last tensor (stored dense [B, T, N])
 The kernel needs C a multiple of 16 (the reduction step); the fixture codec's 4-32 channel
 convs run the formulas.
@@ -154,14 +160,20 @@ def conv_taps(weight: Tensor) -> Tensor:
 
 
 def causal_conv_torch(x: Tensor, weight: Tensor, bias: Tensor, dilation: int, *,
-                      alpha: Tensor | None = None, residual: Tensor | None = None) -> Tensor:
+                      alpha: Tensor | None = None, residual: Tensor | None = None,
+                      next_input: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """The formulas: torch's conv, then the codec's Snake or residual sum, as the unfused
-    residual unit computes them (conv output rounded, then bias + Snake / x + (y + bias))."""
+    residual unit computes them (conv output rounded, then bias + Snake / x + (y + bias));
+    with `next_input` the Snake of the sum written into its buffer's new rows."""
     y = F.conv1d(x, weight, None, dilation=dilation)
     if alpha is not None:
         return snake_torch(y, alpha, bias)
     if residual is not None:
-        return bias_residual_torch(residual, y, bias)
+        out = bias_residual_torch(residual, y, bias)
+        if next_input is not None:
+            xx, alpha2 = next_input
+            xx[..., xx.shape[-1] - out.shape[-1]:] = snake_torch(out, alpha2)
+        return out
     return y + bias.reshape(1, -1, 1)
 
 
@@ -170,7 +182,7 @@ available = triton_available  # Triton importable and a CUDA device present
 
 
 def _check(x: Tensor, weight: Tensor, bias: Tensor, dilation: int, alpha: Tensor | None,
-           residual: Tensor | None) -> int:
+           residual: Tensor | None, next_input: tuple[Tensor, Tensor] | None = None) -> int:
     """Validate the arguments (any device); return T, the output length."""
     if x.dim() != 3 or weight.dim() != 3 or weight.shape[1] != x.shape[1]:
         raise ValueError(f"causal_conv: x [B, C, L] {list(x.shape)} and weight [N, C, k] "
@@ -190,39 +202,57 @@ def _check(x: Tensor, weight: Tensor, bias: Tensor, dilation: int, alpha: Tensor
     if residual is not None and tuple(residual.shape) != (x.shape[0], n, t):
         raise ValueError(f"causal_conv: residual {list(residual.shape)} must be "
                          f"[{x.shape[0]}, {n}, {t}]")
+    xx, alpha2 = next_input if next_input is not None else (None, None)
+    if xx is not None:
+        if residual is None:
+            raise ValueError("causal_conv: next_input comes with the residual sum only")
+        if xx.dim() != 3 or xx.shape[:2] != (x.shape[0], n) or xx.shape[2] < t:
+            raise ValueError(f"causal_conv: next_input buffer {list(xx.shape)} must be "
+                             f"[{x.shape[0]}, {n}, >= {t}]")
+        if alpha2 is None or alpha2.numel() != n:
+            raise ValueError(f"causal_conv: next_input's alpha must have {n} values")
     for name, v in (("weight", weight), ("bias", bias), ("alpha", alpha),
-                    ("residual", residual)):
+                    ("residual", residual), ("next_input buffer", xx),
+                    ("next_input alpha", alpha2)):
         if v is not None and (v.dtype != x.dtype or v.device != x.device):
             raise TypeError(f"causal_conv: {name} ({v.dtype}, {v.device}) must match x "
                             f"({x.dtype}, {x.device})")
     return t
 
 
-def supported(x: Tensor, weight: Tensor, residual: Tensor | None = None) -> bool:
+def supported(x: Tensor, weight: Tensor, residual: Tensor | None = None,
+              next_input: Tensor | None = None) -> bool:
     """Whether the kernel takes these (else the formulas run): CUDA bf16/fp16, x (and the
-    residual) channels-last, C a multiple of 16."""
+    residual) channels-last, C a multiple of 16; a next_input buffer channels-last with dense
+    rows."""
     return (x.is_cuda and x.dtype in _DTYPES and x.shape[1] % 16 == 0
             and x.stride(1) == 1 and x.stride(2) == x.shape[1]
             and (residual is None or (residual.stride(1) == 1
-                                      and residual.stride(2) == residual.shape[1])))
+                                      and residual.stride(2) == residual.shape[1]))
+            and (next_input is None or (next_input.stride(1) == 1
+                                        and next_input.stride(2) == next_input.shape[1])))
 
 
 def causal_conv(x: Tensor, weight: Tensor, bias: Tensor, dilation: int = 1, *,
                 alpha: Tensor | None = None, residual: Tensor | None = None,
+                next_input: tuple[Tensor, Tensor] | None = None,
                 taps: Tensor | None = None, config: Config | None = None,
                 kernel: bool = True) -> Tensor:
-    """The conv + bias + (Snake | residual sum) of the module docstring in one launch where
-    the kernel applies (`taps`: `conv_taps(weight)`, made once by the caller; made here when
-    not given), the formulas otherwise (CPU, no triton, `kernel=False`, other layouts)."""
-    t = _check(x, weight, bias, dilation, alpha, residual)
-    if not (kernel and available() and supported(x, weight, residual)):
-        return causal_conv_torch(x, weight, bias, dilation, alpha=alpha, residual=residual)
-    return _launch(x, weight, bias, dilation, alpha, residual, taps, config, t)
+    """The conv + bias + (Snake | residual sum [+ the next Snake into `next_input`]) of the
+    module docstring in one launch where the kernel applies (`taps`: `conv_taps(weight)`,
+    made once by the caller; made here when not given), the formulas otherwise (CPU, no
+    triton, `kernel=False`, other layouts)."""
+    t = _check(x, weight, bias, dilation, alpha, residual, next_input)
+    xx = next_input[0] if next_input is not None else None
+    if not (kernel and available() and supported(x, weight, residual, xx)):
+        return causal_conv_torch(x, weight, bias, dilation, alpha=alpha, residual=residual,
+                                 next_input=next_input)
+    return _launch(x, weight, bias, dilation, alpha, residual, taps, config, t, next_input)
 
 
 def _launch(x: Tensor, weight: Tensor, bias: Tensor, dilation: int, alpha: Tensor | None,
             residual: Tensor | None, taps: Tensor | None, config: Config | None,
-            t: int) -> Tensor:
+            t: int, next_input: tuple[Tensor, Tensor] | None = None) -> Tensor:
     B, C, _ = x.shape
     n, _, k = weight.shape
     taps = conv_taps(weight) if taps is None else taps
@@ -240,14 +270,18 @@ def _launch(x: Tensor, weight: Tensor, bias: Tensor, dilation: int, alpha: Tenso
         return out.transpose(1, 2)
     import triton
 
-    epi = 1 if alpha is not None else 2 if residual is not None else 0
+    epi = 1 if alpha is not None else 0 if residual is None else 2 if next_input is None else 3
     r = residual if residual is not None else out.transpose(1, 2)
+    a = alpha if alpha is not None else next_input[1] if next_input is not None else bias
+    # the second output: rows P2.. of next_input's buffer (else unused: out, never written)
+    xx = next_input[0] if next_input is not None else out.transpose(1, 2)
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     _kernel()[grid](
-        x, taps, bias.reshape(-1), alpha.reshape(-1) if alpha is not None else bias, r, out,
+        x, taps, bias.reshape(-1), a.reshape(-1), r, out, xx,
         m, t, n, C, taps.shape[1], dilation * x.stride(2), x.stride(0), x.stride(2),
-        r.stride(0), r.stride(2), TAPS=k, EPI=epi, BM=cfg.block_m, BN=cfg.block_n,
-        BK=cfg.block_k, num_warps=cfg.warps, num_stages=cfg.stages)
+        r.stride(0), r.stride(2), xx.stride(0), xx.shape[2] - t, TAPS=k, EPI=epi,
+        BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, num_warps=cfg.warps,
+        num_stages=cfg.stages)
     return out.transpose(1, 2)
 
 
@@ -257,8 +291,8 @@ def _kernel():  # type: ignore[no-untyped-def]
     import triton.language as tl
 
     @triton.jit(do_not_specialize=["M", "T"])
-    def conv_kernel(x_ptr, w_ptr, b_ptr, a_ptr, r_ptr, o_ptr, M, T, N, C, NP, s_tap,
-                    sxb, sxt, srb, srt, TAPS: tl.constexpr, EPI: tl.constexpr,
+    def conv_kernel(x_ptr, w_ptr, b_ptr, a_ptr, r_ptr, o_ptr, s_ptr, M, T, N, C, NP, s_tap,
+                    sxb, sxt, srb, srt, ssb, s_off, TAPS: tl.constexpr, EPI: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
         # output tiles in row-major order with the channel tiles fastest: the programs that
         # run together read the same input rows (from L2) and the whole weight stays in L2
@@ -289,12 +323,21 @@ def _kernel():  # type: ignore[no-untyped-def]
             al = tl.load(a_ptr + rn, mask=n_ok, other=1.0).to(tl.float32)
             s = tl.sin(al[None, :] * v)
             v = v + (1.0 / (al + 1e-9))[None, :] * (s * s)
-        elif EPI == 2:  # the residual sum x + (y + bias)
+        elif EPI >= 2:  # the residual sum x + (y + bias)
             r_row = b.to(tl.int64) * srb + t.to(tl.int64) * srt
             res = tl.load(r_ptr + r_row[:, None] + rn[None, :],
                           mask=row_ok[:, None] & n_ok[None, :], other=0.0)
             v = res.to(tl.float32) + v
-        tl.store(o_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :],
-                 v.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+        y = v.to(o_ptr.dtype.element_ty)
+        tl.store(o_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :], y,
+                 mask=row_ok[:, None] & n_ok[None, :])
+        if EPI == 3:  # and the next Snake of the rounded sum into the next conv's input
+            al = tl.load(a_ptr + rn, mask=n_ok, other=1.0).to(tl.float32)
+            yf = y.to(tl.float32)
+            s = tl.sin(al[None, :] * yf)
+            sv = yf + (1.0 / (al + 1e-9))[None, :] * (s * s)
+            s_row = b.to(tl.int64) * ssb + (s_off + t).to(tl.int64) * N
+            tl.store(s_ptr + s_row[:, None] + rn[None, :], sv.to(s_ptr.dtype.element_ty),
+                     mask=row_ok[:, None] & n_ok[None, :])
 
     return conv_kernel
