@@ -16,6 +16,7 @@ after 3 warm-ups.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from collections.abc import Callable
@@ -137,8 +138,9 @@ def _tick_ms(dec, streams: int, frames: int) -> float:  # type: ignore[no-untype
 
 def tick_rows(table: str | None) -> dict:
     """Graphed ticks with the fused convs where the plan (`table`: this run's measurement,
-    else the committed one) chose them and with cuDNN everywhere, and each one's bf16 audio
-    against the float32 offline decode."""
+    else the committed one) chose them (also with `snake_into_next`) and with cuDNN
+    everywhere, and each one's bf16 audio (64 streams in 8-frame ticks) against the float32
+    offline decode."""
     from engine.codec import CodecConfig, StreamingDecoder, dummy_codec
     from engine.ops import build_ops
 
@@ -153,7 +155,8 @@ def tick_rows(table: str | None) -> dict:
     keys = [(64, 8), (64, 2), (16, 4), (1, 2), (1, 8)]
     plan_ops = build_ops("cuda", **({"codec_conv_table": Path(table)} if table else {})).codec
     print(f"plan: {plan_ops.conv_plan}", flush=True)
-    for name, ops in (("plan", plan_ops),
+    chained = dataclasses.replace(plan_ops, snake_into_next=True)
+    for name, ops in (("plan", plan_ops), ("plan_snake_into_next", chained),
                       ("cudnn", build_ops("cuda", codec_conv_kernel=False).codec)):
         dec = StreamingDecoder(codec, max_streams=64, buckets=True, max_frames=4096, ops=ops)
         t0 = time.perf_counter()
@@ -166,10 +169,14 @@ def tick_rows(table: str | None) -> dict:
             row[f"{streams}x{frames}_ms"] = round(ms, 2)
             row[f"{streams}x{frames}_x_realtime"] = round(streams * frames * 2048 / 44100
                                                           / ms * 1000, 1)
-        sid = dec.open()
+        # the same codes on 64 streams in 8-frame ticks: the 64 x 8 tick's convs (the plan's
+        # choices there), stream 0's audio compared
+        sids = [dec.open() for _ in range(64)]
         with torch.inference_mode():
-            got = torch.cat([dec.decode({sid: same[0, :, a:a + 8]})[sid].float().cpu()
-                             for a in range(0, 32, 8)])
+            got = torch.cat([dec.decode({s: same[0, :, a:a + 8] for s in sids})[sids[0]]
+                             .float().cpu() for a in range(0, 32, 8)])
+        for s in sids:
+            dec.close(s)
         err = got - want
         row["rel_l2_vs_fp32"] = round(float(err.norm() / want.norm()), 5)
         row["max_abs_vs_fp32"] = round(float(err.abs().max()), 5)

@@ -40,7 +40,8 @@
 # again without the bf16 copies of its linears, batches 16, 32, 64).
 # CONV=1: `python -m bench_latency.codec_conv_bench` (the codec's fused residual-unit convs
 # against cuDNN's conv + csrc's pass at the 64 x 8 tick's shapes, then graphed ticks with and
-# without them and their bf16 audio against float32; CONV_ARGS="--sweep": every launch shape)
+# without them (and with `snake_into_next`) and their bf16 audio against float32;
+# CONV_ARGS="--sweep": every launch shape)
 # into $OUT/codec_conv.{json,txt}.
 # SWIGLU=1: `linear_bench --swiglu` (the FFN's packed linear + silu*mul vs csrc's SwiGLU
 # epilogue at the M where the table picks the kernel) into $OUT/swiglu.{json,txt}. NORM=1:

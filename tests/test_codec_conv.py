@@ -290,8 +290,8 @@ def test_cuda_kernel_writes_the_next_input(B, C, N, T, k, d):
 @pytest.mark.parametrize("fuse", ["all", "conv7"])
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_residual_units_write_the_next_convs_input(monkeypatch, fuse, channels_last):
-    """Two residual units, a Snake and a conv streamed in uneven chunks: where a unit's last
-    conv runs fused it writes the next module's [tail | Snake] input (the next unit's first
+    """Two residual units, a Snake and a conv streamed in uneven chunks: with
+    `snake_into_next`, where a unit's last conv runs fused it writes the next module's [tail | Snake] input (the next unit's first
     conv, then the output conv), which takes it as it is — the offline output either way."""
     import engine.codec.layers as layers
     from engine.codec.layers import CausalConv1d, ResidualUnit, Snake1d
@@ -312,11 +312,17 @@ def test_residual_units_write_the_next_convs_input(monkeypatch, fuse, channels_l
     cfg = cc.Config(64, 64, 16)
     k1 = cfg if fuse == "all" else None
     plan = cc.Plan(((16, 7, 3, 1, cfg), (16, 7, 1, 1, cfg), (16, 1, 1, 1, k1)))
-    ops = CodecOps(conv_plan=plan, channels_last=channels_last)
-    got, want = stream_vs_offline(block, torch.randn(2, 16, 50), ops, channels_last)
+    x = torch.randn(2, 16, 50)
+    ops = CodecOps(conv_plan=plan, channels_last=channels_last, snake_into_next=True)
+    got, want = stream_vs_offline(block, x, ops, channels_last)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     per_chunk = [False, True, False, True] if fuse == "all" else [False, False]
     assert nexts == per_chunk * 4
+    nexts.clear()  # off (the default): every conv makes its own input
+    off = CodecOps(conv_plan=plan, channels_last=channels_last)
+    got, _ = stream_vs_offline(block, x, off, channels_last)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not any(nexts) and len(nexts) == len(per_chunk) * 4
 
 
 @needs_cuda

@@ -163,9 +163,9 @@ def stream_modules(mods: list[nn.Module], x: Tensor, ctx: StreamContext) -> Tens
     continue from saved state, the others are pointwise and run as is. A Snake followed by
     a causal (transposed) conv is handed to the conv as its input activation, so the
     activation is written straight into the conv's [tail | new] input (``ctx.ops.snake_cat``)
-    instead of being concatenated afterwards; a residual unit whose next module starts with
-    such a Snake + conv writes that input itself where its last conv runs fused
-    (`ResidualUnit.stream_chain`), and the conv takes it as it is."""
+    instead of being concatenated afterwards; with ``ctx.ops.snake_into_next``, a residual
+    unit whose next module starts with such a Snake + conv writes that input itself where
+    its last conv runs fused (`ResidualUnit.stream_chain`), and the conv takes it as it is."""
     i, xx = 0, None  # xx: the next conv's input, made by the module before
     while i < len(mods):
         m = mods[i]
@@ -175,7 +175,8 @@ def stream_modules(mods: list[nn.Module], x: Tensor, ctx: StreamContext) -> Tens
             i += 2
             continue
         if isinstance(m, ResidualUnit):
-            x, xx = m.stream_chain(x, ctx, xx, _next_conv(mods, i + 1))
+            then = _next_conv(mods, i + 1) if ctx.ops.snake_into_next else None
+            x, xx = m.stream_chain(x, ctx, xx, then)
             i += 1
             continue
         assert xx is None  # made only for a Snake + conv or a residual unit
@@ -207,6 +208,11 @@ class CodecOps:
     # Snake after it (the first) or the residual sum (the second) in its epilogue; the others
     # as the conv, then the pointwise op (needs fold_bias' ops)
     conv_plan: Plan | None = None
+    # with the plan: a residual unit whose last conv runs fused also writes the next conv's
+    # [tail | Snake] input in that conv's epilogue (`ResidualUnit.stream_chain`). Off: on the
+    # H200 the Triton epilogue's accurate sine made those k=1 convs 4.5 ms slower per 64 x 8
+    # tick than the 1.05 ms of Snake-and-concatenate passes it saved (docs/PERF.md)
+    snake_into_next: bool = False
     # convs as 2-D NHWC convs over channels-last activations ([B, C, T] stored as [B, T, C]):
     # cuDNN's fast kernels are NHWC, and a channels-first conv pays a transpose of its input
     # and of its output (4 of a 64 x 8 tick's 12 ms of convs on the H200)
