@@ -108,7 +108,10 @@ def gathered_rows(w: Tensor, rows: tuple[tuple[int, int], ...]) -> Tensor:
     cache = w.__dict__.setdefault("_gathered_rows", {})
     hit = cache.get(rows)
     if hit is None or hit[0] != key:
-        hit = cache[rows] = (key, torch.cat([w[a:b] for a, b in rows]).contiguous())
+        copy = torch.cat([w[a:b] for a, b in rows]).contiguous()
+        if w.is_cuda and torch.cuda.is_current_stream_capturing():
+            return copy  # made inside a CUDA graph (its pool, its replays): not kept
+        hit = cache[rows] = (key, copy)
     return hit[1]
 
 
