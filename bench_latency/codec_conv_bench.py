@@ -96,8 +96,8 @@ def conv_row(streams: int, c: int, t: int, k: int, d: int,
         y = F.conv2d(x.unsqueeze(2), w4, None, 1, 0, (1, d)).squeeze(2)
         return snake(y, alpha, bias) if k == 7 else bias_residual(res, y, bias)
 
-    def fused(cfg: cc.Config | None = None) -> torch.Tensor:
-        return cc.causal_conv(x, w, bias, d, taps=taps, config=cfg, **ep)
+    def fused(cfg: cc.Config | None = None, fast_sine: bool = False) -> torch.Tensor:
+        return cc.causal_conv(x, w, bias, d, taps=taps, config=cfg, fast_sine=fast_sine, **ep)
 
     flop = 2 * streams * t * c * c * k
     cfg = cc.config_for(streams * t, c, c)
@@ -107,6 +107,10 @@ def conv_row(streams: int, c: int, t: int, k: int, d: int,
                  "fused_config": _cfg(cfg), "fused_tflops": round(flop / ms / 1e9, 1),
                  "max_abs_vs_cudnn": round(float((fused().float() - cudnn().float())
                                                  .abs().max()), 4)}
+    if k == 7:  # the Snake epilogue with the hardware sine (csrc's pass uses it too)
+        fast = timed_ms(lambda: fused(fast_sine=True))
+        row.update(fused_fast_sine_ms=round(fast, 4), max_abs_fast_vs_accurate_sine=round(
+            float((fused(fast_sine=True).float() - fused().float()).abs().max()), 4))
     if sweep:
         best = None
         for s in sweep:
@@ -138,7 +142,8 @@ def _tick_ms(dec, streams: int, frames: int) -> float:  # type: ignore[no-untype
 
 def tick_rows(table: str | None) -> dict:
     """Graphed ticks with the fused convs where the plan (`table`: this run's measurement,
-    else the committed one) chose them (also with `snake_into_next`) and with cuDNN
+    else the committed one) chose them (also with the hardware sine and / or
+    `snake_into_next`) and with cuDNN
     everywhere, and each one's bf16 audio (64 streams in 8-frame ticks) against the float32
     offline decode."""
     from engine.codec import CodecConfig, StreamingDecoder, dummy_codec
@@ -155,9 +160,15 @@ def tick_rows(table: str | None) -> dict:
     keys = [(64, 8), (64, 2), (16, 4), (1, 2), (1, 8)]
     plan_ops = build_ops("cuda", **({"codec_conv_table": Path(table)} if table else {})).codec
     print(f"plan: {plan_ops.conv_plan}", flush=True)
-    chained = dataclasses.replace(plan_ops, snake_into_next=True)
-    for name, ops in (("plan", plan_ops), ("plan_snake_into_next", chained),
-                      ("cudnn", build_ops("cuda", codec_conv_kernel=False).codec)):
+    variants = [("plan", plan_ops)]
+    for fast in (False, True):
+        for chain in (False, True):
+            if fast or chain:
+                name = "plan" + "_fast_sine" * fast + "_snake_into_next" * chain
+                variants.append((name, dataclasses.replace(
+                    plan_ops, conv_fast_sine=fast, snake_into_next=chain)))
+    variants.append(("cudnn", build_ops("cuda", codec_conv_kernel=False).codec))
+    for name, ops in variants:
         dec = StreamingDecoder(codec, max_streams=64, buckets=True, max_frames=4096, ops=ops)
         t0 = time.perf_counter()
         dec.capture(keys=keys)

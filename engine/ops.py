@@ -197,7 +197,7 @@ def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool 
               normed_max_m_fp8: int = linear.NORMED_DISPATCH_M_FP8,
               fp8_dense: bool = True, codec_conv_kernel: bool = True,
               codec_conv_table: Path = codec_conv.DEFAULT_TABLE,
-              codec_snake_into_next: bool = False) -> Ops:
+              codec_snake_into_next: bool = False, codec_conv_fast_sine: bool = False) -> Ops:
     """The ops an engine on `device` runs. `fused`: "compile" (torch.compile'd elementwise ops
     and the packed FFN GEMM), "reference", or "auto" (compile on CUDA only). `kernels`: use
     csrc's kernels where the extension is built, and with compiled ops the Triton q/k norm +
@@ -221,7 +221,8 @@ def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool 
     the residual sum in their epilogues where the recorded table `codec_conv_table` measured
     them faster than cuDNN's conv + csrc's pass (CUDA, channels-last, with csrc's codec
     kernels); `codec_snake_into_next`: with those, a residual unit's fused last conv also
-    writes the next conv's Snake'd input (off by default: slower on the H200, docs/PERF.md).
+    writes the next conv's Snake'd input (off by default: slower on the H200, docs/PERF.md);
+    `codec_conv_fast_sine`: their Snake epilogues with the hardware sine (off: unmeasured).
     On CUDA the linears (dense and FP8) take the implementation the recorded per-shape table
     `linear_table` picks (csrc's small-M kernel only with `linear_kernels`); FP8 weights
     without a kernel there run the Triton FP8 GEMM (the dequantising reference without it)."""
@@ -253,7 +254,8 @@ def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool 
     if (built and codec_kernels and codec.channels_last and codec_conv_kernel
             and codec_conv.available()):
         codec = dataclasses.replace(codec, conv_plan=codec_conv.load_plan(codec_conv_table),
-                                    snake_into_next=codec_snake_into_next)
+                                    snake_into_next=codec_snake_into_next,
+                                    conv_fast_sine=codec_conv_fast_sine)
     if cuda:
         plan = linear.load_plan(linear_table)
         parts["dense_plan"] = plan if fp8_dense else None

@@ -40,7 +40,8 @@
 # again without the bf16 copies of its linears, batches 16, 32, 64).
 # CONV=1: `python -m bench_latency.codec_conv_bench` (the codec's fused residual-unit convs
 # against cuDNN's conv + csrc's pass at the 64 x 8 tick's shapes, then graphed ticks with and
-# without them (and with `snake_into_next`) and their bf16 audio against float32;
+# without them (and with the hardware sine and / or `snake_into_next`: ~40 s of capture
+# each) and their bf16 audio against float32;
 # CONV_ARGS="--sweep": every launch shape)
 # into $OUT/codec_conv.{json,txt}.
 # SWIGLU=1: `linear_bench --swiglu` (the FFN's packed linear + silu*mul vs csrc's SwiGLU
@@ -88,7 +89,7 @@ if [ "${PROBE:-0}" = 1 ]; then  # prefill graphs alone: what a burst of turns co
     timeout 60 python3 scripts/start_probe.py 2>&1 | tail -1 | tee -a "$OUT/probes.txt"
 fi
 if [ "${CONV:-0}" = 1 ]; then  # the codec's fused residual-unit convs vs cuDNN + a pass, ticks
-    timeout ${CONV_TIMEOUT:-240} python3 -m bench_latency.codec_conv_bench ${CONV_ARGS:-} \
+    timeout ${CONV_TIMEOUT:-420} python3 -m bench_latency.codec_conv_bench ${CONV_ARGS:-} \
         --json "$OUT/codec_conv.json" 2>&1 | grep -v "Warn\|warn" | tee "$OUT/codec_conv.txt" | tail -20
     echo "codec conv bench done at +$(( $(date +%s) - t0 ))s"
 fi

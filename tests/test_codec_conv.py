@@ -200,20 +200,28 @@ def test_residual_unit_streams_through_the_plan(monkeypatch, channels_last, fuse
     import engine.codec.layers as layers
 
     calls = []
+    sines = []
 
     def conv(*a, **k):  # type: ignore[no-untyped-def]
         calls.append("alpha" if k.get("alpha") is not None else "residual")
+        sines.append(k.get("fast_sine"))
         return cc.causal_conv(*a, **k)
 
     monkeypatch.setattr(layers, "causal_conv", conv)
     cfg = cc.Config(64, 64, 16)
     plan = cc.Plan(((16, 7, 3, 1, cfg if fuse != "none" else None),
                     (16, 1, 1, 1, cfg if fuse == "both" else None)))
-    ops = CodecOps(conv_plan=plan, channels_last=channels_last)
     block = unit_block(16)
-    got, want = stream_vs_offline(block, torch.randn(2, 16, 50), ops, channels_last)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert calls == {"both": ["alpha", "residual"], "conv7": ["alpha"], "none": []}[fuse] * 4
+    x = torch.randn(2, 16, 50)
+    for fast in (False, True):  # the sine choice reaches the kernel (the CPU's formulas: same)
+        calls.clear()
+        sines.clear()
+        ops = CodecOps(conv_plan=plan, channels_last=channels_last, conv_fast_sine=fast)
+        got, want = stream_vs_offline(block, x, ops, channels_last)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert calls == {"both": ["alpha", "residual"], "conv7": ["alpha"],
+                         "none": []}[fuse] * 4
+        assert sines == [fast] * len(calls)
 
 
 # ------------------------------------------------------------------------- the kernel
@@ -277,6 +285,23 @@ def test_interp_kernel_writes_the_next_input(monkeypatch, B, C, N, T, k, d):
 
     _patch_interpreter(monkeypatch)
     _next_input_case(B, C, N, T, k, d, "cpu", cc.Config(16, 32, 16, 4, 1), launch=True)
+
+
+@needs_cuda
+@pytest.mark.parametrize("B,C,N,T,k,d", [(2, 32, 48, 5, 7, 3), (64, 384, 384, 64, 7, 9),
+                                         (3, 768, 768, 8, 7, 3)])
+def test_cuda_kernel_with_the_hardware_sine(B, C, N, T, k, d):
+    """`fast_sine`: the Snake epilogue with the hardware sine stays within the kernel's bound
+    against float64 (its error is far below bf16's rounding), and so does the next-input
+    epilogue."""
+    x, w, bias, alpha, _ = _operands(B, C, N, T, k, d, device="cuda")
+    # arguments alpha * y up to ~|10|: the hardware sine's error grows slowly with them
+    got = cc.causal_conv(x, w, bias * 30, d, alpha=alpha, fast_sine=True)
+    _assert_kernel_close(got, x, w, bias * 30, d, alpha=alpha)
+    accurate = cc.causal_conv(x, w, bias * 30, d, alpha=alpha)
+    # at most one bf16 rounding step apart from the accurate sine's result
+    diff = (got.float() - accurate.float()).abs()
+    assert bool((diff <= 2 ** -7 * accurate.float().abs() + 1e-3).all()), float(diff.max())
 
 
 @needs_cuda

@@ -213,6 +213,9 @@ class CodecOps:
     # H200 the Triton epilogue's accurate sine made those k=1 convs 4.5 ms slower per 64 x 8
     # tick than the 1.05 ms of Snake-and-concatenate passes it saved (docs/PERF.md)
     snake_into_next: bool = False
+    # the fused convs' Snake epilogues with the hardware sine (as csrc's bf16 Snake pass)
+    # instead of Triton's accurate one; not yet measured on a GPU, so off
+    conv_fast_sine: bool = False
     # convs as 2-D NHWC convs over channels-last activations ([B, C, T] stored as [B, T, C]):
     # cuDNN's fast kernels are NHWC, and a channels-first conv pays a transpose of its input
     # and of its output (4 of a 64 x 8 tick's 12 ms of convs on the H200)
@@ -386,7 +389,7 @@ class CausalConv1d(Stateful, nn.Module):
                     nxt = (buf, alpha2)
             y = causal_conv(xx, c.weight, c.bias, d, alpha=alpha, residual=residual,
                             next_input=nxt, taps=_derived_weight(c, "_conv_taps", conv_taps),
-                            config=cfg)
+                            config=cfg, fast_sine=ops.conv_fast_sine)
             return y, nxt[0] if nxt is not None else None
         y = self._conv(xx, False, ctx)
         if alpha is not None:

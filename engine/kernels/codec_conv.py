@@ -237,22 +237,27 @@ def causal_conv(x: Tensor, weight: Tensor, bias: Tensor, dilation: int = 1, *,
                 alpha: Tensor | None = None, residual: Tensor | None = None,
                 next_input: tuple[Tensor, Tensor] | None = None,
                 taps: Tensor | None = None, config: Config | None = None,
-                kernel: bool = True) -> Tensor:
+                kernel: bool = True, fast_sine: bool = False) -> Tensor:
     """The conv + bias + (Snake | residual sum [+ the next Snake into `next_input`]) of the
     module docstring in one launch where the kernel applies (`taps`: `conv_taps(weight)`,
     made once by the caller; made here when not given), the formulas otherwise (CPU, no
-    triton, `kernel=False`, other layouts)."""
+    triton, `kernel=False`, other layouts). `fast_sine`: the kernel's Snake takes the
+    hardware sine (`sin.approx`, as csrc's bf16 Snake pass does: absolute error ~2^-21 near
+    0, growing slowly with the argument, far below bf16's rounding) instead of the accurate
+    one (range reduction, ~40 instructions per value)."""
     t = _check(x, weight, bias, dilation, alpha, residual, next_input)
     xx = next_input[0] if next_input is not None else None
     if not (kernel and available() and supported(x, weight, residual, xx)):
         return causal_conv_torch(x, weight, bias, dilation, alpha=alpha, residual=residual,
                                  next_input=next_input)
-    return _launch(x, weight, bias, dilation, alpha, residual, taps, config, t, next_input)
+    return _launch(x, weight, bias, dilation, alpha, residual, taps, config, t, next_input,
+                   fast_sine)
 
 
 def _launch(x: Tensor, weight: Tensor, bias: Tensor, dilation: int, alpha: Tensor | None,
             residual: Tensor | None, taps: Tensor | None, config: Config | None,
-            t: int, next_input: tuple[Tensor, Tensor] | None = None) -> Tensor:
+            t: int, next_input: tuple[Tensor, Tensor] | None = None,
+            fast_sine: bool = False) -> Tensor:
     B, C, _ = x.shape
     n, _, k = weight.shape
     taps = conv_taps(weight) if taps is None else taps
@@ -280,7 +285,7 @@ def _launch(x: Tensor, weight: Tensor, bias: Tensor, dilation: int, alpha: Tenso
         x, taps, bias.reshape(-1), a.reshape(-1), r, out, xx,
         m, t, n, C, taps.shape[1], dilation * x.stride(2), x.stride(0), x.stride(2),
         r.stride(0), r.stride(2), xx.stride(0), xx.shape[2] - t, TAPS=k, EPI=epi,
-        BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, num_warps=cfg.warps,
+        FAST_SIN=bool(fast_sine), BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, num_warps=cfg.warps,
         num_stages=cfg.stages)
     return out.transpose(1, 2)
 
@@ -289,11 +294,13 @@ def _launch(x: Tensor, weight: Tensor, bias: Tensor, dilation: int, alpha: Tenso
 def _kernel():  # type: ignore[no-untyped-def]
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice
 
     @triton.jit(do_not_specialize=["M", "T"])
     def conv_kernel(x_ptr, w_ptr, b_ptr, a_ptr, r_ptr, o_ptr, s_ptr, M, T, N, C, NP, s_tap,
                     sxb, sxt, srb, srt, ssb, s_off, TAPS: tl.constexpr, EPI: tl.constexpr,
-                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                    FAST_SIN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                    BK: tl.constexpr):
         # output tiles in row-major order with the channel tiles fastest: the programs that
         # run together read the same input rows (from L2) and the whole weight stays in L2
         pid = tl.program_id(0)
@@ -321,7 +328,10 @@ def _kernel():  # type: ignore[no-untyped-def]
         v = acc + tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         if EPI == 1:  # Snake: v + sin(alpha v)^2 / (alpha + 1e-9)
             al = tl.load(a_ptr + rn, mask=n_ok, other=1.0).to(tl.float32)
-            s = tl.sin(al[None, :] * v)
+            if FAST_SIN:
+                s = libdevice.fast_sinf(al[None, :] * v)
+            else:
+                s = tl.sin(al[None, :] * v)
             v = v + (1.0 / (al + 1e-9))[None, :] * (s * s)
         elif EPI >= 2:  # the residual sum x + (y + bias)
             r_row = b.to(tl.int64) * srb + t.to(tl.int64) * srt
@@ -334,7 +344,10 @@ def _kernel():  # type: ignore[no-untyped-def]
         if EPI == 3:  # and the next Snake of the rounded sum into the next conv's input
             al = tl.load(a_ptr + rn, mask=n_ok, other=1.0).to(tl.float32)
             yf = y.to(tl.float32)
-            s = tl.sin(al[None, :] * yf)
+            if FAST_SIN:
+                s = libdevice.fast_sinf(al[None, :] * yf)
+            else:
+                s = tl.sin(al[None, :] * yf)
             sv = yf + (1.0 / (al + 1e-9))[None, :] * (s * s)
             s_row = b.to(tl.int64) * ssb + (s_off + t).to(tl.int64) * N
             tl.store(s_ptr + s_row[:, None] + rn[None, :], sv.to(s_ptr.dtype.element_ty),
