@@ -99,20 +99,27 @@ def packed(w1: Tensor | Fp8Weight, w3: Tensor | Fp8Weight) -> Tensor | Fp8Weight
     return None
 
 
+def derived(store: dict, name: object, w: Tensor, make: Callable[[Tensor], Tensor]) -> Tensor:
+    """``make(w)``, made once and kept in ``store[name]`` (a module's or the weight's
+    ``__dict__``): inference weights do not change, and a new weight tensor, new storage,
+    dtype, device or an in-place edit remakes it. One made inside a CUDA graph capture (the
+    graph's pool) is not kept."""
+    key = (id(w), w._version, w.data_ptr(), w.dtype, w.device)
+    cached = store.get(name)
+    if cached is None or cached[0] != key:
+        value = make(w.detach())
+        if w.is_cuda and torch.cuda.is_current_stream_capturing():
+            return value
+        cached = store[name] = (key, value)
+    return cached[1]
+
+
 @torch.no_grad()
 def gathered_rows(w: Tensor, rows: tuple[tuple[int, int], ...]) -> Tensor:
     """[w[a0:b0]; w[a1:b1]; ...] as one contiguous matrix (a head over scattered rows of a
-    tied embedding as one GEMM), made once per weight and kept on it: inference weights do
-    not change, and new storage, dtype, device or an in-place edit remakes it."""
-    key = (rows, w._version, w.data_ptr(), w.dtype, w.device)
-    cache = w.__dict__.setdefault("_gathered_rows", {})
-    hit = cache.get(rows)
-    if hit is None or hit[0] != key:
-        copy = torch.cat([w[a:b] for a, b in rows]).contiguous()
-        if w.is_cuda and torch.cuda.is_current_stream_capturing():
-            return copy  # made inside a CUDA graph (its pool, its replays): not kept
-        hit = cache[rows] = (key, copy)
-    return hit[1]
+    tied embedding as one GEMM), kept on the weight (`derived`)."""
+    return derived(w.__dict__.setdefault("_gathered_rows", {}), rows, w,
+                   lambda v: torch.cat([v[a:b] for a, b in rows]).contiguous())
 
 
 @torch.no_grad()

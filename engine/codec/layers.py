@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..functional import apply_rope, rms_norm, rope_table
+from ..fusion import derived
 from ..kernels.activation import (
     bias_residual_torch,
     cat_time,
@@ -251,23 +252,10 @@ def _input_buffer(tail: Tensor, like: Tensor) -> Tensor:
     return xx
 
 
-def _derived_weight(conv: nn.Conv1d | nn.ConvTranspose1d, name: str,
-                    make: Callable[[Tensor], Tensor]) -> Tensor:
-    """``make(conv.weight)``, made once per weight (inference weights do not change; a new
-    weight tensor, new storage, dtype or device, or an in-place edit remakes it)."""
-    w = conv.weight
-    key = (id(w), w._version, w.data_ptr(), w.dtype, w.device)
-    cached = conv.__dict__.get(name)
-    if cached is None or cached[0] != key:
-        cached = (key, make(w.detach()))
-        conv.__dict__[name] = cached
-    return cached[1]
-
-
 def _weight_cl(conv: nn.Conv1d | nn.ConvTranspose1d) -> Tensor:
     """The conv's weight as a channels-last 2-D kernel [O, I, 1, k]."""
-    return _derived_weight(conv, "_weight_cl",
-                           lambda w: w.unsqueeze(2).contiguous(memory_format=torch.channels_last))
+    return derived(conv.__dict__, "_weight_cl", conv.weight,
+                   lambda w: w.unsqueeze(2).contiguous(memory_format=torch.channels_last))
 
 
 def conv_cl(conv: nn.Conv1d | nn.ConvTranspose1d, x: Tensor, bias: bool = True) -> Tensor:
@@ -330,14 +318,14 @@ class CausalConv1d(Stateful, nn.Module):
         # x: [B, Cin, T] new samples (padded) -> [B, Cout, T]; the saved tail replaces the zeros
         # the offline conv pads on the left. act: a preceding Snake's alpha, applied to x first.
         # bias=False: the conv's bias is left out (the caller adds it in a later op). xx: the
-        # input already made by the module before (`input_buffer`, filled).
+        # input already made by the module before (`_input_buffer`, filled).
         return self._conv(self.stream_input(x, ctx, act, xx), bias, ctx)
 
     def stream_input(self, x: Tensor, ctx: StreamContext, act: Tensor | None = None,
                      xx: Tensor | None = None) -> Tensor:
         """The conv's input for new samples x [B, Cin, T] (activated by a preceding Snake
         when ``act`` is its alpha): [B, Cin, left_pad + T], the saved tail first; the new
-        tail is saved. xx: that input already made (`input_buffer`, its new samples written
+        tail is saved. xx: that input already made (`_input_buffer`, its new samples written
         by the module before), taken as it is."""
         if self.stride != 1:
             raise RuntimeError("streaming is only defined for stride-1 causal convs")
@@ -347,12 +335,6 @@ class CausalConv1d(Stateful, nn.Module):
             xx = _stream_input(ctx.get(self, "tail"), x, act, ctx)  # [B, Cin, left_pad + T]
         ctx.put(self, "tail", ctx.take_last(xx, self.left_pad))
         return xx
-
-    def input_buffer(self, like: Tensor, ctx: StreamContext) -> Tensor:
-        """This conv's streaming input for new samples shaped like ``like`` [B, Cin, T], for
-        the module before to fill: [B, Cin, left_pad + T] in like's layout, the saved tail
-        in its first left_pad samples, the new samples' left empty."""
-        return _input_buffer(ctx.get(self, "tail"), like)
 
     def stream_then(self, x: Tensor, ctx: StreamContext, act: Tensor | None = None, *,
                     alpha: Tensor | None = None, residual: Tensor | None = None,
@@ -369,7 +351,7 @@ class CausalConv1d(Stateful, nn.Module):
                         ) -> tuple[Tensor, Tensor | None]:
         """`stream_then`; with ``residual`` and ``then`` = (the next streaming conv, the
         Snake's alpha before it), where the fused conv runs it also writes that Snake of
-        its output into the next conv's `input_buffer` in the same pass, which it returns
+        its output into the next conv's `_input_buffer` in the same pass, which it returns
         (filled) with the output (None where it does not: the next conv makes its input)."""
         c, ops = self.conv, ctx.ops
         assert ops.conv_plan is not None and c.bias is not None and c.groups == 1
@@ -383,12 +365,12 @@ class CausalConv1d(Stateful, nn.Module):
             nxt = None
             if then is not None and residual is not None:
                 consumer, alpha2 = then
-                like = residual  # [B, Cout, T] in the output's layout (channels-last on CUDA)
-                buf = consumer.input_buffer(like, ctx)
+                # [consumer's tail | T samples to fill] in the output's (residual's) layout
+                buf = _input_buffer(ctx.get(consumer, "tail"), residual)
                 if not xx.is_cuda or causal_conv_supported(xx, c.weight, residual, buf):
                     nxt = (buf, alpha2)
             y = causal_conv(xx, c.weight, c.bias, d, alpha=alpha, residual=residual,
-                            next_input=nxt, taps=_derived_weight(c, "_conv_taps", conv_taps),
+                            next_input=nxt, taps=derived(c.__dict__, "_conv_taps", c.weight, conv_taps),
                             config=cfg, fast_sine=ops.conv_fast_sine)
             return y, nxt[0] if nxt is not None else None
         y = self._conv(xx, False, ctx)
@@ -445,7 +427,7 @@ class CausalConvTranspose1d(Stateful, nn.Module):
     def stream(self, x: Tensor, ctx: StreamContext, act: Tensor | None = None,
                xx: Tensor | None = None) -> Tensor:
         # x: [B, Cin, T] -> [B, Cout, T * stride]; act: a preceding Snake's alpha; xx: the
-        # input already made by the module before (`input_buffer`, filled)
+        # input already made by the module before (`_input_buffer`, filled)
         conv = (lambda v: conv_cl(self.conv, v)) if ctx.ops.channels_last else self.conv
         if self.history == 0:
             y = conv(x if act is None else ctx.ops.snake(x, act))
@@ -456,12 +438,6 @@ class CausalConvTranspose1d(Stateful, nn.Module):
         y = conv(xx)  # [B, Cout, (history + T - 1)*stride + kernel]
         start = self.history * self.stride  # outputs of the tail alone were emitted last call
         return y[..., start : start + x.shape[-1] * self.stride]
-
-    def input_buffer(self, like: Tensor, ctx: StreamContext) -> Tensor:
-        """This conv's streaming input for new samples shaped like ``like`` [B, Cin, T]:
-        [B, Cin, history + T], the saved tail first, the new samples' left for the module
-        before to fill (as CausalConv1d.input_buffer)."""
-        return _input_buffer(ctx.get(self, "tail"), like)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -493,7 +469,7 @@ class ResidualUnit(nn.Module):
                      then: tuple[Stateful, Tensor] | None = None
                      ) -> tuple[Tensor, Tensor | None]:
         """`stream`, where ``xx`` (when given) is the first conv's input already made (the
-        module before wrote Snake(x) into its `input_buffer`) and ``then`` = (the next
+        module before wrote Snake(x) into its `_input_buffer`) and ``then`` = (the next
         module's streaming conv, the Snake before it): where this unit's last conv runs
         fused, it writes that Snake of the unit's output into the next conv's input in the
         same pass and returns it beside the output (else None), which saves the next conv's
