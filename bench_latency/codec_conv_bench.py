@@ -4,11 +4,12 @@ Snake / bias-residual pass, at the S2-Pro decoder's shapes for a tick of 64 stre
 then the graphed streaming codec's ticks with and without the fused convs, and each one's bf16
 audio against the float32 offline decode.
 
-    python -m bench_latency.codec_conv_bench [--sweep [--wide]] [--streams 64,4]
+    python -m bench_latency.codec_conv_bench [--sweep [--wide] [--accurate-sine]] [--streams 64,4]
         [--json out.json] [--no-ticks | --ticks-only]
 
-`--sweep` times every launch shape of `SWEEP` (`--wide`: and of `WIDE`) per conv and reports
-the fastest: the JSON is then a table the codec's plan loads (`codec_conv.load_plan`: the
+`--sweep` times every launch shape of `SWEEP` (`--wide`: and of `WIDE`) per conv, the Snake
+convs with the hardware sine as the engine runs them (`--accurate-sine`: Triton's), and
+reports the fastest: the JSON is then a table the codec's plan loads (`codec_conv.load_plan`: the
 fused conv where its best shape beat cuDNN's conv + pass). Timing: CUDA events over 20 calls
 after 3 warm-ups.
 """
@@ -66,21 +67,24 @@ def wall_ms(fn: Callable[[], object], n: int = 10) -> float:
     return (time.perf_counter() - t) / n * 1000
 
 
-def conv_rows(streams: list[int], sweep: tuple[cc.Config, ...]) -> list[dict]:
+def conv_rows(streams: list[int], sweep: tuple[cc.Config, ...],
+              fast_sine: bool = True) -> list[dict]:
     torch.backends.cudnn.benchmark, torch.backends.cudnn.benchmark_limit = True, 3
     rows = []
     for n in streams:
         for c, t in LEVELS:
             for k, d in ((7, 9), (7, 3), (7, 1), (1, 1)):
-                row = conv_row(n, c, t, k, d, sweep)
+                row = conv_row(n, c, t, k, d, sweep, fast_sine)
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     return rows
 
 
 def conv_row(streams: int, c: int, t: int, k: int, d: int,
-             sweep: tuple[cc.Config, ...]) -> dict:
-    """One conv of c -> c channels over `streams` x t samples: cuDNN + its pass vs fused."""
+             sweep: tuple[cc.Config, ...], fast_sine: bool = True) -> dict:
+    """One conv of c -> c channels over `streams` x t samples: cuDNN + its pass vs fused
+    (the sweep's Snake epilogues with the hardware sine where `fast_sine`, as the engine's
+    `build_ops` runs them by default)."""
     dt = torch.bfloat16
     P = (k - 1) * d
     x = torch.randn(streams, P + t, c, device="cuda", dtype=dt).transpose(1, 2)
@@ -118,7 +122,7 @@ def conv_row(streams: int, c: int, t: int, k: int, d: int,
             bk = next(b for b in (128, 64, 32, 16) if b <= s.block_k and c % b == 0)
             s = cc.Config(s.block_m, s.block_n, bk, s.warps, s.stages)
             try:
-                ms = timed_ms(lambda s=s: fused(s))
+                ms = timed_ms(lambda s=s: fused(s, fast_sine and k == 7))
             except Exception as e:  # a shape that does not fit (shared memory)
                 print(f"  {s}: {type(e).__name__}: {str(e)[:80]}", flush=True)
                 continue
@@ -142,9 +146,8 @@ def _tick_ms(dec, streams: int, frames: int) -> float:  # type: ignore[no-untype
 
 def tick_rows(table: str | None) -> dict:
     """Graphed ticks with the fused convs where the plan (`table`: this run's measurement,
-    else the committed one) chose them (also with the hardware sine and / or
-    `snake_into_next`) and with cuDNN
-    everywhere, and each one's bf16 audio (64 streams in 8-frame ticks) against the float32
+    else the committed one) chose them, as the engine runs them (the hardware sine), then
+    with Triton's accurate sine, with `snake_into_next`, and with cuDNN everywhere, and each one's bf16 audio (64 streams in 8-frame ticks) against the float32
     offline decode."""
     from engine.codec import CodecConfig, StreamingDecoder, dummy_codec
     from engine.ops import build_ops
@@ -160,14 +163,10 @@ def tick_rows(table: str | None) -> dict:
     keys = [(64, 8), (64, 2), (16, 4), (1, 2), (1, 8)]
     plan_ops = build_ops("cuda", **({"codec_conv_table": Path(table)} if table else {})).codec
     print(f"plan: {plan_ops.conv_plan}", flush=True)
-    variants = [("plan", plan_ops)]
-    for fast in (False, True):
-        for chain in (False, True):
-            if fast or chain:
-                name = "plan" + "_fast_sine" * fast + "_snake_into_next" * chain
-                variants.append((name, dataclasses.replace(
-                    plan_ops, conv_fast_sine=fast, snake_into_next=chain)))
-    variants.append(("cudnn", build_ops("cuda", codec_conv_kernel=False).codec))
+    variants = [("plan", plan_ops),  # the engine's codec: the hardware sine, no chaining
+                ("plan_accurate_sine", dataclasses.replace(plan_ops, conv_fast_sine=False)),
+                ("plan_snake_into_next", dataclasses.replace(plan_ops, snake_into_next=True)),
+                ("cudnn", build_ops("cuda", codec_conv_kernel=False).codec)]
     for name, ops in variants:
         dec = StreamingDecoder(codec, max_streams=64, buckets=True, max_frames=4096, ops=ops)
         t0 = time.perf_counter()
@@ -205,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
                          "deeper pipelines, 8 warps per 128 x 128 tile)")
     ap.add_argument("--streams", default="64",
                     help="comma-separated streams per tick (8 frames each) to time the convs at")
+    ap.add_argument("--accurate-sine", action="store_true",
+                    help="sweep the Snake convs with Triton's accurate sine (default: the "
+                         "hardware sine, which the engine's build_ops runs)")
     ap.add_argument("--no-ticks", action="store_true", help="the convs only")
     ap.add_argument("--ticks-only", action="store_true",
                     help="the ticks only (the committed plan against cuDNN)")
@@ -217,8 +219,10 @@ def main(argv: list[str] | None = None) -> int:
     streams = [int(v) for v in a.streams.split(",")]
     report: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                     "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+                    "sweep_fast_sine": not a.accurate_sine,
                     "convs": [] if a.ticks_only else conv_rows(
-                        streams, (SWEEP + (WIDE if a.wide else ())) if a.sweep else ())}
+                        streams, (SWEEP + (WIDE if a.wide else ())) if a.sweep else (),
+                        fast_sine=not a.accurate_sine)}
     if a.json:
         Path(a.json).write_text(json.dumps(report, indent=1))
     if not a.no_ticks:  # with this run's plan where it swept, else the committed one

@@ -82,6 +82,10 @@
 //          (a warp per row reads it from L2 in one round trip and sums its squares; one
 //          barrier) into shared memory, from which the main loop reads x: the norm's launch
 //          folded into the linear's.
+//   linear_small_m_attend (variant 0, M <= 16, not with glu or norm_weight): x = qkv[:, :K]
+//          of one position's [q | k | v] rows; the attention prologue (attend_rows below)
+//          computes their attention over a few cached positions into shared memory, which
+//          the main loop multiplies (the fast AR's attention launch folded into wo).
 //   pdl    0: a plain launch; 1..3: programmatic dependent launch (sm_90+; a plain launch
 //          before, csrc/launch.cuh): 1 the kernel's blocks may start while the kernel before
 //          ends and wait for it, the next kernel's may come in for this one's tail; 2 as 1,
@@ -94,6 +98,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <mutex>
 #include <optional>
@@ -317,9 +322,34 @@ struct Args {
   int64_t res_rs;            // its row stride (elements)
   const __nv_bfloat16* nw;   // RMSNorm weight [K]: x rows are normed first (null: plain x)
   float eps;
-  int xs_rs;                 // row stride (elements) of the normed rows in shared memory
+  int xs_rs;                 // row stride (elements) of the prologue's rows in shared memory
   int pdl;                   // PDL mode (kPdl*): prefetch before the wait, where to trigger
+  // the attention prologue (kProAttend): x rows are [q | k | v] of one position
+  __nv_bfloat16* at_k;       // the layer's key cache [rows, at_hkv, at_s, kAttnD]
+  __nv_bfloat16* at_v;       // its value cache, same shape
+  const __nv_bfloat16* at_cs;  // [kAttnD / 2, 2] (cos, sin) of the position
+  int at_hkv, at_s, at_pos;  // kv heads, cache positions per row, this position
+  float at_scale;            // 1 / sqrt(kAttnD)
 };
+
+// What variant 0 does before its main loop (a separate instantiation each): nothing, the
+// normed prologue (x rows RMS-normed into shared memory) or the attention prologue (x rows
+// are a position's q/k/v projections; their attention output goes to shared memory).
+constexpr int kProPlain = 0;
+constexpr int kProNorm = 1;
+constexpr int kProAttend = 2;
+
+// The attention prologue's limits and layout: head_dim kAttnD; lane t of a warp scores
+// cache position t (at most kAttnMaxPos positions); a warp's shared scratch holds its (row,
+// kv head)'s keys [S][kAttnD + kAttnKPad] (rows 272 bytes apart: a quarter-warp's 16-byte
+// reads of 8 rows hit distinct banks), values [S][kAttnD] and kAttnHeads rotated queries.
+constexpr int kAttnD = 128;
+constexpr int kAttnMaxPos = 32;
+constexpr int kAttnHeads = 4;
+constexpr int kAttnKPad = 8;
+__host__ __device__ constexpr int attn_warp_bytes(int s) {
+  return (s * (kAttnD + kAttnKPad) + s * kAttnD + kAttnHeads * kAttnD) * 2;
+}
 
 // y = residual + bf16(d): the linear's output rounded, then the residual add rounded (what
 // `x + F.linear(...)` computes in bf16).
@@ -479,6 +509,161 @@ __device__ __forceinline__ void norm_rows(const Args& a, __nv_bfloat16* xs) {
   __syncthreads();
 }
 
+// 4 bf16 at p (8-byte aligned) as floats, and back (values already bf16: exact).
+__device__ __forceinline__ void ld_bf16x4(const __nv_bfloat16* p, float (&f)[4]) {
+  const uint2 v = *reinterpret_cast<const uint2*>(p);
+  const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v.x));
+  const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v.y));
+  f[0] = a.x;
+  f[1] = a.y;
+  f[2] = b.x;
+  f[3] = b.y;
+}
+__device__ __forceinline__ void st_bf16x4(__nv_bfloat16* p, const float (&f)[4]) {
+  const __nv_bfloat162 a = __floats2bfloat162_rn(f[0], f[1]);
+  const __nv_bfloat162 b = __floats2bfloat162_rn(f[2], f[3]);
+  uint2 v;
+  v.x = *reinterpret_cast<const uint32_t*>(&a);
+  v.y = *reinterpret_cast<const uint32_t*>(&b);
+  *reinterpret_cast<uint2*>(p) = v;
+}
+
+// RoPE on a lane's 4 dims 4 l .. 4 l + 3 of a head (its pairs 2 l and 2 l + 1, whose
+// (cos, sin) are cs = (c0, s0, c1, s1)), rounded as engine/functional.py's apply_rope:
+// float32 products kept apart, each result to bf16.
+__device__ __forceinline__ void rope_bf16x4(float (&x)[4], const float (&cs)[4]) {
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const float c = cs[2 * j], sn = cs[2 * j + 1];
+    const float x0 = x[2 * j], x1 = x[2 * j + 1];
+    x[2 * j] = __bfloat162float(__float2bfloat16(__fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, sn))));
+    x[2 * j + 1] =
+        __bfloat162float(__float2bfloat16(__fadd_rn(__fmul_rn(x1, c), __fmul_rn(x0, sn))));
+  }
+}
+
+// The attention prologue: rows m < M of x are one position's [q | k | v] projections (q
+// K = H kAttnD wide, then Hkv kAttnD each of k and v, all rows at position at_pos) ->
+// softmax(q_h k^T / sqrt(D)) v over the row's cached positions 0..pos-1 and this one, per
+// query head h (kv head h / (H / Hkv)), q and k rotated by at_cs first: [M, K] bf16 rows
+// into xs (shared) for the main loop, as engine/kernels/decode_attention.py's kernel with
+// its RoPE computes them (scores and softmax in float32). Block (0, 0) also stores this
+// position's rotated key and its value in the caches; every block reads only positions
+// before it there. A warp per (row, kv head): the cached keys and values come into its
+// scratch by cp.async (one round trip for all), lane t scores position t against up to
+// kAttnHeads query heads at a time (whole-row dot products from shared memory), the softmax
+// is a warp reduction, and each lane sums its 4 output dims over the positions. One barrier
+// at the end, before the main loop reads xs.
+__device__ void attend_rows(const Args& a, __nv_bfloat16* xs, unsigned char* scratch) {
+  constexpr int kRs = kAttnD + kAttnKPad;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int S = a.at_s, p = a.at_pos, hkv = a.at_hkv;
+  const int rep = a.K / kAttnD / hkv, kvw = hkv * kAttnD;
+  __nv_bfloat16* kb = reinterpret_cast<__nv_bfloat16*>(scratch + warp * attn_warp_bytes(S));
+  __nv_bfloat16* vb = kb + S * kRs;
+  __nv_bfloat16* qb = vb + S * kAttnD;
+  const bool store = blockIdx.x == 0 && blockIdx.y == 0;
+  float cs[4];  // the lane's two (cos, sin) pairs
+  ld_bf16x4(a.at_cs + lane * 4, cs);
+  for (int item = warp; item < a.M * hkv; item += kWarps) {
+    const int m = item / hkv, g = item - m * hkv;
+    const __nv_bfloat16* row = a.x + static_cast<int64_t>(m) * a.x_rs;
+    const int64_t at = (static_cast<int64_t>(m) * hkv + g) * S * kAttnD;
+    // the cached positions 0..p-1: 16 chunks of 16 bytes per key and per value
+    for (int c = lane; c < p * 16; c += 32) {
+      const int t = c >> 4, j = (c & 15) * 8;
+      cp_async16(smem_u32(kb + t * kRs + j), a.at_k + at + t * kAttnD + j);
+      cp_async16(smem_u32(vb + t * kAttnD + j), a.at_v + at + t * kAttnD + j);
+    }
+    cp_async_commit();
+    // this position: its key rotated, key and value as row p of the scratch (and the caches)
+    float kx[4], vx[4];
+    ld_bf16x4(row + a.K + g * kAttnD + lane * 4, kx);
+    ld_bf16x4(row + a.K + kvw + g * kAttnD + lane * 4, vx);
+    rope_bf16x4(kx, cs);
+    st_bf16x4(kb + p * kRs + lane * 4, kx);
+    st_bf16x4(vb + p * kAttnD + lane * 4, vx);
+    if (store) {
+      st_bf16x4(a.at_k + at + p * kAttnD + lane * 4, kx);
+      st_bf16x4(a.at_v + at + p * kAttnD + lane * 4, vx);
+    }
+    for (int h0 = 0; h0 < rep; h0 += kAttnHeads) {
+      const int nh = min(kAttnHeads, rep - h0);
+      // the pass's query heads: every load issued before the first use (a head past the
+      // kv head's rereads its first one, unused)
+      float qx[kAttnHeads][4];
+#pragma unroll
+      for (int r = 0; r < kAttnHeads; ++r)
+        ld_bf16x4(row + (g * rep + h0 + (r < nh ? r : 0)) * kAttnD + lane * 4, qx[r]);
+#pragma unroll
+      for (int r = 0; r < kAttnHeads; ++r) {
+        rope_bf16x4(qx[r], cs);
+        st_bf16x4(qb + r * kAttnD + lane * 4, qx[r]);
+      }
+      cp_async_wait<0>();
+      __syncwarp();  // every lane's copies and stores are visible to the warp
+      float sc[kAttnHeads];
+#pragma unroll
+      for (int r = 0; r < kAttnHeads; ++r) sc[r] = 0.f;
+      if (lane <= p) {  // lane t: position t's key against each query head
+        const __nv_bfloat16* kr = kb + lane * kRs;
+#pragma unroll 4
+        for (int d = 0; d < kAttnD; d += 8) {
+          const uint4 kv = *reinterpret_cast<const uint4*>(kr + d);
+          const __nv_bfloat162* k2 = reinterpret_cast<const __nv_bfloat162*>(&kv);
+#pragma unroll
+          for (int r = 0; r < kAttnHeads; ++r) {
+            const uint4 qv = *reinterpret_cast<const uint4*>(qb + r * kAttnD + d);
+            const __nv_bfloat162* q2 = reinterpret_cast<const __nv_bfloat162*>(&qv);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const float2 kf = __bfloat1622float2(k2[e]), qf = __bfloat1622float2(q2[e]);
+              sc[r] = fmaf(qf.x, kf.x, sc[r]);
+              sc[r] = fmaf(qf.y, kf.y, sc[r]);
+            }
+          }
+        }
+      }
+      // the softmax of each head over lanes 0..p, then each lane's 4 output dims: the heads'
+      // sums interleaved (independent chains), one value row read per position
+      float ex[kAttnHeads], den[kAttnHeads], o[kAttnHeads][4];
+#pragma unroll
+      for (int r = 0; r < kAttnHeads; ++r) {
+        const float s = lane <= p ? sc[r] * a.at_scale : -INFINITY;
+        float mx = s;
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1)
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+        ex[r] = lane <= p ? __expf(s - mx) : 0.f;
+        den[r] = warp_sum(ex[r]);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) o[r][i] = 0.f;
+      }
+      for (int t = 0; t <= p; ++t) {
+        float v4[4];
+        ld_bf16x4(vb + t * kAttnD + lane * 4, v4);
+#pragma unroll
+        for (int r = 0; r < kAttnHeads; ++r) {
+          const float et = __shfl_sync(0xffffffffu, ex[r], t);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) o[r][i] = fmaf(et, v4[i], o[r][i]);
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < kAttnHeads; ++r) {
+        if (r < nh) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) o[r][i] = o[r][i] / den[r];
+          st_bf16x4(xs + m * a.xs_rs + (g * rep + h0 + r) * kAttnD + lane * 4, o[r]);
+        }
+      }
+      __syncwarp();  // the next pass rewrites the queries
+    }
+    __syncwarp();  // the next item rewrites the keys and values
+  }
+  __syncthreads();
+}
+
 // d += weight rows g and g + 8 (wa, wb: 8 bf16 or 16 e4m3 values at k = kk + t * kVec) times
 // the x fragments.
 template <int NT, bool F8>
@@ -516,7 +701,7 @@ __device__ __forceinline__ void mma_step(float (&d)[NT][4], const uint4& wa, con
 // instead (rows of the MMA are independent: its output is dropped), an x row past M reads x
 // row 0 (so are columns). Only the last, partial batch of a warp (chunks past the split's
 // range, a chunk reaching past K) takes the checked path.
-template <int NT, int U, bool F8, int MINB, bool NORM = false>
+template <int NT, int U, bool F8, int MINB, int PRO = kProPlain>
 __global__ void __launch_bounds__(kThreads, MINB) linear_small_m_kernel(const Args a) {
   constexpr int kEl = F8 ? 1 : 2;             // bytes per weight element
   constexpr int kVec = 16 / kEl;              // weight elements per 16-byte load
@@ -556,13 +741,16 @@ __global__ void __launch_bounds__(kThreads, MINB) linear_small_m_kernel(const Ar
   }
   pdl_wait();
   if (a.pdl == kPdlEarly) pdl_trigger();
-  // x rows 8 j + g at the lane's k offset: in global memory, or (NORM) normed in shared
-  using XRow = std::conditional_t<NORM, uint32_t, const __nv_bfloat16*>;
+  // x rows 8 j + g at the lane's k offset: in global memory, or (a prologue) made in shared
+  using XRow = std::conditional_t<PRO != kProPlain, uint32_t, const __nv_bfloat16*>;
   XRow xrow[NT];
-  if constexpr (NORM) {
+  if constexpr (PRO != kProPlain) {
     extern __shared__ __align__(16) unsigned char smem_x[];
     __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem_x);
-    norm_rows(a, xs);
+    if constexpr (PRO == kProNorm)
+      norm_rows(a, xs);
+    else
+      attend_rows(a, xs, smem_x + static_cast<int64_t>(a.M) * a.xs_rs * 2);
 #pragma unroll
     for (int j = 0; j < NT; ++j)
       xrow[j] = smem_u32(xs + (8 * j + g < a.M ? (8 * j + g) * a.xs_rs : 0) + t * kVec);
@@ -991,26 +1179,33 @@ Kern v0_kern(int nt) {
   return {fn, 0, kTileRows, F8 ? 128 : 32, 0};
 }
 
-// The most shared memory the normed prologue's rows may take (M x (K + pad) bf16).
+// The most shared memory a prologue's rows may take (M x (K + pad) bf16).
 constexpr int kNormSmemMax = 160 * 1024;
 // elements: rows 64 bytes apart mod 128, no bank conflicts for bf16 W's reads (16 bytes per
 // lane at t * 16); FP8 W's (32 bytes at t * 32) conflict two ways
 constexpr int kNormPad = 32;
 
-// Variant 0 with the normed prologue (bf16 or FP8 W, M <= 16) for `smem` bytes of normed
-// rows: past the default 48 KB (with its static shared memory) the kernel is allowed that much
-// (the largest asked so far per device and instantiation, under a lock: a smaller setting
-// after a larger one would fail the larger launch), within what the device allows a block
-// beside the kernel's static shared memory.
-Kern v0_norm_kern(bool f8, int nt, int dev, int smem) {
-  // the instantiations of v0_kern with the prologue
-  void (*fn)(Args) = f8 ? (nt <= 1 ? linear_small_m_kernel<1, 2, true, 2, true>
-                                   : linear_small_m_kernel<2, 2, true, 2, true>)
-                        : (nt <= 1 ? linear_small_m_kernel<1, 4, false, 3, true>
-                                   : linear_small_m_kernel<2, 4, false, 2, true>);
+// Variant 0 with a prologue (kProNorm or kProAttend; bf16 or FP8 W, M <= 16) for `smem`
+// bytes of shared memory: past the default 48 KB (with its static shared memory) the kernel
+// is allowed that much (the largest asked so far per device and instantiation, under a lock:
+// a smaller setting after a larger one would fail the larger launch), within what the device
+// allows a block beside the kernel's static shared memory.
+Kern v0_pro_kern(int pro, bool f8, int nt, int dev, int smem) {
+  // the instantiations of v0_kern with the prologues
+  void (*fn)(Args);
+  if (pro == kProNorm)
+    fn = f8 ? (nt <= 1 ? linear_small_m_kernel<1, 2, true, 2, kProNorm>
+                       : linear_small_m_kernel<2, 2, true, 2, kProNorm>)
+            : (nt <= 1 ? linear_small_m_kernel<1, 4, false, 3, kProNorm>
+                       : linear_small_m_kernel<2, 4, false, 2, kProNorm>);
+  else
+    fn = f8 ? (nt <= 1 ? linear_small_m_kernel<1, 2, true, 2, kProAttend>
+                       : linear_small_m_kernel<2, 2, true, 2, kProAttend>)
+            : (nt <= 1 ? linear_small_m_kernel<1, 4, false, 3, kProAttend>
+                       : linear_small_m_kernel<2, 4, false, 2, kProAttend>);
   static std::mutex lock;
-  static int allowed[64][4] = {};
-  const int i = (nt <= 1 ? 0 : 1) + (f8 ? 2 : 0);
+  static int allowed[64][8] = {};
+  const int i = (nt <= 1 ? 0 : 1) + (f8 ? 2 : 0) + (pro == kProAttend ? 4 : 0);
   // the kernel's static shared memory (its warps' partial sums, red[kWarps][NT * 4][32])
   // counts toward the default 48 KB per block too
   const int stat = kWarps * (nt <= 1 ? 1 : 2) * 4 * 32 * static_cast<int>(sizeof(float));
@@ -1022,10 +1217,10 @@ Kern v0_norm_kern(bool f8, int nt, int dev, int smem) {
       int optin = 0;
       C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
       TORCH_CHECK(smem + static_cast<int>(attr.sharedSizeBytes) <= optin,
-                  "linear_small_m: the normed prologue needs ",
-                  smem + static_cast<int>(attr.sharedSizeBytes),
-                  " bytes of shared memory for M x (K + ", kNormPad, ") rows; this device "
-                  "allows ", optin, " per block (fewer rows, or no norm_weight)");
+                  "linear_small_m: the ", pro == kProNorm ? "normed" : "attention",
+                  " prologue needs ", smem + static_cast<int>(attr.sharedSizeBytes),
+                  " bytes of shared memory for its M = ", nt <= 1 ? "1..8" : "9..16",
+                  " rows; this device allows ", optin, " per block (fewer rows)");
       C10_CUDA_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
       if (dev < 64) allowed[dev][i] = smem;
     }
@@ -1077,12 +1272,18 @@ Kern pick_kernel(bool f8, int variant, int nt, int dev) {
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-}  // namespace
+// The attention prologue's operands, checked by linear_small_m_attend.
+struct AttendArgs {
+  __nv_bfloat16* k;
+  __nv_bfloat16* v;
+  const __nv_bfloat16* cs;
+  int hkv, s, pos;
+};
 
-void linear_small_m(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> scale,
-                    torch::Tensor out, int64_t splits, int64_t kwarps, int64_t variant,
-                    bool glu, std::optional<torch::Tensor> residual,
-                    std::optional<torch::Tensor> norm_weight, double eps, int64_t pdl) {
+void run_linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> scale,
+                torch::Tensor out, int64_t splits, int64_t kwarps, int64_t variant, bool glu,
+                std::optional<torch::Tensor> residual, std::optional<torch::Tensor> norm_weight,
+                double eps, int64_t pdl, const AttendArgs* attend) {
   TORCH_CHECK(x.is_cuda() && w.device() == x.device() && out.device() == x.device(),
               "linear_small_m: x, w and out must be CUDA tensors on one device");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && out.dim() == 2,
@@ -1162,6 +1363,15 @@ void linear_small_m(torch::Tensor x, torch::Tensor w, std::optional<torch::Tenso
                 K, "] tensor on x's device, got ", nw.scalar_type(), " ", nw.sizes());
     TORCH_CHECK(eps >= 0, "linear_small_m: eps must be >= 0, got ", eps);
   }
+  if (attend != nullptr) {
+    TORCH_CHECK(variant == 0 && !glu && !norm_weight.has_value(),
+                "linear_small_m_attend: the attention prologue runs in variant 0, without the "
+                "SwiGLU epilogue or the normed prologue");
+    TORCH_CHECK(M <= 16 && M * xs_rs * 2 + kWarps * attn_warp_bytes(attend->s) <= kNormSmemMax,
+                "linear_small_m_attend: the attention prologue holds M x K rows and each warp's "
+                "keys and values in shared memory: M <= 16 and at most ", kNormSmemMax,
+                " bytes, got M = ", M, ", K = ", K, ", ", attend->s, " cache positions");
+  }
   if (M == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
   const int dev = x.get_device();
@@ -1172,9 +1382,13 @@ void linear_small_m(torch::Tensor x, torch::Tensor w, std::optional<torch::Tenso
               "linear_small_m: variant 3 (e4m3 conversion instructions) needs compute "
               "capability 8.9 or newer");
   const bool norm = norm_weight.has_value();
+  const int nt = static_cast<int>((M + 7) / 8);
+  const int rows_smem = static_cast<int>(M * xs_rs * 2);
   const Kern kern =
-      norm ? v0_norm_kern(f8, static_cast<int>((M + 7) / 8), dev, static_cast<int>(M * xs_rs * 2))
-           : pick_kernel(f8, static_cast<int>(variant), static_cast<int>((M + 7) / 8), dev);
+      norm     ? v0_pro_kern(kProNorm, f8, nt, dev, rows_smem)
+      : attend ? v0_pro_kern(kProAttend, f8, nt, dev,
+                             rows_smem + kWarps * attn_warp_bytes(attend->s))
+               : pick_kernel(f8, static_cast<int>(variant), nt, dev);
   // a tile of `rows` weight rows makes rows / 2 SwiGLU outputs
   const int64_t tiles = glu ? (N / 2 + kern.rows / 2 - 1) / (kern.rows / 2)
                             : (N + kern.rows - 1) / kern.rows;
@@ -1219,7 +1433,10 @@ void linear_small_m(torch::Tensor x, torch::Tensor w, std::optional<torch::Tenso
                               : nullptr,
          residual.has_value() ? residual->stride(0) : 0,
          norm ? reinterpret_cast<const __nv_bfloat16*>(norm_weight->data_ptr()) : nullptr,
-         static_cast<float>(eps), static_cast<int>(xs_rs), 0};
+         static_cast<float>(eps), static_cast<int>(xs_rs), 0,
+         attend ? attend->k : nullptr, attend ? attend->v : nullptr,
+         attend ? attend->cs : nullptr, attend ? attend->hkv : 0, attend ? attend->s : 0,
+         attend ? attend->pos : 0, 1.0f / std::sqrt(static_cast<float>(kAttnD))};
   const bool launch_pdl = pdl != kPdlOff && rtvoice::pdl_device(dev);
   a.pdl = launch_pdl ? static_cast<int>(pdl) : kPdlOff;
   auto stream = c10::cuda::getCurrentCUDAStream();
@@ -1238,4 +1455,68 @@ void linear_small_m(torch::Tensor x, torch::Tensor w, std::optional<torch::Tenso
                              ws.data_ptr<float>(), a.y, mn, static_cast<int>(splits), a.res,
                              static_cast<int>(N), a.res_rs);
   }
+}
+
+}  // namespace
+
+void linear_small_m(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> scale,
+                    torch::Tensor out, int64_t splits, int64_t kwarps, int64_t variant,
+                    bool glu, std::optional<torch::Tensor> residual,
+                    std::optional<torch::Tensor> norm_weight, double eps, int64_t pdl) {
+  run_linear(x, w, scale, out, splits, kwarps, variant, glu, residual, norm_weight, eps, pdl,
+             nullptr);
+}
+
+// out = attend(qkv) W^T (+ residual): the attention of one position (the fast AR's, whose
+// context is a few positions) as the prologue of its output projection, variant 0.
+//   qkv      [M, >= K + 2 Hkv D] bf16, rows [q (K = H D) | k (Hkv D) | v (Hkv D) | ...],
+//            last dim contiguous, rows 16-byte aligned; all rows at position `pos`
+//   k_cache, v_cache  [B >= M, Hkv, S, D] bf16, contiguous, D = 128, S <= 32: row m's
+//            positions 0..pos-1 are read, position pos written (rotated key, value)
+//   cs       [D / 2, 2] bf16, contiguous: (cos, sin) of `pos`
+//   0 <= pos < S; H a multiple of Hkv; w, scale, out, splits, kwarps, residual, pdl: as
+//   linear_small_m's (K = H D)
+void linear_small_m_attend(torch::Tensor qkv, torch::Tensor k_cache, torch::Tensor v_cache,
+                           torch::Tensor cs, int64_t pos, torch::Tensor w,
+                           std::optional<torch::Tensor> scale, torch::Tensor out,
+                           int64_t splits, int64_t kwarps,
+                           std::optional<torch::Tensor> residual, int64_t pdl) {
+  TORCH_CHECK(qkv.is_cuda() && qkv.dim() == 2 && qkv.scalar_type() == at::kBFloat16,
+              "linear_small_m_attend: qkv must be a bf16 CUDA [M, q + 2 kv] tensor, got ",
+              qkv.scalar_type(), " ", qkv.sizes());
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() &&
+                  k_cache.scalar_type() == at::kBFloat16 &&
+                  v_cache.scalar_type() == at::kBFloat16 && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous() && k_cache.device() == qkv.device() &&
+                  v_cache.device() == qkv.device() && aligned16(k_cache.data_ptr()) &&
+                  aligned16(v_cache.data_ptr()),
+              "linear_small_m_attend: k_cache and v_cache must be contiguous, 16-byte aligned "
+              "bf16 [B, Hkv, S, D] tensors of one shape on qkv's device, got ",
+              k_cache.sizes(), " and ", v_cache.sizes());
+  const int64_t M = qkv.size(0), hkv = k_cache.size(1), S = k_cache.size(2);
+  const int64_t K = w.dim() == 2 ? w.size(1) : 0;
+  TORCH_CHECK(k_cache.size(3) == kAttnD, "linear_small_m_attend: head_dim must be ", kAttnD,
+              ", got ", k_cache.size(3));
+  TORCH_CHECK(k_cache.size(0) >= M, "linear_small_m_attend: the caches hold ",
+              k_cache.size(0), " rows, fewer than qkv's ", M);
+  TORCH_CHECK(S >= 1 && S <= kAttnMaxPos && pos >= 0 && pos < S,
+              "linear_small_m_attend: at most ", kAttnMaxPos, " cache positions and 0 <= pos < "
+              "S, got S = ", S, ", pos = ", pos);
+  TORCH_CHECK(hkv >= 1 && K % kAttnD == 0 && (K / kAttnD) % hkv == 0,
+              "linear_small_m_attend: w's K = ", K, " must be H x ", kAttnD, " with H a "
+              "multiple of the caches' ", hkv, " kv heads");
+  TORCH_CHECK(qkv.size(1) >= K + 2 * hkv * kAttnD,
+              "linear_small_m_attend: qkv rows must hold q (", K, "), k and v (", hkv * kAttnD,
+              " each), got ", qkv.size(1));
+  TORCH_CHECK(cs.device() == qkv.device() && cs.scalar_type() == at::kBFloat16 &&
+                  cs.dim() == 2 && cs.size(0) == kAttnD / 2 && cs.size(1) == 2 &&
+                  cs.is_contiguous() && reinterpret_cast<uintptr_t>(cs.data_ptr()) % 8 == 0,
+              "linear_small_m_attend: cs must be a contiguous, 8-byte aligned bf16 [", kAttnD / 2,
+              ", 2] tensor on qkv's device, got ", cs.scalar_type(), " ", cs.sizes());
+  const AttendArgs at{reinterpret_cast<__nv_bfloat16*>(k_cache.data_ptr()),
+                      reinterpret_cast<__nv_bfloat16*>(v_cache.data_ptr()),
+                      reinterpret_cast<const __nv_bfloat16*>(cs.data_ptr()),
+                      static_cast<int>(hkv), static_cast<int>(S), static_cast<int>(pos)};
+  run_linear(qkv.narrow(1, 0, K), w, scale, out, splits, kwarps, 0, false, residual,
+             std::nullopt, 0.0, pdl, &at);
 }

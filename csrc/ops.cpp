@@ -22,6 +22,11 @@ void linear_small_m(torch::Tensor x, torch::Tensor w, std::optional<torch::Tenso
                     torch::Tensor out, int64_t splits, int64_t kwarps, int64_t variant,
                     bool glu, std::optional<torch::Tensor> residual,
                     std::optional<torch::Tensor> norm_weight, double eps, int64_t pdl);
+void linear_small_m_attend(torch::Tensor qkv, torch::Tensor k_cache, torch::Tensor v_cache,
+                           torch::Tensor cs, int64_t pos, torch::Tensor w,
+                           std::optional<torch::Tensor> scale, torch::Tensor out,
+                           int64_t splits, int64_t kwarps,
+                           std::optional<torch::Tensor> residual, int64_t pdl);
 
 TORCH_LIBRARY(rtvoice_kernels, m) {
   m.def("prev_tokens_shift_inplace(Tensor(a!) prev, Tensor next_tokens) -> ()");
@@ -37,6 +42,9 @@ TORCH_LIBRARY(rtvoice_kernels, m) {
   m.def("linear_small_m(Tensor x, Tensor w, Tensor? scale, Tensor(a!) out, int splits, "
         "int kwarps, int variant, bool glu=False, Tensor? residual=None, "
         "Tensor? norm_weight=None, float eps=0.0, int pdl=0) -> ()");
+  m.def("linear_small_m_attend(Tensor qkv, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cs, "
+        "int pos, Tensor w, Tensor? scale, Tensor(c!) out, int splits, int kwarps, "
+        "Tensor? residual=None, int pdl=0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(rtvoice_kernels, CUDA, m) {
@@ -47,6 +55,7 @@ TORCH_LIBRARY_IMPL(rtvoice_kernels, CUDA, m) {
   m.impl("bias_residual", &bias_residual);
   m.impl("snake_cat", &snake_cat);
   m.impl("linear_small_m", &linear_small_m);
+  m.impl("linear_small_m_attend", &linear_small_m_attend);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}

@@ -28,6 +28,7 @@ from .config import ModelConfig, TransformerConfig
 from .kernels.decode_attention import Rope, gather_blocks
 from .kv_pool import table_width
 from .model import explicit_attention, gqa_attention
+from .ops import PendingHeads
 
 Kernel = Callable[..., Tensor] | None  # engine.kernels.decode_attention.decode_attention
 
@@ -205,6 +206,16 @@ class PagedDecodeAttend:
         vals = gather_blocks(c.v[layer], self.tables, self.span)
         return gqa_attention(q, keys, vals, self.mask)
 
+    def defer(self, layer: int, qkv: Tensor, cs: Tensor,
+              compute: Callable[[], Tensor]) -> PendingHeads | None:
+        """This position's attention for the output projection's prologue to compute
+        (`Ops.attend_kernel`): qkv [B, 1, q + 2 kv] before the rotation cs [B, 1, Dh/2, 2]
+        (every row at `pos`, so one row of it serves all); `compute` is the usual path. None
+        where not `deferred`."""
+        if not self.deferred:
+            return None
+        return PendingHeads(qkv, self.k[layer], self.v[layer], cs[0, 0], self.pos, compute)
+
     def _norm_rope_attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, qw: Tensor | None,
                           kw: Tensor | None, cs: Tensor, eps: float) -> Tensor:
         """q [B, 1, H, Dh], k/v [B, 1, Hkv, Dh] before the q/k norm and RoPE (cs [B, 1,
@@ -217,9 +228,11 @@ class FastKV:
     """The fast AR's cache: 10 positions, rewritten from position 0 for every frame."""
 
     def __init__(self, cfg: ModelConfig, batch: int, *, device: torch.device | str,
-                 dtype: torch.dtype, kernel: Kernel = None, rope_rows: int = 0) -> None:
+                 dtype: torch.dtype, kernel: Kernel = None, rope_rows: int = 0,
+                 deferred: bool = False) -> None:
         f = cfg.fast
         self.kernel = kernel
+        self.deferred = deferred  # `defer` offers the attention to wo's prologue
         self.rope_rows = rope_rows if kernel else 0  # `at` offers norm_rope_attend up to these
         self.norm_rope_attend: Callable[..., Tensor] | None = None
         shape = (f.n_layer, batch, f.n_local_heads, cfg.num_codebooks, f.head_dim)
@@ -255,6 +268,16 @@ class FastKV:
         mask = self._masks[p: p + 1, : p + 1][None, None]  # [1, 1, 1, p+1]
         return explicit_attention(q, self.k[layer, :b, :, : p + 1], self.v[layer, :b, :, : p + 1],
                                   mask)
+
+    def defer(self, layer: int, qkv: Tensor, cs: Tensor,
+              compute: Callable[[], Tensor]) -> PendingHeads | None:
+        """This position's attention for the output projection's prologue to compute
+        (`Ops.attend_kernel`): qkv [B, 1, q + 2 kv] before the rotation cs [B, 1, Dh/2, 2]
+        (every row at `pos`, so one row of it serves all); `compute` is the usual path. None
+        where not `deferred`."""
+        if not self.deferred:
+            return None
+        return PendingHeads(qkv, self.k[layer], self.v[layer], cs[0, 0], self.pos, compute)
 
     def _norm_rope_attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, qw: Tensor | None,
                           kw: Tensor | None, cs: Tensor, eps: float) -> Tensor:

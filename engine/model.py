@@ -10,6 +10,7 @@ caller passes (engine/ops.py; the reference math by default).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Protocol
 
@@ -19,7 +20,7 @@ from torch import Tensor, nn
 
 from .config import ModelConfig, TransformerConfig
 from .functional import rope_table
-from .ops import REFERENCE, Normed, Ops
+from .ops import REFERENCE, Normed, Ops, PendingHeads
 
 
 class Attend(Protocol):
@@ -30,6 +31,9 @@ class Attend(Protocol):
     An attend may also offer `norm_rope_attend(layer, q, k, v, qw, kw, cs, eps)`: the same
     with q [B, T, H, Dh] and k/v [B, T, Hkv, Dh] before the q/k norm and rotation, which it
     applies itself (a kernel that does both in one launch); None or absent: not offered.
+    And `defer(layer, qkv, cs, compute)`: a `PendingHeads` for one position's projections
+    qkv [B, 1, q + 2 kv] (no q/k norm), which the output projection may attend in its
+    prologue (`compute` otherwise); None or absent: not offered.
     """
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor: ...
@@ -56,11 +60,23 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
 
     def heads(self, x: Tensor | Normed, cs: Tensor, attend: Attend, layer: int,
-              ops: Ops) -> Tensor:
+              ops: Ops) -> Tensor | PendingHeads:
         """x: [B, T, D] (normed; `Normed`: its norm still to apply) -> the heads' output
-        before the output projection wo: [B, T, q_size]."""
-        c = self.cfg
+        before the output projection wo: [B, T, q_size], or left pending (`PendingHeads`)
+        where the attend offers it (`defer`) for wo's prologue to compute."""
         qkv = ops.project(x, self.wqkv.weight)  # [B, T, q_size + 2 kv_size]
+        now = functools.partial(self.attend_heads, qkv, cs, attend, layer, ops)
+        defer = getattr(attend, "defer", None)
+        if defer is not None and not self.cfg.qk_norm:
+            pending = defer(layer, qkv, cs, now)
+            if pending is not None:
+                return pending
+        return now()
+
+    def attend_heads(self, qkv: Tensor, cs: Tensor, attend: Attend, layer: int,
+                     ops: Ops) -> Tensor:
+        """qkv: [B, T, q_size + 2 kv_size] -> the heads' output [B, T, q_size]."""
+        c = self.cfg
         B, T, _ = qkv.shape
         q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
         q = q.view(B, T, c.n_head, c.head_dim)
@@ -119,7 +135,7 @@ def write_kv(blocks: nn.ModuleList, x: Tensor, cs: Tensor, attend: Attend, ops: 
     xn = ops.pending_norm(x, first.weight, first.eps)
     for i in range(len(blocks) - 1):
         x, xn = blocks[i](x, xn, cs, attend, i, blocks[i + 1].attention_norm, ops)
-    blocks[-1].attention.heads(xn, cs, attend, len(blocks) - 1, ops)
+    ops.dense(blocks[-1].attention.heads(xn, cs, attend, len(blocks) - 1, ops))
 
 
 def run_blocks(blocks: nn.ModuleList, final_norm: RMSNorm, x: Tensor, cs: Tensor,

@@ -38,6 +38,22 @@ class Normed:
     eps: float
 
 
+@dataclass(frozen=True, slots=True)
+class PendingHeads:
+    """One position's attention output, not computed yet: the output projection that can take
+    it (csrc's attention prologue: `Ops.linear_add_rms_norm` with `Ops.attend_kernel`) attends
+    on the way in, which saves the attention's own launch; anything else takes `Ops.dense` of
+    it (`compute`: the attention the usual way). Offered by an attend whose context is a few
+    positions (the fast AR's `FastKV.defer`)."""
+
+    qkv: Tensor  # [B, 1, q_size + 2 kv_size]: the position's projections, q/k not rotated
+    k_cache: Tensor  # [rows, Hkv, S, Dh]: the layer's keys (row b's positions < pos read, pos written)
+    v_cache: Tensor  # its values, same shape
+    cs: Tensor  # [Dh/2, 2]: the rotation at pos (every row at this one position)
+    pos: int
+    compute: Callable[[], Tensor]  # -> the heads' output [B, 1, q_size], stored k/v included
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Ops:
     """Every swappable piece of the decode and prefill math. Defaults: the reference torch
@@ -65,6 +81,10 @@ class Ops:
     # launch (csrc's normed prologue), or None where it does not take the call; None: norms
     # are computed when made (`pending_norm` gives a dense tensor)
     normed_kernel: Callable[..., Tensor | None] | None = None
+    # (qkv, k_cache, v_cache, cs, pos, W, r) -> r + attend(qkv) W^T in one launch (csrc's
+    # attention prologue: a `PendingHeads`' attention and its output projection), or None
+    # where it does not take the call; None: the attention, then the projection
+    attend_kernel: Callable[..., Tensor | None] | None = None
     # csrc's one-position attention (store k/v + attend, one launch); None: the model's
     # attention over the cache (write, then SDPA)
     decode_attention: Callable[..., Tensor] | None = None
@@ -97,8 +117,10 @@ class Ops:
             return Normed(x, w, eps)
         return self.rms_norm(x, w, eps)
 
-    def dense(self, x: Tensor | Normed) -> Tensor:
-        """x as a tensor: a pending norm computed now."""
+    def dense(self, x: Tensor | Normed | PendingHeads) -> Tensor:
+        """x as a tensor: a pending norm or attention computed now."""
+        if isinstance(x, PendingHeads):
+            return x.compute()
         return self.rms_norm(x.h, x.weight, x.eps) if isinstance(x, Normed) else x
 
     def _normed(self, x: Normed, w: Tensor | Fp8Weight | None, glu: bool) -> Tensor | None:
@@ -117,12 +139,19 @@ class Ops:
             x = self.dense(x)
         return self.linear(x, w)
 
-    def linear_add_rms_norm(self, y: Tensor, w: Tensor | Fp8Weight, x: Tensor, nw: Tensor,
-                            eps: float) -> tuple[Tensor, Tensor | Normed]:
+    def linear_add_rms_norm(self, y: Tensor | PendingHeads, w: Tensor | Fp8Weight, x: Tensor,
+                            nw: Tensor, eps: float) -> tuple[Tensor, Tensor | Normed]:
         """A residual block's output: (h, rms_norm(h) * nw) for h = x + y W^T. With csrc's
         kernels the add runs in the projection's epilogue and the norm is left pending for
-        the next projection's prologue (no launch of its own); else the projection, then the
-        add and the norm in one fused op."""
+        the next projection's prologue (no launch of its own), and a pending attention y is
+        computed in its prologue (`attend_kernel`); else the projection, then the add and the
+        norm in one fused op."""
+        if isinstance(y, PendingHeads):
+            h = (self.attend_kernel(y.qkv, y.k_cache, y.v_cache, y.cs, y.pos, w, x)
+                 if self.attend_kernel is not None else None)
+            if h is not None:
+                return h, self.pending_norm(h, nw, eps)
+            y = y.compute()
         if self.residual_kernel is not None:
             h = self.residual_kernel(y, w, x)
             if h is not None:
@@ -164,6 +193,7 @@ class Ops:
                 "swiglu_kernel": self.swiglu_kernel is not None,
                 "residual_kernel": self.residual_kernel is not None,
                 "normed_kernel": self.normed_kernel is not None,
+                "attend_kernel": self.attend_kernel is not None,
                 "fp8_dense": self.fp8_dense,
                 "packed_heads": self.packed_heads,
                 "bookkeeping": getattr(self.book.step_end, "__name__", str(self.book.step_end)),
@@ -197,7 +227,8 @@ def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool 
               normed_max_m_fp8: int = linear.NORMED_DISPATCH_M_FP8,
               fp8_dense: bool = True, codec_conv_kernel: bool = True,
               codec_conv_table: Path = codec_conv.DEFAULT_TABLE,
-              codec_snake_into_next: bool = False, codec_conv_fast_sine: bool = False) -> Ops:
+              codec_snake_into_next: bool = False, codec_conv_fast_sine: bool = True,
+              attend_prologue: bool = False) -> Ops:
     """The ops an engine on `device` runs. `fused`: "compile" (torch.compile'd elementwise ops
     and the packed FFN GEMM), "reference", or "auto" (compile on CUDA only). `kernels`: use
     csrc's kernels where the extension is built, and with compiled ops the Triton q/k norm +
@@ -209,7 +240,10 @@ def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool 
     `codec_channels_last`: the streaming codec's convs as NHWC convs over channels-last
     activations (CUDA only: cuDNN's fast kernels are NHWC); `norm_fusion`: where csrc's
     small-M kernel runs a block's projections, the residual add in wo / w2's epilogue and the
-    RMSNorm after it in the next projection's prologue (no launch of their own); `pdl`: csrc's
+    RMSNorm after it in the next projection's prologue (no launch of their own), and with
+    `attend_prologue` the fast AR's attention in its output projection's prologue at up to
+    `linear.ATTEND_DISPATCH_M` rows (39 launches fewer per frame step, but off: the step is
+    slower with it on the H200, docs/PERF.md); `pdl`: csrc's
     linear, attention and sampling kernels launched with programmatic dependent launch (a
     no-op before sm_90; same results), so each one's blocks start while the kernel before it
     ends (an int picks csrc/linear.cu's PDL mode for the linears, for
@@ -222,7 +256,8 @@ def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool 
     them faster than cuDNN's conv + csrc's pass (CUDA, channels-last, with csrc's codec
     kernels); `codec_snake_into_next`: with those, a residual unit's fused last conv also
     writes the next conv's Snake'd input (off by default: slower on the H200, docs/PERF.md);
-    `codec_conv_fast_sine`: their Snake epilogues with the hardware sine (off: unmeasured).
+    `codec_conv_fast_sine`: their Snake epilogues with the hardware sine, as csrc's Snake pass
+    (on: 0.4 ms faster per 64 x 8 tick on the H200, max abs 0.031 from the accurate sine).
     On CUDA the linears (dense and FP8) take the implementation the recorded per-shape table
     `linear_table` picks (csrc's small-M kernel only with `linear_kernels`); FP8 weights
     without a kernel there run the Triton FP8 GEMM (the dequantising reference without it)."""
@@ -270,6 +305,9 @@ def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool 
                                                                 dense=fp8_dense)
                 parts["normed_kernel"] = linear.make_normed(
                     plan, kernels=True, max_m_fp8=normed_max_m_fp8, pdl=pdl, dense=fp8_dense)
+                if attend_prologue:
+                    parts["attend_kernel"] = linear.make_attend(plan, kernels=True, pdl=pdl,
+                                                                dense=fp8_dense)
     return Ops(
         fused=fused, packed_ffn=fused == "compile", packed_heads=fused == "compile",
         sample=sample, codec=codec,

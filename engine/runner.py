@@ -72,7 +72,8 @@ class ModelRunner:
         self.slow_kernel = self._attention_kernel(self.cfg.slow)
         self.fast_kv = FastKV(self.cfg, S, device=d, dtype=self.dtype,
                               kernel=self._attention_kernel(self.cfg.fast),
-                              rope_rows=self._rope_rows(self.cfg.fast))
+                              rope_rows=self._rope_rows(self.cfg.fast),
+                              deferred=ops.attend_kernel is not None)
         self.n_semantic = self.cfg.ids.n_semantic
         # Per-row decode state, device-resident.
         self.next_col = torch.zeros(S, self.cfg.frame_rows, dtype=torch.long, device=d)

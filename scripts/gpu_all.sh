@@ -37,12 +37,14 @@
 # with csrc's kernels launched without (0) or with (1) programmatic dependent launch, or in
 # the linears' other PDL modes 2, 3; batches 1, 2, 64), FP8_NORMED=M (the FP8 step again with
 # the normed prologue for FP8 weights up to M rows; batches 1, 2), FP8_NODENSE=1 (the FP8 step
-# again without the bf16 copies of its linears, batches 16, 32, 64).
+# again without the bf16 copies of its linears, batches 16, 32, 64), ATTEND=1 (the step
+# again with the fast AR's attention in wo's prologue, not its own launches; batches 1, 2).
 # CONV=1: `python -m bench_latency.codec_conv_bench` (the codec's fused residual-unit convs
 # against cuDNN's conv + csrc's pass at the 64 x 8 tick's shapes, then graphed ticks with and
 # without them (and with the hardware sine and / or `snake_into_next`: ~40 s of capture
 # each) and their bf16 audio against float32;
-# CONV_ARGS="--sweep": every launch shape)
+# CONV_ARGS="--sweep": every launch shape; CONV_INSTALL=1: the swept table then serves the
+# rest of the call, as engine/kernels/codec_conv_table.json)
 # into $OUT/codec_conv.{json,txt}.
 # SWIGLU=1: `linear_bench --swiglu` (the FFN's packed linear + silu*mul vs csrc's SwiGLU
 # epilogue at the M where the table picks the kernel) into $OUT/swiglu.{json,txt}. NORM=1:
@@ -91,6 +93,10 @@ fi
 if [ "${CONV:-0}" = 1 ]; then  # the codec's fused residual-unit convs vs cuDNN + a pass, ticks
     timeout ${CONV_TIMEOUT:-420} python3 -m bench_latency.codec_conv_bench ${CONV_ARGS:-} \
         --json "$OUT/codec_conv.json" 2>&1 | grep -v "Warn\|warn" | tee "$OUT/codec_conv.txt" | tail -20
+    # CONV_INSTALL=1 (with a --sweep): the new table serves the rest of the call
+    [ "${CONV_INSTALL:-0}" = 1 ] && [ -s "$OUT/codec_conv.json" ] \
+        && cp "$OUT/codec_conv.json" engine/kernels/codec_conv_table.json \
+        && echo "installed the swept codec conv table"
     echo "codec conv bench done at +$(( $(date +%s) - t0 ))s"
 fi
 if [ "${SWIGLU:-0}" = 1 ]; then  # the FFN's linear + silu*mul vs the SwiGLU epilogue (~20 s)
@@ -153,6 +159,7 @@ benches() {
             ${DECODE_ROPE:+--decode-rope $DECODE_ROPE} ${PDL_MODES:+--pdl-modes $PDL_MODES} \
             ${FP8_NORMED:+--fp8-normed $FP8_NORMED} \
             $([ "$DT" = fp8 ] && [ "${FP8_NODENSE:-0}" = 1 ] && echo --fp8-nodense) \
+            $([ "${ATTEND:-0}" = 1 ] && echo --attend-prologue) \
             --levels "${ENGINE_LEVELS:-1,4,16,32,64,128}" --frames 64 \
             --engine-runs "${ENGINE_RUNS:-pingpong_codec,pingpong_nocodec,naive_nocodec}" --out "$D_OUT" \
             >"$D_OUT/gpu_bench_log.txt" 2>&1

@@ -385,7 +385,8 @@ def _category(name: str) -> str:
 def profile_step(report: dict, device: str, sampler_kernel: bool = True,
                  dtype: str = "bf16", decode_rope: int | None = None, pdl: int | None = None,
                  batches: tuple[int, ...] = (1, 2, 16, 64),
-                 normed_fp8: int | None = None, dense_copy: bool = True) -> None:
+                 normed_fp8: int | None = None, dense_copy: bool = True,
+                 attend_prologue: bool = False) -> None:
     """Where one frame step's GPU time goes (eager, fused ops), and graph-replay step time.
     `decode_rope`: the q/k norm + RoPE inside decode attention up to that many rows (key
     profile_decode_rope<rows>; None: the engine's default);
@@ -394,7 +395,8 @@ def profile_step(report: dict, device: str, sampler_kernel: bool = True,
     `normed_fp8`: FP8 weights take the normed prologue up to this many rows (key
     profile_fp8_normed); `dense_copy`: FP8 linears get their bf16 copies where the table
     measured them faster, as the engine's fp8_dense_copy does (False: key
-    profile_fp8_nodense)."""
+    profile_fp8_nodense); `attend_prologue`: the fast AR's attention in wo's prologue at up
+    to 2 rows (key profile_attend; the engine's default: its own launches)."""
     from engine.fusion import add_dense_copies_where_faster, pack_ffn
     from engine.loader import load_bundle
     from engine.ops import build_ops
@@ -404,7 +406,7 @@ def profile_step(report: dict, device: str, sampler_kernel: bool = True,
     b = load_bundle("s2-pro", device=device, dtype=dtype, max_seq_len=1024)
     ops = build_ops(device, fused="compile", sampler_kernel=sampler_kernel,
                     **({} if decode_rope is None else {"decode_rope": decode_rope}),
-                    fp8_dense=dense_copy,
+                    fp8_dense=dense_copy, attend_prologue=attend_prologue,
                     **({} if normed_fp8 is None else {"normed_max_m_fp8": normed_fp8}),
                     pdl=(1 if dtype == "fp8" else 0) if pdl is None else pdl)
     pack_ffn(b.model)
@@ -459,6 +461,7 @@ def profile_step(report: dict, device: str, sampler_kernel: bool = True,
            else f"profile_pdl{pdl}" if pdl is not None
            else "profile_fp8_normed" if normed_fp8 is not None
            else "profile_fp8_nodense" if not dense_copy
+           else "profile_attend" if attend_prologue
            else "profile" if sampler_kernel else "profile_compiled_sampler"] = out
     del runner, b
     torch.cuda.empty_cache()
@@ -494,6 +497,9 @@ def main() -> int:
     ap.add_argument("--fp8-nodense", action="store_true",
                     help="profile the FP8 step again without the bf16 copies of its linears "
                     "(batches 16, 32, 64; key profile_fp8_nodense)")
+    ap.add_argument("--attend-prologue", action="store_true",
+                    help="also profile the step with the fast AR's attention in its output "
+                         "projection's prologue (batches 1, 2; key profile_attend)")
     ap.add_argument("--engine-runs", default="", help="comma list of engine runs to keep "
                     "(pingpong_codec, pingpong_codec_decode_priority, "
                     "pingpong_codec_codec_priority, pingpong_codec_prefill_batch_64, "
@@ -531,6 +537,10 @@ def main() -> int:
                          functools.partial(profile_step, report, device, dtype="fp8",
                                            dense_copy=False, batches=(16, 32, 64))),)
                        if args.fp8_nodense else ()),
+                     *((("profile_attend",
+                         functools.partial(profile_step, report, device, dtype=args.dtype,
+                                           attend_prologue=True, batches=(1, 2))),)
+                       if args.attend_prologue else ()),
                      *((f"profile_pdl{mode}",
                         functools.partial(profile_step, report, device, dtype=args.dtype,
                                           pdl=mode, batches=(1, 2, 64)))

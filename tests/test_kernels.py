@@ -1750,3 +1750,234 @@ def test_pdl_launches_change_no_value_eager_or_in_a_graph():
             for p, o in zip(chain(0), got):
                 assert torch.equal(p, o), (mode, s)
         del g
+
+
+# ------------------------------------------------- the attention prologue (the fast AR's wo)
+def _attend_case(M, H, Hkv, S, pos, device="cpu", seed=0, rows=None):
+    """One position's qkv rows [M, q + 2 kv] (+ 8 columns beyond, so rows are strided like a
+    packed projection's), caches [rows, Hkv, S, 128] with positions 0..pos-1 filled, and the
+    position's (cos, sin) [64, 2] (engine/functional.py's table)."""
+    D = linear.ATTN_HEAD_DIM
+    g = torch.Generator().manual_seed(seed)
+    wide = torch.randn(M, (H + 2 * Hkv) * D + 8, generator=g).to(torch.bfloat16)
+    kc = torch.zeros(rows or M, Hkv, S, D).to(torch.bfloat16)
+    vc = torch.zeros_like(kc)
+    kc[:, :, :pos] = torch.randn(rows or M, Hkv, pos, D, generator=g).to(torch.bfloat16)
+    vc[:, :, :pos] = torch.randn(rows or M, Hkv, pos, D, generator=g).to(torch.bfloat16)
+    cs = functional.rope_table(S, D, 1e6)[pos].to(torch.bfloat16).contiguous()
+    return (wide[:, :(H + 2 * Hkv) * D].to(device), kc.to(device), vc.to(device), cs.to(device))
+
+
+def test_attend_reference_is_the_fast_kv_attention():
+    """attend_reference (rotate, store this position's k/v, softmax over 0..pos in float32)
+    against FastKV's own path (functional.norm_rope_qk, the cache write, explicit_attention in
+    bf16): the same stored keys and values, outputs within bf16 rounding."""
+    from engine.cache import FastKV
+    from engine.config import ModelConfig, TransformerConfig, preset
+
+    base = preset("tiny")
+    fast = TransformerConfig(n_layer=1, dim=base.slow.dim, n_head=8, n_local_heads=2,
+                             head_dim=128,
+                             intermediate_size=64, vocab_size=4096, rope_base=1e6,
+                             norm_eps=1e-6, max_seq_len=11)
+    cfg = ModelConfig(slow=base.slow, fast=fast, ids=base.ids, num_codebooks=10)
+    M, H, Hkv, S = 3, 8, 2, 10
+    for pos in (0, 4, 9):
+        qkv, kc, vc, cs = _attend_case(M, H, Hkv, S, pos, seed=pos)
+        kv = FastKV(cfg, M, device="cpu", dtype=torch.bfloat16)
+        kv.k[0], kv.v[0] = kc, vc
+        q, k = functional.norm_rope_qk(qkv[:, None, :H * 128].reshape(M, 1, H, 128),
+                                       qkv[:, None, H * 128:(H + Hkv) * 128].reshape(M, 1, Hkv, 128),
+                                       None, None, cs[None, None], 1e-6)
+        v = qkv[:, None, (H + Hkv) * 128:].reshape(M, 1, Hkv, 128)
+        want = kv.at(pos, M)(0, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        got = linear.attend_reference(qkv, kc, vc, cs, pos, H)
+        assert torch.equal(kc, kv.k[0]) and torch.equal(vc, kv.v[0])
+        torch.testing.assert_close(got.float(), want[:, :, 0].reshape(M, -1).float(),
+                                   rtol=2e-2, atol=2e-2)
+
+
+def test_gemv_attend_fallback_contract_and_dispatch():
+    """Off the kernel gemv_attend is the reference attention, then the linear and the add,
+    and checks the kernel's contract by name; make_attend answers None where the kernel does
+    not take the call (CPU tensors, too many rows, no plan)."""
+    import torch.nn.functional as F
+
+    from engine.quant import fp8_linear_torch, quantize_fp8
+
+    M, H, Hkv, S, pos = 2, 8, 2, 10, 6
+    qkv, kc, vc, cs = _attend_case(M, H, Hkv, S, pos)
+    w, r = _bf16(96, H * 128, seed=1), _bf16(M, 96, seed=2)
+    kc2, vc2 = kc.clone(), vc.clone()
+    a = linear.attend_reference(qkv, kc2, vc2, cs, pos, H)
+    assert torch.equal(linear.gemv_attend(qkv, kc, vc, cs, pos, w, r), r + F.linear(a, w))
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)  # this position's k/v stored
+    assert kc[:, :, pos].abs().sum() > 0 and kc[:, :, pos + 1:].abs().sum() == 0
+    f8 = quantize_fp8(_bf16(128, H * 128, seed=3))
+    assert torch.equal(linear.gemv_attend(qkv, kc, vc, cs, pos, f8), fp8_linear_torch(a, f8))
+    x3 = qkv[None]  # leading dims: [1, M, W] -> [1, M, N]
+    assert linear.gemv_attend(x3, kc, vc, cs, pos, w, r[None]).shape == (1, M, 96)
+    for args, match in (
+            ((qkv.float(), kc, vc, cs, pos, w), "bfloat16"),
+            ((qkv, kc[..., :64].contiguous(), vc, cs, pos, w), r"\[B, Hkv, S, 128\]"),
+            ((qkv, kc, vc[:, :, :5].contiguous(), cs, pos, w), "differ"),
+            ((qkv, kc[:1], vc[:1], cs, pos, w), "fewer than"),
+            ((qkv, kc, vc, cs, S, w), "pos must be"),
+            ((qkv, kc, vc, cs, True, w), "pos must be"),
+            ((qkv, kc, vc, cs.float(), pos, w), "cs must be"),
+            ((qkv, kc, vc, cs, pos, _bf16(96, 7 * 128)), "multiple of the caches"),
+            ((qkv[:, :-8], kc, vc, cs, pos, w), "must hold q"),
+            ((_attend_case(17, H, Hkv, S, pos)[0],
+              *_attend_case(17, H, Hkv, S, pos)[1:], pos, w), "at most 16 rows")):
+        with pytest.raises(ValueError, match=match):
+            linear.gemv_attend(*args)
+    big = torch.zeros(M, Hkv, 33, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"1\.\.32"):
+        linear.gemv_attend(qkv, big, big.clone(), cs, pos, w)
+    plan = linear.LinearPlan.from_rows(_plan_rows())
+    att = linear.make_attend(plan, kernels=True)
+    assert att(qkv, kc, vc, cs, pos, w, r) is None  # CPU
+    assert linear.make_attend(None, kernels=True)(qkv, kc, vc, cs, pos, w, r) is None
+    assert linear.make_attend(plan, kernels=True, max_m=1)(qkv, kc, vc, cs, pos, w, r) is None
+
+
+def _fast_model(head_dim=128, dtype=torch.bfloat16, device="cpu"):
+    """A small DualAR whose fast AR has the prologue's head_dim (the slow AR the tiny one's)."""
+    from engine.config import ModelConfig, TransformerConfig, preset
+    from engine.model import DualAR
+
+    base = preset("tiny")
+    fast = TransformerConfig(n_layer=2, dim=base.slow.dim, n_head=4, n_local_heads=2,
+                             head_dim=head_dim, intermediate_size=256, vocab_size=4096,
+                             rope_base=1e6, norm_eps=1e-6, max_seq_len=11)
+    cfg = ModelConfig(slow=base.slow, fast=fast, ids=base.ids, num_codebooks=10)
+    torch.manual_seed(0)
+    return DualAR(cfg).to(device=device, dtype=dtype).eval()
+
+
+def _fast_frame(model, ops, deferred, B=2, device="cpu"):
+    """The fast AR's 10 positions for B rows as the runner runs them (position 0's K/V only,
+    then 1..9 from fixed codes) -> (hidden states [9, B, D], the caches)."""
+    from engine.cache import FastKV
+
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(B, 1, model.cfg.slow.dim, generator=g).to(model.fast_norm.weight)
+    codes = torch.randint(0, 4096, (9, B), generator=g).to(device)
+    kv = FastKV(model.cfg, B, device=device, dtype=h.dtype, deferred=deferred)
+    out = []
+    with torch.no_grad():
+        model.fast_kv(h, kv.at(0, B), ops)
+        for j in range(1, 10):
+            x = model.fast_embeddings(codes[j - 1])[:, None]
+            out.append(ops.dense(model.fast_hidden(x, j, kv.at(j, B), ops))[:, 0])
+    return torch.stack(out), kv
+
+
+def test_model_defers_the_fast_attention_to_wo_prologue():
+    """With a deferring FastKV and an attend kernel the fast AR hands every layer's attention
+    but position 0's last (K/V only: ops.dense computes it) to wo's prologue: the same hidden
+    states and caches as the plain path within bf16 rounding (here through the reference
+    kernel, `gemv_attend` off the GPU); an attend kernel that declines (None) falls back to
+    the plain attention, exactly."""
+    from engine.ops import Ops
+
+    model = _fast_model()
+    calls = []
+
+    def attend(*a):
+        calls.append(a[4])  # pos
+        return linear.gemv_attend(*a, kernel=False)
+
+    want, kv0 = _fast_frame(model, Ops(), deferred=False)
+    got, kv1 = _fast_frame(model, Ops(attend_kernel=attend), deferred=True)
+    n = model.cfg.fast.n_layer
+    assert calls == [0] * (n - 1) + [p for p in range(1, 10) for _ in range(n)]
+    torch.testing.assert_close(got.float(), want.float(), rtol=5e-2, atol=5e-2)
+    torch.testing.assert_close(kv1.k.float(), kv0.k.float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(kv1.v.float(), kv0.v.float(), rtol=2e-2, atol=2e-2)
+    assert torch.equal(kv1.v[0, :, :, 0], kv0.v[0, :, :, 0])  # the same input: as projected
+    declined, _ = _fast_frame(model, Ops(attend_kernel=lambda *a: None), deferred=True)
+    assert torch.equal(declined, want)
+
+    class Probe:  # an attend that offers deferral: qk-norm layers (the slow AR's) never take it
+        def defer(self, *a):  # type: ignore[no-untyped-def]
+            pytest.fail("deferred a qk-norm layer")
+
+        def __call__(self, layer, q, k, v):  # type: ignore[no-untyped-def]
+            return q
+
+    att = model.layers[0].attention
+    assert att.cfg.qk_norm
+    x = torch.randn(1, 1, model.cfg.slow.dim, dtype=torch.bfloat16)
+    y = att.heads(x, model.rope[:1][None], Probe(), 0, Ops())
+    assert y.shape == (1, 1, att.cfg.q_size)
+
+
+@pytest.mark.cuda
+@_cuda
+@pytest.mark.parametrize("M,H,Hkv,S,pos", [(1, 32, 8, 10, 0), (1, 32, 8, 10, 9), (2, 32, 8, 10, 5),
+                                           (2, 32, 8, 10, 1), (4, 8, 2, 32, 31),
+                                           (3, 16, 16, 12, 7)])
+def test_attention_prologue_cuda(M, H, Hkv, S, pos):
+    """csrc's attention prologue: its rows (an identity W shows them) are attend_reference's
+    within 2 bf16 ulps (float32 sums in another order, the hardware exp) in rare places, the
+    stored key and value are the reference's exactly; its products (split K, kwarps, the
+    residual epilogue, FP8 W) are the plain kernel's on the reference rows; only row m's
+    position `pos` is written; rows beyond M and other positions are untouched."""
+    from engine.quant import dequantize_fp8, quantize_fp8
+
+    assert extension_available(), "the CUDA extension did not build"
+    K = H * 128
+    qkv, kc, vc, cs = _attend_case(M, H, Hkv, S, pos, device="cuda", seed=pos, rows=M + 1)
+    kr, vr = kc.clone(), vc.clone()
+    want = linear.attend_reference(qkv, kr, vr, cs, pos, H)
+    eye = torch.eye(K, dtype=torch.bfloat16, device="cuda")
+    k1, v1 = kc.clone(), vc.clone()
+    got = linear.gemv_attend(qkv, k1, v1, cs, pos, eye)
+    assert torch.equal(k1, kr) and torch.equal(v1, vr)
+    ulps = _ulps_apart(got, want)
+    assert int(ulps.max()) <= 2 and float((ulps > 0).float().mean()) < 2e-2
+    N = 2560
+    w = (_bf16(N, K, seed=3, device="cuda").float() / K**0.5).to(torch.bfloat16)
+    r = _bf16(M, N, seed=4, device="cuda")
+    f8 = quantize_fp8(w)
+    for splits, kwarps in ((0, 0), (1, 0), (3, 2), (1, 8)):
+        for ww in (w, f8):
+            got = linear.gemv_attend(qkv, kc.clone(), vc.clone(), cs, pos, ww, r,
+                                     splits=splits, kwarps=kwarps)
+            base = (linear.fp8_gemv(want, ww, splits=splits, kwarps=kwarps)
+                    if ww is f8 else linear.gemv(want, ww, splits=splits, kwarps=kwarps))
+            # the prologue's rows are the reference's to 2 ulps in rare places: the products
+            # differ by at most that through |x| |w| (plus the output's and the add's rounding)
+            wf = dequantize_fp8(ww) if ww is f8 else ww.float()
+            bound = (2**-6 * (want.float().abs() @ wf.abs().t())
+                     + 2**-7 * (r.float() + base.float()).abs())
+            err = (got.float() - (r + base).float()).abs()
+            assert bool((err <= bound + 1e-6).all()), (splits, kwarps, ww is f8, float(err.max()))
+            assert float((got != r + base).float().mean()) < 5e-2
+
+
+@pytest.mark.cuda
+@_cuda
+def test_model_fast_attention_prologue_cuda():
+    """The fast AR with csrc's attention prologue against the plain path (csrc's decode
+    attention kernel with its RoPE): the same hidden states and caches within bf16 rounding,
+    every deferrable layer taken by the kernel."""
+    from engine.ops import Ops
+
+    assert extension_available(), "the CUDA extension did not build"
+    model = _fast_model(device="cuda")
+    taken = []
+
+    def attend(*a):
+        y = linear.gemv_attend(*a)
+        taken.append(y is not None)
+        return y
+
+    want, kv0 = _fast_frame(model, Ops(), deferred=False, device="cuda")
+    got, kv1 = _fast_frame(model, Ops(attend_kernel=attend), deferred=True, device="cuda")
+    assert taken and all(taken)
+    torch.testing.assert_close(got.float(), want.float(), rtol=5e-2, atol=5e-2)
+    torch.testing.assert_close(kv1.k.float(), kv0.k.float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(kv1.v.float(), kv0.v.float(), rtol=2e-2, atol=2e-2)
+    assert torch.equal(kv1.v[0, :, :, 0], kv0.v[0, :, :, 0])

@@ -211,12 +211,13 @@ class CodecOps:
     conv_plan: Plan | None = None
     # with the plan: a residual unit whose last conv runs fused also writes the next conv's
     # [tail | Snake] input in that conv's epilogue (`ResidualUnit.stream_chain`). Off: on the
-    # H200 the Triton epilogue's accurate sine made those k=1 convs 4.5 ms slower per 64 x 8
-    # tick than the 1.05 ms of Snake-and-concatenate passes it saved (docs/PERF.md)
+    # H200, with the hardware sine, within 1 % of the unchained ticks either way (64 x 8
+    # 16.09 vs 16.23 ms, 64 x 2 7.81 vs 7.75) at twice the capture time (docs/PERF.md)
     snake_into_next: bool = False
     # the fused convs' Snake epilogues with the hardware sine (as csrc's bf16 Snake pass)
-    # instead of Triton's accurate one; not yet measured on a GPU, so off
-    conv_fast_sine: bool = False
+    # instead of Triton's accurate one: a 64 x 8 tick 16.62 -> 16.23 ms on the H200 (the
+    # 96-channel convs 0.72 -> 0.50 ms), within 0.031 of the accurate sine (docs/PERF.md)
+    conv_fast_sine: bool = True
     # convs as 2-D NHWC convs over channels-last activations ([B, C, T] stored as [B, T, C]):
     # cuDNN's fast kernels are NHWC, and a channels-first conv pays a transpose of its input
     # and of its output (4 of a 64 x 8 tick's 12 ms of convs on the H200)

@@ -392,6 +392,124 @@ def gemv_normed(h: Tensor, nw: Tensor, eps: float, w: Tensor | Fp8Weight, *, glu
     return normed_reference(h, nw, eps, w, glu)
 
 
+# ---------------------------------------------------------------------- the attention prologue
+ATTN_HEAD_DIM = 128  # csrc/linear.cu's kAttnD: the head_dim it takes
+ATTN_MAX_POS = 32  # kAttnMaxPos: cache positions per row (a lane scores one)
+_ATTN_HEADS, _ATTN_KPAD = 4, 8  # kAttnHeads, kAttnKPad (shared memory layout)
+# The rows up to which Ops folds the fast AR's attention into its output projection (where
+# build_ops' attend_prologue asks for it): every block of the launch recomputes the rows'
+# attention (a warp per row and kv head, its keys and values read from L2) before its main
+# loop, so the prologue's cost grows with the rows.
+ATTEND_DISPATCH_M = 2
+
+
+def _attend_smem(m: int, k: int, s: int) -> int:
+    """Shared memory bytes of the attention prologue: M x (K + pad) rows, 8 warps' scratch."""
+    d = ATTN_HEAD_DIM
+    return m * (k + NORM_PAD) * 2 + 8 * (s * (d + _ATTN_KPAD) + s * d + _ATTN_HEADS * d) * 2
+
+
+def _attend_problem(qkv: Tensor, k_cache: object, v_cache: object, cs: object, pos: object,
+                    k: int) -> str | None:
+    """What keeps the attention prologue from taking this position (beyond the plain
+    contract on q = qkv[..., :K]), or None: bf16 caches [B >= M, Hkv, S <= ATTN_MAX_POS,
+    ATTN_HEAD_DIM] contiguous on qkv's device, K = H x head_dim with H a multiple of Hkv,
+    qkv rows holding q, k and v, a contiguous bf16 cs [head_dim / 2, 2], 0 <= pos < S, at
+    most NORM_MAX_M rows within the shared memory."""
+    d = ATTN_HEAD_DIM
+    if qkv.dtype != torch.bfloat16 or qkv.dim() < 1:
+        return f"qkv must be a bfloat16 tensor [..., q + 2 kv], got {qkv.dtype} {tuple(qkv.shape)}"
+    m = qkv.numel() // qkv.shape[-1] if qkv.shape[-1] else 0
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if (not isinstance(c, Tensor) or c.dtype != torch.bfloat16 or c.dim() != 4
+                or c.shape[-1] != d or not c.is_contiguous() or c.device != qkv.device
+                or c.data_ptr() % 16):
+            return (f"{name} must be a contiguous, 16-byte aligned bfloat16 [B, Hkv, S, {d}] "
+                    f"tensor on qkv's device, got {getattr(c, 'dtype', type(c).__name__)} "
+                    f"{tuple(getattr(c, 'shape', ()))}")
+    assert isinstance(k_cache, Tensor) and isinstance(v_cache, Tensor)
+    if v_cache.shape != k_cache.shape:
+        return f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ"
+    b, hkv, s, _ = k_cache.shape
+    if b < m:
+        return f"the caches hold {b} rows, fewer than qkv's {m}"
+    if not 1 <= s <= ATTN_MAX_POS:
+        return f"the caches have {s} positions; the prologue takes 1..{ATTN_MAX_POS}"
+    if isinstance(pos, bool) or not isinstance(pos, int) or not 0 <= pos < s:
+        return f"pos must be an int in 0..{s - 1}, got {pos!r}"
+    if k % d or (k // d) % hkv:
+        return f"K = {k} must be H x {d} with H a multiple of the caches' {hkv} kv heads"
+    if qkv.shape[-1] < k + 2 * hkv * d:
+        return f"qkv rows must hold q ({k}), k and v ({hkv * d} each), got {qkv.shape[-1]}"
+    if (not isinstance(cs, Tensor) or cs.dtype != torch.bfloat16 or tuple(cs.shape) != (d // 2, 2)
+            or not cs.is_contiguous() or cs.device != qkv.device or cs.data_ptr() % 8):
+        return (f"cs must be a contiguous, 8-byte aligned bfloat16 [{d // 2}, 2] tensor on "
+                f"qkv's device, got "
+                f"{getattr(cs, 'dtype', type(cs).__name__)} {tuple(getattr(cs, 'shape', ()))}")
+    if m > NORM_MAX_M or _attend_smem(m, k, s) > NORM_SMEM_MAX:
+        return (f"the attention prologue holds the rows and its warps' keys in shared memory: "
+                f"at most {NORM_MAX_M} rows and {NORM_SMEM_MAX} bytes, got {m} rows of K = {k}"
+                f" with {s} positions")
+    if qkv.is_cuda and _attend_smem(m, k, s) > _smem_optin(qkv.device.index or 0) - NORM_STATIC_SMEM:
+        return f"the attention prologue's {m} rows need more shared memory than this device has"
+    return None
+
+
+def attend_reference(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, cs: Tensor,
+                     pos: int, n_head: int) -> Tensor:
+    """One position's attention as the prologue computes it: rows m < M of qkv [M, q + 2 kv]
+    are [q | k | v] at position `pos`; q and k rotated by cs [Dh/2, 2] (engine/functional.py's
+    apply_rope), this position's rotated key and its value stored in row m of the caches
+    [B, Hkv, S, Dh], then softmax(q k^T / sqrt(Dh)) v over positions 0..pos in float32,
+    rounded once -> [M, n_head Dh] (query head h reads kv head h / (n_head / Hkv))."""
+    m = qkv.shape[0]
+    hkv, d = k_cache.shape[1], k_cache.shape[3]
+    qs, kvs = n_head * d, hkv * d
+    rot = cs[None, None]  # [1, 1, Dh/2, 2]: one position for every row
+    q = functional.apply_rope(qkv[:, :qs].reshape(m, 1, n_head, d), rot)[:, 0]
+    k = functional.apply_rope(qkv[:, qs:qs + kvs].reshape(m, 1, hkv, d), rot)[:, 0]
+    k_cache[:m, :, pos] = k
+    v_cache[:m, :, pos] = qkv[:, qs + kvs:qs + 2 * kvs].reshape(m, hkv, d)
+    rep = n_head // hkv
+    keys = k_cache[:m, :, :pos + 1].float().repeat_interleave(rep, dim=1)  # [M, H, T, Dh]
+    vals = v_cache[:m, :, :pos + 1].float().repeat_interleave(rep, dim=1)
+    scores = torch.einsum("mhd,mhtd->mht", q.float(), keys) / math.sqrt(d)
+    out = torch.einsum("mht,mhtd->mhd", torch.softmax(scores, dim=-1), vals)
+    return out.reshape(m, qs).to(qkv.dtype)
+
+
+def gemv_attend(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, cs: Tensor, pos: int,
+                w: Tensor | Fp8Weight, r: Tensor | None = None, *, splits: int = 0,
+                kwarps: int = 0, kernel: bool = True, pdl: bool | int = False) -> Tensor:
+    """[r +] attend(qkv) @ W^T in one launch: one position's attention (`attend_reference`,
+    which also stores its key and value in the caches) as the prologue of the output
+    projection W [N, K = n_head Dh] (bf16 or an Fp8Weight; variant 0), and the residual add
+    in its epilogue. qkv [..., q + 2 kv] bf16 (every row at position `pos`), k_cache /
+    v_cache [B, Hkv, S, Dh], cs [Dh/2, 2] -> [..., N]. `kernel=False`, CPU tensors or no
+    extension: the reference, then the linear (rounded) and the add."""
+    wq, scale = _operands(w)
+    n, k = w.shape
+    x = qkv[..., :k]  # q: the rows the linear multiplies, once attended
+    problem = (_problem(x, wq, splits, kwarps, scale is not None, 0)
+               or _attend_problem(qkv, k_cache, v_cache, cs, pos, k)
+               or (None if r is None else _residual_problem(x, w, r)))
+    if problem is not None:
+        raise ValueError(f"gemv_attend: {problem}")
+    m = qkv.numel() // qkv.shape[-1]
+    rows = qkv.reshape(m, qkv.shape[-1])
+    if _use_kernel(kernel, x, wq, 0):
+        out = torch.empty(m, n, dtype=torch.bfloat16, device=qkv.device)
+        if m:
+            torch.ops.rtvoice_kernels.linear_small_m_attend(
+                rows, k_cache, v_cache, cs, pos, wq, scale, out, splits, kwarps,
+                None if r is None else r.reshape(m, n), int(pdl))
+        return out.view(*qkv.shape[:-1], n)
+    a = attend_reference(rows, k_cache, v_cache, cs, pos, k // k_cache.shape[-1])
+    y = (fp8_linear_torch(a, w) if isinstance(w, Fp8Weight) else F.linear(a, w))
+    y = y.view(*qkv.shape[:-1], n)
+    return y if r is None else r + y
+
+
 # ---------------------------------------------------------------------- the per-shape plan
 # a csrc candidate's label in a row's recorded timings (linear_bench)
 _GEMV_LABEL = re.compile(r"gemv:v(\d+):k(\d+):s(\d+)$")
@@ -921,6 +1039,48 @@ def make_normed(plan: LinearPlan | None, kernels: bool, max_m: int = NORMED_DISP
         return _run(h, wq, scale, splits, kwarps, 0, glu=glu, norm=(nw, float(eps)), pdl=pdl)
 
     return normed
+
+
+AttendFn = Callable[..., Tensor | None]
+
+
+def make_attend(plan: LinearPlan | None, kernels: bool, max_m: int = ATTEND_DISPATCH_M,
+                pdl: bool | int = False, dense: bool = False) -> AttendFn:
+    """`Ops.attend_kernel`: (qkv, k_cache, v_cache, cs, pos, W, r) -> r + attend(qkv) W^T
+    from csrc's attention prologue (`gemv_attend`) where qkv has at most `max_m` rows, the
+    plan recorded a variant-0 csrc candidate for that linear within NORMED_SLACK_US of its
+    choice (the prologue's splits and kwarps as the normed one's: `_normed_params`) and the
+    call meets the contract; None otherwise (the caller runs the attention, then the
+    projection). Chosen once per shape; `pdl` as for `make_linear`."""
+    dense_plan = plan if dense else None  # FP8 weights' dense copies taken or not
+    chosen: dict[tuple[int, int, int, bool, torch.dtype, bool], tuple[int, int] | None] = {}
+
+    def attend(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, cs: Tensor, pos: int,
+               w: Tensor | Fp8Weight, r: Tensor) -> Tensor | None:
+        n, k = w.shape
+        m = qkv.numel() // qkv.shape[-1] if qkv.shape[-1] else 0
+        if m > max_m or plan is None or not kernels:
+            return None
+        x = qkv[..., :k]
+        w = _as_dense(dense_plan, w, x)
+        fp8 = isinstance(w, Fp8Weight)
+        key = (m, n, k, fp8, qkv.dtype, qkv.is_cuda)
+        if key not in chosen:
+            ok = (qkv.is_cuda and qkv.dtype == torch.bfloat16 and supports(m, n, k, fp8, 0)
+                  and extension_available())
+            chosen[key] = _normed_params(plan.choose(m, n, k, fp8)) if ok else None
+        if chosen[key] is None:
+            return None
+        splits, kwarps = chosen[key]  # type: ignore[misc]
+        wq, _ = _operands(w)
+        if (_problem(x, wq, splits, kwarps, fp8, 0)
+                or _attend_problem(qkv, k_cache, v_cache, cs, pos, k)
+                or _residual_problem(x, w, r)) is not None:
+            return None
+        return gemv_attend(qkv, k_cache, v_cache, cs, pos, w, r, splits=splits, kwarps=kwarps,
+                           pdl=pdl)
+
+    return attend
 
 
 def make_linear(plan: LinearPlan | None, kernels: bool,
