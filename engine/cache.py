@@ -206,16 +206,6 @@ class PagedDecodeAttend:
         vals = gather_blocks(c.v[layer], self.tables, self.span)
         return gqa_attention(q, keys, vals, self.mask)
 
-    def defer(self, layer: int, qkv: Tensor, cs: Tensor,
-              compute: Callable[[], Tensor]) -> PendingHeads | None:
-        """This position's attention for the output projection's prologue to compute
-        (`Ops.attend_kernel`): qkv [B, 1, q + 2 kv] before the rotation cs [B, 1, Dh/2, 2]
-        (every row at `pos`, so one row of it serves all); `compute` is the usual path. None
-        where not `deferred`."""
-        if not self.deferred:
-            return None
-        return PendingHeads(qkv, self.k[layer], self.v[layer], cs[0, 0], self.pos, compute)
-
     def _norm_rope_attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, qw: Tensor | None,
                           kw: Tensor | None, cs: Tensor, eps: float) -> Tensor:
         """q [B, 1, H, Dh], k/v [B, 1, Hkv, Dh] before the q/k norm and RoPE (cs [B, 1,

@@ -1898,6 +1898,8 @@ def test_model_defers_the_fast_attention_to_wo_prologue():
     assert torch.equal(kv1.v[0, :, :, 0], kv0.v[0, :, :, 0])  # the same input: as projected
     declined, _ = _fast_frame(model, Ops(attend_kernel=lambda *a: None), deferred=True)
     assert torch.equal(declined, want)
+    from engine.cache import PagedDecodeAttend  # the slow AR's long context: never offered
+    assert not hasattr(PagedDecodeAttend, "defer")
 
     class Probe:  # an attend that offers deferral: qk-norm layers (the slow AR's) never take it
         def defer(self, *a):  # type: ignore[no-untyped-def]
