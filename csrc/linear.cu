@@ -569,7 +569,17 @@ __device__ void attend_rows(const Args& a, __nv_bfloat16* xs, unsigned char* scr
     const int m = item / hkv, g = item - m * hkv;
     const __nv_bfloat16* row = a.x + static_cast<int64_t>(m) * a.x_rs;
     const int64_t at = (static_cast<int64_t>(m) * hkv + g) * S * kAttnD;
-    // the cached positions 0..p-1: 16 chunks of 16 bytes per key and per value
+    // every global read of the item issued first, one round trip for all (the cp.async's
+    // memory clobber and the cache stores below would otherwise keep later loads waiting):
+    // this position's key and value, the first pass's query heads (a head past the kv
+    // head's rereads its first one, unused), then the cached positions 0..p-1 (16 chunks of
+    // 16 bytes per key and per value) into the scratch
+    float kx[4], vx[4], qx[kAttnHeads][4];
+    ld_bf16x4(row + a.K + g * kAttnD + lane * 4, kx);
+    ld_bf16x4(row + a.K + kvw + g * kAttnD + lane * 4, vx);
+#pragma unroll
+    for (int r = 0; r < kAttnHeads; ++r)
+      ld_bf16x4(row + (g * rep + (r < rep ? r : 0)) * kAttnD + lane * 4, qx[r]);
     for (int c = lane; c < p * 16; c += 32) {
       const int t = c >> 4, j = (c & 15) * 8;
       cp_async16(smem_u32(kb + t * kRs + j), a.at_k + at + t * kAttnD + j);
@@ -577,9 +587,6 @@ __device__ void attend_rows(const Args& a, __nv_bfloat16* xs, unsigned char* scr
     }
     cp_async_commit();
     // this position: its key rotated, key and value as row p of the scratch (and the caches)
-    float kx[4], vx[4];
-    ld_bf16x4(row + a.K + g * kAttnD + lane * 4, kx);
-    ld_bf16x4(row + a.K + kvw + g * kAttnD + lane * 4, vx);
     rope_bf16x4(kx, cs);
     st_bf16x4(kb + p * kRs + lane * 4, kx);
     st_bf16x4(vb + p * kAttnD + lane * 4, vx);
@@ -589,12 +596,11 @@ __device__ void attend_rows(const Args& a, __nv_bfloat16* xs, unsigned char* scr
     }
     for (int h0 = 0; h0 < rep; h0 += kAttnHeads) {
       const int nh = min(kAttnHeads, rep - h0);
-      // the pass's query heads: every load issued before the first use (a head past the
-      // kv head's rereads its first one, unused)
-      float qx[kAttnHeads][4];
+      if (h0 > 0) {  // a later pass's query heads (the first pass's were loaded above)
 #pragma unroll
-      for (int r = 0; r < kAttnHeads; ++r)
-        ld_bf16x4(row + (g * rep + h0 + (r < nh ? r : 0)) * kAttnD + lane * 4, qx[r]);
+        for (int r = 0; r < kAttnHeads; ++r)
+          ld_bf16x4(row + (g * rep + h0 + (r < nh ? r : 0)) * kAttnD + lane * 4, qx[r]);
+      }
 #pragma unroll
       for (int r = 0; r < kAttnHeads; ++r) {
         rope_bf16x4(qx[r], cs);
