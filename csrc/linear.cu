@@ -509,15 +509,19 @@ __device__ __forceinline__ void norm_rows(const Args& a, __nv_bfloat16* xs) {
   __syncthreads();
 }
 
-// 4 bf16 at p (8-byte aligned) as floats, and back (values already bf16: exact).
-__device__ __forceinline__ void ld_bf16x4(const __nv_bfloat16* p, float (&f)[4]) {
-  const uint2 v = *reinterpret_cast<const uint2*>(p);
+// 4 bf16 (8 bytes, packed) as floats.
+__device__ __forceinline__ void bf16x4_to_f(const uint2& v, float (&f)[4]) {
   const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v.x));
   const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v.y));
   f[0] = a.x;
   f[1] = a.y;
   f[2] = b.x;
   f[3] = b.y;
+}
+
+// 4 bf16 at p (8-byte aligned) as floats, and back (values already bf16: exact).
+__device__ __forceinline__ void ld_bf16x4(const __nv_bfloat16* p, float (&f)[4]) {
+  bf16x4_to_f(*reinterpret_cast<const uint2*>(p), f);
 }
 __device__ __forceinline__ void st_bf16x4(__nv_bfloat16* p, const float (&f)[4]) {
   const __nv_bfloat162 a = __floats2bfloat162_rn(f[0], f[1]);
@@ -574,12 +578,14 @@ __device__ void attend_rows(const Args& a, __nv_bfloat16* xs, unsigned char* scr
     // this position's key and value, the first pass's query heads (a head past the kv
     // head's rereads its first one, unused), then the cached positions 0..p-1 (16 chunks of
     // 16 bytes per key and per value) into the scratch
-    float kx[4], vx[4], qx[kAttnHeads][4];
-    ld_bf16x4(row + a.K + g * kAttnD + lane * 4, kx);
-    ld_bf16x4(row + a.K + kvw + g * kAttnD + lane * 4, vx);
+    // (raw: 2 registers per 4 values until used)
+    const uint2 kraw = *reinterpret_cast<const uint2*>(row + a.K + g * kAttnD + lane * 4);
+    const uint2 vraw = *reinterpret_cast<const uint2*>(row + a.K + kvw + g * kAttnD + lane * 4);
+    uint2 qraw[kAttnHeads];
 #pragma unroll
     for (int r = 0; r < kAttnHeads; ++r)
-      ld_bf16x4(row + (g * rep + (r < rep ? r : 0)) * kAttnD + lane * 4, qx[r]);
+      qraw[r] = *reinterpret_cast<const uint2*>(row + (g * rep + (r < rep ? r : 0)) * kAttnD +
+                                                lane * 4);
     for (int c = lane; c < p * 16; c += 32) {
       const int t = c >> 4, j = (c & 15) * 8;
       cp_async16(smem_u32(kb + t * kRs + j), a.at_k + at + t * kAttnD + j);
@@ -587,6 +593,9 @@ __device__ void attend_rows(const Args& a, __nv_bfloat16* xs, unsigned char* scr
     }
     cp_async_commit();
     // this position: its key rotated, key and value as row p of the scratch (and the caches)
+    float kx[4], vx[4];
+    bf16x4_to_f(kraw, kx);
+    bf16x4_to_f(vraw, vx);
     rope_bf16x4(kx, cs);
     st_bf16x4(kb + p * kRs + lane * 4, kx);
     st_bf16x4(vb + p * kAttnD + lane * 4, vx);
@@ -599,12 +608,15 @@ __device__ void attend_rows(const Args& a, __nv_bfloat16* xs, unsigned char* scr
       if (h0 > 0) {  // a later pass's query heads (the first pass's were loaded above)
 #pragma unroll
         for (int r = 0; r < kAttnHeads; ++r)
-          ld_bf16x4(row + (g * rep + h0 + (r < nh ? r : 0)) * kAttnD + lane * 4, qx[r]);
+          qraw[r] = *reinterpret_cast<const uint2*>(
+              row + (g * rep + h0 + (r < nh ? r : 0)) * kAttnD + lane * 4);
       }
 #pragma unroll
       for (int r = 0; r < kAttnHeads; ++r) {
-        rope_bf16x4(qx[r], cs);
-        st_bf16x4(qb + r * kAttnD + lane * 4, qx[r]);
+        float qx[4];
+        bf16x4_to_f(qraw[r], qx);
+        rope_bf16x4(qx, cs);
+        st_bf16x4(qb + r * kAttnD + lane * 4, qx);
       }
       cp_async_wait<0>();
       __syncwarp();  // every lane's copies and stores are visible to the warp
