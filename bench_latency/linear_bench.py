@@ -32,7 +32,9 @@ silu * mul (two launches) against the kernel's SwiGLU epilogue with the same par
 after it as the engine runs them at each M where the table picks the kernel for both
 projections (wo then wqkv; w2 then the packed w13 with its SwiGLU): the projection, the fused
 add + norm, the next projection (three launches) against the residual epilogue and the normed
-prologue (two), and checks that they agree.
+prologue (two), and checks that they agree. `--attend` times the fast AR's attention and its
+output projection: csrc's decode attention then wo with the residual epilogue (two launches)
+against the attention prologue (one), and each part alone.
 """
 
 from __future__ import annotations
@@ -60,9 +62,11 @@ from engine.kernels.linear import (
     VARIANTS,
     W8A8,
     PlanRow,
+    _normed_params,
     _triton_module,
     fp8_gemv,
     gemv,
+    gemv_attend,
     gemv_normed,
     gemv_residual,
     gemv_swiglu,
@@ -449,6 +453,89 @@ def bench_norm(ms: tuple[int, ...], reps: int, table: Path,
     return results
 
 
+def _attend_timings(m: int, pos: int, ws: list[torch.Tensor], tiny: torch.Tensor,
+                    kw_plain: dict, kw_fused: dict, reps: int, pdl: int,
+                    g: torch.Generator) -> dict[str, object]:
+    """`bench_attend`'s timings at M rows and one position (S2-Pro's fast AR shapes)."""
+    from engine.kernels.decode_attention import Rope, decode_attention
+
+    H, Hkv, D, S = 32, 8, 128, 10
+    n, dev = ws[0].shape[0], ws[0].device
+    qkv = torch.randn(m, (H + 2 * Hkv) * D, device=dev, generator=g).to(torch.bfloat16)
+    kc = torch.randn(m, Hkv, S, D, device=dev, generator=g).to(torch.bfloat16)
+    vc = torch.randn(m, Hkv, S, D, device=dev, generator=g).to(torch.bfloat16)
+    cs = functional.rope_table(S, D, 1e6)[pos].to(device=dev, dtype=torch.bfloat16)
+    r = torch.randn(m, n, device=dev, generator=g).to(torch.bfloat16)
+    q = qkv[:, :H * D].view(m, H, D)
+    kn = qkv[:, H * D:(H + Hkv) * D].view(m, Hkv, D)
+    vn = qkv[:, (H + Hkv) * D:].view(m, Hkv, D)
+    rows = torch.arange(m, device=dev)
+    at = torch.full((m,), pos, device=dev, dtype=torch.long)
+    rope = Rope(None, None, cs[None], 0.0)
+
+    def attention() -> torch.Tensor:  # [M, H D]: csrc's decode attention with its RoPE
+        return decode_attention(q, kn, vn, kc, vc, rows[:, None], rows, at, pos + 1,
+                                rope=rope, pdl=bool(pdl)).reshape(m, H * D)
+
+    def unfused(w: torch.Tensor) -> torch.Tensor:
+        return gemv_residual(attention(), w, r, **kw_plain)
+
+    def fused(w: torch.Tensor) -> torch.Tensor:
+        return gemv_attend(qkv, kc, vc, cs, pos, w, r, **kw_fused)
+
+    a, b = unfused(ws[0]), fused(ws[0])
+    ulps = (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+    y = attention()
+    return {"m": m, "pos": pos, "plain": kw_plain, "prologue": kw_fused,
+            "unfused_us": round(graph_us([functools.partial(unfused, w) for w in ws], reps), 2),
+            "fused_us": round(graph_us([functools.partial(fused, w) for w in ws], reps), 2),
+            "attention_us": round(graph_us([attention] * len(ws), reps), 2),
+            "wo_us": round(graph_us([functools.partial(gemv_residual, y, w, r, **kw_plain)
+                                     for w in ws], reps), 2),
+            "prologue_16_rows_us": round(graph_us([functools.partial(
+                gemv_attend, qkv, kc, vc, cs, pos, tiny, **kw_fused)] * len(ws), reps), 2),
+            "max_ulps": int(ulps.max()), "differing": float((ulps > 0).float().mean())}
+
+
+def bench_attend(ms: tuple[int, ...], reps: int, table: Path,
+                 pdl: int = 1) -> list[dict[str, object]]:
+    """The fast AR's attention and its output projection (S2-Pro: 32 query heads, 8 kv heads,
+    head_dim 128, wo 2560 x 4096, 10 cache positions) at each M and at positions 1 and 9:
+    csrc's decode attention with its RoPE, then wo with the residual epilogue (two launches,
+    as the engine runs them) against the attention prologue (one, `gemv_attend`, with the
+    normed prologue's parameter rule), and each part alone: the attention, wo, and the
+    prologue on a 16-row W (its own cost with almost no weights behind it). Returns one
+    result per (M, position): microseconds and the fused result's distance from the unfused
+    one in bf16 ulps (the prologue's float32 attention is not csrc's decode attention's)."""
+    plan = load_plan(table)
+    g = torch.Generator(device="cuda").manual_seed(7)
+    n, k = SHAPES["wo"]
+    copies = max(2, math.ceil(ROTATE_BYTES / (2 * n * k)))
+    ws = [(torch.randn(n, k, device="cuda", generator=g) / math.sqrt(k)).to(torch.bfloat16)
+          for _ in range(copies)]
+    tiny = (torch.randn(16, k, device="cuda", generator=g) / math.sqrt(k)).to(torch.bfloat16)
+    results: list[dict[str, object]] = []
+    for m in ms:
+        row = plan.choose(m, n, k, False) if plan is not None else None
+        prologue = _normed_params(row) if row is not None else None
+        if row is None or row.impl != "gemv" or prologue is None or m > 16:
+            print(f"attend m={m}: the table has no variant-0 kernel candidate for wo here")
+            continue
+        kw_plain = {"splits": row.splits, "kwarps": row.kwarps, "variant": row.variant,
+                    "pdl": pdl}
+        kw_fused = {"splits": prologue[0], "kwarps": prologue[1], "pdl": pdl}
+        for pos in (1, 9):
+            res = _attend_timings(m, pos, ws, tiny, kw_plain, kw_fused, reps, pdl, g)
+            print(f"attend m={m} pos={pos}: attention + wo {res['unfused_us']} us (attention "
+                  f"{res['attention_us']}, wo {res['wo_us']}), prologue + wo {res['fused_us']} "
+                  f"us (the prologue on 16 rows {res['prologue_16_rows_us']}); results "
+                  f"{res['max_ulps']} ulp apart at most", flush=True)
+            results.append(res)
+    del ws
+    torch.cuda.empty_cache()
+    return results
+
+
 def _plan_row(fp8: bool, m: int, n: int, k: int, meta: Meta, us: dict[str, float]) -> PlanRow:
     config = meta.get("config")
     return PlanRow(fp8, m, n, k, str(meta["impl"]), int(meta.get("splits", 1)),  # type: ignore[arg-type]
@@ -477,24 +564,28 @@ def main(argv: list[str] | None = None) -> int:
                     help="time a block's projection + residual add + RMSNorm + next projection, "
                     "unfused vs the residual epilogue and normed prologue, at the M where the "
                     "table (--table) picks the kernel for both")
+    ap.add_argument("--attend", action="store_true",
+                    help="time the fast AR's attention + wo (two launches) against the "
+                    "attention prologue (one), and each part alone, at the M where the table "
+                    "(--table) has a variant-0 kernel candidate for wo")
     ap.add_argument("--pdl", default="auto", choices=("auto", "0", "1", "2", "3"),
                     help="csrc's kernel launch: auto (the engine's pdl=auto: FP8 weights with "
                     "programmatic dependent launch, bf16 plainly), 1 PDL, each call's first "
                     "weights fetched while the call before ends; 0 a plain launch; 2, 3 "
                     "csrc/linear.cu's other PDL modes")
     ap.add_argument("--table", type=Path, default=DEFAULT_TABLE,
-                    help="the recorded table --swiglu and --norm follow")
+                    help="the recorded table --swiglu, --norm and --attend follow")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("linear_bench needs a CUDA device (the candidates are GPU kernels); nothing "
               "measured", file=sys.stderr)
         return 1
-    if args.swiglu or args.norm:
-        what = "swiglu" if args.swiglu else "norm"
+    if args.swiglu or args.norm or args.attend:
+        what = "swiglu" if args.swiglu else "norm" if args.norm else "attend"
         if not extension_available():
             print(f"--{what} needs the csrc extension, which did not build", file=sys.stderr)
             return 1
-        bench = bench_swiglu if args.swiglu else bench_norm
+        bench = {"swiglu": bench_swiglu, "norm": bench_norm, "attend": bench_attend}[what]
         with torch.inference_mode():
             res = bench(tuple(int(m) for m in args.ms.split(",")), args.reps, args.table,
                         pdl_mode(args.pdl, False))  # both time bf16 weights

@@ -49,7 +49,9 @@
 # SWIGLU=1: `linear_bench --swiglu` (the FFN's packed linear + silu*mul vs csrc's SwiGLU
 # epilogue at the M where the table picks the kernel) into $OUT/swiglu.{json,txt}. NORM=1:
 # `linear_bench --norm` (projection + add_rms_norm + projection vs the residual epilogue and
-# normed prologue) into $OUT/norm.{json,txt}.
+# normed prologue) into $OUT/norm.{json,txt}. ATTEND_BENCH=1: `linear_bench --attend` (the fast
+# AR's attention + wo vs the attention prologue, and each part alone, M = 1, 2) into
+# $OUT/attend.{json,txt}.
 # FP8 (issue 14): LINEAR=1 first records the per-shape linear table (bench_latency.linear_bench:
 # cuBLAS vs csrc's small-M kernel vs the Triton FP8 GEMM, every S2-Pro shape at M = 1..64) into
 # $OUT/linear_table.json and installs it for the rest of the call (LINEAR_INSTALL=0: not, for a
@@ -108,6 +110,11 @@ if [ "${NORM:-0}" = 1 ]; then  # residual add + RMSNorm between projections: unf
     timeout 150 python3 -m bench_latency.linear_bench --norm --ms 1,2,4,8,16 --out "$OUT/norm.json" 2>&1 \
         | grep -v "Warn\|warn" | tee "$OUT/norm.txt" | grep "^norm"
     echo "norm bench done at +$(( $(date +%s) - t0 ))s"
+fi
+if [ "${ATTEND_BENCH:-0}" = 1 ]; then  # the fast AR's attention + wo vs the attention prologue
+    timeout 150 python3 -m bench_latency.linear_bench --attend --ms 1,2 --out "$OUT/attend.json" 2>&1 \
+        | grep -v "Warn\|warn" | tee "$OUT/attend.txt" | grep "^attend"
+    echo "attend bench done at +$(( $(date +%s) - t0 ))s"
 fi
 if [ "${LINEAR:-0}" = 1 ]; then  # the per-shape linear table, used by every engine below
     timeout ${LINEAR_TIMEOUT:-240} python3 -m bench_latency.linear_bench --out "$OUT/linear_table.json" ${LINEAR_ARGS:-} \

@@ -1983,3 +1983,29 @@ def test_model_fast_attention_prologue_cuda():
     torch.testing.assert_close(kv1.k.float(), kv0.k.float(), rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(kv1.v.float(), kv0.v.float(), rtol=2e-2, atol=2e-2)
     assert torch.equal(kv1.v[0, :, :, 0], kv0.v[0, :, :, 0])
+
+
+def test_linear_bench_attend_times_both_paths_on_the_same_inputs(monkeypatch):
+    """linear_bench --attend's timings, off the GPU with every graph replaced by one call of
+    each function (the kernels' fallbacks): both paths run on the same inputs and agree (two
+    float32 attentions: equal here but for a rounding), each part is timed."""
+    from bench_latency import linear_bench as lb
+
+    timed = []
+
+    def once(calls, reps):  # type: ignore[no-untyped-def]
+        timed.append(len(calls))
+        for c in calls:
+            c()
+        return 1.0
+
+    monkeypatch.setattr(lb, "graph_us", once)
+    g = torch.Generator().manual_seed(0)
+    ws = [(torch.randn(64, 4096, generator=g) / 64).to(torch.bfloat16) for _ in range(2)]
+    tiny = ws[0][:16].contiguous()
+    kw = {"splits": 1, "kwarps": 8, "pdl": 0}
+    res = lb._attend_timings(2, 9, ws, tiny, {**kw, "variant": 0}, kw, reps=1, pdl=0, g=g)
+    assert timed == [2, 2, 2, 2, 2]
+    assert set(res) >= {"unfused_us", "fused_us", "attention_us", "wo_us",
+                        "prologue_16_rows_us"}
+    assert res["max_ulps"] <= 2 and res["differing"] < 0.01
