@@ -18,6 +18,9 @@ Kernel variants (`variant=`, the table picks one per shape):
 `gemv_swiglu` runs the same kernel with a SwiGLU epilogue: for the packed FFN input
 projection [W1; W3] it writes silu(x W1^T) * (x W3^T) straight from the accumulators (one
 launch where the FFN took two), and `make_swiglu` picks it per shape like `make_linear`.
+`gemv_residual` adds a residual in the epilogue, `gemv_normed` RMS-norms x in a prologue, and
+`gemv_attend` computes one position's attention over a few cached positions (the fast AR's)
+in a prologue (csrc's `linear_small_m_attend`; `make_attend`, off by default in `build_ops`).
 
 The kernels' contract (checked here, then again in C++): x bf16 [..., K] whose leading dims
 flatten to rows without a copy (last dim contiguous; row stride a multiple of 8 elements and
