@@ -1815,6 +1815,7 @@ def test_gemv_attend_fallback_contract_and_dispatch():
     assert kc[:, :, pos].abs().sum() > 0 and kc[:, :, pos + 1:].abs().sum() == 0
     f8 = quantize_fp8(_bf16(128, H * 128, seed=3))
     assert torch.equal(linear.gemv_attend(qkv, kc, vc, cs, pos, f8), fp8_linear_torch(a, f8))
+    many = _attend_case(17, H, Hkv, S, pos)  # more rows than the prologue holds
     x3 = qkv[None]  # leading dims: [1, M, W] -> [1, M, N]
     assert linear.gemv_attend(x3, kc, vc, cs, pos, w, r[None]).shape == (1, M, 96)
     for args, match in (
@@ -1827,8 +1828,7 @@ def test_gemv_attend_fallback_contract_and_dispatch():
             ((qkv, kc, vc, cs.float(), pos, w), "cs must be"),
             ((qkv, kc, vc, cs, pos, _bf16(96, 7 * 128)), "multiple of the caches"),
             ((qkv[:, :-8], kc, vc, cs, pos, w), "must hold q"),
-            ((_attend_case(17, H, Hkv, S, pos)[0],
-              *_attend_case(17, H, Hkv, S, pos)[1:], pos, w), "at most 16 rows")):
+            ((*many, pos, w), "at most 16 rows")):
         with pytest.raises(ValueError, match=match):
             linear.gemv_attend(*args)
     big = torch.zeros(M, Hkv, 33, 128, dtype=torch.bfloat16)

@@ -481,6 +481,21 @@ def attend_reference(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, cs: Tensor,
     return out.reshape(m, qs).to(qkv.dtype)
 
 
+def _run_attend(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, cs: Tensor, pos: int,
+                wq: Tensor, scale: Tensor | None, r: Tensor | None, splits: int, kwarps: int,
+                pdl: bool | int) -> Tensor:
+    """csrc's attention prologue on contract-checked operands (`gemv_attend`'s checks):
+    qkv [..., q + 2 kv] -> [r +] attend(qkv) W^T [..., N]."""
+    n = wq.shape[0]
+    m = qkv.numel() // qkv.shape[-1]
+    out = torch.empty(m, n, dtype=torch.bfloat16, device=qkv.device)
+    if m:
+        torch.ops.rtvoice_kernels.linear_small_m_attend(
+            qkv.reshape(m, qkv.shape[-1]), k_cache, v_cache, cs, pos, wq, scale, out, splits,
+            kwarps, None if r is None else r.reshape(m, n), int(pdl))
+    return out.view(*qkv.shape[:-1], n)
+
+
 def gemv_attend(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, cs: Tensor, pos: int,
                 w: Tensor | Fp8Weight, r: Tensor | None = None, *, splits: int = 0,
                 kwarps: int = 0, kernel: bool = True, pdl: bool | int = False) -> Tensor:
@@ -498,16 +513,11 @@ def gemv_attend(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, cs: Tensor, pos: 
                or (None if r is None else _residual_problem(x, w, r)))
     if problem is not None:
         raise ValueError(f"gemv_attend: {problem}")
-    m = qkv.numel() // qkv.shape[-1]
-    rows = qkv.reshape(m, qkv.shape[-1])
     if _use_kernel(kernel, x, wq, 0):
-        out = torch.empty(m, n, dtype=torch.bfloat16, device=qkv.device)
-        if m:
-            torch.ops.rtvoice_kernels.linear_small_m_attend(
-                rows, k_cache, v_cache, cs, pos, wq, scale, out, splits, kwarps,
-                None if r is None else r.reshape(m, n), int(pdl))
-        return out.view(*qkv.shape[:-1], n)
-    a = attend_reference(rows, k_cache, v_cache, cs, pos, k // k_cache.shape[-1])
+        return _run_attend(qkv, k_cache, v_cache, cs, pos, wq, scale, r, splits, kwarps, pdl)
+    m = qkv.numel() // qkv.shape[-1]
+    a = attend_reference(qkv.reshape(m, qkv.shape[-1]), k_cache, v_cache, cs, pos,
+                         k // k_cache.shape[-1])
     y = (fp8_linear_torch(a, w) if isinstance(w, Fp8Weight) else F.linear(a, w))
     y = y.view(*qkv.shape[:-1], n)
     return y if r is None else r + y
@@ -1001,6 +1011,26 @@ def _normed_params(row: PlanRow) -> tuple[int, int] | None:
     return splits, kwarps
 
 
+def _prologue_lookup(plan: LinearPlan | None,
+                     kernels: bool) -> Callable[[Tensor, int, int, bool], tuple[int, int] | None]:
+    """(x, N, K, FP8 W) -> `_normed_params` of the plan's row for x's M rows, or None where
+    csrc's variant 0 cannot take it here (no plan, kernels off, not CUDA bf16, unsupported
+    shape): a prologue's launch parameters, chosen once per shape and kept in a dict."""
+    chosen: dict[tuple[int, int, int, bool, torch.dtype, bool], tuple[int, int] | None] = {}
+
+    def lookup(x: Tensor, n: int, k: int, fp8: bool) -> tuple[int, int] | None:
+        m = x.numel() // k if k else 0
+        key = (m, n, k, fp8, x.dtype, x.is_cuda)
+        if key not in chosen:
+            chosen[key] = (_normed_params(plan.choose(m, n, k, fp8))
+                           if (plan is not None and kernels and x.is_cuda
+                               and x.dtype == torch.bfloat16 and supports(m, n, k, fp8, 0))
+                           else None)
+        return chosen[key]
+
+    return lookup
+
+
 def make_normed(plan: LinearPlan | None, kernels: bool, max_m: int = NORMED_DISPATCH_M,
                 max_m_fp8: int = NORMED_DISPATCH_M_FP8, pdl: bool | int = False,
                 dense: bool = False) -> NormedFn:
@@ -1012,14 +1042,7 @@ def make_normed(plan: LinearPlan | None, kernels: bool, max_m: int = NORMED_DISP
     splits and kwarps); None otherwise (the caller computes the norm first). Chosen once per
     shape; `pdl` as for `make_linear`."""
     dense_plan = plan if dense else None  # FP8 weights' dense copies taken or not
-    chosen: dict[tuple[int, int, int, bool, torch.dtype, bool], tuple[int, int] | None] = {}
-
-    def params(m: int, n: int, k: int, fp8: bool, dtype: torch.dtype,
-               cuda: bool) -> tuple[int, int] | None:
-        if (plan is None or not kernels or not cuda or dtype != torch.bfloat16
-                or not supports(m, n, k, fp8, 0)):
-            return None
-        return _normed_params(plan.choose(m, n, k, fp8))
+    lookup = _prologue_lookup(plan, kernels)
 
     def normed(h: Tensor, nw: Tensor, eps: float, w: Tensor | Fp8Weight,
                glu: bool) -> Tensor | None:
@@ -1028,12 +1051,10 @@ def make_normed(plan: LinearPlan | None, kernels: bool, max_m: int = NORMED_DISP
         n, k = w.shape
         if h.numel() > (max_m_fp8 if fp8 else max_m) * k:
             return None
-        key = (h.numel() // k if k else 0, n, k, fp8, h.dtype, h.is_cuda)
-        if key not in chosen:
-            chosen[key] = params(*key)
-        if chosen[key] is None:
+        chosen = lookup(h, n, k, fp8)
+        if chosen is None:
             return None
-        splits, kwarps = chosen[key]  # type: ignore[misc]
+        splits, kwarps = chosen
         wq, scale = _operands(w)
         problem = (_glu_problem(h, w, splits, kwarps, 0) if glu
                    else _problem(h, wq, splits, kwarps, fp8, 0))
@@ -1056,32 +1077,26 @@ def make_attend(plan: LinearPlan | None, kernels: bool, max_m: int = ATTEND_DISP
     call meets the contract; None otherwise (the caller runs the attention, then the
     projection). Chosen once per shape; `pdl` as for `make_linear`."""
     dense_plan = plan if dense else None  # FP8 weights' dense copies taken or not
-    chosen: dict[tuple[int, int, int, bool, torch.dtype, bool], tuple[int, int] | None] = {}
+    lookup = _prologue_lookup(plan, kernels)
 
     def attend(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, cs: Tensor, pos: int,
                w: Tensor | Fp8Weight, r: Tensor) -> Tensor | None:
         n, k = w.shape
-        m = qkv.numel() // qkv.shape[-1] if qkv.shape[-1] else 0
-        if m > max_m or plan is None or not kernels:
-            return None
         x = qkv[..., :k]
+        if x.numel() > max_m * k:
+            return None
         w = _as_dense(dense_plan, w, x)
         fp8 = isinstance(w, Fp8Weight)
-        key = (m, n, k, fp8, qkv.dtype, qkv.is_cuda)
-        if key not in chosen:
-            ok = (qkv.is_cuda and qkv.dtype == torch.bfloat16 and supports(m, n, k, fp8, 0)
-                  and extension_available())
-            chosen[key] = _normed_params(plan.choose(m, n, k, fp8)) if ok else None
-        if chosen[key] is None:
+        chosen = lookup(x, n, k, fp8)
+        if chosen is None:
             return None
-        splits, kwarps = chosen[key]  # type: ignore[misc]
-        wq, _ = _operands(w)
+        splits, kwarps = chosen
+        wq, scale = _operands(w)
         if (_problem(x, wq, splits, kwarps, fp8, 0)
                 or _attend_problem(qkv, k_cache, v_cache, cs, pos, k)
                 or _residual_problem(x, w, r)) is not None:
             return None
-        return gemv_attend(qkv, k_cache, v_cache, cs, pos, w, r, splits=splits, kwarps=kwarps,
-                           pdl=pdl)
+        return _run_attend(qkv, k_cache, v_cache, cs, pos, wq, scale, r, splits, kwarps, pdl)
 
     return attend
 
