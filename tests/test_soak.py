@@ -5,9 +5,16 @@ client vanishes mid-turn, no close handshake).
 Checked: every turn a session asked for and did not abandon ends with ``done``; every
 ``done`` accounts for exactly the audio bytes sent (``frames`` x 2048 samples, or the audio
 sent before a cancel); no error event at all (the injected faults are the client's and are
-not errors); the server's RSS, sampled every second, stays flat after warm-up (the median
-of the last 10 s within RSS_BOUND_MB of the median of the 10 s after warm-up) and under
+not errors); the server's RSS, sampled every second, stays flat after warm-up and under
 RSS_MAX_MB throughout; the server ends with every session, decode row and KV block given back.
+
+Flat means the floor of the last 10 s within RSS_BOUND_MB of the floor of the 10 s after
+warm-up, the floor being the lowest sample in those 10 s. The server gives freed heap
+memory back every ``heap_trim_s`` (5 s), so its RSS is a sawtooth: ~50-100 MB of allocator
+churn builds up between trims and goes at each one. A median over 10 s lands anywhere on
+the teeth (a CI run failed on medians 88 MB apart while the samples its log kept, one
+per 5 s, rose 36 MB); the floor is what a trim cannot give back, which is what a leak
+grows.
 """
 
 from __future__ import annotations
@@ -17,7 +24,6 @@ import json
 import os
 import random
 import re
-import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,8 +56,9 @@ SOAK_ARGS = os.environ.get("RTVOICE_SOAK_ARGS", "").split()  # extra `rtvoice se
 SOAK_OUT = os.environ.get("RTVOICE_SOAK_OUT")  # write the summary and RSS series here (JSON)
 SESSIONS = 56
 WARMUP_S = SOAK_S / 2  # the allocators settle over the first half-minute
-RSS_BOUND_MB = 64.0  # median RSS growth allowed from the warm-up's end to the soak's end
-RSS_MAX_MB = 1024.0  # and never above (today ~0.75 GB; one codec pass per tick took 1.8 GB)
+RSS_BOUND_MB = 64.0  # RSS floor growth allowed from the warm-up's end to the soak's end
+RSS_MAX_MB = 1152.0  # and never above (today 0.55 GB at start, peaks 0.82-0.95 GB; one
+# codec pass per tick took 1.8 GB)
 HOP = 2048  # samples per codec frame of the tiny model (44.1 kHz, 16-bit PCM)
 TEXTS = ["Hello there.", "How are you doing today?", "This is a slightly longer sentence, "
          "with a comma in it.", "Short.", "One more thing to say before I go."]
@@ -67,6 +74,13 @@ class Tally:
     sessions: int = 0
     audio_bytes: int = 0
     problems: list[str] = field(default_factory=list)
+
+
+def _floor(rss: list[tuple[float, float]], t0: float, t1: float) -> float:
+    """The lowest RSS sampled in [t0, t1] seconds (heap trims fall every 5 s: two in it)."""
+    window = [m for t, m in rss if t0 <= t <= t1]
+    assert window, f"no RSS sample between {t0:.0f} and {t1:.0f} s"
+    return min(window)
 
 
 def _rss_mb(pid: int) -> float:
@@ -200,12 +214,12 @@ def test_soak(tmp_path: Any, capsys: Any) -> None:
     finally:
         proc.terminate()
         proc.wait(60)
-    warm = [m for t, m in rss if t >= WARMUP_S]
-    head, tail = statistics.median(warm[:10]), statistics.median(warm[-10:])
+    head = _floor(rss, WARMUP_S, WARMUP_S + 10)
+    tail = _floor(rss, rss[-1][0] - 10, rss[-1][0])
     summary = {"seconds": SOAK_S, "concurrent": SESSIONS, "sessions": tally.sessions,
                "turns": tally.turns_asked, "done": tally.turns_done, "cancels": tally.cancels,
                "disconnects": tally.disconnects, "audio_mb": round(tally.audio_bytes / 2**20, 1),
-               "rss_mb_after_warmup": round(head), "rss_mb_end": round(tail),
+               "rss_floor_mb_after_warmup": round(head), "rss_floor_mb_end": round(tail),
                "rss_mb_max": round(max(m for _, m in rss)),
                "rss_mb_series": [round(m) for _, m in rss[::5]],
                "queued_mb_series": [round(q) for q in queued[::5]]}
