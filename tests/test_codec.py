@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -431,3 +434,39 @@ def test_resample_kinds_and_errors() -> None:
         resample_to_codec_rate(np.array([0.0, np.nan], np.float32), 16000)
     with pytest.raises(TypeError):
         resample_to_codec_rate([0.0, 1.0], 16000)  # type: ignore[arg-type]
+
+
+def test_codec_flops_script_counts_every_conv_output(tmp_path: Path) -> None:
+    """scripts/codec_flops.py (the arithmetic PERF.md prices a codec tick with) against an
+    independent count over the S2-Pro decoder's convs from forward hooks on the meta device:
+    2 x outputs x input channels per group x taps (a transposed conv: 2 x inputs x output
+    channels per group x taps)."""
+    out = tmp_path / "flops.json"
+    subprocess.run([sys.executable, "scripts/codec_flops.py", "--ticks", "4x2,2x3",
+                    "--json", str(out)], check=True, capture_output=True, timeout=300,
+                   cwd=Path(__file__).parent.parent,
+                   env={**os.environ, "PYTHONPATH": "."})
+    ticks = json.loads(out.read_text())["ticks"]
+    with torch.device("meta"):
+        codec = Codec(CodecConfig.preset("s2-pro"))
+    total = {"conv": 0}
+
+    def hook(mod: torch.nn.Module, inp: tuple, y: torch.Tensor) -> None:
+        taps = mod.kernel_size[0]
+        if isinstance(mod, torch.nn.ConvTranspose1d):  # each input meets every tap of its group
+            total["conv"] += 2 * inp[0].numel() * mod.out_channels // mod.groups * taps
+        else:  # each output sums every tap of its group's inputs
+            total["conv"] += 2 * y.numel() * mod.in_channels // mod.groups * taps
+
+    for m in codec.modules():
+        if isinstance(m, torch.nn.Conv1d | torch.nn.ConvTranspose1d):
+            m.register_forward_hook(hook)
+    for tick in ticks:
+        total["conv"] = 0
+        codes = torch.zeros(tick["streams"], 10, tick["frames"], dtype=torch.long,
+                            device="meta")
+        with torch.no_grad():
+            codec.decoder(codec.quantizer.decode(codes))
+        assert tick["by_op"]["convolution"] == total["conv"] > 0
+        assert tick["gflop_per_frame"] == pytest.approx(
+            tick["flops"] / (tick["streams"] * tick["frames"]) / 1e9)
