@@ -5,15 +5,18 @@ time asks for.
 
     PYTHONPATH=. python scripts/codec_flops.py [--ticks 64x8,64x2,16x4,1x2] [--ms 8] [--json F]
 
-The count is the offline decode of F frames; a streamed tick computes the same outputs
-(each conv's saved left context adds inputs, not outputs), so its count is the same.
+The count is the offline decode of F frames: a floor for a streamed tick, which computes the
+same outputs and a little more (its transposed convs re-run their saved input, its window
+attention also reads the cached keys).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
+from typing import TypedDict
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -21,11 +24,20 @@ from torch.utils.flop_counter import FlopCounterMode
 from engine.codec import Codec, CodecConfig
 
 
-def tick_flops(codec: Codec, streams: int, frames: int) -> dict[str, object]:
+class TickFlops(TypedDict):
+    streams: int
+    frames: int
+    flops: int
+    gflop_per_frame: float
+    by_op: dict[str, int]  # aten op -> FLOPs
+    decoder_stages: dict[str, int]  # Decoder.model.<i> -> FLOPs
+
+
+def tick_flops(codec: Codec, streams: int, frames: int) -> TickFlops:
     """FLOPs of decoding `streams` x `frames` code frames: total, per op, per decoder stage."""
     codes = torch.zeros(streams, codec.n_codebooks_total, frames, dtype=torch.long,
                         device="meta")
-    counter = FlopCounterMode(display=False, depth=3)
+    counter = FlopCounterMode(display=False, depth=3)  # depth: down to the decoder's stages
     with torch.no_grad(), counter:
         codec.decoder(codec.quantizer.decode(codes))  # Codec.decode checks values: not on meta
     counts = counter.get_flop_counts()
@@ -42,9 +54,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ticks", default="64x8,64x2,16x4,1x2",
                     help="streams x frames per tick, comma-separated")
-    ap.add_argument("--ms", type=float, default=8.0, help="the tick time to give a rate for")
+    ap.add_argument("--ms", type=float, default=8.0,
+                    help="the tick time (ms, > 0) to give the rate for")
     ap.add_argument("--json", help="write the counts here")
     args = ap.parse_args(argv)
+    if not (math.isfinite(args.ms) and args.ms > 0):
+        ap.error(f"--ms must be a positive number of milliseconds, got {args.ms}")
     ticks = []
     for t in args.ticks.split(","):
         try:
@@ -65,8 +80,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['streams']} x {r['frames']}: {tflop:.3f} TFLOP ({r['gflop_per_frame']:.2f} "
               f"GFLOP per frame; {ops}); in {args.ms:g} ms: {tflop / args.ms * 1e3:.0f} TFLOP/s")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"codec": "s2-pro", "ms": args.ms, "ticks": rows}, f, indent=1)
+        with open(args.json, "w") as out:
+            json.dump({"codec": "s2-pro", "ms": args.ms, "ticks": rows}, out, indent=1)
     return 0
 
 

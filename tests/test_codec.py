@@ -442,11 +442,12 @@ def test_codec_flops_script_counts_every_conv_output(tmp_path: Path) -> None:
     2 x outputs x input channels per group x taps (a transposed conv: 2 x inputs x output
     channels per group x taps)."""
     out = tmp_path / "flops.json"
-    subprocess.run([sys.executable, "scripts/codec_flops.py", "--ticks", "4x2,2x3",
-                    "--json", str(out)], check=True, capture_output=True, timeout=300,
-                   cwd=Path(__file__).parent.parent,
-                   env={**os.environ, "PYTHONPATH": "."})
+    run = subprocess.run([sys.executable, "scripts/codec_flops.py", "--ticks", "4x2,2x3",
+                          "--json", str(out)], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).parent.parent, env={**os.environ, "PYTHONPATH": "."})
+    assert run.returncode == 0, run.stderr
     ticks = json.loads(out.read_text())["ticks"]
+    assert [(t["streams"], t["frames"]) for t in ticks] == [(4, 2), (2, 3)]
     with torch.device("meta"):
         codec = Codec(CodecConfig.preset("s2-pro"))
     total = {"conv": 0}
@@ -463,8 +464,8 @@ def test_codec_flops_script_counts_every_conv_output(tmp_path: Path) -> None:
             m.register_forward_hook(hook)
     for tick in ticks:
         total["conv"] = 0
-        codes = torch.zeros(tick["streams"], 10, tick["frames"], dtype=torch.long,
-                            device="meta")
+        codes = torch.zeros(tick["streams"], codec.n_codebooks_total, tick["frames"],
+                            dtype=torch.long, device="meta")
         with torch.no_grad():
             codec.decoder(codec.quantizer.decode(codes))
         assert tick["by_op"]["convolution"] == total["conv"] > 0
