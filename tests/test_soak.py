@@ -11,10 +11,10 @@ RSS_MAX_MB throughout; the server ends with every session, decode row and KV blo
 Flat means the floor of the last 10 s within RSS_BOUND_MB of the floor of the 10 s after
 warm-up (the first half of the soak), the floor being the lowest sample in those 10 s. The
 server gives freed heap memory back every ``heap_trim_s`` (5 s), so its RSS is a sawtooth:
-~50-100 MB of allocator churn builds up between trims and goes at each one. A median over 10 s lands anywhere on
-the teeth (a CI run failed on medians 88 MB apart while the samples its log kept, one
-per 5 s, rose 36 MB); the floor is what a trim cannot give back, which is what a leak
-grows.
+~50-100 MB of allocator churn builds up between trims and goes at each one. A median over
+10 s lands anywhere on the teeth (a CI run failed on medians 88 MB apart while the samples
+its log kept, one per 5 s, rose 36 MB); the floor is what a trim cannot give back, which is
+what a leak grows.
 """
 
 from __future__ import annotations
