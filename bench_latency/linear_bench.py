@@ -55,6 +55,7 @@ import torch.nn.functional as F
 from engine import functional, fusion
 from engine.kernels import extension_available
 from engine.kernels.linear import (
+    BATCHED_VARIANTS,
     DEFAULT_TABLE,
     EXACT_VARIANTS,
     FP8_VARIANTS,
@@ -220,8 +221,8 @@ class Timer:
 
 
 def _chunks(k: int, fp8: bool, variant: int) -> int:
-    """K chunks of the csrc kernel: 128 k for FP8, bf16 32 (variant 0) or 64 (pipelined)."""
-    return -(-k // (128 if fp8 else (32 if variant == 0 else 64)))
+    """K chunks of the csrc kernel: 128 k for FP8, bf16 32 (variants 0, 4) or 64 (1)."""
+    return -(-k // (128 if fp8 else (32 if variant in BATCHED_VARIANTS else 64)))
 
 
 def sweep_gemv(timer: Timer, fp8: bool, variants: tuple[int, ...], chunks_of,
@@ -402,7 +403,7 @@ def _norm_pair_fused(wa: torch.Tensor, wb: torch.Tensor, *, y: torch.Tensor, x: 
 def bench_norm(ms: tuple[int, ...], reps: int, table: Path,
                pdl: int = 1) -> list[dict[str, object]]:
     """A block's residual add + RMSNorm between two projections, at each M where `table`
-    picks the csrc kernel, variant 0, for both: unfused (projection, compiled add_rms_norm,
+    picks the csrc kernel, variant 0 or 4, for both: unfused (projection, compiled add_rms_norm,
     projection: as the engine ran it before) vs the residual epilogue + normed prologue.
     Returns one result per (pair, M): microseconds and agreement."""
     plan = load_plan(table)
@@ -422,14 +423,13 @@ def bench_norm(ms: tuple[int, ...], reps: int, table: Path,
         for m in ms:
             rows = [plan.choose(m, n, k, False) if plan is not None else None
                     for n, k in ((n1, k1), (n2, k2))]
-            if any(r is None or r.impl != "gemv" or r.variant != 0 for r in rows) or m > 16:
+            if any(r is None or r.impl != "gemv" or r.variant not in BATCHED_VARIANTS
+                   for r in rows) or m > 16:
                 print(f"norm {first}->{second} m={m}: the table does not run both on the "
-                      "kernel's variant 0 here (no fusion)")
+                      "kernel's variant 0 or 4 here (no fusion)")
                 continue
-            kw1 = {"splits": rows[0].splits, "kwarps": rows[0].kwarps,  # type: ignore[union-attr]
-                   "pdl": pdl}
-            kw2 = {"splits": rows[1].splits, "kwarps": rows[1].kwarps,  # type: ignore[union-attr]
-                   "pdl": pdl}
+            kw1, kw2 = ({"splits": r.splits, "kwarps": r.kwarps, "variant": r.variant,  # type: ignore[union-attr]
+                         "pdl": pdl} for r in rows)
             y = torch.randn(m, k1, device="cuda", generator=g).to(torch.bfloat16)
             x = torch.randn(m, n1, device="cuda", generator=g).to(torch.bfloat16)
 
@@ -517,7 +517,7 @@ def bench_attend(ms: tuple[int, ...], reps: int, table: Path,
     results: list[dict[str, object]] = []
     for m in ms:
         row = plan.choose(m, n, k, False) if plan is not None else None
-        prologue = _normed_params(row) if row is not None else None
+        prologue = _normed_params(row, (0,)) if row is not None else None
         if row is None or row.impl != "gemv" or prologue is None or m > 16:
             print(f"attend m={m}: the table has no variant-0 kernel candidate for wo here")
             continue

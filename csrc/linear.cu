@@ -41,8 +41,11 @@
 //      pair instead of five) and f16 MMAs; x is rounded to f16 on the fly (cvt.satfinite):
 //      exact for 2^-17 <= |x| <= 65504 (bf16's 8 significant bits), rounded below (error
 //      < 2^-25 |w|), saturated above 65504 (a wrong result, but finite). For normed
-//      activations only; 0-2 are bf16-exact.
-// FP8 (0-2): each e4m3 byte is moved into a bf16's bit fields and scaled by 2^120 (exact;
+//      activations only; 0-2 and 4 are bf16-exact.
+//   4: 0 software-pipelined in registers: the next batch's weight loads go out before this
+//      batch's MMAs, the first batch's before the PDL wait and the prologue; bit-equal to 0
+//      (linear_small_m_kernel's kPipe).
+// FP8 (0-2, 4): each e4m3 byte is moved into a bf16's bit fields and scaled by 2^120 (exact;
 // integer and FMA instructions only, no conversion unit); one 128-wide K chunk is one scale
 // block, whose MMA sum is multiplied by its scale (all rows of a tile share it: 128 % 32 ==
 // 0) and added to the float32 accumulator. Accuracy: all variants accumulate exact products
@@ -62,10 +65,10 @@
 //   splits 1..64: K cut into this many ranges read by separate blocks (float32 partials,
 //                  summed by linear_splits_reduce); 0: automatic
 //   kwarps 1, 2, 4, 8: warps of a block sharing one row tile (K split inside the block);
-//                  0: automatic (variant 0: the fewest that still give two blocks per SM,
+//                  0: automatic (variants 0, 4: the fewest that still give two blocks per SM,
 //                  else 8; 1-3: the fewest that give every SM a block, else 8)
-//   variant 0..3 (above); bf16 weights take 0 or 1
-//   glu    SwiGLU epilogue (bf16 W; FP8 W in variant 0 at M <= 16 with I % 128 == 0, the
+//   variant 0..4 (above); bf16 weights take 0, 1 or 4
+//   glu    SwiGLU epilogue (bf16 W; FP8 W in variant 0 or 4 at M <= 16 with I % 128 == 0, the
 //          tile's gate and up rows scaled by their own block rows): w = [W1; W3] (N = 2 I rows, the gate's then the
 //          up projection's), out [M, I] = silu(x W1^T) * (x W3^T), each of the two rounded to
 //          bf16 first as the unfused linear would (then silu in float32, rounded, times the
@@ -76,7 +79,7 @@
 //   residual  [M, N] bf16, rows strided, last dim contiguous (not with glu): out = residual +
 //          x W^T, the product rounded to bf16 first and the sum rounded again, as the
 //          unfused linear and add would (a block's residual add folded into its projection).
-//   norm_weight  [K] bf16 (variant 0, M <= 16; bf16 or FP8 W): x rows are h, multiplied as
+//   norm_weight  [K] bf16 (variant 0 or 4, M <= 16; bf16 or FP8 W): x rows are h, multiplied as
 //          rms_norm(h) * norm_weight: bf16(bf16(h * rsqrt(mean(h^2) + eps)) * w), as
 //          engine.functional.rms_norm rounds it. Every block normalises all M rows itself
 //          (a warp per row reads it from L2 in one round trip and sums its squares; one
@@ -126,6 +129,16 @@ __device__ __forceinline__ uint4 ld_weights(const void* p) {
   asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];\n"
       : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
       : "l"(p));
+  return v;
+}
+
+// The same, volatile: variant 4 issues the next batch's loads before this batch's MMAs, and
+// its first batch before the PDL wait; a volatile asm keeps that program order.
+__device__ __forceinline__ uint4 ld_weights_early(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
   return v;
 }
 
@@ -719,7 +732,14 @@ __device__ __forceinline__ void mma_step(float (&d)[NT][4], const uint4& wa, con
 // instead (rows of the MMA are independent: its output is dropped), an x row past M reads x
 // row 0 (so are columns). Only the last, partial batch of a warp (chunks past the split's
 // range, a chunk reaching past K) takes the checked path.
-template <int NT, int U, bool F8, int MINB, int PRO = kProPlain>
+//
+// kPipe (variant 4): the same batches software-pipelined in registers. A warp issues its
+// next batch's weight loads before converting and multiplying the current one, so a batch's
+// round trip overlaps the previous batch's MMAs (variant 0 exposes one per batch), and its
+// first batch before the PDL wait and the prologue (weights never depend on the kernel
+// before). The last full batch re-reads itself as its "next" (L2 hits, no predicate). Same
+// products in the same order: bit-equal to variant 0.
+template <int NT, int U, bool F8, int MINB, int PRO = kProPlain, bool kPipe = false>
 __global__ void __launch_bounds__(kThreads, MINB) linear_small_m_kernel(const Args a) {
   constexpr int kEl = F8 ? 1 : 2;             // bytes per weight element
   constexpr int kVec = 16 / kEl;              // weight elements per 16-byte load
@@ -740,7 +760,26 @@ __global__ void __launch_bounds__(kThreads, MINB) linear_small_m_kernel(const Ar
   const TileRows tr = tile_rows<kGlu>(a, tile, g);
   const uint8_t* w0 = a.w + (tr.oka ? static_cast<int64_t>(tr.ra) * row_bytes : 0) + t * 16;
   const uint8_t* w1 = a.w + (tr.okb ? static_cast<int64_t>(tr.rb) * row_bytes : 0) + t * 16;
-  if (a.pdl == kPdlPrefetch || a.pdl == kPdlEarly) {
+  // a batch's weights: U chunks x kSteps loads of the tile's rows g (a) and g + 8 (b)
+  struct WBatch {
+    uint4 a[U][kSteps], b[U][kSteps];
+  };
+  // variant 4 loads the warp's first full batch now; a warp without one reads its rows'
+  // first bytes (discarded) so that the load needs no predicate
+  int c0 = c_begin + kw * U;
+  WBatch cur;
+  if constexpr (kPipe) {
+    const bool full = c0 + U <= c_full;
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int s = 0; s < kSteps; ++s) {
+        const int64_t at = full ? (c0 + u) * kChunk + s * 4 * kVec : -t * kVec;
+        cur.a[u][s] = ld_weights_early(w0 + at * kEl);
+        cur.b[u][s] = ld_weights_early(w1 + at * kEl);
+      }
+  }
+  if (!kPipe && (a.pdl == kPdlPrefetch || a.pdl == kPdlEarly)) {
     // launched early (PDL): the first kPrefetch full batches of this warp's weights into L2
     // while the kernel before, whose output x is, finishes
     constexpr int kPrefetch = 2;
@@ -794,24 +833,40 @@ __global__ void __launch_bounds__(kThreads, MINB) linear_small_m_kernel(const Ar
   // One batch: U chunks from c0, every load first (2 U kSteps x 16 bytes of weights in flight
   // per lane), then the MMAs. kCheck (a warp's last batch, if partial): a chunk past the
   // split's range or a step past K loads from its rows' starts instead and counts as zeros.
-  auto batch = [&](int c0, auto check) {
+  auto live_step = [&](int c0, int u, int s, auto check) {
     constexpr bool kCheck = decltype(check)::value;
-    uint4 wa[U][kSteps], wb[U][kSteps];
-    XFrag<NT, F8> xf[U][kSteps];
-    bool live[U][kSteps];
+    const int kk = (c0 + u) * kChunk + s * 4 * kVec;
+    return !kCheck || (c0 + u < c_end && kk + t * kVec < a.K);
+  };
+  auto load_batch = [&](WBatch& wv, int c0, auto check) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
 #pragma unroll
       for (int s = 0; s < kSteps; ++s) {
-        const int kk = (c0 + u) * kChunk + s * 4 * kVec;
-        live[u][s] = !kCheck || (c0 + u < c_end && kk + t * kVec < a.K);
         // a dead step reads the first 16 bytes of the row (the lane's offset t * kVec is
         // undone: K may be shorter than a quad's 4 * kVec)
-        const int64_t at = live[u][s] ? kk : -t * kVec;
-        wa[u][s] = ld_weights(w0 + at * kEl);
-        wb[u][s] = ld_weights(w1 + at * kEl);
+        const int64_t at = live_step(c0, u, s, check) ? (c0 + u) * kChunk + s * 4 * kVec
+                                                      : -t * kVec;
+        if constexpr (kPipe) {
+          wv.a[u][s] = ld_weights_early(w0 + at * kEl);
+          wv.b[u][s] = ld_weights_early(w1 + at * kEl);
+        } else {
+          wv.a[u][s] = ld_weights(w0 + at * kEl);
+          wv.b[u][s] = ld_weights(w1 + at * kEl);
+        }
       }
     }
+  };
+  auto compute_batch = [&](WBatch& wv, int c0, auto check) {
+    constexpr bool kCheck = decltype(check)::value;
+    auto& wa = wv.a;
+    auto& wb = wv.b;
+    XFrag<NT, F8> xf[U][kSteps];
+    bool live[U][kSteps];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int s = 0; s < kSteps; ++s) live[u][s] = live_step(c0, u, s, check);
 #pragma unroll
     for (int u = 0; u < U; ++u)
 #pragma unroll
@@ -848,10 +903,29 @@ __global__ void __launch_bounds__(kThreads, MINB) linear_small_m_kernel(const Ar
       }
     }
   };
+  auto batch = [&](int c0, auto check) {
+    WBatch wv;
+    load_batch(wv, c0, check);
+    compute_batch(wv, c0, check);
+  };
   // batches dealt round-robin to the tile's kw warps; whole ones unchecked, then at most one
   // partial one per warp (the next would start at or past c_full + 1 >= c_end)
-  int c0 = c_begin + kw * U;
-  for (; c0 + U <= c_full; c0 += a.kw * U) batch(c0, std::false_type{});
+  if constexpr (kPipe) {
+    if (c0 + U <= c_full) {
+      for (;;) {  // cur holds batch c0 (loaded one iteration, or the prologue, before)
+        const int c1 = c0 + a.kw * U;
+        const bool more = c1 + U <= c_full;
+        WBatch nxt;
+        load_batch(nxt, more ? c1 : c0, std::false_type{});
+        compute_batch(cur, c0, std::false_type{});
+        c0 = c1;
+        if (!more) break;
+        cur = nxt;
+      }
+    }
+  } else {
+    for (; c0 + U <= c_full; c0 += a.kw * U) batch(c0, std::false_type{});
+  }
   if (c0 < c_end) batch(c0, std::true_type{});
   if (a.pdl != kPdlEarly) pdl_trigger();  // the next kernel's blocks come in for our tail
 
@@ -1180,19 +1254,24 @@ struct Kern {
 // it ptxas sinks each load to its MMA (fewest registers) and a warp has one load of each
 // row in flight instead of U (FP8: 2 U); with it the whole batch is issued first. Chosen
 // as the largest bound that compiles without spills.
-template <bool F8>
+// Variant 0's instantiations <n-tiles, batch chunks U, FP8, min blocks per SM>; variant 4
+// (kPipe) holds two batches of weights in registers, so it takes two blocks per SM for bf16
+// at M <= 8 (not three) and one for FP8 at M <= 32 (spills otherwise; FP8 at M <= 16 spills
+// 16 bytes, kept: its U must stay variant 0's, which sets the summation order across a
+// tile's warps, for the two to be bit-equal).
+template <bool F8, bool kPipe = false>
 Kern v0_kern(int nt) {
   void (*fn)(Args);
   if constexpr (F8) {
-    fn = nt <= 1   ? linear_small_m_kernel<1, 2, F8, 2>
-         : nt <= 2 ? linear_small_m_kernel<2, 2, F8, 2>
-         : nt <= 4 ? linear_small_m_kernel<4, 1, F8, 2>
-                   : linear_small_m_kernel<8, 1, F8, 1>;
+    fn = nt <= 1   ? linear_small_m_kernel<1, 2, F8, 2, kProPlain, kPipe>
+         : nt <= 2 ? linear_small_m_kernel<2, 2, F8, 2, kProPlain, kPipe>
+         : nt <= 4 ? linear_small_m_kernel<4, 1, F8, kPipe ? 1 : 2, kProPlain, kPipe>
+                   : linear_small_m_kernel<8, 1, F8, 1, kProPlain, kPipe>;
   } else {
-    fn = nt <= 1   ? linear_small_m_kernel<1, 4, F8, 3>
-         : nt <= 2 ? linear_small_m_kernel<2, 4, F8, 2>
-         : nt <= 4 ? linear_small_m_kernel<4, 2, F8, 2>
-                   : linear_small_m_kernel<8, 1, F8, 1>;
+    fn = nt <= 1   ? linear_small_m_kernel<1, 4, F8, kPipe ? 2 : 3, kProPlain, kPipe>
+         : nt <= 2 ? linear_small_m_kernel<2, 4, F8, 2, kProPlain, kPipe>
+         : nt <= 4 ? linear_small_m_kernel<4, 2, F8, 2, kProPlain, kPipe>
+                   : linear_small_m_kernel<8, 1, F8, 1, kProPlain, kPipe>;
   }
   return {fn, 0, kTileRows, F8 ? 128 : 32, 0};
 }
@@ -1208,10 +1287,15 @@ constexpr int kNormPad = 32;
 // is allowed that much (the largest asked so far per device and instantiation, under a lock:
 // a smaller setting after a larger one would fail the larger launch), within what the device
 // allows a block beside the kernel's static shared memory.
-Kern v0_pro_kern(int pro, bool f8, int nt, int dev, int smem) {
-  // the instantiations of v0_kern with the prologues
+Kern v0_pro_kern(int pro, bool f8, int nt, int dev, int smem, bool pipe = false) {
+  // the instantiations of v0_kern with the prologues (the normed one in variant 4 too)
   void (*fn)(Args);
-  if (pro == kProNorm)
+  if (pro == kProNorm && pipe)
+    fn = f8 ? (nt <= 1 ? linear_small_m_kernel<1, 2, true, 2, kProNorm, true>
+                       : linear_small_m_kernel<2, 2, true, 2, kProNorm, true>)
+            : (nt <= 1 ? linear_small_m_kernel<1, 4, false, 2, kProNorm, true>
+                       : linear_small_m_kernel<2, 4, false, 2, kProNorm, true>);
+  else if (pro == kProNorm)
     fn = f8 ? (nt <= 1 ? linear_small_m_kernel<1, 2, true, 2, kProNorm>
                        : linear_small_m_kernel<2, 2, true, 2, kProNorm>)
             : (nt <= 1 ? linear_small_m_kernel<1, 4, false, 3, kProNorm>
@@ -1222,8 +1306,8 @@ Kern v0_pro_kern(int pro, bool f8, int nt, int dev, int smem) {
             : (nt <= 1 ? linear_small_m_kernel<1, 4, false, 3, kProAttend>
                        : linear_small_m_kernel<2, 4, false, 2, kProAttend>);
   static std::mutex lock;
-  static int allowed[64][8] = {};
-  const int i = (nt <= 1 ? 0 : 1) + (f8 ? 2 : 0) + (pro == kProAttend ? 4 : 0);
+  static int allowed[64][12] = {};
+  const int i = (nt <= 1 ? 0 : 1) + (f8 ? 2 : 0) + (pro == kProAttend ? 4 : 0) + (pipe ? 8 : 0);
   // the kernel's static shared memory (its warps' partial sums, red[kWarps][NT * 4][32])
   // counts toward the default 48 KB per block too
   const int stat = kWarps * (nt <= 1 ? 1 : 2) * 4 * 32 * static_cast<int>(sizeof(float));
@@ -1282,6 +1366,7 @@ Kern pipe_kern_nt(int nt, int dev) {
 
 Kern pick_kernel(bool f8, int variant, int nt, int dev) {
   if (variant == 0) return f8 ? v0_kern<true>(nt) : v0_kern<false>(nt);
+  if (variant == 4) return f8 ? v0_kern<true, true>(nt) : v0_kern<false, true>(nt);
   if (!f8) return pipe_kern_nt<false, kConvBits>(nt, dev);
   if (variant == 1) return pipe_kern_nt<true, kConvBits>(nt, dev);
   if (variant == 2) return pipe_kern_nt<true, kConvFold>(nt, dev);
@@ -1307,11 +1392,12 @@ void run_linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> s
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && out.dim() == 2,
               "linear_small_m: x must be [M, K], w [N, K] and out [M, N]");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  const bool batched = variant == 0 || variant == 4;  // register batches (kernel above)
   TORCH_CHECK(!glu || (N % 2 == 0 && (!scale.has_value() ||
-                                       (variant == 0 && (N / 2) % kScaleBlock == 0 &&
+                                       (batched && (N / 2) % kScaleBlock == 0 &&
                                         M <= 16))),
               "linear_small_m: the SwiGLU epilogue takes weights [W1; W3] with an even row "
-              "count (FP8: variant 0, M <= 16 rows and I = N / 2 a multiple of ", kScaleBlock,
+              "count (FP8: variant 0 or 4, M <= 16 rows and I = N / 2 a multiple of ", kScaleBlock,
               ", so that W1 and W3 keep their own block scales), got ", N, " rows",
               scale.has_value() ? " of FP8 weights" : "", ", M = ", M, " and variant ", variant);
   TORCH_CHECK(w.size(1) == K && out.size(0) == M && out.size(1) == (glu ? N / 2 : N),
@@ -1350,12 +1436,13 @@ void run_linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> s
               kMaxSplits, " (0: automatic), got ", splits);
   TORCH_CHECK(kwarps == 0 || kwarps == 1 || kwarps == 2 || kwarps == 4 || kwarps == 8,
               "linear_small_m: kwarps must be 0 (automatic), 1, 2, 4 or 8, got ", kwarps);
-  TORCH_CHECK(variant >= 0 && variant <= 3, "linear_small_m: variant must be 0..3, got ",
+  TORCH_CHECK(variant >= 0 && variant <= 4, "linear_small_m: variant must be 0..4, got ",
               variant);
   TORCH_CHECK(pdl >= kPdlOff && pdl <= kPdlEarly, "linear_small_m: pdl must be 0..3, got ",
               pdl);
-  TORCH_CHECK(f8 || variant <= 1,
-              "linear_small_m: variants 2 and 3 convert FP8 weights; bf16 weights take 0 or 1");
+  TORCH_CHECK(f8 || variant <= 1 || variant == 4,
+              "linear_small_m: variants 2 and 3 convert FP8 weights; bf16 weights take 0, 1 "
+              "or 4");
   if (residual.has_value()) {
     const auto& r = *residual;
     TORCH_CHECK(!glu, "linear_small_m: a residual add and the SwiGLU epilogue do not combine");
@@ -1368,7 +1455,7 @@ void run_linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> s
   const int64_t xs_rs = K + kNormPad;
   if (norm_weight.has_value()) {
     const auto& nw = *norm_weight;
-    TORCH_CHECK(variant == 0, "linear_small_m: the normed prologue runs in variant 0, got ",
+    TORCH_CHECK(batched, "linear_small_m: the normed prologue runs in variant 0 or 4, got ",
                 variant);
     TORCH_CHECK(M <= 16 && M * xs_rs * 2 <= kNormSmemMax,
                 "linear_small_m: the normed prologue holds M x K rows in shared memory: M <= "
@@ -1403,7 +1490,7 @@ void run_linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> s
   const int nt = static_cast<int>((M + 7) / 8);
   const int rows_smem = static_cast<int>(M * xs_rs * 2);
   const Kern kern =
-      norm     ? v0_pro_kern(kProNorm, f8, nt, dev, rows_smem)
+      norm     ? v0_pro_kern(kProNorm, f8, nt, dev, rows_smem, variant == 4)
       : attend ? v0_pro_kern(kProAttend, f8, nt, dev,
                              rows_smem + kWarps * attn_warp_bytes(attend->s))
                : pick_kernel(f8, static_cast<int>(variant), nt, dev);
@@ -1417,7 +1504,7 @@ void run_linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> s
     // variant 0: the fewest warps per tile (the longest K runs per warp) that still give two
     // blocks per SM, else 8. Pipelined: the fewest that give every SM a block (a warp's
     // chunks run back to back through its ring: longer runs cost nothing).
-    const int64_t want = variant == 0 ? 2 * n_sm : n_sm;
+    const int64_t want = batched ? 2 * n_sm : n_sm;
     for (int c = 1; c < kWarps; c *= 2)
       if ((tiles * c + kWarps - 1) / kWarps >= want) {
         kw = c;
@@ -1428,7 +1515,7 @@ void run_linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> s
   // >= 2 chunks of K
   if (splits == 0) {
     const int64_t blocks = (tiles * kw + kWarps - 1) / kWarps;
-    const int64_t want = variant == 0 ? 2 * n_sm : n_sm;
+    const int64_t want = batched ? 2 * n_sm : n_sm;
     splits = std::max<int64_t>(
         1, std::min<int64_t>({(want + blocks - 1) / blocks, n_chunks / (2 * kw), kMaxSplits}));
   }

@@ -669,7 +669,7 @@ def test_linear_contract(make, match):
 
 @pytest.mark.parametrize("kw", [{"splits": -1}, {"splits": 65}, {"splits": True},
                                 {"splits": 1.5}, {"kwarps": 3}, {"kwarps": 16},
-                                {"variant": 4}, {"variant": -1}, {"variant": True}])
+                                {"variant": 5}, {"variant": -1}, {"variant": True}])
 def test_linear_rejects_bad_splits_kwarps_and_variants(kw):
     with pytest.raises(ValueError, match=r"(splits|kwarps|variant) must be"):
         linear.gemv(_bf16(2, 64), _bf16(8, 64), **kw)
@@ -775,7 +775,7 @@ def test_linear_plan_load_and_choose(tmp_path, caplog):
     ({"us": {"gemv": "fast"}}, "us must map"),
     ({"n": None}, "n must be"),
     ({"kwarps": 3}, "kwarps must be"),
-    ({"variant": 4}, "variant must be"),
+    ({"variant": 5}, "variant must be"),
     ({"variant": 2}, "variant 2 is for FP8 weights only"),
     ({"config": _CFG}, "a config belongs to a Triton row"),
 ])
@@ -1039,7 +1039,7 @@ _cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA d
 
 def _variants(fp8):
     """The csrc variants this GPU runs (3: sm_89+), for bf16 or FP8 weights."""
-    vs = linear.VARIANTS if fp8 else (0, 1)
+    vs = linear.VARIANTS if fp8 else (0, 1, 4)
     return tuple(v for v in vs if v != 3 or torch.cuda.get_device_capability() >= (8, 9))
 
 
@@ -1225,6 +1225,72 @@ def test_linear_cuda_graph_replay(fp8, variant):
         _assert_linear_close(out, x, dequantize_fp8(fw) if fp8 else w.float())
 
 
+@pytest.mark.cuda
+@_cuda
+@pytest.mark.parametrize("M", [1, 2, 8, 9, 16, 17, 64])
+@pytest.mark.parametrize("pdl", [0, 1])
+def test_variant4_is_bit_equal_to_variant0_cuda(M, pdl):
+    """Variant 4 runs variant 0's batches software-pipelined (the next batch's loads before
+    this batch's MMAs, the first before the PDL wait): the same products summed in the same
+    order, so every result is bit-equal to variant 0's — plain, split K, every kwarps, the
+    residual and SwiGLU epilogues, the normed prologue, bf16 and FP8 weights, K with a
+    partial chunk and K with a single one, launched plainly and with PDL inside a graph."""
+    from engine.quant import quantize_fp8
+
+    assert extension_available(), "the CUDA extension did not build"
+    launches = ((0, 0), (1, 0), (3, 2), (64, 0), (1, 1), (1, 4), (1, 8))
+    for N, K in ((6144, 2560), (2560, 9728), (300, 2576), (40, 48)):
+        w = (_bf16(N, K, seed=N + K, device="cuda").float() / K**0.5).to(torch.bfloat16)
+        x = _bf16(M, K, seed=M, device="cuda")
+        r = _bf16(M, N, seed=M + 1, device="cuda")
+        fw = quantize_fp8(w)
+        for splits, kwarps in launches:
+            kw = {"splits": splits, "kwarps": kwarps, "pdl": pdl}
+            where = (N, K, splits, kwarps)
+            assert torch.equal(linear.gemv(x, w, variant=4, **kw),
+                               linear.gemv(x, w, variant=0, **kw)), where
+            assert torch.equal(linear.fp8_gemv(x, fw, variant=4, **kw),
+                               linear.fp8_gemv(x, fw, variant=0, **kw)), where
+            assert torch.equal(linear.gemv_residual(x, w, r, variant=4, **kw),
+                               linear.gemv_residual(x, w, r, variant=0, **kw)), where
+            if N % 2 == 0:
+                assert torch.equal(linear.gemv_swiglu(x, w, variant=4, **kw),
+                                   linear.gemv_swiglu(x, w, variant=0, **kw)), where
+    K, eps = 2560, 1e-6
+    h = _bf16(min(M, 16), K, seed=5, device="cuda") * 3
+    nw = (1 + 0.1 * _bf16(K, seed=6, device="cuda").float()).to(torch.bfloat16)
+    w13 = (_bf16(2 * 640, K, seed=8, device="cuda").float() / K**0.5).to(torch.bfloat16)
+    for ww in (w13, quantize_fp8(w13)):
+        for splits, kwarps in launches:
+            kw = {"splits": splits, "kwarps": kwarps, "pdl": pdl}
+            for glu in (False, True):
+                assert torch.equal(
+                    linear.gemv_normed(h, nw, eps, ww, glu=glu, variant=4, **kw),
+                    linear.gemv_normed(h, nw, eps, ww, glu=glu, variant=0, **kw)), \
+                    (splits, kwarps, glu)
+            if not isinstance(ww, torch.Tensor):
+                xs = _bf16(min(M, 16), K, seed=9, device="cuda")
+                assert torch.equal(linear.gemv_swiglu(xs, ww, variant=4, **kw),
+                                   linear.gemv_swiglu(xs, ww, variant=0, **kw))
+    # captured in a graph and replayed on new inputs (the first batch is read before the wait)
+    w = (_bf16(4096, 2560, seed=3, device="cuda").float() / 50).to(torch.bfloat16)
+    fw = quantize_fp8(w)
+    xin = torch.zeros(M, 2560, dtype=torch.bfloat16, device="cuda")
+    outs = [linear.gemv(xin, w, variant=4, pdl=pdl), linear.fp8_gemv(xin, fw, variant=4, pdl=pdl)]
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = linear.gemv(xin, w, variant=4, pdl=pdl)
+        outs = [y, linear.fp8_gemv(y[:, :2560].contiguous(), fw, variant=4, pdl=pdl)]
+    for seed in (7, 8):
+        xin.copy_(_bf16(M, 2560, seed=seed, device="cuda"))
+        g.replay()
+        torch.cuda.synchronize()
+        y0 = linear.gemv(xin, w, variant=0)
+        assert torch.equal(outs[0], y0)
+        assert torch.equal(outs[1], linear.fp8_gemv(y0[:, :2560].contiguous(), fw, variant=0))
+
+
 # [W1; W3] shapes: S2-Pro's slow AR FFN (I = 9728), I = 300 (a partial 8-row output group:
 # 300 % 8 = 4, and the gate rows past I must not be read as up rows), I = 17 with K = 2576
 # (a partial K chunk), I = 20 with K = 48 (one partial chunk only)
@@ -1306,31 +1372,40 @@ def test_gemv_swiglu_fp8_cuda_matches_unfused(M):
 
 def test_normed_params_take_fewer_warps_per_tile_within_the_slack():
     """The normed prologue runs in every block: it takes the fewest warps per tile among the
-    row's variant-0 candidates within NORMED_SLACK_US of the fastest (the row's own among
-    them), also where the row chose another implementation by less than that; None where no
-    variant-0 candidate is that close."""
+    row's register-batch candidates (variants 0 and 4) within NORMED_SLACK_US of the fastest
+    (the row's own among them), also where the row chose another implementation by less than
+    that; None where no such candidate is that close. The attention prologue's lookup takes
+    variant 0 only."""
     def row(us, kwarps=8, splits=1, variant=0):
         return linear.PlanRow(False, 1, 19456, 2560, "gemv", splits, tuple(us.items()), kwarps,
                               variant)
 
     r = row({"gemv:v0:k8:s1": 27.8, "gemv:v0:k4:s1": 28.1, "gemv:v0:k1:s2": 28.4,
              "gemv:v1:k2:s1": 27.9, "library": 30.0})
-    assert linear._normed_params(r) == (2, 1)  # k1 (split 2) is within 1 us; v1 is not v0
+    assert linear._normed_params(r) == (2, 1, 0)  # k1 (split 2) within 1 us; v1 has none
     r = row({"gemv:v0:k8:s1": 27.8, "gemv:v0:k4:s1": 28.9, "gemv:v0:k1:s1": 30.0})
-    assert linear._normed_params(r) == (1, 8)  # nothing close enough: the row's own
+    assert linear._normed_params(r) == (1, 8, 0)  # nothing close enough: the row's own
     r = row({"gemv:v0:k2:s4": 9.0, "gemv:v0:k8:s1": 9.5}, kwarps=2, splits=4)
-    assert linear._normed_params(r) == (4, 2)  # already the fewest
+    assert linear._normed_params(r) == (4, 2, 0)  # already the fewest
     # another implementation chosen by less than the slack: the prologue still runs
     lib = linear.PlanRow(False, 1, 6144, 2560, "library", 1,
                          (("library", 11.18), ("gemv:v0:k8:s1", 11.2), ("gemv:v0:k4:s1", 11.83),
                           ("gemv:v1:k8:s1", 11.3)))
-    assert linear._normed_params(lib) == (1, 4)
+    assert linear._normed_params(lib) == (1, 4, 0)
     v1 = row({"gemv:v1:k8:s1": 10.0, "gemv:v0:k8:s1": 10.6, "gemv:v0:k2:s1": 11.5},
              variant=1)
-    assert linear._normed_params(v1) == (1, 8)
+    assert linear._normed_params(v1) == (1, 8, 0)
     far = linear.PlanRow(False, 1, 6144, 2560, "library", 1,
                          (("library", 9.0), ("gemv:v0:k8:s1", 10.5), ("gemv:v1:k8:s1", 9.2)))
     assert linear._normed_params(far) is None  # no variant-0 candidate close enough
+    # variant 4 (the pipelined register batches) has the prologue too: the row's own choice
+    # here, and among the near candidates the fewest warps per tile whatever the variant
+    v4 = row({"gemv:v4:k8:s1": 7.0, "gemv:v0:k8:s1": 8.1, "gemv:v4:k2:s1": 7.5}, variant=4)
+    assert linear._normed_params(v4) == (1, 2, 4)
+    assert linear._normed_params(v4, (0,)) is None  # 8.1 is not within 1 us of 7.0
+    mix = row({"gemv:v4:k4:s1": 7.0, "gemv:v0:k2:s1": 7.6}, kwarps=4, variant=4)
+    assert linear._normed_params(mix) == (1, 2, 0)
+    assert linear._normed_params(mix, (4,)) == (1, 4, 4)
 
 
 def test_glu_row_prefers_a_candidate_with_the_epilogue(monkeypatch):

@@ -14,6 +14,10 @@ Kernel variants (`variant=`, the table picks one per shape):
      where the tensor cores keep subnormal inputs and products (the bench probes it)
   3  FP8 only, sm_89+: 1 with the hardware e4m3x2 -> f16x2 conversion and f16 MMAs; x is
      rounded to f16 (exact for 2^-17 <= |x| <= 65504; larger |x| saturate to 65504)
+  4  0 software-pipelined in registers: a warp's next batch of weight loads goes out before
+     this batch's MMAs, its first batch before the PDL wait (bit-equal to 0; everything 0
+     takes: the SwiGLU, residual and normed epilogues and prologue, but not the attention
+     prologue)
 
 `gemv_swiglu` runs the same kernel with a SwiGLU epilogue: for the packed FFN input
 projection [W1; W3] it writes silu(x W1^T) * (x W3^T) straight from the accumulators (one
@@ -54,11 +58,12 @@ MAX_M = 64  # the kernel's largest template: 8 MMA tiles of 8 rows
 MAX_SPLITS = 64
 K_MULTIPLE = 16
 KWARPS = (0, 1, 2, 4, 8)  # warps per 16-row tile splitting K inside a block; 0: automatic
-VARIANTS = (0, 1, 2, 3)  # csrc kernel variants (module docstring)
+VARIANTS = (0, 1, 2, 3, 4)  # csrc kernel variants (module docstring)
 FP8_VARIANTS = (2, 3)  # variants that exist for FP8 weights only
+BATCHED_VARIANTS = (0, 4)  # register batches: FP8 SwiGLU and the normed prologue run in these
 # what a recorded table chooses among by default: the variants exact to bf16 x (3 rounds x to
 # f16, which saturates above 65504: only for activations known to be small, on request)
-EXACT_VARIANTS = (0, 1, 2)
+EXACT_VARIANTS = (0, 1, 2, 4)
 IMPLS = ("library", "gemv", "triton", "triton_w8a8")
 W8A8 = "triton_w8a8"  # FP8 activations: another numerics, taken only when asked
 DEFAULT_TABLE = Path(__file__).with_name("linear_table.json")
@@ -83,7 +88,7 @@ def _problem(x: Tensor, wq: Tensor, splits: object, kwarps: object,
     if isinstance(variant, bool) or variant not in VARIANTS:
         return f"variant must be one of {VARIANTS}, got {variant!r}"
     if variant in FP8_VARIANTS and not fp8:
-        return f"variant {variant} converts FP8 weights; bf16 weights take variant 0 or 1"
+        return f"variant {variant} converts FP8 weights; bf16 weights take variant 0, 1 or 4"
     if x.dtype != torch.bfloat16:
         return f"x must be bfloat16, got {x.dtype}"
     if wq.dim() != 2:
@@ -222,7 +227,7 @@ def _residual_problem(x: Tensor, w: Tensor | Fp8Weight, r: object) -> str | None
 
 def _norm_problem(x: Tensor, w: object, nw: object, eps: object) -> str | None:
     """What keeps the normed prologue from taking x [..., K] (the plain contract aside; bf16
-    or FP8 W, variant 0), or None: at most NORM_MAX_M rows that fit its shared memory, a
+    or FP8 W, variant 0 or 4), or None: at most NORM_MAX_M rows that fit its shared memory, a
     contiguous bf16 norm weight [K], eps >= 0."""
     k = x.shape[-1]
     m = x.numel() // k if k else 0
@@ -255,7 +260,7 @@ def _glu_problem(x: Tensor, w13: object, splits: object, kwarps: object,
                  variant: object) -> str | None:
     """What keeps the SwiGLU epilogue from taking x [..., K] and w13 = [W1; W3] [2I, K] (bf16
     or an Fp8Weight), or None: the plain kernel's contract and an even row count; FP8: variant
-    0, at most FP8_GLU_MAX_M rows and I a multiple of the 128-row scale block (a tile's 8 gate
+    0 or 4, at most FP8_GLU_MAX_M rows and I a multiple of the 128-row scale block (a tile's 8 gate
     and 8 up rows each inside one block row of W1's and W3's scales)."""
     fp8 = isinstance(w13, Fp8Weight)
     wq = w13.q if fp8 else w13  # type: ignore[union-attr]
@@ -264,8 +269,9 @@ def _glu_problem(x: Tensor, w13: object, splits: object, kwarps: object,
         return problem
     if wq.shape[0] % 2:
         return f"[W1; W3] must have an even row count, got {wq.shape[0]}"
-    if fp8 and variant != 0:
-        return f"the SwiGLU epilogue of FP8 weights runs in variant 0, got variant {variant}"
+    if fp8 and variant not in BATCHED_VARIANTS:
+        return (f"the SwiGLU epilogue of FP8 weights runs in variant 0 or 4, got variant "
+                f"{variant}")
     m = x.numel() // wq.shape[1]
     if fp8 and m > FP8_GLU_MAX_M:
         return (f"the SwiGLU epilogue of FP8 weights takes at most {FP8_GLU_MAX_M} rows, "
@@ -332,7 +338,7 @@ def swiglu_reference(x: Tensor, w13: Tensor | Fp8Weight) -> Tensor:
 def gemv_swiglu(x: Tensor, w13: Tensor | Fp8Weight, *, splits: int = 0, kwarps: int = 0,
                 variant: int = 0, kernel: bool = True, pdl: bool | int = False) -> Tensor:
     """The FFN's gated input in one launch: x [..., K] bf16 and w13 = [W1; W3] [2I, K] bf16
-    or an Fp8Weight (variant 0, at most 16 rows, I a multiple of 128) (the gate's rows,
+    or an Fp8Weight (variant 0 or 4, at most 16 rows, I a multiple of 128) (the gate's rows,
     then the up projection's) -> silu(x W1^T) * (x W3^T) [..., I] bf16, at most 64 rows. The
     gate and up values are rounded to bf16 as `gemv` would return them, then combined as
     F.silu(gate) * up computes it in bf16. `splits`, `kwarps`, `variant`, `pdl`: as
@@ -376,22 +382,33 @@ def normed_reference(h: Tensor, nw: Tensor, eps: float, w: Tensor | Fp8Weight,
     return fp8_linear_torch(x, w) if isinstance(w, Fp8Weight) else F.linear(x, w)
 
 
+def _normed_problem(h: Tensor, w: Tensor | Fp8Weight, nw: object, eps: object, glu: bool,
+                    splits: object, kwarps: object, variant: object) -> str | None:
+    """What keeps the normed prologue from running rms_norm(h) * nw @ W^T (glu: its SwiGLU)
+    with these launch parameters, or None."""
+    wq, scale = _operands(w)
+    if isinstance(variant, bool) or variant not in BATCHED_VARIANTS:
+        return f"the normed prologue runs in variant 0 or 4, got variant {variant!r}"
+    return ((_glu_problem(h, w, splits, kwarps, variant) if glu
+             else _problem(h, wq, splits, kwarps, scale is not None, variant))
+            or _norm_problem(h, w, nw, eps))
+
+
 def gemv_normed(h: Tensor, nw: Tensor, eps: float, w: Tensor | Fp8Weight, *, glu: bool = False,
-                splits: int = 0, kwarps: int = 0, kernel: bool = True,
+                splits: int = 0, kwarps: int = 0, variant: int = 0, kernel: bool = True,
                 pdl: bool | int = False) -> Tensor:
     """rms_norm(h) * nw @ W^T in one launch (the norm in the kernel's prologue, rounded as
     engine.functional.rms_norm rounds it; glu: the SwiGLU epilogue of w = [W1; W3]): h
     [..., K] bf16 with at most NORM_MAX_M rows, nw [K] bf16, w [N, K] bf16 or an Fp8Weight.
-    Variant 0 only; `pdl` as for `gemv`.
+    Variant 0 or 4; `pdl` as for `gemv`.
     `kernel=False`, CPU tensors or no extension: `normed_reference`."""
-    wq, scale = _operands(w)
-    problem = ((_glu_problem(h, w, splits, kwarps, 0) if glu
-                else _problem(h, wq, splits, kwarps, scale is not None, 0))
-               or _norm_problem(h, w, nw, eps))
+    problem = _normed_problem(h, w, nw, eps, glu, splits, kwarps, variant)
     if problem is not None:
         raise ValueError(f"gemv_normed: {problem}")
-    if _use_kernel(kernel, h, wq, 0):
-        return _run(h, wq, scale, splits, kwarps, 0, glu=glu, norm=(nw, float(eps)), pdl=pdl)
+    wq, scale = _operands(w)
+    if _use_kernel(kernel, h, wq, variant):
+        return _run(h, wq, scale, splits, kwarps, variant, glu=glu, norm=(nw, float(eps)),
+                    pdl=pdl)
     return normed_reference(h, nw, eps, w, glu)
 
 
@@ -881,13 +898,13 @@ GLU_SAVES_US = 1.5
 def _glu_row(plan: LinearPlan | None, kernels: bool, m: int, n: int, k: int, fp8: bool,
              dtype: torch.dtype, cuda: bool) -> PlanRow | None:
     """The plan row to run the packed [W1; W3] linear with its SwiGLU epilogue, or None: the
-    chosen row where it is csrc's kernel in a variant with the epilogue (FP8: variant 0),
+    chosen row where it is csrc's kernel in a variant with the epilogue (FP8: 0 or 4),
     else the fastest recorded csrc candidate with it when that is within GLU_SAVES_US of the
     chosen implementation (which would need the silu * mul launch after it)."""
     if n % 2:
         return None
     return _gemv_row(plan, kernels, m, n, k, fp8, dtype, cuda, GLU_SAVES_US,
-                     lambda variant: not (fp8 and variant != 0))
+                     lambda variant: not fp8 or variant in BATCHED_VARIANTS)
 
 
 def make_swiglu(plan: LinearPlan | None, kernels: bool,
@@ -986,46 +1003,52 @@ NormedFn = Callable[[Tensor, Tensor, float, Tensor | Fp8Weight, bool], Tensor | 
 # than they gain (H200 bf16 step at batch 1: the 152 normed launches of wqkv and the packed
 # w13 averaged 23.5 us with a table's kwarps 8 for both, 20.5 us with 4 and 1, where the
 # plain kernels' timings were within 0.6 us of each other). The prologue runs with the fewest
-# warps per tile among the row's variant-0 candidates within this much of its fastest; and
-# where the row chose another implementation (cuBLAS, variant 1) by less than this, the
-# prologue still runs on the variant-0 candidate: it saves the norm's launch (a re-recorded
+# warps per tile among the row's variant-0 (and 4) candidates within this much of its
+# fastest; and where the row chose another implementation (cuBLAS, variant 1) by less than
+# this, the prologue still runs on such a candidate: it saves the norm's launch (a re-recorded
 # H200 table chose cuBLAS for bf16 wqkv at M = 1 by 0.02 us, which cost the batch-1 step its
 # 76 normed prologues: 568 -> 644 launches, 6.07 -> 6.49 ms).
 NORMED_SLACK_US = 1.0
 
 
 @functools.cache  # per plan row (frozen, hashable): a call costs one lookup
-def _normed_params(row: PlanRow) -> tuple[int, int] | None:
-    """(splits, kwarps) for the normed prologue on `row`'s shape, or None: the recorded
-    variant-0 csrc candidates within NORMED_SLACK_US of the row's fastest time (the row's
-    own choice when that is one) with the fewest warps per tile (fewer blocks, each
-    normalising the rows), the fastest of those; None when no variant-0 candidate is that
-    close."""
-    near = [(kw, us, sp) for us, variant, kw, sp in row.gemv_candidates()
-            if variant == 0 and kw > 0 and us <= row.best_us + NORMED_SLACK_US]
-    if row.impl == "gemv" and row.variant == 0:
-        near.append((row.kwarps, row.best_us, row.splits))
+def _normed_params(row: PlanRow,
+                   variants: tuple[int, ...] = BATCHED_VARIANTS) -> tuple[int, int, int] | None:
+    """(splits, kwarps, variant) for a prologue on `row`'s shape, or None: the recorded csrc
+    candidates in `variants` (the register-batch ones that have the prologue) within
+    NORMED_SLACK_US of the row's fastest time (the row's own choice when that is one) with
+    the fewest warps per tile (fewer blocks, each normalising the rows), the fastest of
+    those; None when no such candidate is that close."""
+    near = [(kw, us, sp, v) for us, v, kw, sp in row.gemv_candidates()
+            if v in variants and kw > 0 and us <= row.best_us + NORMED_SLACK_US]
+    if row.impl == "gemv" and row.variant in variants:
+        near.append((row.kwarps, row.best_us, row.splits, row.variant))
     if not near:
         return None
-    kwarps, _, splits = min(near)
-    return splits, kwarps
+    kwarps, _, splits, variant = min(near)
+    return splits, kwarps, variant
 
 
-def _prologue_lookup(plan: LinearPlan | None,
-                     kernels: bool) -> Callable[[Tensor, int, int, bool], tuple[int, int] | None]:
-    """(x, N, K, FP8 W) -> `_normed_params` of the plan's row for x's M rows, or None where
-    csrc's variant 0 cannot take it here (no plan, kernels off, not CUDA bf16, unsupported
-    shape): a prologue's launch parameters, chosen once per shape and kept in a dict."""
-    chosen: dict[tuple[int, int, int, bool, torch.dtype, bool], tuple[int, int] | None] = {}
+PrologueLookup = Callable[[Tensor, int, int, bool], tuple[int, int, int] | None]
 
-    def lookup(x: Tensor, n: int, k: int, fp8: bool) -> tuple[int, int] | None:
+
+def _prologue_lookup(plan: LinearPlan | None, kernels: bool,
+                     variants: tuple[int, ...] = BATCHED_VARIANTS) -> PrologueLookup:
+    """(x, N, K, FP8 W) -> `_normed_params` of the plan's row for x's M rows (among
+    `variants`), or None where csrc's kernel cannot take it here (no plan, kernels off, not
+    CUDA bf16, unsupported shape): a prologue's launch parameters, chosen once per shape and
+    kept in a dict."""
+    chosen: dict[tuple[int, int, int, bool, torch.dtype, bool],
+                 tuple[int, int, int] | None] = {}
+
+    def lookup(x: Tensor, n: int, k: int, fp8: bool) -> tuple[int, int, int] | None:
         m = x.numel() // k if k else 0
         key = (m, n, k, fp8, x.dtype, x.is_cuda)
         if key not in chosen:
-            chosen[key] = (_normed_params(plan.choose(m, n, k, fp8))
-                           if (plan is not None and kernels and x.is_cuda
-                               and x.dtype == torch.bfloat16 and supports(m, n, k, fp8, 0))
-                           else None)
+            params = (_normed_params(plan.choose(m, n, k, fp8), variants)
+                      if (plan is not None and kernels and x.is_cuda
+                          and x.dtype == torch.bfloat16) else None)
+            chosen[key] = params if params and supports(m, n, k, fp8, params[2]) else None
         return chosen[key]
 
     return lookup
@@ -1037,9 +1060,9 @@ def make_normed(plan: LinearPlan | None, kernels: bool, max_m: int = NORMED_DISP
     """`Ops.normed_kernel`: (h, nw, eps, W, glu) -> rms_norm(h) * nw @ W^T (glu: the SwiGLU
     of W = [W1; W3]) from csrc's normed prologue where h has at most `max_m` rows
     (`max_m_fp8` for FP8 W; where it measured faster than the norm's own launch), the plan
-    recorded a variant-0 kernel candidate for that linear (bf16 or FP8 W) within
+    recorded a variant-0 or 4 kernel candidate for that linear (bf16 or FP8 W) within
     NORMED_SLACK_US of its choice and the call meets the contract (with `_normed_params`'
-    splits and kwarps); None otherwise (the caller computes the norm first). Chosen once per
+    splits, kwarps and variant); None otherwise (the caller computes the norm first). Chosen once per
     shape; `pdl` as for `make_linear`."""
     dense_plan = plan if dense else None  # FP8 weights' dense copies taken or not
     lookup = _prologue_lookup(plan, kernels)
@@ -1054,13 +1077,12 @@ def make_normed(plan: LinearPlan | None, kernels: bool, max_m: int = NORMED_DISP
         chosen = lookup(h, n, k, fp8)
         if chosen is None:
             return None
-        splits, kwarps = chosen
-        wq, scale = _operands(w)
-        problem = (_glu_problem(h, w, splits, kwarps, 0) if glu
-                   else _problem(h, wq, splits, kwarps, fp8, 0))
-        if (problem or _norm_problem(h, w, nw, eps)) is not None:
+        splits, kwarps, variant = chosen
+        if _normed_problem(h, w, nw, eps, glu, splits, kwarps, variant) is not None:
             return None
-        return _run(h, wq, scale, splits, kwarps, 0, glu=glu, norm=(nw, float(eps)), pdl=pdl)
+        wq, scale = _operands(w)
+        return _run(h, wq, scale, splits, kwarps, variant, glu=glu, norm=(nw, float(eps)),
+                    pdl=pdl)
 
     return normed
 
@@ -1077,7 +1099,7 @@ def make_attend(plan: LinearPlan | None, kernels: bool, max_m: int = ATTEND_DISP
     call meets the contract; None otherwise (the caller runs the attention, then the
     projection). Chosen once per shape; `pdl` as for `make_linear`."""
     dense_plan = plan if dense else None  # FP8 weights' dense copies taken or not
-    lookup = _prologue_lookup(plan, kernels)
+    lookup = _prologue_lookup(plan, kernels, (0,))  # the attention prologue: variant 0 only
 
     def attend(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, cs: Tensor, pos: int,
                w: Tensor | Fp8Weight, r: Tensor) -> Tensor | None:
@@ -1090,7 +1112,7 @@ def make_attend(plan: LinearPlan | None, kernels: bool, max_m: int = ATTEND_DISP
         chosen = lookup(x, n, k, fp8)
         if chosen is None:
             return None
-        splits, kwarps = chosen
+        splits, kwarps, _ = chosen
         wq, scale = _operands(w)
         if (_problem(x, wq, splits, kwarps, fp8, 0)
                 or _attend_problem(qkv, k_cache, v_cache, cs, pos, k)
