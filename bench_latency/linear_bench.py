@@ -5,7 +5,8 @@ rotating weight copies (more than 200 MB of them, so the 50 MB L2 holds none), a
     python -m bench_latency.linear_bench --out engine/kernels/linear_table.json
 
 Candidates: bf16 weights: F.linear (cuBLAS, "library") and the csrc kernel (`gemv`) in
-variants 0 and 1; FP8 weights (e4m3, 128 x 128 block scales): `fp8_gemv` in variants 0-3, the
+variants 0, 1 and 4; FP8 weights (e4m3, 128 x 128 block scales): `fp8_gemv` in variants 0-4
+(3 only when asked: `--variants`), the
 Triton weight-only kernel (engine/kernels/fp8_triton.py) in `sweep_configs(M)`'s few configs,
 and the Triton W8A8 kernel (activations quantised to e4m3: other numerics, recorded as a
 separate "triton_w8a8" row that `make_linear` takes only with `fp8_activations=True`), plus

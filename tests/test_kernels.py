@@ -2084,3 +2084,31 @@ def test_linear_bench_attend_times_both_paths_on_the_same_inputs(monkeypatch):
     assert set(res) >= {"unfused_us", "fused_us", "attention_us", "wo_us",
                         "prologue_16_rows_us"}
     assert res["max_ulps"] <= 2 and res["differing"] < 0.01
+
+
+def test_linear_ncu_script_cases():
+    """scripts/linear_ncu.py (the launches PERF.md's Nsight Compute figures come from): its
+    cases name a dtype, a shape of linear_bench's, M, variant and kwarps; a bad one is named;
+    without a CUDA device and the extension it says so (exit 2) instead of profiling
+    nothing."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).parent.parent
+    sys.path.insert(0, str(root / "scripts"))
+    try:
+        import linear_ncu
+    finally:
+        sys.path.pop(0)
+    assert linear_ncu.parse("fp8:w13:1:4:1,bf16:wqkv:2:0:8") == [
+        (True, "w13", 1, 4, 1), (False, "wqkv", 2, 0, 8)]
+    for bad in ("fp8:w99:1:0:1", "fp16:w13:1:0:1", "fp8:w13:1:0", "fp8:w13:one:0:1"):
+        with pytest.raises(SystemExit, match="bad case"):
+            linear_ncu.parse(bad)
+    if not torch.cuda.is_available():
+        run = subprocess.run([sys.executable, "scripts/linear_ncu.py"], capture_output=True,
+                             text=True, timeout=120, cwd=root,
+                             env={**os.environ, "PYTHONPATH": "."})
+        assert run.returncode == 2 and "needs a CUDA device" in run.stderr
