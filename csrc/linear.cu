@@ -1306,7 +1306,7 @@ Kern v0_pro_kern(int pro, bool f8, int nt, int dev, int smem, bool pipe = false)
             : (nt <= 1 ? linear_small_m_kernel<1, 4, false, 3, kProAttend>
                        : linear_small_m_kernel<2, 4, false, 2, kProAttend>);
   static std::mutex lock;
-  static int allowed[64][12] = {};
+  static int allowed[64][16] = {};  // [device][i below: 4 bits]
   const int i = (nt <= 1 ? 0 : 1) + (f8 ? 2 : 0) + (pro == kProAttend ? 4 : 0) + (pipe ? 8 : 0);
   // the kernel's static shared memory (its warps' partial sums, red[kWarps][NT * 4][32])
   // counts toward the default 48 KB per block too

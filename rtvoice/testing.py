@@ -81,8 +81,17 @@ def _shared_bundle(settings: Settings) -> Bundle | None:
 
 
 @contextlib.contextmanager
-def running_server(**settings_overrides: Any) -> Iterator[ServerURL]:
-    """Start a real uvicorn server with the given settings; yield its base URL; stop it."""
+def running_server(*, send_buffer_bytes: int | None = None,
+                   **settings_overrides: Any) -> Iterator[ServerURL]:
+    """Start a real uvicorn server with the given settings; yield its base URL; stop it.
+
+    `send_buffer_bytes`: the kernel send buffer of every connection the server accepts
+    (SO_SNDBUF on the listening socket, which accepted sockets inherit), for tests of
+    clients that stop reading: Linux otherwise grows it to megabytes (tcp_wmem), so how much
+    audio a stalled reader's socket swallows before the server's own bounds see it depends
+    on the machine."""
+    if send_buffer_bytes is not None and send_buffer_bytes < 1:
+        raise ValueError(f"send_buffer_bytes must be positive, got {send_buffer_bytes}")
     with contextlib.ExitStack() as stack:
         if "data_dir" not in settings_overrides:
             tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="rtvoice-test-"))
@@ -96,6 +105,8 @@ def running_server(**settings_overrides: Any) -> Iterator[ServerURL]:
         # Bind here, so the port is known before uvicorn starts and nothing can take it.
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if send_buffer_bytes is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer_bytes)
         sock.bind((settings.network.host, settings.network.port))
         stack.callback(sock.close)
         port = sock.getsockname()[1]

@@ -266,12 +266,22 @@ def _at_rest(url: Any) -> bool:
 def test_a_rest_client_that_stops_reading_gives_its_slot_back(bound):
     """Found in review: audio for a REST client that stopped reading piled up unbounded and
     held its KV slot and session. Now the socket's bounds apply: queued audio
-    (send_queue_bytes) and time without accepting data (send_timeout_s)."""
+    (send_queue_bytes) and time without accepting data (send_timeout_s).
+
+    The next segment starts when the response has taken the last one's end, so a reader
+    that stalls at a segment boundary makes the server generate nothing more (no queue to
+    bound; send_timeout_s cuts it): the stall must come inside a segment with more than the
+    bound still to come. With the send buffer Linux grows on its own (~3 MB here) it fell at
+    a boundary now and then (a CI run waited its whole 120 s). With 8 KB the response stalls
+    after ~32 frames (the rest of what it took waits in uvicorn's 64 KB write buffer), inside
+    the first segment's 128, and the ~96 behind it (768 KB of float32 PCM) are three times
+    the 256 KB bound, which a reading client's backlog stays well under (~100 KB seen)."""
     # only the bound under test can trip (the other one is far away)
     limits = ({"send_queue_bytes": 256 * 1024, "send_timeout_s": 600.0}
               if bound == "send_queue_bytes"
               else {"send_timeout_s": 1.0, "send_queue_bytes": 1 << 30})
-    with running_server(max_turn_frames=64, max_text_chars=4000, **limits) as url:
+    with running_server(send_buffer_bytes=8192, max_turn_frames=128, min_turn_frames=128,
+                        max_text_chars=4000, **limits) as url:
         m = url.app.state.runtime.metrics
         s = _raw_post(url, "/v1/tts", {"text": _LONG, "format": "pcm"})
         try:
@@ -282,8 +292,9 @@ def test_a_rest_client_that_stops_reading_gives_its_slot_back(bound):
         finally:
             s.close()
         # the server goes on serving
-        r = httpx.post(f"{url}/v1/tts", json={"text": "Still here.", "format": "pcm"},
-                       timeout=60)
+        # (16 frames, 128 KB of float32 PCM: under the bound however slowly this one reads)
+        r = httpx.post(f"{url}/v1/tts", timeout=60,
+                       json={"text": "Still here.", "format": "pcm", "max_new_tokens": 16})
         assert r.status_code == 200 and len(r.content) > 0
 
 
