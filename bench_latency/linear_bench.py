@@ -5,7 +5,7 @@ rotating weight copies (more than 200 MB of them, so the 50 MB L2 holds none), a
     python -m bench_latency.linear_bench --out engine/kernels/linear_table.json
 
 Candidates: bf16 weights: F.linear (cuBLAS, "library") and the csrc kernel (`gemv`) in
-variants 0, 1 and 4; FP8 weights (e4m3, 128 x 128 block scales): `fp8_gemv` in variants 0-4
+variants 0, 1, 4 and 5; FP8 weights (e4m3, 128 x 128 block scales): `fp8_gemv` in variants 0-5
 (3 only when asked: `--variants`), the
 Triton weight-only kernel (engine/kernels/fp8_triton.py) in `sweep_configs(M)`'s few configs,
 and the Triton W8A8 kernel (activations quantised to e4m3: other numerics, recorded as a
@@ -222,7 +222,7 @@ class Timer:
 
 
 def _chunks(k: int, fp8: bool, variant: int) -> int:
-    """K chunks of the csrc kernel: 128 k for FP8, bf16 32 (variants 0, 4) or 64 (1)."""
+    """K chunks of the csrc kernel: 128 k for FP8, bf16 32 (variants 0, 4, 5) or 64 (1)."""
     return -(-k // (128 if fp8 else (32 if variant in BATCHED_VARIANTS else 64)))
 
 
@@ -404,7 +404,7 @@ def _norm_pair_fused(wa: torch.Tensor, wb: torch.Tensor, *, y: torch.Tensor, x: 
 def bench_norm(ms: tuple[int, ...], reps: int, table: Path,
                pdl: int = 1) -> list[dict[str, object]]:
     """A block's residual add + RMSNorm between two projections, at each M where `table`
-    picks the csrc kernel, variant 0 or 4, for both: unfused (projection, compiled add_rms_norm,
+    picks the csrc kernel, variant 0, 4 or 5, for both: unfused (projection, compiled add_rms_norm,
     projection: as the engine ran it before) vs the residual epilogue + normed prologue.
     Returns one result per (pair, M): microseconds and agreement."""
     plan = load_plan(table)
@@ -427,7 +427,7 @@ def bench_norm(ms: tuple[int, ...], reps: int, table: Path,
             if any(r is None or r.impl != "gemv" or r.variant not in BATCHED_VARIANTS
                    for r in rows) or m > 16:
                 print(f"norm {first}->{second} m={m}: the table does not run both on the "
-                      "kernel's variant 0 or 4 here (no fusion)")
+                      "kernel's variant 0, 4 or 5 here (no fusion)")
                 continue
             kw1, kw2 = ({"splits": r.splits, "kwarps": r.kwarps, "variant": r.variant,  # type: ignore[union-attr]
                          "pdl": pdl} for r in rows)

@@ -41,11 +41,14 @@
 //      pair instead of five) and f16 MMAs; x is rounded to f16 on the fly (cvt.satfinite):
 //      exact for 2^-17 <= |x| <= 65504 (bf16's 8 significant bits), rounded below (error
 //      < 2^-25 |w|), saturated above 65504 (a wrong result, but finite). For normed
-//      activations only; 0-2 and 4 are bf16-exact.
+//      activations only; 0-2, 4 and 5 are bf16-exact.
 //   4: 0 software-pipelined in registers: the next batch's weight loads go out before this
 //      batch's MMAs, the first batch's before the PDL wait and the prologue; bit-equal to 0
 //      (linear_small_m_kernel's kPipe).
-// FP8 (0-2, 4): each e4m3 byte is moved into a bf16's bit fields and scaled by 2^120 (exact;
+//   5: 4 with half of 0's batches at M <= 16 (as many bytes in flight per warp as 0) and one
+//      block per SM more (FP8 at M <= 8: three); bit-equal to 0 with one warp per tile (a
+//      warp sums its chunks in K order either way), otherwise exact the same way.
+// FP8 (0-2, 4, 5): each e4m3 byte is moved into a bf16's bit fields and scaled by 2^120 (exact;
 // integer and FMA instructions only, no conversion unit); one 128-wide K chunk is one scale
 // block, whose MMA sum is multiplied by its scale (all rows of a tile share it: 128 % 32 ==
 // 0) and added to the float32 accumulator. Accuracy: all variants accumulate exact products
@@ -65,10 +68,10 @@
 //   splits 1..64: K cut into this many ranges read by separate blocks (float32 partials,
 //                  summed by linear_splits_reduce); 0: automatic
 //   kwarps 1, 2, 4, 8: warps of a block sharing one row tile (K split inside the block);
-//                  0: automatic (variants 0, 4: the fewest that still give two blocks per SM,
+//                  0: automatic (variants 0, 4, 5: the fewest that still give two blocks per SM,
 //                  else 8; 1-3: the fewest that give every SM a block, else 8)
-//   variant 0..4 (above); bf16 weights take 0, 1 or 4
-//   glu    SwiGLU epilogue (bf16 W; FP8 W in variant 0 or 4 at M <= 16 with I % 128 == 0, the
+//   variant 0..5 (above); bf16 weights take 0, 1, 4 or 5
+//   glu    SwiGLU epilogue (bf16 W; FP8 W in variant 0, 4 or 5 at M <= 16 with I % 128 == 0, the
 //          tile's gate and up rows scaled by their own block rows): w = [W1; W3] (N = 2 I rows, the gate's then the
 //          up projection's), out [M, I] = silu(x W1^T) * (x W3^T), each of the two rounded to
 //          bf16 first as the unfused linear would (then silu in float32, rounded, times the
@@ -79,7 +82,7 @@
 //   residual  [M, N] bf16, rows strided, last dim contiguous (not with glu): out = residual +
 //          x W^T, the product rounded to bf16 first and the sum rounded again, as the
 //          unfused linear and add would (a block's residual add folded into its projection).
-//   norm_weight  [K] bf16 (variant 0 or 4, M <= 16; bf16 or FP8 W): x rows are h, multiplied as
+//   norm_weight  [K] bf16 (variant 0, 4 or 5, M <= 16; bf16 or FP8 W): x rows are h, multiplied as
 //          rms_norm(h) * norm_weight: bf16(bf16(h * rsqrt(mean(h^2) + eps)) * w), as
 //          engine.functional.rms_norm rounds it. Every block normalises all M rows itself
 //          (a warp per row reads it from L2 in one round trip and sums its squares; one
@@ -1258,7 +1261,10 @@ struct Kern {
 // (kPipe) holds two batches of weights in registers, so it takes two blocks per SM for bf16
 // at M <= 8 (not three) and one for FP8 at M <= 32 (spills otherwise; FP8 at M <= 16 spills
 // 16 bytes, kept: its U must stay variant 0's, which sets the summation order across a
-// tile's warps, for the two to be bit-equal).
+// tile's warps, for the two to be bit-equal). Variant 5 (v5_kern) is 4 with half of 0's
+// batches at M <= 16, so as many weight bytes in flight per warp as 0 and the registers for
+// one block per SM more than 4 (FP8 at M <= 8: three, where 0 has two; its normed form
+// spills 4 bytes there, the plain one nothing).
 template <bool F8, bool kPipe = false>
 Kern v0_kern(int nt) {
   void (*fn)(Args);
@@ -1276,6 +1282,23 @@ Kern v0_kern(int nt) {
   return {fn, 0, kTileRows, F8 ? 128 : 32, 0};
 }
 
+template <bool F8>
+Kern v5_kern(int nt) {
+  void (*fn)(Args);
+  if constexpr (F8) {
+    fn = nt <= 1   ? linear_small_m_kernel<1, 1, F8, 3, kProPlain, true>
+         : nt <= 2 ? linear_small_m_kernel<2, 1, F8, 2, kProPlain, true>
+         : nt <= 4 ? linear_small_m_kernel<4, 1, F8, 1, kProPlain, true>
+                   : linear_small_m_kernel<8, 1, F8, 1, kProPlain, true>;
+  } else {
+    fn = nt <= 1   ? linear_small_m_kernel<1, 2, F8, 3, kProPlain, true>
+         : nt <= 2 ? linear_small_m_kernel<2, 2, F8, 2, kProPlain, true>
+         : nt <= 4 ? linear_small_m_kernel<4, 2, F8, 2, kProPlain, true>
+                   : linear_small_m_kernel<8, 1, F8, 1, kProPlain, true>;
+  }
+  return {fn, 0, kTileRows, F8 ? 128 : 32, 0};
+}
+
 // The most shared memory a prologue's rows may take (M x (K + pad) bf16).
 constexpr int kNormSmemMax = 160 * 1024;
 // elements: rows 64 bytes apart mod 128, no bank conflicts for bf16 W's reads (16 bytes per
@@ -1287,10 +1310,16 @@ constexpr int kNormPad = 32;
 // is allowed that much (the largest asked so far per device and instantiation, under a lock:
 // a smaller setting after a larger one would fail the larger launch), within what the device
 // allows a block beside the kernel's static shared memory.
-Kern v0_pro_kern(int pro, bool f8, int nt, int dev, int smem, bool pipe = false) {
-  // the instantiations of v0_kern with the prologues (the normed one in variant 4 too)
+Kern v0_pro_kern(int pro, bool f8, int nt, int dev, int smem, int variant = 0) {
+  // the instantiations of v0_kern with the prologues (the normed one in variants 4, 5 too)
   void (*fn)(Args);
-  if (pro == kProNorm && pipe)
+  const bool pipe = variant == 4 || variant == 5;
+  if (pro == kProNorm && variant == 5)
+    fn = f8 ? (nt <= 1 ? linear_small_m_kernel<1, 1, true, 3, kProNorm, true>
+                       : linear_small_m_kernel<2, 1, true, 2, kProNorm, true>)
+            : (nt <= 1 ? linear_small_m_kernel<1, 2, false, 3, kProNorm, true>
+                       : linear_small_m_kernel<2, 2, false, 2, kProNorm, true>);
+  else if (pro == kProNorm && pipe)
     fn = f8 ? (nt <= 1 ? linear_small_m_kernel<1, 2, true, 2, kProNorm, true>
                        : linear_small_m_kernel<2, 2, true, 2, kProNorm, true>)
             : (nt <= 1 ? linear_small_m_kernel<1, 4, false, 2, kProNorm, true>
@@ -1306,8 +1335,9 @@ Kern v0_pro_kern(int pro, bool f8, int nt, int dev, int smem, bool pipe = false)
             : (nt <= 1 ? linear_small_m_kernel<1, 4, false, 3, kProAttend>
                        : linear_small_m_kernel<2, 4, false, 2, kProAttend>);
   static std::mutex lock;
-  static int allowed[64][16] = {};  // [device][i below: 4 bits]
-  const int i = (nt <= 1 ? 0 : 1) + (f8 ? 2 : 0) + (pro == kProAttend ? 4 : 0) + (pipe ? 8 : 0);
+  static int allowed[64][24] = {};  // [device][i below]
+  const int i = (nt <= 1 ? 0 : 1) + (f8 ? 2 : 0) + (pro == kProAttend ? 4 : 0) +
+                (variant == 4 ? 8 : variant == 5 ? 16 : 0);
   // the kernel's static shared memory (its warps' partial sums, red[kWarps][NT * 4][32])
   // counts toward the default 48 KB per block too
   const int stat = kWarps * (nt <= 1 ? 1 : 2) * 4 * 32 * static_cast<int>(sizeof(float));
@@ -1367,6 +1397,7 @@ Kern pipe_kern_nt(int nt, int dev) {
 Kern pick_kernel(bool f8, int variant, int nt, int dev) {
   if (variant == 0) return f8 ? v0_kern<true>(nt) : v0_kern<false>(nt);
   if (variant == 4) return f8 ? v0_kern<true, true>(nt) : v0_kern<false, true>(nt);
+  if (variant == 5) return f8 ? v5_kern<true>(nt) : v5_kern<false>(nt);
   if (!f8) return pipe_kern_nt<false, kConvBits>(nt, dev);
   if (variant == 1) return pipe_kern_nt<true, kConvBits>(nt, dev);
   if (variant == 2) return pipe_kern_nt<true, kConvFold>(nt, dev);
@@ -1392,12 +1423,13 @@ void run_linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> s
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && out.dim() == 2,
               "linear_small_m: x must be [M, K], w [N, K] and out [M, N]");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  const bool batched = variant == 0 || variant == 4;  // register batches (kernel above)
+  // register batches (linear_small_m_kernel): variants 0, 4, 5
+  const bool batched = variant == 0 || variant == 4 || variant == 5;
   TORCH_CHECK(!glu || (N % 2 == 0 && (!scale.has_value() ||
                                        (batched && (N / 2) % kScaleBlock == 0 &&
                                         M <= 16))),
               "linear_small_m: the SwiGLU epilogue takes weights [W1; W3] with an even row "
-              "count (FP8: variant 0 or 4, M <= 16 rows and I = N / 2 a multiple of ", kScaleBlock,
+              "count (FP8: variant 0, 4 or 5, M <= 16 rows and I = N / 2 a multiple of ", kScaleBlock,
               ", so that W1 and W3 keep their own block scales), got ", N, " rows",
               scale.has_value() ? " of FP8 weights" : "", ", M = ", M, " and variant ", variant);
   TORCH_CHECK(w.size(1) == K && out.size(0) == M && out.size(1) == (glu ? N / 2 : N),
@@ -1436,13 +1468,13 @@ void run_linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> s
               kMaxSplits, " (0: automatic), got ", splits);
   TORCH_CHECK(kwarps == 0 || kwarps == 1 || kwarps == 2 || kwarps == 4 || kwarps == 8,
               "linear_small_m: kwarps must be 0 (automatic), 1, 2, 4 or 8, got ", kwarps);
-  TORCH_CHECK(variant >= 0 && variant <= 4, "linear_small_m: variant must be 0..4, got ",
+  TORCH_CHECK(variant >= 0 && variant <= 5, "linear_small_m: variant must be 0..5, got ",
               variant);
   TORCH_CHECK(pdl >= kPdlOff && pdl <= kPdlEarly, "linear_small_m: pdl must be 0..3, got ",
               pdl);
-  TORCH_CHECK(f8 || variant <= 1 || variant == 4,
-              "linear_small_m: variants 2 and 3 convert FP8 weights; bf16 weights take 0, 1 "
-              "or 4");
+  TORCH_CHECK(f8 || variant <= 1 || variant >= 4,
+              "linear_small_m: variants 2 and 3 convert FP8 weights; bf16 weights take 0, 1, "
+              "4 or 5");
   if (residual.has_value()) {
     const auto& r = *residual;
     TORCH_CHECK(!glu, "linear_small_m: a residual add and the SwiGLU epilogue do not combine");
@@ -1455,7 +1487,7 @@ void run_linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> s
   const int64_t xs_rs = K + kNormPad;
   if (norm_weight.has_value()) {
     const auto& nw = *norm_weight;
-    TORCH_CHECK(batched, "linear_small_m: the normed prologue runs in variant 0 or 4, got ",
+    TORCH_CHECK(batched, "linear_small_m: the normed prologue runs in variant 0, 4 or 5, got ",
                 variant);
     TORCH_CHECK(M <= 16 && M * xs_rs * 2 <= kNormSmemMax,
                 "linear_small_m: the normed prologue holds M x K rows in shared memory: M <= "
@@ -1490,7 +1522,7 @@ void run_linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> s
   const int nt = static_cast<int>((M + 7) / 8);
   const int rows_smem = static_cast<int>(M * xs_rs * 2);
   const Kern kern =
-      norm     ? v0_pro_kern(kProNorm, f8, nt, dev, rows_smem, variant == 4)
+      norm     ? v0_pro_kern(kProNorm, f8, nt, dev, rows_smem, static_cast<int>(variant))
       : attend ? v0_pro_kern(kProAttend, f8, nt, dev,
                              rows_smem + kWarps * attn_warp_bytes(attend->s))
                : pick_kernel(f8, static_cast<int>(variant), nt, dev);

@@ -669,7 +669,7 @@ def test_linear_contract(make, match):
 
 @pytest.mark.parametrize("kw", [{"splits": -1}, {"splits": 65}, {"splits": True},
                                 {"splits": 1.5}, {"kwarps": 3}, {"kwarps": 16},
-                                {"variant": 5}, {"variant": -1}, {"variant": True}])
+                                {"variant": 6}, {"variant": -1}, {"variant": True}])
 def test_linear_rejects_bad_splits_kwarps_and_variants(kw):
     with pytest.raises(ValueError, match=r"(splits|kwarps|variant) must be"):
         linear.gemv(_bf16(2, 64), _bf16(8, 64), **kw)
@@ -775,7 +775,7 @@ def test_linear_plan_load_and_choose(tmp_path, caplog):
     ({"us": {"gemv": "fast"}}, "us must map"),
     ({"n": None}, "n must be"),
     ({"kwarps": 3}, "kwarps must be"),
-    ({"variant": 5}, "variant must be"),
+    ({"variant": 6}, "variant must be"),
     ({"variant": 2}, "variant 2 is for FP8 weights only"),
     ({"config": _CFG}, "a config belongs to a Triton row"),
 ])
@@ -1039,7 +1039,7 @@ _cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA d
 
 def _variants(fp8):
     """The csrc variants this GPU runs (3: sm_89+), for bf16 or FP8 weights."""
-    vs = linear.VARIANTS if fp8 else (0, 1, 4)
+    vs = linear.VARIANTS if fp8 else (0, 1, 4, 5)
     return tuple(v for v in vs if v != 3 or torch.cuda.get_device_capability() >= (8, 9))
 
 
@@ -1289,6 +1289,45 @@ def test_variant4_is_bit_equal_to_variant0_cuda(M, pdl):
         y0 = linear.gemv(xin, w, variant=0)
         assert torch.equal(outs[0], y0)
         assert torch.equal(outs[1], linear.fp8_gemv(y0[:, :2560].contiguous(), fw, variant=0))
+
+
+@pytest.mark.cuda
+@_cuda
+@pytest.mark.parametrize("M", [1, 2, 8, 9, 16, 17, 64])
+def test_variant5_is_bit_equal_to_variant0_with_one_warp_per_tile_cuda(M):
+    """Variant 5 is variant 4 with smaller batches: with one warp per tile a warp still sums
+    its chunks in K order, so it is bit-equal to variant 0 (plain, split K, residual,
+    SwiGLU, the normed prologue, bf16 and FP8, PDL); with several warps per tile the order
+    differs (the reference tests bound it like every variant's)."""
+    from engine.quant import quantize_fp8
+
+    assert extension_available(), "the CUDA extension did not build"
+    for N, K in ((6144, 2560), (2560, 9728), (300, 2576), (40, 48)):
+        w = (_bf16(N, K, seed=N + K, device="cuda").float() / K**0.5).to(torch.bfloat16)
+        x = _bf16(M, K, seed=M, device="cuda")
+        r = _bf16(M, N, seed=M + 1, device="cuda")
+        fw = quantize_fp8(w)
+        for splits, pdl in ((1, 0), (3, 1), (64, 1)):
+            kw = {"splits": splits, "kwarps": 1, "pdl": pdl}
+            where = (N, K, splits, pdl)
+            assert torch.equal(linear.gemv(x, w, variant=5, **kw),
+                               linear.gemv(x, w, variant=0, **kw)), where
+            assert torch.equal(linear.fp8_gemv(x, fw, variant=5, **kw),
+                               linear.fp8_gemv(x, fw, variant=0, **kw)), where
+            assert torch.equal(linear.gemv_residual(x, w, r, variant=5, **kw),
+                               linear.gemv_residual(x, w, r, variant=0, **kw)), where
+            if N % 2 == 0:
+                assert torch.equal(linear.gemv_swiglu(x, w, variant=5, **kw),
+                                   linear.gemv_swiglu(x, w, variant=0, **kw)), where
+    K, eps = 2560, 1e-6
+    h = _bf16(min(M, 16), K, seed=5, device="cuda") * 3
+    nw = (1 + 0.1 * _bf16(K, seed=6, device="cuda").float()).to(torch.bfloat16)
+    w13 = (_bf16(2 * 640, K, seed=8, device="cuda").float() / K**0.5).to(torch.bfloat16)
+    for ww in (w13, quantize_fp8(w13)):
+        for glu in (False, True):
+            kw = {"splits": 1, "kwarps": 1, "pdl": 1}
+            assert torch.equal(linear.gemv_normed(h, nw, eps, ww, glu=glu, variant=5, **kw),
+                               linear.gemv_normed(h, nw, eps, ww, glu=glu, variant=0, **kw))
 
 
 # [W1; W3] shapes: S2-Pro's slow AR FFN (I = 9728), I = 300 (a partial 8-row output group:

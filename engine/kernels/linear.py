@@ -18,6 +18,9 @@ Kernel variants (`variant=`, the table picks one per shape):
      this batch's MMAs, its first batch before the PDL wait (bit-equal to 0; everything 0
      takes: the SwiGLU, residual and normed epilogues and prologue, but not the attention
      prologue)
+  5  4 with half of 0's batches at M <= 16 and one block per SM more (FP8 at M <= 8: three
+     where 0 has two): more warps to issue the FP8 conversion (bit-equal to 0 with one warp
+     per tile, exact the same way otherwise; the same epilogues and prologue as 4)
 
 `gemv_swiglu` runs the same kernel with a SwiGLU epilogue: for the packed FFN input
 projection [W1; W3] it writes silu(x W1^T) * (x W3^T) straight from the accumulators (one
@@ -58,12 +61,12 @@ MAX_M = 64  # the kernel's largest template: 8 MMA tiles of 8 rows
 MAX_SPLITS = 64
 K_MULTIPLE = 16
 KWARPS = (0, 1, 2, 4, 8)  # warps per 16-row tile splitting K inside a block; 0: automatic
-VARIANTS = (0, 1, 2, 3, 4)  # csrc kernel variants (module docstring)
+VARIANTS = (0, 1, 2, 3, 4, 5)  # csrc kernel variants (module docstring)
 FP8_VARIANTS = (2, 3)  # variants that exist for FP8 weights only
-BATCHED_VARIANTS = (0, 4)  # register batches: FP8 SwiGLU and the normed prologue run in these
+BATCHED_VARIANTS = (0, 4, 5)  # register batches: FP8 SwiGLU and the normed prologue run in these
 # what a recorded table chooses among by default: the variants exact to bf16 x (3 rounds x to
 # f16, which saturates above 65504: only for activations known to be small, on request)
-EXACT_VARIANTS = (0, 1, 2, 4)
+EXACT_VARIANTS = (0, 1, 2, 4, 5)
 IMPLS = ("library", "gemv", "triton", "triton_w8a8")
 W8A8 = "triton_w8a8"  # FP8 activations: another numerics, taken only when asked
 DEFAULT_TABLE = Path(__file__).with_name("linear_table.json")
@@ -88,7 +91,7 @@ def _problem(x: Tensor, wq: Tensor, splits: object, kwarps: object,
     if isinstance(variant, bool) or variant not in VARIANTS:
         return f"variant must be one of {VARIANTS}, got {variant!r}"
     if variant in FP8_VARIANTS and not fp8:
-        return f"variant {variant} converts FP8 weights; bf16 weights take variant 0, 1 or 4"
+        return f"variant {variant} converts FP8 weights; bf16 weights take variant 0, 1, 4 or 5"
     if x.dtype != torch.bfloat16:
         return f"x must be bfloat16, got {x.dtype}"
     if wq.dim() != 2:
@@ -227,7 +230,7 @@ def _residual_problem(x: Tensor, w: Tensor | Fp8Weight, r: object) -> str | None
 
 def _norm_problem(x: Tensor, w: object, nw: object, eps: object) -> str | None:
     """What keeps the normed prologue from taking x [..., K] (the plain contract aside; bf16
-    or FP8 W, variant 0 or 4), or None: at most NORM_MAX_M rows that fit its shared memory, a
+    or FP8 W, variant 0, 4 or 5), or None: at most NORM_MAX_M rows that fit its shared memory, a
     contiguous bf16 norm weight [K], eps >= 0."""
     k = x.shape[-1]
     m = x.numel() // k if k else 0
@@ -260,7 +263,7 @@ def _glu_problem(x: Tensor, w13: object, splits: object, kwarps: object,
                  variant: object) -> str | None:
     """What keeps the SwiGLU epilogue from taking x [..., K] and w13 = [W1; W3] [2I, K] (bf16
     or an Fp8Weight), or None: the plain kernel's contract and an even row count; FP8: variant
-    0 or 4, at most FP8_GLU_MAX_M rows and I a multiple of the 128-row scale block (a tile's 8 gate
+    0, 4 or 5, at most FP8_GLU_MAX_M rows and I a multiple of the 128-row scale block (a tile's 8 gate
     and 8 up rows each inside one block row of W1's and W3's scales)."""
     fp8 = isinstance(w13, Fp8Weight)
     wq = w13.q if fp8 else w13  # type: ignore[union-attr]
@@ -270,7 +273,7 @@ def _glu_problem(x: Tensor, w13: object, splits: object, kwarps: object,
     if wq.shape[0] % 2:
         return f"[W1; W3] must have an even row count, got {wq.shape[0]}"
     if fp8 and variant not in BATCHED_VARIANTS:
-        return (f"the SwiGLU epilogue of FP8 weights runs in variant 0 or 4, got variant "
+        return (f"the SwiGLU epilogue of FP8 weights runs in variant 0, 4 or 5, got variant "
                 f"{variant}")
     m = x.numel() // wq.shape[1]
     if fp8 and m > FP8_GLU_MAX_M:
@@ -338,7 +341,7 @@ def swiglu_reference(x: Tensor, w13: Tensor | Fp8Weight) -> Tensor:
 def gemv_swiglu(x: Tensor, w13: Tensor | Fp8Weight, *, splits: int = 0, kwarps: int = 0,
                 variant: int = 0, kernel: bool = True, pdl: bool | int = False) -> Tensor:
     """The FFN's gated input in one launch: x [..., K] bf16 and w13 = [W1; W3] [2I, K] bf16
-    or an Fp8Weight (variant 0 or 4, at most 16 rows, I a multiple of 128) (the gate's rows,
+    or an Fp8Weight (variant 0, 4 or 5, at most 16 rows, I a multiple of 128) (the gate's rows,
     then the up projection's) -> silu(x W1^T) * (x W3^T) [..., I] bf16, at most 64 rows. The
     gate and up values are rounded to bf16 as `gemv` would return them, then combined as
     F.silu(gate) * up computes it in bf16. `splits`, `kwarps`, `variant`, `pdl`: as
@@ -388,7 +391,7 @@ def _normed_problem(h: Tensor, w: Tensor | Fp8Weight, nw: object, eps: object, g
     with these launch parameters, or None."""
     wq, scale = _operands(w)
     if isinstance(variant, bool) or variant not in BATCHED_VARIANTS:
-        return f"the normed prologue runs in variant 0 or 4, got variant {variant!r}"
+        return f"the normed prologue runs in variant 0, 4 or 5, got variant {variant!r}"
     return ((_glu_problem(h, w, splits, kwarps, variant) if glu
              else _problem(h, wq, splits, kwarps, scale is not None, variant))
             or _norm_problem(h, w, nw, eps))
@@ -400,7 +403,7 @@ def gemv_normed(h: Tensor, nw: Tensor, eps: float, w: Tensor | Fp8Weight, *, glu
     """rms_norm(h) * nw @ W^T in one launch (the norm in the kernel's prologue, rounded as
     engine.functional.rms_norm rounds it; glu: the SwiGLU epilogue of w = [W1; W3]): h
     [..., K] bf16 with at most NORM_MAX_M rows, nw [K] bf16, w [N, K] bf16 or an Fp8Weight.
-    Variant 0 or 4; `pdl` as for `gemv`.
+    Variant 0, 4 or 5; `pdl` as for `gemv`.
     `kernel=False`, CPU tensors or no extension: `normed_reference`."""
     problem = _normed_problem(h, w, nw, eps, glu, splits, kwarps, variant)
     if problem is not None:
@@ -898,7 +901,7 @@ GLU_SAVES_US = 1.5
 def _glu_row(plan: LinearPlan | None, kernels: bool, m: int, n: int, k: int, fp8: bool,
              dtype: torch.dtype, cuda: bool) -> PlanRow | None:
     """The plan row to run the packed [W1; W3] linear with its SwiGLU epilogue, or None: the
-    chosen row where it is csrc's kernel in a variant with the epilogue (FP8: 0 or 4),
+    chosen row where it is csrc's kernel in a variant with the epilogue (FP8: 0, 4, 5),
     else the fastest recorded csrc candidate with it when that is within GLU_SAVES_US of the
     chosen implementation (which would need the silu * mul launch after it)."""
     if n % 2:
@@ -1003,7 +1006,7 @@ NormedFn = Callable[[Tensor, Tensor, float, Tensor | Fp8Weight, bool], Tensor | 
 # than they gain (H200 bf16 step at batch 1: the 152 normed launches of wqkv and the packed
 # w13 averaged 23.5 us with a table's kwarps 8 for both, 20.5 us with 4 and 1, where the
 # plain kernels' timings were within 0.6 us of each other). The prologue runs with the fewest
-# warps per tile among the row's variant-0 (and 4) candidates within this much of its
+# warps per tile among the row's variant-0 (and 4, 5) candidates within this much of its
 # fastest; and where the row chose another implementation (cuBLAS, variant 1) by less than
 # this, the prologue still runs on such a candidate: it saves the norm's launch (a re-recorded
 # H200 table chose cuBLAS for bf16 wqkv at M = 1 by 0.02 us, which cost the batch-1 step its
@@ -1060,7 +1063,7 @@ def make_normed(plan: LinearPlan | None, kernels: bool, max_m: int = NORMED_DISP
     """`Ops.normed_kernel`: (h, nw, eps, W, glu) -> rms_norm(h) * nw @ W^T (glu: the SwiGLU
     of W = [W1; W3]) from csrc's normed prologue where h has at most `max_m` rows
     (`max_m_fp8` for FP8 W; where it measured faster than the norm's own launch), the plan
-    recorded a variant-0 or 4 kernel candidate for that linear (bf16 or FP8 W) within
+    recorded a variant-0, 4 or 5 kernel candidate for that linear (bf16 or FP8 W) within
     NORMED_SLACK_US of its choice and the call meets the contract (with `_normed_params`'
     splits, kwarps and variant); None otherwise (the caller computes the norm first). Chosen once per
     shape; `pdl` as for `make_linear`."""
