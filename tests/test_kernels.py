@@ -1225,6 +1225,30 @@ def test_linear_cuda_graph_replay(fp8, variant):
         _assert_linear_close(out, x, dequantize_fp8(fw) if fp8 else w.float())
 
 
+def _assert_plain_forms_equal_variant0(variant, M, launches):
+    """`variant`'s plain results (bf16 and FP8 weights) and its residual and SwiGLU
+    epilogues (bf16) bit-equal to variant 0's for each launch's parameters, on S2-Pro
+    shapes, a partial K chunk and a single chunk."""
+    from engine.quant import quantize_fp8
+
+    for N, K in ((6144, 2560), (2560, 9728), (300, 2576), (40, 48)):
+        w = (_bf16(N, K, seed=N + K, device="cuda").float() / K**0.5).to(torch.bfloat16)
+        x = _bf16(M, K, seed=M, device="cuda")
+        r = _bf16(M, N, seed=M + 1, device="cuda")
+        fw = quantize_fp8(w)
+        for kw in launches:
+            where = (variant, N, K, kw)
+            assert torch.equal(linear.gemv(x, w, variant=variant, **kw),
+                               linear.gemv(x, w, variant=0, **kw)), where
+            assert torch.equal(linear.fp8_gemv(x, fw, variant=variant, **kw),
+                               linear.fp8_gemv(x, fw, variant=0, **kw)), where
+            assert torch.equal(linear.gemv_residual(x, w, r, variant=variant, **kw),
+                               linear.gemv_residual(x, w, r, variant=0, **kw)), where
+            if N % 2 == 0:
+                assert torch.equal(linear.gemv_swiglu(x, w, variant=variant, **kw),
+                                   linear.gemv_swiglu(x, w, variant=0, **kw)), where
+
+
 @pytest.mark.cuda
 @_cuda
 @pytest.mark.parametrize("M", [1, 2, 8, 9, 16, 17, 64])
@@ -1239,23 +1263,8 @@ def test_variant4_is_bit_equal_to_variant0_cuda(M, pdl):
 
     assert extension_available(), "the CUDA extension did not build"
     launches = ((0, 0), (1, 0), (3, 2), (64, 0), (1, 1), (1, 4), (1, 8))
-    for N, K in ((6144, 2560), (2560, 9728), (300, 2576), (40, 48)):
-        w = (_bf16(N, K, seed=N + K, device="cuda").float() / K**0.5).to(torch.bfloat16)
-        x = _bf16(M, K, seed=M, device="cuda")
-        r = _bf16(M, N, seed=M + 1, device="cuda")
-        fw = quantize_fp8(w)
-        for splits, kwarps in launches:
-            kw = {"splits": splits, "kwarps": kwarps, "pdl": pdl}
-            where = (N, K, splits, kwarps)
-            assert torch.equal(linear.gemv(x, w, variant=4, **kw),
-                               linear.gemv(x, w, variant=0, **kw)), where
-            assert torch.equal(linear.fp8_gemv(x, fw, variant=4, **kw),
-                               linear.fp8_gemv(x, fw, variant=0, **kw)), where
-            assert torch.equal(linear.gemv_residual(x, w, r, variant=4, **kw),
-                               linear.gemv_residual(x, w, r, variant=0, **kw)), where
-            if N % 2 == 0:
-                assert torch.equal(linear.gemv_swiglu(x, w, variant=4, **kw),
-                                   linear.gemv_swiglu(x, w, variant=0, **kw)), where
+    _assert_plain_forms_equal_variant0(4, M, [{"splits": s, "kwarps": k, "pdl": pdl}
+                                              for s, k in launches])
     K, eps = 2560, 1e-6
     h = _bf16(min(M, 16), K, seed=5, device="cuda") * 3
     nw = (1 + 0.1 * _bf16(K, seed=6, device="cuda").float()).to(torch.bfloat16)
@@ -1302,23 +1311,8 @@ def test_variant5_is_bit_equal_to_variant0_with_one_warp_per_tile_cuda(M):
     from engine.quant import quantize_fp8
 
     assert extension_available(), "the CUDA extension did not build"
-    for N, K in ((6144, 2560), (2560, 9728), (300, 2576), (40, 48)):
-        w = (_bf16(N, K, seed=N + K, device="cuda").float() / K**0.5).to(torch.bfloat16)
-        x = _bf16(M, K, seed=M, device="cuda")
-        r = _bf16(M, N, seed=M + 1, device="cuda")
-        fw = quantize_fp8(w)
-        for splits, pdl in ((1, 0), (3, 1), (64, 1)):
-            kw = {"splits": splits, "kwarps": 1, "pdl": pdl}
-            where = (N, K, splits, pdl)
-            assert torch.equal(linear.gemv(x, w, variant=5, **kw),
-                               linear.gemv(x, w, variant=0, **kw)), where
-            assert torch.equal(linear.fp8_gemv(x, fw, variant=5, **kw),
-                               linear.fp8_gemv(x, fw, variant=0, **kw)), where
-            assert torch.equal(linear.gemv_residual(x, w, r, variant=5, **kw),
-                               linear.gemv_residual(x, w, r, variant=0, **kw)), where
-            if N % 2 == 0:
-                assert torch.equal(linear.gemv_swiglu(x, w, variant=5, **kw),
-                                   linear.gemv_swiglu(x, w, variant=0, **kw)), where
+    _assert_plain_forms_equal_variant0(5, M, [{"splits": s, "kwarps": 1, "pdl": p}
+                                              for s, p in ((1, 0), (3, 1), (64, 1))])
     K, eps = 2560, 1e-6
     h = _bf16(min(M, 16), K, seed=5, device="cuda") * 3
     nw = (1 + 0.1 * _bf16(K, seed=6, device="cuda").float()).to(torch.bfloat16)
