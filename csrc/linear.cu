@@ -767,21 +767,39 @@ __global__ void __launch_bounds__(kThreads, MINB) linear_small_m_kernel(const Ar
   struct WBatch {
     uint4 a[U][kSteps], b[U][kSteps];
   };
-  // variant 4 loads the warp's first full batch now; a warp without one reads its rows'
-  // first bytes (discarded) so that the load needs no predicate
-  int c0 = c_begin + kw * U;
-  WBatch cur;
-  if constexpr (kPipe) {
-    const bool full = c0 + U <= c_full;
+  // One batch: U chunks from c0, every load first (2 U kSteps x 16 bytes of weights in flight
+  // per lane), then the MMAs. kCheck (a warp's last batch, if partial): a chunk past the
+  // split's range or a step past K loads from its rows' starts instead and counts as zeros.
+  auto live_step = [&](int c0, int u, int s, auto check) {
+    constexpr bool kCheck = decltype(check)::value;
+    const int kk = (c0 + u) * kChunk + s * 4 * kVec;
+    return !kCheck || (c0 + u < c_end && kk + t * kVec < a.K);
+  };
+  auto load_batch = [&](WBatch& wv, int c0, auto check) {
 #pragma unroll
-    for (int u = 0; u < U; ++u)
+    for (int u = 0; u < U; ++u) {
 #pragma unroll
       for (int s = 0; s < kSteps; ++s) {
-        const int64_t at = full ? (c0 + u) * kChunk + s * 4 * kVec : -t * kVec;
-        cur.a[u][s] = ld_weights_early(w0 + at * kEl);
-        cur.b[u][s] = ld_weights_early(w1 + at * kEl);
+        // a dead step reads the first 16 bytes of the row (the lane's offset t * kVec is
+        // undone: K may be shorter than a quad's 4 * kVec)
+        const int64_t at = live_step(c0, u, s, check) ? (c0 + u) * kChunk + s * 4 * kVec
+                                                      : -t * kVec;
+        if constexpr (kPipe) {
+          wv.a[u][s] = ld_weights_early(w0 + at * kEl);
+          wv.b[u][s] = ld_weights_early(w1 + at * kEl);
+        } else {
+          wv.a[u][s] = ld_weights(w0 + at * kEl);
+          wv.b[u][s] = ld_weights(w1 + at * kEl);
+        }
       }
-  }
+    }
+  };
+  // variant 4 loads the warp's first batch now, before the PDL wait and the prologue
+  // (checked: the same addresses as unchecked for a full batch, which the main loop then
+  // uses; a warp without one reads only inside its rows, and its partial batch loads again)
+  int c0 = c_begin + kw * U;
+  WBatch cur;
+  if constexpr (kPipe) load_batch(cur, c0, std::true_type{});
   if (!kPipe && (a.pdl == kPdlPrefetch || a.pdl == kPdlEarly)) {
     // launched early (PDL): the first kPrefetch full batches of this warp's weights into L2
     // while the kernel before, whose output x is, finishes
@@ -833,33 +851,6 @@ __global__ void __launch_bounds__(kThreads, MINB) linear_small_m_kernel(const Ar
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
 
-  // One batch: U chunks from c0, every load first (2 U kSteps x 16 bytes of weights in flight
-  // per lane), then the MMAs. kCheck (a warp's last batch, if partial): a chunk past the
-  // split's range or a step past K loads from its rows' starts instead and counts as zeros.
-  auto live_step = [&](int c0, int u, int s, auto check) {
-    constexpr bool kCheck = decltype(check)::value;
-    const int kk = (c0 + u) * kChunk + s * 4 * kVec;
-    return !kCheck || (c0 + u < c_end && kk + t * kVec < a.K);
-  };
-  auto load_batch = [&](WBatch& wv, int c0, auto check) {
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-#pragma unroll
-      for (int s = 0; s < kSteps; ++s) {
-        // a dead step reads the first 16 bytes of the row (the lane's offset t * kVec is
-        // undone: K may be shorter than a quad's 4 * kVec)
-        const int64_t at = live_step(c0, u, s, check) ? (c0 + u) * kChunk + s * 4 * kVec
-                                                      : -t * kVec;
-        if constexpr (kPipe) {
-          wv.a[u][s] = ld_weights_early(w0 + at * kEl);
-          wv.b[u][s] = ld_weights_early(w1 + at * kEl);
-        } else {
-          wv.a[u][s] = ld_weights(w0 + at * kEl);
-          wv.b[u][s] = ld_weights(w1 + at * kEl);
-        }
-      }
-    }
-  };
   auto compute_batch = [&](WBatch& wv, int c0, auto check) {
     constexpr bool kCheck = decltype(check)::value;
     auto& wa = wv.a;
