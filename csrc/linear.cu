@@ -66,8 +66,7 @@
 //   out    [M, N]  bf16, contiguous ([M, N / 2] with glu)
 //   K % 16 == 0; N >= 1; compute capability 8.0+ (variant 3: 8.9+)
 //   splits 1..64: K cut into this many ranges read by separate blocks (float32 partials,
-//                  summed by the last split to finish each tile, or with `reduce_launch` by
-//                  a second kernel, linear_splits_reduce: bit-equal); 0: automatic
+//                  summed by linear_splits_reduce); 0: automatic
 //   kwarps 1, 2, 4, 8: warps of a block sharing one row tile (K split inside the block);
 //                  0: automatic (variants 0, 4, 5: the fewest that still give two blocks per SM,
 //                  else 8; 1-3: the fewest that give every SM a block, else 8)
@@ -107,10 +106,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <map>
 #include <mutex>
 #include <optional>
-#include <tuple>
 #include <type_traits>
 #include <utility>
 
@@ -349,9 +346,6 @@ struct Args {
   const __nv_bfloat16* at_cs;  // [kAttnD / 2, 2] (cos, sin) of the position
   int at_hkv, at_s, at_pos;  // kv heads, cache positions per row, this position
   float at_scale;            // 1 / sqrt(kAttnD)
-  // split K summed in this launch: a counter per tile, zero between launches (null: the
-  // partials stay in ws for linear_splits_reduce)
-  int* counters;
 };
 
 // What variant 0 does before its main loop (a separate instantiation each): nothing, the
@@ -433,59 +427,6 @@ __device__ __forceinline__ void store_tile(const Args& a, const float (&d)[4],
         a.y[static_cast<int64_t>(m) * a.N + n] = add_residual(d[e], a.res[m * a.res_rs + n]);
       else
         a.y[static_cast<int64_t>(m) * a.N + n] = __float2bfloat16(d[e]);
-    }
-  }
-}
-
-// Split K in one launch. A tile's warp of each split, once its float32 partials are in ws,
-// counts itself in on the tile's counter; the warp that comes in last sums the tile's
-// partials over the splits in split order from zero (linear_splits_reduce's arithmetic, so
-// bit-equal to it), writes y as one split would (store_summed), and sets the counter back to
-// zero for the next launch. Fences: a warp's partials are visible device-wide before its
-// count, and the last warp reads them (through L2) after every count. Kernels that share the
-// counters never overlap: they run in stream order, and a PDL launch counts only after its
-// wait (the host gives a graph being captured counters of its own).
-__device__ __forceinline__ bool last_split(const Args& a, int tile) {
-  __threadfence();
-  __syncwarp();
-  int seen = 0;
-  if ((threadIdx.x & 31) == 0) seen = atomicAdd(a.counters + tile, 1);
-  seen = __shfl_sync(0xffffffffu, seen, 0);
-  if (seen != static_cast<int>(gridDim.y) - 1) return false;
-  __threadfence();
-  if ((threadIdx.x & 31) == 0) a.counters[tile] = 0;
-  return true;
-}
-
-// The splits' partials of output (m, n), summed as linear_splits_reduce sums them.
-__device__ __forceinline__ float split_sum(const Args& a, int m, int n) {
-  const int64_t mn = static_cast<int64_t>(a.M) * a.N;
-  const float* p = a.ws + static_cast<int64_t>(m) * a.N + n;
-  float s = 0.f;
-  for (int i = 0; i < static_cast<int>(gridDim.y); ++i) s += __ldcg(p + i * mn);
-  return s;
-}
-
-// store_tile's outputs from the summed partials (the last split of a tile, above).
-template <bool kMayGlu>
-__device__ __forceinline__ void store_summed(const Args& a, const TileRows& tr, int m0) {
-  if (kMayGlu && a.glu > 0) {
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int m = m0 + e;
-      if (tr.oka && m < a.M)
-        a.y[static_cast<int64_t>(m) * a.glu + tr.f] =
-            swiglu_bf16(split_sum(a, m, tr.ra), split_sum(a, m, tr.rb));
-    }
-    return;
-  }
-#pragma unroll
-  for (int e = 0; e < 4; ++e) {
-    const int n = e >= 2 ? tr.rb : tr.ra, m = m0 + (e & 1);
-    if ((e >= 2 ? tr.okb : tr.oka) && m < a.M) {
-      const float s = split_sum(a, m, n);
-      a.y[static_cast<int64_t>(m) * a.N + n] =
-          a.res != nullptr ? add_residual(s, a.res[m * a.res_rs + n]) : __float2bfloat16(s);
     }
   }
 }
@@ -1002,10 +943,6 @@ __global__ void __launch_bounds__(kThreads, MINB) linear_small_m_kernel(const Ar
   // d[e]: row tr.ra (tr.rb for e >= 2), x row 8 j + 2 t (+ 1 for odd e)
 #pragma unroll
   for (int j = 0; j < NT; ++j) store_tile<kGlu>(a, acc[j], tr, 8 * j + 2 * t);
-  if (a.counters != nullptr && last_split(a, tile)) {
-#pragma unroll
-    for (int j = 0; j < NT; ++j) store_summed<kGlu>(a, tr, 8 * j + 2 * t);
-  }
 }
 
 // ---------------------------------------------------------------- variants 1-3: pipelined
@@ -1241,12 +1178,6 @@ __global__ void __launch_bounds__(kThreads, MINB) linear_pipe_kernel(const Args 
   for (int r = 0; r < RT; ++r)
 #pragma unroll
     for (int j = 0; j < NT; ++j) store_tile<!F8>(a, acc[r][j], tr[r], 8 * j + 2 * t);
-  if (a.counters != nullptr && last_split(a, tile)) {
-#pragma unroll
-    for (int r = 0; r < RT; ++r)
-#pragma unroll
-      for (int j = 0; j < NT; ++j) store_summed<!F8>(a, tr[r], 8 * j + 2 * t);
-  }
 }
 
 // y = sum over the splits' float32 partials ws [splits, M, N], rounded once to bf16 (plus
@@ -1474,41 +1405,10 @@ struct AttendArgs {
   int hkv, s, pos;
 };
 
-// Split-K tile counters (last_split): enough for any tile index of a grid of up to
-// kSplitCounters - kWarps tiles; a larger one takes linear_splits_reduce.
-constexpr int64_t kSplitCounters = 4096;
-
-// The counters for a split launch on `stream` (like: a tensor on its device). Launches on
-// one stream use them one after another and leave them at zero. A graph being captured gets
-// counters of its own, allocated and zeroed inside the capture (one memset node per graph,
-// before its first split launch): its launches replay on whatever stream replays it, beside
-// other graphs captured on the same stream, but never beside themselves. Kept for the
-// process's life (a graph holds their address): 16 KB per stream and per captured graph
-// that splits K.
-int* split_counters(const torch::Tensor& like, cudaStream_t stream) {
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  unsigned long long capture = 0;
-  C10_CUDA_CHECK(cudaStreamGetCaptureInfo(stream, &status, &capture));
-  const bool capturing = status == cudaStreamCaptureStatusActive;
-  const auto key = std::make_tuple(like.get_device(), capturing,
-                                   capturing ? capture
-                                             : static_cast<unsigned long long>(
-                                                   reinterpret_cast<uintptr_t>(stream)));
-  static std::mutex mu;
-  // never destroyed: no tensor freed after the allocator at exit
-  static auto* counters = new std::map<decltype(key), torch::Tensor>();
-  const std::lock_guard<std::mutex> lock(mu);
-  auto it = counters->find(key);
-  if (it == counters->end())
-    it = counters->emplace(key, torch::zeros({kSplitCounters}, like.options().dtype(at::kInt)))
-             .first;
-  return it->second.data_ptr<int>();
-}
-
 void run_linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> scale,
                 torch::Tensor out, int64_t splits, int64_t kwarps, int64_t variant, bool glu,
                 std::optional<torch::Tensor> residual, std::optional<torch::Tensor> norm_weight,
-                double eps, int64_t pdl, const AttendArgs* attend, bool reduce_launch) {
+                double eps, int64_t pdl, const AttendArgs* attend) {
   TORCH_CHECK(x.is_cuda() && w.device() == x.device() && out.device() == x.device(),
               "linear_small_m: x, w and out must be CUDA tensors on one device");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && out.dim() == 2,
@@ -1645,13 +1545,8 @@ void run_linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> s
   const int64_t cps = (n_chunks + splits - 1) / splits;
   const dim3 grid(static_cast<unsigned>((tiles * kw + kWarps - 1) / kWarps),
                   static_cast<unsigned>(splits));
-  auto stream = c10::cuda::getCurrentCUDAStream();
   torch::Tensor ws;
-  int* counters = nullptr;
-  if (splits > 1) {
-    ws = torch::empty({splits, M, N}, x.options().dtype(at::kFloat));
-    if (!reduce_launch && tiles + kWarps <= kSplitCounters) counters = split_counters(x, stream);
-  }
+  if (splits > 1) ws = torch::empty({splits, M, N}, x.options().dtype(at::kFloat));
   Args a{reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()),
          M > 1 ? x.stride(0) : 0,
          reinterpret_cast<const uint8_t*>(w.data_ptr()),
@@ -1672,9 +1567,9 @@ void run_linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> s
          attend ? attend->pos : 0, 1.0f / std::sqrt(static_cast<float>(kAttnD))};
   const bool launch_pdl = pdl != kPdlOff && rtvoice::pdl_device(dev);
   a.pdl = launch_pdl ? static_cast<int>(pdl) : kPdlOff;
-  a.counters = counters;
+  auto stream = c10::cuda::getCurrentCUDAStream();
   rtvoice::launch_kernel(kern.fn, grid, dim3(kThreads), kern.smem, stream, launch_pdl, a);
-  if (splits > 1 && counters == nullptr) {
+  if (splits > 1) {
     const int64_t mn = glu ? M * N / 2 : M * N;  // outputs
     const int blocks = static_cast<int>(std::min<int64_t>((mn + 255) / 256, 4 * n_sm));
     if (glu)
@@ -1695,10 +1590,9 @@ void run_linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> s
 void linear_small_m(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> scale,
                     torch::Tensor out, int64_t splits, int64_t kwarps, int64_t variant,
                     bool glu, std::optional<torch::Tensor> residual,
-                    std::optional<torch::Tensor> norm_weight, double eps, int64_t pdl,
-                    bool reduce_launch) {
+                    std::optional<torch::Tensor> norm_weight, double eps, int64_t pdl) {
   run_linear(x, w, scale, out, splits, kwarps, variant, glu, residual, norm_weight, eps, pdl,
-             nullptr, reduce_launch);
+             nullptr);
 }
 
 // out = attend(qkv) W^T (+ residual): the attention of one position (the fast AR's, whose
@@ -1752,5 +1646,5 @@ void linear_small_m_attend(torch::Tensor qkv, torch::Tensor k_cache, torch::Tens
                       reinterpret_cast<const __nv_bfloat16*>(cs.data_ptr()),
                       static_cast<int>(hkv), static_cast<int>(S), static_cast<int>(pos)};
   run_linear(qkv.narrow(1, 0, K), w, scale, out, splits, kwarps, 0, false, residual,
-             std::nullopt, 0.0, pdl, &at, false);
+             std::nullopt, 0.0, pdl, &at);
 }

@@ -21,8 +21,7 @@ void snake_cat(torch::Tensor tail, torch::Tensor x, torch::Tensor alpha,
 void linear_small_m(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> scale,
                     torch::Tensor out, int64_t splits, int64_t kwarps, int64_t variant,
                     bool glu, std::optional<torch::Tensor> residual,
-                    std::optional<torch::Tensor> norm_weight, double eps, int64_t pdl,
-                    bool reduce_launch);
+                    std::optional<torch::Tensor> norm_weight, double eps, int64_t pdl);
 void linear_small_m_attend(torch::Tensor qkv, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor cs, int64_t pos, torch::Tensor w,
                            std::optional<torch::Tensor> scale, torch::Tensor out,
@@ -42,7 +41,7 @@ TORCH_LIBRARY(rtvoice_kernels, m) {
   m.def("snake_cat(Tensor tail, Tensor x, Tensor alpha, Tensor? bias, Tensor(a!) out) -> ()");
   m.def("linear_small_m(Tensor x, Tensor w, Tensor? scale, Tensor(a!) out, int splits, "
         "int kwarps, int variant, bool glu=False, Tensor? residual=None, "
-        "Tensor? norm_weight=None, float eps=0.0, int pdl=0, bool reduce_launch=False) -> ()");
+        "Tensor? norm_weight=None, float eps=0.0, int pdl=0) -> ()");
   m.def("linear_small_m_attend(Tensor qkv, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cs, "
         "int pos, Tensor w, Tensor? scale, Tensor(c!) out, int splits, int kwarps, "
         "Tensor? residual=None, int pdl=0) -> ()");

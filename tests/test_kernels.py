@@ -3,8 +3,6 @@ the kernel and the fallback agree."""
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 from _codec_stream import stream_vs_offline, unit_block
@@ -1324,108 +1322,6 @@ def test_variant5_is_bit_equal_to_variant0_with_one_warp_per_tile_cuda(M):
             kw = {"splits": 1, "kwarps": 1, "pdl": 1}
             assert torch.equal(linear.gemv_normed(h, nw, eps, ww, glu=glu, variant=5, **kw),
                                linear.gemv_normed(h, nw, eps, ww, glu=glu, variant=0, **kw))
-
-
-def _split_forms(M, variant):
-    """(label, run(reduce_launch)) for every form a split-K launch takes in `variant`: plain,
-    residual and SwiGLU (bf16 and FP8 weights where the variant takes them) and the normed
-    prologue (variants 0, 4, 5 at M <= 16), on S2-Pro shapes, a partial K chunk and a
-    single chunk, at several splits and kwarps."""
-    from engine.quant import quantize_fp8
-
-    forms = []
-    for N, K in ((6144, 2560), (2560, 9728), (300, 2576), (40, 48)):
-        w = (_bf16(N, K, seed=N + K, device="cuda").float() / K**0.5).to(torch.bfloat16)
-        fw = quantize_fp8(w)
-        x = _bf16(M, K, seed=M, device="cuda")
-        r = _bf16(M, N, seed=M + 1, device="cuda")
-        nw = (1 + 0.1 * _bf16(K, seed=6, device="cuda").float()).to(torch.bfloat16)
-        weights = [(w, None)] + ([] if variant == 3 else [(fw.q, fw.scale)])
-        if variant in (1, 2, 3):  # FP8 only, or bf16 too (1)
-            weights = [(fw.q, fw.scale)] + ([(w, None)] if variant == 1 else [])
-        for splits, kwarps in ((2, 1), (3, 0), (7, 4), (64, 1)):
-            for wq, scale in weights:
-                kw = {"splits": splits, "kwarps": kwarps, "variant": variant}
-                where = (N, K, splits, kwarps, scale is not None)
-                forms.append((("plain", *where), functools.partial(
-                    linear._run, x, wq, scale, **kw)))
-                forms.append((("residual", *where), functools.partial(
-                    linear._run, x, wq, scale, residual=r, **kw)))
-                glu_ok = N % 2 == 0 and (scale is None or (M <= 16 and (N // 2) % 128 == 0
-                                                            and variant in (0, 4, 5)))
-                if glu_ok and variant != 3:
-                    forms.append((("glu", *where), functools.partial(
-                        linear._run, x, wq, scale, glu=True, **kw)))
-                # the prologue's rows fit its shared memory
-                if variant in (0, 4, 5) and M * (K + linear.NORM_PAD) * 2 <= linear.NORM_SMEM_MAX:
-                    forms.append((("normed", *where), functools.partial(
-                        linear._run, x, wq, scale, norm=(nw, 1e-6), **kw)))
-    return forms
-
-
-@pytest.mark.cuda
-@_cuda
-@pytest.mark.parametrize("M", [1, 2, 9, 17, 64])
-def test_split_k_summed_by_the_last_split_is_bit_equal_to_the_reduce_launch_cuda(M):
-    """Split K's partials summed by each tile's last split to finish (one launch) equal the
-    second kernel's sum bit for bit, in every variant and form (plain, residual, SwiGLU,
-    normed prologue; bf16 and FP8), launched plainly and with PDL; run twice, since the
-    tile counters must come back to zero."""
-    assert extension_available(), "the CUDA extension did not build"
-    for variant in linear.VARIANTS:
-        for label, run in _split_forms(M, variant):
-            want = run(reduce_launch=True)
-            for pdl in (0, 1, 0):
-                assert torch.equal(run(reduce_launch=False, pdl=pdl), want), (variant, label)
-
-
-@pytest.mark.cuda
-@_cuda
-def test_split_k_counters_in_graphs_and_beside_other_streams_cuda():
-    """Graphs captured one after another on one stream hold counters of their own, so they
-    may replay at once on two streams; eager launches on two streams at once use their
-    streams' counters; every result equals the reduce launch's, replay after replay."""
-    assert extension_available(), "the CUDA extension did not build"
-    w = (_bf16(6144, 2560, seed=3, device="cuda").float() / 50).to(torch.bfloat16)
-    w2 = (_bf16(2560, 9728, seed=4, device="cuda").float() / 100).to(torch.bfloat16)
-    kw = {"splits": 3, "kwarps": 1, "variant": 0, "pdl": 1}
-    xs = [torch.zeros(2, 2560, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
-
-    def chain(x):  # two split launches in a row, the second reading the first
-        y = linear._run(x, w, None, **kw)
-        return linear._run(torch.cat([y, y[:, :3584]], 1), w2, None, **kw)
-
-    def want(x):
-        y = linear._run(x, w, None, reduce_launch=True, **kw)
-        return linear._run(torch.cat([y, y[:, :3584]], 1), w2, None, reduce_launch=True, **kw)
-
-    for x in xs:
-        chain(x)
-    torch.cuda.synchronize()
-    side, graphs, outs = torch.cuda.Stream(), [], []
-    for x in xs:  # both captured on `side`
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, stream=side):
-            outs.append(chain(x))
-        graphs.append(g)
-    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
-    for seed in range(4):
-        for i, x in enumerate(xs):
-            x.copy_(_bf16(2, 2560, seed=10 * seed + i, device="cuda"))
-        torch.cuda.synchronize()
-        for g, st in zip(graphs, streams):
-            with torch.cuda.stream(st):
-                for _ in range(3):
-                    g.replay()
-        eager = []
-        for x, st in zip(xs, streams):  # eager, on both streams at once
-            with torch.cuda.stream(st):
-                eager.append([chain(x) for _ in range(3)])
-        torch.cuda.synchronize()
-        for x, out, ys in zip(xs, outs, eager):
-            ref = want(x)
-            assert torch.equal(out, ref), seed
-            assert all(torch.equal(y, ref) for y in ys), seed
 
 
 # [W1; W3] shapes: S2-Pro's slow AR FFN (I = 9728), I = 300 (a partial 8-row output group:

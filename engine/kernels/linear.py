@@ -166,16 +166,13 @@ def _use_kernel(kernel: bool, x: Tensor, wq: Tensor, variant: int = 0) -> bool:
 
 def _run(x: Tensor, wq: Tensor, scale: Tensor | None, splits: int, kwarps: int,
          variant: int = 0, glu: bool = False, residual: Tensor | None = None,
-         norm: tuple[Tensor, float] | None = None, pdl: bool | int = False,
-         reduce_launch: bool = False) -> Tensor:
+         norm: tuple[Tensor, float] | None = None, pdl: bool | int = False) -> Tensor:
     """The kernel on a contract-checked x [..., K] (CUDA, extension built); `glu`: the
     SwiGLU epilogue (wq = [W1; W3], output [..., N / 2]); `residual` [..., N]: added to
     the output (checked by `_residual_problem`); `norm` (weight [K], eps): x is normed
     first (checked by `_norm_problem`); `pdl`: launched with programmatic dependent launch
     (sm_90+, csrc/launch.cuh: the kernel's blocks start while the kernel before ends; an
-    int picks one of csrc/linear.cu's PDL modes, True = 1); `reduce_launch`: split K's
-    partials summed by a second kernel, not by each tile's last split (bit-equal: for tests
-    and benches)."""
+    int picks one of csrc/linear.cu's PDL modes, True = 1)."""
     n, k = wq.shape
     m = x.numel() // k
     n_out = n // 2 if glu else n
@@ -184,8 +181,7 @@ def _run(x: Tensor, wq: Tensor, scale: Tensor | None, splits: int, kwarps: int,
         nw, eps = norm if norm is not None else (None, 0.0)
         torch.ops.rtvoice_kernels.linear_small_m(
             x.view(m, k), wq, scale, out, splits, kwarps, variant, glu,
-            None if residual is None else residual.view(m, n), nw, eps, int(pdl),
-            reduce_launch)
+            None if residual is None else residual.view(m, n), nw, eps, int(pdl))
     return out.view(*x.shape[:-1], n_out)
 
 
@@ -302,8 +298,8 @@ def gemv(x: Tensor, w: Tensor, *, splits: int = 0, kwarps: int = 0, variant: int
          kernel: bool = True, pdl: bool | int = False) -> Tensor:
     """x [..., K] bf16 @ w [N, K]^T bf16 -> [..., N] bf16 (float32 accumulation), at most 64
     rows. `splits`: K cut into this many ranges read by separate blocks (partial sums in
-    float32, summed by each tile's last split in the same launch), 0: automatic; `kwarps`:
-    warps of a block sharing a row tile (1, 2, 4, 8; 0: automatic); `variant`: 0 or 1 (module docstring). None of them changes
+    float32, then summed), 0: automatic; `kwarps`: warps of a block sharing a row tile
+    (1, 2, 4, 8; 0: automatic); `variant`: 0 or 1 (module docstring). None of them changes
     the result beyond float32 summation order; nor does `pdl` (launched with programmatic
     dependent launch on sm_90+, as the engine's step does; 2 and 3 are csrc/linear.cu's
     other PDL modes, for benchmarks). `kernel=False`, CPU tensors or
