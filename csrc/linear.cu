@@ -48,6 +48,14 @@
 //   5: 4 with half of 0's batches at M <= 16 (as many bytes in flight per warp as 0) and one
 //      block per SM more (FP8 at M <= 8: three); bit-equal to 0 with one warp per tile (a
 //      warp sums its chunks in K order either way), otherwise exact the same way.
+//   6: FP8 with the normed prologue only, sm_89+: 5 with the conversion unit (one
+//      cvt.rn.f16x2.e4m3x2 per pair where the bit move takes five) and f16 MMAs. The
+//      prologue writes each normed row to shared memory as f16 times a power of two 2^e that
+//      puts the row's largest |value| in [2^14, 2^15) (kProNormF16), and the epilogue
+//      multiplies by 2^-e: every product is then 2^e times variant 5's, exactly, for values
+//      at least 2^-31 times their row's largest (bf16's 8 significant bits fit f16's 11);
+//      smaller ones are rounded (error < 2^-39 of the row's largest): bit-equal to 5 unless a
+//      row spans more than 2^31.
 // FP8 (0-2, 4, 5): each e4m3 byte is moved into a bf16's bit fields and scaled by 2^120 (exact;
 // integer and FMA instructions only, no conversion unit); one 128-wide K chunk is one scale
 // block, whose MMA sum is multiplied by its scale (all rows of a tile share it: 128 % 32 ==
@@ -70,8 +78,8 @@
 //   kwarps 1, 2, 4, 8: warps of a block sharing one row tile (K split inside the block);
 //                  0: automatic (variants 0, 4, 5: the fewest that still give two blocks per SM,
 //                  else 8; 1-3: the fewest that give every SM a block, else 8)
-//   variant 0..5 (above); bf16 weights take 0, 1, 4 or 5
-//   glu    SwiGLU epilogue (bf16 W; FP8 W in variant 0, 4 or 5 at M <= 16 with I % 128 == 0, the
+//   variant 0..6 (above); bf16 weights take 0, 1, 4 or 5; 6 only with norm_weight
+//   glu    SwiGLU epilogue (bf16 W; FP8 W in variant 0, 4, 5 or 6 at M <= 16 with I % 128 == 0, the
 //          tile's gate and up rows scaled by their own block rows): w = [W1; W3] (N = 2 I rows, the gate's then the
 //          up projection's), out [M, I] = silu(x W1^T) * (x W3^T), each of the two rounded to
 //          bf16 first as the unfused linear would (then silu in float32, rounded, times the
@@ -82,7 +90,7 @@
 //   residual  [M, N] bf16, rows strided, last dim contiguous (not with glu): out = residual +
 //          x W^T, the product rounded to bf16 first and the sum rounded again, as the
 //          unfused linear and add would (a block's residual add folded into its projection).
-//   norm_weight  [K] bf16 (variant 0, 4 or 5, M <= 16; bf16 or FP8 W): x rows are h, multiplied as
+//   norm_weight  [K] bf16 (variant 0, 4, 5 or 6, M <= 16; bf16 or FP8 W): x rows are h, multiplied as
 //          rms_norm(h) * norm_weight: bf16(bf16(h * rsqrt(mean(h^2) + eps)) * w), as
 //          engine.functional.rms_norm rounds it. Every block normalises all M rows itself
 //          (a warp per row reads it from L2 in one round trip and sums its squares; one
@@ -354,6 +362,7 @@ struct Args {
 constexpr int kProPlain = 0;
 constexpr int kProNorm = 1;
 constexpr int kProAttend = 2;
+constexpr int kProNormF16 = 3;  // the normed prologue in f16, scaled per row (variant 6)
 
 // The attention prologue's limits and layout: head_dim kAttnD; lane t of a warp scores
 // cache position t (at most kAttnMaxPos positions); a warp's shared scratch holds its (row,
@@ -465,13 +474,23 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
 // The normed prologue: rows m < M of x (h) -> rms_norm(h) * nw into xs [M, xs_rs] (shared),
 // rounded as engine.functional.rms_norm does. A warp per row (rows w, w + 8): its lanes
 // issue the row's loads together (kB 16-byte chunks per lane in flight, unpredicated: one L2
 // round trip for a row of K <= 2560), sum the squares in one fixed order (each lane's, then
 // the butterfly), and normalise the chunks each lane wrote to shared memory itself; one
-// barrier at the end, before the main loop reads the rows.
-__device__ __forceinline__ void norm_rows(const Args& a, __nv_bfloat16* xs) {
+// barrier at the end, before the main loop reads the rows. kF16 (variant 6): each row then
+// goes to f16 times 2^e, e chosen from the row's largest |value| (in [2^14, 2^15) after
+// scaling; e in [-126, 126]), and unscale[m] = 2^-e.
+template <bool kF16 = false>
+__device__ __forceinline__ void norm_rows(const Args& a, __nv_bfloat16* xs,
+                                          float* unscale = nullptr) {
   constexpr int kB = 10;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int per_row = a.K / 8;
@@ -500,6 +519,7 @@ __device__ __forceinline__ void norm_rows(const Args& a, __nv_bfloat16* xs) {
       }
     }
     const float rstd = rsqrtf(warp_sum(ss) / static_cast<float>(a.K) + a.eps);
+    float mx = 0.f;  // kF16: this lane's largest |normed value|
     for (int c0 = 0; c0 < per_row; c0 += 32 * kB) {
       uint4 w[kB];
 #pragma unroll
@@ -517,9 +537,32 @@ __device__ __forceinline__ void norm_rows(const Args& a, __nv_bfloat16* xs) {
           const float2 n = __bfloat1622float2(__floats2bfloat162_rn(f.x * rstd, f.y * rstd));
           const float2 g = __bfloat1622float2(q[i]);
           p[i] = __floats2bfloat162_rn(n.x * g.x, n.y * g.y);
+          if constexpr (kF16) {
+            const float2 o = __bfloat1622float2(p[i]);
+            mx = fmaxf(mx, fmaxf(fabsf(o.x), fabsf(o.y)));
+          }
         }
         *reinterpret_cast<uint4*>(dst + c * 8) = v;
       }
+    }
+    if constexpr (kF16) {
+      mx = warp_max(mx);
+      int ex = 0;
+      if (mx > 0.f && mx <= 3.4e38f) frexpf(mx, &ex);  // mx = f 2^ex, f in [0.5, 1)
+      const int e = max(-126, min(126, 15 - ex));
+      const float up = __int_as_float((127 + e) << 23);
+      // each lane converts the chunks it wrote above
+      for (int c = lane; c < per_row; c += 32) {
+        uint4 v = *reinterpret_cast<const uint4*>(dst + c * 8);
+        uint32_t* p = reinterpret_cast<uint32_t*>(&v);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&p[i]));
+          asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(p[i]) : "f"(f.y * up), "f"(f.x * up));
+        }
+        *reinterpret_cast<uint4*>(dst + c * 8) = v;
+      }
+      if (lane == 0) unscale[m] = __int_as_float((127 - e) << 23);
     }
   }
   __syncthreads();
@@ -700,21 +743,32 @@ __device__ void attend_rows(const Args& a, __nv_bfloat16* xs, unsigned char* scr
 
 // d += weight rows g and g + 8 (wa, wb: 8 bf16 or 16 e4m3 values at k = kk + t * kVec) times
 // the x fragments.
-template <int NT, bool F8>
+// kF16 (FP8 only): the e4m3 values on the conversion unit to f16, x already f16 (variant 6).
+template <int NT, bool F8, bool kF16 = false>
 __device__ __forceinline__ void mma_step(float (&d)[NT][4], const uint4& wa, const uint4& wb,
                                          const XFrag<NT, F8>& x) {
   if constexpr (F8) {
     uint32_t ra[8], rb[8];
-    e4m3x16_to_bf16(wa, ra);
-    e4m3x16_to_bf16(wb, rb);
+    if constexpr (kF16) {
+      e4m3x16_convert<kConvCvt16>(wa, ra);
+      e4m3x16_convert<kConvCvt16>(wb, rb);
+    } else {
+      e4m3x16_to_bf16(wa, ra);
+      e4m3x16_to_bf16(wb, rb);
+    }
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
       const uint4 x0 = x.v[j][0], x1 = x.v[j][1];
       const uint32_t xb[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
 #pragma unroll
-      for (int q = 0; q < 4; ++q)
-        mma_bf16(d[j], ra[2 * q], rb[2 * q], ra[2 * q + 1], rb[2 * q + 1], xb[2 * q],
-                 xb[2 * q + 1]);
+      for (int q = 0; q < 4; ++q) {
+        if constexpr (kF16)
+          mma_f16(d[j], ra[2 * q], rb[2 * q], ra[2 * q + 1], rb[2 * q + 1], xb[2 * q],
+                  xb[2 * q + 1]);
+        else
+          mma_bf16(d[j], ra[2 * q], rb[2 * q], ra[2 * q + 1], rb[2 * q + 1], xb[2 * q],
+                   xb[2 * q + 1]);
+      }
     }
   } else {
 #pragma unroll
@@ -748,7 +802,10 @@ __global__ void __launch_bounds__(kThreads, MINB) linear_small_m_kernel(const Ar
   constexpr int kVec = 16 / kEl;              // weight elements per 16-byte load
   constexpr int kSteps = F8 ? 2 : 1;          // 16-byte loads per row, lane and chunk
   constexpr int kChunk = kSteps * 4 * kVec;   // 32 (bf16) or 128 (FP8) k per chunk
+  constexpr bool kF16 = PRO == kProNormF16;   // variant 6 (FP8, M <= 16)
+  static_assert(!kF16 || (F8 && NT <= 2), "variant 6: FP8 weights, the normed prologue");
   __shared__ float red[kWarps][NT * 4][32];
+  __shared__ float unscale[kF16 ? 16 : 1];  // kF16: 2^-e of each row
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int rt = warp / a.kw, kw = warp - rt * a.kw;
@@ -827,6 +884,8 @@ __global__ void __launch_bounds__(kThreads, MINB) linear_small_m_kernel(const Ar
     __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem_x);
     if constexpr (PRO == kProNorm)
       norm_rows(a, xs);
+    else if constexpr (kF16)
+      norm_rows<true>(a, xs, unscale);
     else
       attend_rows(a, xs, smem_x + static_cast<int64_t>(a.M) * a.xs_rs * 2);
 #pragma unroll
@@ -884,7 +943,8 @@ __global__ void __launch_bounds__(kThreads, MINB) linear_small_m_kernel(const Ar
       if constexpr (F8) {
         float part[NT][4] = {};  // this chunk's (scale block's) sum
 #pragma unroll
-        for (int s = 0; s < kSteps; ++s) mma_step<NT, F8>(part, wa[u][s], wb[u][s], xf[u][s]);
+        for (int s = 0; s < kSteps; ++s)
+          mma_step<NT, F8, kF16>(part, wa[u][s], wb[u][s], xf[u][s]);
         const bool in = !kCheck || c0 + u < c_end;
         const float sa = in ? __ldg(sra + c0 + u) : 0.f;
         const float sb = !kGlu ? sa : in ? __ldg(srb + c0 + u) : 0.f;
@@ -939,6 +999,15 @@ __global__ void __launch_bounds__(kThreads, MINB) linear_small_m_kernel(const Ar
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[j][e] += red[warp + o][j * 4 + e][lane];
     }
+  }
+  if constexpr (kF16) {  // x row m was 2^e times itself: exact back by 2^-e
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int m = 8 * j + 2 * t + (e & 1);
+        if (m < a.M) acc[j][e] *= unscale[m];
+      }
   }
   // d[e]: row tr.ra (tr.rb for e >= 2), x row 8 j + 2 t (+ 1 for odd e)
 #pragma unroll
@@ -1302,10 +1371,13 @@ constexpr int kNormPad = 32;
 // a smaller setting after a larger one would fail the larger launch), within what the device
 // allows a block beside the kernel's static shared memory.
 Kern v0_pro_kern(int pro, bool f8, int nt, int dev, int smem, int variant = 0) {
-  // the instantiations of v0_kern with the prologues (the normed one in variants 4, 5 too)
+  // the instantiations of v0_kern with the prologues (the normed one in variants 4-6 too)
   void (*fn)(Args);
   const bool pipe = variant == 4 || variant == 5;
-  if (pro == kProNorm && variant == 5)
+  if (pro == kProNorm && variant == 6)  // FP8 only (checked): variant 5's, rows in f16
+    fn = nt <= 1 ? linear_small_m_kernel<1, 1, true, 3, kProNormF16, true>
+                 : linear_small_m_kernel<2, 1, true, 2, kProNormF16, true>;
+  else if (pro == kProNorm && variant == 5)
     fn = f8 ? (nt <= 1 ? linear_small_m_kernel<1, 1, true, 3, kProNorm, true>
                        : linear_small_m_kernel<2, 1, true, 2, kProNorm, true>)
             : (nt <= 1 ? linear_small_m_kernel<1, 2, false, 3, kProNorm, true>
@@ -1326,12 +1398,13 @@ Kern v0_pro_kern(int pro, bool f8, int nt, int dev, int smem, int variant = 0) {
             : (nt <= 1 ? linear_small_m_kernel<1, 4, false, 3, kProAttend>
                        : linear_small_m_kernel<2, 4, false, 2, kProAttend>);
   static std::mutex lock;
-  static int allowed[64][24] = {};  // [device][i below]
+  static int allowed[64][32] = {};  // [device][i below]
   const int i = (nt <= 1 ? 0 : 1) + (f8 ? 2 : 0) + (pro == kProAttend ? 4 : 0) +
-                (variant == 4 ? 8 : variant == 5 ? 16 : 0);
+                (variant == 4 ? 8 : variant == 5 ? 16 : variant == 6 ? 24 : 0);
   // the kernel's static shared memory (its warps' partial sums, red[kWarps][NT * 4][32])
   // counts toward the default 48 KB per block too
-  const int stat = kWarps * (nt <= 1 ? 1 : 2) * 4 * 32 * static_cast<int>(sizeof(float));
+  const int stat = kWarps * (nt <= 1 ? 1 : 2) * 4 * 32 * static_cast<int>(sizeof(float)) +
+                   16 * static_cast<int>(sizeof(float));  // + variant 6's row scales
   if (smem + stat > 48 * 1024) {
     const std::lock_guard<std::mutex> hold(lock);
     if (dev >= 64 || smem > allowed[dev][i]) {
@@ -1415,12 +1488,12 @@ void run_linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> s
               "linear_small_m: x must be [M, K], w [N, K] and out [M, N]");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   // register batches (linear_small_m_kernel): variants 0, 4, 5
-  const bool batched = variant == 0 || variant == 4 || variant == 5;
+  const bool batched = variant == 0 || variant == 4 || variant == 5 || variant == 6;
   TORCH_CHECK(!glu || (N % 2 == 0 && (!scale.has_value() ||
                                        (batched && (N / 2) % kScaleBlock == 0 &&
                                         M <= 16))),
               "linear_small_m: the SwiGLU epilogue takes weights [W1; W3] with an even row "
-              "count (FP8: variant 0, 4 or 5, M <= 16 rows and I = N / 2 a multiple of ", kScaleBlock,
+              "count (FP8: variant 0, 4, 5 or 6, M <= 16 rows and I = N / 2 a multiple of ", kScaleBlock,
               ", so that W1 and W3 keep their own block scales), got ", N, " rows",
               scale.has_value() ? " of FP8 weights" : "", ", M = ", M, " and variant ", variant);
   TORCH_CHECK(w.size(1) == K && out.size(0) == M && out.size(1) == (glu ? N / 2 : N),
@@ -1459,11 +1532,14 @@ void run_linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> s
               kMaxSplits, " (0: automatic), got ", splits);
   TORCH_CHECK(kwarps == 0 || kwarps == 1 || kwarps == 2 || kwarps == 4 || kwarps == 8,
               "linear_small_m: kwarps must be 0 (automatic), 1, 2, 4 or 8, got ", kwarps);
-  TORCH_CHECK(variant >= 0 && variant <= 5, "linear_small_m: variant must be 0..5, got ",
+  TORCH_CHECK(variant >= 0 && variant <= 6, "linear_small_m: variant must be 0..6, got ",
               variant);
   TORCH_CHECK(pdl >= kPdlOff && pdl <= kPdlEarly, "linear_small_m: pdl must be 0..3, got ",
               pdl);
-  TORCH_CHECK(f8 || variant <= 1 || variant >= 4,
+  TORCH_CHECK(variant != 6 || (f8 && norm_weight.has_value()),
+              "linear_small_m: variant 6 is FP8 weights with the normed prologue (norm_weight), "
+              "its rows in f16; plain calls take 0-5");
+  TORCH_CHECK(f8 || variant <= 1 || variant == 4 || variant == 5,
               "linear_small_m: variants 2 and 3 convert FP8 weights; bf16 weights take 0, 1, "
               "4 or 5");
   if (residual.has_value()) {
@@ -1478,7 +1554,7 @@ void run_linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> s
   const int64_t xs_rs = K + kNormPad;
   if (norm_weight.has_value()) {
     const auto& nw = *norm_weight;
-    TORCH_CHECK(batched, "linear_small_m: the normed prologue runs in variant 0, 4 or 5, got ",
+    TORCH_CHECK(batched, "linear_small_m: the normed prologue runs in variant 0, 4, 5 or 6, got ",
                 variant);
     TORCH_CHECK(M <= 16 && M * xs_rs * 2 <= kNormSmemMax,
                 "linear_small_m: the normed prologue holds M x K rows in shared memory: M <= "
@@ -1506,8 +1582,8 @@ void run_linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> s
   const DevInfo info = device_info(dev);
   const int n_sm = info.n_sm;
   TORCH_CHECK(info.major >= 8, "linear_small_m: needs compute capability 8.0 or newer (bf16 MMA)");
-  TORCH_CHECK(variant != 3 || info.major * 10 + info.minor >= 89,
-              "linear_small_m: variant 3 (e4m3 conversion instructions) needs compute "
+  TORCH_CHECK((variant != 3 && variant != 6) || info.major * 10 + info.minor >= 89,
+              "linear_small_m: variants 3 and 6 (e4m3 conversion instructions) need compute "
               "capability 8.9 or newer");
   const bool norm = norm_weight.has_value();
   const int nt = static_cast<int>((M + 7) / 8);

@@ -624,7 +624,8 @@ def test_linear_fallbacks_are_the_references():
     assert torch.equal(linear.fp8_gemv(x, fw), fp8_linear_torch(x, fw))
     assert torch.equal(linear.gemv(x, w, splits=3, kwarps=2, kernel=False), F.linear(x, w))
     for v in linear.VARIANTS:  # CPU tensors: the reference whatever the variant
-        assert torch.equal(linear.fp8_gemv(x, fw, variant=v), fp8_linear_torch(x, fw))
+        if v != linear.NORMED_F16_VARIANT:  # the normed prologue's only (next test)
+            assert torch.equal(linear.fp8_gemv(x, fw, variant=v), fp8_linear_torch(x, fw))
     assert torch.equal(linear.gemv(x, w, variant=1), F.linear(x, w))
     assert linear.gemv(x[0, 0], w).shape == (40,)  # one row, x [K]
     assert linear.fp8_gemv(x[:, :0], fw).shape == (2, 0, 40)  # no rows
@@ -669,7 +670,7 @@ def test_linear_contract(make, match):
 
 @pytest.mark.parametrize("kw", [{"splits": -1}, {"splits": 65}, {"splits": True},
                                 {"splits": 1.5}, {"kwarps": 3}, {"kwarps": 16},
-                                {"variant": 6}, {"variant": -1}, {"variant": True}])
+                                {"variant": 7}, {"variant": -1}, {"variant": True}])
 def test_linear_rejects_bad_splits_kwarps_and_variants(kw):
     with pytest.raises(ValueError, match=r"(splits|kwarps|variant) must be"):
         linear.gemv(_bf16(2, 64), _bf16(8, 64), **kw)
@@ -682,7 +683,28 @@ def test_linear_fp8_only_variants():
     for v in linear.FP8_VARIANTS:
         with pytest.raises(ValueError, match=f"variant {v} converts FP8 weights"):
             linear.gemv(x, w, variant=v)
-        linear.fp8_gemv(x, quantize_fp8(w), variant=v)  # the reference on a CPU
+        if v != linear.NORMED_F16_VARIANT:
+            linear.fp8_gemv(x, quantize_fp8(w), variant=v)  # the reference on a CPU
+
+
+def test_variant6_runs_only_with_the_normed_prologue_and_fp8_weights():
+    """Variant 6 is the normed prologue's, for FP8 weights: a plain call, a SwiGLU or
+    residual call, or bf16 weights are refused by name; with FP8 weights and a norm it is a
+    valid launch (the reference off the kernel)."""
+    from engine.quant import quantize_fp8
+
+    x, w = _bf16(2, 256), _bf16(256, 256, seed=1)
+    fw, nw = quantize_fp8(w), (1 + 0.1 * _bf16(256, seed=2))
+    for call in (lambda: linear.fp8_gemv(x, fw, variant=6),
+                 lambda: linear.gemv_swiglu(x, fw, variant=6),
+                 lambda: linear.gemv_residual(x, w, x, variant=6)):
+        with pytest.raises(ValueError, match="variant 6"):
+            call()
+    with pytest.raises(ValueError, match=r"variant 6 \(the normed rows in f16\) takes FP8 weights"):
+        linear.gemv_normed(x, nw, 1e-6, w, variant=6)
+    want = linear.normed_reference(x, nw, 1e-6, fw, False)
+    assert torch.equal(linear.gemv_normed(x, nw, 1e-6, fw, variant=6, kernel=False), want)
+    assert linear._normed_problem(x, fw, nw, 1e-6, True, 1, 1, 6) is None
 
 
 def test_fp8_gemv_checks_the_weight():
@@ -1039,7 +1061,8 @@ _cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA d
 
 def _variants(fp8):
     """The csrc variants this GPU runs (3: sm_89+), for bf16 or FP8 weights."""
-    vs = linear.VARIANTS if fp8 else (0, 1, 4, 5)
+    vs = (tuple(v for v in linear.VARIANTS if v != linear.NORMED_F16_VARIANT) if fp8
+          else (0, 1, 4, 5))
     return tuple(v for v in vs if v != 3 or torch.cuda.get_device_capability() >= (8, 9))
 
 
@@ -1322,6 +1345,78 @@ def test_variant5_is_bit_equal_to_variant0_with_one_warp_per_tile_cuda(M):
             kw = {"splits": 1, "kwarps": 1, "pdl": 1}
             assert torch.equal(linear.gemv_normed(h, nw, eps, ww, glu=glu, variant=5, **kw),
                                linear.gemv_normed(h, nw, eps, ww, glu=glu, variant=0, **kw))
+
+
+@pytest.mark.cuda
+@_cuda
+@pytest.mark.parametrize("M", [1, 2, 8, 9, 16])
+def test_variant6_is_bit_equal_to_variant5_with_the_normed_prologue_cuda(M):
+    """Variant 6 multiplies 2^e-scaled f16 rows by the hardware-converted e4m3 values: every
+    product is 2^e times variant 5's, so the results are bit-equal (plain and SwiGLU, split K,
+    one and two warps per tile, PDL, a graph replay); a row spanning more than 2^31 rounds
+    its smallest values and stays within one bf16 ulp of variant 5."""
+    from engine.quant import quantize_fp8
+
+    assert extension_available(), "the CUDA extension did not build"
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("variant 6 needs compute capability 8.9+")
+    K, eps = 2560, 1e-6
+    h = _bf16(M, K, seed=5, device="cuda") * 3
+    nw = (1 + 0.1 * _bf16(K, seed=6, device="cuda").float()).to(torch.bfloat16)
+    w = quantize_fp8((_bf16(6144, K, seed=7, device="cuda").float() / K**0.5).to(torch.bfloat16))
+    w13 = quantize_fp8((_bf16(2 * 640, K, seed=8, device="cuda").float() / K**0.5)
+                       .to(torch.bfloat16))
+    for splits, kwarps, pdl in ((1, 1, 1), (3, 1, 0), (1, 2, 1), (2, 2, 1)):
+        kw = {"splits": splits, "kwarps": kwarps, "pdl": pdl}
+        for ww, glu in ((w, False), (w13, True)):
+            assert torch.equal(linear.gemv_normed(h, nw, eps, ww, glu=glu, variant=6, **kw),
+                               linear.gemv_normed(h, nw, eps, ww, glu=glu, variant=5, **kw)), \
+                (splits, kwarps, glu)
+    # rows with values 2^-40 of their largest: rounded in f16, within an ulp
+    hw = h.clone()
+    hw[:, ::7] *= 2.0**-40
+    ulps = _ulps_apart(linear.gemv_normed(hw, nw, eps, w, variant=6, kwarps=1),
+                       linear.gemv_normed(hw, nw, eps, w, variant=5, kwarps=1))
+    assert int(ulps.max()) <= 1
+    # a graph replay on new rows
+    hin = torch.zeros_like(h)
+    linear.gemv_normed(hin, nw, eps, w, variant=6, kwarps=1, pdl=1)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = linear.gemv_normed(hin, nw, eps, w, variant=6, kwarps=1, pdl=1)
+    for seed in (11, 12):
+        hin.copy_(_bf16(M, K, seed=seed, device="cuda"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, linear.gemv_normed(hin, nw, eps, w, variant=5, kwarps=1))
+
+
+@pytest.mark.cuda
+@_cuda
+def test_ops_normed_f16_runs_variant6_where_the_table_chose_5_cuda():
+    """`build_ops(normed_f16=True)`: the FP8 normed prologue takes variant 6 where the
+    table's choice is variant 5, with the same result as the default ops (bit-equal)."""
+    from engine.ops import Normed, build_ops
+    from engine.quant import quantize_fp8
+
+    assert extension_available(), "the CUDA extension did not build"
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("variant 6 needs compute capability 8.9+")
+    K = 2560
+    h = _bf16(1, 1, K, seed=5, device="cuda")
+    nw = (1 + 0.1 * _bf16(K, seed=6, device="cuda").float()).to(torch.bfloat16)
+    w = quantize_fp8((_bf16(6144, K, seed=7, device="cuda").float() / K**0.5).to(torch.bfloat16))
+    base, f16 = build_ops("cuda", pdl=1), build_ops("cuda", pdl=1, normed_f16=True)
+    xn = Normed(h, nw, 1e-6)
+    want = base.project(xn, w)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        got = f16.project(xn, w)
+        torch.cuda.synchronize()
+    assert torch.equal(got, want)
+    names = [e.name for e in prof.events()]
+    # variant 6's instantiation: variant 5's tile with the f16 prologue (kProNormF16 = 3)
+    assert any("linear_small_m_kernel<1, 1, true, 3, 3, true>" in n for n in names), names
 
 
 # [W1; W3] shapes: S2-Pro's slow AR FFN (I = 9728), I = 300 (a partial 8-row output group:

@@ -21,6 +21,11 @@ Kernel variants (`variant=`, the table picks one per shape):
   5  4 with half of 0's batches at M <= 16 and one block per SM more (FP8 at M <= 8: three
      where 0 has two): more warps to issue the FP8 conversion (bit-equal to 0 with one warp
      per tile, exact the same way otherwise; the same epilogues and prologue as 4)
+  6  FP8 with the normed prologue only (`gemv_normed`), sm_89+: 5 with the hardware e4m3x2 ->
+     f16x2 conversion (one instruction per pair where the bit move takes five) and f16 MMAs;
+     the prologue writes each normed row as f16 times a power of two that puts its largest
+     |value| in [2^14, 2^15), the epilogue scales back: bit-equal to 5 unless a row's values
+     span more than 2^31 (the smallest then rounded, < 2^-39 of the row's largest)
 
 `gemv_swiglu` runs the same kernel with a SwiGLU epilogue: for the packed FFN input
 projection [W1; W3] it writes silu(x W1^T) * (x W3^T) straight from the accumulators (one
@@ -61,9 +66,13 @@ MAX_M = 64  # the kernel's largest template: 8 MMA tiles of 8 rows
 MAX_SPLITS = 64
 K_MULTIPLE = 16
 KWARPS = (0, 1, 2, 4, 8)  # warps per 16-row tile splitting K inside a block; 0: automatic
-VARIANTS = (0, 1, 2, 3, 4, 5)  # csrc kernel variants (module docstring)
-FP8_VARIANTS = (2, 3)  # variants that exist for FP8 weights only
+VARIANTS = (0, 1, 2, 3, 4, 5, 6)  # csrc kernel variants (module docstring)
+FP8_VARIANTS = (2, 3, 6)  # variants that exist for FP8 weights only
 BATCHED_VARIANTS = (0, 4, 5)  # register batches: FP8 SwiGLU and the normed prologue run in these
+# 5 with the normed rows in f16 and the conversion unit: the normed prologue only (FP8 W)
+NORMED_F16_VARIANT = 6
+NORMED_VARIANTS = (*BATCHED_VARIANTS, NORMED_F16_VARIANT)
+PLAIN_VARIANTS = tuple(v for v in VARIANTS if v != NORMED_F16_VARIANT)  # a table row's
 # what a recorded table chooses among by default: the variants exact to bf16 x (3 rounds x to
 # f16, which saturates above 65504: only for activations known to be small, on request)
 EXACT_VARIANTS = (0, 1, 2, 4, 5)
@@ -78,9 +87,10 @@ LinearFn = Callable[[Tensor, Tensor | Fp8Weight], Tensor]
 
 # ---------------------------------------------------------------------- contract
 def _problem(x: Tensor, wq: Tensor, splits: object, kwarps: object,
-             fp8: bool, variant: object = 0) -> str | None:
+             fp8: bool, variant: object = 0, normed: bool = False) -> str | None:
     """What keeps the kernel from taking x [..., K] and weights wq [N, K] (bf16, or e4m3 with
-    `fp8`; an FP8 weight's scales are checked by Fp8Weight.check and in C++), or None."""
+    `fp8`; an FP8 weight's scales are checked by Fp8Weight.check and in C++), or None.
+    `normed`: a call with the normed prologue (which variant 6 needs)."""
     want = torch.float8_e4m3fn if fp8 else torch.bfloat16
     if not isinstance(wq, Tensor) or wq.dtype != want:
         return f"the weight must be a {want} tensor, got {getattr(wq, 'dtype', type(wq).__name__)}"
@@ -92,6 +102,9 @@ def _problem(x: Tensor, wq: Tensor, splits: object, kwarps: object,
         return f"variant must be one of {VARIANTS}, got {variant!r}"
     if variant in FP8_VARIANTS and not fp8:
         return f"variant {variant} converts FP8 weights; bf16 weights take variant 0, 1, 4 or 5"
+    if variant == NORMED_F16_VARIANT and not normed:
+        return (f"variant {variant} runs only with the normed prologue (gemv_normed, FP8 "
+                "weights); other calls take variants 0-5")
     if x.dtype != torch.bfloat16:
         return f"x must be bfloat16, got {x.dtype}"
     if wq.dim() != 2:
@@ -157,7 +170,7 @@ def _mma_current() -> bool:
 
 
 def _device_ok(index: int, variant: int) -> bool:
-    return _mma_device(index) and (variant != 3 or _cvt_device(index))
+    return _mma_device(index) and (variant not in (3, NORMED_F16_VARIANT) or _cvt_device(index))
 
 
 def _use_kernel(kernel: bool, x: Tensor, wq: Tensor, variant: int = 0) -> bool:
@@ -260,20 +273,20 @@ def _smem_optin(index: int) -> int:
 
 
 def _glu_problem(x: Tensor, w13: object, splits: object, kwarps: object,
-                 variant: object) -> str | None:
+                 variant: object, normed: bool = False) -> str | None:
     """What keeps the SwiGLU epilogue from taking x [..., K] and w13 = [W1; W3] [2I, K] (bf16
     or an Fp8Weight), or None: the plain kernel's contract and an even row count; FP8: variant
     0, 4 or 5, at most FP8_GLU_MAX_M rows and I a multiple of the 128-row scale block (a tile's 8 gate
     and 8 up rows each inside one block row of W1's and W3's scales)."""
     fp8 = isinstance(w13, Fp8Weight)
     wq = w13.q if fp8 else w13  # type: ignore[union-attr]
-    problem = _problem(x, wq, splits, kwarps, fp8, variant)  # type: ignore[arg-type]
+    problem = _problem(x, wq, splits, kwarps, fp8, variant, normed)  # type: ignore[arg-type]
     if problem is not None:
         return problem
     if wq.shape[0] % 2:
         return f"[W1; W3] must have an even row count, got {wq.shape[0]}"
-    if fp8 and variant not in BATCHED_VARIANTS:
-        return (f"the SwiGLU epilogue of FP8 weights runs in variant 0, 4 or 5, got variant "
+    if fp8 and variant not in NORMED_VARIANTS:
+        return (f"the SwiGLU epilogue of FP8 weights runs in variant 0, 4, 5 or 6, got variant "
                 f"{variant}")
     m = x.numel() // wq.shape[1]
     if fp8 and m > FP8_GLU_MAX_M:
@@ -390,10 +403,12 @@ def _normed_problem(h: Tensor, w: Tensor | Fp8Weight, nw: object, eps: object, g
     """What keeps the normed prologue from running rms_norm(h) * nw @ W^T (glu: its SwiGLU)
     with these launch parameters, or None."""
     wq, scale = _operands(w)
-    if isinstance(variant, bool) or variant not in BATCHED_VARIANTS:
-        return f"the normed prologue runs in variant 0, 4 or 5, got variant {variant!r}"
-    return ((_glu_problem(h, w, splits, kwarps, variant) if glu
-             else _problem(h, wq, splits, kwarps, scale is not None, variant))
+    if isinstance(variant, bool) or variant not in NORMED_VARIANTS:
+        return f"the normed prologue runs in variant 0, 4, 5 or 6, got variant {variant!r}"
+    if variant == NORMED_F16_VARIANT and scale is None:
+        return f"variant {variant} (the normed rows in f16) takes FP8 weights, got bf16 ones"
+    return ((_glu_problem(h, w, splits, kwarps, variant, normed=True) if glu
+             else _problem(h, wq, splits, kwarps, scale is not None, variant, normed=True))
             or _norm_problem(h, w, nw, eps))
 
 
@@ -403,7 +418,8 @@ def gemv_normed(h: Tensor, nw: Tensor, eps: float, w: Tensor | Fp8Weight, *, glu
     """rms_norm(h) * nw @ W^T in one launch (the norm in the kernel's prologue, rounded as
     engine.functional.rms_norm rounds it; glu: the SwiGLU epilogue of w = [W1; W3]): h
     [..., K] bf16 with at most NORM_MAX_M rows, nw [K] bf16, w [N, K] bf16 or an Fp8Weight.
-    Variant 0, 4 or 5; `pdl` as for `gemv`.
+    Variant 0, 4 or 5, or 6 for FP8 weights (sm_89+: the rows in f16, module docstring);
+    `pdl` as for `gemv`.
     `kernel=False`, CPU tensors or no extension: `normed_reference`."""
     problem = _normed_problem(h, w, nw, eps, glu, splits, kwarps, variant)
     if problem is not None:
@@ -630,7 +646,7 @@ def _row(d: object, where: str) -> PlanRow:
                          f"FP8 rows only), got {impl!r}")
     splits = _int_in(d, "splits", 1, range(1, MAX_SPLITS + 1), where)
     kwarps = _int_in(d, "kwarps", 0, KWARPS, where)
-    variant = _int_in(d, "variant", 0, VARIANTS, where)
+    variant = _int_in(d, "variant", 0, PLAIN_VARIANTS, where)
     if impl == "gemv" and variant in FP8_VARIANTS and not fp8:
         raise ValueError(f"{where}: variant {variant} is for FP8 weights only")
     config = d.get("config")
@@ -1059,16 +1075,19 @@ def _prologue_lookup(plan: LinearPlan | None, kernels: bool,
 
 def make_normed(plan: LinearPlan | None, kernels: bool, max_m: int = NORMED_DISPATCH_M,
                 max_m_fp8: int = NORMED_DISPATCH_M_FP8, pdl: bool | int = False,
-                dense: bool = False) -> NormedFn:
+                dense: bool = False, f16_rows: bool = False) -> NormedFn:
     """`Ops.normed_kernel`: (h, nw, eps, W, glu) -> rms_norm(h) * nw @ W^T (glu: the SwiGLU
     of W = [W1; W3]) from csrc's normed prologue where h has at most `max_m` rows
     (`max_m_fp8` for FP8 W; where it measured faster than the norm's own launch), the plan
     recorded a variant-0, 4 or 5 kernel candidate for that linear (bf16 or FP8 W) within
     NORMED_SLACK_US of its choice and the call meets the contract (with `_normed_params`'
     splits, kwarps and variant); None otherwise (the caller computes the norm first). Chosen once per
-    shape; `pdl` as for `make_linear`."""
+    shape; `pdl` as for `make_linear`. `f16_rows`: FP8 weights whose choice is variant 5 run
+    variant 6 (the same launch with the normed rows in f16 and the conversion unit; sm_89+)."""
     dense_plan = plan if dense else None  # FP8 weights' dense copies taken or not
     lookup = _prologue_lookup(plan, kernels)
+    f16_ok = f16_rows and kernels and torch.cuda.is_available() and _device_ok(
+        torch.cuda.current_device(), NORMED_F16_VARIANT)
 
     def normed(h: Tensor, nw: Tensor, eps: float, w: Tensor | Fp8Weight,
                glu: bool) -> Tensor | None:
@@ -1081,6 +1100,8 @@ def make_normed(plan: LinearPlan | None, kernels: bool, max_m: int = NORMED_DISP
         if chosen is None:
             return None
         splits, kwarps, variant = chosen
+        if f16_ok and fp8 and variant == 5:
+            variant = NORMED_F16_VARIANT
         if _normed_problem(h, w, nw, eps, glu, splits, kwarps, variant) is not None:
             return None
         wq, scale = _operands(w)
