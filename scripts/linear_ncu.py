@@ -1,8 +1,11 @@
 """One launch of csrc's small-M linear per case, for Nsight Compute.
 
-    ncu --profile-from-start off --section SpeedOfLight --section Occupancy \
-        --section WarpStateStats --section MemoryWorkloadAnalysis --section LaunchStats \
-        python3 scripts/linear_ncu.py [--cases fp8:w13:1:4:1,bf16:w13:1:0:8]
+    ncu --clock-control none --profile-from-start off --section SpeedOfLight \
+        --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
+        --section LaunchStats python3 scripts/linear_ncu.py [--cases fp8:w13:1:4:1,...]
+
+(`--clock-control none`: the GPU's own boost clocks, as in the benches; ncu's default locks
+them at base, and durations then run ~30 % longer.)
 
 Each case is dtype:shape:M:variant:kwarps (shape names and sizes as bench_latency.linear_bench's
 SHAPES). Every case is run twice unprofiled (the extension's first launch, caches), then once

@@ -1403,6 +1403,10 @@ def test_ops_normed_f16_runs_variant6_where_the_table_chose_5_cuda():
     assert extension_available(), "the CUDA extension did not build"
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("variant 6 needs compute capability 8.9+")
+    plan = linear.load_plan()
+    params = None if plan is None else linear._normed_params(plan.choose(1, 6144, 2560, True))
+    if params is None or params[2] != 5:
+        pytest.skip("the recorded table (H200) gives this prologue no variant 5 here")
     K = 2560
     h = _bf16(1, 1, K, seed=5, device="cuda")
     nw = (1 + 0.1 * _bf16(K, seed=6, device="cuda").float()).to(torch.bfloat16)
