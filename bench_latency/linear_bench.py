@@ -5,8 +5,8 @@ rotating weight copies (more than 200 MB of them, so the 50 MB L2 holds none), a
     python -m bench_latency.linear_bench --out engine/kernels/linear_table.json
 
 Candidates: bf16 weights: F.linear (cuBLAS, "library") and the csrc kernel (`gemv`) in
-variants 0, 1, 4 and 5; FP8 weights (e4m3, 128 x 128 block scales): `fp8_gemv` in variants 0-5
-(3 only when asked: `--variants`), the
+variants 0, 1, 4 and 5; FP8 weights (e4m3, 128 x 128 block scales): `fp8_gemv` in variants 0-6
+(3 only when asked: `--variants`; 6 at the M and K whose rows it can stage), the
 Triton weight-only kernel (engine/kernels/fp8_triton.py) in `sweep_configs(M)`'s few configs,
 and the Triton W8A8 kernel (activations quantised to e4m3: other numerics, recorded as a
 separate "triton_w8a8" row that `make_linear` takes only with `fp8_activations=True`), plus
@@ -61,7 +61,7 @@ from engine.kernels.linear import (
     EXACT_VARIANTS,
     FP8_VARIANTS,
     MAX_M,
-    PLAIN_VARIANTS,
+    VARIANTS,
     W8A8,
     PlanRow,
     _normed_params,
@@ -552,7 +552,7 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"comma-separated subset of {','.join(SHAPES)}")
     ap.add_argument("--ms", default=",".join(map(str, MS)), help="rows (M) to time")
     ap.add_argument("--variants", default=",".join(map(str, EXACT_VARIANTS)),
-                    help=f"csrc kernel variants to time (of {','.join(map(str, PLAIN_VARIANTS))}; "
+                    help=f"csrc kernel variants to time (of {','.join(map(str, VARIANTS))}; "
                     "3 rounds x to f16: not by default)")
     ap.add_argument("--no-triton", action="store_true", help="leave the Triton kernels out")
     ap.add_argument("--reps", type=int, default=15, help="graph replays per candidate")
@@ -600,9 +600,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown shape(s) {unknown}; choose from {list(SHAPES)}")
     ms = tuple(int(m) for m in args.ms.split(","))
     variants = tuple(int(v) for v in args.variants.split(",") if v)
-    if not set(variants) <= set(PLAIN_VARIANTS):
-        ap.error(f"variants must be among {PLAIN_VARIANTS} (variant 6 runs with the normed "
-                 "prologue only: gpu_bench.py --normed-f16 times it in the step)")
+    if not set(variants) <= set(VARIANTS):
+        ap.error(f"variants must be among {VARIANTS}")
     t0 = time.perf_counter()
     built = extension_available()
     if not built:

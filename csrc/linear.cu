@@ -48,14 +48,15 @@
 //   5: 4 with half of 0's batches at M <= 16 (as many bytes in flight per warp as 0) and one
 //      block per SM more (FP8 at M <= 8: three); bit-equal to 0 with one warp per tile (a
 //      warp sums its chunks in K order either way), otherwise exact the same way.
-//   6: FP8 with the normed prologue only, sm_89+: 5 with the conversion unit (one
-//      cvt.rn.f16x2.e4m3x2 per pair where the bit move takes five) and f16 MMAs. The
-//      prologue writes each normed row to shared memory as f16 times a power of two 2^e that
-//      puts the row's largest |value| in [2^14, 2^15) (kProNormF16), and the epilogue
-//      multiplies by 2^-e: every product is then 2^e times variant 5's, exactly, for values
-//      at least 2^-31 times their row's largest (bf16's 8 significant bits fit f16's 11);
-//      smaller ones are rounded (error < 2^-39 of the row's largest): bit-equal to 5 unless a
-//      row spans more than 2^31.
+//   6: FP8 only, sm_89+, M <= 16: 5 with the conversion unit (one cvt.rn.f16x2.e4m3x2 per
+//      pair where the bit move takes five) and f16 MMAs. A prologue stages x's rows (normed
+//      first with norm_weight) in shared memory as f16 times a power of two 2^e that puts
+//      each row's largest |value| in [2^14, 2^15) (kProStageF16, kProNormF16), and the
+//      epilogue multiplies by 2^-e: every product is then 2^e times variant 5's, exactly, for
+//      values at least 2^-31 times their row's largest (bf16's 8 significant bits fit f16's
+//      11); smaller ones are rounded (error < 2^-39 of the row's largest): bit-equal to 5
+//      unless a row spans more than 2^31. Every block stages all M rows (from L2, one round
+//      trip per row, while its first weight batch is in flight).
 // FP8 (0-2, 4, 5): each e4m3 byte is moved into a bf16's bit fields and scaled by 2^120 (exact;
 // integer and FMA instructions only, no conversion unit); one 128-wide K chunk is one scale
 // block, whose MMA sum is multiplied by its scale (all rows of a tile share it: 128 % 32 ==
@@ -78,7 +79,8 @@
 //   kwarps 1, 2, 4, 8: warps of a block sharing one row tile (K split inside the block);
 //                  0: automatic (variants 0, 4, 5: the fewest that still give two blocks per SM,
 //                  else 8; 1-3: the fewest that give every SM a block, else 8)
-//   variant 0..6 (above); bf16 weights take 0, 1, 4 or 5; 6 only with norm_weight
+//   variant 0..6 (above); bf16 weights take 0, 1, 4 or 5; 6 needs M <= 16 and
+//          M x (K + 32) x 2 bytes <= 160 KB (its rows in shared memory)
 //   glu    SwiGLU epilogue (bf16 W; FP8 W in variant 0, 4, 5 or 6 at M <= 16 with I % 128 == 0, the
 //          tile's gate and up rows scaled by their own block rows): w = [W1; W3] (N = 2 I rows, the gate's then the
 //          up projection's), out [M, I] = silu(x W1^T) * (x W3^T), each of the two rounded to
@@ -362,7 +364,8 @@ struct Args {
 constexpr int kProPlain = 0;
 constexpr int kProNorm = 1;
 constexpr int kProAttend = 2;
-constexpr int kProNormF16 = 3;  // the normed prologue in f16, scaled per row (variant 6)
+constexpr int kProNormF16 = 3;   // the normed prologue in f16, scaled per row (variant 6)
+constexpr int kProStageF16 = 4;  // x's rows staged in f16, scaled per row (variant 6)
 
 // The attention prologue's limits and layout: head_dim kAttnD; lane t of a warp scores
 // cache position t (at most kAttnMaxPos positions); a warp's shared scratch holds its (row,
@@ -487,10 +490,12 @@ __device__ __forceinline__ float warp_max(float v) {
 // the butterfly), and normalise the chunks each lane wrote to shared memory itself; one
 // barrier at the end, before the main loop reads the rows. kF16 (variant 6): each row then
 // goes to f16 times 2^e, e chosen from the row's largest |value| (in [2^14, 2^15) after
-// scaling; e in [-126, 126]), and unscale[m] = 2^-e.
-template <bool kF16 = false>
+// scaling; e in [-126, 126]), and unscale[m] = 2^-e; !kNorm: the rows as they are (staged,
+// not normed).
+template <bool kF16 = false, bool kNorm = true>
 __device__ __forceinline__ void norm_rows(const Args& a, __nv_bfloat16* xs,
                                           float* unscale = nullptr) {
+  static_assert(kNorm || kF16, "a plain bf16 row needs no staging");
   constexpr int kB = 10;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int per_row = a.K / 8;
@@ -498,6 +503,7 @@ __device__ __forceinline__ void norm_rows(const Args& a, __nv_bfloat16* xs,
     const __nv_bfloat16* src = a.x + m * a.x_rs;
     __nv_bfloat16* dst = xs + m * a.xs_rs;
     float ss = 0.f;
+    float mx = 0.f;  // kF16: this lane's largest |value| (normed, with kNorm)
     for (int c0 = 0; c0 < per_row; c0 += 32 * kB) {
       uint4 v[kB];
 #pragma unroll
@@ -512,15 +518,18 @@ __device__ __forceinline__ void norm_rows(const Args& a, __nv_bfloat16* xs,
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
             const float2 f = __bfloat1622float2(p[i]);
-            ss = fmaf(f.x, f.x, ss);
-            ss = fmaf(f.y, f.y, ss);
+            if constexpr (kNorm) {
+              ss = fmaf(f.x, f.x, ss);
+              ss = fmaf(f.y, f.y, ss);
+            } else {
+              mx = fmaxf(mx, fmaxf(fabsf(f.x), fabsf(f.y)));
+            }
           }
         }
       }
     }
-    const float rstd = rsqrtf(warp_sum(ss) / static_cast<float>(a.K) + a.eps);
-    float mx = 0.f;  // kF16: this lane's largest |normed value|
-    for (int c0 = 0; c0 < per_row; c0 += 32 * kB) {
+    const float rstd = kNorm ? rsqrtf(warp_sum(ss) / static_cast<float>(a.K) + a.eps) : 1.f;
+    for (int c0 = 0; kNorm && c0 < per_row; c0 += 32 * kB) {
       uint4 w[kB];
 #pragma unroll
       for (int b = 0; b < kB; ++b) w[b] = ld_x(a.nw + min(c0 + b * 32 + lane, per_row - 1) * 8);
@@ -802,8 +811,8 @@ __global__ void __launch_bounds__(kThreads, MINB) linear_small_m_kernel(const Ar
   constexpr int kVec = 16 / kEl;              // weight elements per 16-byte load
   constexpr int kSteps = F8 ? 2 : 1;          // 16-byte loads per row, lane and chunk
   constexpr int kChunk = kSteps * 4 * kVec;   // 32 (bf16) or 128 (FP8) k per chunk
-  constexpr bool kF16 = PRO == kProNormF16;   // variant 6 (FP8, M <= 16)
-  static_assert(!kF16 || (F8 && NT <= 2), "variant 6: FP8 weights, the normed prologue");
+  constexpr bool kF16 = PRO == kProNormF16 || PRO == kProStageF16;  // variant 6
+  static_assert(!kF16 || (F8 && NT <= 2), "variant 6: FP8 weights, M <= 16");
   __shared__ float red[kWarps][NT * 4][32];
   __shared__ float unscale[kF16 ? 16 : 1];  // kF16: 2^-e of each row
 
@@ -884,8 +893,10 @@ __global__ void __launch_bounds__(kThreads, MINB) linear_small_m_kernel(const Ar
     __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem_x);
     if constexpr (PRO == kProNorm)
       norm_rows(a, xs);
-    else if constexpr (kF16)
+    else if constexpr (PRO == kProNormF16)
       norm_rows<true>(a, xs, unscale);
+    else if constexpr (PRO == kProStageF16)
+      norm_rows<true, false>(a, xs, unscale);
     else
       attend_rows(a, xs, smem_x + static_cast<int64_t>(a.M) * a.xs_rs * 2);
 #pragma unroll
@@ -1377,6 +1388,9 @@ Kern v0_pro_kern(int pro, bool f8, int nt, int dev, int smem, int variant = 0) {
   if (pro == kProNorm && variant == 6)  // FP8 only (checked): variant 5's, rows in f16
     fn = nt <= 1 ? linear_small_m_kernel<1, 1, true, 3, kProNormF16, true>
                  : linear_small_m_kernel<2, 1, true, 2, kProNormF16, true>;
+  else if (pro == kProStageF16)  // variant 6 without a norm
+    fn = nt <= 1 ? linear_small_m_kernel<1, 1, true, 3, kProStageF16, true>
+                 : linear_small_m_kernel<2, 1, true, 2, kProStageF16, true>;
   else if (pro == kProNorm && variant == 5)
     fn = f8 ? (nt <= 1 ? linear_small_m_kernel<1, 1, true, 3, kProNorm, true>
                        : linear_small_m_kernel<2, 1, true, 2, kProNorm, true>)
@@ -1399,7 +1413,8 @@ Kern v0_pro_kern(int pro, bool f8, int nt, int dev, int smem, int variant = 0) {
                        : linear_small_m_kernel<2, 4, false, 2, kProAttend>);
   static std::mutex lock;
   static int allowed[64][32] = {};  // [device][i below]
-  const int i = (nt <= 1 ? 0 : 1) + (f8 ? 2 : 0) + (pro == kProAttend ? 4 : 0) +
+  const int i = (nt <= 1 ? 0 : 1) + (f8 ? 2 : 0) +
+                (pro == kProAttend || pro == kProStageF16 ? 4 : 0) +
                 (variant == 4 ? 8 : variant == 5 ? 16 : variant == 6 ? 24 : 0);
   // the kernel's static shared memory (its warps' partial sums, red[kWarps][NT * 4][32])
   // counts toward the default 48 KB per block too
@@ -1413,7 +1428,7 @@ Kern v0_pro_kern(int pro, bool f8, int nt, int dev, int smem, int variant = 0) {
       int optin = 0;
       C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
       TORCH_CHECK(smem + static_cast<int>(attr.sharedSizeBytes) <= optin,
-                  "linear_small_m: the ", pro == kProNorm ? "normed" : "attention",
+                  "linear_small_m: the ", pro == kProAttend ? "attention" : "normed or staged",
                   " prologue needs ", smem + static_cast<int>(attr.sharedSizeBytes),
                   " bytes of shared memory for its M = ", nt <= 1 ? "1..8" : "9..16",
                   " rows; this device allows ", optin, " per block (fewer rows)");
@@ -1536,9 +1551,10 @@ void run_linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> s
               variant);
   TORCH_CHECK(pdl >= kPdlOff && pdl <= kPdlEarly, "linear_small_m: pdl must be 0..3, got ",
               pdl);
-  TORCH_CHECK(variant != 6 || (f8 && norm_weight.has_value()),
-              "linear_small_m: variant 6 is FP8 weights with the normed prologue (norm_weight), "
-              "its rows in f16; plain calls take 0-5");
+  TORCH_CHECK(variant != 6 || (f8 && M <= 16 && M * (K + kNormPad) * 2 <= kNormSmemMax),
+              "linear_small_m: variant 6 takes FP8 weights and stages x's rows in shared memory: "
+              "M <= 16 and M x (K + ", kNormPad, ") x 2 bytes <= ", kNormSmemMax, ", got M = ",
+              M, ", K = ", K);
   TORCH_CHECK(f8 || variant <= 1 || variant == 4 || variant == 5,
               "linear_small_m: variants 2 and 3 convert FP8 weights; bf16 weights take 0, 1, "
               "4 or 5");
@@ -1592,7 +1608,8 @@ void run_linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> s
       norm     ? v0_pro_kern(kProNorm, f8, nt, dev, rows_smem, static_cast<int>(variant))
       : attend ? v0_pro_kern(kProAttend, f8, nt, dev,
                              rows_smem + kWarps * attn_warp_bytes(attend->s))
-               : pick_kernel(f8, static_cast<int>(variant), nt, dev);
+      : variant == 6 ? v0_pro_kern(kProStageF16, f8, nt, dev, rows_smem, 6)
+                     : pick_kernel(f8, static_cast<int>(variant), nt, dev);
   // a tile of `rows` weight rows makes rows / 2 SwiGLU outputs
   const int64_t tiles = glu ? (N / 2 + kern.rows / 2 - 1) / (kern.rows / 2)
                             : (N + kern.rows - 1) / kern.rows;

@@ -228,7 +228,7 @@ def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool 
               fp8_dense: bool = True, codec_conv_kernel: bool = True,
               codec_conv_table: Path = codec_conv.DEFAULT_TABLE,
               codec_snake_into_next: bool = False, codec_conv_fast_sine: bool = True,
-              attend_prologue: bool = False, normed_f16: bool = False) -> Ops:
+              attend_prologue: bool = False) -> Ops:
     """The ops an engine on `device` runs. `fused`: "compile" (torch.compile'd elementwise ops
     and the packed FFN GEMM), "reference", or "auto" (compile on CUDA only). `kernels`: use
     csrc's kernels where the extension is built, and with compiled ops the Triton q/k norm +
@@ -249,8 +249,6 @@ def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool 
     ends (an int picks csrc/linear.cu's PDL mode for the linears, for
     benchmarks; True = 1); `normed_max_m_fp8`: the most rows for which FP8 weights take the
     normed prologue (benchmarks: the engine's is `linear.NORMED_DISPATCH_M_FP8`);
-    `normed_f16`: FP8 weights' normed prologue in variant 6 where the table chose variant 5
-    (the normed rows in f16, the conversion unit; off until measured faster, docs/PERF.md);
     `fp8_dense`: FP8 linears with a dequantised bf16 copy run it at the batch sizes where the
     table measured bf16 faster (CUDA; the engine makes the copies, `fp8_dense_copy`);
     `codec_conv_kernel`: the codec's residual-unit convs as Triton convs with the Snake or
@@ -306,8 +304,7 @@ def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool 
                 parts["residual_kernel"] = linear.make_residual(plan, kernels=True, pdl=pdl,
                                                                 dense=fp8_dense)
                 parts["normed_kernel"] = linear.make_normed(
-                    plan, kernels=True, max_m_fp8=normed_max_m_fp8, pdl=pdl, dense=fp8_dense,
-                    f16_rows=normed_f16)
+                    plan, kernels=True, max_m_fp8=normed_max_m_fp8, pdl=pdl, dense=fp8_dense)
                 if attend_prologue:
                     parts["attend_kernel"] = linear.make_attend(plan, kernels=True, pdl=pdl,
                                                                 dense=fp8_dense)

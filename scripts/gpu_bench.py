@@ -386,7 +386,7 @@ def profile_step(report: dict, device: str, sampler_kernel: bool = True,
                  dtype: str = "bf16", decode_rope: int | None = None, pdl: int | None = None,
                  batches: tuple[int, ...] = (1, 2, 16, 64),
                  normed_fp8: int | None = None, dense_copy: bool = True,
-                 attend_prologue: bool = False, normed_f16: bool = False) -> None:
+                 attend_prologue: bool = False) -> None:
     """Where one frame step's GPU time goes (eager, fused ops), and graph-replay step time.
     `decode_rope`: the q/k norm + RoPE inside decode attention up to that many rows (key
     profile_decode_rope<rows>; None: the engine's default);
@@ -396,8 +396,7 @@ def profile_step(report: dict, device: str, sampler_kernel: bool = True,
     profile_fp8_normed); `dense_copy`: FP8 linears get their bf16 copies where the table
     measured them faster, as the engine's fp8_dense_copy does (False: key
     profile_fp8_nodense); `attend_prologue`: the fast AR's attention in wo's prologue at up
-    to 2 rows (key profile_attend; the engine's default: its own launches); `normed_f16`: FP8
-    weights' normed prologue in variant 6, the rows in f16 (key profile_normed_f16)."""
+    to 2 rows (key profile_attend; the engine's default: its own launches)."""
     from engine.fusion import add_dense_copies_where_faster, pack_ffn
     from engine.loader import load_bundle
     from engine.ops import build_ops
@@ -407,7 +406,7 @@ def profile_step(report: dict, device: str, sampler_kernel: bool = True,
     b = load_bundle("s2-pro", device=device, dtype=dtype, max_seq_len=1024)
     ops = build_ops(device, fused="compile", sampler_kernel=sampler_kernel,
                     **({} if decode_rope is None else {"decode_rope": decode_rope}),
-                    fp8_dense=dense_copy, attend_prologue=attend_prologue, normed_f16=normed_f16,
+                    fp8_dense=dense_copy, attend_prologue=attend_prologue,
                     **({} if normed_fp8 is None else {"normed_max_m_fp8": normed_fp8}),
                     pdl=(1 if dtype == "fp8" else 0) if pdl is None else pdl)
     pack_ffn(b.model)
@@ -463,7 +462,6 @@ def profile_step(report: dict, device: str, sampler_kernel: bool = True,
            else "profile_fp8_normed" if normed_fp8 is not None
            else "profile_fp8_nodense" if not dense_copy
            else "profile_attend" if attend_prologue
-           else "profile_normed_f16" if normed_f16
            else "profile" if sampler_kernel else "profile_compiled_sampler"] = out
     del runner, b
     torch.cuda.empty_cache()
@@ -502,9 +500,6 @@ def main() -> int:
     ap.add_argument("--attend-prologue", action="store_true",
                     help="also profile the step with the fast AR's attention in its output "
                          "projection's prologue (batches 1, 2; key profile_attend)")
-    ap.add_argument("--normed-f16", action="store_true",
-                    help="also profile the FP8 step with the normed prologue's rows in f16 "
-                         "(csrc variant 6; batches 1, 2; key profile_normed_f16)")
     ap.add_argument("--engine-runs", default="", help="comma list of engine runs to keep "
                     "(pingpong_codec, pingpong_codec_decode_priority, "
                     "pingpong_codec_codec_priority, pingpong_codec_prefill_batch_64, "
@@ -546,10 +541,6 @@ def main() -> int:
                          functools.partial(profile_step, report, device, dtype=args.dtype,
                                            attend_prologue=True, batches=(1, 2))),)
                        if args.attend_prologue else ()),
-                     *((("profile_normed_f16",
-                         functools.partial(profile_step, report, device, dtype="fp8",
-                                           normed_f16=True, batches=(1, 2))),)
-                       if args.normed_f16 else ()),
                      *((f"profile_pdl{mode}",
                         functools.partial(profile_step, report, device, dtype=args.dtype,
                                           pdl=mode, batches=(1, 2, 64)))

@@ -624,8 +624,7 @@ def test_linear_fallbacks_are_the_references():
     assert torch.equal(linear.fp8_gemv(x, fw), fp8_linear_torch(x, fw))
     assert torch.equal(linear.gemv(x, w, splits=3, kwarps=2, kernel=False), F.linear(x, w))
     for v in linear.VARIANTS:  # CPU tensors: the reference whatever the variant
-        if v != linear.NORMED_F16_VARIANT:  # the normed prologue's only (next test)
-            assert torch.equal(linear.fp8_gemv(x, fw, variant=v), fp8_linear_torch(x, fw))
+        assert torch.equal(linear.fp8_gemv(x, fw, variant=v), fp8_linear_torch(x, fw))
     assert torch.equal(linear.gemv(x, w, variant=1), F.linear(x, w))
     assert linear.gemv(x[0, 0], w).shape == (40,)  # one row, x [K]
     assert linear.fp8_gemv(x[:, :0], fw).shape == (2, 0, 40)  # no rows
@@ -683,27 +682,29 @@ def test_linear_fp8_only_variants():
     for v in linear.FP8_VARIANTS:
         with pytest.raises(ValueError, match=f"variant {v} converts FP8 weights"):
             linear.gemv(x, w, variant=v)
-        if v != linear.NORMED_F16_VARIANT:
-            linear.fp8_gemv(x, quantize_fp8(w), variant=v)  # the reference on a CPU
+        linear.fp8_gemv(x, quantize_fp8(w), variant=v)  # the reference on a CPU
 
 
-def test_variant6_runs_only_with_the_normed_prologue_and_fp8_weights():
-    """Variant 6 is the normed prologue's, for FP8 weights: a plain call, a SwiGLU or
-    residual call, or bf16 weights are refused by name; with FP8 weights and a norm it is a
-    valid launch (the reference off the kernel)."""
+def test_variant6_takes_fp8_weights_and_rows_it_can_stage():
+    """Variant 6 stages x's rows in shared memory: bf16 weights, more than NORM_MAX_M rows or
+    rows too long for the shared memory are refused by name (and `supports` says no); within
+    that, every form is a valid launch (the reference off the kernel)."""
     from engine.quant import quantize_fp8
 
     x, w = _bf16(2, 256), _bf16(256, 256, seed=1)
     fw, nw = quantize_fp8(w), (1 + 0.1 * _bf16(256, seed=2))
-    for call in (lambda: linear.fp8_gemv(x, fw, variant=6),
-                 lambda: linear.gemv_swiglu(x, fw, variant=6),
-                 lambda: linear.gemv_residual(x, w, x, variant=6)):
-        with pytest.raises(ValueError, match="variant 6"):
-            call()
-    with pytest.raises(ValueError, match=r"variant 6 \(the normed rows in f16\) takes FP8 weights"):
+    with pytest.raises(ValueError, match="variant 6 converts FP8 weights"):
         linear.gemv_normed(x, nw, 1e-6, w, variant=6)
+    with pytest.raises(ValueError, match="variant 6 stages x's rows"):
+        linear.fp8_gemv(_bf16(17, 256), fw, variant=6)
+    big = quantize_fp8(_bf16(128, 8192, seed=3))
+    with pytest.raises(ValueError, match="variant 6 stages x's rows"):
+        linear.fp8_gemv(_bf16(16, 8192), big, variant=6)  # 16 x 8224 x 2 bytes > 160 KB
+    assert not linear.supports(17, 256, 256, True, 6) and not linear.supports(1, 256, 256, False, 6)
     want = linear.normed_reference(x, nw, 1e-6, fw, False)
     assert torch.equal(linear.gemv_normed(x, nw, 1e-6, fw, variant=6, kernel=False), want)
+    assert torch.equal(linear.fp8_gemv(x, fw, variant=6, kernel=False),
+                       linear.fp8_gemv(x, fw, variant=0, kernel=False))
     assert linear._normed_problem(x, fw, nw, 1e-6, True, 1, 1, 6) is None
 
 
@@ -797,7 +798,7 @@ def test_linear_plan_load_and_choose(tmp_path, caplog):
     ({"us": {"gemv": "fast"}}, "us must map"),
     ({"n": None}, "n must be"),
     ({"kwarps": 3}, "kwarps must be"),
-    ({"variant": 6}, "variant must be"),
+    ({"variant": 7}, "variant must be"),
     ({"variant": 2}, "variant 2 is for FP8 weights only"),
     ({"config": _CFG}, "a config belongs to a Triton row"),
 ])
@@ -1059,11 +1060,13 @@ def _assert_linear_close(got, x, wf):
 _cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def _variants(fp8):
-    """The csrc variants this GPU runs (3: sm_89+), for bf16 or FP8 weights."""
-    vs = (tuple(v for v in linear.VARIANTS if v != linear.NORMED_F16_VARIANT) if fp8
-          else (0, 1, 4, 5))
-    return tuple(v for v in vs if v != 3 or torch.cuda.get_device_capability() >= (8, 9))
+def _variants(fp8, m=1, k=16):
+    """The csrc variants this GPU runs (3 and 6: sm_89+) for bf16 or FP8 weights, at m rows
+    of K (6: rows it can stage)."""
+    vs = linear.VARIANTS if fp8 else (0, 1, 4, 5)
+    return tuple(v for v in vs
+                 if (v not in (3, 6) or torch.cuda.get_device_capability() >= (8, 9))
+                 and (v != 6 or linear._stages(m, k)))
 
 
 @pytest.mark.cuda
@@ -1098,7 +1101,7 @@ def test_fp8_gemv_cuda_kernel_matches_reference(N, K, M):
     fw = quantize_fp8(w)
     x = _bf16(M, K, seed=M, device="cuda")
     wf = dequantize_fp8(fw)  # the exact weight the FP8 values stand for
-    for v in _variants(True):
+    for v in _variants(True, M, K):
         try:
             for splits in (0, 1, 3, 64):
                 _assert_linear_close(linear.fp8_gemv(x, fw, splits=splits, variant=v), x, wf)
@@ -1350,77 +1353,64 @@ def test_variant5_is_bit_equal_to_variant0_with_one_warp_per_tile_cuda(M):
 @pytest.mark.cuda
 @_cuda
 @pytest.mark.parametrize("M", [1, 2, 8, 9, 16])
-def test_variant6_is_bit_equal_to_variant5_with_the_normed_prologue_cuda(M):
-    """Variant 6 multiplies 2^e-scaled f16 rows by the hardware-converted e4m3 values: every
-    product is 2^e times variant 5's, so the results are bit-equal (plain and SwiGLU, split K,
-    one and two warps per tile, PDL, a graph replay); a row spanning more than 2^31 rounds
-    its smallest values and stays within one bf16 ulp of variant 5."""
+def test_variant6_is_bit_equal_to_variant5_cuda(M):
+    """Variant 6 multiplies each x row staged as 2^e-scaled f16 by the hardware-converted
+    e4m3 values: every product is 2^e times variant 5's, so every result is bit-equal (plain,
+    residual, SwiGLU, the normed prologue; split K, one and two warps per tile, plain and PDL
+    launches, strided rows, a partial K chunk, a graph replay); a row spanning more than 2^31
+    rounds its smallest values and stays within one bf16 ulp of variant 5."""
     from engine.quant import quantize_fp8
 
     assert extension_available(), "the CUDA extension did not build"
-    if torch.cuda.get_device_capability() < (8, 9):
+    if 6 not in _variants(True, M, 2560):
         pytest.skip("variant 6 needs compute capability 8.9+")
-    K, eps = 2560, 1e-6
-    h = _bf16(M, K, seed=5, device="cuda") * 3
-    nw = (1 + 0.1 * _bf16(K, seed=6, device="cuda").float()).to(torch.bfloat16)
-    w = quantize_fp8((_bf16(6144, K, seed=7, device="cuda").float() / K**0.5).to(torch.bfloat16))
-    w13 = quantize_fp8((_bf16(2 * 640, K, seed=8, device="cuda").float() / K**0.5)
-                       .to(torch.bfloat16))
-    for splits, kwarps, pdl in ((1, 1, 1), (3, 1, 0), (1, 2, 1), (2, 2, 1)):
-        kw = {"splits": splits, "kwarps": kwarps, "pdl": pdl}
-        for ww, glu in ((w, False), (w13, True)):
-            assert torch.equal(linear.gemv_normed(h, nw, eps, ww, glu=glu, variant=6, **kw),
-                               linear.gemv_normed(h, nw, eps, ww, glu=glu, variant=5, **kw)), \
-                (splits, kwarps, glu)
+    eps = 1e-6
+    for N, K in ((6144, 2560), (2560, 9728), (300, 2576), (40, 48)):
+        if not linear._stages(M, K):
+            continue
+        w = quantize_fp8((_bf16(N, K, seed=N + K, device="cuda").float() / K**0.5)
+                         .to(torch.bfloat16))
+        wide = _bf16(M, K + 64, seed=M, device="cuda") * 3
+        x = wide[:, 32:32 + K]  # strided rows
+        r = _bf16(M, N, seed=M + 1, device="cuda")
+        nw = (1 + 0.1 * _bf16(K, seed=6, device="cuda").float()).to(torch.bfloat16)
+        w13 = quantize_fp8((_bf16(2 * 640, K, seed=8, device="cuda").float() / K**0.5)
+                           .to(torch.bfloat16)) if K % 128 == 0 else None
+        for splits, kwarps, pdl in ((1, 1, 1), (3, 1, 0), (1, 2, 1), (2, 2, 1), (0, 0, 1)):
+            kw = {"splits": splits, "kwarps": kwarps, "pdl": pdl}
+            where = (N, K, splits, kwarps, pdl)
+
+            def both(fn, *args, kw=kw, **more):
+                return fn(*args, variant=6, **kw, **more), fn(*args, variant=5, **kw, **more)
+
+            for got, want in (both(linear.fp8_gemv, x, w),
+                              both(linear.gemv_residual, x, w, r),
+                              both(linear.gemv_normed, x, nw, eps, w)):
+                assert torch.equal(got, want), where
+            if w13 is not None and M <= linear.FP8_GLU_MAX_M:
+                for got, want in (both(linear.gemv_swiglu, x, w13),
+                                  both(linear.gemv_normed, x, nw, eps, w13, glu=True)):
+                    assert torch.equal(got, want), ("glu", *where)
     # rows with values 2^-40 of their largest: rounded in f16, within an ulp
-    hw = h.clone()
-    hw[:, ::7] *= 2.0**-40
-    ulps = _ulps_apart(linear.gemv_normed(hw, nw, eps, w, variant=6, kwarps=1),
-                       linear.gemv_normed(hw, nw, eps, w, variant=5, kwarps=1))
+    K = 2560
+    w = quantize_fp8((_bf16(6144, K, seed=7, device="cuda").float() / K**0.5).to(torch.bfloat16))
+    h = _bf16(M, K, seed=5, device="cuda") * 3
+    h[:, ::7] *= 2.0**-40
+    ulps = _ulps_apart(linear.fp8_gemv(h, w, variant=6, kwarps=1),
+                       linear.fp8_gemv(h, w, variant=5, kwarps=1))
     assert int(ulps.max()) <= 1
     # a graph replay on new rows
     hin = torch.zeros_like(h)
-    linear.gemv_normed(hin, nw, eps, w, variant=6, kwarps=1, pdl=1)
+    linear.fp8_gemv(hin, w, variant=6, kwarps=1, pdl=1)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        out = linear.gemv_normed(hin, nw, eps, w, variant=6, kwarps=1, pdl=1)
+        out = linear.fp8_gemv(hin, w, variant=6, kwarps=1, pdl=1)
     for seed in (11, 12):
         hin.copy_(_bf16(M, K, seed=seed, device="cuda"))
         g.replay()
         torch.cuda.synchronize()
-        assert torch.equal(out, linear.gemv_normed(hin, nw, eps, w, variant=5, kwarps=1))
-
-
-@pytest.mark.cuda
-@_cuda
-def test_ops_normed_f16_runs_variant6_where_the_table_chose_5_cuda():
-    """`build_ops(normed_f16=True)`: the FP8 normed prologue takes variant 6 where the
-    table's choice is variant 5, with the same result as the default ops (bit-equal)."""
-    from engine.ops import Normed, build_ops
-    from engine.quant import quantize_fp8
-
-    assert extension_available(), "the CUDA extension did not build"
-    if torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("variant 6 needs compute capability 8.9+")
-    plan = linear.load_plan()
-    params = None if plan is None else linear._normed_params(plan.choose(1, 6144, 2560, True))
-    if params is None or params[2] != 5:
-        pytest.skip("the recorded table (H200) gives this prologue no variant 5 here")
-    K = 2560
-    h = _bf16(1, 1, K, seed=5, device="cuda")
-    nw = (1 + 0.1 * _bf16(K, seed=6, device="cuda").float()).to(torch.bfloat16)
-    w = quantize_fp8((_bf16(6144, K, seed=7, device="cuda").float() / K**0.5).to(torch.bfloat16))
-    base, f16 = build_ops("cuda", pdl=1), build_ops("cuda", pdl=1, normed_f16=True)
-    xn = Normed(h, nw, 1e-6)
-    want = base.project(xn, w)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        got = f16.project(xn, w)
-        torch.cuda.synchronize()
-    assert torch.equal(got, want)
-    names = [e.name for e in prof.events()]
-    # variant 6's instantiation: variant 5's tile with the f16 prologue (kProNormF16 = 3)
-    assert any("linear_small_m_kernel<1, 1, true, 3, 3, true>" in n for n in names), names
+        assert torch.equal(out, linear.fp8_gemv(hin, w, variant=5, kwarps=1))
 
 
 # [W1; W3] shapes: S2-Pro's slow AR FFN (I = 9728), I = 300 (a partial 8-row output group:

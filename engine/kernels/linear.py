@@ -21,9 +21,10 @@ Kernel variants (`variant=`, the table picks one per shape):
   5  4 with half of 0's batches at M <= 16 and one block per SM more (FP8 at M <= 8: three
      where 0 has two): more warps to issue the FP8 conversion (bit-equal to 0 with one warp
      per tile, exact the same way otherwise; the same epilogues and prologue as 4)
-  6  FP8 with the normed prologue only (`gemv_normed`), sm_89+: 5 with the hardware e4m3x2 ->
-     f16x2 conversion (one instruction per pair where the bit move takes five) and f16 MMAs;
-     the prologue writes each normed row as f16 times a power of two that puts its largest
+  6  FP8 only, sm_89+, at most NORM_MAX_M rows whose M x (K + NORM_PAD) bf16 fit
+     NORM_SMEM_MAX: 5 with the hardware e4m3x2 -> f16x2 conversion (one instruction per pair
+     where the bit move takes five) and f16 MMAs; a prologue stages x's rows (normed first in
+     `gemv_normed`) in shared memory as f16 times a power of two that puts each row's largest
      |value| in [2^14, 2^15), the epilogue scales back: bit-equal to 5 unless a row's values
      span more than 2^31 (the smallest then rounded, < 2^-39 of the row's largest)
 
@@ -68,14 +69,13 @@ K_MULTIPLE = 16
 KWARPS = (0, 1, 2, 4, 8)  # warps per 16-row tile splitting K inside a block; 0: automatic
 VARIANTS = (0, 1, 2, 3, 4, 5, 6)  # csrc kernel variants (module docstring)
 FP8_VARIANTS = (2, 3, 6)  # variants that exist for FP8 weights only
-BATCHED_VARIANTS = (0, 4, 5)  # register batches: FP8 SwiGLU and the normed prologue run in these
-# 5 with the normed rows in f16 and the conversion unit: the normed prologue only (FP8 W)
-NORMED_F16_VARIANT = 6
-NORMED_VARIANTS = (*BATCHED_VARIANTS, NORMED_F16_VARIANT)
-PLAIN_VARIANTS = tuple(v for v in VARIANTS if v != NORMED_F16_VARIANT)  # a table row's
+# register batches: FP8 SwiGLU and the normed prologue run in these
+BATCHED_VARIANTS = (0, 4, 5, 6)
+STAGED_VARIANT = 6  # x's rows staged in shared memory in f16 (at most NORM_MAX_M of them)
 # what a recorded table chooses among by default: the variants exact to bf16 x (3 rounds x to
-# f16, which saturates above 65504: only for activations known to be small, on request)
-EXACT_VARIANTS = (0, 1, 2, 4, 5)
+# f16, which saturates above 65504: only for activations known to be small, on request; 6
+# scales each row by a power of two first: bit-equal to 5 unless a row spans 2^31)
+EXACT_VARIANTS = (0, 1, 2, 4, 5, 6)
 IMPLS = ("library", "gemv", "triton", "triton_w8a8")
 W8A8 = "triton_w8a8"  # FP8 activations: another numerics, taken only when asked
 DEFAULT_TABLE = Path(__file__).with_name("linear_table.json")
@@ -87,10 +87,9 @@ LinearFn = Callable[[Tensor, Tensor | Fp8Weight], Tensor]
 
 # ---------------------------------------------------------------------- contract
 def _problem(x: Tensor, wq: Tensor, splits: object, kwarps: object,
-             fp8: bool, variant: object = 0, normed: bool = False) -> str | None:
+             fp8: bool, variant: object = 0) -> str | None:
     """What keeps the kernel from taking x [..., K] and weights wq [N, K] (bf16, or e4m3 with
-    `fp8`; an FP8 weight's scales are checked by Fp8Weight.check and in C++), or None.
-    `normed`: a call with the normed prologue (which variant 6 needs)."""
+    `fp8`; an FP8 weight's scales are checked by Fp8Weight.check and in C++), or None."""
     want = torch.float8_e4m3fn if fp8 else torch.bfloat16
     if not isinstance(wq, Tensor) or wq.dtype != want:
         return f"the weight must be a {want} tensor, got {getattr(wq, 'dtype', type(wq).__name__)}"
@@ -102,9 +101,7 @@ def _problem(x: Tensor, wq: Tensor, splits: object, kwarps: object,
         return f"variant must be one of {VARIANTS}, got {variant!r}"
     if variant in FP8_VARIANTS and not fp8:
         return f"variant {variant} converts FP8 weights; bf16 weights take variant 0, 1, 4 or 5"
-    if variant == NORMED_F16_VARIANT and not normed:
-        return (f"variant {variant} runs only with the normed prologue (gemv_normed, FP8 "
-                "weights); other calls take variants 0-5")
+
     if x.dtype != torch.bfloat16:
         return f"x must be bfloat16, got {x.dtype}"
     if wq.dim() != 2:
@@ -120,6 +117,9 @@ def _problem(x: Tensor, wq: Tensor, splits: object, kwarps: object,
     m = x.numel() // k
     if m > MAX_M:
         return f"M = {m} rows (x {tuple(x.shape)}); the kernel takes at most {MAX_M}"
+    if variant == STAGED_VARIANT and not _stages(m, k):
+        return (f"variant {variant} stages x's rows in shared memory: at most {NORM_MAX_M} rows "
+                f"of M x (K + {NORM_PAD}) x 2 bytes <= {NORM_SMEM_MAX}, got M = {m}, K = {k}")
     if x.device != wq.device:
         return f"x is on {x.device} but the weight on {wq.device}"
     if not wq.is_contiguous() or wq.data_ptr() % 16:
@@ -170,7 +170,7 @@ def _mma_current() -> bool:
 
 
 def _device_ok(index: int, variant: int) -> bool:
-    return _mma_device(index) and (variant not in (3, NORMED_F16_VARIANT) or _cvt_device(index))
+    return _mma_device(index) and (variant not in (3, STAGED_VARIANT) or _cvt_device(index))
 
 
 def _use_kernel(kernel: bool, x: Tensor, wq: Tensor, variant: int = 0) -> bool:
@@ -202,6 +202,12 @@ def _run(x: Tensor, wq: Tensor, scale: Tensor | None, splits: int, kwarps: int,
 NORM_MAX_M = 16
 NORM_PAD = 32
 NORM_SMEM_MAX = 160 * 1024
+
+
+def _stages(m: int, k: int) -> bool:
+    """Whether m rows of K bf16 fit the shared memory a prologue stages them in (the normed
+    one, variant 6's)."""
+    return m <= NORM_MAX_M and m * (k + NORM_PAD) * 2 <= NORM_SMEM_MAX
 NORM_STATIC_SMEM = 8 * 1024  # the kernel's own (its warps' partial sums), at most
 # The rows up to which Ops takes the normed prologue: measured on the H200 (linear_bench
 # --norm), wo + add_rms_norm + wqkv 22.88 -> 21.79 us at M = 1 and 23.66 -> 23.30 at M = 2,
@@ -273,19 +279,19 @@ def _smem_optin(index: int) -> int:
 
 
 def _glu_problem(x: Tensor, w13: object, splits: object, kwarps: object,
-                 variant: object, normed: bool = False) -> str | None:
+                 variant: object) -> str | None:
     """What keeps the SwiGLU epilogue from taking x [..., K] and w13 = [W1; W3] [2I, K] (bf16
     or an Fp8Weight), or None: the plain kernel's contract and an even row count; FP8: variant
     0, 4 or 5, at most FP8_GLU_MAX_M rows and I a multiple of the 128-row scale block (a tile's 8 gate
     and 8 up rows each inside one block row of W1's and W3's scales)."""
     fp8 = isinstance(w13, Fp8Weight)
     wq = w13.q if fp8 else w13  # type: ignore[union-attr]
-    problem = _problem(x, wq, splits, kwarps, fp8, variant, normed)  # type: ignore[arg-type]
+    problem = _problem(x, wq, splits, kwarps, fp8, variant)  # type: ignore[arg-type]
     if problem is not None:
         return problem
     if wq.shape[0] % 2:
         return f"[W1; W3] must have an even row count, got {wq.shape[0]}"
-    if fp8 and variant not in NORMED_VARIANTS:
+    if fp8 and variant not in BATCHED_VARIANTS:
         return (f"the SwiGLU epilogue of FP8 weights runs in variant 0, 4, 5 or 6, got variant "
                 f"{variant}")
     m = x.numel() // wq.shape[1]
@@ -304,6 +310,7 @@ def supports(m: int, n: int, k: int, fp8: bool, variant: int = 0) -> bool:
     the same shapes either way) in `variant` on the current CUDA device."""
     return (1 <= m <= MAX_M and n >= 1 and k >= K_MULTIPLE and k % K_MULTIPLE == 0
             and variant in VARIANTS and (fp8 or variant not in FP8_VARIANTS)
+            and (variant != STAGED_VARIANT or _stages(m, k))
             and extension_available() and _device_ok(torch.cuda.current_device(), variant))
 
 
@@ -329,9 +336,10 @@ def fp8_gemv(x: Tensor, w: Fp8Weight, *, splits: int = 0, kwarps: int = 0, varia
              kernel: bool = True, pdl: bool | int = False) -> Tensor:
     """x [..., K] bf16 @ W^T with W = w.q * w.scale (e4m3 [N, K], float32 scales per 128 x 128
     block) -> [..., N] bf16: weight-only FP8, the values converted in registers, each 128-wide
-    K block's sum scaled in float32. `splits`, `kwarps`, `pdl`: as for `gemv`; `variant` 0..3 (module
-    docstring: 0 and 1 are exact like the reference's float32 product, 2 where the tensor
-    cores keep subnormals, 3 rounds x to f16). `kernel=False`, CPU tensors or no extension:
+    K block's sum scaled in float32. `splits`, `kwarps`, `pdl`: as for `gemv`; `variant` 0..6 (module
+    docstring: 0, 1, 4, 5 are exact like the reference's float32 product, 2 where the tensor
+    cores keep subnormals, 3 rounds x to f16, 6 scales x's rows by powers of two into f16:
+    exact unless a row spans 2^31). `kernel=False`, CPU tensors or no extension:
     `engine.quant.fp8_linear_torch` (the dequantising reference)."""
     w = _check_fp8(w)
     problem = _problem(x, w.q, splits, kwarps, True, variant)
@@ -403,12 +411,10 @@ def _normed_problem(h: Tensor, w: Tensor | Fp8Weight, nw: object, eps: object, g
     """What keeps the normed prologue from running rms_norm(h) * nw @ W^T (glu: its SwiGLU)
     with these launch parameters, or None."""
     wq, scale = _operands(w)
-    if isinstance(variant, bool) or variant not in NORMED_VARIANTS:
+    if isinstance(variant, bool) or variant not in BATCHED_VARIANTS:
         return f"the normed prologue runs in variant 0, 4, 5 or 6, got variant {variant!r}"
-    if variant == NORMED_F16_VARIANT and scale is None:
-        return f"variant {variant} (the normed rows in f16) takes FP8 weights, got bf16 ones"
-    return ((_glu_problem(h, w, splits, kwarps, variant, normed=True) if glu
-             else _problem(h, wq, splits, kwarps, scale is not None, variant, normed=True))
+    return ((_glu_problem(h, w, splits, kwarps, variant) if glu
+             else _problem(h, wq, splits, kwarps, scale is not None, variant))
             or _norm_problem(h, w, nw, eps))
 
 
@@ -646,7 +652,7 @@ def _row(d: object, where: str) -> PlanRow:
                          f"FP8 rows only), got {impl!r}")
     splits = _int_in(d, "splits", 1, range(1, MAX_SPLITS + 1), where)
     kwarps = _int_in(d, "kwarps", 0, KWARPS, where)
-    variant = _int_in(d, "variant", 0, PLAIN_VARIANTS, where)
+    variant = _int_in(d, "variant", 0, VARIANTS, where)
     if impl == "gemv" and variant in FP8_VARIANTS and not fp8:
         raise ValueError(f"{where}: variant {variant} is for FP8 weights only")
     config = d.get("config")
@@ -1075,19 +1081,16 @@ def _prologue_lookup(plan: LinearPlan | None, kernels: bool,
 
 def make_normed(plan: LinearPlan | None, kernels: bool, max_m: int = NORMED_DISPATCH_M,
                 max_m_fp8: int = NORMED_DISPATCH_M_FP8, pdl: bool | int = False,
-                dense: bool = False, f16_rows: bool = False) -> NormedFn:
+                dense: bool = False) -> NormedFn:
     """`Ops.normed_kernel`: (h, nw, eps, W, glu) -> rms_norm(h) * nw @ W^T (glu: the SwiGLU
     of W = [W1; W3]) from csrc's normed prologue where h has at most `max_m` rows
     (`max_m_fp8` for FP8 W; where it measured faster than the norm's own launch), the plan
     recorded a variant-0, 4 or 5 kernel candidate for that linear (bf16 or FP8 W) within
     NORMED_SLACK_US of its choice and the call meets the contract (with `_normed_params`'
     splits, kwarps and variant); None otherwise (the caller computes the norm first). Chosen once per
-    shape; `pdl` as for `make_linear`. `f16_rows`: FP8 weights whose choice is variant 5 run
-    variant 6 (the same launch with the normed rows in f16 and the conversion unit; sm_89+)."""
+    shape; `pdl` as for `make_linear`."""
     dense_plan = plan if dense else None  # FP8 weights' dense copies taken or not
     lookup = _prologue_lookup(plan, kernels)
-    f16_ok = f16_rows and kernels and torch.cuda.is_available() and _device_ok(
-        torch.cuda.current_device(), NORMED_F16_VARIANT)
 
     def normed(h: Tensor, nw: Tensor, eps: float, w: Tensor | Fp8Weight,
                glu: bool) -> Tensor | None:
@@ -1100,8 +1103,6 @@ def make_normed(plan: LinearPlan | None, kernels: bool, max_m: int = NORMED_DISP
         if chosen is None:
             return None
         splits, kwarps, variant = chosen
-        if f16_ok and fp8 and variant == 5:
-            variant = NORMED_F16_VARIANT
         if _normed_problem(h, w, nw, eps, glu, splits, kwarps, variant) is not None:
             return None
         wq, scale = _operands(w)
