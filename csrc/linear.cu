@@ -54,7 +54,7 @@
 //      each row's largest |value| in [2^14, 2^15) (kProStageF16, kProNormF16), and the
 //      epilogue multiplies by 2^-e: every product is then 2^e times variant 5's, exactly, for
 //      values at least 2^-31 times their row's largest (bf16's 8 significant bits fit f16's
-//      11); smaller ones are rounded (error < 2^-39 of the row's largest): bit-equal to 5
+//      11); smaller ones are rounded (error <= 2^-39 of the row's largest): bit-equal to 5
 //      unless a row spans more than 2^31. Every block stages all M rows (from L2, one round
 //      trip per row, while its first weight batch is in flight).
 // FP8 (0-2, 4, 5): each e4m3 byte is moved into a bf16's bit fields and scaled by 2^120 (exact;
@@ -477,6 +477,10 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+// |v| for the row scale of variant 6: an infinity takes no part (it stays one, 2^e times; the
+// finite values keep their scale), a NaN neither (fmaxf drops it)
+__device__ __forceinline__ float finite_abs(float v) { return isinf(v) ? 0.f : fabsf(v); }
+
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
@@ -522,7 +526,7 @@ __device__ __forceinline__ void norm_rows(const Args& a, __nv_bfloat16* xs,
               ss = fmaf(f.x, f.x, ss);
               ss = fmaf(f.y, f.y, ss);
             } else {
-              mx = fmaxf(mx, fmaxf(fabsf(f.x), fabsf(f.y)));
+              mx = fmaxf(mx, fmaxf(finite_abs(f.x), finite_abs(f.y)));
             }
           }
         }
@@ -548,7 +552,7 @@ __device__ __forceinline__ void norm_rows(const Args& a, __nv_bfloat16* xs,
           p[i] = __floats2bfloat162_rn(n.x * g.x, n.y * g.y);
           if constexpr (kF16) {
             const float2 o = __bfloat1622float2(p[i]);
-            mx = fmaxf(mx, fmaxf(fabsf(o.x), fabsf(o.y)));
+            mx = fmaxf(mx, fmaxf(finite_abs(o.x), finite_abs(o.y)));
           }
         }
         *reinterpret_cast<uint4*>(dst + c * 8) = v;
@@ -557,7 +561,7 @@ __device__ __forceinline__ void norm_rows(const Args& a, __nv_bfloat16* xs,
     if constexpr (kF16) {
       mx = warp_max(mx);
       int ex = 0;
-      if (mx > 0.f && mx <= 3.4e38f) frexpf(mx, &ex);  // mx = f 2^ex, f in [0.5, 1)
+      if (mx > 0.f) frexpf(mx, &ex);  // mx = f 2^ex, f in [0.5, 1)
       const int e = max(-126, min(126, 15 - ex));
       const float up = __int_as_float((127 + e) << 23);
       // each lane converts the chunks it wrote above

@@ -369,7 +369,10 @@ def test_connections_before_start_are_bounded_in_count_and_time():
             err = await next_error(c)
             assert err.code == "timeout" and "no 'start' within 1 s" in err.message
             assert await c.closed() == 1008
-        assert m.unstarted == 0 and m.drops["no_start"] == 3
+        # the server counts a connection out once its handler has finished, which can be a
+        # moment after the client saw the close frame
+        await poll(lambda: m.unstarted == 0 and m.drops["no_start"] == 3,
+                   "the closed connections are still counted")
         await still_serving(url.ws_url)  # the places are given back
 
     with running_server(max_unstarted=3, start_timeout_s=1.0, max_turn_frames=4) as url:

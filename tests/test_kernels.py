@@ -800,6 +800,7 @@ def test_linear_plan_load_and_choose(tmp_path, caplog):
     ({"kwarps": 3}, "kwarps must be"),
     ({"variant": 7}, "variant must be"),
     ({"variant": 2}, "variant 2 is for FP8 weights only"),
+    ({"fp8": True, "m": 32, "variant": 6}, "variant 6 stages x's rows"),  # at most 16 rows
     ({"config": _CFG}, "a config belongs to a Triton row"),
 ])
 def test_linear_plan_rejects_bad_rows(tmp_path, change, match):
@@ -1357,8 +1358,9 @@ def test_variant6_is_bit_equal_to_variant5_cuda(M):
     """Variant 6 multiplies each x row staged as 2^e-scaled f16 by the hardware-converted
     e4m3 values: every product is 2^e times variant 5's, so every result is bit-equal (plain,
     residual, SwiGLU, the normed prologue; split K, one and two warps per tile, plain and PDL
-    launches, strided rows, a partial K chunk, a graph replay); a row spanning more than 2^31
-    rounds its smallest values and stays within one bf16 ulp of variant 5."""
+    launches, strided rows, a partial K chunk, a graph replay; values down to 2^-29 of their
+    row's largest, an infinity in a row); a row spanning more than 2^31 rounds its smallest
+    values and stays within one bf16 ulp of variant 5."""
     from engine.quant import quantize_fp8
 
     assert extension_available(), "the CUDA extension did not build"
@@ -1391,14 +1393,26 @@ def test_variant6_is_bit_equal_to_variant5_cuda(M):
                 for got, want in (both(linear.gemv_swiglu, x, w13),
                                   both(linear.gemv_normed, x, nw, eps, w13, glu=True)):
                     assert torch.equal(got, want), ("glu", *where)
-    # rows with values 2^-40 of their largest: rounded in f16, within an ulp
     K = 2560
     w = quantize_fp8((_bf16(6144, K, seed=7, device="cuda").float() / K**0.5).to(torch.bfloat16))
     h = _bf16(M, K, seed=5, device="cuda") * 3
-    h[:, ::7] *= 2.0**-40
-    ulps = _ulps_apart(linear.fp8_gemv(h, w, variant=6, kwarps=1),
-                       linear.fp8_gemv(h, w, variant=5, kwarps=1))
-    assert int(ulps.max()) <= 1
+
+    def v6_v5(x):
+        return (linear.fp8_gemv(x, w, variant=6, kwarps=1),
+                linear.fp8_gemv(x, w, variant=5, kwarps=1))
+
+    # values 2^-29 of their row's largest: f16 subnormals once scaled, still exact
+    small = h.clone()
+    small[:, ::7] *= 2.0**-29
+    assert torch.equal(*v6_v5(small))
+    # an infinity in a row: the row's scale comes from its finite values, as variant 5 sums
+    inf = h.clone()
+    inf[0, 3] = float("inf")
+    torch.testing.assert_close(*v6_v5(inf), rtol=0, atol=0, equal_nan=True)
+    # values 2^-40 of their row's largest: rounded in f16, within an ulp
+    tiny = h.clone()
+    tiny[:, ::7] *= 2.0**-40
+    assert int(_ulps_apart(*v6_v5(tiny)).max()) <= 1
     # a graph replay on new rows
     hin = torch.zeros_like(h)
     linear.fp8_gemv(hin, w, variant=6, kwarps=1, pdl=1)

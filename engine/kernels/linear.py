@@ -117,7 +117,7 @@ def _problem(x: Tensor, wq: Tensor, splits: object, kwarps: object,
     m = x.numel() // k
     if m > MAX_M:
         return f"M = {m} rows (x {tuple(x.shape)}); the kernel takes at most {MAX_M}"
-    if variant == STAGED_VARIANT and not _stages(m, k):
+    if variant == STAGED_VARIANT and not _stages(m, k, _device_index(x)):
         return (f"variant {variant} stages x's rows in shared memory: at most {NORM_MAX_M} rows "
                 f"of M x (K + {NORM_PAD}) x 2 bytes <= {NORM_SMEM_MAX}, got M = {m}, K = {k}")
     if x.device != wq.device:
@@ -204,11 +204,19 @@ NORM_PAD = 32
 NORM_SMEM_MAX = 160 * 1024
 
 
-def _stages(m: int, k: int) -> bool:
+def _device_index(x: Tensor) -> int | None:
+    """x's CUDA device index (None: not on CUDA)."""
+    return (x.device.index or 0) if x.is_cuda else None
+
+
+def _stages(m: int, k: int, device: int | None = None) -> bool:
     """Whether m rows of K bf16 fit the shared memory a prologue stages them in (the normed
-    one, variant 6's)."""
-    return m <= NORM_MAX_M and m * (k + NORM_PAD) * 2 <= NORM_SMEM_MAX
-NORM_STATIC_SMEM = 8 * 1024  # the kernel's own (its warps' partial sums), at most
+    one, variant 6's): the kernel's bound and, on CUDA `device`, what it gives a block."""
+    need = m * (k + NORM_PAD) * 2
+    return (m <= NORM_MAX_M and need <= NORM_SMEM_MAX
+            and (device is None or need <= _smem_optin(device) - NORM_STATIC_SMEM))
+# the kernel's own (its warps' partial sums, variant 6's row scales), at most
+NORM_STATIC_SMEM = 8 * 1024 + 64
 # The rows up to which Ops takes the normed prologue: measured on the H200 (linear_bench
 # --norm), wo + add_rms_norm + wqkv 22.88 -> 21.79 us at M = 1 and 23.66 -> 23.30 at M = 2,
 # but 24.0 -> 24.3 at M = 4 and 24.2 -> 29.2 at M = 8 (w2 -> w13: 48.4 -> 64.4 us at M = 4):
@@ -249,7 +257,7 @@ def _residual_problem(x: Tensor, w: Tensor | Fp8Weight, r: object) -> str | None
 
 def _norm_problem(x: Tensor, w: object, nw: object, eps: object) -> str | None:
     """What keeps the normed prologue from taking x [..., K] (the plain contract aside; bf16
-    or FP8 W, variant 0, 4 or 5), or None: at most NORM_MAX_M rows that fit its shared memory, a
+    or FP8 W, variant 0, 4, 5 or 6), or None: at most NORM_MAX_M rows that fit its shared memory, a
     contiguous bf16 norm weight [K], eps >= 0."""
     k = x.shape[-1]
     m = x.numel() // k if k else 0
@@ -282,7 +290,7 @@ def _glu_problem(x: Tensor, w13: object, splits: object, kwarps: object,
                  variant: object) -> str | None:
     """What keeps the SwiGLU epilogue from taking x [..., K] and w13 = [W1; W3] [2I, K] (bf16
     or an Fp8Weight), or None: the plain kernel's contract and an even row count; FP8: variant
-    0, 4 or 5, at most FP8_GLU_MAX_M rows and I a multiple of the 128-row scale block (a tile's 8 gate
+    0, 4, 5 or 6, at most FP8_GLU_MAX_M rows and I a multiple of the 128-row scale block (a tile's 8 gate
     and 8 up rows each inside one block row of W1's and W3's scales)."""
     fp8 = isinstance(w13, Fp8Weight)
     wq = w13.q if fp8 else w13  # type: ignore[union-attr]
@@ -310,8 +318,8 @@ def supports(m: int, n: int, k: int, fp8: bool, variant: int = 0) -> bool:
     the same shapes either way) in `variant` on the current CUDA device."""
     return (1 <= m <= MAX_M and n >= 1 and k >= K_MULTIPLE and k % K_MULTIPLE == 0
             and variant in VARIANTS and (fp8 or variant not in FP8_VARIANTS)
-            and (variant != STAGED_VARIANT or _stages(m, k))
-            and extension_available() and _device_ok(torch.cuda.current_device(), variant))
+            and extension_available() and _device_ok(torch.cuda.current_device(), variant)
+            and (variant != STAGED_VARIANT or _stages(m, k, torch.cuda.current_device())))
 
 
 def gemv(x: Tensor, w: Tensor, *, splits: int = 0, kwarps: int = 0, variant: int = 0,
@@ -362,7 +370,7 @@ def swiglu_reference(x: Tensor, w13: Tensor | Fp8Weight) -> Tensor:
 def gemv_swiglu(x: Tensor, w13: Tensor | Fp8Weight, *, splits: int = 0, kwarps: int = 0,
                 variant: int = 0, kernel: bool = True, pdl: bool | int = False) -> Tensor:
     """The FFN's gated input in one launch: x [..., K] bf16 and w13 = [W1; W3] [2I, K] bf16
-    or an Fp8Weight (variant 0, 4 or 5, at most 16 rows, I a multiple of 128) (the gate's rows,
+    or an Fp8Weight (variant 0, 4, 5 or 6, at most 16 rows, I a multiple of 128) (the gate's rows,
     then the up projection's) -> silu(x W1^T) * (x W3^T) [..., I] bf16, at most 64 rows. The
     gate and up values are rounded to bf16 as `gemv` would return them, then combined as
     F.silu(gate) * up computes it in bf16. `splits`, `kwarps`, `variant`, `pdl`: as
@@ -655,6 +663,9 @@ def _row(d: object, where: str) -> PlanRow:
     variant = _int_in(d, "variant", 0, VARIANTS, where)
     if impl == "gemv" and variant in FP8_VARIANTS and not fp8:
         raise ValueError(f"{where}: variant {variant} is for FP8 weights only")
+    if impl == "gemv" and variant == STAGED_VARIANT and not _stages(d["m"], d["k"]):
+        raise ValueError(f"{where}: variant {variant} stages x's rows in shared memory: at most "
+                         f"{NORM_MAX_M} rows of M x (K + {NORM_PAD}) x 2 bytes <= {NORM_SMEM_MAX}")
     config = d.get("config")
     if config is not None:
         if impl not in ("triton", W8A8):
@@ -1085,7 +1096,7 @@ def make_normed(plan: LinearPlan | None, kernels: bool, max_m: int = NORMED_DISP
     """`Ops.normed_kernel`: (h, nw, eps, W, glu) -> rms_norm(h) * nw @ W^T (glu: the SwiGLU
     of W = [W1; W3]) from csrc's normed prologue where h has at most `max_m` rows
     (`max_m_fp8` for FP8 W; where it measured faster than the norm's own launch), the plan
-    recorded a variant-0, 4 or 5 kernel candidate for that linear (bf16 or FP8 W) within
+    recorded a variant-0, 4, 5 or 6 kernel candidate for that linear (bf16 or FP8 W) within
     NORMED_SLACK_US of its choice and the call meets the contract (with `_normed_params`'
     splits, kwarps and variant); None otherwise (the caller computes the norm first). Chosen once per
     shape; `pdl` as for `make_linear`."""
