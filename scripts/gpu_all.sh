@@ -63,6 +63,12 @@
 # where that exists (GATE_BASELINE=0: no gate). SERVER=0 skips the server bench; BENCH_FIRST=1
 # runs gpu_bench first, BENCH_S seconds per dtype (BENCH=0: no gpu_bench); BENCH_DTYPES: gpu_bench's dtypes (default
 # DTYPES); LINEAR_ARGS: more linear_bench options (e.g. "--variants 0,1,2 --reps 10").
+# STEP_TABLES="new=current old=tables/before.json new2=current": the frame step (graph
+# replay ms and kernels per step at batches 1, 2, 16, 64; scripts/gpu_bench.py's profile)
+# with each linear table in turn, after LINEAR (so `current`, the table in place then, can be
+# a freshly recorded one), in STEP_DTYPES (default fp8): $OUT/step_<name>_<dtype>.json (the
+# profile's figures) and one line each; a path is a table file carried with the tree (make
+# an older one with `git show REV:engine/kernels/linear_table.json > FILE` before the call).
 # The device lacks the service's own packages (uvicorn, starlette, msgspec...): run
 # scripts/device_wheels.sh here first and carry .whl; they are installed into /tmp/site.
 set -uo pipefail
@@ -123,6 +129,30 @@ if [ "${LINEAR:-0}" = 1 ]; then  # the per-shape linear table, used by every eng
     [ -s "$OUT/linear_table.json" ] && [ "${LINEAR_INSTALL:-1}" = 1 ] \
         && cp "$OUT/linear_table.json" engine/kernels/linear_table.json
     echo "linear bench done at +$(( $(date +%s) - t0 ))s"
+fi
+if [ -n "${STEP_TABLES:-}" ]; then  # the frame step with each linear table in turn (A/B)
+    kept=$(mktemp)
+    cp engine/kernels/linear_table.json "$kept"
+    for pair in $STEP_TABLES; do
+        name=${pair%%=*}
+        src=${pair#*=}
+        [ "$src" = current ] && src=$kept
+        if [ ! -s "$src" ]; then echo "STEP_TABLES: no table file '$src' for $name"; continue; fi
+        cp "$src" engine/kernels/linear_table.json
+        for DT in ${STEP_DTYPES:-fp8}; do
+            d=$(mktemp -d)
+            timeout ${STEP_TIMEOUT:-150} python3 scripts/gpu_bench.py --dtype "$DT" \
+                --skip fixtures,decode,codec,codec_profile,engine --out "$d" >"$d/log" 2>&1
+            python3 scripts/gpu_bench.py --summarise-step "$d/gpu_bench.json" \
+                --label "$name $DT" >"$OUT/step_${name}_${DT}.json" \
+                || { echo "step with table $name ($DT) failed:"; tail -5 "$d/log"
+                     rm -f "$OUT/step_${name}_${DT}.json"; }
+            rm -rf "$d"
+        done
+    done
+    cp "$kept" engine/kernels/linear_table.json
+    rm -f "$kept"
+    echo "step tables done at +$(( $(date +%s) - t0 ))s"
 fi
 if [ "${FP8_GATE:-0}" = 1 ]; then  # FP8 vs bf16 at real size, with the negative controls
     timeout ${FP8_GATE_TIMEOUT:-240} python3 -m engine.fp8_gate --model s2-pro --device cuda \

@@ -8,6 +8,12 @@
    per-frame time, and the eager decode step time at several batch sizes;
 3. the s2-pro codec (dummy weights): offline decode speed and a batched streaming tick.
 Prints one JSON document (also written to DIR/gpu_bench.json).
+
+    python scripts/gpu_bench.py --summarise-step DIR/gpu_bench.json [--label NAME]
+
+prints the frame-step profiles of such a document cut to their figures (graph ms, frames/s,
+kernels, kernel ms by category, the top kernels) as compact JSON, and one line per profile
+on stderr (`STEP_TABLES` in gpu_all.sh).
 """
 
 from __future__ import annotations
@@ -467,7 +473,48 @@ def profile_step(report: dict, device: str, sampler_kernel: bool = True,
     torch.cuda.empty_cache()
 
 
+STEP_FIGURES = ("graph_ms_per_step", "graph_frames_per_s", "kernels_per_step",
+                "eager_kernel_ms_by_category")
+
+
+def summarise_step(report: dict, top: int = 8) -> dict:
+    """The frame-step profiles of a gpu_bench report (keys profile*) cut to STEP_FIGURES and
+    the `top` costliest kernels (names cut to 90 characters), per batch."""
+    out: dict = {}
+    for key, batches in report.items():
+        if not key.startswith("profile") or not isinstance(batches, dict):
+            continue
+        out[key] = {b: {**{f: row[f] for f in STEP_FIGURES if f in row},
+                        "top_kernels_ms": [[t, c, k[:90]] for t, c, k in
+                                           row.get("top_kernels_ms", [])[:top]]}
+                    for b, row in batches.items()}
+    return out
+
+
+def step_line(summary: dict, label: str) -> str:
+    """One line: each profile's graph ms per step / kernels per step by batch."""
+    parts = [f"{key} " + " ".join(f"B{b} {row.get('graph_ms_per_step')} ms "
+                                  f"{row.get('kernels_per_step')} kernels"
+                                  for b, row in batches.items())
+             for key, batches in summary.items()]
+    return f"{label}: " + ("; ".join(parts) if parts else "no step profile")
+
+
 def main() -> int:
+    if "--summarise-step" in sys.argv:  # no CUDA needed: reads a finished run's report
+        sp = argparse.ArgumentParser()
+        sp.add_argument("--summarise-step", type=Path, required=True)
+        sp.add_argument("--label", default="step")
+        a = sp.parse_args()
+        try:
+            report = json.loads(a.summarise_step.read_text())
+        except (OSError, ValueError) as e:
+            print(f"{a.label}: no readable report at {a.summarise_step} ({e})", file=sys.stderr)
+            return 1
+        summary = summarise_step(report)
+        print(json.dumps({"label": a.label, **summary}, separators=(",", ":")))
+        print(step_line(summary, a.label), file=sys.stderr)
+        return 0 if summary else 1
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     ap.add_argument("--batches", default="1,4,16,64")

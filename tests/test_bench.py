@@ -464,3 +464,34 @@ def test_bench_refuses_an_output_folder_that_does_not_exist(tmp_path: Path) -> N
     with pytest.raises(SystemExit) as e:
         cli.main(["--in-process", "--json", str(tmp_path / "nope" / "r.json")])
     assert e.value.code == 2
+
+
+def test_gpu_bench_summarises_a_step_report(tmp_path):
+    """`scripts/gpu_bench.py --summarise-step` (gpu_all.sh's STEP_TABLES A/B): a finished
+    report's step profiles cut to their figures and top kernels, one line per run on stderr;
+    no CUDA needed; a missing report is named (exit 1)."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).parent.parent / "scripts" / "gpu_bench.py"
+    row = {"graph_ms_per_step": 4.09, "graph_frames_per_s": 244.5, "kernels_per_step": 514,
+           "eager_kernel_ms_by_category": {"attention": 0.5},
+           "top_kernels_ms": [[2.0, 151, "k" * 200]] * 10, "per_launch_us": [1.0] * 500}
+    report = {"device": "NVIDIA H200", "profile": {"1": row, "2": {**row, "kernels_per_step": 513}},
+              "profile_attend": {"1": row}, "engine": {"pingpong_nocodec": []}}
+    path = tmp_path / "gpu_bench.json"
+    path.write_text(json.dumps(report))
+    r = subprocess.run([sys.executable, str(script), "--summarise-step", str(path),
+                        "--label", "new fp8"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["label"] == "new fp8" and set(out) == {"label", "profile", "profile_attend"}
+    one = out["profile"]["1"]
+    assert one["graph_ms_per_step"] == 4.09 and one["kernels_per_step"] == 514
+    assert "per_launch_us" not in one and len(one["top_kernels_ms"]) == 8
+    assert all(len(k) == 90 for _, _, k in one["top_kernels_ms"])
+    assert "new fp8: profile B1 4.09 ms 514 kernels B2 4.09 ms 513 kernels" in r.stderr
+    r = subprocess.run([sys.executable, str(script), "--summarise-step",
+                        str(tmp_path / "missing.json")], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 1 and "no readable report" in r.stderr
