@@ -55,8 +55,9 @@
 //      epilogue multiplies by 2^-e: every product is then 2^e times variant 5's, exactly, for
 //      values at least 2^-31 times their row's largest (bf16's 8 significant bits fit f16's
 //      11); smaller ones are rounded (error <= 2^-39 of the row's largest): bit-equal to 5
-//      unless a row spans more than 2^31. Every block stages all M rows (from L2, one round
-//      trip per row, while its first weight batch is in flight).
+//      unless a row spans more than 2^31. Every block stages all M rows whole (from L2, one
+//      round trip per row, while its first weight batch is in flight), also in a K split
+//      (staging only the split's range cost the M <= 8 kernel 16 bytes of spill).
 // FP8 (0-2, 4, 5): each e4m3 byte is moved into a bf16's bit fields and scaled by 2^120 (exact;
 // integer and FMA instructions only, no conversion unit); one 128-wide K chunk is one scale
 // block, whose MMA sum is multiplied by its scale (all rows of a tile share it: 128 % 32 ==
@@ -92,8 +93,8 @@
 //   residual  [M, N] bf16, rows strided, last dim contiguous (not with glu): out = residual +
 //          x W^T, the product rounded to bf16 first and the sum rounded again, as the
 //          unfused linear and add would (a block's residual add folded into its projection).
-//   norm_weight  [K] bf16 (variant 0, 4, 5 or 6, M <= 16; bf16 or FP8 W): x rows are h, multiplied as
-//          rms_norm(h) * norm_weight: bf16(bf16(h * rsqrt(mean(h^2) + eps)) * w), as
+//   norm_weight  [K] bf16 (variant 0, 4, 5 or 6, M <= 16; bf16 or FP8 W): x rows are h,
+//          multiplied as rms_norm(h) * norm_weight: bf16(bf16(h * rsqrt(mean(h^2) + eps)) * w), as
 //          engine.functional.rms_norm rounds it. Every block normalises all M rows itself
 //          (a warp per row reads it from L2 in one round trip and sums its squares; one
 //          barrier) into shared memory, from which the main loop reads x: the norm's launch
@@ -1512,7 +1513,8 @@ void run_linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> s
                                        (batched && (N / 2) % kScaleBlock == 0 &&
                                         M <= 16))),
               "linear_small_m: the SwiGLU epilogue takes weights [W1; W3] with an even row "
-              "count (FP8: variant 0, 4, 5 or 6, M <= 16 rows and I = N / 2 a multiple of ", kScaleBlock,
+              "count (FP8: variant 0, 4, 5 or 6, M <= 16 rows and I = N / 2 a multiple of ",
+              kScaleBlock,
               ", so that W1 and W3 keep their own block scales), got ", N, " rows",
               scale.has_value() ? " of FP8 weights" : "", ", M = ", M, " and variant ", variant);
   TORCH_CHECK(w.size(1) == K && out.size(0) == M && out.size(1) == (glu ? N / 2 : N),
