@@ -1507,7 +1507,7 @@ void run_linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> s
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && out.dim() == 2,
               "linear_small_m: x must be [M, K], w [N, K] and out [M, N]");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  // register batches (linear_small_m_kernel): variants 0, 4, 5
+  // register batches (linear_small_m_kernel): variants 0, 4, 5, 6
   const bool batched = variant == 0 || variant == 4 || variant == 5 || variant == 6;
   TORCH_CHECK(!glu || (N % 2 == 0 && (!scale.has_value() ||
                                        (batched && (N / 2) % kScaleBlock == 0 &&

@@ -500,22 +500,24 @@ def step_line(summary: dict, label: str) -> str:
     return f"{label}: " + ("; ".join(parts) if parts else "no step profile")
 
 
+def summarise_step_file(path: Path, label: str) -> int:
+    """--summarise-step: a finished run's report cut to its step figures (no CUDA needed)."""
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        print(f"{label}: no readable report at {path} ({e})", file=sys.stderr)
+        return 1
+    summary = summarise_step(report)
+    print(json.dumps({"label": label, **summary}, separators=(",", ":")))
+    print(step_line(summary, label), file=sys.stderr)
+    return 0 if summary else 1
+
+
 def main() -> int:
-    if "--summarise-step" in sys.argv:  # no CUDA needed: reads a finished run's report
-        sp = argparse.ArgumentParser()
-        sp.add_argument("--summarise-step", type=Path, required=True)
-        sp.add_argument("--label", default="step")
-        a = sp.parse_args()
-        try:
-            report = json.loads(a.summarise_step.read_text())
-        except (OSError, ValueError) as e:
-            print(f"{a.label}: no readable report at {a.summarise_step} ({e})", file=sys.stderr)
-            return 1
-        summary = summarise_step(report)
-        print(json.dumps({"label": a.label, **summary}, separators=(",", ":")))
-        print(step_line(summary, a.label), file=sys.stderr)
-        return 0 if summary else 1
     ap = argparse.ArgumentParser()
+    ap.add_argument("--summarise-step", type=Path, default=None, metavar="REPORT",
+                    help="only cut a finished run's gpu_bench.json to its step figures")
+    ap.add_argument("--label", default="step", help="--summarise-step's name for the run")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     ap.add_argument("--batches", default="1,4,16,64")
     ap.add_argument("--frames", type=int, default=40)
@@ -555,6 +557,8 @@ def main() -> int:
                     "pingpong_nocodec, pingpong_unfused_nocodec, graphs_sync_nocodec, "
                     "naive_nocodec); default all")
     args = ap.parse_args()
+    if args.summarise_step is not None:
+        return summarise_step_file(args.summarise_step, args.label)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     report: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else platform.processor(),
                     "dtype": args.dtype,

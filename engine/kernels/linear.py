@@ -101,7 +101,6 @@ def _problem(x: Tensor, wq: Tensor, splits: object, kwarps: object,
         return f"variant must be one of {VARIANTS}, got {variant!r}"
     if variant in FP8_VARIANTS and not fp8:
         return f"variant {variant} converts FP8 weights; bf16 weights take variant 0, 1, 4 or 5"
-
     if x.dtype != torch.bfloat16:
         return f"x must be bfloat16, got {x.dtype}"
     if wq.dim() != 2:
@@ -202,19 +201,6 @@ def _run(x: Tensor, wq: Tensor, scale: Tensor | None, splits: int, kwarps: int,
 NORM_MAX_M = 16
 NORM_PAD = 32
 NORM_SMEM_MAX = 160 * 1024
-
-
-def _device_index(x: Tensor) -> int | None:
-    """x's CUDA device index (None: not on CUDA)."""
-    return (x.device.index or 0) if x.is_cuda else None
-
-
-def _stages(m: int, k: int, device: int | None = None) -> bool:
-    """Whether m rows of K bf16 fit the shared memory a prologue stages them in (the normed
-    one, variant 6's): the kernel's bound and, on CUDA `device`, what it gives a block."""
-    need = m * (k + NORM_PAD) * 2
-    return (m <= NORM_MAX_M and need <= NORM_SMEM_MAX
-            and (device is None or need <= _smem_optin(device) - NORM_STATIC_SMEM))
 # the kernel's own (its warps' partial sums, variant 6's row scales), at most
 NORM_STATIC_SMEM = 8 * 1024 + 64
 # The rows up to which Ops takes the normed prologue: measured on the H200 (linear_bench
@@ -261,7 +247,7 @@ def _norm_problem(x: Tensor, w: object, nw: object, eps: object) -> str | None:
     contiguous bf16 norm weight [K], eps >= 0."""
     k = x.shape[-1]
     m = x.numel() // k if k else 0
-    if m > NORM_MAX_M or m * (k + NORM_PAD) * 2 > NORM_SMEM_MAX:
+    if not _stages(m, k):
         return (f"the normed prologue holds the rows in shared memory: at most {NORM_MAX_M} "
                 f"rows and {NORM_SMEM_MAX} bytes, got {m} rows of K = {k}")
     if not isinstance(nw, Tensor) or nw.dtype != torch.bfloat16 or nw.shape != (k,):
@@ -271,12 +257,25 @@ def _norm_problem(x: Tensor, w: object, nw: object, eps: object) -> str | None:
         return "the norm weight must be contiguous, 16-byte aligned and on x's device"
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
         return f"eps must be a number >= 0, got {eps!r}"
-    if x.is_cuda:
-        room = _smem_optin(x.device.index or 0) - NORM_STATIC_SMEM
-        if m * (k + NORM_PAD) * 2 > room:
-            return (f"the normed prologue's {m} rows of K = {k} need more shared memory than "
-                    f"this device gives a block ({room} bytes beside the kernel's own)")
+    device = _device_index(x)
+    if device is not None and not _stages(m, k, device):
+        room = _smem_optin(device) - NORM_STATIC_SMEM
+        return (f"the normed prologue's {m} rows of K = {k} need more shared memory than "
+                f"this device gives a block ({room} bytes beside the kernel's own)")
     return None
+
+
+def _device_index(x: Tensor) -> int | None:
+    """x's CUDA device index (None: not on CUDA)."""
+    return (x.device.index or 0) if x.is_cuda else None
+
+
+def _stages(m: int, k: int, device: int | None = None) -> bool:
+    """Whether m rows of K bf16 fit the shared memory a prologue stages them in (the normed
+    one, variant 6's): the kernel's bound and, on CUDA `device`, what it gives a block."""
+    need = m * (k + NORM_PAD) * 2
+    return (m <= NORM_MAX_M and need <= NORM_SMEM_MAX
+            and (device is None or need <= _smem_optin(device) - NORM_STATIC_SMEM))
 
 
 @functools.cache
@@ -934,7 +933,7 @@ GLU_SAVES_US = 1.5
 def _glu_row(plan: LinearPlan | None, kernels: bool, m: int, n: int, k: int, fp8: bool,
              dtype: torch.dtype, cuda: bool) -> PlanRow | None:
     """The plan row to run the packed [W1; W3] linear with its SwiGLU epilogue, or None: the
-    chosen row where it is csrc's kernel in a variant with the epilogue (FP8: 0, 4, 5),
+    chosen row where it is csrc's kernel in a variant with the epilogue (FP8: 0, 4, 5, 6),
     else the fastest recorded csrc candidate with it when that is within GLU_SAVES_US of the
     chosen implementation (which would need the silu * mul launch after it)."""
     if n % 2:
