@@ -36,6 +36,24 @@ __all__ = [
 
 DB_FILENAME: Final = "voices.sqlite"
 _SCHEMA_VERSION: Final = 1
+_BUSY_TIMEOUT_S: Final = 10.0  # how long a store waits for another process's lock
+
+
+def _while_locked(step: Any, timeout_s: float = _BUSY_TIMEOUT_S) -> None:
+    """Run `step`, again after a short pause while SQLite says the database is locked or busy
+    (where it does not wait by itself: see VoiceStore._set_up), for at most `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    pause = 0.01
+    while True:
+        try:
+            step()
+            return
+        except sqlite3.OperationalError as e:
+            transient = "locked" in str(e) or "busy" in str(e)
+            if not transient or time.monotonic() + pause > deadline:
+                raise
+        time.sleep(pause)
+        pause = min(2 * pause, 0.5)
 _ID_BYTES: Final = 9  # -> 12 url-safe characters, 72 random bits
 
 _SCHEMA: Final = """
@@ -166,18 +184,30 @@ class VoiceStore:
         # isolation_level=None: we issue BEGIN IMMEDIATE ourselves so that the count check and
         # the insert in add() are one atomic step even across processes.
         self._db = sqlite3.connect(
-            self.path, check_same_thread=False, isolation_level=None, timeout=10.0
+            self.path, check_same_thread=False, isolation_level=None, timeout=_BUSY_TIMEOUT_S
         )
         with self._lock:
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=NORMAL")  # durable at checkpoints; safe in WAL
-            version = self._db.execute("PRAGMA user_version").fetchone()[0]
-            if version > _SCHEMA_VERSION:
+            try:
+                _while_locked(self._set_up)
+            except BaseException:
                 self._db.close()
-                raise RuntimeError(
-                    f"{self.path} has schema version {version}; this build knows {_SCHEMA_VERSION}"
-                )
-            self._db.execute(_SCHEMA)
+                raise
+
+    def _set_up(self) -> None:
+        """WAL mode and the schema; each step idempotent, so a retry starts over."""
+        # Switching to WAL needs the whole file to itself, and SQLite answers "database is
+        # locked" at once (no busy wait) when another process is opening it at that moment
+        # (two replicas starting together): switch only if another has not already
+        if self._db.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
+            self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")  # durable at checkpoints; safe in WAL
+        version = self._db.execute("PRAGMA user_version").fetchone()[0]
+        if version > _SCHEMA_VERSION:
+            raise RuntimeError(
+                f"{self.path} has schema version {version}; this build knows {_SCHEMA_VERSION}"
+            )
+        self._db.execute(_SCHEMA)
+        if version != _SCHEMA_VERSION:
             self._db.execute(f"PRAGMA user_version={_SCHEMA_VERSION}")
 
     # -- lifecycle ---------------------------------------------------------------------------

@@ -159,3 +159,48 @@ def test_refuses_newer_schema(tmp_path: Path) -> None:
     db.close()
     with pytest.raises(RuntimeError, match="schema version 99"):
         VoiceStore(tmp_path)
+
+
+def test_store_opening_retries_while_another_process_holds_the_file(tmp_path, monkeypatch):
+    """Found in CI: a second replica opening the shared store while the first was opening it
+    failed to start ("database is locked" from the switch to WAL, which SQLite answers at once
+    rather than after its busy wait). Opening retries such an answer within the busy timeout;
+    another error, or a lock that outlasts the timeout, still fails, naming the problem."""
+    import rtvoice.voices as voices
+
+    real_connect = sqlite3.connect
+    answers: list[str] = []
+
+    class Contended:  # the first two switches to WAL find the file locked
+        def __init__(self, *args, **kwargs):
+            self._db = real_connect(*args, **kwargs)
+
+        def execute(self, sql, *args):
+            if sql == "PRAGMA journal_mode=WAL" and len(answers) < 2:
+                answers.append("locked")
+                raise sqlite3.OperationalError("database is locked")
+            return self._db.execute(sql, *args)
+
+        def __getattr__(self, name):
+            return getattr(self._db, name)
+
+    monkeypatch.setattr(voices.sqlite3, "connect", Contended)
+    with VoiceStore(tmp_path) as store:
+        assert answers == ["locked", "locked"]
+        assert store._db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    monkeypatch.undo()
+
+    def locked():
+        raise sqlite3.OperationalError("database is locked")
+
+    with pytest.raises(sqlite3.OperationalError, match="locked"):
+        voices._while_locked(locked, timeout_s=0.05)
+    calls = []
+
+    def broken():
+        calls.append(1)
+        raise sqlite3.OperationalError("no such table: voices")
+
+    with pytest.raises(sqlite3.OperationalError, match="no such table"):
+        voices._while_locked(broken)
+    assert calls == [1]  # not a lock: no retry
