@@ -27,7 +27,7 @@ from engine.kernels.activation import (
 from engine.kernels.decode_attention import decode_attention, decode_attention_torch
 from engine.kernels.prev_tokens import prev_tokens_shift_inplace, prev_tokens_shift_torch
 from engine.kernels.qk_rope import norm_rope_qk
-from engine.kernels.sampling import sample, sample_topk
+from engine.kernels.sampling import sample, sample_topk, sample_topk_embed
 
 
 def timed(fn: Callable[..., object], args: tuple, n: int, cuda: bool) -> float:
@@ -78,6 +78,21 @@ def main() -> int:
         for name, fn in ((kind, sample_topk), ("torch", sample)):
             us = timed(fn, args, 200 if cuda else 20, cuda)
             print(f"sample_topk bs={bs:4d} {name:7s} {us:9.2f} us")
+    # a fast-AR draw with its next input row (2,560 bf16 values) against the draw + a lookup
+    fast = torch.randn(4096, 2560, device=dev).to(dt)
+    for bs in (1, 64):
+        logits = 3 * torch.randn(bs, 4096, device=dev)
+        args = (logits, torch.full((bs,), 0.8, device=dev), torch.full((bs,), 0.8, device=dev),
+                torch.full((bs,), 30, device=dev), torch.arange(bs, device=dev),
+                torch.zeros(bs, dtype=torch.int64, device=dev),
+                torch.ones(bs, dtype=torch.int64, device=dev), fast)
+        def two_launches(*a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            ids = sample_topk(*a[:-1])
+            return ids, torch.nn.functional.embedding(ids, a[-1])
+
+        for name, fn in ((kind, sample_topk_embed), ("draw+lookup", two_launches)):
+            us = timed(fn, args, 200 if cuda else 20, cuda)
+            print(f"sample_topk_embed bs={bs:4d} {name:11s} {us:9.2f} us")
     # q/k norm + RoPE at the slow AR's decode and prefill shapes (q and k: slices of qkv)
     compiled = fusion.compiled("norm_rope_qk", functional.norm_rope_qk) if cuda else None
     for bs, T in ((1, 1), (64, 1), (16, 64)):

@@ -12,7 +12,8 @@ void decode_attention(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new,
                       double eps, bool pdl);
 void sample_topk(torch::Tensor logits, torch::Tensor temperature, torch::Tensor top_p,
                  torch::Tensor top_k, torch::Tensor seed, torch::Tensor step,
-                 torch::Tensor stream, torch::Tensor out, bool pdl);
+                 torch::Tensor stream, torch::Tensor out, bool pdl,
+                 std::optional<torch::Tensor> embed, std::optional<torch::Tensor> embed_out);
 void snake(torch::Tensor x, torch::Tensor alpha, std::optional<torch::Tensor> bias,
            torch::Tensor out);
 void bias_residual(torch::Tensor x, torch::Tensor y, torch::Tensor bias, torch::Tensor out);
@@ -35,7 +36,8 @@ TORCH_LIBRARY(rtvoice_kernels, m) {
         "int splits, Tensor? qw=None, Tensor? kw=None, Tensor? cs=None, float eps=0.0, "
         "bool pdl=False) -> ()");
   m.def("sample_topk(Tensor logits, Tensor temperature, Tensor top_p, Tensor top_k, "
-        "Tensor seed, Tensor step, Tensor stream, Tensor(a!) out, bool pdl=False) -> ()");
+        "Tensor seed, Tensor step, Tensor stream, Tensor(a!) out, bool pdl=False, "
+        "Tensor? embed=None, Tensor(b!)? embed_out=None) -> ()");
   m.def("snake(Tensor x, Tensor alpha, Tensor? bias, Tensor(a!) out) -> ()");
   m.def("bias_residual(Tensor x, Tensor y, Tensor bias, Tensor(a!) out) -> ()");
   m.def("snake_cat(Tensor tail, Tensor x, Tensor alpha, Tensor? bias, Tensor(a!) out) -> ()");

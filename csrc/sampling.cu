@@ -14,6 +14,10 @@
 //   temperature  [B] float32;  top_p [B] float32;  top_k [B] int64 (1..128)
 //   seed, step, stream  [B] int64
 //   out          [B] int64
+//   embed, embed_out  (optional, together) a table [R, D] (R >= V, contiguous) and [B, D]
+//                of its dtype: the launch also copies row out[b] of the table to embed_out[b]
+//                (the next position's input embedding: no lookup launch of its own); rows of
+//                a multiple of 16 bytes, both 16-byte aligned
 // Results equal the fallback's but for float rounding: the cumulative sum and the softmax
 // are summed in another order, which can move a candidate across the top-p boundary or swap
 // a near-tie of the race in rare rows.
@@ -24,6 +28,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <optional>
 
 #include "launch.cuh"
 
@@ -100,7 +105,8 @@ __global__ void __launch_bounds__(kThreads) sample_topk_kernel(
     const T* __restrict__ logits, int64_t row_stride, int V, const float* __restrict__ temperature,
     const float* __restrict__ top_p, const int64_t* __restrict__ top_k,
     const int64_t* __restrict__ seed, const int64_t* __restrict__ step,
-    const int64_t* __restrict__ stream, int64_t* __restrict__ out) {
+    const int64_t* __restrict__ stream, int64_t* __restrict__ out,
+    const uint4* __restrict__ embed, int64_t embed_row_vecs, uint4* __restrict__ embed_out) {
   __shared__ float xs[kMaxV];
   __shared__ float red[kWarps];
   __shared__ int ired[kWarps];
@@ -112,6 +118,7 @@ __global__ void __launch_bounds__(kThreads) sample_topk_kernel(
   __shared__ float cw[kK];  // race weights
   __shared__ float sv[kK];  // the candidates in rank order: value, index
   __shared__ int si[kK];
+  __shared__ int s_drawn;  // the drawn index, for the embedding row copy
 
   const int b = blockIdx.x, tid = threadIdx.x;
   const T* row = logits + b * row_stride;
@@ -328,7 +335,18 @@ __global__ void __launch_bounds__(kThreads) sample_topk_kernel(
         best_r = orr;
       }
     }
-    if (tid == 0) out[b] = temp_b > 0.f ? si[best_r] : si[0];
+    if (tid == 0) {
+      const int drawn = temp_b > 0.f ? si[best_r] : si[0];
+      out[b] = drawn;
+      s_drawn = drawn;
+    }
+  }
+  // 6. (optional) the drawn row of the embedding table, 16 bytes per thread and step
+  if (embed != nullptr) {  // uniform across the block
+    __syncthreads();
+    const uint4* src = embed + static_cast<int64_t>(s_drawn) * embed_row_vecs;
+    uint4* dst = embed_out + static_cast<int64_t>(b) * embed_row_vecs;
+    for (int64_t i = tid; i < embed_row_vecs; i += kThreads) dst[i] = src[i];
   }
 }
 
@@ -336,7 +354,8 @@ __global__ void __launch_bounds__(kThreads) sample_topk_kernel(
 
 void sample_topk(torch::Tensor logits, torch::Tensor temperature, torch::Tensor top_p,
                  torch::Tensor top_k, torch::Tensor seed, torch::Tensor step,
-                 torch::Tensor stream, torch::Tensor out, bool pdl) {
+                 torch::Tensor stream, torch::Tensor out, bool pdl,
+                 std::optional<torch::Tensor> embed, std::optional<torch::Tensor> embed_out) {
   TORCH_CHECK(logits.is_cuda() && logits.dim() == 2 && logits.stride(1) == 1,
               "sample_topk: logits must be a CUDA [B, V] tensor with contiguous rows");
   const int64_t B = logits.size(0), V = logits.size(1);
@@ -350,6 +369,30 @@ void sample_topk(torch::Tensor logits, torch::Tensor temperature, torch::Tensor 
   TORCH_CHECK(temperature.numel() == B && top_p.numel() == B && temperature.is_contiguous() &&
                   top_p.is_contiguous(),
               "sample_topk: temperature and top_p must be contiguous [B]");
+  TORCH_CHECK(embed.has_value() == embed_out.has_value(),
+              "sample_topk: embed and embed_out go together");
+  const uint4* table = nullptr;
+  uint4* rows = nullptr;
+  int64_t row_vecs = 0;
+  if (embed.has_value()) {
+    const auto& e = *embed;
+    const auto& eo = *embed_out;
+    TORCH_CHECK(e.dim() == 2 && e.is_contiguous() && e.device() == logits.device() &&
+                    e.size(0) >= V,
+                "sample_topk: embed must be a contiguous [R, D] table on the logits' device "
+                "with R >= V (every drawable index a row), got ", e.sizes());
+    TORCH_CHECK(eo.dim() == 2 && eo.is_contiguous() && eo.size(0) == B &&
+                    eo.size(1) == e.size(1) && eo.scalar_type() == e.scalar_type() &&
+                    eo.device() == logits.device(),
+                "sample_topk: embed_out must be a contiguous [B, D] tensor of embed's dtype");
+    const int64_t row_bytes = e.size(1) * e.element_size();
+    TORCH_CHECK(row_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(e.data_ptr()) % 16 == 0 &&
+                    reinterpret_cast<uintptr_t>(eo.data_ptr()) % 16 == 0,
+                "sample_topk: embedding rows must be a multiple of 16 bytes, 16-byte aligned");
+    table = reinterpret_cast<const uint4*>(e.data_ptr());
+    rows = reinterpret_cast<uint4*>(eo.data_ptr());
+    row_vecs = row_bytes / 16;
+  }
   if (B == 0) return;
   const c10::cuda::CUDAGuard guard(logits.device());
   auto s = c10::cuda::getCurrentCUDAStream();
@@ -360,7 +403,7 @@ void sample_topk(torch::Tensor logits, torch::Tensor temperature, torch::Tensor 
       logits.data_ptr<T_>(), logits.stride(0), static_cast<int>(V),                           \
       temperature.data_ptr<float>(), top_p.data_ptr<float>(), top_k.data_ptr<int64_t>(),      \
       seed.data_ptr<int64_t>(), step.data_ptr<int64_t>(), stream.data_ptr<int64_t>(),         \
-      out.data_ptr<int64_t>())
+      out.data_ptr<int64_t>(), table, row_vecs, rows)
   switch (logits.scalar_type()) {
     case at::kFloat: RTV_SAMPLE(float); break;
     case at::kBFloat16: RTV_SAMPLE(at::BFloat16); break;

@@ -7,7 +7,7 @@ runner compiled versions (one fused kernel each, same values) when it compiles t
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 
 import torch
@@ -26,14 +26,18 @@ def step_begin(active: Tensor, pos: Tensor, tables: Tensor, block_size: int,
     return was, p, torch.where(was, block, scratch)
 
 
-def step_end(frames: Tensor, was: Tensor, next_col: Tensor, pos: Tensor, frames_left: Tensor,
-             active: Tensor, im_end: int) -> Tensor:
-    """Rows' state after the step's frames [B, 1+K]: next_col [B, 1+K], pos, frames_left and
-    active [B] (views of the runner's rows) are updated in place; a row stops at <|im_end|>
-    or when its frame budget runs out. -> [B, 1+K+2]: frame, was_active, stopped (int64)."""
+def step_end(columns: Sequence[Tensor], was: Tensor, next_col: Tensor, pos: Tensor,
+             frames_left: Tensor, active: Tensor, draw_step: Tensor, im_end: int) -> Tensor:
+    """Rows' state after the step's frame columns (1+K tensors [B]: token, code 0..K-1):
+    next_col [B, 1+K], pos, frames_left, active and the sampler's draw_step [B] (views of
+    the runner's and the sampler's rows) are updated in place; every row's draw_step
+    advances (`Sampling.advance`), a row stops at <|im_end|> or when its frame budget runs
+    out. -> [B, 1+K+2]: frame, was_active, stopped (int64)."""
+    frames = torch.stack(list(columns), dim=1)  # [B, 1+K]
     next_col.copy_(torch.where(was[:, None], frames, next_col))
     pos.add_(was)
     frames_left.sub_(was.long())
+    draw_step.add_(1)
     stop = was & ((frames[:, 0] == im_end) | (frames_left <= 0))
     active.copy_(was & ~stop)
     return torch.cat([frames, was[:, None].long(), stop[:, None].long()], dim=1)

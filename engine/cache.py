@@ -184,9 +184,18 @@ class PagedDecodeAttend:
         self.cache, self.tables, self.wblock, self.positions = cache, tables, wblock, positions
         self.span, self.kernel = span, kernel
         self.norm_rope_attend = self._norm_rope_attend if kernel and fuse_rope else None
-        self.w_off = positions % cache.block_size
-        k_pos = torch.arange(span, device=positions.device)
-        self.mask = (k_pos[None, :] <= positions[:, None])[:, None, None, :]  # [B, 1, 1, S]
+        # the fallback's write offsets and mask, made on its first call: with the kernel they
+        # would be three launches of every frame step that nothing reads
+        self._fallback: tuple[Tensor, Tensor] | None = None
+
+    def _offsets_and_mask(self) -> tuple[Tensor, Tensor]:
+        """(w_off [B]: each row's offset in its write block, mask [B, 1, 1, S] bool)."""
+        if self._fallback is None:
+            p = self.positions
+            k_pos = torch.arange(self.span, device=p.device)
+            self._fallback = (p % self.cache.block_size,
+                              (k_pos[None, :] <= p[:, None])[:, None, None, :])
+        return self._fallback
 
     def _launch(self, layer: int, q: Tensor, k: Tensor, v: Tensor,
                 rope: Rope | None = None) -> Tensor:
@@ -200,11 +209,12 @@ class PagedDecodeAttend:
         c = self.cache
         if self.kernel is not None:  # write + attend in one csrc launch
             return self._launch(layer, q[:, :, 0], k[:, :, 0], v[:, :, 0])
-        c.k[layer, self.wblock, :, self.w_off] = k[:, :, 0]
-        c.v[layer, self.wblock, :, self.w_off] = v[:, :, 0]
+        w_off, mask = self._offsets_and_mask()
+        c.k[layer, self.wblock, :, w_off] = k[:, :, 0]
+        c.v[layer, self.wblock, :, w_off] = v[:, :, 0]
         keys = gather_blocks(c.k[layer], self.tables, self.span)  # [B, Hkv, S, Dh]
         vals = gather_blocks(c.v[layer], self.tables, self.span)
-        return gqa_attention(q, keys, vals, self.mask)
+        return gqa_attention(q, keys, vals, mask)
 
     def _norm_rope_attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, qw: Tensor | None,
                           kw: Tensor | None, cs: Tensor, eps: float) -> Tensor:

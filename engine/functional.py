@@ -58,6 +58,19 @@ def silu_mul(a: Tensor, b: Tensor) -> Tensor:
     return F.silu(a) * b
 
 
+def embed_columns(cols: Tensor, tok_table: Tensor, cb_table: Tensor, offsets: Tensor,
+                  semantic_start: int, semantic_end: int, scale: float) -> Tensor:
+    """The slow AR's input: cols [B, 1+K, T] int (row 0 token ids, rows 1..K codes) -> x
+    [B, T, D]. At semantic tokens x = (E_tok[t] + sum_i E_cb[c_i + offsets[i]]) / scale;
+    elsewhere x = E_tok[t] (the codebook rows are ignored)."""
+    tok = cols[:, 0]  # [B, T]
+    codes = cols[:, 1:] + offsets[None, :, None]  # [B, K, T]
+    vq = F.embedding(codes, cb_table).sum(dim=1)  # [B, T, D]
+    semantic = (tok >= semantic_start) & (tok <= semantic_end)  # [B, T]
+    x = F.embedding(tok, tok_table) + vq * semantic.unsqueeze(-1)
+    return torch.where(semantic.unsqueeze(-1), x / scale, x)
+
+
 def param_seed(seed: int, name: str) -> int:
     """The seed of one random-weight tensor: from the model's seed and the tensor's name, so
     values do not depend on creation order."""

@@ -214,25 +214,21 @@ class DualAR(nn.Module):
             cfg.num_codebooks, device=device) * cfg.codebook_size, persistent=False)
 
     # ------------------------------------------------------------------ slow AR
-    def embed(self, cols: Tensor) -> Tensor:
+    def embed(self, cols: Tensor, ops: Ops = REFERENCE) -> Tensor:
         """cols: [B, 1+K, T] int (row 0 token id, rows 1..K codes) -> x: [B, T, D].
 
         At semantic positions x = (E_tok[t] + sum_i E_cb[c_i + i*4096]) / sqrt(K+1);
-        elsewhere the codebook rows are ignored.
+        elsewhere the codebook rows are ignored (functional.embed_columns).
         """
         ids = self.cfg.ids
-        tok = cols[:, 0]  # [B, T]
-        codes = cols[:, 1:] + self.codebook_offsets[None, :, None]  # [B, K, T]
-        vq = self.codebook_embeddings(codes).sum(dim=1)  # [B, T, D]
-        semantic = (tok >= ids.semantic_start) & (tok <= ids.semantic_end)  # [B, T]
-        x = self.embeddings(tok) + vq * semantic.unsqueeze(-1)
-        scale = math.sqrt(self.cfg.num_codebooks + 1)
-        return torch.where(semantic.unsqueeze(-1), x / scale, x)
+        return ops.embed_columns(cols, self.embeddings.weight, self.codebook_embeddings.weight,
+                                 self.codebook_offsets, ids.semantic_start, ids.semantic_end,
+                                 math.sqrt(self.cfg.num_codebooks + 1))
 
     def forward_slow(self, cols: Tensor, positions: Tensor, attend: Attend,
                      ops: Ops = REFERENCE) -> Tensor:
         """cols: [B, 1+K, T]; positions: [B, T] -> final-normed hidden states h: [B, T, D]."""
-        x = self.embed(cols)
+        x = self.embed(cols, ops)
         cs = self.rope[positions]  # [B, T, Dh/2, 2]
         # dense: h feeds two heads and the fast AR's residual stream
         return ops.dense(run_blocks(self.layers, self.norm, x, cs, attend, ops))

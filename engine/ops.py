@@ -66,6 +66,8 @@ class Ops:
     add_rms_norm: Callable[..., tuple[Tensor, Tensor]] = functional.add_rms_norm
     norm_rope_qk: Callable[..., tuple[Tensor, Tensor]] = functional.norm_rope_qk
     silu_mul: Callable[[Tensor, Tensor], Tensor] = functional.silu_mul
+    # the slow AR's input embedding of a frame column (eager: ~11 launches of a decode step)
+    embed_columns: Callable[..., Tensor] = functional.embed_columns
     # one GEMM over W1|W3 where fusion.pack_ffn laid them out as one buffer
     packed_ffn: bool = False
     # a head over row ranges of one weight (`rows_linear`) as one GEMM over a packed copy of
@@ -100,6 +102,9 @@ class Ops:
     # says they pay (dense_pays). None: the ops take no copies (and none are made)
     dense_plan: linear.LinearPlan | None = None
     sample: Callable[..., Tensor] = sampling.sample  # the sampler's draw
+    # the draw and the drawn ids' rows of an embedding table (the fast AR's next input) ->
+    # (ids, rows): one launch with csrc's kernel, where the draw and a lookup are two
+    sample_embed: Callable[..., tuple[Tensor, Tensor]] = sampling.sample_embed
     shift_window: Callable[[Tensor, Tensor], None] = prev_tokens_shift_checked  # RAS window
     codec: CodecOps = field(default_factory=CodecOps)
     # the step's per-row bookkeeping and the RAS choice (engine/bookkeeping.py)
@@ -190,6 +195,7 @@ class Ops:
                 "decode_rope": self.decode_rope,
                 "pdl": self.pdl,
                 "sampler": getattr(self.sample, "__name__", str(self.sample)),
+                "sampler_embed": getattr(self.sample_embed, "__name__", str(self.sample_embed)),
                 "swiglu_kernel": self.swiglu_kernel is not None,
                 "residual_kernel": self.residual_kernel is not None,
                 "normed_kernel": self.normed_kernel is not None,
@@ -267,12 +273,14 @@ def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool 
     if fused == "auto":
         fused = "compile" if cuda else "reference"
     built = kernels and cuda and extension_available()  # nvcc builds it once, at start-up
-    sample = sampling.sample
+    sample, sample_embed = sampling.sample, sampling.sample_embed
     parts: dict[str, object] = {}
     if fused == "compile":
         parts = {name: fusion.compiled(name, getattr(functional, name))
-                 for name in ("rms_norm", "add_rms_norm", "norm_rope_qk", "silu_mul")}
+                 for name in ("rms_norm", "add_rms_norm", "norm_rope_qk", "silu_mul",
+                              "embed_columns")}
         sample = fusion.compiled("sample", sampling.sample)
+        sample_embed = fusion.compiled("sample_embed", sampling.sample_embed)
         parts["book"] = Bookkeeping.built(fusion.compiled)
     if kernels and fused == "compile" and cuda and qk_rope.available():
         # one Triton launch per layer where inductor made up to six
@@ -281,6 +289,9 @@ def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool 
     if built and sampler_kernel and fused == "compile":  # the kernel replaces the compiled draw
         sample = (functools.wraps(sampling.sample_topk)(
             functools.partial(sampling.sample_topk, pdl=True)) if pdl else sampling.sample_topk)
+        sample_embed = (functools.wraps(sampling.sample_topk_embed)(
+            functools.partial(sampling.sample_topk_embed, pdl=True)) if pdl
+            else sampling.sample_topk_embed)
     codec = CodecOps(channels_last=cuda and codec_channels_last)
     if built and codec_kernels:
         codec = CodecOps(snake=activation.snake, snake_cat=activation.snake_cat,
@@ -310,7 +321,7 @@ def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool 
                                                                 dense=fp8_dense)
     return Ops(
         fused=fused, packed_ffn=fused == "compile", packed_heads=fused == "compile",
-        sample=sample, codec=codec,
+        sample=sample, sample_embed=sample_embed, codec=codec,
         decode_attention=(functools.partial(decode_attention, splits=0 if split_kv else 1,
                                             pdl=bool(pdl))
                           if built else None),

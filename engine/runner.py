@@ -67,8 +67,8 @@ class ModelRunner:
         self.cache = SlowKVCache(self.cfg.slow, n_blocks, block_size, max_len,
                                  device=self.device, dtype=self.dtype)
         S, d = n_rows + 1, self.device  # + the scratch row
-        self.sampling = SlotSampling(S, d, draw=ops.sample, shift=ops.shift_window,
-                                     book=ops.book)
+        self.sampling = SlotSampling(S, d, draw=ops.sample, draw_embed=ops.sample_embed,
+                                     shift=ops.shift_window, book=ops.book)
         self.slow_kernel = self._attention_kernel(self.cfg.slow)
         self.fast_kv = FastKV(self.cfg, S, device=d, dtype=self.dtype,
                               kernel=self._attention_kernel(self.cfg.fast),
@@ -244,22 +244,26 @@ class ModelRunner:
         book = self.ops.book
         was, pos, wblock = book.step_begin(self.active[:B], self.pos[:B], self.tables[:B],
                                            self.cache.block_size, self.cache.scratch)
-        frames = self.decode(self.next_col[:B], pos, self.tables[:B], wblock, span)
-        return book.step_end(frames, was, self.next_col[:B], self.pos[:B],
-                             self.frames_left[:B], self.active[:B], self.cfg.ids.im_end)
+        columns = self.decode(self.next_col[:B], pos, self.tables[:B], wblock, span)
+        # the frame's columns stacked, the rows' and the sampler's state advanced: one launch
+        return book.step_end(columns, was, self.next_col[:B], self.pos[:B],
+                             self.frames_left[:B], self.active[:B], self.sampling.step[:B],
+                             self.cfg.ids.im_end)
 
     def decode(self, cols: Tensor, positions: Tensor, tables: Tensor, wblock: Tensor,
-               span: int) -> Tensor:
+               span: int) -> list[Tensor]:
         """Rows 0..B-1 feed cols [B, 1+K] at positions [B] through their block tables
-        [B, MB], writing into wblock [B] -> frames [B, 1+K]."""
+        [B, MB], writing into wblock [B] -> the frame's columns (`frame_from_hidden`)."""
         attend = PagedDecodeAttend(self.cache, tables, wblock, positions, span, self.slow_kernel,
                                    cols.shape[0] <= self._rope_rows(self.cfg.slow))
         h = self.model.forward_slow(cols[:, :, None], positions[:, None], attend,
                                     self.ops)[:, 0]  # [B, D]
         return self.frame_from_hidden(h)
 
-    def frame_from_hidden(self, h: Tensor) -> Tensor:
-        """Sample one frame for rows 0..B-1 from slow hidden states h [B, D]."""
+    def frame_from_hidden(self, h: Tensor) -> list[Tensor]:
+        """Sample one frame for rows 0..B-1 from slow hidden states h [B, D] -> its 1+K
+        columns [B] (token, code 0..K-1). The draws' step is advanced by the caller
+        (`Bookkeeping.step_end`, with the rows' other state)."""
         m, ids, ops = self.model, self.cfg.ids, self.ops
         B = h.shape[0]
         rows = slice(0, B)
@@ -268,13 +272,17 @@ class ModelRunner:
         fkv = self.fast_kv
         # position 0: the slow hidden state, for its K/V only (no logits: no head GEMM)
         m.fast_kv(h[:, None], fkv.at(0, B), ops)
-        codes = [code]
-        for j in range(1, self.cfg.num_codebooks):
-            logits = m.forward_fast(m.fast_embeddings(code)[:, None], j, fkv.at(j, B), ops)
-            code = self.sampling.sample_fast(rows, logits, j)
+        codes, K = [code], self.cfg.num_codebooks
+        x = m.fast_embeddings(code)  # [B, D]: codebook 1's input, code 0's row
+        for j in range(1, K):
+            logits = m.forward_fast(x[:, None], j, fkv.at(j, B), ops)
+            if j + 1 < K:  # the draw also fetches the next codebook's input row
+                code, x = self.sampling.sample_fast_embed(rows, logits, j,
+                                                          m.fast_embeddings.weight)
+            else:
+                code = self.sampling.sample_fast(rows, logits, j)
             codes.append(code)
-        self.sampling.advance(rows)
-        return torch.stack([token, *codes], dim=1)
+        return [token, *codes]
 
     # ------------------------------------------------------------------ decode graphs
     def warm_steps(self, stream: torch.cuda.Stream, batches: list[int],

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from .bookkeeping import Bookkeeping
 from .kernels.prev_tokens import prev_tokens_shift_checked
-from .kernels.sampling import TOPK_MAX, exponential_noise, sample
+from .kernels.sampling import TOPK_MAX, exponential_noise, sample, sample_embed
 
 __all__ = ["STREAM_FAST", "STREAM_MAIN", "STREAM_RAS", "TOPK_MAX", "SamplingParams",
            "SlotSampling", "exponential_noise", "sample"]
@@ -63,10 +63,11 @@ class SlotSampling:
 
     def __init__(self, n_slots: int, device: torch.device | str, max_window: int = 16, *,
                  draw: Callable[..., Tensor] = sample,
+                 draw_embed: Callable[..., tuple[Tensor, Tensor]] = sample_embed,
                  shift: Callable[[Tensor, Tensor], None] | None = None,
                  book: Bookkeeping | None = None) -> None:
         d = torch.device(device)
-        self.draw = draw
+        self.draw, self.draw_embed = draw, draw_embed
         self.book = book or Bookkeeping()
         self.shift = shift or prev_tokens_shift_checked
         self.temperature = torch.zeros(n_slots, device=d)
@@ -150,6 +151,14 @@ class SlotSampling:
         return self.draw(logits, self.temperature[slots], self.top_p[slots], self.top_k[slots],
                          self.seed[slots], self.step[slots],
                          self._streams(logits.shape[0], logits.device, codebook))
+
+    def sample_fast_embed(self, slots: Tensor | slice, logits: Tensor, codebook: int,
+                          table: Tensor) -> tuple[Tensor, Tensor]:
+        """`sample_fast`, and the drawn codes' rows of `table` [R, D] (the next codebook's
+        input embedding) -> (codes [B], rows [B, D]): one launch with csrc's kernel."""
+        return self.draw_embed(logits, self.temperature[slots], self.top_p[slots],
+                               self.top_k[slots], self.seed[slots], self.step[slots],
+                               self._streams(logits.shape[0], logits.device, codebook), table)
 
     def advance(self, slots: Tensor | slice) -> None:
         self.step[slots] += 1

@@ -36,17 +36,24 @@ def test_step_begin_sends_inactive_rows_to_the_scratch_block():
     assert block.tolist() == [10, 99, 32]
 
 
+def _columns(frames: list[list[int]]) -> list[torch.Tensor]:
+    return list(torch.tensor(frames).unbind(1))
+
+
 def test_step_end_updates_the_rows_in_place_and_stops_them():
     was, next_col, pos, left, active = _rows()
-    frames = torch.tensor([[IM_END, 1], [4, 4], [3, 3]])  # row 0 ends, row 2 runs out
-    out = step_end(frames, was, next_col, pos, left, active, IM_END)
+    draw_step = torch.tensor([0, 7, 3])
+    # row 0 ends, row 2 runs out
+    out = step_end(_columns([[IM_END, 1], [4, 4], [3, 3]]), was, next_col, pos, left, active,
+                   draw_step, IM_END)
     assert next_col.tolist() == [[IM_END, 1], [2, 3], [3, 3]]  # the idle row keeps its column
     assert pos.tolist() == [6, 0, 8] and left.tolist() == [3, 0, 0]
     assert active.tolist() == [False, False, False]
+    assert draw_step.tolist() == [1, 8, 4]  # every row's draws advance, as Sampling.advance
     assert out.tolist() == [[IM_END, 1, 1, 1], [4, 4, 0, 0], [3, 3, 1, 1]]
     was, next_col, pos, left, active = _rows()
-    out = step_end(torch.tensor([[1, 1], [4, 4], [3, 3]]), was, next_col, pos,
-                   left.add_(5), active, IM_END)
+    out = step_end(_columns([[1, 1], [4, 4], [3, 3]]), was, next_col, pos,
+                   left.add_(5), active, draw_step, IM_END)
     assert active.tolist() == [True, False, True] and out[:, -1].tolist() == [0, 0, 0]
 
 
@@ -102,13 +109,17 @@ def test_compiled_bookkeeping_matches_the_reference():
         tables = torch.randint(0, 100, (B, 8), generator=g).cuda()
         a = [t.cuda() for t in rows(B)]
         c = [t.cuda() for t in rows(B)]
+        steps = [torch.randint(0, 9, (B,), generator=g).cuda() for _ in range(2)]
+        steps[1].copy_(steps[0])
+        cols = list(frames.unbind(1))
         with torch.inference_mode():
             for x, y in zip(ref.step_begin(a[4], a[2], tables, 64, 7),
                             book.step_begin(c[4], c[2], tables, 64, 7)):
                 assert torch.equal(x, y)
-            assert torch.equal(ref.step_end(frames, *a[:4], a[4], IM_END),
-                               book.step_end(frames, *c[:4], c[4], IM_END))
+            assert torch.equal(ref.step_end(cols, *a[:4], a[4], steps[0], IM_END),
+                               book.step_end(cols, *c[:4], c[4], steps[1], IM_END))
             assert all(torch.equal(x, y) for x, y in zip(a, c))
+            assert torch.equal(steps[0], steps[1])
             idx = torch.randint(0, 9, (B,), generator=g).cuda()
             for x, y in zip(ref.frame_tokens(idx, 8, 100, IM_END),
                             book.frame_tokens(idx, 8, 100, IM_END)):

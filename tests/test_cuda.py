@@ -297,6 +297,15 @@ def test_fused_ops_match_reference():
         got = [o.rms_norm(x, w, 1e-6), *o.add_rms_norm(x, y, w, 1e-6),
                *o.norm_rope_qk(q, k, hw, hw, cs, 1e-6), *o.norm_rope_qk(q, k, None, None, cs, 1e-6),
                o.silu_mul(x, y)]
+        # the slow AR's input embedding: tokens inside and outside the semantic range
+        tok_t = torch.randn(300, 256, device="cuda", generator=g).to(dt)
+        cb_t = torch.randn(40, 256, device="cuda", generator=g).to(dt)
+        cols = torch.randint(0, 10, (3, 5, 7), device="cuda", generator=g)
+        cols[:, 0] = torch.randint(100, 300, (3, 7), device="cuda", generator=g)
+        off = torch.arange(4, device="cuda") * 10
+        emb = (cols, tok_t, cb_t, off, 120, 250, 5 ** 0.5)
+        ref.append(model.embed_columns(*emb))
+        got.append(o.embed_columns(*emb))
         for a, b in zip(ref, got):
             assert a.dtype == b.dtype and a.shape == b.shape
             assert (a.float() - b.float()).abs().max() <= tol

@@ -327,6 +327,56 @@ def test_sample_topk_fallback_and_contract():
             sampling.sample_topk(*a)
 
 
+def test_sample_topk_embed_fallback_and_contract():
+    """The draw with the drawn ids' table rows: off CUDA the draw, then the lookup; a table
+    without a row for every drawable index is refused (not an out-of-range read)."""
+    from engine.sampler import sample
+
+    args = _draw_case(16, 300, "cpu")
+    table = torch.randn(300, 24)
+    ids, rows = sampling.sample_topk_embed(*args, table)
+    assert torch.equal(ids, sample(*args)) and torch.equal(rows, table[ids])
+    ref_ids, ref_rows = sampling.sample_embed(*args, table)
+    assert torch.equal(ref_ids, ids) and torch.equal(ref_rows, rows)
+    for bad in (table[:299], table[None], torch.randn(300)):
+        with pytest.raises(ValueError, match="R >= V"):
+            sampling.sample_topk_embed(*args, bad)
+    a = list(args)
+    a[3] = a[3].int()
+    with pytest.raises(TypeError):  # the draw's own contract first
+        sampling.sample_topk_embed(*a, table)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("pdl", [False, True])
+def test_sample_topk_embed_cuda_copies_the_drawn_rows(pdl):
+    """csrc's draw with the row copy: the ids of the plain launch, each output row
+    bit-equal to the table's row (bf16 and float32 tables, a wide row, a row of one 16-byte
+    vector); rows the kernel cannot copy (not a multiple of 16 bytes) take the lookup."""
+    assert extension_available(), "the CUDA extension did not build"
+    for B, V, D, dt in ((1, 4096, 2560, torch.bfloat16), (64, 4096, 2560, torch.bfloat16),
+                        (5, 100, 8, torch.bfloat16), (7, 300, 36, torch.float32),
+                        (3, 300, 12, torch.bfloat16)):
+        args = _draw_case(B, V, "cuda", seed=B + D)
+        table = torch.randn(V + 3, D, device="cuda").to(dt)
+        ids, rows = sampling.sample_topk_embed(*args, table, pdl=pdl)
+        assert torch.equal(ids, sampling.sample_topk(*args, pdl=pdl)), (B, V, D)
+        assert rows.dtype == dt and rows.shape == (B, D)
+        assert torch.equal(rows, table[ids]), (B, V, D)
+    g = torch.cuda.CUDAGraph()  # captured: the rows come from the replay's draw
+    args = _draw_case(2, 4096, "cuda", seed=3)
+    table = torch.randn(4096, 2560, device="cuda").to(torch.bfloat16)
+    sampling.sample_topk_embed(*args, table, pdl=pdl)
+    with torch.cuda.graph(g):
+        ids, rows = sampling.sample_topk_embed(*args, table, pdl=pdl)
+    args[0].copy_(torch.randn_like(args[0]))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(rows, table[ids])
+    assert torch.equal(ids, sampling.sample_topk(*args, pdl=pdl))
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("B,V", [(64, 4097), (33, 4096), (5, 100), (1, 4097)])

@@ -390,6 +390,47 @@ def test_decode_rope_rows_fold_the_norm_and_rope_per_batch(fixture_dir, fixture_
     assert no_kernel.at(0, 1).norm_rope_attend is None
 
 
+def test_paged_decode_attend_with_a_kernel_makes_no_fallback_tensors(fixture_model):
+    """With csrc's kernel the attend launches nothing of its own (the fallback's write
+    offsets and mask would be three launches of every frame step that nothing reads); the
+    fallback still makes them, once per attend."""
+    import functools
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from engine.cache import PagedDecodeAttend, SlowKVCache
+    from engine.kernels.decode_attention import decode_attention
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    cfg = fixture_model.cfg.slow
+    cache = SlowKVCache(cfg, 4, 16, 64, device="cpu", dtype=torch.float32)
+    tables, pos = torch.tensor([[0], [1]]), torch.tensor([3, 7])
+    q = torch.randn(2, cfg.n_head, 1, cfg.head_dim)
+    k = torch.randn(2, cfg.n_local_heads, 1, cfg.head_dim)
+    kernel = functools.partial(decode_attention, kernel=False)
+    wblock = tables[:, 0].clone()
+    with Count() as made:
+        attend = PagedDecodeAttend(cache, tables, wblock, pos, 16, kernel)
+    assert made.ops == []
+    with_kernel = attend(0, q, k, k)
+    plain = PagedDecodeAttend(cache, tables, tables[:, 0].clone(), pos, 16)
+    with Count() as first:
+        got = plain(1, q, k, k)
+    with Count() as second:
+        plain(1, q, k, k)
+    assert any("remainder" in op for op in first.ops)
+    assert not any("remainder" in op for op in second.ops)  # made once per attend
+    torch.testing.assert_close(got, with_kernel, rtol=1e-5, atol=1e-5)
+
+
 def test_packed_semantic_head_matches_the_two_gemms(fixture_dir, fixture_model):
     """`Ops.packed_heads`: the semantic slice and <|im_end|> (scattered rows of the tied
     embedding) as one GEMM over a packed copy gives the logits of the two GEMMs and their

@@ -10,6 +10,7 @@ thing is plain tensor ops (CUDA-graph friendly). Temperature 0 means greedy.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .build import kernel_ok
@@ -68,6 +69,15 @@ def sample(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor, se
     return torch.where(temperature > 0, drawn, idx[:, 0])
 
 
+def sample_embed(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor,
+                 seed: Tensor, step: Tensor, stream: int | Tensor,
+                 table: Tensor) -> tuple[Tensor, Tensor]:
+    """`sample`, and the drawn ids' rows of an embedding table [R, D] (the next position's
+    input): -> (ids [B], table[ids] [B, D])."""
+    ids = sample(logits, temperature, top_p, top_k, seed, step, stream)
+    return ids, F.embedding(ids, table)
+
+
 def check(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor,
           seed: Tensor, step: Tensor, stream: Tensor) -> None:
     if logits.dim() != 2 or logits.dtype not in (torch.float32, torch.bfloat16):
@@ -83,6 +93,36 @@ def check(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor,
             raise ValueError(f"{name} is on {t.device}, logits on {logits.device}")
 
 
+def _embeds_in_kernel(table: Tensor, logits: Tensor) -> bool:
+    """Whether csrc's launch can copy rows of `table` (its contract, csrc/sampling.cu)."""
+    return (table.dim() == 2 and table.is_contiguous() and table.device == logits.device
+            and table.shape[0] >= logits.shape[1]
+            and (table.shape[1] * table.element_size()) % 16 == 0 and table.data_ptr() % 16 == 0)
+
+
+def _launch(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor, seed: Tensor,
+            step: Tensor, stream: Tensor, pdl: bool, table: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    B = logits.shape[0]
+    out = torch.empty(B, dtype=torch.int64, device=logits.device)
+    rows = None if table is None else torch.empty(B, table.shape[1], dtype=table.dtype,
+                                                  device=logits.device)
+    torch.ops.rtvoice_kernels.sample_topk(logits, temperature.contiguous(), top_p.contiguous(),
+                                          top_k.contiguous(), seed.contiguous(),
+                                          step.contiguous(), stream.contiguous(), out, pdl,
+                                          embed=table, embed_out=rows)
+    return out, rows
+
+
+def _kernel_takes(logits: Tensor, kernel: bool) -> bool:
+    return logits.shape[1] <= MAX_V and logits.stride(1) == 1 and kernel_ok(kernel, logits)
+
+
+def _streams(stream: int | Tensor, logits: Tensor) -> Tensor:
+    if isinstance(stream, int):
+        return torch.full((logits.shape[0],), stream, dtype=torch.int64, device=logits.device)
+    return stream
+
+
 def sample_topk(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor, seed: Tensor,
                 step: Tensor, stream: int | Tensor, *, kernel: bool = True,
                 pdl: bool = False) -> Tensor:
@@ -90,13 +130,29 @@ def sample_topk(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tenso
     rounding at top-p boundaries and race near-ties. Runs `sample` off CUDA, for V > 8192,
     without the extension, or with `kernel=False`. `pdl` (sm_90+): the launch may start
     while the kernel before it finishes (csrc/launch.cuh; same result)."""
-    if isinstance(stream, int):
-        stream = torch.full((logits.shape[0],), stream, dtype=torch.int64, device=logits.device)
+    stream = _streams(stream, logits)
     check(logits, temperature, top_p, top_k, seed, step, stream)
-    if logits.shape[1] <= MAX_V and logits.stride(1) == 1 and kernel_ok(kernel, logits):
-        out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
-        torch.ops.rtvoice_kernels.sample_topk(logits, temperature.contiguous(), top_p.contiguous(),
-                                              top_k.contiguous(), seed.contiguous(),
-                                              step.contiguous(), stream.contiguous(), out, pdl)
-        return out
+    if _kernel_takes(logits, kernel):
+        return _launch(logits, temperature, top_p, top_k, seed, step, stream, pdl, None)[0]
     return sample(logits, temperature, top_p, top_k, seed, step, stream)
+
+
+def sample_topk_embed(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor,
+                      seed: Tensor, step: Tensor, stream: int | Tensor, table: Tensor, *,
+                      kernel: bool = True, pdl: bool = False) -> tuple[Tensor, Tensor]:
+    """`sample_embed` in one launch: `sample_topk`'s draw, whose launch also copies the drawn
+    rows of `table` [R, D] (R >= V; rows of a multiple of 16 bytes) — else the draw and then
+    the lookup."""
+    stream = _streams(stream, logits)
+    check(logits, temperature, top_p, top_k, seed, step, stream)
+    if table.dim() != 2 or table.device != logits.device or table.shape[0] < logits.shape[1]:
+        raise ValueError(f"table must be [R, D] with R >= V = {logits.shape[1]} (a row for "
+                         f"every drawable index) on {logits.device}, got {list(table.shape)} "
+                         f"on {table.device}")
+    if _kernel_takes(logits, kernel) and _embeds_in_kernel(table, logits):
+        ids, rows = _launch(logits, temperature, top_p, top_k, seed, step, stream, pdl, table)
+        assert rows is not None
+        return ids, rows
+    ids = sample_topk(logits, temperature, top_p, top_k, seed, step, stream, kernel=kernel,
+                      pdl=pdl)
+    return ids, F.embedding(ids, table)
