@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -153,6 +154,33 @@ def test_batched_decode_matches_reference_per_sequence(fixture_dir, fixture_mode
         assert got[b, 11, :n].all() and not got[b, 11, n:].any()  # was_active
         assert got[b, 12, n - 1] == 1  # stopped on its budget
     assert int(runner.pos[2]) == prompts[2][0].shape[1] - 1 + 10
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="torch.compile on the CPU needs a C++ compiler")
+def test_compiled_ops_decode_the_reference_frames(fixture_dir, fixture_model, caplog):
+    """build_ops' compiled ops (inductor; here its CPU backend: the GPU's Triton kernels come
+    from the same graphs) give the reference's frames, with no op falling back to its eager
+    version: the input embedding, the draws (with the next codebook's row), the norms and
+    the bookkeeping whose stack and draw-step advance live in step_end."""
+    import logging
+
+    from engine.ops import build_ops
+
+    ops = build_ops("cpu", fused="compile")
+    assert ops.sample_embed.__name__ == "compiled_sample_embed"
+    prompts = _prompts(fixture_dir)
+    runner = ModelRunner(fixture_model, n_rows=len(prompts), max_len=512, block_size=16, ops=ops)
+    with caplog.at_level(logging.ERROR, logger="engine.fusion"):
+        for s, (p, _) in enumerate(prompts):
+            blocks = runner.own_blocks(s)
+            runner.prefill(blocks, p[:, :-1], 0)
+            runner.join(s, SamplingParams.greedy(), p[:, -1], p.shape[1] - 1, 6, 0, blocks)
+        got = torch.stack([runner.step(len(prompts), 200) for _ in range(6)], dim=2)
+    assert not [r for r in caplog.records if "failed" in r.getMessage()]
+    for b, (_, want) in enumerate(prompts):
+        assert torch.equal(got[b, :11], want[:, :6]), CASES[b]
+    assert runner.sampling.step[: len(prompts)].tolist() == [6] * len(prompts)
 
 
 def test_ras_condition_matches_reference_frames(fixture_dir, fixture_model):
