@@ -16,6 +16,7 @@ from engine.codec import (
     dummy_codec,
     load_codec,
 )
+from engine.codec.layers import MAX_PASS_FRAMES, ring_size
 from engine.codec.reference_checks import deterministic
 
 
@@ -63,6 +64,42 @@ def test_random_chunkings_match_offline(codec: Codec, buckets: bool) -> None:
             assert dec.position(sid) == frames
             diff = _max_diff(torch.cat(parts), want)
             assert diff <= STREAM_ATOL, f"trial {trial}: max abs diff {diff:.2e}"
+
+
+@pytest.mark.parametrize("buckets", [False, True])
+def test_streams_wrap_the_attention_ring_with_padded_passes(buckets: bool) -> None:
+    """A post-module window of 17 frames makes the K/V ring exactly window - 1 + 16 = 32
+    slots (no rounding slack): three streams batched at different offsets, with chunks of 1
+    to 16 frames and longer (split into passes), so every pass pads the shorter streams and
+    the rings wrap several times over 80 frames, match their offline decodes."""
+    import dataclasses
+
+    base = CodecConfig.preset("tiny")
+    post = dataclasses.replace(base.quantizer.post_module, window_size=17)
+    cfg = dataclasses.replace(base, quantizer=dataclasses.replace(base.quantizer,
+                                                                  post_module=post))
+    assert ring_size(17) == 32 == 17 - 1 + MAX_PASS_FRAMES
+    codec = dummy_codec(cfg, seed=3)
+    rng = random.Random(5)
+    frames = {"a": 80, "b": 77, "c": 64}
+    codes = {k: _codes(n, seed=50 + i) for i, (k, n) in enumerate(frames.items())}
+    with deterministic():
+        want = {k: _offline(codec, c) for k, c in codes.items()}
+        dec = StreamingDecoder(codec, max_streams=3, buckets=buckets, max_frames=128)
+        sids = {k: dec.open() for k in frames}
+        pos, parts = dict.fromkeys(frames, 0), {k: [] for k in frames}
+        while any(pos[k] < frames[k] for k in frames):
+            call = {}
+            for k, sid in sids.items():
+                n = rng.choice([0, 1, 2, 3, 7, 13, 16, 16, 21])
+                call[sid] = codes[k][:, pos[k]: pos[k] + n]
+                pos[k] += call[sid].shape[-1]
+            out = dec.decode(call)
+            for k, sid in sids.items():
+                parts[k].append(out[sid])
+    for k in frames:
+        diff = _max_diff(torch.cat(parts[k]), want[k])
+        assert diff <= STREAM_ATOL, f"stream {k}: max abs diff {diff:.2e}"
 
 
 def test_one_frame_chunks_past_the_window(codec: Codec) -> None:
@@ -282,14 +319,18 @@ def test_state_buffers_are_preallocated() -> None:
     dec.decode({sid: _codes(3, seed=1)})
     assert {k: v.data_ptr() for k, v in dec._state.items()} == before
     assert all(v.shape[0] == 8 + 1 for v in dec._state.values())  # + the scratch row
-    # one KV window of window-1 = 3 frames per post-module layer
+    # one K/V ring per post-module layer: window - 1 = 3 frames + a pass's 16, to 16s
     kv = [v for k, v in dec._state.items() if k.endswith(".k")]
-    assert len(kv) == 1 and kv[0].shape == (9, 2, 3, 32)
+    assert ring_size(4) == 32 and ring_size(128) == 144
+    assert len(kv) == 1 and kv[0].shape == (9, 2, 32, 32)
     assert dec.state_bytes > 0
     # every layer's state is a view of one buffer (one gather and one scatter per pass), the
-    # views tile it, and resetting a stream zeroes its row of every one
+    # views tile it in 64-element aligned pieces, and resetting a stream zeroes its row of
+    # every one
     flat = dec._flat
-    assert sum(v[0].numel() for v in dec._state.values()) == flat.shape[1]
+    align = dec.STATE_ALIGN
+    assert sum(-(-v[0].numel() // align) * align for v in dec._state.values()) == flat.shape[1]
+    assert all(v.storage_offset() % align == 0 for v in dec._state.values())
     assert all(v.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
                for v in dec._state.values())
     slot = dec._slot(sid)

@@ -8,11 +8,16 @@ continues a batch of streams from saved state:
 - causal convs keep the last ``(kernel-1)*dilation`` input samples ("tail");
 - causal transposed convs keep the last ``ceil((kernel-stride)/stride)`` input samples (the
   inputs whose kernel overlaps outputs not yet emitted);
-- windowed attention keeps the post-RoPE keys/values of the last ``window-1`` frames.
+- windowed attention keeps the post-RoPE keys/values in a ring of ``ring_size(window)``
+  slots (frame p in slot p mod size): a pass writes its new frames' k/v into their slots and
+  attends over the whole ring, masked by the position each slot holds — no concatenation of
+  the window with the new frames and no cut of the next window, as a tail would need.
 
-Streaming batches are right-padded to the longest chunk in the call. Everything is causal, so
-padding never leaks into valid outputs; the only place it matters is where a layer saves its
-tail, which :meth:`StreamContext.take_last` takes at each stream's own valid end.
+Streaming batches are right-padded to the longest chunk in the call (at most
+``MAX_PASS_FRAMES`` frames). Everything is causal, so padding never leaks into valid outputs;
+the only place it matters is where a layer saves its tail, which
+:meth:`StreamContext.take_last` takes at each stream's own valid end (and the ring, whose
+size keeps padded frames' slots out of every window still to be read).
 
 Shapes: conv-side tensors are ``[B, C, T]``; transformer internals ``[B, T, D]``. In memory
 the conv side is channels-first, or, with ``CodecOps.channels_last`` (the CUDA engine's
@@ -44,6 +49,7 @@ from ..kernels.codec_conv import supported as causal_conv_supported
 from .config import WindowTransformerConfig
 
 __all__ = [
+    "MAX_PASS_FRAMES",
     "Attention",
     "CausalConv1d",
     "CausalConvTranspose1d",
@@ -59,6 +65,7 @@ __all__ = [
     "TransformerBlock",
     "WindowLimitedTransformer",
     "conv_cl",
+    "ring_size",
     "snake",
     "stream_modules",
     "stream_sequential",
@@ -68,6 +75,20 @@ __all__ = [
 # ---------------------------------------------------------------------------------------------
 # Streaming plumbing
 # ---------------------------------------------------------------------------------------------
+# The most (padded) frames one streaming pass carries: StreamingDecoder splits longer chunks
+# into passes of at most this many. The attention's K/V ring is sized by it (`ring_size`).
+MAX_PASS_FRAMES = 16
+
+
+def ring_size(window: int) -> int:
+    """Slots of a window attention's K/V ring: the ``window - 1`` frames a pass's first query
+    reads from earlier passes plus the pass's own ``MAX_PASS_FRAMES`` (padding included), so
+    that a frame written by a pass — valid or padding, this pass or an earlier one — never
+    takes the slot of a frame some valid query still reads; rounded up to 16 (aligned rows for
+    the attention kernel)."""
+    return -(-(window - 1 + MAX_PASS_FRAMES) // 16) * 16
+
+
 class Stateful:
     """Mixin for layers that carry per-stream history in streaming mode.
 
@@ -591,17 +612,20 @@ class Attention(Stateful, nn.Module):
     def state_shapes(self) -> dict[str, tuple[int, ...]]:
         if self.window is None:
             raise RuntimeError("streaming attention needs a window size")
-        keep = self.window - 1
-        return {"k": (self.n_head, keep, self.head_dim), "v": (self.n_head, keep, self.head_dim)}
+        ring = ring_size(self.window)
+        return {"k": (self.n_head, ring, self.head_dim), "v": (self.n_head, ring, self.head_dim)}
 
-    def stream(self, x: Tensor, rope: Tensor, mask: Tensor, ctx: StreamContext) -> Tensor:
-        # x: [B, n, D]; rope: [B, n, hd/2, 2]; mask: [B, 1, n, window-1+n] bool
+    def stream(self, x: Tensor, rope: Tensor, mask: Tensor, at: Tensor,
+               ctx: StreamContext) -> Tensor:
+        # x: [B, n, D]; rope: [B, n, hd/2, 2]; mask: [B, 1, n, R] bool over the ring's slots
+        # after this pass's writes; at: [B, H, n, hd] int64, each new frame's ring slot
         q, k, v = self._qkv(x, rope)
-        keep = self.window - 1
-        kk = torch.cat([ctx.get(self, "k"), k], dim=2)  # [B, H, keep + n, hd]
-        vv = torch.cat([ctx.get(self, "v"), v], dim=2)
-        ctx.put(self, "k", ctx.take_last(kk, keep, dim=2))
-        ctx.put(self, "v", ctx.take_last(vv, keep, dim=2))
+        # the pass's own copy of the rings (the decoder gathers the streams' state for each
+        # pass), written in place: [B, H, R, hd]
+        kk = ctx.get(self, "k").scatter_(2, at, k)
+        vv = ctx.get(self, "v").scatter_(2, at, v)
+        ctx.put(self, "k", kk)
+        ctx.put(self, "v", vv)
         return self._out(F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask))
 
 
@@ -626,8 +650,9 @@ class TransformerBlock(nn.Module):
         h = x + self.attention_layer_scale(self.attention(self.attention_norm(x), rope, mask))
         return self._ffn(h)
 
-    def stream(self, x: Tensor, rope: Tensor, mask: Tensor, ctx: StreamContext) -> Tensor:
-        a = self.attention.stream(self.attention_norm(x), rope, mask, ctx)
+    def stream(self, x: Tensor, rope: Tensor, mask: Tensor, at: Tensor,
+               ctx: StreamContext) -> Tensor:
+        a = self.attention.stream(self.attention_norm(x), rope, mask, at, ctx)
         return self._ffn(x + self.attention_layer_scale(a))
 
 
@@ -715,20 +740,26 @@ class WindowLimitedTransformer(nn.Module):
             raise RuntimeError("streaming needs a window-limited transformer")
         x = self.input_proj(_time_major(x))  # [B, n, D]
         n = x.shape[1]
-        keep = self.window_size - 1
+        if n > MAX_PASS_FRAMES:
+            raise ValueError(f"a streaming pass carries at most {MAX_PASS_FRAMES} frames, got {n}")
+        R = ring_size(self.window_size)
         dev = x.device
         table = self.rope_rows(ctx.max_position + ctx.n_max, dev)
         pos = ctx.positions[:, None] + torch.arange(n, device=dev)  # [B, n] absolute frames
         rope = table[pos]  # [B, n, hd/2, 2]
-        # Absolute positions of the keys: the cached window, then the new frames.
-        key_pos = torch.cat(
-            [ctx.positions[:, None] - keep + torch.arange(keep, device=dev), pos], dim=1
-        )  # [B, keep + n]
-        qp, kp = pos[:, :, None], key_pos[:, None, :]
-        # cache slots before the stream start (negative positions) hold zeros: mask them out
-        mask = (kp <= qp) & (kp > qp - self.window_size) & (kp >= 0)  # [B, n, keep + n]
+        # The ring after this pass's writes (frames positions .. positions + n - 1, padding
+        # included): slot s holds the latest frame p < end with p = s mod R. A slot whose
+        # frame is negative was never written (zeros) and is masked out; one holding an older
+        # pass's padding is taken for a frame far enough back that no valid query reads it
+        # (`ring_size`).
+        end = (ctx.positions + n)[:, None]  # [B, 1]
+        kp = end - 1 - (end - 1 - torch.arange(R, device=dev)).remainder(R)  # [B, R]
+        qp, kp = pos[:, :, None], kp[:, None, :]
+        mask = (kp <= qp) & (kp > qp - self.window_size) & (kp >= 0)  # [B, n, R]
         mask = mask[:, None]
+        c = self.layers[0].attention
+        at = pos.remainder(R)[:, None, :, None].expand(-1, c.n_head, -1, c.head_dim)
         for layer in self.layers:
-            x = layer.stream(x, rope, mask, ctx)
+            x = layer.stream(x, rope, mask, at, ctx)
         x = self.output_proj(self.norm(x))
         return x.transpose(1, 2)

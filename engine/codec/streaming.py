@@ -1,10 +1,11 @@
 """Stateful streaming decoder, batched over streams.
 
 Each open stream owns a slot in preallocated state buffers (one ``[max_streams, ...]`` tensor
-per stateful layer: conv tails, transposed-conv input history, attention K/V windows of the last
-``window-1`` frames). A :meth:`StreamingDecoder.decode` call
+per stateful layer: conv tails, transposed-conv input history, the window attention's K/V
+rings, layers.ring_size). A :meth:`StreamingDecoder.decode` call
 
-1. right-pads the given chunks to the longest one and stacks them into one batch,
+1. right-pads the given chunks to the longest one (passes of at most ``MAX_PASS_FRAMES``
+   frames; a longer chunk continues in the next pass) and stacks them into one batch,
 2. gathers the state rows of those streams (``index_select``),
 3. runs the codec's decode path once for the whole batch (``Codec.stream_decode``),
 4. scatters the new state back (``index_copy_``) and cuts each stream's samples.
@@ -40,7 +41,7 @@ from torch import Tensor
 
 from .. import capture as graphs
 from .. import staging
-from .layers import CodecOps, StreamContext, WindowLimitedTransformer
+from .layers import MAX_PASS_FRAMES, CodecOps, StreamContext, WindowLimitedTransformer
 from .model import Codec
 
 __all__ = ["STREAM_ATOL", "StreamingDecoder"]
@@ -65,6 +66,10 @@ class StreamingDecoder:
     """
 
     FRAME_BUCKETS = (1, 2, 4, 8, 16)  # frames per pass in bucketed mode
+    assert FRAME_BUCKETS[-1] <= MAX_PASS_FRAMES  # the attention rings are sized for it
+    # each layer's state starts at a multiple of this many elements of a stream's flat row
+    # (and the row's width is one): aligned views for the attention and conv kernels
+    STATE_ALIGN = 64
     STREAM_LADDER = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # streams per pass
     # capture() lets cuDNN time its algorithms (cudnn.benchmark) for buckets of this many
     # stream-frames (streams x frames) and more. Its heuristic NHWC plans are far off for some
@@ -115,9 +120,14 @@ class StreamingDecoder:
         # direction was 72 small kernels of a tick)
         self._shapes = {f"{m.state_key}.{name}": shape for m in codec.streaming_modules()
                         for name, shape in m.state_shapes().items()}
-        self._flat = torch.zeros(max_streams + 1,
-                                 sum(math.prod(s) for s in self._shapes.values()),
-                                 device=self.device, dtype=self.dtype)
+        self._offsets: dict[str, int] = {}
+        width = 0
+        for key, shape in self._shapes.items():
+            self._offsets[key] = width
+            width += -(-math.prod(shape) // self.STATE_ALIGN) * self.STATE_ALIGN
+        self._flat = torch.zeros(max_streams + 1, width, device=self.device, dtype=self.dtype)
+        self._gap = torch.zeros(max_streams + 1, self.STATE_ALIGN, device=self.device,
+                                dtype=self.dtype)
         self._state: dict[str, Tensor] = self._views(self._flat)
         self.buckets = buckets
         # stream buckets stop at graph_streams: the engine opens twice its slots (turns still
@@ -192,12 +202,11 @@ class StreamingDecoder:
         self._position[slot] = 0
 
     def _views(self, flat: Tensor) -> dict[str, Tensor]:
-        """Each layer's state as a view of `flat` [B, total] ([B, *shape] per key)."""
-        out, at = {}, 0
+        """Each layer's state as a view of `flat` [B, width] ([B, *shape] per key)."""
+        out = {}
         for k, shape in self._shapes.items():
-            n = math.prod(shape)
-            out[k] = flat[:, at: at + n].view(flat.shape[0], *shape)
-            at += n
+            at = self._offsets[k]
+            out[k] = flat[:, at: at + math.prod(shape)].view(flat.shape[0], *shape)
         return out
 
     def _gather_state(self, slots: Tensor) -> dict[str, Tensor]:
@@ -250,18 +259,28 @@ class StreamingDecoder:
         self._check_values(torch.cat([c.reshape(-1).to(self.device) for _, _, c in active]),
                            active)
         for group in self._groups(active):
-            out.update(self._decode_group(group, [self._position[slot] for _, slot, _ in group]))
+            # passes of at most MAX_PASS_FRAMES frames (the attention rings' bound): a
+            # stream's longer chunk continues in the next pass, from its state
+            pieces: dict[int, list[Tensor]] = {sid: [] for sid, _, _ in group}
+            for at in range(0, max(c.shape[-1] for _, _, c in group), MAX_PASS_FRAMES):
+                part = [(sid, slot, c[:, at: at + MAX_PASS_FRAMES])
+                        for sid, slot, c in group if c.shape[-1] > at]
+                got = self._decode_group(part, [self._position[slot] for _, slot, _ in part])
+                for sid, audio in got.items():
+                    pieces[sid].append(audio)
+            out.update({sid: p[0] if len(p) == 1 else torch.cat(p) for sid, p in pieces.items()})
         return out
 
     def _groups(self, active: list[tuple[int, int, Tensor]]) -> list[list[tuple[int, int, Tensor]]]:
-        """`active` in passes of at most call_frames streams x padded frames each (a stream
-        longer than that gets a pass of its own)."""
+        """`active` in groups of at most call_frames streams x padded frames per pass (a
+        pass carries at most MAX_PASS_FRAMES frames of each; a stream longer than the bound
+        gets a group of its own)."""
         if self.call_frames <= 0:
             return [active]
         groups: list[list[tuple[int, int, Tensor]]] = [[]]
         widest = 0
         for item in active:
-            n = item[2].shape[-1]
+            n = min(item[2].shape[-1], MAX_PASS_FRAMES)
             if groups[-1] and (len(groups[-1]) + 1) * max(widest, n) > self.call_frames:
                 groups.append([])
                 widest = 0
@@ -311,8 +330,13 @@ class StreamingDecoder:
             missing = sorted(self._state.keys() - ctx.new_state.keys())
             raise RuntimeError(f"streaming pass left state not updated: {missing[:4]}")
         if self._state:
-            new = [ctx.new_state[k].reshape(len(slots_t), -1) for k in self._state]
-            self._flat.index_copy_(0, slots_t, torch.cat(new, dim=1))
+            B, pieces = len(slots_t), []
+            for k, shape in self._shapes.items():
+                pieces.append(ctx.new_state[k].reshape(B, -1))
+                gap = -math.prod(shape) % self.STATE_ALIGN
+                if gap:  # alignment gaps (never read): zeros, so the rows are one cat
+                    pieces.append(self._gap[:B, :gap])
+            self._flat.index_copy_(0, slots_t, torch.cat(pieces, dim=1))
 
     # -- bucketed passes (CUDA graphs on a GPU) ------------------------------------------------------
     def _static_pass(self, inp: dict[str, Tensor]) -> Tensor:
