@@ -314,29 +314,33 @@ def test_rope_positions_beyond_block_size() -> None:
 def test_state_buffers_are_preallocated() -> None:
     codec = dummy_codec(CodecConfig.preset("tiny"))
     dec = StreamingDecoder(codec, max_streams=8)
-    before = {k: v.data_ptr() for k, v in dec._state.items()}
+    bufs = {**dec._state, **dec._rings}
+    before = {k: v.data_ptr() for k, v in bufs.items()}
     sid = dec.open()
     dec.decode({sid: _codes(3, seed=1)})
-    assert {k: v.data_ptr() for k, v in dec._state.items()} == before
-    assert all(v.shape[0] == 8 + 1 for v in dec._state.values())  # + the scratch row
-    # one K/V ring per post-module layer: window - 1 = 3 frames + a pass's 16, to 16s
-    kv = [v for k, v in dec._state.items() if k.endswith(".k")]
+    assert {k: v.data_ptr() for k, v in {**dec._state, **dec._rings}.items()} == before
+    assert all(v.shape[0] == 8 + 1 for v in bufs.values())  # + the scratch row
+    # one K/V ring per post-module layer, kept in place: window - 1 = 3 frames + a pass's
+    # 16, to 16s, of [heads, head_dim] rows; the other state is gathered and scattered
+    assert set(dec._rings) == {k for k in bufs if k.endswith((".k", ".v"))}
+    assert not set(dec._rings) & set(dec._state)
     assert ring_size(4) == 32 and ring_size(128) == 144
-    assert len(kv) == 1 and kv[0].shape == (9, 2, 32, 32)
-    assert dec.state_bytes > 0
-    # every layer's state is a view of one buffer (one gather and one scatter per pass), the
-    # views tile it in 64-element aligned pieces, and resetting a stream zeroes its row of
-    # every one
-    flat = dec._flat
+    kv = [v for k, v in dec._rings.items() if k.endswith(".k")]
+    assert len(kv) == 1 and kv[0].shape == (9, 32, 2, 32)
+    assert dec.state_bytes == sum(v.numel() * v.element_size() for v in bufs.values())
+    # each kind's views tile one buffer (one gather and one scatter per pass for the state)
+    # in 64-element aligned pieces, and resetting a stream zeroes its row of every one
     align = dec.STATE_ALIGN
-    assert sum(-(-v[0].numel() // align) * align for v in dec._state.values()) == flat.shape[1]
-    assert all(v.storage_offset() % align == 0 for v in dec._state.values())
-    assert all(v.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
-               for v in dec._state.values())
+    for views, flat in ((dec._state, dec._flat), (dec._rings, dec._ring_flat)):
+        assert sum(-(-v[0].numel() // align) * align for v in views.values()) == flat.shape[1]
+        assert all(v.storage_offset() % align == 0 for v in views.values())
+        assert all(v.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+                   for v in views.values())
     slot = dec._slot(sid)
     assert any(bool(v[slot].any()) for v in dec._state.values())
+    assert all(bool(v[slot].any()) for v in dec._rings.values())
     dec.reset(sid)
-    assert not any(bool(v[slot].any()) for v in dec._state.values())
+    assert not any(bool(v[slot].any()) for v in bufs.values())
 
 
 def test_channels_last_conv_weights_follow_the_module() -> None:

@@ -94,13 +94,20 @@ class Stateful:
 
     ``state_key`` is set by the owning :class:`~engine.codec.model.Codec` to the layer's module
     path; the streaming decoder allocates one ``[max_streams, *shape]`` buffer per entry of
-    :meth:`state_shapes` under the key ``f"{state_key}.{name}"``.
+    :meth:`state_shapes` and of :meth:`ring_shapes` under the key ``f"{state_key}.{name}"``.
+    A pass gathers the streams' rows of the first kind and scatters the new values back
+    (`StreamContext.get` / `put`); the second kind stays where it is and the layer reads and
+    writes the streams' rows in place (`StreamContext.ring`, `slots`): state of which a
+    pass changes a small part.
     """
 
     state_key: str = ""
 
     def state_shapes(self) -> dict[str, tuple[int, ...]]:
         raise NotImplementedError
+
+    def ring_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {}
 
 
 class StreamContext:
@@ -110,7 +117,9 @@ class StreamContext:
     ``n_max`` frames. ``positions``: [B] int64 frames each stream had decoded before this call
     (absolute RoPE positions start there). ``max_position``: host-side max of ``positions``
     (so RoPE tables can be sized without a device sync). ``ops``: the pointwise ops the
-    streaming layers call (:class:`CodecOps`; the torch formulas by default).
+    streaming layers call (:class:`CodecOps`; the torch formulas by default). ``rings``: the
+    decoder's in-place state buffers ([slots, *shape] per key, `Stateful.ring_shapes`) and
+    ``slots`` [B] int64 the streams' rows of them.
     """
 
     def __init__(
@@ -122,6 +131,8 @@ class StreamContext:
         state: dict[str, Tensor],
         uniform: bool,
         ops: CodecOps | None = None,
+        rings: dict[str, Tensor] | None = None,
+        slots: Tensor | None = None,
     ) -> None:
         self.ops = ops if ops is not None else CodecOps()
         self.lengths = lengths
@@ -131,9 +142,17 @@ class StreamContext:
         self.state = state
         self.new_state: dict[str, Tensor] = {}
         self.uniform = uniform  # every stream has n_max frames: tails are plain slices
+        self.rings = rings or {}
+        self.slots = slots
 
     def get(self, layer: Stateful, name: str) -> Tensor:
         return self.state[f"{layer.state_key}.{name}"]
+
+    def ring(self, layer: Stateful, name: str) -> tuple[Tensor, Tensor]:
+        """(the decoder's whole buffer [slots, *shape], the streams' rows of it [B])."""
+        if self.slots is None:
+            raise RuntimeError("this streaming call has no in-place state (rings, slots)")
+        return self.rings[f"{layer.state_key}.{name}"], self.slots
 
     def put(self, layer: Stateful, name: str, value: Tensor) -> None:
         self.new_state[f"{layer.state_key}.{name}"] = value
@@ -610,23 +629,27 @@ class Attention(Stateful, nn.Module):
         return self._out(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
 
     def state_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {}
+
+    def ring_shapes(self) -> dict[str, tuple[int, ...]]:
+        # [R, H, hd] per stream: a frame's heads side by side, so that a pass writes each new
+        # frame's k (or v) [H, hd] as one row of the ring
         if self.window is None:
             raise RuntimeError("streaming attention needs a window size")
         ring = ring_size(self.window)
-        return {"k": (self.n_head, ring, self.head_dim), "v": (self.n_head, ring, self.head_dim)}
+        return {"k": (ring, self.n_head, self.head_dim), "v": (ring, self.n_head, self.head_dim)}
 
     def stream(self, x: Tensor, rope: Tensor, mask: Tensor, at: Tensor,
                ctx: StreamContext) -> Tensor:
         # x: [B, n, D]; rope: [B, n, hd/2, 2]; mask: [B, 1, n, R] bool over the ring's slots
-        # after this pass's writes; at: [B, H, n, hd] int64, each new frame's ring slot
-        q, k, v = self._qkv(x, rope)
-        # the pass's own copy of the rings (the decoder gathers the streams' state for each
-        # pass), written in place: [B, H, R, hd]
-        kk = ctx.get(self, "k").scatter_(2, at, k)
-        vv = ctx.get(self, "v").scatter_(2, at, v)
-        ctx.put(self, "k", kk)
-        ctx.put(self, "v", vv)
-        return self._out(F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask))
+        # after this pass's writes; at: [B, n] int64, each new frame's ring slot
+        q, k, v = self._qkv(x, rope)  # [B, H, n, hd]
+        out = []
+        for name, new in (("k", k), ("v", v)):
+            buf, slots = ctx.ring(self, name)  # [S, R, H, hd], [B]
+            buf[slots[:, None], at] = new.transpose(1, 2)  # the new frames, in place
+            out.append(buf.index_select(0, slots).transpose(1, 2))  # [B, H, R, hd]
+        return self._out(F.scaled_dot_product_attention(q, out[0], out[1], attn_mask=mask))
 
 
 class TransformerBlock(nn.Module):
@@ -757,8 +780,7 @@ class WindowLimitedTransformer(nn.Module):
         qp, kp = pos[:, :, None], kp[:, None, :]
         mask = (kp <= qp) & (kp > qp - self.window_size) & (kp >= 0)  # [B, n, R]
         mask = mask[:, None]
-        c = self.layers[0].attention
-        at = pos.remainder(R)[:, None, :, None].expand(-1, c.n_head, -1, c.head_dim)
+        at = pos.remainder(R)  # [B, n]
         for layer in self.layers:
             x = layer.stream(x, rope, mask, at, ctx)
         x = self.output_proj(self.norm(x))

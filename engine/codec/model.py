@@ -211,7 +211,7 @@ class Codec(nn.Module):
         out: list[Stateful] = []
         for root in (self.quantizer.post_module, self.quantizer.upsample, self.decoder):
             for m in root.modules():
-                if isinstance(m, Stateful) and m.state_shapes():
+                if isinstance(m, Stateful) and (m.state_shapes() or m.ring_shapes()):
                     out.append(m)
         return out
 

@@ -115,20 +115,21 @@ class StreamingDecoder:
         self.call_frames = call_frames
         # state buffers: key -> [max_streams + 1, *per-stream shape], zeros = "nothing before";
         # the last row is scratch: bucket padding reads and writes it, no stream owns it.
-        # They are views of one [max_streams + 1, total] buffer, so a pass gathers and
+        # They are views of one [max_streams + 1, width] buffer, so a pass gathers and
         # scatters every layer's state in one indexed copy each (a copy per layer and
-        # direction was 72 small kernels of a tick)
-        self._shapes = {f"{m.state_key}.{name}": shape for m in codec.streaming_modules()
+        # direction was 72 small kernels of a tick). The attention's K/V rings (95 % of the
+        # bytes, of which a pass changes at most 16 frames) live in a second such buffer
+        # that the layers write and read in place (`Stateful.ring_shapes`): no pass copies
+        # them back.
+        modules = codec.streaming_modules()
+        self._shapes = {f"{m.state_key}.{name}": shape for m in modules
                         for name, shape in m.state_shapes().items()}
-        self._offsets: dict[str, int] = {}
-        width = 0
-        for key, shape in self._shapes.items():
-            self._offsets[key] = width
-            width += -(-math.prod(shape) // self.STATE_ALIGN) * self.STATE_ALIGN
-        self._flat = torch.zeros(max_streams + 1, width, device=self.device, dtype=self.dtype)
+        self._ring_shapes = {f"{m.state_key}.{name}": shape for m in modules
+                             for name, shape in m.ring_shapes().items()}
+        self._flat, self._state = self._buffer(self._shapes)
+        self._ring_flat, self._rings = self._buffer(self._ring_shapes)
         self._gap = torch.zeros(max_streams + 1, self.STATE_ALIGN, device=self.device,
                                 dtype=self.dtype)
-        self._state: dict[str, Tensor] = self._views(self._flat)
         self.buckets = buckets
         # stream buckets stop at graph_streams: the engine opens twice its slots (turns still
         # draining) but rarely decodes more than its slots at once, and the biggest buckets
@@ -160,7 +161,8 @@ class StreamingDecoder:
 
     @property
     def state_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._state.values())
+        return sum(t.numel() * t.element_size()
+                   for t in (*self._state.values(), *self._rings.values()))
 
     def open(self) -> int:
         """Open a new stream; returns its id (ids are never reused)."""
@@ -199,14 +201,31 @@ class StreamingDecoder:
     def _clear(self, slot: int) -> None:
         with torch.no_grad():
             self._flat[slot].zero_()
+            self._ring_flat[slot].zero_()
         self._position[slot] = 0
 
-    def _views(self, flat: Tensor) -> dict[str, Tensor]:
-        """Each layer's state as a view of `flat` [B, width] ([B, *shape] per key)."""
+    def _offsets(self, shapes: Mapping[str, tuple[int, ...]]) -> tuple[dict[str, int], int]:
+        """Where each key starts in a stream's row (STATE_ALIGN-aligned), and the row width."""
+        at, width = {}, 0
+        for k, shape in shapes.items():
+            at[k] = width
+            width += -(-math.prod(shape) // self.STATE_ALIGN) * self.STATE_ALIGN
+        return at, width
+
+    def _buffer(self, shapes: Mapping[str, tuple[int, ...]]) -> tuple[Tensor, dict[str, Tensor]]:
+        """A zeroed [max_streams + 1, width] buffer and its per-key views."""
+        flat = torch.zeros(self.max_streams + 1, self._offsets(shapes)[1], device=self.device,
+                           dtype=self.dtype)
+        return flat, self._views(flat, shapes)
+
+    def _views(self, flat: Tensor, shapes: Mapping[str, tuple[int, ...]] | None = None
+               ) -> dict[str, Tensor]:
+        """Each key's rows as a view of `flat` [B, width] ([B, *shape] per key; the
+        gathered state's keys by default)."""
+        shapes = self._shapes if shapes is None else shapes
         out = {}
-        for k, shape in self._shapes.items():
-            at = self._offsets[k]
-            out[k] = flat[:, at: at + math.prod(shape)].view(flat.shape[0], *shape)
+        for k, at in self._offsets(shapes)[0].items():
+            out[k] = flat[:, at: at + math.prod(shapes[k])].view(flat.shape[0], *shapes[k])
         return out
 
     def _gather_state(self, slots: Tensor) -> dict[str, Tensor]:
@@ -310,6 +329,8 @@ class StreamingDecoder:
             state=self._gather_state(slots_t),
             uniform=all(n == n_max for n in lengths),
             ops=self.ops,
+            rings=self._rings,
+            slots=slots_t,
         )
         with torch.no_grad():
             audio = self.codec.stream_decode(batch, ctx)  # [B, 1, n_max * 2048]
@@ -346,7 +367,7 @@ class StreamingDecoder:
         ctx = StreamContext(lengths=inp["lengths"], positions=inp["positions"],
                             n_max=codes.shape[-1], max_position=0,
                             state=self._gather_state(inp["slots"]), uniform=False,
-                            ops=self.ops)
+                            ops=self.ops, rings=self._rings, slots=inp["slots"])
         audio = self.codec.stream_decode(codes, ctx)  # [Bb, 1, nb * 2048]
         self._store_state(ctx, inp["slots"])
         return audio
