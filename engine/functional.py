@@ -58,6 +58,11 @@ def silu_mul(a: Tensor, b: Tensor) -> Tensor:
     return F.silu(a) * b
 
 
+def add_scaled(x: Tensor, y: Tensor, gamma: Tensor) -> Tensor:
+    """A residual add with a LayerScale on its branch: x + y * gamma."""
+    return x + y * gamma
+
+
 def embed_columns(cols: Tensor, tok_table: Tensor, cb_table: Tensor, offsets: Tensor,
                   semantic_start: int, semantic_end: int, scale: float) -> Tensor:
     """The slow AR's input: cols [B, 1+K, T] int (row 0 token ids, rows 1..K codes) -> x

@@ -205,7 +205,9 @@ class Ops:
                 "bookkeeping": getattr(self.book.step_end, "__name__", str(self.book.step_end)),
                 "codec_kernels": self.codec.fold_bias,
                 "codec_conv_plan": self.codec.conv_plan is not None,
-                "codec_channels_last": self.codec.channels_last}
+                "codec_channels_last": self.codec.channels_last,
+                "codec_transformer": getattr(self.codec.rms_norm, "__name__",
+                                             str(self.codec.rms_norm))}
 
 
 REFERENCE = Ops()
@@ -236,7 +238,8 @@ def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool 
               codec_snake_into_next: bool = False, codec_conv_fast_sine: bool = True,
               attend_prologue: bool = False) -> Ops:
     """The ops an engine on `device` runs. `fused`: "compile" (torch.compile'd elementwise ops
-    and the packed FFN GEMM), "reference", or "auto" (compile on CUDA only). `kernels`: use
+    — the model's and the codec transformer's — and the packed FFN GEMM), "reference", or
+    "auto" (compile on CUDA only). `kernels`: use
     csrc's kernels where the extension is built, and with compiled ops the Triton q/k norm +
     RoPE kernel (CUDA; False: the torch fallbacks and compiled references everywhere); `sampler_kernel` / `codec_kernels` / `split_kv` select the sampler's draw,
     the codec's Snake/bias kernels and decode attention's split positions among them,
@@ -302,6 +305,11 @@ def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool 
         codec = dataclasses.replace(codec, conv_plan=codec_conv.load_plan(codec_conv_table),
                                     snake_into_next=codec_snake_into_next,
                                     conv_fast_sine=codec_conv_fast_sine)
+    if fused == "compile":  # the codec transformer's pointwise ops: instances of their own
+        # (the codec's shapes and dtypes would spend the model's recompile budget)
+        codec = dataclasses.replace(codec, **{
+            name: fusion.compiled(f"codec_{name}", getattr(functional, name))
+            for name in ("rms_norm", "norm_rope_qk", "silu_mul", "add_scaled")})
     if cuda:
         plan = linear.load_plan(linear_table)
         parts["dense_plan"] = plan if fp8_dense else None

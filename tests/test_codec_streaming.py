@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import shutil
 
 import pytest
 import torch
@@ -100,6 +101,52 @@ def test_streams_wrap_the_attention_ring_with_padded_passes(buckets: bool) -> No
     for k in frames:
         diff = _max_diff(torch.cat(parts[k]), want[k])
         assert diff <= STREAM_ATOL, f"stream {k}: max abs diff {diff:.2e}"
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="torch.compile on the CPU needs a C++ compiler")
+@pytest.mark.parametrize("buckets", [False, True])
+def test_compiled_transformer_ops_stream_as_offline(codec: Codec, buckets: bool,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """build_ops' compiled codec ops (inductor; its CPU backend here) for the window
+    transformer's norms, RoPE, silu * mul and LayerScale'd adds: two streams in uneven
+    chunks match the offline decode, with no op falling back to its eager version."""
+    import dataclasses
+    import logging
+
+    from engine.ops import build_ops
+
+    ops = build_ops("cpu", fused="compile").codec
+    calls: dict[str, int] = {}
+
+    def counted(name: str):  # type: ignore[no-untyped-def]
+        fn = getattr(ops, name)
+        assert fn.__name__ == f"compiled_codec_{name}"
+
+        def call(*a):  # type: ignore[no-untyped-def]
+            calls[name] = calls.get(name, 0) + 1
+            return fn(*a)
+        return call
+
+    names = ("rms_norm", "norm_rope_qk", "silu_mul", "add_scaled")
+    ops = dataclasses.replace(ops, **{n: counted(n) for n in names})
+    codes = [_codes(n, seed=60 + n) for n in (21, 13)]
+    with deterministic(), caplog.at_level(logging.ERROR, logger="engine.fusion"):
+        want = [_offline(codec, c) for c in codes]
+        dec = StreamingDecoder(codec, max_streams=2, buckets=buckets, max_frames=64, ops=ops)
+        sids = [dec.open(), dec.open()]
+        parts: list[list[torch.Tensor]] = [[], []]
+        at = [0, 0]
+        for n in (1, 5, 2, 8, 7):
+            out = dec.decode({sid: codes[i][:, at[i]: at[i] + n] for i, sid in enumerate(sids)})
+            for i, sid in enumerate(sids):
+                parts[i].append(out[sid])
+                at[i] += n
+    assert not [r for r in caplog.records if "failed" in r.getMessage()]
+    assert set(calls) == set(names)  # the streaming path runs each of them
+    for i in range(2):
+        diff = _max_diff(torch.cat(parts[i]), want[i])
+        assert diff <= STREAM_ATOL, f"stream {i}: max abs diff {diff:.2e}"
 
 
 def test_one_frame_chunks_past_the_window(codec: Codec) -> None:

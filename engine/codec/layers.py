@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..functional import apply_rope, rms_norm, rope_table
+from ..functional import add_scaled, apply_rope, norm_rope_qk, rms_norm, rope_table, silu_mul
 from ..fusion import derived
 from ..kernels.activation import (
     bias_residual_torch,
@@ -262,6 +262,14 @@ class CodecOps:
     # cuDNN's fast kernels are NHWC, and a channels-first conv pays a transpose of its input
     # and of its output (4 of a 64 x 8 tick's 12 ms of convs on the H200)
     channels_last: bool = False
+    # the window transformer's pointwise ops on the streaming path (engine/ops.py hands
+    # compiled versions of the same functions: eager, a layer is ~45 launches of the small
+    # ticks' launch-bound graphs): its RMSNorms, the RoPE of q and k (no q/k norm), the
+    # FFN's silu * mul and the LayerScale'd residual adds
+    rms_norm: Callable[..., Tensor] = rms_norm  # (x, w, eps)
+    norm_rope_qk: Callable[..., tuple[Tensor, Tensor]] = norm_rope_qk  # (q, k, None, None, cs, eps)
+    silu_mul: Callable[[Tensor, Tensor], Tensor] = silu_mul  # (a, b): silu(a) * b
+    add_scaled: Callable[..., Tensor] = add_scaled  # (x, y, gamma): x + y * gamma
 
 
 class Snake1d(nn.Module):
@@ -605,15 +613,19 @@ class Attention(Stateful, nn.Module):
         self.wo = nn.Linear(n_head * head_dim, dim, bias=False)
         self.window = window
 
-    def _qkv(self, x: Tensor, rope: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        # x: [B, T, D] -> q, k, v: [B, H, T, hd] (q, k rotated)
+    def _qkv(self, x: Tensor, rope: Tensor,
+             ops: CodecOps | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        # x: [B, T, D] -> q, k, v: [B, H, T, hd] (q, k rotated; `ops`: the streaming path's)
         bsz, seqlen, _ = x.shape
         size = self.n_head * self.head_dim
         q, k, v = self.wqkv(x).split([size, size, size], dim=-1)
         q = q.view(bsz, seqlen, self.n_head, self.head_dim)
         k = k.view(bsz, seqlen, self.n_head, self.head_dim)
         v = v.view(bsz, seqlen, self.n_head, self.head_dim)
-        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        if ops is None:
+            q, k = apply_rope(q, rope), apply_rope(k, rope)
+        else:  # the same rotation of both (no q/k norm weights), one op
+            q, k = ops.norm_rope_qk(q, k, None, None, rope, 0.0)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     def _out(self, y: Tensor) -> Tensor:
@@ -643,7 +655,7 @@ class Attention(Stateful, nn.Module):
                ctx: StreamContext) -> Tensor:
         # x: [B, n, D]; rope: [B, n, hd/2, 2]; mask: [B, 1, n, R] bool over the ring's slots
         # after this pass's writes; at: [B, n] int64, each new frame's ring slot
-        q, k, v = self._qkv(x, rope)  # [B, H, n, hd]
+        q, k, v = self._qkv(x, rope, ctx.ops)  # [B, H, n, hd]
         out = []
         for name, new in (("k", k), ("v", v)):
             buf, slots = ctx.ring(self, name)  # [S, R, H, hd], [B]
@@ -675,8 +687,13 @@ class TransformerBlock(nn.Module):
 
     def stream(self, x: Tensor, rope: Tensor, mask: Tensor, at: Tensor,
                ctx: StreamContext) -> Tensor:
-        a = self.attention.stream(self.attention_norm(x), rope, mask, at, ctx)
-        return self._ffn(x + self.attention_layer_scale(a))
+        # forward's math through the streaming ops (ctx.ops), op for op
+        ops, an, fn, ff = ctx.ops, self.attention_norm, self.ffn_norm, self.feed_forward
+        a = self.attention.stream(ops.rms_norm(x, an.weight, an.eps), rope, mask, at, ctx)
+        h = ops.add_scaled(x, a, self.attention_layer_scale.gamma)
+        n = ops.rms_norm(h, fn.weight, fn.eps)
+        f = ff.w2(ops.silu_mul(ff.w1(n), ff.w3(n)))
+        return ops.add_scaled(h, f, self.ffn_layer_scale.gamma)
 
 
 def _time_major(x: Tensor) -> Tensor:
@@ -783,5 +800,5 @@ class WindowLimitedTransformer(nn.Module):
         at = pos.remainder(R)  # [B, n]
         for layer in self.layers:
             x = layer.stream(x, rope, mask, at, ctx)
-        x = self.output_proj(self.norm(x))
+        x = self.output_proj(ctx.ops.rms_norm(x, self.norm.weight, self.norm.eps))
         return x.transpose(1, 2)
