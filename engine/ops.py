@@ -307,9 +307,10 @@ def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool 
                                     conv_fast_sine=codec_conv_fast_sine)
     if fused == "compile":  # the codec transformer's pointwise ops: instances of their own
         # (the codec's shapes and dtypes would spend the model's recompile budget)
+        ref = CodecOps()
         codec = dataclasses.replace(codec, **{
-            name: fusion.compiled(f"codec_{name}", getattr(functional, name))
-            for name in ("rms_norm", "norm_rope_qk", "silu_mul", "add_scaled")})
+            name: fusion.compiled(f"codec_{name}", getattr(ref, name))
+            for name in ("rms_norm", "norm_rope_qk", "silu_mul", "add_scaled", "ring_window")})
     if cuda:
         plan = linear.load_plan(linear_table)
         parts["dense_plan"] = plan if fp8_dense else None

@@ -128,7 +128,7 @@ def test_compiled_transformer_ops_stream_as_offline(codec: Codec, buckets: bool,
             return fn(*a)
         return call
 
-    names = ("rms_norm", "norm_rope_qk", "silu_mul", "add_scaled")
+    names = ("rms_norm", "norm_rope_qk", "silu_mul", "add_scaled", "ring_window")
     ops = dataclasses.replace(ops, **{n: counted(n) for n in names})
     codes = [_codes(n, seed=60 + n) for n in (21, 13)]
     with deterministic(), caplog.at_level(logging.ERROR, logger="engine.fusion"):

@@ -66,6 +66,7 @@ __all__ = [
     "WindowLimitedTransformer",
     "conv_cl",
     "ring_size",
+    "ring_window",
     "snake",
     "stream_modules",
     "stream_sequential",
@@ -226,6 +227,26 @@ def stream_modules(mods: list[nn.Module], x: Tensor, ctx: StreamContext) -> Tens
     return x
 
 
+def ring_window(positions: Tensor, n: int, ring: int,
+                window: int) -> tuple[Tensor, Tensor, Tensor]:
+    """A streaming pass of n frames per stream over its attention ring of `ring` slots:
+    positions [B] (frames decoded before) -> (pos [B, n]: the new frames' absolute
+    positions, at [B, n]: their ring slots, mask [B, 1, n, ring] bool: which slots each new
+    frame attends to once the pass has written its frames).
+
+    After the writes (frames positions .. positions + n - 1, padding included) slot s holds
+    the latest frame p < end = positions + n with p = s mod ring. A slot whose frame is
+    negative was never written (zeros) and is masked out; one holding an older pass's
+    padding is taken for a frame far enough back that no valid query reads it
+    (`ring_size`). Frame q sees frames q - window < p <= q."""
+    pos = positions[:, None] + torch.arange(n, device=positions.device)  # [B, n]
+    end = (positions + n)[:, None]  # [B, 1]
+    kp = end - 1 - (end - 1 - torch.arange(ring, device=positions.device)).remainder(ring)
+    qp, kp = pos[:, :, None], kp[:, None, :]  # [B, n, 1], [B, 1, R]
+    mask = (kp <= qp) & (kp > qp - window) & (kp >= 0)  # [B, n, R]
+    return pos, pos.remainder(ring), mask[:, None]
+
+
 # ---------------------------------------------------------------------------------------------
 # Snake and the pointwise ops of the streaming path
 # ---------------------------------------------------------------------------------------------
@@ -270,6 +291,8 @@ class CodecOps:
     norm_rope_qk: Callable[..., tuple[Tensor, Tensor]] = norm_rope_qk  # (q, k, None, None, cs, eps)
     silu_mul: Callable[[Tensor, Tensor], Tensor] = silu_mul  # (a, b): silu(a) * b
     add_scaled: Callable[..., Tensor] = add_scaled  # (x, y, gamma): x + y * gamma
+    # (positions, n, ring, window) -> a pass's frame positions, ring slots and mask
+    ring_window: Callable[..., tuple[Tensor, Tensor, Tensor]] = ring_window
 
 
 class Snake1d(nn.Module):
@@ -782,22 +805,10 @@ class WindowLimitedTransformer(nn.Module):
         n = x.shape[1]
         if n > MAX_PASS_FRAMES:
             raise ValueError(f"a streaming pass carries at most {MAX_PASS_FRAMES} frames, got {n}")
-        R = ring_size(self.window_size)
-        dev = x.device
-        table = self.rope_rows(ctx.max_position + ctx.n_max, dev)
-        pos = ctx.positions[:, None] + torch.arange(n, device=dev)  # [B, n] absolute frames
+        table = self.rope_rows(ctx.max_position + ctx.n_max, x.device)
+        pos, at, mask = ctx.ops.ring_window(ctx.positions, n, ring_size(self.window_size),
+                                            self.window_size)
         rope = table[pos]  # [B, n, hd/2, 2]
-        # The ring after this pass's writes (frames positions .. positions + n - 1, padding
-        # included): slot s holds the latest frame p < end with p = s mod R. A slot whose
-        # frame is negative was never written (zeros) and is masked out; one holding an older
-        # pass's padding is taken for a frame far enough back that no valid query reads it
-        # (`ring_size`).
-        end = (ctx.positions + n)[:, None]  # [B, 1]
-        kp = end - 1 - (end - 1 - torch.arange(R, device=dev)).remainder(R)  # [B, R]
-        qp, kp = pos[:, :, None], kp[:, None, :]
-        mask = (kp <= qp) & (kp > qp - self.window_size) & (kp >= 0)  # [B, n, R]
-        mask = mask[:, None]
-        at = pos.remainder(R)  # [B, n]
         for layer in self.layers:
             x = layer.stream(x, rope, mask, at, ctx)
         x = self.output_proj(ctx.ops.rms_norm(x, self.norm.weight, self.norm.eps))
