@@ -1,0 +1,102 @@
+"""The operations of one graphed codec pass: the aten ops a bucketed streaming pass of S streams
+x F frames of the S2-Pro codec dispatches (view-only ops left out: they launch nothing), on the
+meta device (no weights, no compute: runs anywhere in seconds), with the window transformer's
+pointwise ops as the torch formulas and as one op each (what build_ops' compiled versions make
+of them: one inductor graph per call).
+
+    PYTHONPATH=. python scripts/codec_op_count.py [--ticks 64x8,1x2] [--json F]
+
+The torch formulas stand in for csrc's Snake / bias kernels too, so the counts are an upper
+bound on a CUDA pass's kernels, for comparing trees and settings, not a profile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+from engine.codec import Codec, CodecConfig
+from engine.codec.layers import CodecOps
+from engine.codec.streaming import StreamingDecoder
+
+COMPILED = ("rms_norm", "norm_rope_qk", "silu_mul", "add_scaled", "ring_window")
+VIEWS = {"view", "_unsafe_view", "transpose", "slice", "unsqueeze", "squeeze", "expand",
+         "permute", "select", "split", "split_with_sizes", "t", "reshape", "alias", "detach",
+         "as_strided"}
+
+
+class OpCount(TorchDispatchMode):
+    """Counts the non-view aten ops dispatched inside it, and `count.opaque` calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        name = func.overloadpacket.__name__
+        if name not in VIEWS:
+            self.ops[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _opaque(fn: Callable[..., Any], name: str, counts: list[OpCount]) -> Callable[..., Any]:
+    def call(*args: Any) -> Any:
+        with _disable_current_modes():
+            out = fn(*args)
+        counts[-1].ops[f"compiled:{name}"] += 1
+        return out
+    return call
+
+
+def pass_ops(codec: Codec, streams: int, frames: int, compiled: bool) -> dict[str, int]:
+    counts: list[OpCount] = []
+    ref = CodecOps()
+    ops = (CodecOps(**{n: _opaque(getattr(ref, n), n, counts) for n in COMPILED}) if compiled
+           else ref)
+    dec = StreamingDecoder(codec, max_streams=max(streams, 1), buckets=True, max_frames=512,
+                           ops=ops)
+    inp = dec._inputs(streams, frames)
+    counts.append(OpCount())
+    with torch.no_grad(), counts[-1]:
+        dec._static_pass(inp)
+    return dict(counts[-1].ops)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ticks", default="64x8,1x2", help="streams x frames per pass, comma-separated")
+    ap.add_argument("--json", help="write the counts by op here")
+    args = ap.parse_args(argv)
+    ticks = []
+    for t in args.ticks.split(","):
+        try:
+            s, f = (int(v) for v in t.lower().split("x"))
+        except ValueError:
+            ap.error(f"--ticks: {t!r} is not STREAMSxFRAMES")
+        if s < 1 or not 1 <= f <= 16:
+            ap.error(f"--ticks: {t!r}: streams >= 1, frames in 1..16 (one pass)")
+        ticks.append((s, f))
+    with torch.device("meta"):
+        codec = Codec(CodecConfig.preset("s2-pro"))
+    codec = codec.to(torch.bfloat16)
+    out = {}
+    for s, f in ticks:
+        row = {mode: pass_ops(codec, s, f, mode == "compiled") for mode in ("eager", "compiled")}
+        out[f"{s}x{f}"] = row
+        print(f"{s:3d} x {f:2d}: {sum(row['eager'].values()):4d} ops with the torch formulas, "
+              f"{sum(row['compiled'].values()):4d} with the transformer's pointwise ops compiled")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(out, fh, separators=(",", ":"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
