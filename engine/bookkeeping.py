@@ -31,7 +31,7 @@ def step_end(columns: Sequence[Tensor], was: Tensor, next_col: Tensor, pos: Tens
     """Rows' state after the step's frame columns (1+K tensors [B]: token, code 0..K-1):
     next_col [B, 1+K], pos, frames_left, active and the sampler's draw_step [B] (views of
     the runner's and the sampler's rows) are updated in place; every row's draw_step
-    advances (`Sampling.advance`), a row stops at <|im_end|> or when its frame budget runs
+    advances (as `SlotSampling.advance`), a row stops at <|im_end|> or when its frame budget runs
     out. -> [B, 1+K+2]: frame, was_active, stopped (int64)."""
     frames = torch.stack(list(columns), dim=1)  # [B, 1+K]
     next_col.copy_(torch.where(was[:, None], frames, next_col))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -47,10 +48,23 @@ def _allow_recompiles() -> None:
             setattr(torch._dynamo.config, knob, _RECOMPILE_LIMIT)
 
 
-def compiled(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+def _own_code(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """`fn` as a function with a code object of its own: dynamo keeps its compiled graphs,
+    and counts recompiles against the limit, per code object, whichever torch.compile
+    wrapper called it."""
+    code = fn.__code__.replace(co_name=name)  # type: ignore[attr-defined]
+    return types.FunctionType(code, fn.__globals__, name, fn.__defaults__,  # type: ignore[attr-defined]
+                              fn.__closure__)  # type: ignore[attr-defined]
+
+
+def compiled(name: str, fn: Callable[..., Any], *, own_cache: bool = False) -> Callable[..., Any]:
     """`fn` compiled by inductor (dynamic shapes, one graph); if compiling it ever fails (a new
     shape past the recompile limit, a backend error) the call logs once and `fn` runs from
-    then on, except inside a CUDA-graph capture, where it raises."""
+    then on, except inside a CUDA-graph capture, where it raises. `own_cache`: compiled
+    graphs and recompile budget of its own, not shared with other compiled wrappers of
+    `fn` (dynamo keys both on the code object)."""
+    if own_cache:
+        fn = _own_code(fn, name)
     fused = torch.compile(fn, dynamic=True, fullgraph=True, options=_INDUCTOR_OPTIONS)
     state = {"ok": True}
     limits = threading.local()  # this op's calling threads that have the raised limit

@@ -7,15 +7,17 @@ so a request's draws depend only on its own seed and step — is
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .bookkeeping import Bookkeeping
 from .kernels.prev_tokens import prev_tokens_shift_checked
-from .kernels.sampling import TOPK_MAX, exponential_noise, sample, sample_embed
+from .kernels.sampling import TOPK_MAX, exponential_noise, sample
 
 __all__ = ["STREAM_FAST", "STREAM_MAIN", "STREAM_RAS", "TOPK_MAX", "SamplingParams",
            "SlotSampling", "exponential_noise", "sample"]
@@ -55,6 +57,13 @@ class SamplingParams:
         return cls(temperature=0.0, top_p=1.0, top_k=1)
 
 
+def _draw_then_embed(draw: Callable[..., Tensor], *args: Tensor | int) -> tuple[Tensor, Tensor]:
+    """`draw(*args[:-1])` and the drawn ids' rows of the table args[-1]."""
+    *rest, table = args
+    ids = draw(*rest)
+    return ids, F.embedding(ids, table)
+
+
 class SlotSampling:
     """Per-slot sampling state held on the device: parameters, seeds, step counters and the
     RAS window of recent main tokens (-1 = empty). `draw` is the sampling rule's
@@ -63,11 +72,14 @@ class SlotSampling:
 
     def __init__(self, n_slots: int, device: torch.device | str, max_window: int = 16, *,
                  draw: Callable[..., Tensor] = sample,
-                 draw_embed: Callable[..., tuple[Tensor, Tensor]] = sample_embed,
+                 draw_embed: Callable[..., tuple[Tensor, Tensor]] | None = None,
                  shift: Callable[[Tensor, Tensor], None] | None = None,
                  book: Bookkeeping | None = None) -> None:
         d = torch.device(device)
-        self.draw, self.draw_embed = draw, draw_embed
+        # draw_embed: the draw with the drawn ids' table rows (None: `draw`, then the lookup —
+        # never another rule than `draw`'s)
+        self.draw = draw
+        self.draw_embed = draw_embed or functools.partial(_draw_then_embed, draw)
         self.book = book or Bookkeeping()
         self.shift = shift or prev_tokens_shift_checked
         self.temperature = torch.zeros(n_slots, device=d)
@@ -106,7 +118,9 @@ class SlotSampling:
 
     def sample_main(self, slots: Tensor | slice, logits: Tensor, n_semantic: int) -> Tensor:
         """Main-token choice with repetition-aware sampling. logits [B, n_semantic+1] -> idx [B]
-        (index n_semantic means <|im_end|>). Updates the window and step of `slots`."""
+        (index n_semantic means <|im_end|>). Updates the window of `slots`; their step is
+        advanced once per frame, after every draw of it (`advance`, or the decode step's
+        `Bookkeeping.step_end`)."""
         seed, step = self.seed[slots], self.step[slots]
         # RAS: a second candidate (temperature 1.0, top-p 0.9, same top-k); taken when the main
         # token is semantic and already among the last `ras_window` main tokens. The frame

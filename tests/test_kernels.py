@@ -350,16 +350,27 @@ def test_sample_topk_embed_fallback_and_contract():
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("pdl", [False, True])
-def test_sample_topk_embed_cuda_copies_the_drawn_rows(pdl):
+def test_sample_topk_embed_cuda_copies_the_drawn_rows(pdl, monkeypatch):
     """csrc's draw with the row copy: the ids of the plain launch, each output row
     bit-equal to the table's row (bf16 and float32 tables, a wide row, a row of one 16-byte
-    vector); rows the kernel cannot copy (not a multiple of 16 bytes) take the lookup."""
+    vector), copied by the launch itself (the lookup is made to fail there); rows the kernel
+    cannot copy (not a multiple of 16 bytes) take the lookup."""
+    import types
+
     assert extension_available(), "the CUDA extension did not build"
+
+    def no_lookup(*a, **k):  # type: ignore[no-untyped-def]
+        raise AssertionError("the launch should have copied the rows")
+
+    lookup = sampling.F
     for B, V, D, dt in ((1, 4096, 2560, torch.bfloat16), (64, 4096, 2560, torch.bfloat16),
                         (5, 100, 8, torch.bfloat16), (7, 300, 36, torch.float32),
                         (3, 300, 12, torch.bfloat16)):
         args = _draw_case(B, V, "cuda", seed=B + D)
         table = torch.randn(V + 3, D, device="cuda").to(dt)
+        in_kernel = D * table.element_size() % 16 == 0
+        monkeypatch.setattr(sampling, "F", types.SimpleNamespace(embedding=no_lookup)
+                            if in_kernel else lookup)
         ids, rows = sampling.sample_topk_embed(*args, table, pdl=pdl)
         assert torch.equal(ids, sampling.sample_topk(*args, pdl=pdl)), (B, V, D)
         assert rows.dtype == dt and rows.shape == (B, D)

@@ -333,6 +333,29 @@ def test_a_fused_op_raises_the_recompile_limit_in_every_thread_that_calls_it():
     assert seen["limit"] >= 64
 
 
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="torch.compile on the CPU needs a C++ compiler")
+def test_a_fused_op_with_its_own_cache_keeps_its_recompiles_apart():
+    """`compiled(..., own_cache=True)` (the codec's copies of the model's pointwise ops):
+    dynamo keeps compiled graphs and counts recompiles per code object, so its dtypes and
+    shapes land in a cache of its own, not in the one the model's wrapper of the same
+    function fills; both give the function's values."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from engine import functional, fusion
+
+    shared = fusion.compiled("add_scaled_t", functional.add_scaled)
+    own = fusion.compiled("codec_add_scaled_t", functional.add_scaled, own_cache=True)
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(shared(x, x, x[0]), functional.add_scaled(x, x, x[0]))
+    after_shared = len(_debug_get_cache_entry_list(functional.add_scaled.__code__))
+    assert after_shared >= 1
+    for dt in (torch.float64, torch.float16):  # dtypes the shared cache has not seen
+        y = x.to(dt)
+        torch.testing.assert_close(own(y, y, y[0]), functional.add_scaled(y, y, y[0]))
+    assert len(_debug_get_cache_entry_list(functional.add_scaled.__code__)) == after_shared
+
+
 def test_fast_position_zero_writes_the_whole_positions_kv(fixture_dir, fixture_model,
                                                           monkeypatch):
     """The runner's fast AR position 0 (`DualAR.fast_kv`: the last layer's attention alone,

@@ -128,3 +128,19 @@ def test_ras_ignores_im_end():
 def test_params_validation(kw):
     with pytest.raises(ValueError):
         SamplingParams(**kw)
+
+
+def test_fast_draw_with_its_rows_follows_the_slots_draw():
+    """sample_fast_embed: the codes of sample_fast and their table rows; without a
+    draw_embed of its own, the rule is the slots' `draw` (never another one)."""
+    s = SlotSampling(3, "cpu")
+    for slot in range(3):
+        s.assign(slot, SamplingParams(temperature=0.8, top_p=0.9, top_k=20), seed=slot)
+    logits, table = torch.randn(3, 50), torch.randn(50, 6)
+    codes, rows = s.sample_fast_embed(slice(0, 3), logits, 4, table)
+    assert torch.equal(codes, s.sample_fast(slice(0, 3), logits, 4))
+    assert torch.equal(rows, table[codes])
+    last = torch.tensor([49, 48, 47])
+    odd = SlotSampling(3, "cpu", draw=lambda logits, *a: last)
+    codes, rows = odd.sample_fast_embed(slice(0, 3), logits, 4, table)
+    assert torch.equal(codes, last) and torch.equal(rows, table[last])

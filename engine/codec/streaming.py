@@ -7,8 +7,13 @@ rings, layers.ring_size). A :meth:`StreamingDecoder.decode` call
 1. right-pads the given chunks to the longest one (passes of at most ``MAX_PASS_FRAMES``
    frames; a longer chunk continues in the next pass) and stacks them into one batch,
 2. gathers the state rows of those streams (``index_select``),
-3. runs the codec's decode path once for the whole batch (``Codec.stream_decode``),
+3. runs the codec's decode path once for the whole batch (``Codec.stream_decode``), whose
+   window attention writes and reads the streams' K/V rings in place (no gather),
 4. scatters the new state back (``index_copy_``) and cuts each stream's samples.
+
+Every value is checked before the first pass, so a bad chunk changes no stream; a call of
+several passes that fails on the device later keeps what its earlier passes decoded (each
+stream's position moves with its state, pass by pass).
 
 Because every layer is causal and every saved tail is taken at the stream's own valid end,
 the concatenated output of any chunking equals the offline ``Codec.decode`` of the whole
@@ -504,8 +509,9 @@ class StreamingDecoder:
                 if take[i] > 0:
                     pieces[i].append(flat[i, : take[i] * self.frame_length])
                     done[i] += take[i]
+                    # with the pass's state: a later pass that fails leaves them in step
+                    self._position[slots[i]] += take[i]
         out: dict[int, Tensor] = {}
-        for i, (sid, slot, _) in enumerate(active):
-            self._position[slot] += lengths[i]
+        for i, (sid, _, _) in enumerate(active):
             out[sid] = pieces[i][0] if len(pieces[i]) == 1 else torch.cat(pieces[i])
         return out
