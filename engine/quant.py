@@ -85,6 +85,22 @@ def check_fp8(q: Tensor, scale: Tensor, name: str = "weight") -> None:
 
 
 @torch.no_grad()
+def check_fp8_values(q: Tensor, scale: Tensor, name: str = "weight") -> None:
+    """The values every FP8 kernel assumes (checked where weights are loaded, not per call):
+    no e4m3 NaN code (0x7F / 0xFF: the kernels' conversions disagree on it, some reading
+    +-480) and finite, non-negative block scales. `quantize_fp8` writes neither."""
+    nan_codes = int(((q.view(torch.uint8) & 0x7F) == 0x7F).sum())
+    if nan_codes:
+        raise ValueError(f"{name}: {nan_codes} FP8 values are NaN (e4m3 code 0x7F/0xFF): "
+                         "requantise the layer from its bf16 weights (`rtvoice quantize`)")
+    bad = ~torch.isfinite(scale) | (scale < 0)
+    if bool(bad.any()):
+        raise ValueError(f"{name}: {int(bad.sum())} block scales are negative or not finite "
+                         f"(first at block {tuple(bad.nonzero()[0].tolist())}): requantise the "
+                         "layer from its bf16 weights (`rtvoice quantize`)")
+
+
+@torch.no_grad()
 def quantize_fp8(w: Tensor) -> Fp8Weight:
     """W [N, K] (any float dtype) -> e4m3 values and per-128x128-block scales (amax / 448)."""
     if w.dim() != 2 or not w.is_floating_point():

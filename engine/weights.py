@@ -26,6 +26,7 @@ from .quant import (
     FP8,
     Fp8Linear,
     Fp8Weight,
+    check_fp8_values,
     dequantize_fp8,
     fp8_layers,
     quantisable,
@@ -149,6 +150,7 @@ def load_model(path: str | Path, cfg: ModelConfig | None = None, *, device: str 
                 fw = Fp8Weight(part["q"], part["scale"].float())
                 try:
                     fw.check()
+                    check_fp8_values(fw.q, fw.scale, "values")
                 except ValueError as e:
                     raise CheckpointError(f"{path}: {param_to_checkpoint_key(module + '.weight')}: "
                                           f"{e}") from None
@@ -178,10 +180,12 @@ def load_model(path: str | Path, cfg: ModelConfig | None = None, *, device: str 
                               + (" ..." if len(missing) > 5 else ""))
     model.load_state_dict(state, strict=True, assign=True)
     model.init_buffers(device)
-    for m in model.modules():
+    for mod_name, m in model.named_modules():
         if isinstance(m, Fp8Linear):
             try:
                 m.weight.check()
+                check_fp8_values(m.weight.q, m.weight.scale,
+                                 param_to_checkpoint_key(mod_name + ".weight"))
             except ValueError as e:
                 raise CheckpointError(f"{path}: {e}") from None
     if fp8 and not stored_fp8:

@@ -377,3 +377,30 @@ def test_fp8_gate_command(tmp_path):
     report = json.loads(out.read_text())
     assert report["passed"] is True
     assert main(["fp8-gate", "--bound", "1e-6"]) == 1
+
+
+@pytest.mark.parametrize("fp8", [True, False])
+def test_nan_codes_and_bad_scales_are_refused_at_load(tmp_path, wide, fp8):
+    """An FP8 checkpoint with an e4m3 NaN code (0x7F / 0xFF, which the kernels' conversions
+    read differently) or a non-finite or negative block scale is refused at load, naming the
+    layer and what to do, whether it loads as FP8 or dequantised."""
+    from safetensors.torch import load_file, save_file
+
+    m = copy.deepcopy(wide)
+    quantize_model(m)
+    save_checkpoint(m, tmp_path / "q")
+    shard = next((tmp_path / "q").glob("model-*.safetensors"))
+    clean = load_file(str(shard))
+    key = "text_model.model.layers.1.attention.wo.weight"
+    for what, edit in (("NaN", lambda t: t[key].view(torch.uint8).view(-1).__setitem__(5, 0xFF)),
+                       ("not finite", lambda t: t[key + "_scale_inv"].view(-1).__setitem__(
+                           0, float("inf"))),
+                       ("negative", lambda t: t[key + "_scale_inv"].view(-1).__setitem__(
+                           1, -0.5))):
+        t = {k: v.clone() for k, v in clean.items()}
+        edit(t)
+        save_file(t, str(shard))
+        with pytest.raises(CheckpointError, match=f"wo.*{what}.*rtvoice quantize"):
+            load_model(tmp_path / "q", dtype=torch.float32, fp8=fp8)
+    save_file(clean, str(shard))
+    load_model(tmp_path / "q", dtype=torch.float32, fp8=fp8)  # the clean one loads
