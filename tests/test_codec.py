@@ -436,15 +436,20 @@ def test_resample_kinds_and_errors() -> None:
         resample_to_codec_rate([0.0, 1.0], 16000)  # type: ignore[arg-type]
 
 
+def _script(name: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """scripts/<name> run from the repository root, its output captured."""
+    return subprocess.run([sys.executable, f"scripts/{name}", *args], capture_output=True,
+                          text=True, timeout=300, cwd=Path(__file__).parent.parent,
+                          env={**os.environ, "PYTHONPATH": "."})
+
+
 def test_codec_flops_script_counts_every_conv_output(tmp_path: Path) -> None:
     """scripts/codec_flops.py (the arithmetic PERF.md prices a codec tick with) against an
     independent count over the S2-Pro decoder's convs from forward hooks on the meta device:
     2 x outputs x input channels per group x taps (a transposed conv: 2 x inputs x output
     channels per group x taps)."""
     out = tmp_path / "flops.json"
-    run = subprocess.run([sys.executable, "scripts/codec_flops.py", "--ticks", "4x2,2x3",
-                          "--json", str(out)], capture_output=True, text=True, timeout=300,
-                         cwd=Path(__file__).parent.parent, env={**os.environ, "PYTHONPATH": "."})
+    run = _script("codec_flops.py", "--ticks", "4x2,2x3", "--json", str(out))
     assert run.returncode == 0, run.stderr
     ticks = json.loads(out.read_text())["ticks"]
     assert [(t["streams"], t["frames"]) for t in ticks] == [(4, 2), (2, 3)]
@@ -480,9 +485,7 @@ def test_codec_op_count_script_counts_a_pass(tmp_path: Path) -> None:
     silu * mul per layer, one ring window per pass), and the pass has fewer ops than with the
     torch formulas; the same convolutions either way."""
     out = tmp_path / "ops.json"
-    run = subprocess.run([sys.executable, "scripts/codec_op_count.py", "--ticks", "2x2",
-                          "--json", str(out)], capture_output=True, text=True, timeout=300,
-                         cwd=Path(__file__).parent.parent, env={**os.environ, "PYTHONPATH": "."})
+    run = _script("codec_op_count.py", "--ticks", "2x2", "--json", str(out))
     assert run.returncode == 0, run.stderr
     row = json.loads(out.read_text())["2x2"]
     eager, compiled = row["eager"], row["compiled"]
@@ -492,7 +495,5 @@ def test_codec_op_count_script_counts_a_pass(tmp_path: Path) -> None:
     assert not any(k.startswith("compiled:") for k in eager)
     assert compiled["convolution"] == eager["convolution"] > 0
     assert sum(compiled.values()) < sum(eager.values())
-    bad = subprocess.run([sys.executable, "scripts/codec_op_count.py", "--ticks", "2x17"],
-                         capture_output=True, text=True, timeout=60,
-                         cwd=Path(__file__).parent.parent, env={**os.environ, "PYTHONPATH": "."})
+    bad = _script("codec_op_count.py", "--ticks", "2x17")
     assert bad.returncode == 2 and "frames in 1..16" in bad.stderr

@@ -162,14 +162,21 @@ def test_save_and_reload_give_bit_identical_logits(tmp_path, wide):
     assert torch.equal(_logits(dense, cols), want)
 
 
-def test_a_scale_saved_in_the_wrong_layout_is_refused(tmp_path, wide):
-    from safetensors.torch import load_file, save_file
+def _quantised_shard(tmp_path, wide):  # type: ignore[no-untyped-def]
+    """`wide` quantised and saved under tmp_path / "q": (its shard, the shard's tensors)."""
+    from safetensors.torch import load_file
 
     m = copy.deepcopy(wide)
     quantize_model(m)
     save_checkpoint(m, tmp_path / "q")
     shard = next((tmp_path / "q").glob("model-*.safetensors"))
-    t = load_file(str(shard))
+    return shard, load_file(str(shard))
+
+
+def test_a_scale_saved_in_the_wrong_layout_is_refused(tmp_path, wide):
+    from safetensors.torch import save_file
+
+    shard, t = _quantised_shard(tmp_path, wide)
     key = "text_model.model.layers.0.feed_forward.w2.weight_scale_inv"
     assert t[key].shape[0] != t[key].shape[1]
     t[key] = t[key].t().contiguous()
@@ -384,13 +391,9 @@ def test_nan_codes_and_bad_scales_are_refused_at_load(tmp_path, wide, fp8):
     """An FP8 checkpoint with an e4m3 NaN code (0x7F / 0xFF, which the kernels' conversions
     read differently) or a non-finite or negative block scale is refused at load, naming the
     layer and what to do, whether it loads as FP8 or dequantised."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
-    m = copy.deepcopy(wide)
-    quantize_model(m)
-    save_checkpoint(m, tmp_path / "q")
-    shard = next((tmp_path / "q").glob("model-*.safetensors"))
-    clean = load_file(str(shard))
+    shard, clean = _quantised_shard(tmp_path, wide)
     key = "text_model.model.layers.1.attention.wo.weight"
     for what, edit in (("NaN", lambda t: t[key].view(torch.uint8).view(-1).__setitem__(5, 0xFF)),
                        ("not finite", lambda t: t[key + "_scale_inv"].view(-1).__setitem__(
