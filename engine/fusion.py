@@ -52,9 +52,13 @@ def _own_code(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
     """`fn` as a function with a code object of its own: dynamo keeps its compiled graphs,
     and counts recompiles against the limit, per code object, whichever torch.compile
     wrapper called it."""
-    code = fn.__code__.replace(co_name=name)  # type: ignore[attr-defined]
-    return types.FunctionType(code, fn.__globals__, name, fn.__defaults__,  # type: ignore[attr-defined]
-                              fn.__closure__)  # type: ignore[attr-defined]
+    if not isinstance(fn, types.FunctionType):
+        raise TypeError(f"own_cache needs a plain Python function, got {type(fn).__name__}")
+    copy = types.FunctionType(fn.__code__.replace(co_name=name), fn.__globals__, name,
+                              fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    copy.__doc__, copy.__module__ = fn.__doc__, fn.__module__
+    return copy
 
 
 def compiled(name: str, fn: Callable[..., Any], *, own_cache: bool = False) -> Callable[..., Any]:
