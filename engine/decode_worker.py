@@ -44,7 +44,7 @@ class _Gaps:
 
 class DecodeWorker:
     def __init__(self, runner: ModelRunner, stream: torch.cuda.Stream | None, *, span_step: int,
-                 stats: dict[str, float]) -> None:
+                 stats: dict[str, float], one_row: bool = False) -> None:
         self.runner = runner
         self.stream = stream
         self.stats = stats
@@ -53,8 +53,10 @@ class DecodeWorker:
         # more for a batch of exactly 1 (it specialises sizes 0 and 1), at every start (tiny
         # model: 13 decode-shape traces with it, 7 without; on the H200 ~0.6 s each before
         # ready), and a lone turn pays for it only a second, inactive row (the bf16 linear
-        # table: M=2 within 0.2-3 % of M=1 for every S2-Pro shape)
-        ladder = BATCH_LADDER[1:] if runner.ops.fused == "compile" else BATCH_LADDER
+        # table: M=2 within 0.2-3 % of M=1 for every S2-Pro shape; the whole step 2 % slower
+        # in FP8: 4.17 against 4.09 ms). `one_row` (EngineConfig.one_row_bucket) keeps it.
+        ladder = (BATCH_LADDER[1:] if runner.ops.fused == "compile" and not one_row
+                  else BATCH_LADDER)
         self.batches = buckets(ladder, runner.n_rows)
         # Span buckets bound the keys the decode step's torch attention reads; csrc's
         # decode_attention reads exactly 0..pos, so with it one span serves every step.

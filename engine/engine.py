@@ -166,7 +166,8 @@ class Engine:
         # one stream and replayed concurrently on three would share one workspace (split-K
         # GEMMs coordinate through it).
         self.decode_worker = DecodeWorker(runner, self._stream("decode"),
-                                          span_step=config.span_step, stats=self.stats)
+                                          span_step=config.span_step, stats=self.stats,
+                                          one_row=config.one_row_bucket)
         self.prefill_worker = PrefillWorker(runner, self._stream("prefill"),
                                             chunk=config.prefill_chunk,
                                             batch=config.prefill_batch, stats=self.stats)

@@ -309,15 +309,21 @@ def test_compiled_ops_start_the_decode_batch_ladder_at_two_rows():
 
     from engine.decode_worker import DecodeWorker
 
-    def worker(fused: str, rows: int) -> DecodeWorker:
+    def worker(fused: str, rows: int, one_row: bool = False) -> DecodeWorker:
         runner = SimpleNamespace(device=torch.device("cpu"), n_rows=rows, max_len=256,
                                  attention_kernel=True, out_width=13,
                                  ops=SimpleNamespace(fused=fused))
-        return DecodeWorker(runner, None, span_step=256, stats={})  # type: ignore[arg-type]
+        return DecodeWorker(runner, None, span_step=256, stats={},  # type: ignore[arg-type]
+                            one_row=one_row)
 
     assert worker("compile", 8).batches == [2, 4, 8]
     assert worker("reference", 8).batches == [1, 2, 4, 8]
     assert worker("compile", 1).batches == [1]
+    # EngineConfig.one_row_bucket: the one-row bucket with compiled ops too
+    assert worker("compile", 8, one_row=True).batches == [1, 2, 4, 8]
+    from engine.config import EngineConfig
+
+    assert EngineConfig().one_row_bucket is False
 
 
 def test_decoding_may_pause_only_when_no_one_waits_on_it():
