@@ -305,13 +305,14 @@ def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool 
         codec = dataclasses.replace(codec, conv_plan=codec_conv.load_plan(codec_conv_table),
                                     snake_into_next=codec_snake_into_next,
                                     conv_fast_sine=codec_conv_fast_sine)
-    if fused == "compile":  # the codec transformer's pointwise ops, with compiled graphs and
-        # recompile budgets of their own (the codec's shapes and dtypes would spend the
-        # model's: dynamo keys both on the function's code)
+    if fused == "compile":  # the codec transformer's pointwise ops and the convs' tail cuts,
+        # with compiled graphs and recompile budgets of their own (the codec's shapes and
+        # dtypes would spend the model's: dynamo keys both on the function's code)
         ref = CodecOps()
         codec = dataclasses.replace(codec, **{
             name: fusion.compiled(f"codec_{name}", getattr(ref, name), own_cache=True)
-            for name in ("rms_norm", "norm_rope_qk", "silu_mul", "add_scaled", "ring_window")})
+            for name in ("rms_norm", "norm_rope_qk", "silu_mul", "add_scaled", "ring_window",
+                         "take_last")})
     if cuda:
         plan = linear.load_plan(linear_table)
         parts["dense_plan"] = plan if fp8_dense else None

@@ -1,8 +1,8 @@
 """The operations of one graphed codec pass: the aten ops a bucketed streaming pass of S streams
 x F frames of the S2-Pro codec dispatches (view-only ops left out: they launch nothing), on the
-meta device (no weights, no compute: runs anywhere in seconds), with the window transformer's
-pointwise ops as the torch formulas and as one op each (what build_ops' compiled versions make
-of them: one inductor graph per call).
+meta device (no weights, no compute: runs anywhere in seconds), with the codec ops build_ops
+compiles (the window transformer's pointwise ops, the convs' tail cuts) as the torch formulas
+and as one op each (what their compiled versions make of them: one inductor graph per call).
 
     PYTHONPATH=. python scripts/codec_op_count.py [--ticks 64x8,1x2] [--json F]
 
@@ -26,7 +26,7 @@ from engine.codec import Codec, CodecConfig
 from engine.codec.layers import CodecOps
 from engine.codec.streaming import StreamingDecoder
 
-COMPILED = ("rms_norm", "norm_rope_qk", "silu_mul", "add_scaled", "ring_window")
+COMPILED = ("rms_norm", "norm_rope_qk", "silu_mul", "add_scaled", "ring_window", "take_last")
 VIEWS = {"view", "_unsafe_view", "transpose", "slice", "unsqueeze", "squeeze", "expand",
          "permute", "select", "split", "split_with_sizes", "t", "reshape", "alias", "detach",
          "as_strided"}
@@ -71,7 +71,8 @@ def pass_ops(codec: Codec, streams: int, frames: int, compiled: bool) -> dict[st
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--ticks", default="64x8,1x2", help="streams x frames per pass, comma-separated")
+    ap.add_argument("--ticks", default="64x8,1x2",
+                    help="streams x frames per pass, comma-separated")
     ap.add_argument("--json", help="write the counts by op here")
     args = ap.parse_args(argv)
     ticks = []
@@ -91,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         row = {mode: pass_ops(codec, s, f, mode == "compiled") for mode in ("eager", "compiled")}
         out[f"{s}x{f}"] = row
         print(f"{s:3d} x {f:2d}: {sum(row['eager'].values()):4d} ops with the torch formulas, "
-              f"{sum(row['compiled'].values()):4d} with the transformer's pointwise ops compiled")
+              f"{sum(row['compiled'].values()):4d} with the codec ops compiled")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(out, fh, separators=(",", ":"))

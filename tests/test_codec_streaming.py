@@ -109,8 +109,9 @@ def test_streams_wrap_the_attention_ring_with_padded_passes(buckets: bool) -> No
 def test_compiled_transformer_ops_stream_as_offline(codec: Codec, buckets: bool,
                                                     caplog: pytest.LogCaptureFixture) -> None:
     """build_ops' compiled codec ops (inductor; its CPU backend here) for the window
-    transformer's norms, RoPE, silu * mul and LayerScale'd adds: two streams in uneven
-    chunks match the offline decode, with no op falling back to its eager version."""
+    transformer's norms, RoPE, silu * mul, LayerScale'd adds and ring mask, and the convs'
+    tail cuts: two streams in uneven chunks match the offline decode, with no op falling
+    back to its eager version."""
     import dataclasses
     import logging
 
@@ -128,7 +129,7 @@ def test_compiled_transformer_ops_stream_as_offline(codec: Codec, buckets: bool,
             return fn(*a)
         return call
 
-    names = ("rms_norm", "norm_rope_qk", "silu_mul", "add_scaled", "ring_window")
+    names = ("rms_norm", "norm_rope_qk", "silu_mul", "add_scaled", "ring_window", "take_last")
     ops = dataclasses.replace(ops, **{n: counted(n) for n in names})
     codes = [_codes(n, seed=60 + n) for n in (21, 13)]
     with deterministic(), caplog.at_level(logging.ERROR, logger="engine.fusion"):

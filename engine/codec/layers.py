@@ -70,6 +70,7 @@ __all__ = [
     "snake",
     "stream_modules",
     "stream_sequential",
+    "take_last",
 ]
 
 
@@ -170,13 +171,7 @@ class StreamContext:
             return x.narrow(dim, 0, 0)
         if self.uniform:
             return x.narrow(dim, total - keep, keep)
-        rate = (total - keep) // self.n_max
-        # idx: [B, keep] start of the kept window = lengths*rate (in x's coordinates)
-        idx = (self.lengths * rate)[:, None] + torch.arange(keep, device=x.device)
-        shape = [1] * x.dim()
-        shape[0], shape[dim] = x.shape[0], keep
-        idx = idx.view(shape).expand(*[keep if d == dim else s for d, s in enumerate(x.shape)])
-        return torch.gather(x, dim, idx)
+        return self.ops.take_last(x, self.lengths, keep, (total - keep) // self.n_max, dim)
 
 
 def stream_sequential(seq: nn.Module, x: Tensor, ctx: StreamContext) -> Tensor:
@@ -225,6 +220,18 @@ def stream_modules(mods: list[nn.Module], x: Tensor, ctx: StreamContext) -> Tens
         x = m.stream(x, ctx) if hasattr(m, "stream") else m(x)
         i += 1
     return x
+
+
+def take_last(x: Tensor, lengths: Tensor, keep: int, rate: int, dim: int) -> Tensor:
+    """The `keep` samples of each stream's row of x along `dim` that end at its valid end:
+    x holds `keep` samples of history, then the new samples padded to the pass's longest
+    (stream b's valid data ends at keep + lengths[b] * rate). x [B, ...] -> [B, ..., keep, ...]."""
+    # idx: [B, keep] the kept window, from lengths * rate (in x's coordinates)
+    idx = (lengths * rate)[:, None] + torch.arange(keep, device=x.device)
+    shape = [1] * x.dim()
+    shape[0], shape[dim] = x.shape[0], keep
+    idx = idx.view(shape).expand(*[keep if d == dim else s for d, s in enumerate(x.shape)])
+    return torch.gather(x, dim, idx)
 
 
 def ring_window(positions: Tensor, n: int, ring: int,
@@ -293,6 +300,9 @@ class CodecOps:
     add_scaled: Callable[..., Tensor] = add_scaled  # (x, y, gamma): x + y * gamma
     # (positions, n, ring, window) -> a pass's frame positions, ring slots and mask
     ring_window: Callable[..., tuple[Tensor, Tensor, Tensor]] = ring_window
+    # (x, lengths, keep, rate, dim) -> each stream's last `keep` valid samples (a stateful
+    # conv's next tail; eager: 4 launches per conv, ~20 convs a pass)
+    take_last: Callable[..., Tensor] = take_last
 
 
 class Snake1d(nn.Module):
