@@ -19,6 +19,7 @@ from torch import Tensor
 from . import functional, fusion, quant
 from .bookkeeping import Bookkeeping
 from .codec.layers import CodecOps
+from .codec.quantizer import lookup_sum
 from .kernels import activation, codec_conv, extension_available, linear, qk_rope, sampling
 from .kernels.decode_attention import decode_attention
 from .kernels.prev_tokens import prev_tokens_shift_checked, prev_tokens_shift_inplace
@@ -308,11 +309,11 @@ def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool 
     if fused == "compile":  # the codec transformer's pointwise ops and the convs' tail cuts,
         # with compiled graphs and recompile budgets of their own (the codec's shapes and
         # dtypes would spend the model's: dynamo keys both on the function's code)
-        ref = CodecOps()
+        ref = CodecOps(lookup_sum=lookup_sum)
         codec = dataclasses.replace(codec, **{
             name: fusion.compiled(f"codec_{name}", getattr(ref, name), own_cache=True)
             for name in ("rms_norm", "norm_rope_qk", "silu_mul", "add_scaled", "ring_window",
-                         "take_last")})
+                         "take_last", "lookup_sum")})
     if cuda:
         plan = linear.load_plan(linear_table)
         parts["dense_plan"] = plan if fp8_dense else None

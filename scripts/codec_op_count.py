@@ -1,7 +1,8 @@
 """The operations of one graphed codec pass: the aten ops a bucketed streaming pass of S streams
 x F frames of the S2-Pro codec dispatches (view-only ops left out: they launch nothing), on the
 meta device (no weights, no compute: runs anywhere in seconds), with the codec ops build_ops
-compiles (the window transformer's pointwise ops, the convs' tail cuts) as the torch formulas
+compiles (the window transformer's pointwise ops, the convs' tail cuts, the quantizer's
+projected-codebook lookup) as the torch formulas (the lookups: per codebook)
 and as one op each (what their compiled versions make of them: one inductor graph per call).
 
     PYTHONPATH=. python scripts/codec_op_count.py [--ticks 64x8,1x2] [--json F]
@@ -24,9 +25,11 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from engine.codec import Codec, CodecConfig
 from engine.codec.layers import CodecOps
+from engine.codec.quantizer import lookup_sum
 from engine.codec.streaming import StreamingDecoder
 
-COMPILED = ("rms_norm", "norm_rope_qk", "silu_mul", "add_scaled", "ring_window", "take_last")
+COMPILED = ("rms_norm", "norm_rope_qk", "silu_mul", "add_scaled", "ring_window", "take_last",
+            "lookup_sum")
 VIEWS = {"view", "_unsafe_view", "transpose", "slice", "unsqueeze", "squeeze", "expand",
          "permute", "select", "split", "split_with_sizes", "t", "reshape", "alias", "detach",
          "as_strided"}
@@ -57,15 +60,18 @@ def _opaque(fn: Callable[..., Any], name: str, counts: list[OpCount]) -> Callabl
 
 def pass_ops(codec: Codec, streams: int, frames: int, compiled: bool) -> dict[str, int]:
     counts: list[OpCount] = []
-    ref = CodecOps()
+    ref = CodecOps(lookup_sum=lookup_sum)  # the functions build_ops compiles
     ops = (CodecOps(**{n: _opaque(getattr(ref, n), n, counts) for n in COMPILED}) if compiled
-           else ref)
+           else CodecOps())  # the torch formulas, each codebook's lookup and 1x1 conv
     dec = StreamingDecoder(codec, max_streams=max(streams, 1), buckets=True, max_frames=512,
                            ops=ops)
     inp = dec._inputs(streams, frames)
     counts.append(OpCount())
-    with torch.no_grad(), counts[-1]:
-        dec._static_pass(inp)
+    with torch.no_grad():
+        dec._static_pass(inp)  # warm, as a capture is (the projected codebooks made once)
+        counts[-1] = OpCount()
+        with counts[-1]:
+            dec._static_pass(inp)
     return dict(counts[-1].ops)
 
 

@@ -482,8 +482,10 @@ def test_codec_op_count_script_counts_a_pass(tmp_path: Path) -> None:
     """scripts/codec_op_count.py (PERF.md's op counts of a codec pass): with the compiled
     codec ops, each is one op, called as often as the S2-Pro post-module's 8 layers call it
     (2 norms and 2 LayerScale'd adds per layer and the final norm, one RoPE and one silu * mul
-    per layer, one ring window per pass) and one tail cut per stateful conv (20), and the
-    pass has fewer ops than with the torch formulas; the same convolutions either way."""
+    per layer, one ring window and one codebook lookup per pass) and one tail cut per
+    stateful conv (20), and the
+    pass has fewer ops than with the torch formulas; the same convolutions but the
+    codebooks' 1x1 projections."""
     out = tmp_path / "ops.json"
     run = _script("codec_op_count.py", "--ticks", "2x2", "--json", str(out))
     assert run.returncode == 0, run.stderr
@@ -491,9 +493,11 @@ def test_codec_op_count_script_counts_a_pass(tmp_path: Path) -> None:
     eager, compiled = row["eager"], row["compiled"]
     assert {k: v for k, v in compiled.items() if k.startswith("compiled:")} == {
         "compiled:rms_norm": 17, "compiled:norm_rope_qk": 8, "compiled:silu_mul": 8,
-        "compiled:add_scaled": 16, "compiled:ring_window": 1, "compiled:take_last": 20}
+        "compiled:add_scaled": 16, "compiled:ring_window": 1, "compiled:take_last": 20,
+        "compiled:lookup_sum": 1}
     assert not any(k.startswith("compiled:") for k in eager)
-    assert compiled["convolution"] == eager["convolution"] > 0
+    # the same convolutions but the 10 codebooks' 1x1 out_proj (in their projected tables)
+    assert compiled["convolution"] == eager["convolution"] - 10 > 0
     assert sum(compiled.values()) < sum(eager.values())
     bad = _script("codec_op_count.py", "--ticks", "2x17")
     assert bad.returncode == 2 and "frames in 1..16" in bad.stderr

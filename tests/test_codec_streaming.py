@@ -109,9 +109,9 @@ def test_streams_wrap_the_attention_ring_with_padded_passes(buckets: bool) -> No
 def test_compiled_transformer_ops_stream_as_offline(codec: Codec, buckets: bool,
                                                     caplog: pytest.LogCaptureFixture) -> None:
     """build_ops' compiled codec ops (inductor; its CPU backend here) for the window
-    transformer's norms, RoPE, silu * mul, LayerScale'd adds and ring mask, and the convs'
-    tail cuts: two streams in uneven chunks match the offline decode, with no op falling
-    back to its eager version."""
+    transformer's norms, RoPE, silu * mul, LayerScale'd adds and ring mask, the convs' tail
+    cuts and the quantizer's projected-codebook lookup: two streams in uneven chunks match
+    the offline decode, with no op falling back to its eager version."""
     import dataclasses
     import logging
 
@@ -129,7 +129,8 @@ def test_compiled_transformer_ops_stream_as_offline(codec: Codec, buckets: bool,
             return fn(*a)
         return call
 
-    names = ("rms_norm", "norm_rope_qk", "silu_mul", "add_scaled", "ring_window", "take_last")
+    names = ("rms_norm", "norm_rope_qk", "silu_mul", "add_scaled", "ring_window", "take_last",
+             "lookup_sum")
     ops = dataclasses.replace(ops, **{n: counted(n) for n in names})
     codes = [_codes(n, seed=60 + n) for n in (21, 13)]
     with deterministic(), caplog.at_level(logging.ERROR, logger="engine.fusion"):
@@ -148,6 +149,40 @@ def test_compiled_transformer_ops_stream_as_offline(codec: Codec, buckets: bool,
     for i in range(2):
         diff = _max_diff(torch.cat(parts[i]), want[i])
         assert diff <= STREAM_ATOL, f"stream {i}: max abs diff {diff:.2e}"
+
+
+def test_projected_codebook_lookup_streams_as_offline(codec: Codec) -> None:
+    """CodecOps.lookup_sum (the latent from each codebook's out_proj'd rows, summed in the
+    decode's order) streams as the offline decode; the projected tables are kept until a
+    weight changes in place, then remade."""
+    import dataclasses
+
+    from engine.codec.layers import CodecOps
+    from engine.codec.quantizer import lookup_sum
+
+    q = codec.quantizer.quantizer.quantizers[0]
+    codes = _codes(9, seed=70)
+    with deterministic():
+        want = _offline(codec, codes)
+        dec = StreamingDecoder(codec, max_streams=1, ops=CodecOps(lookup_sum=lookup_sum))
+        sid = dec.open()
+        got = torch.cat([dec.decode({sid: codes[:, a:b]})[sid] for a, b in ((0, 2), (2, 9))])
+        direct = q.lookup(torch.arange(5)[None])[0].t()  # [5, D]
+    assert _max_diff(got, want) <= STREAM_ATOL
+    table = q.table()
+    assert q.table() is table  # kept
+    torch.testing.assert_close(table[:5], direct, rtol=1e-6, atol=1e-6)
+    saved = q.out_proj.bias.detach().clone()
+    try:
+        with torch.no_grad():
+            q.out_proj.bias.add_(1.0)
+        assert q.table() is not table
+        torch.testing.assert_close(q.table(), table + 1.0, rtol=1e-5, atol=1e-5)
+    finally:
+        with torch.no_grad():
+            q.out_proj.bias.copy_(saved)
+    assert dataclasses.fields(CodecOps)  # the default keeps the modules' own lookups
+    assert CodecOps().lookup_sum is None
 
 
 def test_one_frame_chunks_past_the_window(codec: Codec) -> None:

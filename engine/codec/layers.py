@@ -303,6 +303,10 @@ class CodecOps:
     # (x, lengths, keep, rate, dim) -> each stream's last `keep` valid samples (a stateful
     # conv's next tail; eager: 4 launches per conv, ~20 convs a pass)
     take_last: Callable[..., Tensor] = take_last
+    # (codes, tables) -> the quantizer's latent from its codebooks' projected rows in one op
+    # (quantizer.lookup_sum); None: each codebook's lookup and 1x1 conv, then the sums
+    # (~30 launches a pass)
+    lookup_sum: Callable[[Tensor, list[Tensor]], Tensor] | None = None
 
 
 class Snake1d(nn.Module):

@@ -25,7 +25,7 @@ from .layers import (
     stream_sequential,
 )
 
-__all__ = ["CodecQuantizer", "ResidualVQ", "VectorQuantizer"]
+__all__ = ["CodecQuantizer", "ResidualVQ", "VectorQuantizer", "lookup_sum"]
 
 
 class VectorQuantizer(nn.Module):
@@ -42,6 +42,22 @@ class VectorQuantizer(nn.Module):
         # codes: [B, T] int -> [B, input_dim, T]
         z_p = F.embedding(codes, self.codebook.weight).transpose(1, 2)  # [B, codebook_dim, T]
         return self.out_proj(z_p)
+
+    @torch.no_grad()
+    def table(self) -> Tensor:
+        """`lookup` of every code at once: out_proj of the codebook, [codebook_size,
+        input_dim] (row c = lookup of code c, through the same 1x1 conv), kept until one of
+        the weights changes (made inside a CUDA graph capture: not kept)."""
+        params = (self.codebook.weight, self.out_proj.weight, self.out_proj.bias)
+        key = tuple((id(p), p._version, p.data_ptr(), p.dtype, p.device) for p in params
+                    if p is not None)
+        cached = self.__dict__.get("_table")
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        t = self.out_proj(self.codebook.weight.t()[None])[0].t().contiguous()
+        if not (t.is_cuda and torch.cuda.is_current_stream_capturing()):
+            self.__dict__["_table"] = (key, t)
+        return t
 
     def scores(self, z_e: Tensor) -> Tensor:
         # z_e: [B, codebook_dim, T] -> [B*T, codebook_size]: minus squared distance between the
@@ -60,6 +76,16 @@ class VectorQuantizer(nn.Module):
         z_q = F.embedding(codes, self.codebook.weight).transpose(1, 2)
         z_q = z_e + (z_q - z_e)  # the reference's straight-through form (changes rounding)
         return self.out_proj(z_q), codes
+
+
+def lookup_sum(codes: Tensor, tables: list[Tensor]) -> Tensor:
+    """The decode's latent from the codebooks' projected rows (`VectorQuantizer.table`):
+    codes [B, 1+N, T] (clamped) -> [B, D, T] (the transpose of a [B, T, D] tensor), summed in
+    the decode's order: (0 + S[c_0]) + (((0 + R_1[c_1]) + R_2[c_2]) + ... + R_N[c_N])."""
+    r: Tensor | float = 0.0
+    for i in range(1, len(tables)):
+        r = r + F.embedding(codes[:, i], tables[i])  # [B, T, D]
+    return ((0.0 + F.embedding(codes[:, 0], tables[0])) + r).transpose(1, 2)
 
 
 class ResidualVQ(nn.Module):
@@ -157,9 +183,17 @@ class CodecQuantizer(nn.Module):
         z = self.lookup(self.clamp_codes(codes))
         return self.upsample(self.post_module(z))
 
+    def tables(self) -> list[Tensor]:
+        """Every codebook's projected rows, semantic first (`lookup_sum`'s tables)."""
+        return [q.table() for q in (*self.semantic_quantizer.quantizers,
+                                    *self.quantizer.quantizers)]
+
     def stream_decode(self, codes: Tensor, ctx: StreamContext) -> Tensor:
         # codes: [B, 10, n_max] clamped, right-padded -> [B, D, n_max * 4]
-        z = self.lookup(codes)
+        if ctx.ops.lookup_sum is not None:  # one op over the projected codebooks
+            z = ctx.ops.lookup_sum(codes, self.tables())
+        else:
+            z = self.lookup(codes)
         z = stream_sequential(self.post_module, z, ctx)
         for stage in self.upsample:
             z = stream_sequential(stage, z, ctx)
