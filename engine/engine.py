@@ -717,6 +717,7 @@ def build_engine(bundle: Bundle, config: EngineConfig | None = None, *,
         from .fusion import pack_ffn
 
         pack_ffn(model)  # W1|W3 in one buffer (same values): its copies go before the sizing
+        pack_ffn(bundle.codec)  # the codec transformers' too (one GEMM in a streamed pass)
     if cfg.fp8_dense_copy and ops.dense_plan is not None and fp8_layers(model):
         _add_fp8_dense_copies(model, ops.dense_plan)  # before the KV pool's sizing
     n_rows, bs = cfg.max_running, cfg.kv_block_size

@@ -3,7 +3,9 @@ x F frames of the S2-Pro codec dispatches (view-only ops left out: they launch n
 meta device (no weights, no compute: runs anywhere in seconds), with the codec ops build_ops
 compiles (the window transformer's pointwise ops, the convs' tail cuts, the quantizer's
 projected-codebook lookup) as the torch formulas (the lookups: per codebook)
-and as one op each (what their compiled versions make of them: one inductor graph per call).
+and as one op each (what their compiled versions make of them: one inductor graph per call),
+the latter with each transformer FFN's W1 | W3 packed into one GEMM (`fusion.pack_ffn`), as
+the engine runs them.
 
     PYTHONPATH=. python scripts/codec_op_count.py [--ticks 64x8,1x2] [--json F]
 
@@ -27,6 +29,7 @@ from engine.codec import Codec, CodecConfig
 from engine.codec.layers import CodecOps
 from engine.codec.quantizer import lookup_sum
 from engine.codec.streaming import StreamingDecoder
+from engine.fusion import pack_ffn
 
 COMPILED = ("rms_norm", "norm_rope_qk", "silu_mul", "add_scaled", "ring_window", "take_last",
             "lookup_sum")
@@ -93,12 +96,14 @@ def main(argv: list[str] | None = None) -> int:
     with torch.device("meta"):
         codec = Codec(CodecConfig.preset("s2-pro"))
     codec = codec.to(torch.bfloat16)
-    out = {}
+    out = {f"{s}x{f}": {"eager": pass_ops(codec, s, f, False)} for s, f in ticks}
+    pack_ffn(codec)  # as the engine does with compiled ops: each FFN's W1 | W3 one GEMM
     for s, f in ticks:
-        row = {mode: pass_ops(codec, s, f, mode == "compiled") for mode in ("eager", "compiled")}
-        out[f"{s}x{f}"] = row
+        row = out[f"{s}x{f}"]
+        row["compiled"] = pass_ops(codec, s, f, True)
         print(f"{s:3d} x {f:2d}: {sum(row['eager'].values()):4d} ops with the torch formulas, "
-              f"{sum(row['compiled'].values()):4d} with the codec ops compiled")
+              f"{sum(row['compiled'].values()):4d} with the codec ops compiled and the FFNs "
+              "packed")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(out, fh, separators=(",", ":"))

@@ -185,6 +185,36 @@ def test_projected_codebook_lookup_streams_as_offline(codec: Codec) -> None:
     assert CodecOps().lookup_sum is None
 
 
+def _not_called(*args: object) -> torch.Tensor:
+    raise AssertionError("the packed FFN's w1 / w3 module was called")
+
+
+def test_packed_transformer_ffn_streams_as_offline() -> None:
+    """fusion.pack_ffn on a codec (as the engine does with compiled ops): the streamed window
+    transformer runs each FFN's W1 | W3 as one GEMM (its w1 / w3 modules are not called) and
+    streams as the offline decode, which reads the same values through the modules."""
+    from engine.codec.layers import FeedForward
+    from engine.fusion import pack_ffn
+
+    codec = dummy_codec(CodecConfig.preset("tiny"), seed=4)
+    assert pack_ffn(codec) > 0
+    for ff in codec.quantizer.post_module.modules():
+        if isinstance(ff, FeedForward):
+            for lin in (ff.w1, ff.w3):
+                lin.forward = _not_called  # type: ignore[method-assign]
+    codes = _codes(11, seed=80)
+    with deterministic():
+        dec = StreamingDecoder(codec, max_streams=1)
+        sid = dec.open()
+        got = torch.cat([dec.decode({sid: codes[:, a:b]})[sid] for a, b in ((0, 3), (3, 11))])
+    for ff in codec.quantizer.post_module.modules():  # the offline decode calls the modules
+        if isinstance(ff, FeedForward):
+            del ff.w1.forward, ff.w3.forward
+    with deterministic():
+        want = _offline(codec, codes)
+    assert _max_diff(got, want) <= STREAM_ATOL
+
+
 def test_one_frame_chunks_past_the_window(codec: Codec) -> None:
     # 1-frame chunks over more frames than the attention window (4) and conv receptive fields
     codes = _codes(12, seed=7)

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..functional import add_scaled, apply_rope, norm_rope_qk, rms_norm, rope_table, silu_mul
-from ..fusion import derived
+from ..fusion import derived, packed
 from ..kernels.activation import (
     bias_residual_torch,
     cat_time,
@@ -729,8 +729,13 @@ class TransformerBlock(nn.Module):
         a = self.attention.stream(ops.rms_norm(x, an.weight, an.eps), rope, mask, at, ctx)
         h = ops.add_scaled(x, a, self.attention_layer_scale.gamma)
         n = ops.rms_norm(h, fn.weight, fn.eps)
-        f = ff.w2(ops.silu_mul(ff.w1(n), ff.w3(n)))
-        return ops.add_scaled(h, f, self.ffn_layer_scale.gamma)
+        w13 = packed(ff.w1.weight, ff.w3.weight)
+        if w13 is None:
+            g = ops.silu_mul(ff.w1(n), ff.w3(n))
+        else:  # W1 | W3 laid out as one buffer (fusion.pack_ffn): one GEMM for both
+            a = F.linear(n, w13)  # [B, n, 2 * hidden]
+            g = ops.silu_mul(*a.split(ff.w1.weight.shape[0], dim=-1))
+        return ops.add_scaled(h, ff.w2(g), self.ffn_layer_scale.gamma)
 
 
 def _time_major(x: Tensor) -> Tensor:
