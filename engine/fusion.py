@@ -54,10 +54,11 @@ def _own_code(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
     wrapper called it."""
     if not isinstance(fn, types.FunctionType):
         raise TypeError(f"own_cache needs a plain Python function, got {type(fn).__name__}")
-    copy = types.FunctionType(fn.__code__.replace(co_name=name), fn.__globals__, name,
-                              fn.__defaults__, fn.__closure__)
-    copy.__kwdefaults__ = fn.__kwdefaults__
+    copy = types.FunctionType(fn.__code__.replace(co_name=name, co_qualname=name),
+                              fn.__globals__, name, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__ = dict(fn.__kwdefaults__) if fn.__kwdefaults__ else None
     copy.__doc__, copy.__module__ = fn.__doc__, fn.__module__
+    copy.__annotations__ = dict(fn.__annotations__)
     return copy
 
 

@@ -310,7 +310,7 @@ def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool 
         # with compiled graphs and recompile budgets of their own (the codec's shapes and
         # dtypes would spend the model's: dynamo keys both on the function's code)
         ref = CodecOps(lookup_sum=lookup_sum)
-        codec = dataclasses.replace(codec, **{
+        codec = dataclasses.replace(codec, packed_ffn=True, **{
             name: fusion.compiled(f"codec_{name}", getattr(ref, name), own_cache=True)
             for name in ("rms_norm", "norm_rope_qk", "silu_mul", "add_scaled", "ring_window",
                          "take_last", "lookup_sum")})

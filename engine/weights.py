@@ -150,7 +150,7 @@ def load_model(path: str | Path, cfg: ModelConfig | None = None, *, device: str 
                 fw = Fp8Weight(part["q"], part["scale"].float())
                 try:
                     fw.check()
-                    check_fp8_values(fw.q, fw.scale, "values")
+                    check_fp8_values(fw.q, fw.scale)
                 except ValueError as e:
                     raise CheckpointError(f"{path}: {param_to_checkpoint_key(module + '.weight')}: "
                                           f"{e}") from None

@@ -64,8 +64,8 @@ def _opaque(fn: Callable[..., Any], name: str, counts: list[OpCount]) -> Callabl
 def pass_ops(codec: Codec, streams: int, frames: int, compiled: bool) -> dict[str, int]:
     counts: list[OpCount] = []
     ref = CodecOps(lookup_sum=lookup_sum)  # the functions build_ops compiles
-    ops = (CodecOps(**{n: _opaque(getattr(ref, n), n, counts) for n in COMPILED}) if compiled
-           else CodecOps())  # the torch formulas, each codebook's lookup and 1x1 conv
+    ops = (CodecOps(packed_ffn=True, **{n: _opaque(getattr(ref, n), n, counts) for n in COMPILED})
+           if compiled else CodecOps())  # the torch formulas, each codebook's lookup and 1x1 conv
     dec = StreamingDecoder(codec, max_streams=max(streams, 1), buckets=True, max_frames=512,
                            ops=ops)
     inp = dec._inputs(streams, frames)

@@ -348,9 +348,14 @@ def engine_sweep(report: dict, device: str, levels: list[int], frames: int,
             ("pingpong_codec_voice", [levels[0], hi], dict(mode="pingpong", codec=True,
                                                            ref_frames=215)),
             ("pingpong_nocodec", ends, dict(mode="pingpong", codec=False)),
-            # a lone turn in the one-row step bucket (EngineConfig.one_row_bucket) at c=1
-            ("pingpong_nocodec_one_row", levels[:1], dict(mode="pingpong", codec=False,
-                                                          config=dict(one_row_bucket=True))),
+            # a lone turn in an engine of `hi` rows (the server's case: its bucket is the
+            # two-row step) against the same with the one-row bucket
+            # (EngineConfig.one_row_bucket); the sweep's own c=1 engines have one row only
+            ("pingpong_nocodec_rows", levels[:1], dict(mode="pingpong", codec=False,
+                                                       config=dict(max_running=hi))),
+            ("pingpong_nocodec_rows_one_row", levels[:1], dict(
+                mode="pingpong", codec=False,
+                config=dict(max_running=hi, one_row_bucket=True))),
             ("pingpong_unfused_nocodec", ends, dict(mode="pingpong", codec=False,
                                                     fused_ops="reference")),
             ("graphs_sync_nocodec", ends, dict(mode="graphs", codec=False)),
@@ -557,7 +562,8 @@ def main() -> int:
                     "pingpong_codec_codec_priority, pingpong_codec_prefill_batch_64, "
                     "pingpong_codec_no_prefill_first, "
                     "pingpong_codec_first_chunk_2, pingpong_codec_split_kv, pingpong_codec_voice, "
-                    "pingpong_nocodec, pingpong_nocodec_one_row, pingpong_unfused_nocodec, "
+                    "pingpong_nocodec, pingpong_nocodec_rows, pingpong_nocodec_rows_one_row, "
+                    "pingpong_unfused_nocodec, "
                     "graphs_sync_nocodec, "
                     "naive_nocodec); default all")
     args = ap.parse_args()

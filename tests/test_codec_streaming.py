@@ -155,7 +155,7 @@ def test_projected_codebook_lookup_streams_as_offline(codec: Codec) -> None:
     """CodecOps.lookup_sum (the latent from each codebook's out_proj'd rows, summed in the
     decode's order) streams as the offline decode; the projected tables are kept until a
     weight changes in place, then remade."""
-    import dataclasses
+    import functools
 
     from engine.codec.layers import CodecOps
     from engine.codec.quantizer import lookup_sum
@@ -181,8 +181,19 @@ def test_projected_codebook_lookup_streams_as_offline(codec: Codec) -> None:
     finally:
         with torch.no_grad():
             q.out_proj.bias.copy_(saved)
-    assert dataclasses.fields(CodecOps)  # the default keeps the modules' own lookups
-    assert CodecOps().lookup_sum is None
+    assert CodecOps().lookup_sum is None  # the default keeps the modules' own lookups
+    # a replaced weight (another parameter object) remakes the table too
+    q.out_proj.bias = torch.nn.Parameter(saved + 2.0, requires_grad=False)
+    torch.testing.assert_close(q.table(), table + 2.0, rtol=1e-5, atol=1e-5)
+    q.out_proj.bias = torch.nn.Parameter(saved, requires_grad=False)
+    # the sums in the decode's order, bit for bit (bf16 rounds after every add)
+    tables = [t.to(torch.bfloat16) for t in codec.quantizer.tables()]
+    c = codes[None].clone()
+    c[:, 1:] = c[:, 1:].clamp(max=tables[1].shape[0] - 1)
+    r = functools.reduce(lambda acc, i: acc + tables[i][c[0, i]], range(1, len(tables)),
+                         torch.zeros((), dtype=torch.bfloat16))
+    want_z = (tables[0][c[0, 0]] + r).t()
+    assert torch.equal(lookup_sum(c, tables)[0], want_z)
 
 
 def _not_called(*args: object) -> torch.Tensor:
@@ -190,10 +201,11 @@ def _not_called(*args: object) -> torch.Tensor:
 
 
 def test_packed_transformer_ffn_streams_as_offline() -> None:
-    """fusion.pack_ffn on a codec (as the engine does with compiled ops): the streamed window
-    transformer runs each FFN's W1 | W3 as one GEMM (its w1 / w3 modules are not called) and
-    streams as the offline decode, which reads the same values through the modules."""
-    from engine.codec.layers import FeedForward
+    """fusion.pack_ffn on a codec and CodecOps.packed_ffn (as the engine does with compiled
+    ops): the streamed window transformer runs each FFN's W1 | W3 as one GEMM (its w1 / w3
+    modules are not called) and streams as the offline decode, which reads the same values
+    through the modules; without the flag a packed codec streams through the modules."""
+    from engine.codec.layers import CodecOps, FeedForward
     from engine.fusion import pack_ffn
 
     codec = dummy_codec(CodecConfig.preset("tiny"), seed=4)
@@ -204,15 +216,20 @@ def test_packed_transformer_ffn_streams_as_offline() -> None:
                 lin.forward = _not_called  # type: ignore[method-assign]
     codes = _codes(11, seed=80)
     with deterministic():
-        dec = StreamingDecoder(codec, max_streams=1)
+        dec = StreamingDecoder(codec, max_streams=1, ops=CodecOps(packed_ffn=True))
         sid = dec.open()
         got = torch.cat([dec.decode({sid: codes[:, a:b]})[sid] for a, b in ((0, 3), (3, 11))])
     for ff in codec.quantizer.post_module.modules():  # the offline decode calls the modules
         if isinstance(ff, FeedForward):
             del ff.w1.forward, ff.w3.forward
+    with deterministic():  # and so do the streaming layers without the flag
+        plain = StreamingDecoder(codec, max_streams=1)
+        sid = plain.open()
+        unflagged = plain.decode({sid: codes})[sid]
     with deterministic():
         want = _offline(codec, codes)
     assert _max_diff(got, want) <= STREAM_ATOL
+    assert _max_diff(unflagged, want) <= STREAM_ATOL
 
 
 def test_one_frame_chunks_past_the_window(codec: Codec) -> None:

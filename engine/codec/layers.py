@@ -303,6 +303,9 @@ class CodecOps:
     # (x, lengths, keep, rate, dim) -> each stream's last `keep` valid samples (a stateful
     # conv's next tail; eager: 4 launches per conv, ~20 convs a pass)
     take_last: Callable[..., Tensor] = take_last
+    # the window transformer's FFN as one GEMM over W1 | W3 where fusion.pack_ffn laid them
+    # out as one buffer (the engine packs the codec with compiled ops)
+    packed_ffn: bool = False
     # (codes, tables) -> the quantizer's latent from its codebooks' projected rows in one op
     # (quantizer.lookup_sum); None: each codebook's lookup and 1x1 conv, then the sums
     # (~30 launches a pass)
@@ -729,12 +732,12 @@ class TransformerBlock(nn.Module):
         a = self.attention.stream(ops.rms_norm(x, an.weight, an.eps), rope, mask, at, ctx)
         h = ops.add_scaled(x, a, self.attention_layer_scale.gamma)
         n = ops.rms_norm(h, fn.weight, fn.eps)
-        w13 = packed(ff.w1.weight, ff.w3.weight)
+        w13 = packed(ff.w1.weight, ff.w3.weight) if ops.packed_ffn else None
         if w13 is None:
             g = ops.silu_mul(ff.w1(n), ff.w3(n))
         else:  # W1 | W3 laid out as one buffer (fusion.pack_ffn): one GEMM for both
-            a = F.linear(n, w13)  # [B, n, 2 * hidden]
-            g = ops.silu_mul(*a.split(ff.w1.weight.shape[0], dim=-1))
+            up = F.linear(n, w13)  # [B, n, 2 * hidden]
+            g = ops.silu_mul(*up.split(ff.w1.weight.shape[0], dim=-1))
         return ops.add_scaled(h, ff.w2(g), self.ffn_layer_scale.gamma)
 
 

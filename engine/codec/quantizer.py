@@ -45,18 +45,24 @@ class VectorQuantizer(nn.Module):
 
     @torch.no_grad()
     def table(self) -> Tensor:
-        """`lookup` of every code at once: out_proj of the codebook, [codebook_size,
-        input_dim] (row c = lookup of code c, through the same 1x1 conv), kept until one of
-        the weights changes (made inside a CUDA graph capture: not kept)."""
-        params = (self.codebook.weight, self.out_proj.weight, self.out_proj.bias)
-        key = tuple((id(p), p._version, p.data_ptr(), p.dtype, p.device) for p in params
-                    if p is not None)
+        """`lookup` of every code at once: out_proj over the whole codebook, [codebook_size,
+        input_dim] (row c = code c's lookup, up to the 1x1 conv's rounding for a batch of
+        another shape), kept until a weight is replaced or edited in place (autograd's
+        version counter: edits through `.data` go unseen). Made inside a CUDA graph capture:
+        not kept. A replaced CUDA table stays alive (graphs captured with it keep reading
+        it): the weights are meant to stay as loaded."""
+        params = [p for p in (self.codebook.weight, self.out_proj.weight, self.out_proj.bias)
+                  if p is not None]
+        state = [(p._version, p.data_ptr(), p.dtype, p.device) for p in params]
         cached = self.__dict__.get("_table")
-        if cached is not None and cached[0] == key:
-            return cached[1]
+        if (cached is not None and len(cached[0]) == len(params)
+                and all(a is b for a, b in zip(cached[0], params)) and cached[1] == state):
+            return cached[2]
         t = self.out_proj(self.codebook.weight.t()[None])[0].t().contiguous()
         if not (t.is_cuda and torch.cuda.is_current_stream_capturing()):
-            self.__dict__["_table"] = (key, t)
+            if cached is not None and cached[2].is_cuda:
+                self.__dict__.setdefault("_old_tables", []).append(cached[2])
+            self.__dict__["_table"] = (params, state, t)
         return t
 
     def scores(self, z_e: Tensor) -> Tensor:
@@ -81,7 +87,8 @@ class VectorQuantizer(nn.Module):
 def lookup_sum(codes: Tensor, tables: list[Tensor]) -> Tensor:
     """The decode's latent from the codebooks' projected rows (`VectorQuantizer.table`):
     codes [B, 1+N, T] (clamped) -> [B, D, T] (the transpose of a [B, T, D] tensor), summed in
-    the decode's order: (0 + S[c_0]) + (((0 + R_1[c_1]) + R_2[c_2]) + ... + R_N[c_N])."""
+    the decode's order: (0 + S[c_0]) + (((0 + R_1[c_1]) + R_2[c_2]) + ... + R_N[c_N]) —
+    the modules' lookup up to the rounding of each table row's 1x1 conv."""
     r: Tensor | float = 0.0
     for i in range(1, len(tables)):
         r = r + F.embedding(codes[:, i], tables[i])  # [B, T, D]
