@@ -61,11 +61,13 @@ from engine.kernels.linear import (
     EXACT_VARIANTS,
     FP8_VARIANTS,
     MAX_M,
+    STAGED_VARIANT,
     VARIANTS,
     W8A8,
     PlanRow,
     _normed_params,
     _triton_module,
+    cancellation_case,
     fp8_gemv,
     gemv,
     gemv_attend,
@@ -73,6 +75,7 @@ from engine.kernels.linear import (
     gemv_residual,
     gemv_swiglu,
     load_plan,
+    small_binade_case,
     subnormal_case,
     supports,
 )
@@ -151,6 +154,28 @@ def _agrees_w8a8(got: torch.Tensor, want: torch.Tensor, mag: torch.Tensor) -> bo
     tie may round one element of x differently: 2^-9 of sum |x w| allows a few)."""
     err = (got.float() - want.float()).abs()
     return bool((err <= 2**-7 * want.float().abs() + 2**-9 * mag).all())
+
+
+def probe_bit_equal(variant: int, against: int) -> str | None:
+    """None if `variant` gives `against`'s outputs bit for bit on rows that expose how the
+    tensor cores align products (`cancellation_case`: +P, -P and small products in one MMA
+    k-group, P 2^10..2^30) and on f16-subnormal staged rows (`small_binade_case`), else
+    what differed: variant 6 is in the table's exact set only where its f16 MMAs sum as the
+    bf16 ones do, which the PTX manual does not promise."""
+    cases = {"cancellation": cancellation_case(16, 256, 256, seed=3),
+             "small binade": small_binade_case(16, 256, 256, seed=4)}
+    try:
+        for name, (w, x) in cases.items():
+            for m in (1, 2, 16):
+                got = fp8_gemv(x[:m], w, splits=1, kwarps=1, variant=variant)
+                want = fp8_gemv(x[:m], w, splits=1, kwarps=1, variant=against)
+                if not torch.equal(got, want):
+                    bad = int((got != want).sum())
+                    return (f"{name} rows, M = {m}: {bad} of {got.numel()} outputs differ from "
+                            f"variant {against}'s")
+    except Exception as e:
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
+    return None
 
 
 def probe_variant(variant: int) -> str | None:
@@ -613,6 +638,10 @@ def main(argv: list[str] | None = None) -> int:
             if v in variants:
                 problem = probe_variant(v)
                 print(f"variant {v} subnormal probe: {problem or 'exact'}", flush=True)
+                if problem is None and v == STAGED_VARIANT:
+                    problem = probe_bit_equal(v, 5)
+                    print(f"variant {v} bit-equality probe against variant 5: "
+                          f"{problem or 'equal'}", flush=True)
                 if problem is not None:
                     variants = tuple(u for u in variants if u != v)
     triton = not args.no_triton and _triton_module() is not None

@@ -70,7 +70,7 @@
 //                  16-byte aligned), last dim contiguous
 //   w      [N, K]  bf16, or float8_e4m3fn with `scale`; contiguous, 16-byte aligned; finite
 //                  (a lane with nothing to read loads row 0 and discards it; e4m3 NaN codes
-//                  read as +-480 in 0-2, NaN in 3)
+//                  read as +-480 in 0-2, 4 and 5, NaN in 3 and 6; checked at load)
 //   scale  [ceil(N/128), ceil(K/128)] float32, contiguous (FP8 only; None for bf16):
 //                  W[n, k] = w[n, k] * scale[n / 128, k / 128]
 //   out    [M, N]  bf16, contiguous ([M, N / 2] with glu)

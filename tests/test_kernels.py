@@ -762,11 +762,35 @@ def test_variant6_takes_fp8_weights_and_rows_it_can_stage():
     with pytest.raises(ValueError, match="variant 6 stages x's rows"):
         linear.fp8_gemv(_bf16(16, 8192), big, variant=6)  # 16 x 8224 x 2 bytes > 160 KB
     assert not linear.supports(17, 256, 256, True, 6) and not linear.supports(1, 256, 256, False, 6)
+    # the staging bound itself (supports is False anyway where no extension is built)
+    assert linear._stages(16, 2560) and linear._stages(1, 9728)
+    assert not linear._stages(17, 256) and not linear._stages(16, 8192)
     want = linear.normed_reference(x, nw, 1e-6, fw, False)
     assert torch.equal(linear.gemv_normed(x, nw, 1e-6, fw, variant=6, kernel=False), want)
     assert torch.equal(linear.fp8_gemv(x, fw, variant=6, kernel=False),
                        linear.fp8_gemv(x, fw, variant=0, kernel=False))
     assert linear._normed_problem(x, fw, nw, 1e-6, True, 1, 1, 6) is None
+
+
+def test_variant6_probe_cases_are_what_they_claim():
+    """The rows the bench's bit-equality probe and the CUDA test feed variants 6 and 5:
+    `cancellation_case` (+P and -P cancel exactly, P from 2^10 to 2^30, the rest one MMA
+    k-group of small full-mantissa products, rows staged exactly: span under 2^31) and
+    `small_binade_case` (a 2^14 lead on a zero weight, the rest in [2^-17, 2^-14): exact f16
+    subnormals once staged)."""
+    w, x = linear.cancellation_case(16, 256, 256, seed=3, device="cpu")
+    wf, xf = w.q.double(), x.double()
+    assert torch.equal(xf[:, 0], -xf[:, 1]) and xf[0, 0] == 2**10 and xf[-1, 0] == 2**30
+    assert not xf[:, 16:].any() and not wf[:, 16:].any() and bool((w.scale == 1).all())
+    assert torch.equal(xf @ wf.T, xf[:, 2:16] @ wf[:, 2:16].T)  # +P and -P cancel
+    # staged as variant 6 stages them (the row's largest into [2^14, 2^15)): exact in f16
+    e = 14 - torch.floor(torch.log2(x.float().abs().amax(1, keepdim=True)))
+    assert torch.equal((x.float() * 2**e).to(torch.float16).float() / 2**e, x.float())
+    w, x = linear.small_binade_case(16, 256, 256, seed=4, device="cpu")
+    small = x[:, 1:].float().abs()
+    assert bool((x[:, 0] == 2**14).all()) and not w.q.float()[:, 0].any()
+    assert bool((small >= 2**-17).all() and (small < 2**-14).all())
+    assert torch.equal(x.to(torch.float16).float(), x.float())  # exact f16 (subnormals)
 
 
 def test_fp8_gemv_checks_the_weight():
@@ -1417,12 +1441,14 @@ def test_variant5_is_bit_equal_to_variant0_with_one_warp_per_tile_cuda(M):
 @pytest.mark.parametrize("M", [1, 2, 8, 9, 16])
 def test_variant6_is_bit_equal_to_variant5_cuda(M):
     """Variant 6 multiplies each x row staged as 2^e-scaled f16 by the hardware-converted
-    e4m3 values: every product is 2^e times variant 5's, so every result is bit-equal (plain,
-    residual, SwiGLU, the normed prologue; split K, one and two warps per tile, plain and PDL
-    launches, strided rows, a partial K chunk, a graph replay; values down to 2^-29 of their
-    row's largest, an infinity in a row); a row spanning more than 2^31 rounds its smallest
-    values and stays within one bf16 ulp of variant 5."""
-    from engine.quant import quantize_fp8
+    e4m3 values: every product is 2^e times variant 5's, so where the f16 MMAs sum as the
+    bf16 ones do every result is bit-equal (plain, residual, SwiGLU, the normed prologue;
+    split K, one and two warps per tile, plain and PDL launches, strided rows, a partial K
+    chunk, a graph replay; an infinity in a row; rows that expose the MMAs' alignment of
+    products, `cancellation_case`; staged f16 subnormals, `small_binade_case`). Values
+    under 2^-31 of their row's largest are rounded when staged: an absolute error of at
+    most 2^-25 staged units (2^-39 of the row's largest) per value, times its weights."""
+    from engine.quant import Fp8Weight, quantize_fp8
 
     assert extension_available(), "the CUDA extension did not build"
     if 6 not in _variants(True, M, 2560):
@@ -1462,18 +1488,29 @@ def test_variant6_is_bit_equal_to_variant5_cuda(M):
         return (linear.fp8_gemv(x, w, variant=6, kwarps=1),
                 linear.fp8_gemv(x, w, variant=5, kwarps=1))
 
-    # values 2^-29 of their row's largest: f16 subnormals once scaled, still exact
-    small = h.clone()
-    small[:, ::7] *= 2.0**-29
-    assert torch.equal(*v6_v5(small))
+    # how the MMAs align products (+P, -P and small ones in one k-group), and staged f16
+    # subnormals (x in [2^-17, 2^-14) of a row led by 2^14 whose weight is 0): bit-equal
+    for case in (linear.cancellation_case, linear.small_binade_case):
+        cw, cx = case(M, 256, 256, seed=M)
+        for kw in ({"kwarps": 1}, {"kwarps": 2, "splits": 2}):
+            assert torch.equal(linear.fp8_gemv(cx, cw, variant=6, **kw),
+                               linear.fp8_gemv(cx, cw, variant=5, **kw)), (case.__name__, kw)
     # an infinity in a row: the row's scale comes from its finite values, as variant 5 sums
     inf = h.clone()
     inf[0, 3] = float("inf")
     torch.testing.assert_close(*v6_v5(inf), rtol=0, atol=0, equal_nan=True)
-    # values 2^-40 of their row's largest: rounded in f16, within an ulp
-    tiny = h.clone()
-    tiny[:, ::7] *= 2.0**-40
-    assert int(_ulps_apart(*v6_v5(tiny)).max()) <= 1
+    # below 2^-31 of the row's largest a value is rounded to the staged f16 subnormal grid
+    # (2^-24 staged units; 3 * 2^-26 in a row led by 2^14 stages as 2^-24): within half a
+    # step per value times its weight, which a flush to zero of [2^-26, 2^-23) would exceed
+    tw, tx = linear.small_binade_case(M, 256, 256, seed=9)
+    # no cancellation (positive x and w), so that zeroed values would show
+    tw = Fp8Weight(tw.q.float().abs().to(torch.float8_e4m3fn), tw.scale)
+    tx[:, 1:] = (tx[:, 1:].float().abs() * 2.0**-9).to(torch.bfloat16)  # [2^-26, 2^-23)
+    got, want = (linear.fp8_gemv(tx, tw, variant=v, kwarps=1).float() for v in (6, 5))
+    wabs = (tw.q.float() * tw.scale.repeat_interleave(128, 0).repeat_interleave(128, 1)
+            [: tw.q.shape[0], : tw.q.shape[1]]).abs()  # [N, K]
+    bound = 1.0625 * 2.0**-25 * wabs.sum(1)[None, :] + 2**-7 * want.abs()  # + the rounding
+    assert bool(((got - want).abs() <= bound).all())
     # a graph replay on new rows
     hin = torch.zeros_like(h)
     linear.fp8_gemv(hin, w, variant=6, kwarps=1, pdl=1)

@@ -820,6 +820,47 @@ def subnormal_case(n: int, k: int, m: int, seed: int,
     return w, x
 
 
+def _e4m3(values: Tensor) -> Tensor:
+    return values.to(torch.float8_e4m3fn)
+
+
+def cancellation_case(m: int, n: int, k: int, seed: int,
+                      device: str = "cuda") -> tuple[Fp8Weight, Tensor]:
+    """Rows whose first 16 products (one MMA k-group) are +P, -P and 14 small full-mantissa
+    ones (P from 2^10 to 2^30 over the rows, everything past k = 16 zero; scales 1): the
+    output is the small sum as the tensor cores align it to P's exponent, so two variants
+    whose MMAs align or truncate differently disagree visibly. k a multiple of 128."""
+    g = torch.Generator().manual_seed(seed)
+    sign = lambda *shape: torch.randint(0, 2, shape, generator=g).float() * 2 - 1  # noqa: E731
+    w = torch.zeros(n, k)
+    w[:, :2] = 1.0
+    w[:, 2:16] = (1 + torch.randint(0, 8, (n, 14), generator=g) / 8) * sign(n, 14)
+    x = torch.zeros(m, k)
+    p = 2.0 ** torch.linspace(10, 30, m).round()
+    x[:, 0], x[:, 1] = p, -p
+    x[:, 2:16] = (1 + torch.randint(0, 128, (m, 14), generator=g) / 128) * sign(m, 14)
+    scale = torch.ones(-(-n // 128), -(-k // 128))
+    return (Fp8Weight(_e4m3(w).to(device), scale.to(device)),
+            x.to(torch.bfloat16).to(device))
+
+
+def small_binade_case(m: int, n: int, k: int, seed: int,
+                      device: str = "cuda") -> tuple[Fp8Weight, Tensor]:
+    """Rows led by 2^14 (a staged row scale of 1) with weight 0 on it, the rest of x in
+    [2^-17, 2^-14) with full mantissas: f16 subnormals when staged (exact down to 2^-31 of
+    the row's largest), so the output is their products' sum alone."""
+    g = torch.Generator().manual_seed(seed)
+    x = (2.0 ** -torch.randint(15, 18, (m, k), generator=g).float()
+         * (1 + torch.randint(0, 128, (m, k), generator=g) / 128)
+         * (torch.randint(0, 2, (m, k), generator=g).float() * 2 - 1))
+    x[:, 0] = 2.0**14
+    w = torch.randn(n, k, generator=g).clamp(-400, 400)
+    w[:, 0] = 0.0
+    scale = 2.0 ** torch.randint(-4, 4, (-(-n // 128), -(-k // 128)), generator=g).float()
+    return (Fp8Weight(_e4m3(w).to(device), scale.to(device)),
+            x.to(torch.bfloat16).to(device))
+
+
 # ---------------------------------------------------------------------- the Ops.linear
 @functools.cache
 def _triton_module():
