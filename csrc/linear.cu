@@ -55,7 +55,8 @@
 //      epilogue multiplies by 2^-e: every product is then 2^e times variant 5's, exactly, for
 //      values at least 2^-31 times their row's largest (bf16's 8 significant bits fit f16's
 //      11); smaller ones are rounded (error <= 2^-39 of the row's largest): bit-equal to 5
-//      unless a row spans more than 2^31. Every block stages all M rows whole (from L2, one
+//      unless a row spans more than 2^31, where the f16 MMAs sum as the bf16 ones do (not
+//      promised by PTX: linear_bench probes it before recording 6). Every block stages all M rows whole (from L2, one
 //      round trip per row, while its first weight batch is in flight), also in a K split
 //      (staging only the split's range cost the M <= 8 kernel 16 bytes of spill).
 // FP8 (0-2, 4, 5): each e4m3 byte is moved into a bf16's bit fields and scaled by 2^120 (exact;

@@ -25,8 +25,10 @@ Kernel variants (`variant=`, the table picks one per shape):
      NORM_SMEM_MAX: 5 with the hardware e4m3x2 -> f16x2 conversion (one instruction per pair
      where the bit move takes five) and f16 MMAs; a prologue stages x's rows (normed first in
      `gemv_normed`) in shared memory as f16 times a power of two that puts each row's largest
-     |value| in [2^14, 2^15), the epilogue scales back: bit-equal to 5 unless a row's values
-     span more than 2^31 (the smallest then rounded, < 2^-39 of the row's largest)
+     |value| in [2^14, 2^15), the epilogue scales back: every product 2^e times 5's, so
+     bit-equal to 5 where the f16 MMAs sum as the bf16 ones do (linear_bench probes it
+     before recording 6) unless a row's values span more than 2^31 (the smallest then
+     rounded: an error under 2^-39 of the row's largest per value, times its weight)
 
 `gemv_swiglu` runs the same kernel with a SwiGLU epilogue: for the packed FFN input
 projection [W1; W3] it writes silu(x W1^T) * (x W3^T) straight from the accumulators (one
