@@ -16,6 +16,7 @@ import torch
 
 from .codec import Codec, CodecConfig, dummy_codec, load_codec
 from .config import DTYPE_NAMES, PRECISION_NAMES, PRESETS, ModelConfig, preset
+from .fusion import pack_ffn
 from .hub import parse_repo_id, resolve
 from .model import DualAR
 from .quant import quantize_model
@@ -114,7 +115,7 @@ def load_bundle(spec: str = "tiny", *, device: str = "cpu", dtype: str | torch.d
         codec = dummy_codec(CodecConfig.preset(spec), seed=seed, device=device, dtype=cdt)
         log.info("model %s: deterministic random weights (seed %d) — it exercises the whole "
                  "pipeline but does not speak; pass a checkpoint directory for real speech", spec, seed)
-        return Bundle(model, tok, codec, spec, True)
+        return _packed(Bundle(model, tok, codec, spec, True))
     path = checkpoint_dir(spec)
     cfg = ModelConfig.from_checkpoint(path)
     if max_seq_len:
@@ -124,4 +125,14 @@ def load_bundle(spec: str = "tiny", *, device: str = "cpu", dtype: str | torch.d
     model = load_model(path, cfg, device=device, dtype=dt, fp8=fp8, fp8_keep=fp8_keep)
     codec = load_codec(path, device=device, dtype=cdt)
     name = path.name if Path(spec).expanduser().is_dir() else spec  # a Hub id: as given
-    return Bundle(model, tok, codec, name, False)
+    return _packed(Bundle(model, tok, codec, name, False))
+
+
+def _packed(bundle: Bundle) -> Bundle:
+    """The bundle with every SwiGLU FFN's W1 | W3 laid out as one buffer (fusion.pack_ffn:
+    same values; the compiled ops run each as one GEMM), done here, once: packing re-lays
+    the weights, and a CUDA graph an engine captured before a later engine packed them
+    would replay over the freed storage."""
+    pack_ffn(bundle.model)
+    pack_ffn(bundle.codec)
+    return bundle

@@ -222,6 +222,21 @@ def test_s2_pro_builds_on_meta():
     assert n == preset("s2-pro").num_params()
 
 
+def test_bundles_load_with_their_ffns_packed():
+    """load_bundle packs every SwiGLU FFN (the model's and the codec's) once, at load: an
+    engine that packed them later would re-lay weights under another engine's CUDA graphs;
+    build_engine's own pack is then a no-op."""
+    from engine import fusion
+    from engine.loader import load_bundle
+
+    b = load_bundle("tiny")
+    ffns = [m for root in (b.model, b.codec) for m in root.modules()
+            if hasattr(m, "w1") and hasattr(m, "w3") and hasattr(m, "w2")]
+    assert len(ffns) > b.model.cfg.slow.n_layer + b.model.cfg.fast.n_layer
+    assert all(fusion.packed(f.w1.weight, f.w3.weight) is not None for f in ffns)
+    assert fusion.pack_ffn(b.model) == 0 and fusion.pack_ffn(b.codec) == 0
+
+
 def test_packed_ffn_keeps_the_frames(fixture_dir, fixture_model):
     """fusion.pack_ffn re-lays W1|W3 as one buffer (one GEMM per FFN input); the weights and
     the greedy frames of a fixture case (run with ops that use the packed GEMM) stay the
