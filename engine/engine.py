@@ -716,8 +716,10 @@ def build_engine(bundle: Bundle, config: EngineConfig | None = None, *,
     if ops.packed_ffn:
         from .fusion import pack_ffn
 
-        pack_ffn(model)  # W1|W3 in one buffer (same values): its copies go before the sizing
-        pack_ffn(bundle.codec)  # the codec transformers' too (one GEMM in a streamed pass)
+        # W1|W3 in one buffer (same values; load_bundle's bundles come packed: then no-ops),
+        # the codec transformers' too; the FP8 copies below go after, before the sizing
+        pack_ffn(model)
+        pack_ffn(bundle.codec)
     if cfg.fp8_dense_copy and ops.dense_plan is not None and fp8_layers(model):
         _add_fp8_dense_copies(model, ops.dense_plan)  # before the KV pool's sizing
     n_rows, bs = cfg.max_running, cfg.kv_block_size

@@ -304,7 +304,7 @@ class CodecOps:
     # conv's next tail; eager: 4 launches per conv, ~20 convs a pass)
     take_last: Callable[..., Tensor] = take_last
     # the window transformer's FFN as one GEMM over W1 | W3 where fusion.pack_ffn laid them
-    # out as one buffer (the engine packs the codec with compiled ops)
+    # out as one buffer (load_bundle packs every FFN; build_ops sets this with compiled ops)
     packed_ffn: bool = False
     # (codes, tables) -> the quantizer's latent from its codebooks' projected rows in one op
     # (quantizer.lookup_sum); None: each codebook's lookup and 1x1 conv, then the sums
