@@ -119,8 +119,7 @@ def _problem(x: Tensor, wq: Tensor, splits: object, kwarps: object,
     if m > MAX_M:
         return f"M = {m} rows (x {tuple(x.shape)}); the kernel takes at most {MAX_M}"
     if variant == STAGED_VARIANT and not _stages(m, k, _device_index(x)):
-        return (f"variant {variant} stages x's rows in shared memory: at most {NORM_MAX_M} rows "
-                f"of M x (K + {NORM_PAD}) x 2 bytes <= {NORM_SMEM_MAX}, got M = {m}, K = {k}")
+        return _staging_problem(m, k)
     if x.device != wq.device:
         return f"x is on {x.device} but the weight on {wq.device}"
     if not wq.is_contiguous() or wq.data_ptr() % 16:
@@ -278,6 +277,11 @@ def _stages(m: int, k: int, device: int | None = None) -> bool:
     need = m * (k + NORM_PAD) * 2
     return (m <= NORM_MAX_M and need <= NORM_SMEM_MAX
             and (device is None or need <= _smem_optin(device) - NORM_STATIC_SMEM))
+
+
+def _staging_problem(m: int, k: int) -> str:
+    return (f"variant {STAGED_VARIANT} stages x's rows in shared memory: at most {NORM_MAX_M} "
+            f"rows of M x (K + {NORM_PAD}) x 2 bytes <= {NORM_SMEM_MAX}, got M = {m}, K = {k}")
 
 
 @functools.cache
@@ -665,8 +669,7 @@ def _row(d: object, where: str) -> PlanRow:
     if impl == "gemv" and variant in FP8_VARIANTS and not fp8:
         raise ValueError(f"{where}: variant {variant} is for FP8 weights only")
     if impl == "gemv" and variant == STAGED_VARIANT and not _stages(d["m"], d["k"]):
-        raise ValueError(f"{where}: variant {variant} stages x's rows in shared memory: at most "
-                         f"{NORM_MAX_M} rows of M x (K + {NORM_PAD}) x 2 bytes <= {NORM_SMEM_MAX}")
+        raise ValueError(f"{where}: {_staging_problem(d['m'], d['k'])}")
     config = d.get("config")
     if config is not None:
         if impl not in ("triton", W8A8):
@@ -826,6 +829,11 @@ def _e4m3(values: Tensor) -> Tensor:
     return values.to(torch.float8_e4m3fn)
 
 
+def _signs(g: torch.Generator, *shape: int) -> Tensor:
+    """Random +-1 of `shape`."""
+    return torch.randint(0, 2, shape, generator=g).float() * 2 - 1
+
+
 def cancellation_case(m: int, n: int, k: int, seed: int,
                       device: str = "cuda") -> tuple[Fp8Weight, Tensor]:
     """Rows whose first 16 products (one MMA k-group) are +P, -P and 14 small full-mantissa
@@ -833,14 +841,13 @@ def cancellation_case(m: int, n: int, k: int, seed: int,
     output is the small sum as the tensor cores align it to P's exponent, so two variants
     whose MMAs align or truncate differently disagree visibly. k a multiple of 128."""
     g = torch.Generator().manual_seed(seed)
-    sign = lambda *shape: torch.randint(0, 2, shape, generator=g).float() * 2 - 1  # noqa: E731
     w = torch.zeros(n, k)
     w[:, :2] = 1.0
-    w[:, 2:16] = (1 + torch.randint(0, 8, (n, 14), generator=g) / 8) * sign(n, 14)
+    w[:, 2:16] = (1 + torch.randint(0, 8, (n, 14), generator=g) / 8) * _signs(g, n, 14)
     x = torch.zeros(m, k)
     p = 2.0 ** torch.linspace(10, 30, m).round()
     x[:, 0], x[:, 1] = p, -p
-    x[:, 2:16] = (1 + torch.randint(0, 128, (m, 14), generator=g) / 128) * sign(m, 14)
+    x[:, 2:16] = (1 + torch.randint(0, 128, (m, 14), generator=g) / 128) * _signs(g, m, 14)
     scale = torch.ones(-(-n // 128), -(-k // 128))
     return (Fp8Weight(_e4m3(w).to(device), scale.to(device)),
             x.to(torch.bfloat16).to(device))
@@ -853,8 +860,7 @@ def small_binade_case(m: int, n: int, k: int, seed: int,
     the row's largest), so the output is their products' sum alone."""
     g = torch.Generator().manual_seed(seed)
     x = (2.0 ** -torch.randint(15, 18, (m, k), generator=g).float()
-         * (1 + torch.randint(0, 128, (m, k), generator=g) / 128)
-         * (torch.randint(0, 2, (m, k), generator=g).float() * 2 - 1))
+         * (1 + torch.randint(0, 128, (m, k), generator=g) / 128) * _signs(g, m, k))
     x[:, 0] = 2.0**14
     w = torch.randn(n, k, generator=g).clamp(-400, 400)
     w[:, 0] = 0.0
