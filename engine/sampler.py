@@ -12,12 +12,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from .bookkeeping import Bookkeeping
 from .kernels.prev_tokens import prev_tokens_shift_checked
-from .kernels.sampling import TOPK_MAX, exponential_noise, sample
+from .kernels.sampling import TOPK_MAX, draw_then_embed, exponential_noise, sample
 
 __all__ = ["STREAM_FAST", "STREAM_MAIN", "STREAM_RAS", "TOPK_MAX", "SamplingParams",
            "SlotSampling", "exponential_noise", "sample"]
@@ -57,13 +56,6 @@ class SamplingParams:
         return cls(temperature=0.0, top_p=1.0, top_k=1)
 
 
-def _draw_then_embed(draw: Callable[..., Tensor], *args: Tensor | int) -> tuple[Tensor, Tensor]:
-    """`draw(*args[:-1])` and the drawn ids' rows of the table args[-1]."""
-    *rest, table = args
-    ids = draw(*rest)
-    return ids, F.embedding(ids, table)
-
-
 class SlotSampling:
     """Per-slot sampling state held on the device: parameters, seeds, step counters and the
     RAS window of recent main tokens (-1 = empty). `draw` is the sampling rule's
@@ -79,7 +71,7 @@ class SlotSampling:
         # draw_embed: the draw with the drawn ids' table rows (None: `draw`, then the lookup —
         # never another rule than `draw`'s)
         self.draw = draw
-        self.draw_embed = draw_embed or functools.partial(_draw_then_embed, draw)
+        self.draw_embed = draw_embed or functools.partial(draw_then_embed, draw)
         self.book = book or Bookkeeping()
         self.shift = shift or prev_tokens_shift_checked
         self.temperature = torch.zeros(n_slots, device=d)

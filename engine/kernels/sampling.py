@@ -9,6 +9,8 @@ thing is plain tensor ops (CUDA-graph friendly). Temperature 0 means greedy.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -69,13 +71,20 @@ def sample(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor, se
     return torch.where(temperature > 0, drawn, idx[:, 0])
 
 
+def draw_then_embed(draw: Callable[..., Tensor], *args: object,
+                    **kwargs: object) -> tuple[Tensor, Tensor]:
+    """`draw(*args[:-1], **kwargs)` and the drawn ids' rows of the embedding table args[-1]
+    [R, D] (the next position's input): -> (ids [B], table[ids] [B, D])."""
+    *draw_args, table = args
+    ids = draw(*draw_args, **kwargs)
+    return ids, F.embedding(ids, table)  # type: ignore[arg-type]
+
+
 def sample_embed(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor,
                  seed: Tensor, step: Tensor, stream: int | Tensor,
                  table: Tensor) -> tuple[Tensor, Tensor]:
-    """`sample`, and the drawn ids' rows of an embedding table [R, D] (the next position's
-    input): -> (ids [B], table[ids] [B, D])."""
-    ids = sample(logits, temperature, top_p, top_k, seed, step, stream)
-    return ids, F.embedding(ids, table)
+    """`sample`, and the drawn ids' rows of `table` (`draw_then_embed`)."""
+    return draw_then_embed(sample, logits, temperature, top_p, top_k, seed, step, stream, table)
 
 
 def check(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor,
@@ -153,6 +162,5 @@ def sample_topk_embed(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k:
         ids, rows = _launch(logits, temperature, top_p, top_k, seed, step, stream, pdl, table)
         assert rows is not None
         return ids, rows
-    ids = sample_topk(logits, temperature, top_p, top_k, seed, step, stream, kernel=kernel,
-                      pdl=pdl)
-    return ids, F.embedding(ids, table)
+    return draw_then_embed(sample_topk, logits, temperature, top_p, top_k, seed, step, stream,
+                           table, kernel=kernel, pdl=pdl)
