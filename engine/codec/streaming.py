@@ -131,8 +131,17 @@ class StreamingDecoder:
                         for name, shape in m.state_shapes().items()}
         self._ring_shapes = {f"{m.state_key}.{name}": shape for m in modules
                              for name, shape in m.ring_shapes().items()}
-        self._flat, self._state = self._buffer(self._shapes)
-        self._ring_flat, self._rings = self._buffer(self._ring_shapes)
+        # each key's offset in a stream's row, laid out once (every pass gathers and
+        # scatters by them)
+        self._at, width = self._offsets(self._shapes)
+        self._ring_at, ring_width = self._offsets(self._ring_shapes)
+        self._flat = torch.zeros(max_streams + 1, width, device=self.device, dtype=self.dtype)
+        self._ring_flat = torch.zeros(max_streams + 1, ring_width, device=self.device,
+                                      dtype=self.dtype)
+        self._state = self._views(self._flat)
+        self._rings = self._views(self._ring_flat, self._ring_shapes, self._ring_at)
+        # the alignment gaps of a row of new state, in key order (zeros: one cat per pass)
+        self._gaps = [-math.prod(shape) % self.STATE_ALIGN for shape in self._shapes.values()]
         self._gap = torch.zeros(max_streams + 1, self.STATE_ALIGN, device=self.device,
                                 dtype=self.dtype)
         self.buckets = buckets
@@ -217,21 +226,14 @@ class StreamingDecoder:
             width += -(-math.prod(shape) // self.STATE_ALIGN) * self.STATE_ALIGN
         return at, width
 
-    def _buffer(self, shapes: Mapping[str, tuple[int, ...]]) -> tuple[Tensor, dict[str, Tensor]]:
-        """A zeroed [max_streams + 1, width] buffer and its per-key views."""
-        flat = torch.zeros(self.max_streams + 1, self._offsets(shapes)[1], device=self.device,
-                           dtype=self.dtype)
-        return flat, self._views(flat, shapes)
-
-    def _views(self, flat: Tensor, shapes: Mapping[str, tuple[int, ...]] | None = None
-               ) -> dict[str, Tensor]:
+    def _views(self, flat: Tensor, shapes: Mapping[str, tuple[int, ...]] | None = None,
+               at: Mapping[str, int] | None = None) -> dict[str, Tensor]:
         """Each key's rows as a view of `flat` [B, width] ([B, *shape] per key; the
-        gathered state's keys by default)."""
-        shapes = self._shapes if shapes is None else shapes
-        out = {}
-        for k, at in self._offsets(shapes)[0].items():
-            out[k] = flat[:, at: at + math.prod(shapes[k])].view(flat.shape[0], *shapes[k])
-        return out
+        gathered state's keys and offsets by default)."""
+        shapes, at = (self._shapes, self._at) if shapes is None else (shapes, at)
+        assert at is not None
+        return {k: flat[:, at[k]: at[k] + math.prod(shape)].view(flat.shape[0], *shape)
+                for k, shape in shapes.items()}
 
     def _gather_state(self, slots: Tensor) -> dict[str, Tensor]:
         """The streams' state ([B, *shape] per key), in one indexed copy."""
@@ -357,9 +359,8 @@ class StreamingDecoder:
             raise RuntimeError(f"streaming pass left state not updated: {missing[:4]}")
         if self._state:
             B, pieces = len(slots_t), []
-            for k, shape in self._shapes.items():
+            for k, gap in zip(self._shapes, self._gaps):
                 pieces.append(ctx.new_state[k].reshape(B, -1))
-                gap = -math.prod(shape) % self.STATE_ALIGN
                 if gap:  # alignment gaps (never read): zeros, so the rows are one cat
                     pieces.append(self._gap[:B, :gap])
             self._flat.index_copy_(0, slots_t, torch.cat(pieces, dim=1))
