@@ -33,6 +33,24 @@ class TickFlops(TypedDict):
     decoder_stages: dict[str, int]  # Decoder.model.<i> -> FLOPs
 
 
+def parse_ticks(ap: argparse.ArgumentParser, text: str,
+                max_frames: int | None = None) -> list[tuple[int, int]]:
+    """--ticks "64x8,1x2" -> [(streams, frames), ...], or the parser's usage error (at least
+    1 stream, frames in 1..max_frames)."""
+    ticks = []
+    for t in text.split(","):
+        try:
+            s, f = (int(v) for v in t.lower().split("x"))
+        except ValueError:
+            ap.error(f"--ticks: {t!r} is not STREAMSxFRAMES (e.g. 64x8)")
+        if s < 1 or f < 1:
+            ap.error(f"--ticks: {t!r} needs at least 1 stream and 1 frame")
+        if max_frames is not None and f > max_frames:
+            ap.error(f"--ticks: {t!r}: streams >= 1, frames in 1..{max_frames} (one pass)")
+        ticks.append((s, f))
+    return ticks
+
+
 def tick_flops(codec: Codec, streams: int, frames: int) -> TickFlops:
     """FLOPs of decoding `streams` x `frames` code frames: total, per op, per decoder stage."""
     codes = torch.zeros(streams, codec.n_codebooks_total, frames, dtype=torch.long,
@@ -60,15 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if not (math.isfinite(args.ms) and args.ms > 0):
         ap.error(f"--ms must be a positive number of milliseconds, got {args.ms}")
-    ticks = []
-    for t in args.ticks.split(","):
-        try:
-            s, f = (int(v) for v in t.lower().split("x"))
-        except ValueError:
-            ap.error(f"--ticks: {t!r} is not STREAMSxFRAMES (e.g. 64x8)")
-        if s < 1 or f < 1:
-            ap.error(f"--ticks: {t!r} needs at least 1 stream and 1 frame")
-        ticks.append((s, f))
+    ticks = parse_ticks(ap, args.ticks)
     with torch.device("meta"):
         codec = Codec(CodecConfig.preset("s2-pro"))
     codec = codec.to(torch.bfloat16).eval()

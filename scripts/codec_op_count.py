@@ -23,10 +23,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from codec_flops import parse_ticks  # this folder's (the scripts run from it)
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from engine.codec import Codec, CodecConfig
-from engine.codec.layers import CodecOps
+from engine.codec.layers import MAX_PASS_FRAMES, CodecOps
 from engine.codec.quantizer import lookup_sum
 from engine.codec.streaming import StreamingDecoder
 from engine.fusion import pack_ffn
@@ -84,15 +85,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="streams x frames per pass, comma-separated")
     ap.add_argument("--json", help="write the counts by op here")
     args = ap.parse_args(argv)
-    ticks = []
-    for t in args.ticks.split(","):
-        try:
-            s, f = (int(v) for v in t.lower().split("x"))
-        except ValueError:
-            ap.error(f"--ticks: {t!r} is not STREAMSxFRAMES")
-        if s < 1 or not 1 <= f <= 16:
-            ap.error(f"--ticks: {t!r}: streams >= 1, frames in 1..16 (one pass)")
-        ticks.append((s, f))
+    ticks = parse_ticks(ap, args.ticks, max_frames=MAX_PASS_FRAMES)
     with torch.device("meta"):
         codec = Codec(CodecConfig.preset("s2-pro"))
     codec = codec.to(torch.bfloat16)
