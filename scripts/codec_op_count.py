@@ -9,6 +9,9 @@ the engine runs them.
 
     PYTHONPATH=. python scripts/codec_op_count.py [--ticks 64x8,1x2] [--json F]
 
+It also prints a stream's codec state: the bytes every pass gathers and scatters, and the
+attention's K/V rings kept in place.
+
 The torch formulas stand in for csrc's Snake / bias kernels too, so the counts are an upper
 bound on a CUDA pass's kernels, for comparing trees and settings, not a profile.
 """
@@ -97,9 +100,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{s:3d} x {f:2d}: {sum(row['eager'].values()):4d} ops with the torch formulas, "
               f"{sum(row['compiled'].values()):4d} with the codec ops compiled and the FFNs "
               "packed")
+    # a stream's codec state: gathered and scattered by every pass, or kept in place (the
+    # attention's K/V rings)
+    dec = StreamingDecoder(codec, max_streams=1)
+    size = dec._flat.element_size()
+    state = {"gathered": dec._flat.shape[1] * size, "rings": dec._ring_flat.shape[1] * size}
+    print(f"codec state per stream: {state['gathered'] / 1e6:.2f} MB gathered per pass, "
+          f"{state['rings'] / 1e6:.2f} MB of K/V rings in place")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump(out, fh, separators=(",", ":"))
+            json.dump({**out, "state_bytes_per_stream": state}, fh, separators=(",", ":"))
     return 0
 
 
