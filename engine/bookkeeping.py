@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 
@@ -43,12 +44,14 @@ def step_end(columns: Sequence[Tensor], was: Tensor, next_col: Tensor, pos: Tens
     return torch.cat([frames, was[:, None].long(), stop[:, None].long()], dim=1)
 
 
-def frame_tokens(idx: Tensor, n_semantic: int, semantic_start: int,
-                 im_end: int) -> tuple[Tensor, Tensor]:
+def frame_tokens(idx: Tensor, n_semantic: int, semantic_start: int, im_end: int,
+                 table: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """The main draw idx [B] over [semantic 0..n-1, <|im_end|>] -> (token ids [B], code 0
-    [B]: the semantic index, 0 for <|im_end|> as the reference clamps it)."""
+    [B]: the semantic index, 0 for <|im_end|> as the reference clamps it, and code 0's row of
+    `table` [R, D] [B, D]: the fast AR's first input, looked up in the same launch)."""
     semantic = idx < n_semantic
-    return torch.where(semantic, idx + semantic_start, im_end), torch.where(semantic, idx, 0)
+    code = torch.where(semantic, idx, 0)
+    return torch.where(semantic, idx + semantic_start, im_end), code, F.embedding(code, table)
 
 
 def ras_inputs(logits: Tensor, temperature: Tensor, ras_temperature: Tensor, top_p: Tensor,
@@ -85,7 +88,7 @@ class Bookkeeping:
 
     step_begin: Callable[..., tuple[Tensor, Tensor, Tensor]] = step_begin
     step_end: Callable[..., Tensor] = step_end
-    frame_tokens: Callable[..., tuple[Tensor, Tensor]] = frame_tokens
+    frame_tokens: Callable[..., tuple[Tensor, Tensor, Tensor]] = frame_tokens
     ras_inputs: Callable[..., tuple[Tensor, ...]] = ras_inputs
     ras_choose: Callable[..., tuple[Tensor, Tensor, Tensor]] = ras_choose
 

@@ -48,6 +48,11 @@ class CodecWorker:
         runs; returns the seconds."""
         return self.decoder.capture(self.stream, keys)
 
+    def warm(self) -> float:
+        """Compile the codec's compiled ops for every shape class its passes take
+        (`StreamingDecoder.warm`), before the thread runs; returns the seconds."""
+        return self.decoder.warm()
+
     def capture_later(self, keys: Seq[tuple[int, int]], stop: Callable[[], bool],
                       captured: Callable[[tuple[int, int]], None]) -> None:
         """Capture `keys` while the codec thread runs: on a stream of their own (a capture

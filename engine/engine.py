@@ -219,6 +219,10 @@ class Engine:
             self.warmup.add("prefill", rest, self.prefill_worker.capture_later)
             self.startup_s["prefill_graphs_s"] = time.perf_counter() - t1
         if graphed_codec:
+            if self.ops.fused == "compile":  # every specialisation of the compiled codec ops
+                # now: the background captures of bigger buckets would compile them while
+                # serving
+                self.startup_s["codec_warm_s"] = self.codec_worker.warm()
             first, rest = _first(self.codec_worker.decoder.bucket_keys(), config.ready_rows)
             self.codec_capture_s = self.codec_worker.capture(first)
             self.warmup.add("codec", rest, self.codec_worker.capture_later)

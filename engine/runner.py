@@ -268,12 +268,13 @@ class ModelRunner:
         B = h.shape[0]
         rows = slice(0, B)
         idx = self.sampling.sample_main(rows, m.semantic_logits(h, ops), self.n_semantic)
-        token, code = ops.book.frame_tokens(idx, self.n_semantic, ids.semantic_start, ids.im_end)
+        # x [B, D]: codebook 1's input, code 0's row of the fast embeddings
+        token, code, x = ops.book.frame_tokens(idx, self.n_semantic, ids.semantic_start,
+                                               ids.im_end, m.fast_embeddings.weight)
         fkv = self.fast_kv
         # position 0: the slow hidden state, for its K/V only (no logits: no head GEMM)
         m.fast_kv(h[:, None], fkv.at(0, B), ops)
         codes, K = [code], self.cfg.num_codebooks
-        x = m.fast_embeddings(code)  # [B, D]: codebook 1's input, code 0's row
         for j in range(1, K):
             logits = m.forward_fast(x[:, None], j, fkv.at(j, B), ops)
             if j + 1 < K:  # the draw also fetches the next codebook's input row

@@ -1,7 +1,9 @@
 """The decode step's bookkeeping (engine/bookkeeping.py): the values each function must give,
-and (on CUDA) its compiled version giving the same ones."""
+and its compiled version giving the same ones (inductor's CPU backend, and CUDA)."""
 
 from __future__ import annotations
+
+import shutil
 
 import pytest
 import torch
@@ -58,8 +60,10 @@ def test_step_end_updates_the_rows_in_place_and_stops_them():
 
 
 def test_frame_tokens_maps_the_draw_to_ids():
-    token, code = frame_tokens(torch.tensor([0, 5, 8]), 8, 100, IM_END)
+    table = torch.arange(8 * 3).reshape(8, 3).float()
+    token, code, row = frame_tokens(torch.tensor([0, 5, 8]), 8, 100, IM_END, table)
     assert token.tolist() == [100, 105, IM_END] and code.tolist() == [0, 5, 0]
+    assert torch.equal(row, table[[0, 5, 0]])  # code 0's rows (<|im_end|>'s is row 0)
 
 
 def test_ras_takes_the_second_draw_only_for_a_repeat_in_the_window():
@@ -86,14 +90,18 @@ def test_ras_inputs_stack_main_and_ras_settings():
     assert [t.tolist() for t in out[3:]] == [[30, 20, 30, 20], [1, 2, 1, 2], [3, 4, 3, 4]]
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_compiled_bookkeeping_matches_the_reference():
-    """build_ops' compiled functions (one fused kernel each) give the reference's values at
-    several batch sizes, in-place updates included."""
+@pytest.mark.parametrize("device", [
+    pytest.param("cpu", marks=pytest.mark.skipif(
+        shutil.which("g++") is None and shutil.which("c++") is None,
+        reason="torch.compile on the CPU needs a C++ compiler")),
+    pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_compiled_bookkeeping_matches_the_reference(device: str):
+    """build_ops' compiled functions (one fused kernel each on CUDA) give the reference's
+    values at several batch sizes, in-place updates included."""
     from engine.ops import build_ops
 
-    book, ref = build_ops("cuda", fused="compile").book, Bookkeeping()
+    book, ref = build_ops(device, fused="compile").book, Bookkeeping()
     assert book.step_end is not ref.step_end
     g = torch.Generator().manual_seed(0)
     def rows(B: int) -> list[torch.Tensor]:
@@ -105,11 +113,11 @@ def test_compiled_bookkeeping_matches_the_reference():
                 torch.rand(B, generator=gen) < 0.7]
 
     for B in (1, 2, 5, 64):
-        frames = torch.randint(0, 12, (B, 11), generator=g).cuda()
-        tables = torch.randint(0, 100, (B, 8), generator=g).cuda()
-        a = [t.cuda() for t in rows(B)]
-        c = [t.cuda() for t in rows(B)]
-        steps = [torch.randint(0, 9, (B,), generator=g).cuda() for _ in range(2)]
+        frames = torch.randint(0, 12, (B, 11), generator=g).to(device)
+        tables = torch.randint(0, 100, (B, 8), generator=g).to(device)
+        a = [t.to(device) for t in rows(B)]
+        c = [t.to(device) for t in rows(B)]
+        steps = [torch.randint(0, 9, (B,), generator=g).to(device) for _ in range(2)]
         steps[1].copy_(steps[0])
         cols = list(frames.unbind(1))
         with torch.inference_mode():
@@ -120,20 +128,21 @@ def test_compiled_bookkeeping_matches_the_reference():
                                book.step_end(cols, *c[:4], c[4], steps[1], IM_END))
             assert all(torch.equal(x, y) for x, y in zip(a, c))
             assert torch.equal(steps[0], steps[1])
-            idx = torch.randint(0, 9, (B,), generator=g).cuda()
-            for x, y in zip(ref.frame_tokens(idx, 8, 100, IM_END),
-                            book.frame_tokens(idx, 8, 100, IM_END)):
+            idx = torch.randint(0, 9, (B,), generator=g).to(device)
+            table = torch.randn(8, 64, generator=g).to(torch.bfloat16).to(device)
+            for x, y in zip(ref.frame_tokens(idx, 8, 100, IM_END, table),
+                            book.frame_tokens(idx, 8, 100, IM_END, table)):
                 assert torch.equal(x, y)
-            both = torch.randint(0, 10, (2 * B,), generator=g).cuda()
-            win = torch.randint(-1, 10, (B, 16), generator=g).to(torch.int32).cuda()
-            rw = torch.randint(0, 17, (B,), generator=g).cuda()
-            step = torch.randint(0, 3, (B,), generator=g).cuda()
+            both = torch.randint(0, 10, (2 * B,), generator=g).to(device)
+            win = torch.randint(-1, 10, (B, 16), generator=g).to(torch.int32).to(device)
+            rw = torch.randint(0, 17, (B,), generator=g).to(device)
+            step = torch.randint(0, 3, (B,), generator=g).to(device)
             for x, y in zip(ref.ras_choose(both, win, rw, step, 8),
                             book.ras_choose(both, win, rw, step, 8)):
                 assert torch.equal(x, y)
-            args = (torch.randn(B, 33, generator=g).cuda(), torch.rand(B, generator=g).cuda(),
-                    torch.rand(B, generator=g).cuda(), torch.rand(B, generator=g).cuda(),
-                    torch.rand(B, generator=g).cuda(), torch.randint(1, 30, (B,)).cuda(),
-                    torch.randint(0, 9, (B,)).cuda(), torch.randint(0, 9, (B,)).cuda())
+            args = (torch.randn(B, 33, generator=g).to(device), torch.rand(B, generator=g).to(device),
+                    torch.rand(B, generator=g).to(device), torch.rand(B, generator=g).to(device),
+                    torch.rand(B, generator=g).to(device), torch.randint(1, 30, (B,)).to(device),
+                    torch.randint(0, 9, (B,)).to(device), torch.randint(0, 9, (B,)).to(device))
             for x, y in zip(ref.ras_inputs(*args), book.ras_inputs(*args)):
                 assert torch.equal(x, y)

@@ -151,6 +151,34 @@ def test_compiled_transformer_ops_stream_as_offline(codec: Codec, buckets: bool,
         assert diff <= STREAM_ATOL, f"stream {i}: max abs diff {diff:.2e}"
 
 
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="torch.compile on the CPU needs a C++ compiler")
+def test_warm_compiles_every_bucket_specialisation() -> None:
+    """After `StreamingDecoder.warm` (the engine's start-up, with compiled ops), a pass in
+    any (streams, frames) bucket compiles nothing: without it the first pass of two
+    streams compiles the ops again (a size of 1 is a constant to torch.compile), which the
+    engine would do in a background capture while it serves."""
+    from torch._dynamo.utils import counters
+
+    from engine.ops import build_ops
+
+    codec = dummy_codec(CodecConfig.preset("tiny"), seed=1)
+    ops = build_ops("cpu", fused="compile").codec
+    # fresh compiled ops (own caches): what other tests compiled does not count
+    dec = StreamingDecoder(codec, max_streams=4, buckets=True, max_frames=32, ops=ops)
+    assert dec.warm_keys() == [(1, 1), (1, 2), (2, 1), (2, 2)]
+    assert dec.warm() > 0
+    before = counters["stats"]["unique_graphs"]
+    with torch.no_grad():
+        for key in dec.bucket_keys():
+            dec._static_pass(dec._inputs(*key))
+    assert counters["stats"]["unique_graphs"] == before, "a bucket compiled after warm()"
+    # the scratch row only: no stream's state was touched
+    assert not dec._flat[:-1].any() and not dec._ring_flat[:-1].any()
+    one = StreamingDecoder(codec, max_streams=1, buckets=True, max_frames=32, ops=ops)
+    assert one.warm_keys() == [(1, 1), (1, 2)]
+
+
 def test_projected_codebook_lookup_streams_as_offline(codec: Codec) -> None:
     """CodecOps.lookup_sum (the latent from each codebook's out_proj'd rows, summed in the
     decode's order) streams as the offline decode; the projected tables are kept until a
