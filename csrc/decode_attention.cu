@@ -15,7 +15,8 @@
 //                             table[b, pos[b] / BS], or a block no row of this launch reads
 //                             (a scratch block, for rows that only pad the batch)
 //   pos      [B] int64        each row's position (0 <= pos < MB * BS; not checked on device)
-//   out      [B, H, D]        contiguous
+//   out      [B, H, D]        same dtype, rows may be strided (heads and dims packed): one
+//                             position of a [B, T, H, D] output written per launch
 //   qw, kw   [D] or None      same dtype: with cs, RMSNorm weights of q's and k's heads
 //   cs       [B or 1, D/2, 2] or None, same dtype, last two dims packed: (cos, sin) of each
 //                             row's position (one row for all: row stride 0). Given, the
@@ -130,7 +131,7 @@ __global__ void __launch_bounds__(kGroups * L) decode_attention_kernel(
     const T* __restrict__ v_new, int64_t v_rs, T* __restrict__ k_cache,
     T* __restrict__ v_cache, const int64_t* __restrict__ table, int64_t MB,
     const int64_t* __restrict__ wblock, const int64_t* __restrict__ pos, T* __restrict__ out,
-    int Hkv, int rep, int64_t BS,
+    int64_t out_rs, int Hkv, int rep, int64_t BS,
     float scale, bool vec, int splits, float* __restrict__ ws_o, float* __restrict__ ws_ml,
     const T* __restrict__ qw, const T* __restrict__ kw, const T* __restrict__ cs, int64_t cs_rs,
     float eps) {
@@ -321,7 +322,7 @@ __global__ void __launch_bounds__(kGroups * L) decode_attention_kernel(
     }
     const int64_t bh = static_cast<int64_t>(b) * Hkv * rep + h0 + r;
     if (splits == 1) {
-      out[bh * D + d] = static_cast<T>(o / den);
+      out[b * out_rs + static_cast<int64_t>(h0 + r) * D + d] = static_cast<T>(o / den);
     } else {  // an empty range leaves den = 0: the merge skips it
       const int64_t w = bh * splits + split;
       ws_o[w * D + d] = o;
@@ -338,8 +339,9 @@ __global__ void __launch_bounds__(kGroups * L) decode_attention_kernel(
 template <typename T>
 __global__ void decode_attention_combine(const float* __restrict__ ws_o,
                                          const float* __restrict__ ws_ml, T* __restrict__ out,
-                                         int splits, int D) {
-  const int64_t bh = blockIdx.x;
+                                         int64_t out_rs, int H, int splits, int D) {
+  const int64_t bh = blockIdx.x;  // row b = bh / H, query head bh % H
+  T* o_row = out + (bh / H) * out_rs + (bh % H) * D;
   pdl_wait();
   pdl_trigger();
   const float* ml = ws_ml + 2 * bh * splits;
@@ -354,7 +356,7 @@ __global__ void decode_attention_combine(const float* __restrict__ ws_o,
       den += ml[2 * s + 1] * f;
       num += ws_o[(bh * splits + s) * D + d] * f;
     }
-    out[bh * D + d] = static_cast<T>(num / den);
+    o_row[d] = static_cast<T>(num / den);
   }
 }
 
@@ -386,7 +388,8 @@ void launch_e(int R, int rep, dim3 grid, cudaStream_t stream, const torch::Tenso
       q.data_ptr<T>(), q.stride(0), k_new.data_ptr<T>(), k_new.stride(0),                   \
       v_new.data_ptr<T>(), v_new.stride(0), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),   \
       table.data_ptr<int64_t>(), table.stride(0), wblock.data_ptr<int64_t>(),               \
-      pos.data_ptr<int64_t>(), out.data_ptr<T>(), static_cast<int>(k_new.size(1)), rep,     \
+      pos.data_ptr<int64_t>(), out.data_ptr<T>(), out.stride(0),                            \
+      static_cast<int>(k_new.size(1)), rep,                                                 \
       k_cache.size(2), scale, vec, splits, ws_o, ws_ml, rp.ptr<T>(rp.qw), rp.ptr<T>(rp.kw),   \
       rp.ptr<T>(rp.cs), rp.cs_rs, rp.eps)
   switch (R) {
@@ -454,7 +457,8 @@ void launch(const torch::Tensor& q, const torch::Tensor& k_new, const torch::Ten
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (ns > 1) {
     rtvoice::launch_kernel(decode_attention_combine<T>, dim3(static_cast<unsigned>(B * H)),
-                           dim3(128), 0, stream, pdl, o_ptr, ml_ptr, out.data_ptr<T>(), ns, D);
+                           dim3(128), 0, stream, pdl, o_ptr, ml_ptr, out.data_ptr<T>(),
+                           out.stride(0), H, ns, D);
   }
 }
 
@@ -486,8 +490,12 @@ void decode_attention(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new,
   TORCH_CHECK(k_cache.size(1) == Hkv && k_cache.size(3) == D &&
                   v_cache.sizes() == k_cache.sizes(),
               "decode_attention: cache shape ", k_cache.sizes(), " does not fit q ", q.sizes());
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && out.is_contiguous(),
-              "decode_attention: caches and out must be contiguous");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "decode_attention: caches must be contiguous");
+  TORCH_CHECK(out.size(0) == q.size(0) && out.size(1) == q.size(1) && out.size(2) == q.size(2) &&
+                  out.stride(2) == 1 && out.stride(1) == out.size(2),
+              "decode_attention: out must be [B, H, D] like q with heads and dims packed, got ",
+              out.sizes(), " strides ", out.strides());
   for (const auto* t : {&q, &k_new, &v_new})
     TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == D,
                 "decode_attention: heads and dims of q/k_new/v_new must be packed");

@@ -45,13 +45,15 @@ def step_end(columns: Sequence[Tensor], was: Tensor, next_col: Tensor, pos: Tens
 
 
 def frame_tokens(idx: Tensor, n_semantic: int, semantic_start: int, im_end: int,
-                 table: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+                 table: Tensor, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """The main draw idx [B] over [semantic 0..n-1, <|im_end|>] -> (token ids [B], code 0
-    [B]: the semantic index, 0 for <|im_end|> as the reference clamps it, and code 0's row of
-    `table` [R, D] [B, D]: the fast AR's first input, looked up in the same launch)."""
+    [B]: the semantic index, 0 for <|im_end|> as the reference clamps it, and the fast AR's
+    first input [B, 2, D]: position 0 the slow hidden state h [B, D], position 1 code 0's
+    row of `table` [R, D], put together in the same launch)."""
     semantic = idx < n_semantic
     code = torch.where(semantic, idx, 0)
-    return torch.where(semantic, idx + semantic_start, im_end), code, F.embedding(code, table)
+    x = torch.stack([h, F.embedding(code, table)], dim=1)
+    return torch.where(semantic, idx + semantic_start, im_end), code, x
 
 
 def ras_inputs(logits: Tensor, temperature: Tensor, ras_temperature: Tensor, top_p: Tensor,

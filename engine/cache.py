@@ -252,21 +252,30 @@ class FastKV:
         return self
 
     def _launch(self, layer: int, q: Tensor, k: Tensor, v: Tensor,
-                rope: Rope | None = None) -> Tensor:
-        """The kernel on position `pos`: q [B, H, Dh], k/v [B, Hkv, Dh] -> [B, H, 1, Dh]."""
-        p, b = self.pos, self.batch
+                ropes: list[Rope] | None = None) -> Tensor:
+        """The kernel on positions pos..pos+T-1: q [B, T, H, Dh], k/v [B, T, Hkv, Dh] (rows
+        may be strided) -> [B, H, T, Dh]. One launch per position, in order: each reads the
+        K/V the launches before it stored (one launch's blocks never read what another
+        block of it writes), and writes its [B, H, Dh] slice of one [B, T, H, Dh] output."""
+        p, b, T = self.pos, self.batch, q.shape[1]
         assert self.kernel is not None
-        return self.kernel(q, k, v, self.k[layer], self.v[layer], self._tables[:b],
-                           self._rows[:b], self._pos[p, :b], p + 1, rope=rope)[:, :, None]
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        for t in range(T):
+            self.kernel(q[:, t], k[:, t], v[:, t], self.k[layer], self.v[layer],
+                        self._tables[:b], self._rows[:b], self._pos[p + t, :b], p + t + 1,
+                        rope=None if ropes is None else ropes[t], out=out[:, t])
+        return out.transpose(1, 2)
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        p, b = self.pos, self.batch
+        """q [B, H, T, Dh], k/v [B, Hkv, T, Dh] at positions pos..pos+T-1 (rotated) -> the
+        attention output [B, H, T, Dh], their K/V stored."""
+        p, b, T = self.pos, self.batch, q.shape[2]
         if self.kernel is not None:
-            return self._launch(layer, q[:, :, 0], k[:, :, 0], v[:, :, 0])
-        self.k[layer, :b, :, p] = k[:, :, 0]
-        self.v[layer, :b, :, p] = v[:, :, 0]
-        mask = self._masks[p: p + 1, : p + 1][None, None]  # [1, 1, 1, p+1]
-        return explicit_attention(q, self.k[layer, :b, :, : p + 1], self.v[layer, :b, :, : p + 1],
+            return self._launch(layer, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        self.k[layer, :b, :, p: p + T] = k
+        self.v[layer, :b, :, p: p + T] = v
+        mask = self._masks[p: p + T, : p + T][None, None]  # [1, 1, T, p+T]
+        return explicit_attention(q, self.k[layer, :b, :, : p + T], self.v[layer, :b, :, : p + T],
                                   mask)
 
     def defer(self, layer: int, qkv: Tensor, cs: Tensor,
@@ -274,12 +283,14 @@ class FastKV:
         """This position's attention for the output projection's prologue to compute
         (`Ops.attend_kernel`): qkv [B, 1, q + 2 kv] before the rotation cs [B, 1, Dh/2, 2]
         (every row at `pos`, so one row of it serves all); `compute` is the usual path. None
-        where not `deferred`."""
-        if not self.deferred:
+        where not `deferred`, or for more than one position."""
+        if not self.deferred or qkv.shape[1] != 1:
             return None
         return PendingHeads(qkv, self.k[layer], self.v[layer], cs[0, 0], self.pos, compute)
 
     def _norm_rope_attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, qw: Tensor | None,
                           kw: Tensor | None, cs: Tensor, eps: float) -> Tensor:
-        """As PagedDecodeAttend's: q/k before their norm and RoPE, one kernel launch."""
-        return self._launch(layer, q[:, 0], k[:, 0], v[:, 0], Rope(qw, kw, cs[:, 0], eps))
+        """As PagedDecodeAttend's (q/k before their norm and RoPE, cs [B, T, Dh/2, 2]), one
+        kernel launch per position."""
+        return self._launch(layer, q, k, v, [Rope(qw, kw, cs[:, t], eps)
+                                             for t in range(q.shape[1])])

@@ -175,9 +175,9 @@ class _Recorder:
             return out
 
         def fast(x: Tensor, pos: int, attend, ops: Ops = REFERENCE) -> Tensor:  # type: ignore[no-untyped-def]
-            out = orig_fast(x, pos, attend, ops)
-            assert self._fast_h is not None  # position 0 (the slow hidden state) has no logits
-            self.fast.append((self._fast_h, out[0].float().clone()))
+            out = orig_fast(x, pos, attend, ops)  # [B, T, V]: the last position's are drawn
+            assert self._fast_h is not None
+            self.fast.append((self._fast_h, out[0, -1].float().clone()))
             return out
 
         orig_hidden = model.fast_hidden

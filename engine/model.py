@@ -128,16 +128,6 @@ class Block(nn.Module):
                                        next_norm.eps)
 
 
-def write_kv(blocks: nn.ModuleList, x: Tensor, cs: Tensor, attend: Attend, ops: Ops) -> None:
-    """The decoder stack where only every layer's K/V matter (`attend` writes them): the
-    blocks but the last in full, the last one's attention alone (x [B, T, D])."""
-    first = blocks[0].attention_norm
-    xn = ops.pending_norm(x, first.weight, first.eps)
-    for i in range(len(blocks) - 1):
-        x, xn = blocks[i](x, xn, cs, attend, i, blocks[i + 1].attention_norm, ops)
-    ops.dense(blocks[-1].attention.heads(xn, cs, attend, len(blocks) - 1, ops))
-
-
 def run_blocks(blocks: nn.ModuleList, final_norm: RMSNorm, x: Tensor, cs: Tensor,
                attend: Attend, ops: Ops) -> Tensor | Normed:
     """The decoder stack: x [B, T, D] through every block -> final_norm(output) [B, T, D],
@@ -248,21 +238,19 @@ class DualAR(nn.Module):
 
     # ------------------------------------------------------------------ fast AR
     def forward_fast(self, x: Tensor, pos: int, attend: Attend, ops: Ops = REFERENCE) -> Tensor:
-        """One fast-AR position for a batch. x: [B, 1, D]; pos in 0..K-1 -> logits [B, 4096]."""
-        return ops.project(self.fast_hidden(x, pos, attend, ops), self.fast_output.weight)[:, 0]
+        """Fast-AR positions pos..pos+T-1 for a batch. x: [B, T, D] -> logits [B, T, 4096].
+
+        Position 0 is the slow hidden state and position j >= 1 the embedding of code j-1;
+        position j's logits give code j (position 0's are never sampled). The runner feeds
+        positions 0 and 1 as one call (T = 2: the fast AR's weights read once for both),
+        then one position per call."""
+        return ops.project(self.fast_hidden(x, pos, attend, ops), self.fast_output.weight)
 
     def fast_hidden(self, x: Tensor, pos: int, attend: Attend,
                     ops: Ops = REFERENCE) -> Tensor | Normed:
-        """The fast AR's final-normed hidden state at `pos`: x [B, 1, D] -> [B, 1, D], the
-        final norm left pending (`Normed`: `ops.dense` computes it) where `ops` may fold it
-        into the head's prologue."""
-        cs = self.fast_rope[pos: pos + 1].unsqueeze(0).expand(x.shape[0], -1, -1, -1)
+        """The fast AR's final-normed hidden states at positions pos..pos+T-1: x [B, T, D]
+        -> [B, T, D], the final norm left pending (`Normed`: `ops.dense` computes it) where
+        `ops` may fold it into the head's prologue."""
+        B, T = x.shape[:2]
+        cs = self.fast_rope[pos: pos + T].unsqueeze(0).expand(B, -1, -1, -1)  # [B, T, Dh/2, 2]
         return run_blocks(self.fast_layers, self.fast_norm, x, cs, attend, ops)
-
-    def fast_kv(self, x: Tensor, attend: Attend, ops: Ops = REFERENCE) -> None:
-        """The fast AR's position 0 (x [B, 1, D]: the slow hidden state), whose logits are
-        never sampled: only its K/V, which every later position attends to. The last layer's
-        attention writes them; its output projection, its FFN and the final norm are skipped
-        (fast_hidden(x, 0, ...) writes the same K/V)."""
-        cs = self.fast_rope[0:1].unsqueeze(0).expand(x.shape[0], -1, -1, -1)
-        write_kv(self.fast_layers, x, cs, attend, ops)

@@ -268,21 +268,19 @@ class ModelRunner:
         B = h.shape[0]
         rows = slice(0, B)
         idx = self.sampling.sample_main(rows, m.semantic_logits(h, ops), self.n_semantic)
-        # x [B, D]: codebook 1's input, code 0's row of the fast embeddings
+        # x [B, 2, D]: the fast AR's positions 0 (h) and 1 (code 0's row of its embeddings),
+        # one pass (its weights read once for both); position 1's logits give code 1
         token, code, x = ops.book.frame_tokens(idx, self.n_semantic, ids.semantic_start,
-                                               ids.im_end, m.fast_embeddings.weight)
+                                               ids.im_end, m.fast_embeddings.weight, h)
         fkv = self.fast_kv
-        # position 0: the slow hidden state, for its K/V only (no logits: no head GEMM)
-        m.fast_kv(h[:, None], fkv.at(0, B), ops)
         codes, K = [code], self.cfg.num_codebooks
-        for j in range(1, K):
-            logits = m.forward_fast(x[:, None], j, fkv.at(j, B), ops)
-            if j + 1 < K:  # the draw also fetches the next codebook's input row
-                code, x = self.sampling.sample_fast_embed(rows, logits, j,
-                                                          m.fast_embeddings.weight)
-            else:
-                code = self.sampling.sample_fast(rows, logits, j)
+        logits = m.forward_fast(x, 0, fkv.at(0, B), ops)[:, -1]
+        for j in range(1, K - 1):
+            # code j, and its row of the fast embeddings (position j+1's input): one launch
+            code, x = self.sampling.sample_fast_embed(rows, logits, j, m.fast_embeddings.weight)
             codes.append(code)
+            logits = m.forward_fast(x[:, None], j + 1, fkv.at(j + 1, B), ops)[:, 0]
+        codes.append(self.sampling.sample_fast(rows, logits, K - 1))
         return [token, *codes]
 
     # ------------------------------------------------------------------ decode graphs

@@ -54,24 +54,18 @@ class _Recorder:
             return self._orig_sem(h, ops)
 
         def fast(x: Tensor, pos: int, attend, ops: Ops = REFERENCE) -> Tensor:  # type: ignore[no-untyped-def]
+            # one call per position, or positions 0 and 1 together: one entry per position
+            # (position 0's logits, which the reference records, come with the pair's head)
             out = self._orig_fast(x, pos, attend, ops)
-            self.fast.append(out.detach().clone())
+            self.fast.extend(out[:, t].detach().clone() for t in range(out.shape[1]))
             return out
-
-        def kv(x: Tensor, attend, ops: Ops = REFERENCE) -> None:  # type: ignore[no-untyped-def]
-            # the runner writes position 0's K/V only (no logits there); the whole position
-            # writes the same K/V and gives the reference's logits, which are kept
-            h = model.fast_hidden(x, 0, attend, ops)
-            self.fast.append(ops.project(h, model.fast_output.weight)[:, 0].detach().clone())
 
         model.semantic_logits = sem  # type: ignore[method-assign]
         model.forward_fast = fast  # type: ignore[method-assign]
-        model.fast_kv = kv  # type: ignore[method-assign]
 
     def restore(self) -> None:
         del self.model.semantic_logits
         del self.model.forward_fast
-        del self.model.fast_kv
 
 
 def _diff(a: Tensor, b: Tensor) -> float:

@@ -61,9 +61,12 @@ def test_step_end_updates_the_rows_in_place_and_stops_them():
 
 def test_frame_tokens_maps_the_draw_to_ids():
     table = torch.arange(8 * 3).reshape(8, 3).float()
-    token, code, row = frame_tokens(torch.tensor([0, 5, 8]), 8, 100, IM_END, table)
+    h = -torch.rand(3, 3)
+    token, code, x = frame_tokens(torch.tensor([0, 5, 8]), 8, 100, IM_END, table, h)
     assert token.tolist() == [100, 105, IM_END] and code.tolist() == [0, 5, 0]
-    assert torch.equal(row, table[[0, 5, 0]])  # code 0's rows (<|im_end|>'s is row 0)
+    # the fast AR's positions 0 (h) and 1 (code 0's rows; <|im_end|>'s is row 0)
+    assert x.shape == (3, 2, 3)
+    assert torch.equal(x[:, 0], h) and torch.equal(x[:, 1], table[[0, 5, 0]])
 
 
 def test_ras_takes_the_second_draw_only_for_a_repeat_in_the_window():
@@ -130,8 +133,9 @@ def test_compiled_bookkeeping_matches_the_reference(device: str):
             assert torch.equal(steps[0], steps[1])
             idx = torch.randint(0, 9, (B,), generator=g).to(device)
             table = torch.randn(8, 64, generator=g).to(torch.bfloat16).to(device)
-            for x, y in zip(ref.frame_tokens(idx, 8, 100, IM_END, table),
-                            book.frame_tokens(idx, 8, 100, IM_END, table)):
+            h = torch.randn(B, 64, generator=g).to(torch.bfloat16).to(device)
+            for x, y in zip(ref.frame_tokens(idx, 8, 100, IM_END, table, h),
+                            book.frame_tokens(idx, 8, 100, IM_END, table, h)):
                 assert torch.equal(x, y)
             both = torch.randint(0, 10, (2 * B,), generator=g).to(device)
             win = torch.randint(-1, 10, (B, 16), generator=g).to(torch.int32).to(device)

@@ -191,6 +191,83 @@ def test_decode_attention_cuda_kernel_matches_fallback(dtype, tol, B, H, Hkv, D,
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
 
 
+def test_decode_attention_writes_a_given_out_with_strided_rows():
+    """`out`: one position's [B, H, D] slice of a [B, T, H, D] output (rows strided) gets
+    the result, the other positions untouched; an out of another shape, dtype or layout is
+    refused by name."""
+    q, kn, vn, kc, vc, table, wb, pos = _attention_case(3, 4, 2, 16, 20, torch.float32, "cpu")
+    want = attention.decode_attention(q, kn, vn, kc.clone(), vc.clone(), table, wb, pos, span=20)
+    out = torch.full((3, 2, 4, 16), 7.0)
+    got = attention.decode_attention(q, kn, vn, kc, vc, table, wb, pos, span=20, out=out[:, 1])
+    assert got.data_ptr() == out[:, 1].data_ptr() and torch.equal(out[:, 1], want)
+    assert bool((out[:, 0] == 7).all())
+    for bad in (torch.empty(3, 4, 8), torch.empty(3, 4, 16, dtype=torch.float64),
+                torch.empty(3, 16, 4).transpose(1, 2)):
+        with pytest.raises(ValueError, match="out must be"):
+            attention.decode_attention(q, kn, vn, kc, vc, table, wb, pos, span=20, out=bad)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("splits", [1, 7])
+@pytest.mark.parametrize("rope", [False, True])
+def test_decode_attention_cuda_strided_out_is_the_contiguous_one(splits, rope):
+    """The kernel (and its split merge) writing one position of a [B, T, H, D] output gives
+    the bits of a contiguous out, and writes nothing else of it."""
+    assert extension_available(), "the CUDA extension did not build"
+    B, H, Hkv, D, S = 5, 32, 8, 128, 300
+    q, kn, vn, kc, vc, table, wb, pos = _attention_case(B, H, Hkv, D, S, torch.bfloat16,
+                                                        "cuda", bs=64, last_at_end=True)
+    r = _rope_case(B, D, torch.bfloat16, "cuda", norm=False, shared=True) if rope else None
+    want = attention.decode_attention(q, kn, vn, kc.clone(), vc.clone(), table, wb, pos,
+                                      span=S, splits=splits, rope=r)
+    out = torch.full((B, 3, H, D), 7.0, dtype=torch.bfloat16, device="cuda")
+    attention.decode_attention(q, kn, vn, kc, vc, table, wb, pos, span=S, splits=splits,
+                               rope=r, out=out[:, 1])
+    assert torch.equal(out[:, 1], want)
+    assert bool((out[:, 0] == 7).all()) and bool((out[:, 2] == 7).all())
+
+
+def test_fast_kv_kernel_path_attends_two_positions_as_its_torch_path():
+    """FastKV with a decode-attention kernel (its CPU fallback here) on two positions at once
+    (one launch per position, each into its slice of one output; positions 0 and 1 of a
+    frame) and then one: the outputs and caches of the torch path, with RoPE folded into
+    the launches too (`norm_rope_attend`, per position) and without."""
+    import functools
+
+    from engine.cache import FastKV
+    from engine.config import ModelConfig, TransformerConfig, preset
+
+    base = preset("tiny")
+    fast = TransformerConfig(n_layer=1, dim=base.slow.dim, n_head=4, n_local_heads=2,
+                             head_dim=64, intermediate_size=64, vocab_size=4096, max_seq_len=11)
+    cfg = ModelConfig(slow=base.slow, fast=fast, ids=base.ids, num_codebooks=10)
+    kernel = functools.partial(attention.decode_attention, kernel=False)
+    g = torch.Generator().manual_seed(2)
+    B = 3
+    rope = functional.rope_table(10, 64, 10000.0)
+    plain = FastKV(cfg, 4, device="cpu", dtype=torch.float32)
+    launched = FastKV(cfg, 4, device="cpu", dtype=torch.float32, kernel=kernel)
+    folded = FastKV(cfg, 4, device="cpu", dtype=torch.float32, kernel=kernel, rope_rows=4)
+    for pos, T in ((0, 2), (2, 1)):
+        q = torch.randn(B, T, 4, 64, generator=g)
+        k, v = torch.randn(B, T, 2, 64, generator=g), torch.randn(B, T, 2, 64, generator=g)
+        cs = rope[pos: pos + T][None].expand(B, -1, -1, -1)
+        qr, kr = functional.norm_rope_qk(q, k, None, None, cs, 1e-6)
+        want = plain.at(pos, B)(0, qr.transpose(1, 2), kr.transpose(1, 2), v.transpose(1, 2))
+        got = launched.at(pos, B)(0, qr.transpose(1, 2), kr.transpose(1, 2), v.transpose(1, 2))
+        attend = folded.at(pos, B)
+        assert attend.norm_rope_attend is not None
+        fused = attend.norm_rope_attend(0, q, k, v, None, None, cs, 1e-6)
+        assert want.shape == got.shape == fused.shape == (B, 4, T, 64)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(fused, want, rtol=1e-5, atol=1e-5)
+    for kv in (launched, folded):
+        torch.testing.assert_close(kv.k[:, :B, :, :3], plain.k[:, :B, :, :3])
+        torch.testing.assert_close(kv.v[:, :B, :, :3], plain.v[:, :B, :, :3])
+    assert bool(plain.k[:, :B, :, :3].abs().sum(-1).gt(0).all())  # all three positions stored
+
+
 def _rope_case(B, D, dtype, device, *, norm=True, shared=False, seed=11):
     """A Rope for one position per row: norm weights near 1, a real rotation table row per
     row (or one row for all: the fast AR's shared position)."""
@@ -2165,18 +2242,19 @@ def _fast_model(head_dim=128, dtype=torch.bfloat16, device="cpu"):
 
 
 def _fast_frame(model, ops, deferred, B=2, device="cpu"):
-    """The fast AR's 10 positions for B rows as the runner runs them (position 0's K/V only,
-    then 1..9 from fixed codes) -> (hidden states [9, B, D], the caches)."""
+    """The fast AR's 10 positions for B rows as the runner runs them (positions 0 and 1 in
+    one call, then 2..9, from fixed codes) -> (hidden states [9, B, D] of positions 1..9,
+    the caches)."""
     from engine.cache import FastKV
 
     g = torch.Generator().manual_seed(1)
     h = torch.randn(B, 1, model.cfg.slow.dim, generator=g).to(model.fast_norm.weight)
     codes = torch.randint(0, 4096, (9, B), generator=g).to(device)
     kv = FastKV(model.cfg, B, device=device, dtype=h.dtype, deferred=deferred)
-    out = []
     with torch.no_grad():
-        model.fast_kv(h, kv.at(0, B), ops)
-        for j in range(1, 10):
+        x = torch.cat([h.to(device), model.fast_embeddings(codes[0])[:, None]], dim=1)
+        out = [ops.dense(model.fast_hidden(x, 0, kv.at(0, B), ops))[:, 1]]
+        for j in range(2, 10):
             x = model.fast_embeddings(codes[j - 1])[:, None]
             out.append(ops.dense(model.fast_hidden(x, j, kv.at(j, B), ops))[:, 0])
     return torch.stack(out), kv
@@ -2184,7 +2262,8 @@ def _fast_frame(model, ops, deferred, B=2, device="cpu"):
 
 def test_model_defers_the_fast_attention_to_wo_prologue():
     """With a deferring FastKV and an attend kernel the fast AR hands every layer's attention
-    but position 0's last (K/V only: ops.dense computes it) to wo's prologue: the same hidden
+    of positions 2..9 (one position per call; positions 0 and 1 come as one) to wo's
+    prologue: the same hidden
     states and caches as the plain path within bf16 rounding (here through the reference
     kernel, `gemv_attend` off the GPU); an attend kernel that declines (None) falls back to
     the plain attention, exactly."""
@@ -2200,7 +2279,7 @@ def test_model_defers_the_fast_attention_to_wo_prologue():
     want, kv0 = _fast_frame(model, Ops(), deferred=False)
     got, kv1 = _fast_frame(model, Ops(attend_kernel=attend), deferred=True)
     n = model.cfg.fast.n_layer
-    assert calls == [0] * (n - 1) + [p for p in range(1, 10) for _ in range(n)]
+    assert calls == [p for p in range(2, 10) for _ in range(n)]
     torch.testing.assert_close(got.float(), want.float(), rtol=5e-2, atol=5e-2)
     torch.testing.assert_close(kv1.k.float(), kv0.k.float(), rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(kv1.v.float(), kv0.v.float(), rtol=2e-2, atol=2e-2)

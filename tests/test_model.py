@@ -371,37 +371,43 @@ def test_a_fused_op_with_its_own_cache_keeps_its_recompiles_apart():
     assert len(_debug_get_cache_entry_list(functional.add_scaled.__code__)) == after_shared
 
 
-def test_fast_position_zero_writes_the_whole_positions_kv(fixture_dir, fixture_model,
-                                                          monkeypatch):
-    """The runner's fast AR position 0 (`DualAR.fast_kv`: the last layer's attention alone,
-    no output projection, FFN or final norm) writes exactly the K/V of the whole position
-    (`fast_hidden(x, 0, ...)`), so every frame is the same either way."""
+def test_fast_positions_zero_and_one_in_one_pass_decode_as_one_at_a_time(
+        fixture_dir, fixture_model, monkeypatch):
+    """The runner feeds the fast AR's positions 0 (the slow hidden state) and 1 (code 0's
+    embedding) as one call (`forward_fast` with T = 2, causal): the same frames and fast K/V
+    as one position per call, as the reference runs them."""
     case = CASES[0]
     p = load_file(str(fixture_dir / "cases" / f"{case}.safetensors"))["b0.prompt"]
 
     def decode() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        runner = ModelRunner(fixture_model, n_rows=1, max_len=512)
-        blocks = runner.own_blocks(0)
-        runner.prefill(blocks, p[:, :-1], 0)
-        runner.join(0, SamplingParams.greedy(), p[:, -1], p.shape[1] - 1, 8, 0, blocks)
-        frames = [runner.step(1, 200).clone() for _ in range(8)]
+        runner = ModelRunner(fixture_model, n_rows=2, max_len=512)
+        for row, seed in ((0, 0), (1, 7)):
+            blocks = runner.own_blocks(row)
+            runner.prefill(blocks, p[:, :-1], 0)
+            params = SamplingParams.greedy() if row == 0 else SamplingParams(seed=seed)
+            runner.join(row, params, p[:, -1], p.shape[1] - 1, 8, seed, blocks)
+        frames = [runner.step(2, 200).clone() for _ in range(8)]
         return frames, [t.clone() for t in (runner.fast_kv.k, runner.fast_kv.v)]
 
     frames, kv = decode()
-    calls: list[int] = []
-    whole = fixture_model.fast_hidden
+    pairs: list[int] = []
+    whole = fixture_model.forward_fast
 
     from engine.ops import REFERENCE
 
-    def whole_position(x, attend, ops=REFERENCE):  # type: ignore[no-untyped-def]
-        calls.append(1)
-        whole(x, 0, attend, ops)
+    def one_at_a_time(x, pos, attend, ops=REFERENCE):  # type: ignore[no-untyped-def]
+        if x.shape[1] == 1:
+            return whole(x, pos, attend, ops)
+        pairs.append(pos)
+        return torch.cat([whole(x[:, t: t + 1], pos + t, attend.at(pos + t, x.shape[0]), ops)
+                          for t in range(x.shape[1])], dim=1)
 
-    monkeypatch.setattr(fixture_model, "fast_kv", whole_position)
-    frames_whole, kv_whole = decode()
-    assert len(calls) == 8
-    assert all(torch.equal(a, b) for a, b in zip(frames, frames_whole))
-    assert all(torch.equal(a, b) for a, b in zip(kv, kv_whole))
+    monkeypatch.setattr(fixture_model, "forward_fast", one_at_a_time)
+    frames_one, kv_one = decode()
+    assert pairs == [0] * 8
+    assert all(torch.equal(a, b) for a, b in zip(frames, frames_one))
+    for a, b in zip(kv, kv_one):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("rope_rows", [0, 1, 4])

@@ -129,7 +129,8 @@ def supports(head_dim: int, n_head: int, n_kv_heads: int) -> bool:
 
 def decode_attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_cache: Tensor,
                      table: Tensor, wblock: Tensor, pos: Tensor, span: int, *, splits: int = 1,
-                     kernel: bool = True, rope: Rope | None = None, pdl: bool = False) -> Tensor:
+                     kernel: bool = True, rope: Rope | None = None, pdl: bool = False,
+                     out: Tensor | None = None) -> Tensor:
     """q [B, H, D]; k_new/v_new [B, Hkv, D]; k_cache/v_cache [N, Hkv, BS, D]: N blocks of BS
     positions; table int64 [B, MB]: row b's position t is at (table[b, t // BS], t % BS);
     wblock/pos int64 [B]: row b writes k_new/v_new at (wblock[b], :, pos[b] % BS) — its own
@@ -143,19 +144,28 @@ def decode_attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v
     normed and rotated (`apply_rope`; in the kernel's launch where `rope_supported`), and
     that k is what the cache stores. `kernel=False` runs the fallback. `pdl` (kernel only,
     sm_90+): launched with programmatic dependent launch (csrc/launch.cuh; same result).
-    Returns out [B, H, D] in q's dtype.
+    Returns out [B, H, D] in q's dtype: `out` when given (q's shape and dtype, heads and dims
+    packed, rows may be strided: one position of a [B, T, H, D] output), else a new tensor.
     """
     check(q, k_new, v_new, k_cache, v_cache, table, wblock, pos, splits)
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype
+                            or out.device != q.device or out.stride(2) != 1
+                            or out.stride(1) != q.shape[2]):
+        raise ValueError(f"out must be {list(q.shape)} {q.dtype} on {q.device} with heads and "
+                         f"dims packed, got {list(out.shape)} {out.dtype} strides "
+                         f"{out.stride()}")
     use = kernel and q.is_cuda and supports(q.shape[-1], q.shape[1], k_new.shape[1])
     if rope is not None and not (use and rope_supported(q, rope)):
         q, k_new = apply_rope(q, k_new, rope)
         rope = None
     if use:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if out is None:
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         qw, kw, cs, eps = (None, None, None, 0.0) if rope is None else (
             rope.qw, rope.kw, rope.cs, rope.eps)
         torch.ops.rtvoice_kernels.decode_attention(q, k_new, v_new, k_cache, v_cache, table,
                                                    wblock, pos, out, splits, qw, kw, cs, eps,
                                                    pdl)
         return out
-    return decode_attention_torch(q, k_new, v_new, k_cache, v_cache, table, wblock, pos, span)
+    y = decode_attention_torch(q, k_new, v_new, k_cache, v_cache, table, wblock, pos, span)
+    return y if out is None else out.copy_(y)
