@@ -19,7 +19,7 @@ flushed, and the next turn starts when the previous one is done (after ``--pause
 it prints the probes and the answer, keeps them under ``capacity`` in the JSON, and marks the
 bound and the answer on the plot:
 
-    bench-latency --url ws://HOST:PORT/v1/tts/live --capacity --concurrency 16 --turns 2 \
+    bench-latency --url ws://HOST:PORT/v1/tts/live --capacity --concurrency 16 --turns 2 \\
         --jitter-ms 200 --max-frames 300 --json cap.json --plot cap.png
 
 Figures per level (``--json`` has them all, with the exact settings, the server's ``ready``,

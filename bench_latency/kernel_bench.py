@@ -9,6 +9,7 @@ draw over 4,097 logits) and the codec's widest streaming shapes (64 streams x 8 
 
 from __future__ import annotations
 
+import argparse
 import time
 from collections.abc import Callable
 
@@ -44,7 +45,10 @@ def timed(fn: Callable[..., object], args: tuple, n: int, cuda: bool) -> float:
     return 1e6 * (time.perf_counter() - t) / n
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(prog="python -m bench_latency.kernel_bench", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter
+                            ).parse_args(argv)
     cuda = torch.cuda.is_available()
     dev = "cuda" if cuda else "cpu"
     kind = "kernel" if cuda and extension_available() else "wrapper"
