@@ -493,8 +493,10 @@ void decode_attention(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new,
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(),
               "decode_attention: caches must be contiguous");
   TORCH_CHECK(out.size(0) == q.size(0) && out.size(1) == q.size(1) && out.size(2) == q.size(2) &&
-                  out.stride(2) == 1 && out.stride(1) == out.size(2),
-              "decode_attention: out must be [B, H, D] like q with heads and dims packed, got ",
+                  out.stride(2) == 1 && out.stride(1) == out.size(2) &&
+                  (out.size(0) <= 1 || out.stride(0) >= out.size(1) * out.size(2)),
+              "decode_attention: out must be [B, H, D] like q with heads and dims packed and rows "
+              "apart, got ",
               out.sizes(), " strides ", out.strides());
   for (const auto* t : {&q, &k_new, &v_new})
     TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == D,

@@ -9,9 +9,10 @@ sequence owns which block is the scheduler's business (engine/kv_pool.py,
 engine/scheduler.py), not the cache's. The last block is scratch: padded rows and unused
 table entries point at it, so stray writes land where nothing reads.
 
-The one-position attends (decode) take an optional `kernel`: csrc's decode_attention, which
-stores the new k/v and attends through the block table in one launch (engine/ops.py
-decides); without it they write, gather the rows' blocks and run the model's attention.
+The decode attends (the slow AR's one position per row; the fast AR's T positions, its first
+call two) take an optional `kernel`: csrc's decode_attention, which stores the new k/v and
+attends through the block table in one launch per position (engine/ops.py decides); without
+it they write, gather the rows' blocks and run the model's attention.
 With `fuse_rope` (FastKV: `rope_rows` covering the batch) they also offer
 `norm_rope_attend`, which hands the kernel q and k before their norm and rotation (one
 launch for both; the model takes it where it exists).

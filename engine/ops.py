@@ -252,7 +252,7 @@ def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool 
     small-M kernel runs a block's projections, the residual add in wo / w2's epilogue and the
     RMSNorm after it in the next projection's prologue (no launch of their own), and with
     `attend_prologue` the fast AR's attention in its output projection's prologue at up to
-    `linear.ATTEND_DISPATCH_M` rows (39 launches fewer per frame step, but off: the step is
+    `linear.ATTEND_DISPATCH_M` rows (32 launches fewer per frame step, but off: the step is
     slower with it on the H200, docs/PERF.md); `pdl`: csrc's
     linear, attention and sampling kernels launched with programmatic dependent launch (a
     no-op before sm_90; same results), so each one's blocks start while the kernel before it

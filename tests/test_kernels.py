@@ -202,7 +202,7 @@ def test_decode_attention_writes_a_given_out_with_strided_rows():
     assert got.data_ptr() == out[:, 1].data_ptr() and torch.equal(out[:, 1], want)
     assert bool((out[:, 0] == 7).all())
     for bad in (torch.empty(3, 4, 8), torch.empty(3, 4, 16, dtype=torch.float64),
-                torch.empty(3, 16, 4).transpose(1, 2)):
+                torch.empty(3, 16, 4).transpose(1, 2), torch.empty(1, 4, 16).expand(3, -1, -1)):
         with pytest.raises(ValueError, match="out must be"):
             attention.decode_attention(q, kn, vn, kc, vc, table, wb, pos, span=20, out=bad)
 
@@ -266,6 +266,71 @@ def test_fast_kv_kernel_path_attends_two_positions_as_its_torch_path():
         torch.testing.assert_close(kv.k[:, :B, :, :3], plain.k[:, :B, :, :3])
         torch.testing.assert_close(kv.v[:, :B, :, :3], plain.v[:, :B, :, :3])
     assert bool(plain.k[:, :B, :, :3].abs().sum(-1).gt(0).all())  # all three positions stored
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("pdl", [False, True])
+@pytest.mark.parametrize("rope", [False, True])
+@pytest.mark.parametrize("graph", [False, True])
+def test_fast_kv_two_positions_cuda_as_its_torch_path(pdl, rope, graph):
+    """FastKV with csrc's decode attention on the fast AR's first call (positions 0 and 1:
+    two launches, the second reading what the first stored, with PDL and inside a CUDA
+    graph too), then position 2: its torch path's outputs and caches within bf16 rounding."""
+    import functools
+
+    from engine.cache import FastKV
+    from engine.config import preset
+
+    assert extension_available(), "the CUDA extension did not build"
+    cfg = preset("s2-pro")
+    f, B = cfg.fast, 2
+    kernel = functools.partial(attention.decode_attention, pdl=pdl)
+    launched = FastKV(cfg, 4, device="cuda", dtype=torch.bfloat16, kernel=kernel,
+                      rope_rows=4 if rope else 0)
+    plain = FastKV(cfg, 4, device="cuda", dtype=torch.bfloat16)
+    table = functional.rope_table(10, f.head_dim, 1e6).to(torch.bfloat16).cuda()
+    g = torch.Generator().manual_seed(5)
+    steps = []
+    for pos, T in ((0, 2), (2, 1)):
+        qkv = torch.randn(B, T, f.q_size + 2 * f.kv_size, generator=g).to(torch.bfloat16).cuda()
+        q, k, v = qkv.split([f.q_size, f.kv_size, f.kv_size], dim=-1)
+        q = q.view(B, T, f.n_head, f.head_dim)
+        k = k.view(B, T, f.n_local_heads, f.head_dim)
+        v = v.view(B, T, f.n_local_heads, f.head_dim)
+        cs = table[pos: pos + T][None].expand(B, -1, -1, -1)
+        steps.append((pos, q, k, v, cs))
+
+    def run(kv, fused):  # type: ignore[no-untyped-def]
+        outs = []
+        for pos, q, k, v, cs in steps:
+            attend = kv.at(pos, B)
+            if fused:
+                outs.append(attend.norm_rope_attend(0, q, k, v, None, None, cs, 1e-6))
+            else:
+                qr, kr = functional.norm_rope_qk(q, k, None, None, cs, 1e-6)
+                outs.append(attend(0, qr.transpose(1, 2), kr.transpose(1, 2), v.transpose(1, 2)))
+        return outs
+
+    want = run(plain, False)
+    if graph:
+        run(launched, rope)  # warm-up outside the capture
+        launched.k.zero_()
+        launched.v.zero_()
+        torch.cuda.synchronize()
+        cg = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cg):
+            got = run(launched, rope)
+        cg.replay()
+    else:
+        got = run(launched, rope)
+    torch.cuda.synchronize()
+    for a, b in zip(got, want):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(launched.k[0, :B, :, :3].float(), plain.k[0, :B, :, :3].float(),
+                               rtol=2e-2, atol=2e-2)
+    assert torch.equal(launched.v[0, :B, :, :3], plain.v[0, :B, :, :3])
 
 
 def _rope_case(B, D, dtype, device, *, norm=True, shared=False, seed=11):

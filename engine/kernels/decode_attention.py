@@ -150,9 +150,10 @@ def decode_attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v
     check(q, k_new, v_new, k_cache, v_cache, table, wblock, pos, splits)
     if out is not None and (out.shape != q.shape or out.dtype != q.dtype
                             or out.device != q.device or out.stride(2) != 1
-                            or out.stride(1) != q.shape[2]):
+                            or out.stride(1) != q.shape[2]
+                            or (q.shape[0] > 1 and out.stride(0) < q.shape[1] * q.shape[2])):
         raise ValueError(f"out must be {list(q.shape)} {q.dtype} on {q.device} with heads and "
-                         f"dims packed, got {list(out.shape)} {out.dtype} strides "
+                         f"dims packed and rows apart, got {list(out.shape)} {out.dtype} strides "
                          f"{out.stride()}")
     use = kernel and q.is_cuda and supports(q.shape[-1], q.shape[1], k_new.shape[1])
     if rope is not None and not (use and rope_supported(q, rope)):
