@@ -35,7 +35,11 @@ projections (wo then wqkv; w2 then the packed w13 with its SwiGLU): the projecti
 add + norm, the next projection (three launches) against the residual epilogue and the normed
 prologue (two), and checks that they agree. `--attend` times the fast AR's attention and its
 output projection: csrc's decode attention then wo with the residual epilogue (two launches)
-against the attention prologue (one), and each part alone.
+against the attention prologue (one), and each part alone. `--rowwise` times FP8 weights at
+16-64 rows, where the engine runs their dequantised bf16 copies through cuBLAS, against the
+rowwise-scaled FP8 GEMM (`torch._scaled_mm`: the weights requantised per output row, x per
+row, W8A8) and reports each one's error against the block-scaled FP8 product: whether an
+engine path through it would pay (it is not in the table's candidates).
 """
 
 from __future__ import annotations
@@ -79,7 +83,16 @@ from engine.kernels.linear import (
     subnormal_case,
     supports,
 )
-from engine.quant import Fp8Weight, dequantize_fp8, fp8_linear_torch, quantize_fp8
+from engine.quant import (
+    Fp8Weight,
+    dequantize_fp8,
+    fp8_linear_torch,
+    fp8_rowwise_linear,
+    fp8_rowwise_linear_torch,
+    quantize_fp8,
+    quantize_rows,
+    rowwise_fp8,
+)
 
 # name -> (N, K): S2-Pro's decode-step linears
 SHAPES = {
@@ -92,6 +105,7 @@ SHAPES = {
     "semantic": (4097, 2560),  # semantic logits: N not a multiple of 128
 }
 MS = (1, 2, 4, 8, 16, 32, 64)
+ROWWISE_MS = (16, 32, 64)  # --rowwise: the batch sizes that run FP8 weights' bf16 copies
 KWARPS = (1, 2, 4, 8)
 SPLITS = (2, 4, 8)  # tried at each variant's best kwarps (1 is part of the kwarps sweep)
 ROTATE_BYTES = 200 * 2**20
@@ -562,6 +576,72 @@ def bench_attend(ms: tuple[int, ...], reps: int, table: Path,
     return results
 
 
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want).norm() / want.norm())
+
+
+def bench_rowwise(names: list[str], ms: tuple[int, ...], reps: int, copy: float, *,
+                  device: str = "cuda", shapes: dict[str, tuple[int, int]] = SHAPES,
+                  rotate_bytes: int = ROTATE_BYTES) -> list[dict[str, object]]:
+    """FP8 weights at the batch sizes where the engine runs their dequantised bf16 copies
+    (cuBLAS): that dense GEMM against the rowwise-scaled FP8 GEMM (`torch._scaled_mm` on the
+    weights requantised per output row, `quantize.rowwise_fp8`, and x quantised per row by
+    the compiled `quantize_rows`: W8A8, two launches), and that GEMM alone; each one's
+    relative L2 error against the float32 product of x and the block-scaled weights (what
+    the weight-only FP8 path computes). Rotating weight copies, CUDA-graph medians."""
+    quant = fusion.compiled("quantize_rows", quantize_rows)
+    out: list[dict[str, object]] = []
+    for name in names:
+        n, k = shapes[name]
+        g = torch.Generator(device=device).manual_seed(n + k)
+        base = (torch.randn(n, k, device=device, generator=g) / math.sqrt(k)).to(torch.bfloat16)
+        f8 = quantize_fp8(base)
+        dense = dequantize_fp8(f8, torch.bfloat16)
+        wq, ws = rowwise_fp8(f8)
+        exact = dequantize_fp8(f8)  # float32
+        copies = max(2, math.ceil(rotate_bytes / (n * k)))
+        denses = [dense.clone() for _ in range(max(2, math.ceil(rotate_bytes / (2 * n * k))))]
+        rowws = [(wq.clone(), ws.clone()) for _ in range(copies)]
+        for m in ms:
+            x = torch.randn(m, k, device=device, generator=g).to(torch.bfloat16)
+            want = F.linear(x.float(), exact)
+            row: dict[str, object] = {"shape": name, "n": n, "k": k, "m": m}
+            dense_y = F.linear(x, dense)
+            row["dense_us"] = graph_us([lambda d=d, x=x: F.linear(x, d) for d in denses], reps)
+            row["dense_rel_err"] = _rel(dense_y, want)
+            try:
+                y = fp8_rowwise_linear(x, wq, ws, quant)
+                ref = fp8_rowwise_linear_torch(x, wq, ws)
+                row["rowwise_agrees"] = _agrees(y, ref)
+                row["rowwise_rel_err"] = _rel(y, want)
+                row["rowwise_us"] = graph_us(
+                    [lambda w=w, x=x: fp8_rowwise_linear(x, w[0], w[1], quant) for w in rowws],
+                    reps)
+                xq, xs = quant(x)
+                row["rowwise_gemm_us"] = graph_us(
+                    [lambda w=w, xq=xq, xs=xs: torch._scaled_mm(
+                        xq, w[0].t(), scale_a=xs, scale_b=w[1][None, :],
+                        out_dtype=torch.bfloat16) for w in rowws],
+                    reps)
+            except Exception as e:  # not supported here: reported, nothing timed
+                row["rowwise_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+            io = 2 * m * (k + n)
+            for key, wbytes in (("dense_us", 2 * n * k), ("rowwise_us", n * k + 4 * n),
+                                ("rowwise_gemm_us", n * k + 4 * n)):
+                if key in row:
+                    row[key.replace("_us", "_copy_pct")] = round(
+                        100 * (wbytes + io) / float(row[key]) / 1e3 / copy, 1)  # type: ignore[arg-type]
+            out.append(row)
+            cells = "  ".join(f"{key} {row[key]:.2f}" if isinstance(row[key], float)
+                              else f"{key} {row[key]}" for key in row
+                              if key not in ("shape", "n", "k", "m"))
+            print(f"rowwise {name:9s} {n:6d}x{k:<5d} m={m:3d}  {cells}", flush=True)
+        del denses, rowws
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
 def _plan_row(fp8: bool, m: int, n: int, k: int, meta: Meta, us: dict[str, float]) -> PlanRow:
     config = meta.get("config")
     return PlanRow(fp8, m, n, k, str(meta["impl"]), int(meta.get("splits", 1)),  # type: ignore[arg-type]
@@ -599,6 +679,11 @@ def main(argv: list[str] | None = None) -> int:
                     "programmatic dependent launch, bf16 plainly), 1 PDL, each call's first "
                     "weights fetched while the call before ends; 0 a plain launch; 2, 3 "
                     "csrc/linear.cu's other PDL modes")
+    ap.add_argument("--rowwise", action="store_true",
+                    help="time FP8 weights at the batch sizes that run their bf16 copies "
+                    "(default --ms 16,32,64): the dense GEMM against the rowwise-scaled FP8 "
+                    "GEMM (torch._scaled_mm, weights requantised per row, x per row: W8A8) "
+                    "and its error; writes --out as {device, rowwise: [...]}")
     ap.add_argument("--table", type=Path, default=DEFAULT_TABLE,
                     help="the recorded table --swiglu, --norm and --attend follow")
     args = ap.parse_args(argv)
@@ -624,6 +709,16 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown shape(s) {unknown}; choose from {list(SHAPES)}")
     ms = tuple(int(m) for m in args.ms.split(","))
+    if args.rowwise:
+        ms = ms if args.ms != ap.get_default("ms") else ROWWISE_MS
+        copy = copy_gbs(args.reps)
+        with torch.inference_mode():
+            res = bench_rowwise(names, ms, args.reps, copy)
+        if args.out:
+            args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(),
+                                            "copy_gbs": round(copy, 1), "rowwise": res},
+                                           indent=1) + "\n")
+        return 0
     variants = tuple(int(v) for v in args.variants.split(",") if v)
     if not set(variants) <= set(VARIANTS):
         ap.error(f"variants must be among {VARIANTS}")

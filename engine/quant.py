@@ -19,7 +19,7 @@ quantised unless told otherwise, and `keep` patterns hold chosen layers in bf16.
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -138,6 +138,55 @@ def fp8_linear_torch(x: Tensor, w: Fp8Weight) -> Tensor:
     """x [..., K] @ W^T with W given in FP8: the reference (dequantise, then a dense GEMM in
     x's dtype). Every FP8 kernel is checked against this."""
     return F.linear(x, dequantize_fp8(w, x.dtype))
+
+
+@torch.no_grad()
+def rowwise_fp8(w: Fp8Weight, rows: int = 8 * BLOCK) -> tuple[Tensor, Tensor]:
+    """W's values requantised with one scale per output row, the operand layout of the
+    rowwise-scaled FP8 GEMM (`torch._scaled_mm`: CUTLASS on sm_90): (q [N, K] e4m3, scale
+    [N] float32, each row's largest |W| / 448) with W[n, k] ~= q[n, k] * scale[n]. A second
+    rounding of the block-scaled values (3 mantissa bits, as the first); a row whose blocks
+    span more than e4m3's range keeps fewer bits of its smallest ones. Made `rows` rows at a
+    time (float32 temporaries of that many rows)."""
+    n, k = w.q.shape
+    q = torch.empty(n, k, dtype=FP8, device=w.q.device)
+    scale = torch.empty(n, dtype=torch.float32, device=w.q.device)
+    for r in range(0, n, rows):
+        part = Fp8Weight(w.q[r: r + rows], w.scale[r // BLOCK: (r + rows) // BLOCK])
+        d = dequantize_fp8(part)  # [rows, K] float32
+        s = (d.abs().amax(dim=1) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+        q[r: r + rows] = (d / s[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        scale[r: r + rows] = s
+    return q, scale
+
+
+def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Dynamic per-row (per-token) activation quantisation: x [M, K] -> (e4m3 [M, K], scale
+    [M, 1] float32: each row's largest |x| / 448), x ~= q * scale."""
+    xf = x.float()
+    s = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    return (xf / s).clamp(-FP8_MAX, FP8_MAX).to(FP8), s
+
+
+def fp8_rowwise_linear(x: Tensor, wq: Tensor, ws: Tensor,
+                       quantize: Callable[[Tensor], tuple[Tensor, Tensor]] = quantize_rows
+                       ) -> Tensor:
+    """x [..., K] @ W^T with W rowwise FP8 (`rowwise_fp8`: wq [N, K], ws [N]) and x quantised
+    per row by `quantize` (W8A8: other numerics than the block-scaled weight-only path), one
+    `torch._scaled_mm` (float32 accumulation, both scales in its epilogue) -> [..., N] in
+    x's dtype."""
+    k = x.shape[-1]
+    xq, xs = quantize(x.reshape(-1, k))
+    y = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws[None, :], out_dtype=x.dtype)
+    return y.view(*x.shape[:-1], wq.shape[0])
+
+
+def fp8_rowwise_linear_torch(x: Tensor, wq: Tensor, ws: Tensor) -> Tensor:
+    """`fp8_rowwise_linear`'s reference: the same roundings of x and W, dequantised, then a
+    float32 product, rounded to x's dtype."""
+    xq, xs = quantize_rows(x.reshape(-1, x.shape[-1]))
+    y = F.linear(xq.float() * xs, wq.float() * ws[:, None])
+    return y.to(x.dtype).view(*x.shape[:-1], wq.shape[0])
 
 
 def linear(x: Tensor, w: Tensor | Fp8Weight) -> Tensor:

@@ -51,7 +51,9 @@
 # `linear_bench --norm` (projection + add_rms_norm + projection vs the residual epilogue and
 # normed prologue) into $OUT/norm.{json,txt}. ATTEND_BENCH=1: `linear_bench --attend` (the fast
 # AR's attention + wo vs the attention prologue, and each part alone, M = 1, 2) into
-# $OUT/attend.{json,txt}.
+# $OUT/attend.{json,txt}. ROWWISE=1: `linear_bench --rowwise` (FP8 weights at 16-64 rows:
+# their bf16 copies' cuBLAS GEMM vs the rowwise-scaled FP8 GEMM, W8A8, and its error) into
+# $OUT/rowwise.{json,txt}.
 # FP8 (issue 14): LINEAR=1 first records the per-shape linear table (bench_latency.linear_bench:
 # cuBLAS vs csrc's small-M kernel vs the Triton FP8 GEMM, every S2-Pro shape at M = 1..64) into
 # $OUT/linear_table.json and installs it for the rest of the call (LINEAR_INSTALL=0: not, for a
@@ -121,6 +123,12 @@ if [ "${ATTEND_BENCH:-0}" = 1 ]; then  # the fast AR's attention + wo vs the att
     timeout 150 python3 -m bench_latency.linear_bench --attend --ms 1,2 --out "$OUT/attend.json" 2>&1 \
         | grep -v "Warn\|warn" | tee "$OUT/attend.txt" | grep "^attend"
     echo "attend bench done at +$(( $(date +%s) - t0 ))s"
+fi
+if [ "${ROWWISE:-0}" = 1 ]; then  # FP8 at 16-64 rows: bf16 copies vs rowwise-scaled W8A8
+    timeout 200 python3 -m bench_latency.linear_bench --rowwise --shapes wqkv,wo,w13,w2 \
+        --out "$OUT/rowwise.json" 2>&1 | grep -v "Warn\|warn" | tee "$OUT/rowwise.txt" \
+        | grep "^rowwise"
+    echo "rowwise bench done at +$(( $(date +%s) - t0 ))s"
 fi
 if [ "${LINEAR:-0}" = 1 ]; then  # the per-shape linear table, used by every engine below
     timeout ${LINEAR_TIMEOUT:-240} python3 -m bench_latency.linear_bench --out "$OUT/linear_table.json" ${LINEAR_ARGS:-} \

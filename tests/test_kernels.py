@@ -3,6 +3,8 @@ the kernel and the fallback agree."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 from _codec_stream import stream_vs_offline, unit_block
@@ -2462,6 +2464,68 @@ def test_linear_bench_attend_times_both_paths_on_the_same_inputs(monkeypatch):
     assert set(res) >= {"unfused_us", "fused_us", "attention_us", "wo_us",
                         "prologue_16_rows_us"}
     assert res["max_ulps"] <= 2 and res["differing"] < 0.01
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="the compiled quantize_rows needs a C++ compiler on the CPU")
+def test_linear_bench_rowwise_times_dense_and_w8a8_on_the_same_weights(monkeypatch):
+    """linear_bench --rowwise off the GPU (every graph one call of each function; torch's
+    CPU _scaled_mm): the dense GEMM, the rowwise W8A8 path (its compiled per-row quantisation
+    agreeing with the torch reference) and the GEMM alone are timed over every weight copy,
+    with each one's error against the block-scaled FP8 product: the dense one at bf16
+    rounding, the W8A8 one larger (two roundings of W, one of x) but bounded."""
+    from bench_latency import linear_bench as lb
+
+    timed = []
+
+    def once(calls, reps):  # type: ignore[no-untyped-def]
+        timed.append(len(calls))
+        for c in calls:
+            c()
+        return 2.0
+
+    monkeypatch.setattr(lb, "graph_us", once)
+    rows = lb.bench_rowwise(["t"], (16, 3), 1, 1000.0, device="cpu", shapes={"t": (256, 384)},
+                            rotate_bytes=4 * 256 * 384)
+    assert [r["m"] for r in rows] == [16, 3]
+    for r in rows:
+        assert "rowwise_error" not in r, r
+        assert r["rowwise_agrees"] is True
+        assert r["dense_rel_err"] < 0.01 < r["rowwise_rel_err"] < 0.08
+        assert r["dense_us"] == r["rowwise_us"] == r["rowwise_gemm_us"] == 2.0
+        assert r["rowwise_copy_pct"] < r["dense_copy_pct"]  # half the weight bytes, same time
+    assert timed == [2, 4, 4] * 2  # every copy: 2 dense, 4 FP8 (half the bytes each)
+
+
+def test_rowwise_fp8_requantises_each_row_and_matches_its_reference():
+    """`rowwise_fp8`: one scale per row (its largest |W| / 448: the row's largest value is
+    +-448 exactly), values within e4m3's rounding of the block-scaled weight, the same in
+    chunks of rows as at once; `fp8_rowwise_linear` (CPU _scaled_mm) equals its torch
+    reference to the output's rounding."""
+    from engine.quant import (
+        FP8_MAX,
+        dequantize_fp8,
+        fp8_rowwise_linear,
+        fp8_rowwise_linear_torch,
+        quantize_fp8,
+        rowwise_fp8,
+    )
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(384, 320, generator=g) * torch.logspace(-2, 1, 384)[:, None]
+    f8 = quantize_fp8(w)
+    q, s = rowwise_fp8(f8)
+    assert q.shape == (384, 320) and s.shape == (384,) and s.dtype == torch.float32
+    assert torch.equal(q.float().abs().amax(dim=1), torch.full((384,), FP8_MAX))
+    d = dequantize_fp8(f8)
+    assert bool(((q.float() * s[:, None] - d).abs() <= 2**-4 * d.abs() + 2**-9 * s[:, None]).all())
+    q2, s2 = rowwise_fp8(f8, rows=128)
+    assert torch.equal(q2.view(torch.uint8), q.view(torch.uint8)) and torch.equal(s2, s)
+    x = torch.randn(2, 5, 320, generator=g).to(torch.bfloat16)
+    y = fp8_rowwise_linear(x, q, s)
+    assert y.shape == (2, 5, 384) and y.dtype == torch.bfloat16
+    ref = fp8_rowwise_linear_torch(x, q, s)
+    assert bool(((y.float() - ref.float()).abs() <= 2**-7 * ref.float().abs() + 1e-3).all())
 
 
 def test_linear_ncu_script_cases():
