@@ -65,6 +65,7 @@ from engine.kernels.linear import (
     EXACT_VARIANTS,
     FP8_VARIANTS,
     MAX_M,
+    ROWWISE,
     STAGED_VARIANT,
     VARIANTS,
     W8A8,
@@ -295,6 +296,11 @@ def pdl_mode(pdl: str, fp8: bool) -> int:
     return (1 if fp8 else 0) if pdl == "auto" else int(pdl)
 
 
+def _rowwise_call(x: torch.Tensor, w: Fp8Weight, quant: Callable) -> torch.Tensor:
+    assert w.rowwise is not None
+    return fp8_rowwise_linear(x, *w.rowwise, quantize=quant)
+
+
 def bench_shape(name: str, n: int, k: int, ms: tuple[int, ...], reps: int, copy: float,
                 built: bool, reference: bool, variants: tuple[int, ...],
                 triton: bool, pdl: str = "auto") -> list[PlanRow]:
@@ -302,16 +308,22 @@ def bench_shape(name: str, n: int, k: int, ms: tuple[int, ...], reps: int, copy:
     g = torch.Generator(device="cuda").manual_seed(n + k)
     base = (torch.randn(n, k, device="cuda", generator=g) / math.sqrt(k)).to(torch.bfloat16)
     mod = _triton_module() if triton else None
+    quant = fusion.compiled("quantize_rows", quantize_rows)  # as the engine's W8A8 linears
+    rw = None
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     for fp8 in (False, True):
         if fp8:
             q = quantize_fp8(base)
             wbytes = q.q.numel() + 4 * q.scale.numel()
+            # each copy with its rowwise-scaled one: the rowwise W8A8 candidate's operand
+            rw = rowwise_fp8(q) if n % 16 == 0 and k % 16 == 0 else None
         else:
             wbytes = 2 * n * k
         copies = max(2, math.ceil(ROTATE_BYTES / wbytes))
         ws: list[torch.Tensor | Fp8Weight] = (
-            [Fp8Weight(q.q.clone(), q.scale.clone()) for _ in range(copies)] if fp8
+            [Fp8Weight(q.q.clone(), q.scale.clone(), None,
+                       None if rw is None else (rw[0].clone(), rw[1].clone()))
+             for _ in range(copies)] if fp8
             else [base.clone() for _ in range(copies)])
         for m in ms:
             x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
@@ -342,10 +354,16 @@ def bench_shape(name: str, n: int, k: int, ms: tuple[int, ...], reps: int, copy:
                                                  split_k=split)
                         timer.time(f"triton:{_cfg_name(cfg)}:k{split}", call,
                                    {"impl": "triton", "splits": split, "config": cfg.to_json()})
-                if n % 16 == 0:
+            if fp8 and n % 16 == 0:  # the W8A8 candidates, each against its own reference
+                w8a8 = Timer(ws, x, want, reps, label)
+                if rw is not None:
+                    wantr = fp8_rowwise_linear_torch(x, *rw)
+                    w8a8.time(ROWWISE, functools.partial(_rowwise_call, quant=quant),
+                              {"impl": ROWWISE},
+                              check=lambda out, wantr=wantr: _agrees(out, wantr))
+                if mod is not None:
                     want8 = mod.fp8_linear_w8a8_torch(x, ws[0])
                     mag = x.float().abs() @ wf.abs().T
-                    w8a8 = Timer(ws, x, want8, reps, label)
                     for cfg in mod.sweep_configs(m, w8a8=True):
                         for split in _triton_splits(mod, m, n, k, cfg, sms):
                             call = functools.partial(mod.fp8_linear_triton_w8a8, config=cfg,
@@ -362,7 +380,7 @@ def bench_shape(name: str, n: int, k: int, ms: tuple[int, ...], reps: int, copy:
             if w8a8 is not None and w8a8.us:
                 b8 = min(w8a8.us, key=w8a8.us.__getitem__)
                 rows.append(_plan_row(fp8, m, n, k, w8a8.meta[b8], w8a8.us))
-                extra = f"   [{W8A8} {w8a8.us[b8]:.2f}us: {b8.split(':', 1)[1]}]"
+                extra = f"   [W8A8 {w8a8.us[b8]:.2f}us: {b8}]"
             # the best of each family (library, each gemv variant, triton), fastest first
             fam: dict[str, tuple[float, str]] = {}
             for c, t in timer.us.items():

@@ -387,9 +387,12 @@ class EngineConfig:
         "than the FP8 ones (H200: wqkv from 17 rows, the other projections from 33); false: "
         "FP8 kernels at every batch size")
     fp8_activations: bool = option(False, "with FP8 weights: decode-step linears may also "
-                                   "quantise their activations to e4m3 per 1x128 block "
-                                   "(W8A8 Triton GEMM) where the linear table measured that "
-                                   "faster; not the weight-only numerics the FP8 gate checks")
+                                   "quantise their activations to e4m3 (per 1x128 block: the "
+                                   "W8A8 Triton GEMM; per row: the rowwise-scaled FP8 GEMM on "
+                                   "rowwise copies of the weights, made at start with "
+                                   "fp8_dense_copy's plan for the shapes that take it) where "
+                                   "the linear table measured that faster; "
+                                   "not the weight-only numerics the FP8 gate checks")
     split_kv: bool = option(False, "decode attention splits a row's positions over more "
                             "blocks when the batch is too small to fill the GPU (measured: "
                             "no gain on the H200)")

@@ -34,6 +34,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -680,22 +681,33 @@ class Engine:
         return self.decode_worker.idle_gaps_ms()
 
 
-def _add_fp8_dense_copies(model: torch.nn.Module, plan: object) -> None:  # on CUDA
+def _add_fp8_dense_copies(model: torch.nn.Module, plan: Any,
+                          fp8_activations: bool) -> None:  # on CUDA
     """The FP8 linears' bf16 copies where `plan` measured them faster (fusion.
-    add_dense_copies_where_faster); a GPU without room for them is a clear start-up error."""
-    from .fusion import add_dense_copies_where_faster
+    add_dense_copies_where_faster) and, with `fp8_activations`, their rowwise-scaled FP8
+    copies where the rowwise W8A8 GEMM measured fastest (fusion.add_rowwise_copies); a GPU
+    without room for them is a clear start-up error."""
+    from .fusion import add_dense_copies_where_faster, add_rowwise_copies
 
     gc.collect()  # as before the KV sizing: memory an earlier engine still holds
     torch.cuda.empty_cache()
     try:
-        added = add_dense_copies_where_faster(model, plan)
+        added = add_dense_copies_where_faster(model, plan, fp8_activations)
+        rowwise = (add_rowwise_copies(model, pays=plan.rowwise_pays)
+                   if fp8_activations and plan is not None else 0)
     except torch.cuda.OutOfMemoryError as e:
         raise EngineOutOfMemory(
             "no GPU memory for the FP8 linears' bf16 copies (fp8_dense_copy: S2-Pro needs "
-            "+8.1 GB); start with --no-fp8-dense-copy, or on a GPU with more free memory") from e
+            "+8.1 GB) or their rowwise copies (fp8_activations: up to +4 GB); start with "
+            "--no-fp8-dense-copy or without --fp8-activations, or on a GPU with more free "
+            "memory") from e
     if added:
         log.info("FP8: bf16 copies of the FP8 linears for the batch sizes where the linear "
                  "table measured the dense kernels faster (+%.1f GiB)", added / 2**30)
+    if rowwise:
+        log.info("FP8: rowwise-scaled copies of the FP8 linears for the batch sizes where the "
+                 "linear table measured the rowwise W8A8 GEMM fastest (+%.1f GiB)",
+                 rowwise / 2**30)
 
 
 def build_engine(bundle: Bundle, config: EngineConfig | None = None, *,
@@ -725,7 +737,8 @@ def build_engine(bundle: Bundle, config: EngineConfig | None = None, *,
         pack_ffn(model)
         pack_ffn(bundle.codec)
     if cfg.fp8_dense_copy and ops.dense_plan is not None and fp8_layers(model):
-        _add_fp8_dense_copies(model, ops.dense_plan)  # before the KV pool's sizing
+        _add_fp8_dense_copies(model, ops.dense_plan, cfg.fp8_activations)  # before the KV
+        # pool's sizing
     n_rows, bs = cfg.max_running, cfg.kv_block_size
     context = -(-cfg.max_len // bs)
     n_blocks = cfg.kv_blocks or n_rows * 2 * context

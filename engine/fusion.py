@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .quant import BLOCK, Fp8Linear, Fp8Weight, dequantize_fp8
+from .quant import BLOCK, Fp8Linear, Fp8Weight, dequantize_fp8, rowwise_fp8
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,12 @@ def packed(w1: Tensor | Fp8Weight, w3: Tensor | Fp8Weight) -> Tensor | Fp8Weight
             return None
         d = (_adjacent(w1.dense, w3.dense)
              if w1.dense is not None and w3.dense is not None else None)
-        return Fp8Weight(q, s, d)
+        rw = None
+        if w1.rowwise is not None and w3.rowwise is not None:
+            rq = _adjacent(w1.rowwise[0], w3.rowwise[0])
+            rs = _adjacent(w1.rowwise[1][:, None], w3.rowwise[1][:, None])
+            rw = (rq, rs[:, 0]) if rq is not None and rs is not None else None
+        return Fp8Weight(q, s, d, rw)
     if isinstance(w1, Tensor) and isinstance(w3, Tensor):
         return _adjacent(w1, w3)
     return None
@@ -212,11 +217,57 @@ def add_dense_copies(m: nn.Module, dtype: torch.dtype = torch.bfloat16,
     return added
 
 
-def add_dense_copies_where_faster(m: nn.Module, plan: Any) -> int:
+def add_dense_copies_where_faster(m: nn.Module, plan: Any,
+                                  fp8_activations: bool = False) -> int:
     """`add_dense_copies` for the FP8 linears of `m` whose shape `plan` (a
     kernels.linear.LinearPlan, or None: none) measured faster in bf16 at some batch size
-    (`dense_pays`; a packed W1|W3 by its packed shape, which the FFN runs). Returns the bytes
-    added."""
+    (`dense_pays`, against the W8A8 rows too with `fp8_activations`; a packed W1|W3 by its
+    packed shape, which the FFN runs). Returns the bytes added."""
     if plan is None:
         return 0
-    return add_dense_copies(m, torch.bfloat16, pays=plan.dense_pays)
+    return add_dense_copies(m, torch.bfloat16,
+                            pays=lambda n, k: plan.dense_pays(n, k, fp8_activations))
+
+
+@torch.no_grad()
+def add_rowwise_copies(m: nn.Module, pays: Callable[[int, int], bool] | None = None) -> int:
+    """Give the FP8 linears of `m` whose [N, K] `pays` (default: all) their rowwise-scaled
+    copy (`quant.rowwise_fp8`: the `Fp8Weight.rowwise` of the W8A8 GEMM), a packed W1|W3 by
+    its packed shape and as one buffer split in halves, so `packed` gives one GEMM. Layers
+    that have one keep it; on running out of memory the copies made here are dropped again
+    and the error re-raised. Returns the bytes added."""
+    made: list[Fp8Linear] = []
+    packed_halves: set[int] = set()
+
+    def give(mods: list[Fp8Linear], w: Fp8Weight) -> int:
+        q, s = rowwise_fp8(w)
+        at = 0
+        for mod in mods:
+            n = mod.qweight.shape[0]
+            mod.rowwise_q, mod.rowwise_scale = q[at: at + n], s[at: at + n]
+            made.append(mod)
+            at += n
+        return q.numel() + 4 * s.numel()
+
+    added = 0
+    try:
+        for ff in m.modules():
+            w1, w3 = getattr(ff, "w1", None), getattr(ff, "w3", None)
+            if (isinstance(w1, Fp8Linear) and isinstance(w3, Fp8Linear)
+                    and w1.rowwise_q is None and w3.rowwise_q is None):
+                both = packed(w1.weight, w3.weight)
+                if both is None:
+                    continue
+                packed_halves.update((id(w1), id(w3)))
+                if pays is None or pays(*both.shape):
+                    added += give([w1, w3], both)
+        for mod in m.modules():
+            if (isinstance(mod, Fp8Linear) and mod.rowwise_q is None
+                    and id(mod) not in packed_halves
+                    and (pays is None or pays(*mod.qweight.shape))):
+                added += give([mod], mod.weight)
+    except torch.cuda.OutOfMemoryError:
+        for mod in made:
+            mod.rowwise_q = mod.rowwise_scale = None
+        raise
+    return added

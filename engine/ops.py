@@ -317,9 +317,12 @@ def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool 
     if cuda:
         plan = linear.load_plan(linear_table)
         parts["dense_plan"] = plan if fp8_dense else None
+        # the rowwise W8A8 GEMM's per-row activation quantisation: one launch compiled
+        quantize = (fusion.compiled("quantize_rows", quant.quantize_rows)
+                    if fp8_activations and fused == "compile" else quant.quantize_rows)
         parts["linear"] = linear.make_linear(plan, kernels=built and linear_kernels,
                                              fp8_activations=fp8_activations, pdl=pdl,
-                                             dense=fp8_dense)
+                                             dense=fp8_dense, quantize=quantize)
         if fused == "compile" and built and linear_kernels:  # with the packed FFN only
             parts["swiglu_kernel"] = linear.make_swiglu(plan, kernels=True, pdl=pdl,
                                                         dense=fp8_dense)

@@ -40,11 +40,16 @@ class Fp8Weight:
     [ceil(N/128), ceil(K/128)] (float32): W[n, k] = q[n, k] * scale[n // 128, k // 128].
     `dense`: the same W dequantised to bf16 (`dequantize_fp8(w, torch.bfloat16)`, exactly
     the weight `fp8_linear_torch` multiplies bf16 x by), kept where the engine runs large
-    batches through the dense kernels (fusion.add_dense_copies); None: FP8 kernels only."""
+    batches through the dense kernels (fusion.add_dense_copies); None: FP8 kernels only.
+    `rowwise`: W requantised with one scale per row (`rowwise_fp8`: values [N, K] e4m3,
+    scales [N]), kept where the engine runs large batches through the rowwise-scaled FP8
+    GEMM with activations quantised per row (W8A8, only with `fp8_activations`;
+    fusion.add_rowwise_copies); None: not made."""
 
     q: Tensor
     scale: Tensor
     dense: Tensor | None = None
+    rowwise: tuple[Tensor, Tensor] | None = None
 
     @property
     def shape(self) -> torch.Size:
@@ -204,12 +209,17 @@ class Fp8Linear(nn.Module):
         super().__init__()
         self.register_buffer("qweight", q)
         self.register_buffer("weight_scale_inv", scale)
-        # the dequantised bf16 copy (fusion.add_dense_copies), never saved: it is derived
+        # the dequantised bf16 copy (fusion.add_dense_copies) and the rowwise-scaled FP8 one
+        # (fusion.add_rowwise_copies), never saved: they are derived
         self.register_buffer("dense_weight", None, persistent=False)
+        self.register_buffer("rowwise_q", None, persistent=False)
+        self.register_buffer("rowwise_scale", None, persistent=False)
 
     @property
     def weight(self) -> Fp8Weight:
-        return Fp8Weight(self.qweight, self.weight_scale_inv, self.dense_weight)
+        rowwise = (None if self.rowwise_q is None or self.rowwise_scale is None
+                   else (self.rowwise_q, self.rowwise_scale))
+        return Fp8Weight(self.qweight, self.weight_scale_inv, self.dense_weight, rowwise)
 
     @property
     def in_features(self) -> int:

@@ -98,3 +98,23 @@ def test_gate_s2_pro_on_cuda():
         assert c["applicable"] and not c["passed"], kind
         worst = max(v["max"] for v in c["rel_err"].values() if v["max"] is not None)
         assert worst > 2 * BOUND, (kind, worst)
+
+
+def test_gate_passes_with_the_rowwise_w8a8_linears():
+    """The rowwise-scaled W8A8 GEMM's numerics (weights requantised per row, activations per
+    row: `fp8_activations`' rowwise path, here at every M through torch's CPU _scaled_mm):
+    the gate passes on the planted small model, the corrupted-scale controls still fail."""
+    import dataclasses
+
+    from engine.ops import REFERENCE
+    from engine.quant import Fp8Weight, fp8_rowwise_linear, linear, rowwise_fp8
+
+    def rowwise_linear(x, w):  # type: ignore[no-untyped-def]
+        return (fp8_rowwise_linear(x, *rowwise_fp8(w)) if isinstance(w, Fp8Weight)
+                else linear(x, w))
+
+    r = run_gate("gate-small", device="cpu", controls=True,
+                 ops=dataclasses.replace(REFERENCE, linear=rowwise_linear))
+    assert r["tokens_equal"] and r["passed"], r
+    assert all(not c["passed"] for c in r["controls"].values())
+

@@ -1104,6 +1104,78 @@ def test_fp8_linears_run_their_dense_copy_where_the_plan_measured_bf16_faster():
     assert torch.equal(lin(x.float(), with_copy), fp8_linear_torch(x.float(), fw))
 
 
+def test_rowwise_w8a8_rows_are_chosen_where_faster_and_run_the_rowwise_copy():
+    """A "rowwise_w8a8" row (FP8 only) is the shape's W8A8 row: taken with `fp8_activations`
+    where it beat the weight-only row of its bucket and, past the table's largest M, as the
+    largest W8A8 row (a GEMM runs any M); `rowwise_pays` says where the engine needs the
+    copies (not where a dense copy is faster still); `resolve` runs the rowwise GEMM on a
+    weight's rowwise copy and the weight-only choice on a weight without one."""
+    from engine.quant import Fp8Weight, fp8_linear_torch, fp8_rowwise_linear, quantize_fp8
+    from engine.quant import rowwise_fp8 as requant
+
+    n, k = 256, 64
+    rows = [{"fp8": True, "m": 16, "n": n, "k": k, "impl": "library", "us": {"library": 9.0}},
+            {"fp8": True, "m": 64, "n": n, "k": k, "impl": "library", "us": {"library": 20.0}},
+            {"fp8": False, "m": 64, "n": n, "k": k, "impl": "library", "us": {"library": 12.0}},
+            {"fp8": True, "m": 16, "n": n, "k": k, "impl": "rowwise_w8a8",
+             "us": {"rowwise_w8a8": 10.0, "triton_w8a8:x:k1": 11.0}},
+            {"fp8": True, "m": 64, "n": n, "k": k, "impl": "rowwise_w8a8",
+             "us": {"rowwise_w8a8": 8.0}}]
+    plan = linear.LinearPlan.from_rows(rows)
+    assert plan.choose(16, n, k, True, True).impl == "library"  # the weight-only row won
+    assert plan.choose(64, n, k, True, True).impl == "rowwise_w8a8"
+    assert plan.choose(64, n, k, True).impl == "library"  # W8A8 only when asked
+    assert plan.choose(200, n, k, True, True).impl == "rowwise_w8a8"  # past the table
+    assert plan.choose(200, n, k, True).impl == "library"
+    assert plan.dense_faster(64, n, k) and not plan.dense_faster(64, n, k, True)
+    assert plan.dense_pays(n, k) and not plan.dense_pays(n, k, True)
+    assert plan.rowwise_pays(n, k) and not plan.rowwise_pays(n, 128)
+    slower = linear.LinearPlan.from_rows([*rows[:3], {**rows[4], "us": {"rowwise_w8a8": 15.0}}])
+    assert not slower.rowwise_pays(n, k)  # the dense copy beats it at 64: no rowwise copy
+    with pytest.raises(ValueError, match="impl must be one of"):
+        linear.LinearPlan.from_rows([{**rows[3], "fp8": False}])
+    fw = quantize_fp8(torch.randn(n, k))
+    rq, rs = requant(fw)
+    with_copy = Fp8Weight(fw.q, fw.scale, None, (rq, rs))
+    fn = linear.resolve(plan, False, 64, n, k, True, torch.bfloat16, True, fp8_activations=True)
+    x = torch.randn(64, k).to(torch.bfloat16)
+    assert torch.equal(fn(x, with_copy), fp8_rowwise_linear(x, rq, rs))
+    assert torch.equal(fn(x, fw), fp8_linear_torch(x, fw))  # no copy: the weight-only path
+    # the engine's make_linear on CUDA takes the rowwise GEMM there (CPU: the references)
+    fn_cpu = linear.make_linear(plan, kernels=False, fp8_activations=True)
+    assert torch.equal(fn_cpu(x, with_copy), fp8_linear_torch(x, fw))
+
+
+def test_rowwise_copies_of_a_packed_ffn_stay_one_gemm():
+    """fusion.add_rowwise_copies gives the FP8 linears whose shape pays their rowwise copy,
+    a packed W1|W3 as one buffer (its halves' copies adjacent: `packed` hands the pair one
+    rowwise weight), each half's values those of its own `rowwise_fp8`; layers that do not
+    pay get none."""
+    from engine.fusion import add_rowwise_copies, pack_ffn, packed
+    from engine.loader import load_bundle
+    from engine.quant import Fp8Linear, rowwise_fp8
+
+    m = load_bundle("tiny", device="cpu", dtype="fp8").model
+    pack_ffn(m)
+    ff = m.layers[0].feed_forward
+    both = packed(ff.w1.weight, ff.w3.weight)
+    assert both is not None and both.rowwise is None
+    skip = tuple(ff.w2.qweight.shape)
+    added = add_rowwise_copies(m, pays=lambda n, k: (n, k) != skip)
+    assert added > 0
+    both = packed(ff.w1.weight, ff.w3.weight)
+    assert both is not None and both.rowwise is not None
+    want = rowwise_fp8(ff.w1.weight)
+    assert torch.equal(ff.w1.rowwise_q.view(torch.uint8), want[0].view(torch.uint8))
+    assert torch.equal(ff.w1.rowwise_scale, want[1])
+    assert both.rowwise[0].shape[0] == 2 * ff.w1.qweight.shape[0]
+    assert ff.w2.rowwise_q is None  # its shape does not pay
+    fp8 = [mod for mod in m.modules() if isinstance(mod, Fp8Linear)]
+    assert all((mod.rowwise_q is None) == (tuple(mod.qweight.shape) == skip) for mod in fp8)
+    assert add_rowwise_copies(m) == sum(mod.qweight.numel() + 4 * mod.qweight.shape[0]
+                                        for mod in fp8 if tuple(mod.qweight.shape) == skip)
+
+
 def test_make_linear_on_cpu_runs_the_references(monkeypatch):
     """On a CPU every shape takes the library / reference path whatever the plan says, and
     the choice is made once per shape (one dict lookup per call after that)."""

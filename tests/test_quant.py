@@ -308,12 +308,29 @@ def test_dense_copies_by_shape_packed_later_and_dropped_on_oom(tiny, monkeypatch
     assert all(oom.get_submodule(n).dense_weight is None for n in fp8_layers(oom))
 
     class Pays:
-        def dense_pays(self, n: int, k: int) -> bool:
+        def dense_pays(self, n: int, k: int, fp8_activations: bool = False) -> bool:
+            return True
+
+        def rowwise_pays(self, n: int, k: int) -> bool:
             return True
 
     calls.clear()
     with pytest.raises(EngineOutOfMemory, match="no-fp8-dense-copy"):
-        _add_fp8_dense_copies(oom, Pays())
+        _add_fp8_dense_copies(oom, Pays(), False)
+    # the rowwise copies (fp8_activations) drop what they made too
+    real_rw, rw_calls = fusion.rowwise_fp8, []
+
+    def failing_rw(w):  # type: ignore[no-untyped-def]
+        rw_calls.append(1)
+        if len(rw_calls) == 3:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (test)")
+        return real_rw(w)
+
+    monkeypatch.setattr(fusion, "dequantize_fp8", real)
+    monkeypatch.setattr(fusion, "rowwise_fp8", failing_rw)
+    with pytest.raises(EngineOutOfMemory, match="fp8-activations"):
+        _add_fp8_dense_copies(oom, Pays(), True)
+    assert all(oom.get_submodule(n).rowwise_q is None for n in fp8_layers(oom))
 
 
 def test_quantize_cli(tmp_path, fixture_dir):

@@ -62,7 +62,7 @@ from torch import Tensor
 
 from .. import functional
 from ..quant import BLOCK as FP8_BLOCK
-from ..quant import Fp8Weight, fp8_linear_torch
+from ..quant import Fp8Weight, fp8_linear_torch, fp8_rowwise_linear, quantize_rows
 from .build import CURRENT_DEVICE, current_device_name, extension_available, kernel_ok
 
 MAX_M = 64  # the kernel's largest template: 8 MMA tiles of 8 rows
@@ -78,8 +78,12 @@ STAGED_VARIANT = 6  # x's rows staged in shared memory in f16 (at most NORM_MAX_
 # f16, which saturates above 65504: only for activations known to be small, on request; 6
 # scales each row by a power of two first: bit-equal to 5 unless a row spans 2^31)
 EXACT_VARIANTS = (0, 1, 2, 4, 5, 6)
-IMPLS = ("library", "gemv", "triton", "triton_w8a8")
+IMPLS = ("library", "gemv", "triton", "triton_w8a8", "rowwise_w8a8")
 W8A8 = "triton_w8a8"  # FP8 activations: another numerics, taken only when asked
+# the same, through the rowwise-scaled FP8 GEMM (torch._scaled_mm) on the weights' rowwise
+# copies (`Fp8Weight.rowwise`) with x quantised per row
+ROWWISE = "rowwise_w8a8"
+W8A8_IMPLS = (W8A8, ROWWISE)  # a shape's W8A8 row takes one of these
 DEFAULT_TABLE = Path(__file__).with_name("linear_table.json")
 
 log = logging.getLogger(__name__)
@@ -660,9 +664,9 @@ def _row(d: object, where: str) -> PlanRow:
         v = d[key]
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{where}: {key} must be an int >= 1, got {v!r}")
-    if impl not in IMPLS or (impl in ("triton", W8A8) and not fp8):
-        raise ValueError(f"{where}: impl must be one of {IMPLS} ('triton' and '{W8A8}' for "
-                         f"FP8 rows only), got {impl!r}")
+    if impl not in IMPLS or (impl in ("triton", *W8A8_IMPLS) and not fp8):
+        raise ValueError(f"{where}: impl must be one of {IMPLS} ('triton', '{W8A8}' and "
+                         f"'{ROWWISE}' for FP8 rows only), got {impl!r}")
     splits = _int_in(d, "splits", 1, range(1, MAX_SPLITS + 1), where)
     kwarps = _int_in(d, "kwarps", 0, KWARPS, where)
     variant = _int_in(d, "variant", 0, VARIANTS, where)
@@ -696,7 +700,8 @@ class LinearPlan:
     fp8)` takes the row of the same (fp8, N, K) with the nearest recorded M at or above m
     (the table's M are buckets: a shape between them gets the next larger one's choice); any
     other shape is "library". With `fp8_activations`, an FP8 shape's W8A8 row of the same
-    bucket replaces it where it was measured faster."""
+    bucket replaces it where it was measured faster (past the table's largest M, its
+    largest W8A8 row where that is the rowwise GEMM, which runs any M)."""
 
     rows: tuple[PlanRow, ...]
     # (fp8, n, k, w8a8 row) -> [(m, row)] sorted by m
@@ -710,12 +715,12 @@ class LinearPlan:
         index: dict[tuple[bool, int, int, bool], list[tuple[int, PlanRow]]] = {}
         seen = set()
         for r in self.rows:
-            key = (r.fp8, r.m, r.n, r.k, r.impl == W8A8)
+            key = (r.fp8, r.m, r.n, r.k, r.impl in W8A8_IMPLS)
             if key in seen:
                 raise ValueError(f"linear plan: two {'W8A8 ' if key[-1] else ''}rows for "
                                  f"fp8={r.fp8} m={r.m} n={r.n} k={r.k}")
             seen.add(key)
-            index.setdefault((r.fp8, r.n, r.k, r.impl == W8A8), []).append((r.m, r))
+            index.setdefault((r.fp8, r.n, r.k, r.impl in W8A8_IMPLS), []).append((r.m, r))
         for v in index.values():
             v.sort(key=lambda e: e[0])
         object.__setattr__(self, "_index", index)
@@ -737,11 +742,14 @@ class LinearPlan:
         """The row for an [m, k] x [n, k] linear: impl "library" (F.linear; for FP8 the
         Triton kernel if importable, else the dequantising reference), "gemv" (this module's
         kernel with the row's splits, kwarps, variant), "triton" (FP8: the row's config and
-        split_k) or, only with `fp8_activations`, "triton_w8a8". A shape the table lacks
-        gets a "library" row."""
+        split_k) or, only with `fp8_activations`, "triton_w8a8" / "rowwise_w8a8". A shape
+        the table lacks gets a "library" row."""
         row = self._bucket(m, n, k, fp8, False)
         if fp8 and fp8_activations:
             alt = self._bucket(m, n, k, fp8, True)
+            top = self._index.get((True, n, k, True))
+            if row is None and alt is None and top and top[-1][1].impl == ROWWISE:
+                alt = top[-1][1]  # past the table: the rowwise GEMM runs any M
             if alt is not None and (row is None or (alt.m == row.m
                                                     and alt.best_us < row.best_us)):
                 row = alt
@@ -771,9 +779,20 @@ class LinearPlan:
             self._dense[key] = hit
         return hit
 
-    def dense_pays(self, n: int, k: int) -> bool:
+    def dense_pays(self, n: int, k: int, fp8_activations: bool = False) -> bool:
         """Whether any recorded M of this shape runs faster on a dense copy (dense_faster)."""
-        return any(self.dense_faster(m, n, k) for m, _ in self._index.get((True, n, k, False), ()))
+        return any(self.dense_faster(m, n, k, fp8_activations)
+                   for m, _ in self._index.get((True, n, k, False), ()))
+
+    def rowwise_pays(self, n: int, k: int) -> bool:
+        """Whether, with `fp8_activations`, some recorded M of this shape takes the
+        rowwise-scaled W8A8 GEMM (its W8A8 row chose it and beat the weight-only row and
+        the dense copy there), which needs the weight's rowwise copy."""
+        for m, row in self._index.get((True, n, k, True), ()):
+            if (row.impl == ROWWISE and self.choose(m, n, k, True, True) is row
+                    and not self.dense_faster(m, n, k, True)):
+                return True
+        return False
 
     def to_json(self) -> list[dict[str, object]]:
         return [r.to_json() for r in self.rows]
@@ -904,14 +923,32 @@ def _kernel_or(fallback: LinearFn, splits: int, kwarps: int = 0, variant: int = 
     return run
 
 
+def _rowwise_or(fallback: LinearFn, quantize: Callable[[Tensor], tuple[Tensor, Tensor]]
+                ) -> LinearFn:
+    """The rowwise-scaled W8A8 GEMM on a weight's rowwise copy (`fp8_rowwise_linear`, x
+    quantised by `quantize`); `fallback` for a weight without one."""
+    def run(x: Tensor, w: Tensor | Fp8Weight) -> Tensor:
+        if isinstance(w, Fp8Weight) and w.rowwise is not None:
+            return fp8_rowwise_linear(x, *w.rowwise, quantize=quantize)
+        return fallback(x, w)
+
+    return run
+
+
 def resolve(plan: LinearPlan | None, kernels: bool, m: int, n: int, k: int, fp8: bool,
             dtype: torch.dtype, cuda: bool, fp8_activations: bool = False,
-            pdl: bool | int = False) -> LinearFn:
+            pdl: bool | int = False,
+            quantize: Callable[[Tensor], tuple[Tensor, Tensor]] = quantize_rows) -> LinearFn:
     """The function that computes an [m, k] x [n, k] linear for x of `dtype` on CUDA or not
     (`make_linear` calls this once per shape and keeps it); `pdl`: csrc's kernel launched
-    with programmatic dependent launch."""
+    with programmatic dependent launch; `quantize`: the per-row activation quantisation of
+    the rowwise W8A8 GEMM (its compiled version in the engine)."""
     row = (plan.choose(m, n, k, fp8, fp8_activations) if plan is not None
            else PlanRow(fp8, m, n, k, "library"))
+    if row.impl == ROWWISE and fp8 and cuda and n % 16 == 0 and k % 16 == 0:
+        # a weight without its rowwise copy takes the weight-only row's implementation
+        return _rowwise_or(resolve(plan, kernels, m, n, k, fp8, dtype, cuda, False, pdl),
+                           quantize)
     triton_ok = fp8 and cuda and dtype in (torch.bfloat16, torch.float16)
     mod = _triton_module() if triton_ok else None
     if fp8:
@@ -1209,14 +1246,17 @@ def make_attend(plan: LinearPlan | None, kernels: bool, max_m: int = ATTEND_DISP
 
 def make_linear(plan: LinearPlan | None, kernels: bool,
                 fp8_activations: bool = False, pdl: bool | int = False,
-                dense: bool = False) -> LinearFn:
+                dense: bool = False,
+                quantize: Callable[[Tensor], tuple[Tensor, Tensor]] = quantize_rows) -> LinearFn:
     """`Ops.linear`: x [..., K] @ W^T for a dense weight (F.linear, or `gemv` where the plan
     picked it) or an `Fp8Weight` (`fp8_gemv` where the plan picked it, the Triton FP8 kernel
     with the plan's config where it picked that, else with its defaults if importable, else
     the dequantising reference). `kernels=False` never runs the csrc kernel (the Triton
     kernel is FP8's library path and stays). `fp8_activations`: FP8 shapes may take the W8A8
     Triton kernel (activations quantised to e4m3 per 1 x 128 block: not the weight-only
-    numerics) where the plan measured it faster; off by default. With `dense`, an
+    numerics) or the rowwise-scaled W8A8 GEMM on the weight's rowwise copy (x quantised per
+    row by `quantize`; `Fp8Weight.rowwise`, fusion.add_rowwise_copies) where the plan
+    measured it faster; off by default. With `dense`, an
     `Fp8Weight` with a dequantised copy in x's dtype (`Fp8Weight.dense`,
     fusion.add_dense_copies) runs on that, as a bf16 weight, at the M where the plan
     measured bf16 faster than FP8 (`LinearPlan.dense_faster`; compared with the weight-only
@@ -1238,7 +1278,7 @@ def make_linear(plan: LinearPlan | None, kernels: bool,
         fn = chosen.get(key)
         if fn is None:
             fn = chosen[key] = resolve(plan, kernels, *key, fp8_activations=fp8_activations,
-                                       pdl=pdl)
+                                       pdl=pdl, quantize=quantize)
         return fn(x, w)
 
     return linear
