@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -177,6 +177,56 @@ def pack_ffn(m: nn.Module) -> int:
     return n
 
 
+def _copy_groups(m: nn.Module, has_copy: Callable[[Fp8Linear], bool],
+                 pays: Callable[[int, int], bool] | None
+                 ) -> Iterator[tuple[list[Fp8Linear], Fp8Weight]]:
+    """The FP8 linears of `m` without a copy (`has_copy`) in the groups a copy is made for,
+    those whose [N, K] `pays` (default: all): each packed W1|W3 as one (judged by its packed
+    shape: one copy, split like their values, so `packed` still gives one GEMM), then every
+    other linear alone."""
+    halves: set[int] = set()  # W1, W3 of packed FFNs: never copied one by one
+    for ff in m.modules():
+        w1, w3 = getattr(ff, "w1", None), getattr(ff, "w3", None)
+        if (isinstance(w1, Fp8Linear) and isinstance(w3, Fp8Linear)
+                and not has_copy(w1) and not has_copy(w3)):
+            both = packed(w1.weight, w3.weight)
+            if both is None:
+                continue
+            halves.update((id(w1), id(w3)))
+            if pays is None or pays(*both.shape):
+                yield [w1, w3], both
+    for mod in m.modules():
+        if (isinstance(mod, Fp8Linear) and not has_copy(mod) and id(mod) not in halves
+                and (pays is None or pays(*mod.qweight.shape))):
+            yield [mod], mod.weight
+
+
+def _add_copies(m: nn.Module, pays: Callable[[int, int], bool] | None,
+                has_copy: Callable[[Fp8Linear], bool],
+                make: Callable[[Fp8Weight], tuple[Tensor, ...]],
+                keep: Callable[[Fp8Linear, tuple[Tensor, ...] | None], None]) -> int:
+    """`make` a copy of each group's weight (`_copy_groups`; tensors with a row per output
+    row) and `keep` each linear's rows of it; on running out of memory every copy made here
+    is dropped again (`keep(mod, None)`) and the error re-raised. Returns the bytes added."""
+    made: list[Fp8Linear] = []
+    added = 0
+    try:
+        for mods, w in _copy_groups(m, has_copy, pays):
+            parts = make(w)
+            at = 0
+            for mod in mods:
+                n = mod.qweight.shape[0]
+                keep(mod, tuple(t[at: at + n] for t in parts))
+                made.append(mod)
+                at += n
+            added += sum(t.numel() * t.element_size() for t in parts)
+    except torch.cuda.OutOfMemoryError:
+        for mod in made:
+            keep(mod, None)
+        raise
+    return added
+
+
 @torch.no_grad()
 def add_dense_copies(m: nn.Module, dtype: torch.dtype = torch.bfloat16,
                      pays: Callable[[int, int], bool] | None = None) -> int:
@@ -185,36 +235,11 @@ def add_dense_copies(m: nn.Module, dtype: torch.dtype = torch.bfloat16,
     (default: all), a packed W1|W3 judged by its packed shape and given adjacent copies, so
     `packed` still gives one GEMM. Layers that have one keep it. On running out of memory the
     copies made here are dropped again and the error re-raised. Returns the bytes added."""
-    made: list[Fp8Linear] = []
-    packed_halves: set[int] = set()  # W1, W3 of packed FFNs: never copied one by one
-    added = 0
-    try:
-        for ff in m.modules():  # packed FFNs first: one copy of W1|W3, split like their values
-            w1, w3 = getattr(ff, "w1", None), getattr(ff, "w3", None)
-            if (isinstance(w1, Fp8Linear) and isinstance(w3, Fp8Linear)
-                    and w1.dense_weight is None and w3.dense_weight is None):
-                both = packed(w1.weight, w3.weight)
-                if both is None:
-                    continue
-                packed_halves.update((id(w1), id(w3)))
-                if pays is None or pays(*both.shape):
-                    d = dequantize_fp8(both, dtype)
-                    n = w1.qweight.shape[0]
-                    w1.dense_weight, w3.dense_weight = d[:n], d[n:]
-                    made += [w1, w3]
-                    added += d.numel() * d.element_size()
-        for mod in m.modules():
-            if (isinstance(mod, Fp8Linear) and mod.dense_weight is None
-                    and id(mod) not in packed_halves
-                    and (pays is None or pays(*mod.qweight.shape))):
-                mod.dense_weight = dequantize_fp8(mod.weight, dtype)
-                made.append(mod)
-                added += mod.dense_weight.numel() * mod.dense_weight.element_size()
-    except torch.cuda.OutOfMemoryError:
-        for mod in made:
-            mod.dense_weight = None
-        raise
-    return added
+    def keep(mod: Fp8Linear, parts: tuple[Tensor, ...] | None) -> None:
+        mod.dense_weight = None if parts is None else parts[0]
+
+    return _add_copies(m, pays, lambda mod: mod.dense_weight is not None,
+                       lambda w: (dequantize_fp8(w, dtype),), keep)
 
 
 def add_dense_copies_where_faster(m: nn.Module, plan: Any,
@@ -236,38 +261,8 @@ def add_rowwise_copies(m: nn.Module, pays: Callable[[int, int], bool] | None = N
     its packed shape and as one buffer split in halves, so `packed` gives one GEMM. Layers
     that have one keep it; on running out of memory the copies made here are dropped again
     and the error re-raised. Returns the bytes added."""
-    made: list[Fp8Linear] = []
-    packed_halves: set[int] = set()
+    def keep(mod: Fp8Linear, parts: tuple[Tensor, ...] | None) -> None:
+        mod.rowwise_q, mod.rowwise_scale = (None, None) if parts is None else parts
 
-    def give(mods: list[Fp8Linear], w: Fp8Weight) -> int:
-        q, s = rowwise_fp8(w)
-        at = 0
-        for mod in mods:
-            n = mod.qweight.shape[0]
-            mod.rowwise_q, mod.rowwise_scale = q[at: at + n], s[at: at + n]
-            made.append(mod)
-            at += n
-        return q.numel() + 4 * s.numel()
-
-    added = 0
-    try:
-        for ff in m.modules():
-            w1, w3 = getattr(ff, "w1", None), getattr(ff, "w3", None)
-            if (isinstance(w1, Fp8Linear) and isinstance(w3, Fp8Linear)
-                    and w1.rowwise_q is None and w3.rowwise_q is None):
-                both = packed(w1.weight, w3.weight)
-                if both is None:
-                    continue
-                packed_halves.update((id(w1), id(w3)))
-                if pays is None or pays(*both.shape):
-                    added += give([w1, w3], both)
-        for mod in m.modules():
-            if (isinstance(mod, Fp8Linear) and mod.rowwise_q is None
-                    and id(mod) not in packed_halves
-                    and (pays is None or pays(*mod.qweight.shape))):
-                added += give([mod], mod.weight)
-    except torch.cuda.OutOfMemoryError:
-        for mod in made:
-            mod.rowwise_q = mod.rowwise_scale = None
-        raise
-    return added
+    return _add_copies(m, pays, lambda mod: mod.rowwise_q is not None,
+                       lambda w: rowwise_fp8(w), keep)

@@ -2512,21 +2512,30 @@ def test_model_fast_attention_prologue_cuda():
     assert torch.equal(kv1.v[0, :, :, 0], kv0.v[0, :, :, 0])
 
 
+def _graphs_called_once(monkeypatch, us: float) -> list[int]:
+    """linear_bench's graph timings off the GPU: each graph's calls run once, every timing
+    is `us`; returns the list each timing appends its number of calls to."""
+    from bench_latency import linear_bench as lb
+
+    timed: list[int] = []
+
+    def once(calls, reps):  # type: ignore[no-untyped-def]
+        timed.append(len(calls))
+        for c in calls:
+            c()
+        return us
+
+    monkeypatch.setattr(lb, "graph_us", once)
+    return timed
+
+
 def test_linear_bench_attend_times_both_paths_on_the_same_inputs(monkeypatch):
     """linear_bench --attend's timings, off the GPU with every graph replaced by one call of
     each function (the kernels' fallbacks): both paths run on the same inputs and agree (two
     float32 attentions: equal here but for a rounding), each part is timed."""
     from bench_latency import linear_bench as lb
 
-    timed = []
-
-    def once(calls, reps):  # type: ignore[no-untyped-def]
-        timed.append(len(calls))
-        for c in calls:
-            c()
-        return 1.0
-
-    monkeypatch.setattr(lb, "graph_us", once)
+    timed = _graphs_called_once(monkeypatch, 1.0)
     g = torch.Generator().manual_seed(0)
     ws = [(torch.randn(64, 4096, generator=g) / 64).to(torch.bfloat16) for _ in range(2)]
     tiny = ws[0][:16].contiguous()
@@ -2548,15 +2557,7 @@ def test_linear_bench_rowwise_times_dense_and_w8a8_on_the_same_weights(monkeypat
     rounding, the W8A8 one larger (two roundings of W, one of x) but bounded."""
     from bench_latency import linear_bench as lb
 
-    timed = []
-
-    def once(calls, reps):  # type: ignore[no-untyped-def]
-        timed.append(len(calls))
-        for c in calls:
-            c()
-        return 2.0
-
-    monkeypatch.setattr(lb, "graph_us", once)
+    timed = _graphs_called_once(monkeypatch, 2.0)
     rows = lb.bench_rowwise(["t"], (16, 3), 1, 1000.0, device="cpu", shapes={"t": (256, 384)},
                             rotate_bytes=4 * 256 * 384)
     assert [r["m"] for r in rows] == [16, 3]
