@@ -8,8 +8,11 @@ Candidates: bf16 weights: F.linear (cuBLAS, "library") and the csrc kernel (`gem
 variants 0, 1, 4 and 5; FP8 weights (e4m3, 128 x 128 block scales): `fp8_gemv` in variants 0-6
 (3 only when asked: `--variants`; 6 at the M and K whose rows it can stage), the
 Triton weight-only kernel (engine/kernels/fp8_triton.py) in `sweep_configs(M)`'s few configs,
-and the Triton W8A8 kernel (activations quantised to e4m3: other numerics, recorded as a
-separate "triton_w8a8" row that `make_linear` takes only with `fp8_activations=True`), plus
+and the W8A8 candidates (activations quantised to e4m3: other numerics, recorded as a
+separate row, "triton_w8a8" or "rowwise_w8a8", that `make_linear` takes only with
+`fp8_activations=True`): the Triton W8A8 kernel (x per 1 x 128 block) and the
+rowwise-scaled FP8 GEMM (`torch._scaled_mm` on the weight requantised per output row, x per
+row), plus
 the dequantising reference with --reference (slow). Each csrc variant is swept over kwarps
 1, 2, 4, 8 without a K split, then over splits 2, 4, 8 at its best kwarps; each Triton config
 at its automatic K split and, from M = 16, at splits 1, 2, 3, 4, 6, 8. Each candidate's
@@ -38,8 +41,8 @@ output projection: csrc's decode attention then wo with the residual epilogue (t
 against the attention prologue (one), and each part alone. `--rowwise` times FP8 weights at
 16-64 rows, where the engine runs their dequantised bf16 copies through cuBLAS, against the
 rowwise-scaled FP8 GEMM (`torch._scaled_mm`: the weights requantised per output row, x per
-row, W8A8) and reports each one's error against the block-scaled FP8 product: whether an
-engine path through it would pay (it is not in the table's candidates).
+row, W8A8) and reports each one's error against the block-scaled FP8 product (the table's
+sweep records the same GEMM as the "rowwise_w8a8" candidate).
 """
 
 from __future__ import annotations
@@ -603,7 +606,7 @@ def bench_rowwise(names: list[str], ms: tuple[int, ...], reps: int, copy: float,
                   rotate_bytes: int = ROTATE_BYTES) -> list[dict[str, object]]:
     """FP8 weights at the batch sizes where the engine runs their dequantised bf16 copies
     (cuBLAS): that dense GEMM against the rowwise-scaled FP8 GEMM (`torch._scaled_mm` on the
-    weights requantised per output row, `quantize.rowwise_fp8`, and x quantised per row by
+    weights requantised per output row, `quant.rowwise_fp8`, and x quantised per row by
     the compiled `quantize_rows`: W8A8, two launches), and that GEMM alone; each one's
     relative L2 error against the float32 product of x and the block-scaled weights (what
     the weight-only FP8 path computes). Rotating weight copies, CUDA-graph medians."""
@@ -673,7 +676,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, help="write the plan table (JSON) here")
     ap.add_argument("--shapes", default=",".join(SHAPES),
                     help=f"comma-separated subset of {','.join(SHAPES)}")
-    ap.add_argument("--ms", default=",".join(map(str, MS)), help="rows (M) to time")
+    ap.add_argument("--ms", default=None,
+                    help=f"rows (M) to time (default {','.join(map(str, MS))}; with --rowwise "
+                    f"{','.join(map(str, ROWWISE_MS))})")
     ap.add_argument("--variants", default=",".join(map(str, EXACT_VARIANTS)),
                     help=f"csrc kernel variants to time (of {','.join(map(str, VARIANTS))}; "
                     "3 rounds x to f16: not by default)")
@@ -716,7 +721,8 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         bench = {"swiglu": bench_swiglu, "norm": bench_norm, "attend": bench_attend}[what]
         with torch.inference_mode():
-            res = bench(tuple(int(m) for m in args.ms.split(",")), args.reps, args.table,
+            res = bench(tuple(int(m) for m in (args.ms or ",".join(map(str, MS))).split(",")),
+                        args.reps, args.table,
                         pdl_mode(args.pdl, False))  # both time bf16 weights
         if args.out:
             args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(),
@@ -726,9 +732,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [s for s in names if s not in SHAPES]
     if unknown:
         ap.error(f"unknown shape(s) {unknown}; choose from {list(SHAPES)}")
-    ms = tuple(int(m) for m in args.ms.split(","))
+    ms = (tuple(int(m) for m in args.ms.split(",")) if args.ms
+          else ROWWISE_MS if args.rowwise else MS)
     if args.rowwise:
-        ms = ms if args.ms != ap.get_default("ms") else ROWWISE_MS
         copy = copy_gbs(args.reps)
         with torch.inference_mode():
             res = bench_rowwise(names, ms, args.reps, copy)

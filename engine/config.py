@@ -389,9 +389,9 @@ class EngineConfig:
     fp8_activations: bool = option(False, "with FP8 weights: decode-step linears may also "
                                    "quantise their activations to e4m3 (per 1x128 block: the "
                                    "W8A8 Triton GEMM; per row: the rowwise-scaled FP8 GEMM on "
-                                   "rowwise copies of the weights, made at start with "
-                                   "fp8_dense_copy's plan for the shapes that take it) where "
-                                   "the linear table measured that faster; "
+                                   "rowwise copies of the weights, made at start for the "
+                                   "shapes that take it) where the linear table measured that "
+                                   "faster; "
                                    "not the weight-only numerics the FP8 gate checks")
     split_kv: bool = option(False, "decode attention splits a row's positions over more "
                             "blocks when the batch is too small to fill the GPU (measured: "

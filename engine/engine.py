@@ -681,21 +681,28 @@ class Engine:
         return self.decode_worker.idle_gaps_ms()
 
 
-def _add_fp8_dense_copies(model: torch.nn.Module, plan: Any,
-                          fp8_activations: bool) -> None:  # on CUDA
-    """The FP8 linears' bf16 copies where `plan` measured them faster (fusion.
-    add_dense_copies_where_faster) and, with `fp8_activations`, their rowwise-scaled FP8
-    copies where the rowwise W8A8 GEMM measured fastest (fusion.add_rowwise_copies); a GPU
-    without room for them is a clear start-up error."""
+def _add_fp8_copies(model: torch.nn.Module, dense_plan: Any,
+                    rowwise_plan: Any) -> None:  # on CUDA
+    """The FP8 linears' bf16 copies where `dense_plan` measured them faster (fusion.
+    add_dense_copies_where_faster, against the W8A8 rows too when there is a `rowwise_plan`)
+    and their rowwise-scaled FP8 copies where `rowwise_plan` measured the rowwise W8A8 GEMM
+    fastest (fusion.add_rowwise_copies); a GPU without room for them is a clear start-up
+    error, with every copy made here dropped again."""
     from .fusion import add_dense_copies_where_faster, add_rowwise_copies
+    from .quant import Fp8Linear
 
     gc.collect()  # as before the KV sizing: memory an earlier engine still holds
     torch.cuda.empty_cache()
+    fresh = [mod for mod in model.modules()
+             if isinstance(mod, Fp8Linear) and mod.dense_weight is None]
+    added = rowwise = 0
     try:
-        added = add_dense_copies_where_faster(model, plan, fp8_activations)
-        rowwise = (add_rowwise_copies(model, pays=plan.rowwise_pays)
-                   if fp8_activations and plan is not None else 0)
+        added = add_dense_copies_where_faster(model, dense_plan, rowwise_plan is not None)
+        if rowwise_plan is not None:
+            rowwise = add_rowwise_copies(model, pays=rowwise_plan.rowwise_pays)
     except torch.cuda.OutOfMemoryError as e:
+        for mod in fresh:  # the dense copies made before the rowwise ones ran out
+            mod.dense_weight = None
         raise EngineOutOfMemory(
             "no GPU memory for the FP8 linears' bf16 copies (fp8_dense_copy: S2-Pro needs "
             "+8.1 GB) or their rowwise copies (fp8_activations: up to +4 GB); start with "
@@ -736,9 +743,8 @@ def build_engine(bundle: Bundle, config: EngineConfig | None = None, *,
         # the codec transformers' too; the FP8 copies below go after, before the sizing
         pack_ffn(model)
         pack_ffn(bundle.codec)
-    if cfg.fp8_dense_copy and ops.dense_plan is not None and fp8_layers(model):
-        _add_fp8_dense_copies(model, ops.dense_plan, cfg.fp8_activations)  # before the KV
-        # pool's sizing
+    if (ops.dense_plan is not None or ops.rowwise_plan is not None) and fp8_layers(model):
+        _add_fp8_copies(model, ops.dense_plan, ops.rowwise_plan)  # before the KV pool's sizing
     n_rows, bs = cfg.max_running, cfg.kv_block_size
     context = -(-cfg.max_len // bs)
     n_blocks = cfg.kv_blocks or n_rows * 2 * context

@@ -162,9 +162,10 @@ def pack_ffn(m: nn.Module) -> int:
         if isinstance(ff.w1, Fp8Linear):
             if ff.w1.qweight.shape[0] % BLOCK:
                 continue  # the scales of W1's last block row would mix with W3's
-            for buf in ("qweight", "weight_scale_inv", "dense_weight"):
+            for buf in ("qweight", "weight_scale_inv", "dense_weight", "rowwise_q",
+                        "rowwise_scale"):
                 a, b = getattr(ff.w1, buf), getattr(ff.w3, buf)
-                if a is None or b is None:  # no dense copies (yet)
+                if a is None or b is None:  # no such copies (yet)
                     continue
                 both = torch.cat([a, b])
                 setattr(ff.w1, buf, both[: a.shape[0]])

@@ -102,6 +102,10 @@ class Ops:
     # (Fp8Weight.dense) where it measured bf16 faster; the engine makes the copies where it
     # says they pay (dense_pays). None: the ops take no copies (and none are made)
     dense_plan: linear.LinearPlan | None = None
+    # with fp8_activations, the same table, by which FP8 linears run the rowwise-scaled W8A8
+    # GEMM on rowwise copies of their weights where it measured fastest; the engine makes
+    # the copies where it says they pay (rowwise_pays). None: no rowwise copies
+    rowwise_plan: linear.LinearPlan | None = None
     sample: Callable[..., Tensor] = sampling.sample  # the sampler's draw
     # the draw and the drawn ids' rows of an embedding table (the fast AR's next input) ->
     # (ids, rows): one launch with csrc's kernel, where the draw and a lookup are two
@@ -317,6 +321,7 @@ def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool 
     if cuda:
         plan = linear.load_plan(linear_table)
         parts["dense_plan"] = plan if fp8_dense else None
+        parts["rowwise_plan"] = plan if fp8_activations else None
         # the rowwise W8A8 GEMM's per-row activation quantisation: one launch compiled
         quantize = (fusion.compiled("quantize_rows", quant.quantize_rows)
                     if fp8_activations and fused == "compile" else quant.quantize_rows)
@@ -324,16 +329,14 @@ def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool 
                                              fp8_activations=fp8_activations, pdl=pdl,
                                              dense=fp8_dense, quantize=quantize)
         if fused == "compile" and built and linear_kernels:  # with the packed FFN only
-            parts["swiglu_kernel"] = linear.make_swiglu(plan, kernels=True, pdl=pdl,
-                                                        dense=fp8_dense)
+            w8a8 = {"pdl": pdl, "dense": fp8_dense, "fp8_activations": fp8_activations}
+            parts["swiglu_kernel"] = linear.make_swiglu(plan, kernels=True, **w8a8)
             if norm_fusion:
-                parts["residual_kernel"] = linear.make_residual(plan, kernels=True, pdl=pdl,
-                                                                dense=fp8_dense)
+                parts["residual_kernel"] = linear.make_residual(plan, kernels=True, **w8a8)
                 parts["normed_kernel"] = linear.make_normed(
-                    plan, kernels=True, max_m_fp8=normed_max_m_fp8, pdl=pdl, dense=fp8_dense)
+                    plan, kernels=True, max_m_fp8=normed_max_m_fp8, **w8a8)
                 if attend_prologue:
-                    parts["attend_kernel"] = linear.make_attend(plan, kernels=True, pdl=pdl,
-                                                                dense=fp8_dense)
+                    parts["attend_kernel"] = linear.make_attend(plan, kernels=True, **w8a8)
     return Ops(
         fused=fused, packed_ffn=fused == "compile", packed_heads=fused == "compile",
         sample=sample, sample_embed=sample_embed, codec=codec,

@@ -153,6 +153,9 @@ def rowwise_fp8(w: Fp8Weight, rows: int = 8 * BLOCK) -> tuple[Tensor, Tensor]:
     rounding of the block-scaled values (3 mantissa bits, as the first); a row whose blocks
     span more than e4m3's range keeps fewer bits of its smallest ones. Made `rows` rows at a
     time (float32 temporaries of that many rows)."""
+    if rows < 1 or rows % BLOCK:
+        raise ValueError(f"rowwise_fp8: rows must be a positive multiple of {BLOCK}, "
+                         f"got {rows}")
     n, k = w.q.shape
     q = torch.empty(n, k, dtype=FP8, device=w.q.device)
     scale = torch.empty(n, dtype=torch.float32, device=w.q.device)
@@ -182,7 +185,9 @@ def fp8_rowwise_linear(x: Tensor, wq: Tensor, ws: Tensor,
     x's dtype."""
     k = x.shape[-1]
     xq, xs = quantize(x.reshape(-1, k))
-    y = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws[None, :], out_dtype=x.dtype)
+    # the GEMM takes row-major x only (a column-major x would quantise column-major)
+    y = torch._scaled_mm(xq.contiguous(), wq.t(), scale_a=xs, scale_b=ws[None, :],
+                         out_dtype=x.dtype)
     return y.view(*x.shape[:-1], wq.shape[0])
 
 

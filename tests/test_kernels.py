@@ -1146,6 +1146,47 @@ def test_rowwise_w8a8_rows_are_chosen_where_faster_and_run_the_rowwise_copy():
     assert torch.equal(fn_cpu(x, with_copy), fp8_linear_torch(x, fw))
 
 
+def test_epilogue_kernels_decline_what_the_plan_runs_as_w8a8(monkeypatch):
+    """With `fp8_activations`, csrc's SwiGLU / residual epilogues and normed / attention
+    prologues decline an FP8 call at the M where the plan runs that linear as a W8A8 GEMM
+    (so the linear runs it, its add / norm / silu * mul their own launches), and take their
+    usual decision elsewhere and without the option."""
+    from engine.quant import quantize_fp8
+
+    n, k = 256, 128
+    rows = [{"fp8": True, "m": 16, "n": n, "k": k, "impl": "gemv", "splits": 1, "kwarps": 4,
+             "variant": 0, "us": {"gemv:v0:k4:s1": 10.0}},
+            {"fp8": True, "m": 16, "n": n, "k": k, "impl": "rowwise_w8a8",
+             "us": {"rowwise_w8a8": 6.0}}]
+    plan = linear.LinearPlan.from_rows(rows)
+    w = quantize_fp8(torch.randn(n, k))
+    x = torch.randn(16, k).to(torch.bfloat16)
+    assert linear._w8a8_takes(plan, x, w, True)
+    assert not linear._w8a8_takes(plan, x, w, False)
+    assert not linear._w8a8_takes(plan, x, torch.randn(n, k), True)  # a bf16 weight
+    assert not linear._w8a8_takes(None, x, w, True)
+    looked: list[str] = []  # the wrappers' own plan lookups, made only for calls they keep
+    real_gemv_row, real_lookup = linear._gemv_row, linear._prologue_lookup
+    monkeypatch.setattr(linear, "_gemv_row",
+                        lambda *a, **kw: looked.append("row") or real_gemv_row(*a, **kw))
+
+    def lookup(*a, **kw):  # type: ignore[no-untyped-def]
+        inner = real_lookup(*a, **kw)
+        return lambda *b: looked.append("prologue") or inner(*b)
+
+    monkeypatch.setattr(linear, "_prologue_lookup", lookup)
+    r = torch.zeros(16, n, dtype=torch.bfloat16)
+    for act in (False, True):
+        looked.clear()
+        swiglu = linear.make_swiglu(plan, kernels=True, fp8_activations=act)
+        residual = linear.make_residual(plan, kernels=True, fp8_activations=act)
+        normed = linear.make_normed(plan, kernels=True, max_m_fp8=16, fp8_activations=act)
+        got = [swiglu(x, w), residual(x, w, r),
+               normed(x, torch.ones(k, dtype=torch.bfloat16), 1e-6, w, False)]
+        assert got == [None, None, None]  # (on a CPU nothing takes it either way)
+        assert looked == ([] if act else ["row", "row", "prologue"]), (act, looked)
+
+
 def test_rowwise_copies_of_a_packed_ffn_stay_one_gemm():
     """fusion.add_rowwise_copies gives the FP8 linears whose shape pays their rowwise copy,
     a packed W1|W3 as one buffer (its halves' copies adjacent: `packed` hands the pair one
@@ -1174,6 +1215,20 @@ def test_rowwise_copies_of_a_packed_ffn_stay_one_gemm():
     assert all((mod.rowwise_q is None) == (tuple(mod.qweight.shape) == skip) for mod in fp8)
     assert add_rowwise_copies(m) == sum(mod.qweight.numel() + 4 * mod.qweight.shape[0]
                                         for mod in fp8 if tuple(mod.qweight.shape) == skip)
+    from engine.config import preset
+    from engine.model import DualAR
+    from engine.quant import quantize_model
+
+    late = DualAR(preset("tiny")).to(torch.bfloat16)  # unpacked: copies first, packing after
+    quantize_model(late)
+    add_rowwise_copies(late)
+    assert packed(late.layers[0].feed_forward.w1.weight,
+                  late.layers[0].feed_forward.w3.weight) is None
+    pack_ffn(late)
+    lf = late.layers[0].feed_forward
+    lb = packed(lf.w1.weight, lf.w3.weight)
+    assert lb is not None and lb.rowwise is not None
+    assert torch.equal(lb.rowwise[1], rowwise_fp8(lb)[1])
 
 
 def test_make_linear_on_cpu_runs_the_references(monkeypatch):

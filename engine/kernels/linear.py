@@ -748,8 +748,9 @@ class LinearPlan:
         if fp8 and fp8_activations:
             alt = self._bucket(m, n, k, fp8, True)
             top = self._index.get((True, n, k, True))
-            if row is None and alt is None and top and top[-1][1].impl == ROWWISE:
-                alt = top[-1][1]  # past the table: the rowwise GEMM runs any M
+            if (row is None and alt is None and top and top[-1][1].impl == ROWWISE
+                    and self.choose(top[-1][0], n, k, True, True) is top[-1][1]):
+                alt = top[-1][1]  # past the table: the rowwise GEMM, where it won at the top
             if alt is not None and (row is None or (alt.m == row.m
                                                     and alt.best_us < row.best_us)):
                 row = alt
@@ -981,6 +982,17 @@ def _as_dense(plan: LinearPlan | None, w: Tensor | Fp8Weight, x: Tensor,
     return w
 
 
+def _w8a8_takes(plan: LinearPlan | None, x: Tensor, w: Tensor | Fp8Weight,
+                fp8_activations: bool) -> bool:
+    """Whether, with `fp8_activations`, the plan runs this FP8 linear as a W8A8 GEMM at x's
+    rows (its W8A8 row won there): the csrc epilogues and prologues then decline the call,
+    so that the linear runs it (with its add, norm or silu * mul as their own launches)."""
+    if not (fp8_activations and plan is not None and isinstance(w, Fp8Weight)):
+        return False
+    n, k = w.shape
+    return plan.choose(x.numel() // k if k else 0, n, k, True, True).impl in W8A8_IMPLS
+
+
 def _gemv_row(plan: LinearPlan | None, kernels: bool, m: int, n: int, k: int, fp8: bool,
               dtype: torch.dtype, cuda: bool, slack_us: float = 0.0,
               variant_ok: Callable[[int], bool] = lambda variant: True) -> PlanRow | None:
@@ -1029,14 +1041,16 @@ def _glu_row(plan: LinearPlan | None, kernels: bool, m: int, n: int, k: int, fp8
 
 
 def make_swiglu(plan: LinearPlan | None, kernels: bool,
-                pdl: bool | int = False, dense: bool = False) -> SwigluFn:
+                pdl: bool | int = False, dense: bool = False,
+                fp8_activations: bool = False) -> SwigluFn:
     """`Ops.swiglu_kernel`: for x [..., K] and the packed [W1; W3], silu(x W1^T) * (x W3^T)
     from the csrc kernel's SwiGLU epilogue (`gemv_swiglu` with `_glu_row`'s splits, kwarps,
     variant: the plan's row, or its fastest recorded candidate with the epilogue where that
     costs less than the silu * mul launch it saves) where the call meets the contract; None
     otherwise (the library's shapes, misaligned x): the caller then runs the linear and its
     silu * mul. Chosen once per (M, N, K, FP8, x's dtype, CUDA or not), as `make_linear`
-    does; `pdl` as there."""
+    does; `pdl` as there. With `fp8_activations` (as make_linear's) a call the plan runs as
+    a W8A8 GEMM is declined (so are make_residual's, make_normed's and make_attend's)."""
     dense_plan = plan if dense else None  # FP8 weights' dense copies taken or not
     chosen: dict[tuple[int, int, int, bool, torch.dtype, bool], SwigluFn] = {}
 
@@ -1057,7 +1071,9 @@ def make_swiglu(plan: LinearPlan | None, kernels: bool,
 
     def swiglu(x: Tensor, w13: Tensor | Fp8Weight) -> Tensor | None:
         n, k = w13.shape
-        w13 = _as_dense(dense_plan, w13, x)
+        w13 = _as_dense(dense_plan, w13, x, fp8_activations)
+        if _w8a8_takes(plan, x, w13, fp8_activations):
+            return None
         key = (x.numel() // k if k else 0, n, k, isinstance(w13, Fp8Weight), x.dtype,
                x.is_cuda)
         fn = chosen.get(key)
@@ -1093,7 +1109,8 @@ RESIDUAL_SLACK_US = 1.0
 
 
 def make_residual(plan: LinearPlan | None, kernels: bool,
-                  pdl: bool | int = False, dense: bool = False) -> ResidualFn:
+                  pdl: bool | int = False, dense: bool = False,
+                  fp8_activations: bool = False) -> ResidualFn:
     """`Ops.residual_kernel`: (y, W, r) -> r + y W^T from csrc's residual epilogue where the
     plan picked the kernel for that linear (dense or FP8 W) and the call meets the contract;
     None otherwise (the caller runs the linear, then the add). Where the plan chose another
@@ -1103,7 +1120,9 @@ def make_residual(plan: LinearPlan | None, kernels: bool,
     row_for = _row_lookup(plan, kernels, RESIDUAL_SLACK_US)
 
     def residual(y: Tensor, w: Tensor | Fp8Weight, r: Tensor) -> Tensor | None:
-        w = _as_dense(dense_plan, w, y)
+        w = _as_dense(dense_plan, w, y, fp8_activations)
+        if _w8a8_takes(plan, y, w, fp8_activations):
+            return None
         row = row_for(y, w)
         if row is None:
             return None
@@ -1177,7 +1196,7 @@ def _prologue_lookup(plan: LinearPlan | None, kernels: bool,
 
 def make_normed(plan: LinearPlan | None, kernels: bool, max_m: int = NORMED_DISPATCH_M,
                 max_m_fp8: int = NORMED_DISPATCH_M_FP8, pdl: bool | int = False,
-                dense: bool = False) -> NormedFn:
+                dense: bool = False, fp8_activations: bool = False) -> NormedFn:
     """`Ops.normed_kernel`: (h, nw, eps, W, glu) -> rms_norm(h) * nw @ W^T (glu: the SwiGLU
     of W = [W1; W3]) from csrc's normed prologue where h has at most `max_m` rows
     (`max_m_fp8` for FP8 W; where it measured faster than the norm's own launch), the plan
@@ -1190,7 +1209,9 @@ def make_normed(plan: LinearPlan | None, kernels: bool, max_m: int = NORMED_DISP
 
     def normed(h: Tensor, nw: Tensor, eps: float, w: Tensor | Fp8Weight,
                glu: bool) -> Tensor | None:
-        w = _as_dense(dense_plan, w, h)
+        w = _as_dense(dense_plan, w, h, fp8_activations)
+        if _w8a8_takes(plan, h, w, fp8_activations):
+            return None
         fp8 = isinstance(w, Fp8Weight)
         n, k = w.shape
         if h.numel() > (max_m_fp8 if fp8 else max_m) * k:
@@ -1212,7 +1233,8 @@ AttendFn = Callable[..., Tensor | None]
 
 
 def make_attend(plan: LinearPlan | None, kernels: bool, max_m: int = ATTEND_DISPATCH_M,
-                pdl: bool | int = False, dense: bool = False) -> AttendFn:
+                pdl: bool | int = False, dense: bool = False,
+                fp8_activations: bool = False) -> AttendFn:
     """`Ops.attend_kernel`: (qkv, k_cache, v_cache, cs, pos, W, r) -> r + attend(qkv) W^T
     from csrc's attention prologue (`gemv_attend`) where qkv has at most `max_m` rows, the
     plan recorded a variant-0 csrc candidate for that linear within NORMED_SLACK_US of its
@@ -1228,7 +1250,9 @@ def make_attend(plan: LinearPlan | None, kernels: bool, max_m: int = ATTEND_DISP
         x = qkv[..., :k]
         if x.numel() > max_m * k:
             return None
-        w = _as_dense(dense_plan, w, x)
+        w = _as_dense(dense_plan, w, x, fp8_activations)
+        if _w8a8_takes(plan, x, w, fp8_activations):
+            return None
         fp8 = isinstance(w, Fp8Weight)
         chosen = lookup(x, n, k, fp8)
         if chosen is None:
