@@ -79,11 +79,13 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import hashlib
 import json
 import math
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -94,7 +96,8 @@ from .config import PRESETS, TINY_IDS, ModelConfig, TransformerConfig, preset
 from .model import DualAR
 from .ops import REFERENCE, Normed, Ops, build_ops
 from .prompt import PromptBuilder, Reference
-from .quant import BLOCK, Fp8Linear, quantisable, quantize_model
+from .quant import BLOCK, Fp8Linear, Fp8Weight, fp8_rowwise_linear, quantisable, quantize_model
+from .quant import linear as quant_linear
 from .runner import ModelRunner
 from .sampler import SamplingParams
 from .tokenizer import ByteTokenizer, Tokenizer
@@ -439,17 +442,68 @@ def compare(ref: Trace, got: Trace, bound: float = BOUND) -> Comparison:
 
 
 # ----------------------------------------------------------------------------- the gate
+W8A8_MODES = ("table", "rowwise")
+
+
+def _w8a8_ops(device: str, mode: str) -> tuple[Ops, Callable[[DualAR], None]]:
+    """The ops of a W8A8 gate run and what each FP8 model needs first: "table" the engine's
+    ops with `fp8_activations` (CUDA: W8A8 where the linear table chose it, the rowwise
+    copies where it pays); "rowwise" every FP8 linear through the rowwise-scaled W8A8 GEMM
+    at every M (its numerics' worst case; the reference math otherwise; any device)."""
+    from .fusion import add_rowwise_copies
+
+    if mode not in W8A8_MODES:
+        raise ValueError(f"w8a8 must be one of {W8A8_MODES}, got {mode!r}")
+    if mode == "table":
+        if torch.device(device).type != "cuda":
+            raise ValueError("w8a8='table' needs a CUDA device (the linear table is a GPU's)")
+        ops = build_ops(device, fp8_activations=True)
+        pays = None if ops.rowwise_plan is None else ops.rowwise_plan.rowwise_pays
+    else:
+        def rowwise(x: Tensor, w: Tensor | Fp8Weight) -> Tensor:
+            if isinstance(w, Fp8Weight) and w.rowwise is not None:
+                return fp8_rowwise_linear(x, *w.rowwise)
+            return quant_linear(x, w)
+
+        ops = dataclasses.replace(REFERENCE, linear=rowwise)
+        pays = None  # every FP8 linear
+
+    def prepare(m: DualAR) -> None:
+        if mode == "rowwise" or pays is not None:
+            add_rowwise_copies(m, pays=pays)
+
+    return ops, prepare
+
+
+def _fresh_rowwise(m: DualAR) -> DualAR:
+    """m without rowwise copies (a corrupted copy's must be made from its own scales)."""
+    for mod in m.modules():
+        if isinstance(mod, Fp8Linear):
+            mod.rowwise_q = mod.rowwise_scale = None
+    return m
+
+
 def run_gate(spec: str = "gate-small", *, device: str = "cpu", frames: int = 5, seed: int = 0,
              controls: bool = False, ops: Ops | None = None,
-             bound: float = BOUND) -> dict[str, object]:
+             bound: float = BOUND, w8a8: str | None = None) -> dict[str, object]:
     """Build, plant, quantise, decode and compare; with `controls` also the corrupted copies.
-    Returns the report (JSON-able); report["passed"] is the verdict (with controls: the
-    gate passed and every applicable control failed)."""
+    `w8a8` ("table" | "rowwise", `_w8a8_ops`): the FP8 model's linears quantise their
+    activations too (other numerics than the weight-only gate's). Returns the report
+    (JSON-able); report["passed"] is the verdict (with controls: the gate passed and every
+    applicable control failed)."""
     t0 = time.perf_counter()
+    def prepare(m: DualAR) -> None:  # what an FP8 model needs before its decode: nothing
+        return None
+
+    if w8a8 is not None:
+        if ops is not None:
+            raise ValueError("give ops or w8a8, not both")
+        ops, prepare = _w8a8_ops(device, w8a8)
     if ops is None:
         ops = build_ops(device) if torch.device(device).type == "cuda" else REFERENCE
     with torch.no_grad():
         setup = build_setup(spec, seed=seed, device=device, frames=frames, ops=ops)
+        prepare(setup.fp8)
         ref = greedy_decode(setup.model, setup.prompt, frames, ops)
         margins = [d.margin() for d in ref.decisions]
         sig = [d.margin() / d.sigma for d in ref.decisions]
@@ -459,11 +513,13 @@ def run_gate(spec: str = "gate-small", *, device: str = "cpu", frames: int = 5, 
             "prompt_columns": int(setup.prompt.shape[1]), "planted": setup.plant is not None,
             "plant": None if setup.plant is None else asdict(setup.plant),
             "decisions": len(ref.decisions), "min_margin": min(margins),
-            "min_margin_sigma": min(sig), "ops": ops.describe(), **asdict(cmp)}
+            "min_margin_sigma": min(sig), "ops": ops.describe(), "w8a8": w8a8,
+            **asdict(cmp)}
         if controls:
             ctl: dict[str, object] = {}
             for kind in CONTROLS:
                 bad, changed = corrupted_copy(setup.fp8, kind)
+                prepare(_fresh_rowwise(bad))
                 c = compare(ref, greedy_decode(bad, setup.prompt, frames, ops), bound)
                 del bad
                 ctl[kind] = {"changed_layers": changed, "applicable": changed > 0,
@@ -520,6 +576,10 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"max relative logit error (default {BOUND})")
     ap.add_argument("--controls", action="store_true",
                     help="also run the corrupted-scale controls; they must fail")
+    ap.add_argument("--w8a8", choices=W8A8_MODES,
+                    help="the FP8 linears quantise their activations too: 'table' as an "
+                    "engine with --fp8-activations (CUDA: where the linear table chose a W8A8 "
+                    "GEMM), 'rowwise' every one through the rowwise-scaled W8A8 GEMM")
     ap.add_argument("--json", type=Path, help="write the report here")
     args = ap.parse_args(argv)
     if args.frames < 1:
@@ -527,8 +587,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda but no CUDA device", file=sys.stderr)
         return 2
+    if args.w8a8 == "table" and args.device != "cuda":
+        ap.error("--w8a8 table needs --device cuda (the linear table is a GPU's)")
     r = run_gate(args.model, device=args.device, frames=args.frames, seed=args.seed,
-                 controls=args.controls, bound=args.bound)
+                 controls=args.controls, bound=args.bound, w8a8=args.w8a8)
     print(format_report(r))
     if args.json:
         args.json.write_text(json.dumps(r, indent=2))

@@ -58,7 +58,9 @@
 # cuBLAS vs csrc's small-M kernel vs the Triton FP8 GEMM, every S2-Pro shape at M = 1..64) into
 # $OUT/linear_table.json and installs it for the rest of the call (LINEAR_INSTALL=0: not, for a
 # partial sweep such as LINEAR_ARGS="--shapes wo --ms 1 --variants 0,3"); FP8_GATE=1 runs the FP8-vs-
-# bf16 correctness gate at real size with its negative controls (engine.fp8_gate);
+# bf16 correctness gate at real size with its negative controls (engine.fp8_gate); FP8_GATE_W8A8=1
+# also runs it with the activations quantised (--w8a8 table: as --fp8-activations runs; rowwise:
+# every FP8 linear through the rowwise W8A8 GEMM) into $OUT/fp8_gate_w8a8_<mode>.{json,txt};
 # DTYPES="bf16 fp8" runs the server bench and gpu_bench once per model dtype, under
 # $OUT/<dtype>/ (default: bf16 only, straight under $OUT); the server bench saves each
 # dtype's decode_tps baseline and gates against bench_latency/baselines/h200_s2pro_<dtype>.json
@@ -166,6 +168,14 @@ if [ "${FP8_GATE:-0}" = 1 ]; then  # FP8 vs bf16 at real size, with the negative
     timeout ${FP8_GATE_TIMEOUT:-240} python3 -m engine.fp8_gate --model s2-pro --device cuda \
         --controls --json "$OUT/fp8_gate.json" 2>&1 | grep -v "Warn\|warn" | tail -30 | tee "$OUT/fp8_gate.txt"
     echo "fp8 gate done at +$(( $(date +%s) - t0 ))s"
+fi
+if [ "${FP8_GATE_W8A8:-0}" = 1 ]; then  # the same with the activations quantised to e4m3 too
+    for mode in table rowwise; do
+        timeout ${FP8_GATE_TIMEOUT:-240} python3 -m engine.fp8_gate --model s2-pro --device cuda \
+            --controls --w8a8 $mode --json "$OUT/fp8_gate_w8a8_$mode.json" 2>&1 \
+            | grep -v "Warn\|warn" | tail -30 | tee "$OUT/fp8_gate_w8a8_$mode.txt"
+    done
+    echo "fp8 w8a8 gates done at +$(( $(date +%s) - t0 ))s"
 fi
 if [ "${SESSIONS:-1}" = 1 ]; then  # open sessions: 1,000 10 s voices, shared vs distinct bursts, eviction (~100 s)
     timeout ${SESSIONS_TIMEOUT:-200} python3 scripts/sessions_bench.py --sessions ${N_SESSIONS:-1000} \

@@ -101,20 +101,17 @@ def test_gate_s2_pro_on_cuda():
 
 
 def test_gate_passes_with_the_rowwise_w8a8_linears():
-    """The rowwise-scaled W8A8 GEMM's numerics (weights requantised per row, activations per
-    row: `fp8_activations`' rowwise path, here at every M through torch's CPU _scaled_mm):
-    the gate passes on the planted small model, the corrupted-scale controls still fail."""
-    import dataclasses
-
-    from engine.ops import REFERENCE
-    from engine.quant import Fp8Weight, fp8_rowwise_linear, linear, rowwise_fp8
-
-    def rowwise_linear(x, w):  # type: ignore[no-untyped-def]
-        return (fp8_rowwise_linear(x, *rowwise_fp8(w)) if isinstance(w, Fp8Weight)
-                else linear(x, w))
-
-    r = run_gate("gate-small", device="cpu", controls=True,
-                 ops=dataclasses.replace(REFERENCE, linear=rowwise_linear))
-    assert r["tokens_equal"] and r["passed"], r
+    """`--w8a8 rowwise`: every FP8 linear through the rowwise-scaled W8A8 GEMM (weights
+    requantised per row, activations per row: `fp8_activations`' rowwise path, at every M,
+    here torch's CPU _scaled_mm): the gate passes on the planted small model with a larger
+    error than the weight-only one, and the corrupted-scale controls (their rowwise copies
+    made from the corrupted scales) still fail; `table` needs CUDA."""
+    r = run_gate("gate-small", device="cpu", controls=True, w8a8="rowwise")
+    assert r["tokens_equal"] and r["passed"] and r["w8a8"] == "rowwise", r
+    assert 0.06 < r["rel_err"]["slow"]["max"] < BOUND  # the weight-only gate's: 0.057
     assert all(not c["passed"] for c in r["controls"].values())
-
+    with pytest.raises(ValueError, match="CUDA"):
+        run_gate("gate-small", device="cpu", w8a8="table")
+    with pytest.raises(ValueError, match="w8a8 must be one of"):
+        run_gate("gate-small", device="cpu", w8a8="bogus")
+    assert main(["--w8a8", "rowwise", "--frames", "2"]) == 0
