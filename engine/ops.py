@@ -206,6 +206,7 @@ class Ops:
                 "normed_kernel": self.normed_kernel is not None,
                 "attend_kernel": self.attend_kernel is not None,
                 "fp8_dense": self.fp8_dense,
+                "fp8_rowwise": self.rowwise_plan is not None,
                 "packed_heads": self.packed_heads,
                 "bookkeeping": getattr(self.book.step_end, "__name__", str(self.book.step_end)),
                 "codec_kernels": self.codec.fold_bias,
