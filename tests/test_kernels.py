@@ -1104,6 +1104,24 @@ def test_fp8_linears_run_their_dense_copy_where_the_plan_measured_bf16_faster():
     assert torch.equal(lin(x.float(), with_copy), fp8_linear_torch(x.float(), fw))
 
 
+def test_one_row_split_gives_way_to_a_one_launch_candidate_within_the_margin():
+    """At M = 1 a K-split csrc row is replaced by its fastest recorded one-launch candidate
+    within ONE_ROW_SPLIT_MARGIN_US (its reduce launch bought nothing in the step there); a
+    bigger lead keeps the split, and rows of more than one row keep theirs."""
+    def row(m, us):  # type: ignore[no-untyped-def]
+        return {"fp8": True, "m": m, "n": 2560, "k": 9728, "impl": "gemv", "splits": 2,
+                "kwarps": 8, "variant": 5, "us": us}
+
+    near = {"gemv:v5:k8:s2": 11.0, "gemv:v4:k8:s1": 11.6, "gemv:v0:k4:s1": 11.8}
+    far = {"gemv:v5:k8:s2": 11.0, "gemv:v4:k8:s1": 12.2}
+    plan = linear.LinearPlan.from_rows([row(1, near), row(2, near)])
+    got = plan.choose(1, 2560, 9728, True)
+    assert (got.splits, got.variant, got.kwarps) == (1, 4, 8)
+    assert plan.choose(2, 2560, 9728, True).splits == 2  # two rows: the split stays
+    assert linear.LinearPlan.from_rows([row(1, far)]).choose(1, 2560, 9728, True).splits == 2
+    assert linear.ONE_ROW_SPLIT_MARGIN_US == 1.0
+
+
 def test_rowwise_w8a8_rows_are_chosen_where_faster_and_run_the_rowwise_copy():
     """A "rowwise_w8a8" row (FP8 only) is the shape's W8A8 row: taken with `fp8_activations`
     where it beat the weight-only row of its bucket and, past the table's largest M, as the

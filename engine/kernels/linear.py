@@ -694,6 +694,28 @@ def _row(d: object, where: str) -> PlanRow:
                    config)
 
 
+# At one row a K split's reduce launch bought nothing in the step: the H200 FP8 frame step at
+# batch 1 took 4.099 ms with w2 (the only split row at M = 1) in one launch against 4.091 with
+# its split-2 kernel and reduce (4.088-4.092 over three calls), 75 launches fewer; at two rows
+# the split was worth 0.17 ms (4.347 against 4.174 ms), so only M = 1 rows take this
+# (docs/PERF.md, gpu_s25_step_fp8.json).
+ONE_ROW_SPLIT_MARGIN_US = 1.0
+
+
+@functools.cache  # per plan row (frozen, hashable)
+def _one_launch(row: PlanRow) -> PlanRow:
+    """An M = 1 csrc row with a K split: its fastest recorded one-launch csrc candidate
+    instead where that is within ONE_ROW_SPLIT_MARGIN_US of it; any other row as it is."""
+    if row.m != 1 or row.impl != "gemv" or row.splits <= 1:
+        return row
+    best = min((c for c in row.gemv_candidates() if c[3] == 1), key=lambda c: c[0],
+               default=None)
+    if best is None or best[0] > row.best_us + ONE_ROW_SPLIT_MARGIN_US:
+        return row
+    _, variant, kwarps, _ = best
+    return dataclasses.replace(row, variant=variant, kwarps=kwarps, splits=1)
+
+
 @dataclass(frozen=True, slots=True)
 class LinearPlan:
     """Which implementation runs each linear shape, from a recorded table. `choose(m, n, k,
@@ -701,7 +723,8 @@ class LinearPlan:
     (the table's M are buckets: a shape between them gets the next larger one's choice); any
     other shape is "library". With `fp8_activations`, an FP8 shape's W8A8 row of the same
     bucket replaces it where it was measured faster (past the table's largest M, its
-    largest W8A8 row where that is the rowwise GEMM, which runs any M)."""
+    largest W8A8 row where that is the rowwise GEMM, which runs any M). An M = 1 row's K
+    split gives way to a one-launch candidate within ONE_ROW_SPLIT_MARGIN_US of it."""
 
     rows: tuple[PlanRow, ...]
     # (fp8, n, k, w8a8 row) -> [(m, row)] sorted by m
@@ -754,7 +777,7 @@ class LinearPlan:
             if alt is not None and (row is None or (alt.m == row.m
                                                     and alt.best_us < row.best_us)):
                 row = alt
-        return row if row is not None else PlanRow(bool(fp8), m, n, k, "library")
+        return _one_launch(row) if row is not None else PlanRow(bool(fp8), m, n, k, "library")
 
     def dense_faster(self, m: int, n: int, k: int, fp8_activations: bool = False) -> bool:
         """Whether the table measured this shape faster with bf16 weights than with FP8 ones
