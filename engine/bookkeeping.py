@@ -2,7 +2,8 @@
 rows run and where they write, the RAS choice between two draws, the frame's token ids, and
 the rows' state after the frame. Written out as torch ops each is a handful of one-element
 kernels per step (~30 launches of a batch-1 frame step on the H200); engine/ops.py hands the
-runner compiled versions (one fused kernel each, same values) when it compiles the others.
+runner compiled versions (a fused kernel per output size each, same values) when it compiles
+the others.
 """
 
 from __future__ import annotations
