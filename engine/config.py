@@ -392,7 +392,8 @@ class EngineConfig:
                                    "rowwise copies of the weights, made at start for the "
                                    "shapes that take it) where the linear table measured that "
                                    "faster; "
-                                   "not the weight-only numerics the FP8 gate checks")
+                                   "not the weight-only numerics (the FP8 gate checks these "
+                                   "with --w8a8 table)")
     split_kv: bool = option(False, "decode attention splits a row's positions over more "
                             "blocks when the batch is too small to fill the GPU (measured: "
                             "no gain on the H200)")

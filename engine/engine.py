@@ -34,7 +34,6 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 import torch
@@ -45,6 +44,7 @@ from .codec_worker import CodecWorker
 from .config import EngineConfig
 from .decode_worker import DecodeWorker, Launched
 from .errors import EngineOutOfMemory, EngineOverloaded, PromptTooLong
+from .kernels.linear import LinearPlan
 from .kv_pool import prompt_key
 from .loader import Bundle
 from .ops import Ops, build_ops
@@ -681,8 +681,8 @@ class Engine:
         return self.decode_worker.idle_gaps_ms()
 
 
-def _add_fp8_copies(model: torch.nn.Module, dense_plan: Any,
-                    rowwise_plan: Any) -> None:  # on CUDA
+def _add_fp8_copies(model: torch.nn.Module, dense_plan: LinearPlan | None,
+                    rowwise_plan: LinearPlan | None) -> None:  # on CUDA
     """The FP8 linears' bf16 copies where `dense_plan` measured them faster (fusion.
     add_dense_copies_where_faster, against the W8A8 rows too when there is a `rowwise_plan`)
     and their rowwise-scaled FP8 copies where `rowwise_plan` measured the rowwise W8A8 GEMM
@@ -699,7 +699,8 @@ def _add_fp8_copies(model: torch.nn.Module, dense_plan: Any,
     try:
         added = add_dense_copies_where_faster(model, dense_plan, rowwise_plan is not None)
         if rowwise_plan is not None:
-            rowwise = add_rowwise_copies(model, pays=rowwise_plan.rowwise_pays)
+            rowwise = add_rowwise_copies(model, pays=lambda n, k: rowwise_plan.rowwise_pays(
+                n, k, dense=dense_plan is not None))
     except torch.cuda.OutOfMemoryError as e:
         for mod in fresh:  # the dense copies made before the rowwise ones ran out
             mod.dense_weight = None
@@ -743,8 +744,9 @@ def build_engine(bundle: Bundle, config: EngineConfig | None = None, *,
         # the codec transformers' too; the FP8 copies below go after, before the sizing
         pack_ffn(model)
         pack_ffn(bundle.codec)
-    if (ops.dense_plan is not None or ops.rowwise_plan is not None) and fp8_layers(model):
-        _add_fp8_copies(model, ops.dense_plan, ops.rowwise_plan)  # before the KV pool's sizing
+    dense_plan = ops.dense_plan if cfg.fp8_dense_copy else None
+    if (dense_plan is not None or ops.rowwise_plan is not None) and fp8_layers(model):
+        _add_fp8_copies(model, dense_plan, ops.rowwise_plan)  # before the KV pool's sizing
     n_rows, bs = cfg.max_running, cfg.kv_block_size
     context = -(-cfg.max_len // bs)
     n_blocks = cfg.kv_blocks or n_rows * 2 * context

@@ -447,10 +447,11 @@ W8A8_MODES = ("table", "rowwise")
 
 def _w8a8_ops(device: str, mode: str) -> tuple[Ops, Callable[[DualAR], None]]:
     """The ops of a W8A8 gate run and what each FP8 model needs first: "table" the engine's
-    ops with `fp8_activations` (CUDA: W8A8 where the linear table chose it, the rowwise
-    copies where it pays); "rowwise" every FP8 linear through the rowwise-scaled W8A8 GEMM
-    at every M (its numerics' worst case; the reference math otherwise; any device)."""
-    from .fusion import add_rowwise_copies
+    ops with `fp8_activations` (CUDA: W8A8 where the linear table chose it; the model packed
+    and given the dense and rowwise copies the engine would make); "rowwise" every FP8
+    linear through the rowwise-scaled W8A8 GEMM at every M (its numerics' worst case; the
+    reference math otherwise; any device)."""
+    from .fusion import add_dense_copies_where_faster, add_rowwise_copies, pack_ffn
 
     if mode not in W8A8_MODES:
         raise ValueError(f"w8a8 must be one of {W8A8_MODES}, got {mode!r}")
@@ -458,7 +459,9 @@ def _w8a8_ops(device: str, mode: str) -> tuple[Ops, Callable[[DualAR], None]]:
         if torch.device(device).type != "cuda":
             raise ValueError("w8a8='table' needs a CUDA device (the linear table is a GPU's)")
         ops = build_ops(device, fp8_activations=True)
-        pays = None if ops.rowwise_plan is None else ops.rowwise_plan.rowwise_pays
+        plan = ops.rowwise_plan
+        pays = None if plan is None else (
+            lambda n, k: plan.rowwise_pays(n, k, dense=ops.dense_plan is not None))
     else:
         def rowwise(x: Tensor, w: Tensor | Fp8Weight) -> Tensor:
             if isinstance(w, Fp8Weight) and w.rowwise is not None:
@@ -469,17 +472,22 @@ def _w8a8_ops(device: str, mode: str) -> tuple[Ops, Callable[[DualAR], None]]:
         pays = None  # every FP8 linear
 
     def prepare(m: DualAR) -> None:
+        if ops.packed_ffn:  # copies are judged by the shapes the FFN runs: W1|W3 packed
+            pack_ffn(m)
+        if mode == "table":
+            add_dense_copies_where_faster(m, ops.dense_plan, fp8_activations=True)
         if mode == "rowwise" or pays is not None:
             add_rowwise_copies(m, pays=pays)
 
     return ops, prepare
 
 
-def _fresh_rowwise(m: DualAR) -> DualAR:
-    """m without rowwise copies (a corrupted copy's must be made from its own scales)."""
+def _fresh_copies(m: DualAR) -> DualAR:
+    """m without dense or rowwise copies (a corrupted copy's must be made from its own
+    scales)."""
     for mod in m.modules():
         if isinstance(mod, Fp8Linear):
-            mod.rowwise_q = mod.rowwise_scale = None
+            mod.dense_weight = mod.rowwise_q = mod.rowwise_scale = None
     return m
 
 
@@ -519,7 +527,7 @@ def run_gate(spec: str = "gate-small", *, device: str = "cpu", frames: int = 5, 
             ctl: dict[str, object] = {}
             for kind in CONTROLS:
                 bad, changed = corrupted_copy(setup.fp8, kind)
-                prepare(_fresh_rowwise(bad))
+                prepare(_fresh_copies(bad))
                 c = compare(ref, greedy_decode(bad, setup.prompt, frames, ops), bound)
                 del bad
                 ctl[kind] = {"changed_layers": changed, "applicable": changed > 0,

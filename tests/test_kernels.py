@@ -1150,6 +1150,7 @@ def test_rowwise_w8a8_rows_are_chosen_where_faster_and_run_the_rowwise_copy():
     assert plan.rowwise_pays(n, k) and not plan.rowwise_pays(n, 128)
     slower = linear.LinearPlan.from_rows([*rows[:3], {**rows[4], "us": {"rowwise_w8a8": 15.0}}])
     assert not slower.rowwise_pays(n, k)  # the dense copy beats it at 64: no rowwise copy
+    assert slower.rowwise_pays(n, k, dense=False)  # unless no dense copies are made
     with pytest.raises(ValueError, match="impl must be one of"):
         linear.LinearPlan.from_rows([{**rows[3], "fp8": False}])
     fw = quantize_fp8(torch.randn(n, k))
@@ -1169,7 +1170,7 @@ def test_epilogue_kernels_decline_what_the_plan_runs_as_w8a8(monkeypatch):
     prologues decline an FP8 call at the M where the plan runs that linear as a W8A8 GEMM
     (so the linear runs it, its add / norm / silu * mul their own launches), and take their
     usual decision elsewhere and without the option."""
-    from engine.quant import quantize_fp8
+    from engine.quant import Fp8Weight, quantize_fp8, rowwise_fp8
 
     n, k = 256, 128
     rows = [{"fp8": True, "m": 16, "n": n, "k": k, "impl": "gemv", "splits": 1, "kwarps": 4,
@@ -1177,10 +1178,13 @@ def test_epilogue_kernels_decline_what_the_plan_runs_as_w8a8(monkeypatch):
             {"fp8": True, "m": 16, "n": n, "k": k, "impl": "rowwise_w8a8",
              "us": {"rowwise_w8a8": 6.0}}]
     plan = linear.LinearPlan.from_rows(rows)
-    w = quantize_fp8(torch.randn(n, k))
+    bare = quantize_fp8(torch.randn(n, k))
+    w = Fp8Weight(bare.q, bare.scale, None, rowwise_fp8(bare))
     x = torch.randn(16, k).to(torch.bfloat16)
     assert linear._w8a8_takes(plan, x, w, True)
     assert not linear._w8a8_takes(plan, x, w, False)
+    # without its rowwise copy the linear runs the weight-only path: the kernels keep it
+    assert not linear._w8a8_takes(plan, x, bare, True)
     assert not linear._w8a8_takes(plan, x, torch.randn(n, k), True)  # a bf16 weight
     assert not linear._w8a8_takes(None, x, w, True)
     looked: list[str] = []  # the wrappers' own plan lookups, made only for calls they keep

@@ -311,7 +311,7 @@ def test_dense_copies_by_shape_packed_later_and_dropped_on_oom(tiny, monkeypatch
         def dense_pays(self, n: int, k: int, fp8_activations: bool = False) -> bool:
             return True
 
-        def rowwise_pays(self, n: int, k: int) -> bool:
+        def rowwise_pays(self, n: int, k: int, dense: bool = True) -> bool:
             return True
 
     calls.clear()

@@ -590,7 +590,9 @@ class PlanRow:
     """One measured shape: the fastest implementation of an [m, k] x [n, k] linear (`fp8`: FP8
     weights) and its parameters: "gemv" (the csrc kernel) with `splits`, `kwarps`, `variant`;
     "triton" / "triton_w8a8" (FP8) with `config` (fp8_triton.Config's fields; None: its
-    table's) and split_k = `splits`; "library" (F.linear, FP8: the Triton kernel's defaults).
+    table's) and split_k = `splits`; "rowwise_w8a8" (FP8: torch._scaled_mm on the weight's
+    rowwise copy, x quantised per row); "library" (F.linear, FP8: the Triton kernel's
+    defaults).
     A "triton_w8a8" row (activations quantised to e4m3: other numerics) sits beside the
     weight-only row of its shape and is taken only when asked. `us`: what each candidate took
     (microseconds)."""
@@ -704,9 +706,10 @@ ONE_ROW_SPLIT_MARGIN_US = 1.0
 
 @functools.cache  # per plan row (frozen, hashable)
 def _one_launch(row: PlanRow) -> PlanRow:
-    """An M = 1 csrc row with a K split: its fastest recorded one-launch csrc candidate
-    instead where that is within ONE_ROW_SPLIT_MARGIN_US of it; any other row as it is."""
-    if row.m != 1 or row.impl != "gemv" or row.splits <= 1:
+    """An M = 1 csrc row of FP8 weights with a K split (what was measured): its fastest
+    recorded one-launch csrc candidate instead where that is within ONE_ROW_SPLIT_MARGIN_US
+    of it; any other row as it is."""
+    if row.m != 1 or row.impl != "gemv" or row.splits <= 1 or not row.fp8:
         return row
     best = min((c for c in row.gemv_candidates() if c[3] == 1), key=lambda c: c[0],
                default=None)
@@ -732,6 +735,9 @@ class LinearPlan:
         init=False, repr=False, compare=False)
     # (m, n, k, fp8_activations) -> dense_faster's answer, filled as asked
     _dense: dict[tuple[int, int, int, bool], bool] = field(
+        init=False, repr=False, compare=False, default_factory=dict)
+    # (m, n, k, fp8, fp8_activations) -> choose's row, filled as asked
+    _chosen: dict[tuple[int, int, int, bool, bool], PlanRow] = field(
         init=False, repr=False, compare=False, default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -767,6 +773,13 @@ class LinearPlan:
         kernel with the row's splits, kwarps, variant), "triton" (FP8: the row's config and
         split_k) or, only with `fp8_activations`, "triton_w8a8" / "rowwise_w8a8". A shape
         the table lacks gets a "library" row."""
+        key = (m, n, k, bool(fp8), bool(fp8 and fp8_activations))
+        hit = self._chosen.get(key)
+        if hit is None:
+            hit = self._chosen[key] = self._choose(m, n, k, fp8, fp8_activations)
+        return hit
+
+    def _choose(self, m: int, n: int, k: int, fp8: bool, fp8_activations: bool) -> PlanRow:
         row = self._bucket(m, n, k, fp8, False)
         if fp8 and fp8_activations:
             alt = self._bucket(m, n, k, fp8, True)
@@ -808,13 +821,14 @@ class LinearPlan:
         return any(self.dense_faster(m, n, k, fp8_activations)
                    for m, _ in self._index.get((True, n, k, False), ()))
 
-    def rowwise_pays(self, n: int, k: int) -> bool:
+    def rowwise_pays(self, n: int, k: int, dense: bool = True) -> bool:
         """Whether, with `fp8_activations`, some recorded M of this shape takes the
-        rowwise-scaled W8A8 GEMM (its W8A8 row chose it and beat the weight-only row and
-        the dense copy there), which needs the weight's rowwise copy."""
+        rowwise-scaled W8A8 GEMM (its W8A8 row chose it and beat the weight-only row there,
+        and the dense copy where the engine makes those: `dense`), which needs the weight's
+        rowwise copy."""
         for m, row in self._index.get((True, n, k, True), ()):
             if (row.impl == ROWWISE and self.choose(m, n, k, True, True) is row
-                    and not self.dense_faster(m, n, k, True)):
+                    and not (dense and self.dense_faster(m, n, k, True))):
                 return True
         return False
 
@@ -1013,7 +1027,8 @@ def _w8a8_takes(plan: LinearPlan | None, x: Tensor, w: Tensor | Fp8Weight,
     if not (fp8_activations and plan is not None and isinstance(w, Fp8Weight)):
         return False
     n, k = w.shape
-    return plan.choose(x.numel() // k if k else 0, n, k, True, True).impl in W8A8_IMPLS
+    impl = plan.choose(x.numel() // k if k else 0, n, k, True, True).impl
+    return impl == W8A8 or (impl == ROWWISE and w.rowwise is not None)
 
 
 def _gemv_row(plan: LinearPlan | None, kernels: bool, m: int, n: int, k: int, fp8: bool,
