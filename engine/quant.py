@@ -181,10 +181,13 @@ def fp8_rowwise_linear(x: Tensor, wq: Tensor, ws: Tensor,
                        ) -> Tensor:
     """x [..., K] @ W^T with W rowwise FP8 (`rowwise_fp8`: wq [N, K], ws [N]) and x quantised
     per row by `quantize` (W8A8: other numerics than the block-scaled weight-only path), one
-    `torch._scaled_mm` (float32 accumulation, both scales in its epilogue) -> [..., N] in
-    x's dtype."""
+    `torch._scaled_mm` on CUDA (float32 accumulation, both scales in its epilogue; off CUDA
+    the same roundings dequantised, then a float32 product) -> [..., N] in x's dtype."""
     k = x.shape[-1]
     xq, xs = quantize(x.reshape(-1, k))
+    if not x.is_cuda:  # torch's CPU _scaled_mm takes per-tensor scales only before 2.12
+        y = F.linear(xq.float() * xs, wq.float() * ws[:, None]).to(x.dtype)
+        return y.view(*x.shape[:-1], wq.shape[0])
     # the GEMM takes row-major x only (a column-major x would quantise column-major)
     y = torch._scaled_mm(xq.contiguous(), wq.t(), scale_a=xs, scale_b=ws[None, :],
                          out_dtype=x.dtype)

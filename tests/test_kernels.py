@@ -1765,8 +1765,12 @@ def test_variant6_is_bit_equal_to_variant5_cuda(M):
             def both(fn, *args, kw=kw, **more):
                 return fn(*args, variant=6, **kw, **more), fn(*args, variant=5, **kw, **more)
 
+            def residual(x, w, r, *, variant, splits, kwarps, pdl):  # type: ignore[no-untyped-def]
+                # FP8's residual epilogue as make_residual launches it (gemv_residual: bf16 W)
+                return linear._run(x, w.q, w.scale, splits, kwarps, variant, residual=r, pdl=pdl)
+
             for got, want in (both(linear.fp8_gemv, x, w),
-                              both(linear.gemv_residual, x, w, r),
+                              both(residual, x, w, r),
                               both(linear.gemv_normed, x, nw, eps, w)):
                 assert torch.equal(got, want), where
             if w13 is not None and M <= linear.FP8_GLU_MAX_M:
@@ -2645,6 +2649,52 @@ def test_linear_bench_rowwise_times_dense_and_w8a8_on_the_same_weights(monkeypat
         assert r["dense_us"] == r["rowwise_us"] == r["rowwise_gemm_us"] == 2.0
         assert r["rowwise_copy_pct"] < r["dense_copy_pct"]  # half the weight bytes, same time
     assert timed == [2, 4, 4] * 2  # every copy: 2 dense, 4 FP8 (half the bytes each)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("m", [1, 5, 16, 64, 200])
+def test_rowwise_w8a8_cuda_matches_its_reference(m):
+    """torch._scaled_mm's rowwise-scaled FP8 GEMM (what `fp8_rowwise_linear` runs on CUDA,
+    with the compiled per-row quantisation as the engine runs it, and a packed W1|W3 view)
+    against the same roundings dequantised and multiplied in float32, at one row, odd rows
+    and prefill sizes, in a CUDA graph too."""
+    from engine import fusion
+    from engine.quant import (
+        Fp8Weight,
+        fp8_rowwise_linear,
+        fp8_rowwise_linear_torch,
+        quantize_fp8,
+        quantize_rows,
+        rowwise_fp8,
+    )
+
+    quant = fusion.compiled("quantize_rows", quantize_rows)
+    k, n = 2560, 2 * 1024
+    w = quantize_fp8((_bf16(n, k, seed=3, device="cuda").float() / k**0.5).to(torch.bfloat16))
+    wq, ws = rowwise_fp8(w)
+    x = _bf16(m, k, seed=m, device="cuda") * 3
+    want = fp8_rowwise_linear_torch(x, wq, ws)
+    for q in (quantize_rows, quant):
+        got = fp8_rowwise_linear(x, wq, ws, quantize=q)
+        assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+        err = (got.float() - want.float()).abs()
+        assert bool((err <= 2**-7 * want.float().abs() + 1e-2 * want.float().abs().mean()).all())
+    half = fusion.packed(Fp8Weight(w.q[: n // 2], w.scale[: n // 2 // 128], None,
+                                   (wq[: n // 2], ws[: n // 2])),
+                         Fp8Weight(w.q[n // 2:], w.scale[n // 2 // 128:], None,
+                                   (wq[n // 2:], ws[n // 2:])))
+    assert half is not None and half.rowwise is not None
+    assert torch.equal(fp8_rowwise_linear(x, *half.rowwise, quantize=quant),
+                       fp8_rowwise_linear(x, wq, ws, quantize=quant))
+    static = x.clone()
+    fp8_rowwise_linear(static, wq, ws, quantize=quant)  # warm outside the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fp8_rowwise_linear(static, wq, ws, quantize=quant)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, fp8_rowwise_linear(x, wq, ws, quantize=quant))
 
 
 def test_rowwise_fp8_requantises_each_row_and_matches_its_reference():
