@@ -96,6 +96,7 @@ from engine.quant import (
     quantize_fp8,
     quantize_rows,
     rowwise_fp8,
+    rowwise_gemm,
 )
 
 # name -> (N, K): S2-Pro's decode-step linears
@@ -640,9 +641,8 @@ def bench_rowwise(names: list[str], ms: tuple[int, ...], reps: int, copy: float,
                     reps)
                 xq, xs = quant(x)
                 row["rowwise_gemm_us"] = graph_us(
-                    [lambda w=w, xq=xq, xs=xs: torch._scaled_mm(
-                        xq, w[0].t(), scale_a=xs, scale_b=w[1][None, :],
-                        out_dtype=torch.bfloat16) for w in rowws],
+                    [lambda w=w, xq=xq, xs=xs: rowwise_gemm(xq, xs, w[0], w[1], torch.bfloat16)
+                     for w in rowws],
                     reps)
             except Exception as e:  # not supported here: reported, nothing timed
                 row["rowwise_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"

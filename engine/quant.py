@@ -185,13 +185,18 @@ def fp8_rowwise_linear(x: Tensor, wq: Tensor, ws: Tensor,
     the same roundings dequantised, then a float32 product) -> [..., N] in x's dtype."""
     k = x.shape[-1]
     xq, xs = quantize(x.reshape(-1, k))
-    if not x.is_cuda:  # torch's CPU _scaled_mm takes per-tensor scales only before 2.12
-        y = F.linear(xq.float() * xs, wq.float() * ws[:, None]).to(x.dtype)
-        return y.view(*x.shape[:-1], wq.shape[0])
-    # the GEMM takes row-major x only (a column-major x would quantise column-major)
-    y = torch._scaled_mm(xq.contiguous(), wq.t(), scale_a=xs, scale_b=ws[None, :],
-                         out_dtype=x.dtype)
-    return y.view(*x.shape[:-1], wq.shape[0])
+    return rowwise_gemm(xq, xs, wq, ws, x.dtype).view(*x.shape[:-1], wq.shape[0])
+
+
+def rowwise_gemm(xq: Tensor, xs: Tensor, wq: Tensor, ws: Tensor, dtype: torch.dtype) -> Tensor:
+    """(xq * xs) @ (wq * ws)^T for e4m3 xq [M, K] with scales xs [M, 1] and wq [N, K] with ws
+    [N]: one `torch._scaled_mm` on CUDA (row-major x), off CUDA the same values dequantised
+    and multiplied in float32 (torch's CPU _scaled_mm takes per-tensor scales only before
+    2.12) -> [M, N] in `dtype`."""
+    if not xq.is_cuda:
+        return F.linear(xq.float() * xs, wq.float() * ws[:, None]).to(dtype)
+    return torch._scaled_mm(xq.contiguous(), wq.t(), scale_a=xs, scale_b=ws[None, :],
+                            out_dtype=dtype)
 
 
 def fp8_rowwise_linear_torch(x: Tensor, wq: Tensor, ws: Tensor) -> Tensor:
