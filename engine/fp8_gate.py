@@ -93,10 +93,11 @@ import torch
 from torch import Tensor
 
 from .config import PRESETS, TINY_IDS, ModelConfig, TransformerConfig, preset
+from .kernels.linear import rowwise_or
 from .model import DualAR
 from .ops import REFERENCE, Normed, Ops, build_ops
 from .prompt import PromptBuilder, Reference
-from .quant import BLOCK, Fp8Linear, Fp8Weight, fp8_rowwise_linear, quantisable, quantize_model
+from .quant import BLOCK, Fp8Linear, quantisable, quantize_model, quantize_rows
 from .quant import linear as quant_linear
 from .runner import ModelRunner
 from .sampler import SamplingParams
@@ -462,13 +463,8 @@ def _w8a8_ops(device: str, mode: str) -> tuple[Ops, Callable[[DualAR], None]]:
         plan = ops.rowwise_plan
         pays = None if plan is None else (
             lambda n, k: plan.rowwise_pays(n, k, dense=ops.dense_plan is not None))
-    else:
-        def rowwise(x: Tensor, w: Tensor | Fp8Weight) -> Tensor:
-            if isinstance(w, Fp8Weight) and w.rowwise is not None:
-                return fp8_rowwise_linear(x, *w.rowwise)
-            return quant_linear(x, w)
-
-        ops = dataclasses.replace(REFERENCE, linear=rowwise)
+    else:  # the rowwise GEMM where a weight has its copy (every FP8 one, below)
+        ops = dataclasses.replace(REFERENCE, linear=rowwise_or(quant_linear, quantize_rows))
         pays = None  # every FP8 linear
 
     def prepare(m: DualAR) -> None:

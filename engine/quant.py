@@ -194,7 +194,7 @@ def rowwise_gemm(xq: Tensor, xs: Tensor, wq: Tensor, ws: Tensor, dtype: torch.dt
     and multiplied in float32 (torch's CPU _scaled_mm takes per-tensor scales only before
     2.12) -> [M, N] in `dtype`."""
     if not xq.is_cuda:
-        return F.linear(xq.float() * xs, wq.float() * ws[:, None]).to(dtype)
+        return _rowwise_reference(xq, xs, wq, ws, dtype)
     return torch._scaled_mm(xq.contiguous(), wq.t(), scale_a=xs, scale_b=ws[None, :],
                             out_dtype=dtype)
 
@@ -203,8 +203,13 @@ def fp8_rowwise_linear_torch(x: Tensor, wq: Tensor, ws: Tensor) -> Tensor:
     """`fp8_rowwise_linear`'s reference: the same roundings of x and W, dequantised, then a
     float32 product, rounded to x's dtype."""
     xq, xs = quantize_rows(x.reshape(-1, x.shape[-1]))
-    y = F.linear(xq.float() * xs, wq.float() * ws[:, None])
-    return y.to(x.dtype).view(*x.shape[:-1], wq.shape[0])
+    return _rowwise_reference(xq, xs, wq, ws, x.dtype).view(*x.shape[:-1], wq.shape[0])
+
+
+def _rowwise_reference(xq: Tensor, xs: Tensor, wq: Tensor, ws: Tensor,
+                       dtype: torch.dtype) -> Tensor:
+    """Both rowwise-scaled FP8 operands dequantised, a float32 product, rounded to `dtype`."""
+    return F.linear(xq.float() * xs, wq.float() * ws[:, None]).to(dtype)
 
 
 def linear(x: Tensor, w: Tensor | Fp8Weight) -> Tensor:

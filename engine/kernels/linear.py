@@ -961,7 +961,7 @@ def _kernel_or(fallback: LinearFn, splits: int, kwarps: int = 0, variant: int = 
     return run
 
 
-def _rowwise_or(fallback: LinearFn, quantize: Callable[[Tensor], tuple[Tensor, Tensor]]
+def rowwise_or(fallback: LinearFn, quantize: Callable[[Tensor], tuple[Tensor, Tensor]]
                 ) -> LinearFn:
     """The rowwise-scaled W8A8 GEMM on a weight's rowwise copy (`fp8_rowwise_linear`, x
     quantised by `quantize`); `fallback` for a weight without one."""
@@ -985,7 +985,7 @@ def resolve(plan: LinearPlan | None, kernels: bool, m: int, n: int, k: int, fp8:
            else PlanRow(fp8, m, n, k, "library"))
     if row.impl == ROWWISE and fp8 and cuda and n % 16 == 0 and k % 16 == 0:
         # a weight without its rowwise copy takes the weight-only row's implementation
-        return _rowwise_or(resolve(plan, kernels, m, n, k, fp8, dtype, cuda, False, pdl),
+        return rowwise_or(resolve(plan, kernels, m, n, k, fp8, dtype, cuda, False, pdl),
                            quantize)
     triton_ok = fp8 and cuda and dtype in (torch.bfloat16, torch.float16)
     mod = _triton_module() if triton_ok else None
