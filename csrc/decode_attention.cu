@@ -17,6 +17,13 @@
 //   pos      [B] int64        each row's position (0 <= pos < MB * BS; not checked on device)
 //   out      [B, H, D]        same dtype, rows may be strided (heads and dims packed): one
 //                             position of a [B, T, H, D] output written per launch
+// or, for two new positions per row (the fast AR's first call: positions 0 and 1 of a frame),
+//   q, out [B, 2, H, D], k_new, v_new [B, 2, Hkv, D] (bf16/fp16; batch and position strides
+//   free, heads and dims packed), cs [B or 1, 2, D/2, 2]: row b's queries at pos[b] and
+//   pos[b] + 1, each attending causally, the second reading the first's key/value from
+//   k_new/v_new (not from the cache the same launch writes); both positions are stored in
+//   block wblock[b], so they must share one block (the fast AR's dense cache: one block of
+//   every position). The result is the two one-position launches' bit for bit.
 //   qw, kw   [D] or None      same dtype: with cs, RMSNorm weights of q's and k's heads
 //   cs       [B or 1, D/2, 2] or None, same dtype, last two dims packed: (cos, sin) of each
 //                             row's position (one row for all: row stride 0). Given, the
@@ -45,6 +52,7 @@
 #include <torch/extension.h>
 
 #include <cmath>
+#include <type_traits>
 
 #include "launch.cuh"
 
@@ -125,7 +133,7 @@ __device__ __forceinline__ void norm_rope(float (&x)[E], const T* __restrict__ w
 // output, float32) to ws_ml / ws_o for decode_attention_combine.
 // ROPE: the fused q/k norm + RoPE (a separate instantiation, so that the plain kernel is
 // unchanged by it).
-template <typename T, int E, int R, int L, bool ROPE>
+template <typename T, int E, int R, int L, bool ROPE, bool PAIR>
 __global__ void __launch_bounds__(kGroups * L) decode_attention_kernel(
     const T* __restrict__ q, int64_t q_rs, const T* __restrict__ k_new, int64_t k_rs,
     const T* __restrict__ v_new, int64_t v_rs, T* __restrict__ k_cache,
@@ -134,7 +142,7 @@ __global__ void __launch_bounds__(kGroups * L) decode_attention_kernel(
     int64_t out_rs, int Hkv, int rep, int64_t BS,
     float scale, bool vec, int splits, float* __restrict__ ws_o, float* __restrict__ ws_ml,
     const T* __restrict__ qw, const T* __restrict__ kw, const T* __restrict__ cs, int64_t cs_rs,
-    float eps) {
+    float eps, int64_t q_ts, int64_t k_ts, int64_t v_ts, int64_t out_ts, int64_t cs_ts) {
   constexpr int D = E * L;
   constexpr int kThreads = kGroups * L;
   __shared__ float s_m[kGroups][R];
@@ -142,26 +150,39 @@ __global__ void __launch_bounds__(kGroups * L) decode_attention_kernel(
   __shared__ float s_acc[kGroups][R][D];
 
   const int parts = rep / R;
-  const int g = blockIdx.x / parts, part = blockIdx.x % parts, b = blockIdx.y;
+  // PAIR: launch row y = 2 b + i is row b's query at pos[b] + i (i = 0, 1)
+  const int y = blockIdx.y, b = PAIR ? y / 2 : y, i = PAIR ? y % 2 : 0;
+  const int g = blockIdx.x / parts, part = blockIdx.x % parts;
   const int split = blockIdx.z;
   const int h0 = g * rep + part * R;  // first query head of this block
   const int grp = threadIdx.x / L, sub = threadIdx.x % L;
   pdl_wait();  // (PDL) q, k_new, v_new, pos come from the kernels before
-  const int64_t p = pos[b];
+  const int64_t p = pos[b] + i;
+  // the row's other new position (its first query's, read from k_new/v_new), or none (-1)
+  const int64_t pp = PAIR && i == 1 ? p - 1 : -1;
   // this block's positions [t_begin, t_end) of 0..p (empty for a split past the row's end)
   // ranges in whole passes of kGroups positions, so only a range's last pass runs part-empty
   const int64_t n = p + 1, chunk = ((n + splits - 1) / splits + kGroups - 1) / kGroups * kGroups;
   const int64_t t_begin = min(n, split * chunk), t_end = min(n, t_begin + chunk);
-  const T* kn = k_new + b * k_rs + g * D;
-  const T* vn = v_new + b * v_rs + g * D;
+  const T* kn = k_new + b * k_rs + i * k_ts + g * D;
+  const T* vn = v_new + b * v_rs + i * v_ts + g * D;
+  const T* kp = kn - k_ts;  // PAIR, i = 1: position pp's key and value
+  const T* vp = vn - v_ts;
 
   // with cs: this lane's elements of the normed, rotated key (every group holds the whole
-  // head), stored below and used in place of k_new at position p
-  const T* csr = ROPE ? cs + b * cs_rs : nullptr;
+  // head), stored below and used in place of k_new at position p (kxp: at pp)
+  const T* csr = ROPE ? cs + b * cs_rs + i * cs_ts : nullptr;
   float kx[ROPE ? E : 1];
+  float kxp[ROPE && PAIR ? E : 1];
   if constexpr (ROPE) {
     load<T, E>(kn + sub * E, kx, vec);
     norm_rope<T, E, L>(kx, kw, csr, sub, eps);
+    if constexpr (PAIR) {
+      if (pp >= 0) {  // uniform over the block: every lane reaches the shuffles
+        load<T, E>(kp + sub * E, kxp, vec);
+        norm_rope<T, E, L>(kxp, kw, csr - cs_ts, sub, eps);
+      }
+    }
   }
 
   if (part == 0 && split == 0) {  // store this position (read back from k_new/v_new below)
@@ -181,7 +202,7 @@ __global__ void __launch_bounds__(kGroups * L) decode_attention_kernel(
   float qv[R][E];
 #pragma unroll
   for (int r = 0; r < R; ++r) {
-    load<T, E>(q + b * q_rs + (h0 + r) * D + sub * E, qv[r], vec);
+    load<T, E>(q + b * q_rs + i * q_ts + (h0 + r) * D + sub * E, qv[r], vec);
     if constexpr (ROPE) norm_rope<T, E, L>(qv[r], qw, csr, sub, eps);
 #pragma unroll
     for (int e = 0; e < E; ++e) qv[r][e] *= scale;
@@ -220,13 +241,16 @@ __global__ void __launch_bounds__(kGroups * L) decode_attention_kernel(
         const int64_t tt = live[u] ? t : p;
         // 32-bit division: positions and block sizes are small (64-bit division is emulated)
         const int tb = static_cast<int>(tt) / bs32, to = static_cast<int>(tt) - tb * bs32;
-        const int64_t at = tt == p ? 0 : ((blocks[tb] * Hkv + g) * BS + to) * D;
-        const uint4* kp = reinterpret_cast<const uint4*>((tt == p ? kn : k_cache + at) + sub * E);
-        const uint4* vp = reinterpret_cast<const uint4*>((tt == p ? vn : v_cache + at) + sub * E);
+        const bool fresh = tt == p || (PAIR && tt == pp);  // from k_new / v_new
+        const int64_t at = fresh ? 0 : ((blocks[tb] * Hkv + g) * BS + to) * D;
+        const T* ks = tt == p ? kn : PAIR && tt == pp ? kp : k_cache + at;
+        const T* vs = tt == p ? vn : PAIR && tt == pp ? vp : v_cache + at;
+        const uint4* kq = reinterpret_cast<const uint4*>(ks + sub * E);
+        const uint4* vq = reinterpret_cast<const uint4*>(vs + sub * E);
 #pragma unroll
         for (int c = 0; c < kRaw; ++c) {
-          kr[u][c] = kp[c];
-          vr[u][c] = vp[c];
+          kr[u][c] = kq[c];
+          vr[u][c] = vq[c];
         }
       }
 #pragma unroll
@@ -249,9 +273,10 @@ __global__ void __launch_bounds__(kGroups * L) decode_attention_kernel(
         live[u] = t < t_end;
         if (live[u]) {  // key and value loads issued together: their round trips overlap
           const int tb = static_cast<int>(t) / bs32, to = static_cast<int>(t) - tb * bs32;
-          const int64_t at = t == p ? 0 : ((blocks[tb] * Hkv + g) * BS + to) * D;
-          load<T, E>((t == p ? kn : k_cache + at) + sub * E, kk[u], false);
-          load<T, E>((t == p ? vn : v_cache + at) + sub * E, vv[u], false);
+          const bool fresh = t == p || (PAIR && t == pp);
+          const int64_t at = fresh ? 0 : ((blocks[tb] * Hkv + g) * BS + to) * D;
+          load<T, E>((t == p ? kn : PAIR && t == pp ? kp : k_cache + at) + sub * E, kk[u], false);
+          load<T, E>((t == p ? vn : PAIR && t == pp ? vp : v_cache + at) + sub * E, vv[u], false);
         } else {
 #pragma unroll
           for (int e = 0; e < E; ++e) kk[u][e] = vv[u][e] = 0.f;
@@ -261,9 +286,16 @@ __global__ void __launch_bounds__(kGroups * L) decode_attention_kernel(
     if constexpr (ROPE) {
 #pragma unroll
       for (int u = 0; u < U; ++u) {
-        if (t0 + u * kGroups + grp == p) {
+        const int64_t t = t0 + u * kGroups + grp;
+        if (t == p) {
 #pragma unroll
           for (int e = 0; e < E; ++e) kk[u][e] = kx[e];  // the normed, rotated key
+        }
+        if constexpr (PAIR) {
+          if (t == pp) {
+#pragma unroll
+            for (int e = 0; e < E; ++e) kk[u][e] = kxp[e];
+          }
         }
       }
     }
@@ -320,9 +352,9 @@ __global__ void __launch_bounds__(kGroups * L) decode_attention_kernel(
       den += s_l[j][r] * f;
       o += s_acc[j][r][d] * f;
     }
-    const int64_t bh = static_cast<int64_t>(b) * Hkv * rep + h0 + r;
+    const int64_t bh = static_cast<int64_t>(y) * Hkv * rep + h0 + r;
     if (splits == 1) {
-      out[b * out_rs + static_cast<int64_t>(h0 + r) * D + d] = static_cast<T>(o / den);
+      out[b * out_rs + i * out_ts + static_cast<int64_t>(h0 + r) * D + d] = static_cast<T>(o / den);
     } else {  // an empty range leaves den = 0: the merge skips it
       const int64_t w = bh * splits + split;
       ws_o[w * D + d] = o;
@@ -334,14 +366,16 @@ __global__ void __launch_bounds__(kGroups * L) decode_attention_kernel(
   }
 }
 
-// Merges the splits' softmax states of one (row, query head) per block: out = sum_s o_s e^(m_s
+// Merges the splits' softmax states of one (launch row, query head) per block: out = sum_s o_s e^(m_s
 // - M) / sum_s l_s e^(m_s - M). Split 0 always holds position 0, so some den is > 0.
 template <typename T>
 __global__ void decode_attention_combine(const float* __restrict__ ws_o,
                                          const float* __restrict__ ws_ml, T* __restrict__ out,
-                                         int64_t out_rs, int H, int splits, int D) {
-  const int64_t bh = blockIdx.x;  // row b = bh / H, query head bh % H
-  T* o_row = out + (bh / H) * out_rs + (bh % H) * D;
+                                         int64_t out_rs, int64_t out_ts, int tq, int H,
+                                         int splits, int D) {
+  const int64_t bh = blockIdx.x;  // launch row y = bh / H (row b = y / tq's position y % tq)
+  const int64_t y = bh / H;
+  T* o_row = out + (y / tq) * out_rs + (y % tq) * out_ts + (bh % H) * D;
   pdl_wait();
   pdl_trigger();
   const float* ml = ws_ml + 2 * bh * splits;
@@ -363,7 +397,7 @@ __global__ void decode_attention_combine(const float* __restrict__ ws_o,
 // The optional q/k norm + RoPE of a launch (cs undefined: none).
 struct Rope {
   torch::Tensor qw, kw, cs;
-  int64_t cs_rs = 0;
+  int64_t cs_rs = 0, cs_ts = 0;
   float eps = 0.f;
   template <typename T>
   const T* ptr(const torch::Tensor& t) const {
@@ -371,48 +405,75 @@ struct Rope {
   }
 };
 
+// A tensor's position stride: [B, T, ...] with T = 2 (a pair launch), 0 for [B, ...].
+int64_t ts(const torch::Tensor& t, bool pair) { return pair ? t.stride(1) : 0; }
+
 template <typename T, int E, int L>
-void launch_e(int R, int rep, dim3 grid, cudaStream_t stream, const torch::Tensor& q,
-              const torch::Tensor& k_new, const torch::Tensor& v_new, torch::Tensor& k_cache,
-              torch::Tensor& v_cache, const torch::Tensor& table, const torch::Tensor& wblock,
-              const torch::Tensor& pos, torch::Tensor& out, float scale, bool vec, int splits,
-              float* ws_o, float* ws_ml, const Rope& rp, bool pdl) {
-#define RTV_LAUNCH(R_)                                                                      \
+void launch_e(int R, int rep, int Hkv, bool pair, dim3 grid, cudaStream_t stream,
+              const torch::Tensor& q, const torch::Tensor& k_new, const torch::Tensor& v_new,
+              torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& table,
+              const torch::Tensor& wblock, const torch::Tensor& pos, torch::Tensor& out,
+              float scale, bool vec, int splits, float* ws_o, float* ws_ml, const Rope& rp,
+              bool pdl) {
+#define RTV_LAUNCH(R_, PAIR_)                                                               \
   if (rp.cs.defined())                                                                      \
-    RTV_KERNEL(R_, E % 2 == 0);                                                             \
+    RTV_KERNEL(R_, E % 2 == 0, PAIR_);                                                      \
   else                                                                                      \
-    RTV_KERNEL(R_, false)
-#define RTV_KERNEL(R_, ROPE_)                                                               \
-  rtvoice::launch_kernel(decode_attention_kernel<T, E, R_, L, ROPE_>, grid,                 \
+    RTV_KERNEL(R_, false, PAIR_)
+#define RTV_KERNEL(R_, ROPE_, PAIR_)                                                        \
+  rtvoice::launch_kernel(decode_attention_kernel<T, E, R_, L, ROPE_, PAIR_>, grid,          \
       dim3(kGroups * L), 0, stream, pdl,                                                    \
       q.data_ptr<T>(), q.stride(0), k_new.data_ptr<T>(), k_new.stride(0),                   \
       v_new.data_ptr<T>(), v_new.stride(0), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),   \
       table.data_ptr<int64_t>(), table.stride(0), wblock.data_ptr<int64_t>(),               \
-      pos.data_ptr<int64_t>(), out.data_ptr<T>(), out.stride(0),                            \
-      static_cast<int>(k_new.size(1)), rep,                                                 \
+      pos.data_ptr<int64_t>(), out.data_ptr<T>(), out.stride(0), Hkv, rep,                  \
       k_cache.size(2), scale, vec, splits, ws_o, ws_ml, rp.ptr<T>(rp.qw), rp.ptr<T>(rp.kw),   \
-      rp.ptr<T>(rp.cs), rp.cs_rs, rp.eps)
+      rp.ptr<T>(rp.cs), rp.cs_rs, rp.eps, ts(q, PAIR_), ts(k_new, PAIR_), ts(v_new, PAIR_), \
+      ts(out, PAIR_), rp.cs_ts)
+  // pair launches for the 16-bit types only (the fast AR's): half the instantiations
+  constexpr bool kPair = !std::is_same_v<T, float>;
+  if (pair) {
+    if constexpr (kPair) {
+      switch (R) {
+        case 1: RTV_LAUNCH(1, kPair); break;
+        case 2: RTV_LAUNCH(2, kPair); break;
+        case 4: RTV_LAUNCH(4, kPair); break;
+        default: TORCH_CHECK(false, "decode_attention: ", R, " query heads per kv head is not supported");
+      }
+    } else {
+      TORCH_CHECK(false, "decode_attention: two positions per row need bf16/fp16 tensors");
+    }
+    return;
+  }
   switch (R) {
-    case 1: RTV_LAUNCH(1); break;
-    case 2: RTV_LAUNCH(2); break;
-    case 4: RTV_LAUNCH(4); break;
+    case 1: RTV_LAUNCH(1, false); break;
+    case 2: RTV_LAUNCH(2, false); break;
+    case 4: RTV_LAUNCH(4, false); break;
     default: TORCH_CHECK(false, "decode_attention: ", R, " query heads per kv head is not supported");
   }
 #undef RTV_KERNEL
 #undef RTV_LAUNCH
 }
 
+// 16-byte loads: the base and every stride but the (packed) last one's in whole 16 bytes
 bool aligned16(const torch::Tensor& t) {
-  return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 &&
-         (t.dim() < 2 || (t.stride(0) * t.element_size()) % 16 == 0);
+  if (reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0) return false;
+  for (int d = 0; d + 2 < t.dim(); ++d)
+    if ((t.stride(d) * t.element_size()) % 16 != 0) return false;
+  return true;
 }
 
+// q [B, H, D] or, pair, [B, 2, H, D] (k_new, v_new, out alike)
 template <typename T>
 void launch(const torch::Tensor& q, const torch::Tensor& k_new, const torch::Tensor& v_new,
             torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& table,
             const torch::Tensor& wblock, const torch::Tensor& pos, torch::Tensor& out,
             int64_t splits, const Rope& rp, bool pdl) {
-  const int B = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_new.size(1);
+  const bool pair = q.dim() == 4;
+  const int tq = pair ? 2 : 1;
+  const int B = q.size(0), H = q.size(q.dim() - 2), D = q.size(q.dim() - 1);
+  const int Hkv = k_new.size(k_new.dim() - 2);
+  const int rows = B * tq;  // launch rows: one per query position
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   const int rep = H / Hkv;
   // Whole kv groups per block once there are enough of them to fill the GPU twice over.
@@ -423,8 +484,8 @@ void launch(const torch::Tensor& q, const torch::Tensor& k_new, const torch::Ten
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, dev));
     if (dev < 64) sm_count[dev] = n_sm;
   }
-  const int R = (static_cast<int64_t>(B) * Hkv >= 2 * n_sm) ? rep : 1;
-  const int64_t blocks = static_cast<int64_t>(B) * Hkv * (rep / R);
+  const int R = (static_cast<int64_t>(rows) * Hkv >= 2 * n_sm) ? rep : 1;
+  const int64_t blocks = static_cast<int64_t>(rows) * Hkv * (rep / R);
   // auto: fill the GPU twice over, at most one split per 64 cache positions (the count must
   // not depend on pos: a captured graph replays it at every position)
   if (splits == 0) {
@@ -433,7 +494,7 @@ void launch(const torch::Tensor& q, const torch::Tensor& k_new, const torch::Ten
     splits = std::max<int64_t>(1, std::min<int64_t>({want, kMaxSplits, positions / 64}));
   }
   const int ns = static_cast<int>(std::min<int64_t>(splits, kMaxSplits));  // documented cap
-  const dim3 grid(Hkv * (rep / R), B, ns);
+  const dim3 grid(Hkv * (rep / R), rows, ns);
   const bool vec = aligned16(q) && aligned16(k_new) && aligned16(v_new) && aligned16(k_cache) &&
                    aligned16(v_cache);
   auto stream = c10::cuda::getCurrentCUDAStream();
@@ -442,23 +503,27 @@ void launch(const torch::Tensor& q, const torch::Tensor& k_new, const torch::Ten
   float* ml_ptr = nullptr;
   if (ns > 1) {
     const auto f32 = q.options().dtype(at::kFloat);
-    ws_o = torch::empty({static_cast<int64_t>(B) * H * ns * D}, f32);
-    ws_ml = torch::empty({static_cast<int64_t>(B) * H * ns * 2}, f32);
+    ws_o = torch::empty({static_cast<int64_t>(rows) * H * ns * D}, f32);
+    ws_ml = torch::empty({static_cast<int64_t>(rows) * H * ns * 2}, f32);
     o_ptr = ws_o.data_ptr<float>();
     ml_ptr = ws_ml.data_ptr<float>();
   }
+#define RTV_E(E_, L_)                                                                       \
+  launch_e<T, E_, L_>(R, rep, Hkv, pair, grid, stream, q, k_new, v_new, k_cache, v_cache,  \
+                      table, wblock, pos, out, scale, vec, ns, o_ptr, ml_ptr, rp, pdl)
   switch (D) {
-    case 40: launch_e<T, 5, 8>(R, rep, grid, stream, q, k_new, v_new, k_cache, v_cache, table, wblock, pos, out, scale, vec, ns, o_ptr, ml_ptr, rp, pdl); break;
-    case 48: launch_e<T, 6, 8>(R, rep, grid, stream, q, k_new, v_new, k_cache, v_cache, table, wblock, pos, out, scale, vec, ns, o_ptr, ml_ptr, rp, pdl); break;
-    case 64: launch_e<T, 8, 8>(R, rep, grid, stream, q, k_new, v_new, k_cache, v_cache, table, wblock, pos, out, scale, vec, ns, o_ptr, ml_ptr, rp, pdl); break;
-    case 128: launch_e<T, 8, 16>(R, rep, grid, stream, q, k_new, v_new, k_cache, v_cache, table, wblock, pos, out, scale, vec, ns, o_ptr, ml_ptr, rp, pdl); break;
+    case 40: RTV_E(5, 8); break;
+    case 48: RTV_E(6, 8); break;
+    case 64: RTV_E(8, 8); break;
+    case 128: RTV_E(8, 16); break;
     default: TORCH_CHECK(false, "decode_attention: head_dim ", D, " is not supported");
   }
+#undef RTV_E
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (ns > 1) {
-    rtvoice::launch_kernel(decode_attention_combine<T>, dim3(static_cast<unsigned>(B * H)),
+    rtvoice::launch_kernel(decode_attention_combine<T>, dim3(static_cast<unsigned>(rows * H)),
                            dim3(128), 0, stream, pdl, o_ptr, ml_ptr, out.data_ptr<T>(),
-                           out.stride(0), H, ns, D);
+                           out.stride(0), ts(out, pair), tq, H, ns, D);
   }
 }
 
@@ -472,18 +537,30 @@ void decode_attention(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new,
                       double eps, bool pdl) {
   TORCH_CHECK(splits >= 0, "decode_attention: splits must be >= 0 (0: automatic), got ", splits);
   TORCH_CHECK(q.is_cuda(), "decode_attention: CUDA tensors expected");
-  TORCH_CHECK(q.dim() == 3 && k_new.dim() == 3 && v_new.dim() == 3 && out.dim() == 3,
-              "decode_attention: q/k_new/v_new/out must be 3-d");
+  const int nd = q.dim();
+  TORCH_CHECK((nd == 3 || nd == 4) && k_new.dim() == nd && v_new.dim() == nd && out.dim() == nd,
+              "decode_attention: q/k_new/v_new/out must be 3-d ([B, H, D]) or, for two "
+              "positions per row, 4-d ([B, 2, H, D])");
+  const bool pair = nd == 4;
+  TORCH_CHECK(!pair || (q.size(1) == 2 && k_new.size(1) == 2 && v_new.size(1) == 2 &&
+                        out.size(1) == 2),
+              "decode_attention: 4-d q/k_new/v_new/out take exactly two positions per row, got ",
+              q.sizes(), " and ", k_new.sizes());
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4, "decode_attention: caches must be 4-d");
   const auto dt = q.scalar_type();
   for (const auto* t : {&k_new, &v_new, &k_cache, &v_cache, &out})
     TORCH_CHECK(t->scalar_type() == dt && t->device() == q.device(),
                 "decode_attention: all tensors must share q's dtype and device");
+  TORCH_CHECK(!pair || dt != at::kFloat,
+              "decode_attention: two positions per row need bf16/fp16 tensors");
   TORCH_CHECK(table.scalar_type() == at::kLong && wblock.scalar_type() == at::kLong &&
                   pos.scalar_type() == at::kLong,
               "decode_attention: table, wblock and pos must be int64");
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_new.size(1);
-  TORCH_CHECK(H % Hkv == 0 && D % kMinLanes == 0, "decode_attention: bad head counts/dim");
+  const int hd = nd - 2;  // the heads' dim
+  const int64_t B = q.size(0), H = q.size(hd), D = q.size(hd + 1), Hkv = k_new.size(hd);
+  TORCH_CHECK(H % Hkv == 0 && D % kMinLanes == 0 && k_new.size(0) == B && v_new.size(0) == B &&
+                  k_new.size(hd + 1) == D && v_new.sizes() == k_new.sizes(),
+              "decode_attention: bad head counts/dim");
   TORCH_CHECK(table.dim() == 2 && table.size(0) == B && table.size(1) >= 1 &&
                   table.stride(1) == 1 && wblock.numel() == B && pos.numel() == B,
               "decode_attention: table must be [B, MB] (rows may be strided), wblock/pos [B]");
@@ -492,27 +569,29 @@ void decode_attention(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new,
               "decode_attention: cache shape ", k_cache.sizes(), " does not fit q ", q.sizes());
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(),
               "decode_attention: caches must be contiguous");
-  TORCH_CHECK(out.size(0) == q.size(0) && out.size(1) == q.size(1) && out.size(2) == q.size(2) &&
-                  out.stride(2) == 1 && out.stride(1) == out.size(2) &&
-                  (out.size(0) <= 1 || out.stride(0) >= out.size(1) * out.size(2)),
-              "decode_attention: out must be [B, H, D] like q with heads and dims packed and rows "
-              "apart, got ",
+  TORCH_CHECK(out.sizes() == q.sizes() && out.stride(hd + 1) == 1 && out.stride(hd) == D &&
+                  (out.size(0) <= 1 || out.stride(0) >= out.size(1) * out.stride(1)) &&
+                  (!pair || out.stride(1) >= H * D),
+              "decode_attention: out must be shaped like q with heads and dims packed and rows "
+              "(and positions) apart, got ",
               out.sizes(), " strides ", out.strides());
   for (const auto* t : {&q, &k_new, &v_new})
-    TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == D,
+    TORCH_CHECK(t->stride(hd + 1) == 1 && t->stride(hd) == D,
                 "decode_attention: heads and dims of q/k_new/v_new must be packed");
   Rope rp;
   if (cs.has_value()) {
     const auto& c = *cs;
+    const int cd = pair ? 2 : 1;  // cs's (head_dim / 2) dim
     TORCH_CHECK(D % kMinLanes == 0 && (D == 128 ? D / 16 : D / 8) % 2 == 0,
                 "decode_attention: the fused q/k norm + RoPE needs an even number of elements "
                 "per lane (head_dim 48, 64 or 128), got head_dim ", D);
-    TORCH_CHECK(c.scalar_type() == dt && c.device() == q.device() && c.dim() == 3 &&
-                    (c.size(0) == B || c.size(0) == 1) && c.size(1) == D / 2 &&
-                    c.size(2) == 2 && c.stride(2) == 1 && c.stride(1) == 2,
-                "decode_attention: cs must be [B or 1, head_dim / 2, 2] in q's dtype with its "
-                "last two dims packed, got ", c.scalar_type(), " ", c.sizes(), " strides ",
-                c.strides());
+    TORCH_CHECK(c.scalar_type() == dt && c.device() == q.device() && c.dim() == nd &&
+                    (c.size(0) == B || c.size(0) == 1) && (!pair || c.size(1) == 2) &&
+                    c.size(cd) == D / 2 && c.size(cd + 1) == 2 && c.stride(cd + 1) == 1 &&
+                    c.stride(cd) == 2,
+                "decode_attention: cs must be [B or 1, head_dim / 2, 2] ([B or 1, 2, head_dim "
+                "/ 2, 2] for two positions) in q's dtype with its last two dims packed, got ",
+                c.scalar_type(), " ", c.sizes(), " strides ", c.strides());
     for (const auto* w : {&qw, &kw})
       TORCH_CHECK(!w->has_value() || ((*w)->scalar_type() == dt && (*w)->device() == q.device() &&
                                       (*w)->dim() == 1 && (*w)->size(0) == D &&
@@ -522,6 +601,7 @@ void decode_attention(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new,
                 "decode_attention: give both q and k norm weights or neither");
     rp.cs = c;
     rp.cs_rs = c.size(0) == 1 ? 0 : c.stride(0);
+    rp.cs_ts = pair ? c.stride(1) : 0;
     if (qw.has_value()) {
       rp.qw = *qw;
       rp.kw = *kw;

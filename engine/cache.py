@@ -11,7 +11,8 @@ table entries point at it, so stray writes land where nothing reads.
 
 The decode attends (the slow AR's one position per row; the fast AR's T positions, its first
 call two) take an optional `kernel`: csrc's decode_attention, which stores the new k/v and
-attends through the block table in one launch per position (engine/ops.py decides); without
+attends through the block table in one launch (per position; the fast AR's first two
+positions together), engine/ops.py deciding; without
 it they write, gather the rows' blocks and run the model's attention.
 With `fuse_rope` (FastKV: `rope_rows` covering the batch) they also offer
 `norm_rope_attend`, which hands the kernel q and k before their norm and rotation (one
@@ -253,18 +254,21 @@ class FastKV:
         return self
 
     def _launch(self, layer: int, q: Tensor, k: Tensor, v: Tensor,
-                ropes: list[Rope] | None = None) -> Tensor:
+                rope: Rope | None = None) -> Tensor:
         """The kernel on positions pos..pos+T-1: q [B, T, H, Dh], k/v [B, T, Hkv, Dh] (rows
-        may be strided) -> [B, H, T, Dh]. One launch per position, in order: each reads the
-        K/V the launches before it stored (one launch's blocks never read what another
-        block of it writes), and writes its [B, H, Dh] slice of one [B, T, H, Dh] output."""
+        may be strided; rope's cs [B, T, Dh/2, 2]) -> [B, H, T, Dh]. One position is one
+        launch into its [B, H, Dh] slice; several are one call (decode_attention's [B, T, ...]
+        form: the frame's first two positions in one launch, each query attending causally)."""
         p, b, T = self.pos, self.batch, q.shape[1]
         assert self.kernel is not None
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        for t in range(T):
-            self.kernel(q[:, t], k[:, t], v[:, t], self.k[layer], self.v[layer],
-                        self._tables[:b], self._rows[:b], self._pos[p + t, :b], p + t + 1,
-                        rope=None if ropes is None else ropes[t], out=out[:, t])
+        args = (self.k[layer], self.v[layer], self._tables[:b], self._rows[:b], self._pos[p, :b],
+                p + T)
+        if T == 1:
+            one = None if rope is None else Rope(rope.qw, rope.kw, rope.cs[:, 0], rope.eps)
+            self.kernel(q[:, 0], k[:, 0], v[:, 0], *args, rope=one, out=out[:, 0])
+        else:
+            self.kernel(q, k, v, *args, rope=rope, out=out)
         return out.transpose(1, 2)
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -291,7 +295,6 @@ class FastKV:
 
     def _norm_rope_attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, qw: Tensor | None,
                           kw: Tensor | None, cs: Tensor, eps: float) -> Tensor:
-        """As PagedDecodeAttend's (q/k before their norm and RoPE, cs [B, T, Dh/2, 2]), one
-        kernel launch per position."""
-        return self._launch(layer, q, k, v, [Rope(qw, kw, cs[:, t], eps)
-                                             for t in range(q.shape[1])])
+        """As PagedDecodeAttend's (q/k before their norm and RoPE, cs [B, T, Dh/2, 2]), folded
+        into the attention's launch."""
+        return self._launch(layer, q, k, v, Rope(qw, kw, cs, eps))

@@ -444,7 +444,7 @@ def profile_step(report: dict, device: str, sampler_kernel: bool = True,
         cats, kernels, n_kernels = kernel_table(prof, _category)
         launches = per_launch_us(prof, ("decode_attention", "sample_topk"))
         top = [(t, c, k[:90]) for t, c, k in kernels]
-        by_count = sorted(((c, round(t, 3), k) for t, c, k in top), reverse=True)[:15]
+        by_count = sorted(((c, round(t, 3), k) for t, c, k in top), reverse=True)[:40]
         g = torch.cuda.CUDAGraph()
         st = torch.cuda.Stream()
         st.wait_stream(torch.cuda.current_stream())

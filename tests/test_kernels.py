@@ -230,6 +230,98 @@ def test_decode_attention_cuda_strided_out_is_the_contiguous_one(splits, rope):
     assert bool((out[:, 0] == 7).all()) and bool((out[:, 2] == 7).all())
 
 
+def _positions_case(B, H, Hkv, D, T, p0, dtype, device, *, rope, norm=True, seed=3):
+    """T new positions per row from p0 on a dense cache of 10 positions (the fast AR's: row
+    b's one block is slot b), positions before p0 filled; (q, k, v [B, T, ...], caches,
+    table, wblock, pos, Rope with cs [B, T, D/2, 2] or None)."""
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g).to(dtype).to(device)  # noqa: E731
+    q, k, v = r(B, T, H, D), r(B, T, Hkv, D), r(B, T, Hkv, D)
+    kc, vc = r(B, Hkv, 10, D), r(B, Hkv, 10, D)
+    rows = torch.arange(B, device=device)
+    pos = torch.full((B,), p0, dtype=torch.int64, device=device)
+    ro = None
+    if rope:
+        w = lambda: (1 + 0.2 * torch.randn(D, generator=g)).to(dtype).to(device)  # noqa: E731
+        cs = functional.rope_table(10, D, 10000.0).to(dtype).to(device)[p0: p0 + T]
+        ro = attention.Rope(w() if norm else None, w() if norm else None,
+                            cs[None].expand(B, -1, -1, -1), 1e-6)
+    return q, k, v, kc, vc, rows[:, None].contiguous(), rows, pos, ro
+
+
+def _one_by_one(q, k, v, kc, vc, table, wb, pos, ro, **kw):
+    """decode_attention's T one-position calls in order (the reference of the T form)."""
+    outs = []
+    for t in range(q.shape[1]):
+        one = None if ro is None else attention.Rope(ro.qw, ro.kw, ro.cs[:, t], ro.eps)
+        outs.append(attention.decode_attention(q[:, t], k[:, t], v[:, t], kc, vc, table, wb,
+                                               pos + t, span=10, rope=one, **kw))
+    return torch.stack(outs, 1)
+
+
+@pytest.mark.parametrize("T,p0", [(2, 0), (2, 4), (3, 1)])
+@pytest.mark.parametrize("rope", [False, True])
+def test_decode_attention_positions_are_the_calls_one_by_one(T, p0, rope):
+    """q [B, T, H, D]: row b's queries at pos[b] + t, each attending causally, the T keys
+    and values stored — the T one-position calls' outputs and caches (the fallback here)."""
+    case = _positions_case(3, 4, 2, 16, T, p0, torch.float32, "cpu", rope=rope)
+    q, k, v, kc, vc, table, wb, pos, ro = case
+    before, kc2, vc2 = kc.clone(), kc.clone(), vc.clone()
+    want = _one_by_one(q, k, v, kc2, vc2, table, wb, pos, ro)
+    out = torch.full((3, T, 4, 16), 7.0)
+    got = attention.decode_attention(q, k, v, kc, vc, table, wb, pos, span=10, rope=ro, out=out)
+    assert got.data_ptr() == out.data_ptr() and torch.equal(got, want)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    stored = slice(p0, p0 + T)  # the T keys written, the rest untouched
+    assert not torch.isclose(kc[:, :, stored], before[:, :, stored]).any()
+    assert torch.equal(kc[:, :, :p0], before[:, :, :p0])
+
+
+def test_decode_attention_positions_contract():
+    """The T form refuses mismatched k/v, a cs without its T positions and a wrong out."""
+    q, k, v, kc, vc, table, wb, pos, ro = _positions_case(3, 4, 2, 16, 2, 0, torch.float32,
+                                                          "cpu", rope=True)
+    with pytest.raises(ValueError, match="k_new/v_new must be"):
+        attention.decode_attention(q, k[:, :1], v[:, :1], kc, vc, table, wb, pos, span=10)
+    with pytest.raises(ValueError, match=r"rope\.cs must be"):
+        attention.decode_attention(q, k, v, kc, vc, table, wb, pos, span=10,
+                                   rope=attention.Rope(ro.qw, ro.kw, ro.cs[:, 0], ro.eps))
+    with pytest.raises(ValueError, match="out must be"):
+        attention.decode_attention(q, k, v, kc, vc, table, wb, pos, span=10,
+                                   out=torch.empty(3, 2, 4, 8))
+    with pytest.raises(ValueError, match="heads and dims must be packed"):
+        attention.decode_attention(q.transpose(2, 3).contiguous().transpose(2, 3), k, v, kc,
+                                   vc, table, wb, pos, span=10)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+# B = 1: a block per query head (R = 1); B = 64: 2 x 64 x 8 kv groups fill the H200 (R = 4)
+@pytest.mark.parametrize("B", [1, 64])
+@pytest.mark.parametrize("p0", [0, 5])
+@pytest.mark.parametrize("rope,norm", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("splits,pdl", [(1, False), (1, True), (4, False)])
+def test_decode_attention_cuda_pair_is_two_launches_bit_for_bit(dtype, B, p0, rope, norm,
+                                                                 splits, pdl):
+    """Two positions per row in one launch (the second query reads the first's key/value
+    from k_new/v_new): the outputs and caches of the two one-position launches, bit for
+    bit, with the fused q/k norm + RoPE, split positions and PDL; strided rows too."""
+    assert extension_available(), "the CUDA extension did not build"
+    q, k, v, kc, vc, table, wb, pos, ro = _positions_case(B, 32, 8, 128, 2, p0, dtype, "cuda",
+                                                          rope=rope, norm=norm)
+    qkv = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], -1)  # the projection's rows
+    qs, ks, vs = qkv.split([32 * 128, 8 * 128, 8 * 128], -1)
+    qs, ks, vs = qs.view(q.shape), ks.view(k.shape), vs.view(v.shape)
+    kc2, vc2 = kc.clone(), vc.clone()
+    want = _one_by_one(q, k, v, kc2, vc2, table, wb, pos, ro, splits=splits, pdl=pdl)
+    got = attention.decode_attention(qs, ks, vs, kc, vc, table, wb, pos, span=10, rope=ro,
+                                     splits=splits, pdl=pdl)
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+
+
 def test_fast_kv_kernel_path_attends_two_positions_as_its_torch_path():
     """FastKV with a decode-attention kernel (its CPU fallback here) on two positions at once
     (one launch per position, each into its slice of one output; positions 0 and 1 of a

@@ -146,7 +146,17 @@ def decode_attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v
     sm_90+): launched with programmatic dependent launch (csrc/launch.cuh; same result).
     Returns out [B, H, D] in q's dtype: `out` when given (q's shape and dtype, heads and dims
     packed, rows may be strided: one position of a [B, T, H, D] output), else a new tensor.
+
+    Several new positions per row: q [B, T, H, D], k_new/v_new [B, T, Hkv, D], rope's cs
+    [B or 1, T, D/2, 2], out [B, T, H, D]: row b's queries at pos[b] + t, each attending
+    causally to 0..pos[b] + t — the T one-position calls in order, all positions stored in
+    block wblock[b] (so they must share one block: the fast AR's dense cache). T = 2 in bf16 /
+    fp16 is one kernel launch (the second query reads the first's key/value from k_new /
+    v_new), bit-equal to the two calls; otherwise the calls run one by one.
     """
+    if q.dim() == 4:
+        return _positions(q, k_new, v_new, k_cache, v_cache, table, wblock, pos, span,
+                          splits=splits, kernel=kernel, rope=rope, pdl=pdl, out=out)
     check(q, k_new, v_new, k_cache, v_cache, table, wblock, pos, splits)
     if out is not None and (out.shape != q.shape or out.dtype != q.dtype
                             or out.device != q.device or out.stride(2) != 1
@@ -170,3 +180,43 @@ def decode_attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v
         return out
     y = decode_attention_torch(q, k_new, v_new, k_cache, v_cache, table, wblock, pos, span)
     return y if out is None else out.copy_(y)
+
+
+def _positions(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_cache: Tensor,
+               table: Tensor, wblock: Tensor, pos: Tensor, span: int, *, splits: int,
+               kernel: bool, rope: Rope | None, pdl: bool, out: Tensor | None) -> Tensor:
+    """decode_attention on T positions per row (q [B, T, H, D]; its docstring)."""
+    if k_new.dim() != 4 or v_new.dim() != 4 or k_new.shape[:2] != q.shape[:2] \
+            or v_new.shape != k_new.shape:
+        raise ValueError(f"with q [B, T, H, D] {list(q.shape)}, k_new/v_new must be "
+                         f"[B, T, Hkv, D]; got {list(k_new.shape)}, {list(v_new.shape)}")
+    T = q.shape[1]
+    if rope is not None and (rope.cs.dim() != 4 or rope.cs.shape[1] != T):
+        raise ValueError(f"with {T} positions per row rope.cs must be [B or 1, {T}, D/2, 2], "
+                         f"got {list(rope.cs.shape)}")
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype
+                            or out.device != q.device):
+        raise ValueError(f"out must be {list(q.shape)} {q.dtype} on {q.device}, got "
+                         f"{list(out.shape)} {out.dtype} on {out.device}")
+    for t in range(T):  # every one-position contract (shapes, strides, dtypes, devices)
+        check(q[:, t], k_new[:, t], v_new[:, t], k_cache, v_cache, table, wblock, pos, splits)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    use = (kernel and q.is_cuda and T == 2 and q.dtype in (torch.bfloat16, torch.float16)
+           and supports(q.shape[-1], q.shape[2], k_new.shape[2])
+           and (rope is None or rope_supported(q[:, 0], Rope(rope.qw, rope.kw, rope.cs[:, 0],
+                                                             rope.eps)))
+           and out.stride(3) == 1 and out.stride(2) == q.shape[3])
+    if use:
+        qw, kw, cs, eps = (None, None, None, 0.0) if rope is None else rope
+        torch.ops.rtvoice_kernels.decode_attention(q, k_new, v_new, k_cache, v_cache, table,
+                                                   wblock, pos, out, splits, qw, kw, cs, eps,
+                                                   pdl)
+        return out
+    for t in range(T):
+        decode_attention(q[:, t], k_new[:, t], v_new[:, t], k_cache, v_cache, table, wblock,
+                         pos if t == 0 else pos + t, span, splits=splits, kernel=kernel,
+                         pdl=pdl, out=out[:, t],
+                         rope=None if rope is None else Rope(rope.qw, rope.kw, rope.cs[:, t],
+                                                             rope.eps))
+    return out
