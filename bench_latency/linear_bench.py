@@ -9,10 +9,11 @@ variants 0, 1, 4 and 5; FP8 weights (e4m3, 128 x 128 block scales): `fp8_gemv` i
 (3 only when asked: `--variants`; 6 at the M and K whose rows it can stage), the
 Triton weight-only kernel (engine/kernels/fp8_triton.py) in `sweep_configs(M)`'s few configs,
 and the W8A8 candidates (activations quantised to e4m3: other numerics, recorded as a
-separate row, "triton_w8a8" or "rowwise_w8a8", that `make_linear` takes only with
-`fp8_activations=True`): the Triton W8A8 kernel (x per 1 x 128 block) and the
+separate row, "triton_w8a8", "rowwise_w8a8" or "gemv_w8a8", that `make_linear` takes only
+with `fp8_activations=True`): the Triton W8A8 kernel (x per 1 x 128 block), the
 rowwise-scaled FP8 GEMM (`torch._scaled_mm` on the weight requantised per output row, x per
-row), plus
+row) and, with `--variants` naming 7, the csrc kernel's variant 7 (x per 1 x 128 block in
+its prologue, e4m3 MMAs; swept like the other variants), plus
 the dequantising reference with --reference (slow). Each csrc variant is swept over kwarps
 1, 2, 4, 8 without a K split, then over splits 2, 4, 8 at its best kwarps; each Triton config
 at its automatic K split and, from M = 16, at splits 1, 2, 3, 4, 6, 8. Each candidate's
@@ -62,12 +63,15 @@ import torch.nn.functional as F
 
 from engine import functional, fusion
 from engine.kernels import extension_available
+from engine.kernels.fp8_triton import fp8_linear_w8a8_torch
 from engine.kernels.linear import (
     BATCHED_VARIANTS,
     DEFAULT_TABLE,
     EXACT_VARIANTS,
     FP8_VARIANTS,
+    GEMV_W8A8,
     MAX_M,
+    QUANT_VARIANT,
     ROWWISE,
     STAGED_VARIANT,
     VARIANTS,
@@ -271,16 +275,17 @@ def _chunks(k: int, fp8: bool, variant: int) -> int:
 
 
 def sweep_gemv(timer: Timer, fp8: bool, variants: tuple[int, ...], chunks_of,
-               pdl: int = 1) -> None:
+               pdl: int = 1, impl: str = "gemv", check=None) -> None:
     """Each variant over kwarps (no split), then over splits at its best kwarps; `pdl`: the
-    kernel launched with programmatic dependent launch, as the engine launches it."""
+    kernel launched with programmatic dependent launch, as the engine launches it; `impl`:
+    the rows' implementation ("gemv", or GEMV_W8A8 for variant 7, timed against `check`)."""
     fn = fp8_gemv if fp8 else gemv
     for v in variants:
         best: tuple[float, int] | None = None
         for kw in KWARPS:
             call = functools.partial(fn, splits=1, kwarps=kw, variant=v, pdl=pdl)
-            t = timer.time(f"gemv:v{v}:k{kw}:s1", call,
-                           {"impl": "gemv", "splits": 1, "kwarps": kw, "variant": v})
+            t = timer.time(f"{impl}:v{v}:k{kw}:s1", call,
+                           {"impl": impl, "splits": 1, "kwarps": kw, "variant": v}, check=check)
             if t is not None and (best is None or t < best[0]):
                 best = (t, kw)
         if best is None:
@@ -290,8 +295,8 @@ def sweep_gemv(timer: Timer, fp8: bool, variants: tuple[int, ...], chunks_of,
             if s > chunks_of(v) // kw:  # a split with no chunk for some warp
                 break
             call = functools.partial(fn, splits=s, kwarps=kw, variant=v, pdl=pdl)
-            timer.time(f"gemv:v{v}:k{kw}:s{s}", call,
-                       {"impl": "gemv", "splits": s, "kwarps": kw, "variant": v})
+            timer.time(f"{impl}:v{v}:k{kw}:s{s}", call,
+                       {"impl": impl, "splits": s, "kwarps": kw, "variant": v}, check=check)
 
 
 def pdl_mode(pdl: str, fp8: bool) -> int:
@@ -344,7 +349,8 @@ def bench_shape(name: str, n: int, k: int, ms: tuple[int, ...], reps: int, copy:
             elif reference:
                 timer.time("reference", fp8_linear_torch, {"impl": "library"})
             if built and m <= MAX_M:
-                vs = tuple(v for v in variants if fp8 or v not in FP8_VARIANTS)
+                vs = tuple(v for v in variants if (fp8 or v not in FP8_VARIANTS)
+                           and v != QUANT_VARIANT)  # W8A8: timed with the W8A8 candidates
                 vs = tuple(v for v in vs if supports(m, n, k, fp8, v))
                 sweep_gemv(timer, fp8, vs, functools.partial(_chunks, k, fp8),
                            pdl_mode(pdl, fp8))
@@ -360,6 +366,13 @@ def bench_shape(name: str, n: int, k: int, ms: tuple[int, ...], reps: int, copy:
                                    {"impl": "triton", "splits": split, "config": cfg.to_json()})
             if fp8 and n % 16 == 0:  # the W8A8 candidates, each against its own reference
                 w8a8 = Timer(ws, x, want, reps, label)
+                if (built and QUANT_VARIANT in variants and m <= MAX_M
+                        and supports(m, n, k, True, QUANT_VARIANT)):
+                    want7 = fp8_linear_w8a8_torch(x, ws[0])
+                    mag7 = x.float().abs() @ wf.abs().T
+                    sweep_gemv(w8a8, True, (QUANT_VARIANT,), functools.partial(_chunks, k, True),
+                               pdl_mode(pdl, True), GEMV_W8A8,
+                               lambda out, want7=want7, mag7=mag7: _agrees_w8a8(out, want7, mag7))
                 if rw is not None:
                     wantr = fp8_rowwise_linear_torch(x, *rw)
                     w8a8.time(ROWWISE, functools.partial(_rowwise_call, quant=quant),
@@ -679,9 +692,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ms", default=None,
                     help=f"rows (M) to time (default {','.join(map(str, MS))}; with --rowwise "
                     f"{','.join(map(str, ROWWISE_MS))})")
-    ap.add_argument("--variants", default=",".join(map(str, EXACT_VARIANTS)),
+    ap.add_argument("--variants", default=",".join(map(str, (*EXACT_VARIANTS, QUANT_VARIANT))),
                     help=f"csrc kernel variants to time (of {','.join(map(str, VARIANTS))}; "
-                    "3 rounds x to f16: not by default)")
+                    "3 rounds x to f16: not by default; 7, W8A8, is recorded as the W8A8 "
+                    "row's candidate)")
     ap.add_argument("--no-triton", action="store_true", help="leave the Triton kernels out")
     ap.add_argument("--reps", type=int, default=15, help="graph replays per candidate")
     ap.add_argument("--reference", action="store_true",
@@ -754,7 +768,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"csrc extension ready ({time.perf_counter() - t0:.0f} s)", flush=True)
         for v in FP8_VARIANTS:
-            if v in variants:
+            if v in variants and v != QUANT_VARIANT:  # 7 is checked against its W8A8 reference
                 problem = probe_variant(v)
                 print(f"variant {v} subnormal probe: {problem or 'exact'}", flush=True)
                 if problem is None and v == STAGED_VARIANT:

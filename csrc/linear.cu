@@ -59,6 +59,13 @@
 //      promised by PTX: linear_bench probes it before recording 6). Every block stages all M rows whole (from L2, one
 //      round trip per row, while its first weight batch is in flight), also in a K split
 //      (staging only the split's range cost the M <= 8 kernel 16 bytes of spill).
+//   7: FP8 only, sm_89+, M <= 16: W8A8. 5 with x quantised to e4m3 too, per 1 x 128 block of
+//      K (one float32 scale each: amax / 448), by a prologue into shared memory (normed
+//      first with norm_weight), and e4m3 MMAs (m16n8k32: no conversion of the weights at
+//      all); each 128-wide chunk's MMA sum is scaled by its weight block's scale times x's
+//      block scale. Other numerics than 0-6 (x rounded to e4m3's 4 significant bits within
+//      each block's range), so taken only where activations may be quantised (its
+//      reference: engine.kernels.fp8_triton.fp8_linear_w8a8_torch).
 // FP8 (0-2, 4, 5): each e4m3 byte is moved into a bf16's bit fields and scaled by 2^120 (exact;
 // integer and FMA instructions only, no conversion unit); one 128-wide K chunk is one scale
 // block, whose MMA sum is multiplied by its scale (all rows of a tile share it: 128 % 32 ==
@@ -81,8 +88,9 @@
 //   kwarps 1, 2, 4, 8: warps of a block sharing one row tile (K split inside the block);
 //                  0: automatic (variants 0, 4, 5: the fewest that still give two blocks per SM,
 //                  else 8; 1-3: the fewest that give every SM a block, else 8)
-//   variant 0..6 (above); bf16 weights take 0, 1, 4 or 5; 6 needs M <= 16 and
-//          M x (K + 32) x 2 bytes <= 160 KB (its rows in shared memory)
+//   variant 0..7 (above); bf16 weights take 0, 1, 4 or 5; 6 needs M <= 16 and
+//          M x (K + 32) x 2 bytes <= 160 KB (its rows in shared memory); 7 M <= 16 and
+//          M x (K + 64) bytes + 64 per 128 of K (+ the normed rows) <= 160 KB
 //   glu    SwiGLU epilogue (bf16 W; FP8 W in variant 0, 4, 5 or 6 at M <= 16 with I % 128 == 0, the
 //          tile's gate and up rows scaled by their own block rows): w = [W1; W3] (N = 2 I rows, the gate's then the
 //          up projection's), out [M, I] = silu(x W1^T) * (x W3^T), each of the two rounded to
@@ -198,6 +206,21 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 #else
   __trap();  // bf16 MMA needs sm_80; the host refuses older devices (other kernels still build)
+#endif
+}
+
+// d += A (16 x 32, row-major) * B (32 x 8, column-major); e4m3 in, float32 accumulate (the
+// W8A8 variant 7). a0: (row g, k 4t..4t+3), a1: (row g+8, same k), a2: (row g, k 16+4t..),
+// a3: (row g+8); b0: (k 4t..4t+3, col g), b1: (k 16+4t.., col g); d as mma_bf16's.
+__device__ __forceinline__ void mma_e4m3(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                         uint32_t a3, uint32_t b0, uint32_t b1) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 890
+  asm("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#else
+  __trap();  // e4m3 MMA needs sm_89; the host refuses older devices
 #endif
 }
 
@@ -368,6 +391,15 @@ constexpr int kProNorm = 1;
 constexpr int kProAttend = 2;
 constexpr int kProNormF16 = 3;   // the normed prologue in f16, scaled per row (variant 6)
 constexpr int kProStageF16 = 4;  // x's rows staged in f16, scaled per row (variant 6)
+constexpr int kProStageE4M3 = 5;  // x's rows quantised to e4m3 per 1 x 128 block (variant 7)
+constexpr int kProNormE4M3 = 6;   // the normed prologue, then that quantisation (variant 7)
+// variant 7's e4m3 rows: K rounded up to a scale block, plus 64 bytes (rows 64 bytes apart mod
+// 128: a quarter-warp's 16-byte reads of rows g, g + 1 at t * 16 hit distinct banks), then
+// the scales [chunk][16 rows] float32
+constexpr int kQuantPad = 64;
+__host__ __device__ constexpr int quant_row_bytes(int K) {
+  return (K + 127) / 128 * 128 + kQuantPad;
+}
 
 // The attention prologue's limits and layout: head_dim kAttnD; lane t of a warp scores
 // cache position t (at most kAttnMaxPos positions); a warp's shared scratch holds its (row,
@@ -594,6 +626,42 @@ __device__ __forceinline__ void bf16x4_to_f(const uint2& v, float (&f)[4]) {
 }
 
 // 4 bf16 at p (8-byte aligned) as floats, and back (values already bf16: exact).
+// Variant 7's prologue: x's rows (with kNorm the normed rows norm_rows left in xs) quantised
+// to e4m3 per 1 x 128 block of K, as engine.kernels.fp8_triton.quantize_act_torch does:
+// s = max(amax, 1e-30) / 448, q = e4m3(v / s) rounded to nearest even and saturated to +-448,
+// into xq
+// [M][quant_row_bytes(K)] and the scales into sx [chunk][16]. A warp per (row, block), 4
+// values per lane; one barrier at the end, before the main loop reads them.
+template <bool kNorm>
+__device__ __forceinline__ void quant_rows(const Args& a, const __nv_bfloat16* xs, uint8_t* xq,
+                                           float* sx) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int qrs = quant_row_bytes(a.K);
+  for (int i = warp; i < a.M * a.kb; i += kWarps) {
+    const int m = i / a.kb, b = i - m * a.kb;
+    const int k0 = b * 128 + lane * 4;  // K % 16 == 0: a lane's 4 values are in or past K
+    float f[4] = {0.f, 0.f, 0.f, 0.f};
+    if (k0 < a.K) {
+      const __nv_bfloat16* src = kNorm ? xs + m * a.xs_rs + k0 : a.x + m * a.x_rs + k0;
+      bf16x4_to_f(*reinterpret_cast<const uint2*>(src), f);
+    }
+    const float mx = warp_max(fmaxf(fmaxf(fabsf(f[0]), fabsf(f[1])),
+                                    fmaxf(fabsf(f[2]), fabsf(f[3]))));
+    const float sc = __fdiv_rn(fmaxf(mx, 1e-30f), 448.f);  // a block of zeros: q = 0
+    if (k0 < a.K) {
+      unsigned short lo, hi;  // the first value of each pair in the low byte
+      asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n"
+          : "=h"(lo) : "f"(__fdiv_rn(f[1], sc)), "f"(__fdiv_rn(f[0], sc)));
+      asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n"
+          : "=h"(hi) : "f"(__fdiv_rn(f[3], sc)), "f"(__fdiv_rn(f[2], sc)));
+      *reinterpret_cast<uint32_t*>(xq + static_cast<int64_t>(m) * qrs + k0) =
+          static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+    }
+    if (lane == 0) sx[b * 16 + m] = sc;
+  }
+  __syncthreads();
+}
+
 __device__ __forceinline__ void ld_bf16x4(const __nv_bfloat16* p, float (&f)[4]) {
   bf16x4_to_f(*reinterpret_cast<const uint2*>(p), f);
 }
@@ -795,6 +863,29 @@ __device__ __forceinline__ void mma_step(float (&d)[NT][4], const uint4& wa, con
   }
 }
 
+// Variant 7: d += weight rows g and g + 8 (wa, wb: 16 e4m3 values at k = kk + t * 16) times
+// x's e4m3 rows (16 values each at the same k): two m16n8k32 MMAs under the k permutation
+// (mma k 4t + i <-> byte i, k 16 + 4t + i <-> byte 4 + i of the lane's first 8; the next 8
+// likewise), the same for A and B.
+template <int NT>
+__device__ __forceinline__ void mma_step_e4m3(float (&d)[NT][4], const uint4& wa,
+                                              const uint4& wb, const XFrag<NT, false>& x) {
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    const uint4 xv = x.v[j][0];
+    mma_e4m3(d[j], wa.x, wb.x, wa.y, wb.y, xv.x, xv.y);
+    mma_e4m3(d[j], wa.z, wb.z, wa.w, wb.w, xv.z, xv.w);
+  }
+}
+
+// Variant 7's x fragments: 16 e4m3 of rows 8 j + g at byte kk of the lane's offset (shared).
+template <int NT>
+__device__ __forceinline__ void load_xq(XFrag<NT, false>& f, const uint32_t (&xrow)[NT],
+                                        int kk) {
+#pragma unroll
+  for (int j = 0; j < NT; ++j) f.v[j][0] = ld_smem(xrow[j] + kk);
+}
+
 // Block: 8 warps = (8 / kw) row tiles x kw warps splitting the tile's K chunks (batches of U
 // consecutive chunks, dealt round-robin). Grid: (tiles / (8 / kw), splits). NT: MMA n-tiles
 // (8 x rows each, M <= 8 NT). A chunk is 32 k (bf16: one 16-byte load per row and lane) or
@@ -819,6 +910,9 @@ __global__ void __launch_bounds__(kThreads, MINB) linear_small_m_kernel(const Ar
   constexpr int kChunk = kSteps * 4 * kVec;   // 32 (bf16) or 128 (FP8) k per chunk
   constexpr bool kF16 = PRO == kProNormF16 || PRO == kProStageF16;  // variant 6
   static_assert(!kF16 || (F8 && NT <= 2), "variant 6: FP8 weights, M <= 16");
+  constexpr bool kQ = PRO == kProStageE4M3 || PRO == kProNormE4M3;  // variant 7 (W8A8)
+  static_assert(!kQ || (F8 && NT <= 2), "variant 7: FP8 weights, M <= 16");
+  using XF = XFrag<NT, F8 && !kQ>;  // variant 7: 16 e4m3 of x per load step, not 16 bf16
   __shared__ float red[kWarps][NT * 4][32];
   __shared__ float unscale[kF16 ? 16 : 1];  // kF16: 2^-e of each row
 
@@ -894,7 +988,20 @@ __global__ void __launch_bounds__(kThreads, MINB) linear_small_m_kernel(const Ar
   // x rows 8 j + g at the lane's k offset: in global memory, or (a prologue) made in shared
   using XRow = std::conditional_t<PRO != kProPlain, uint32_t, const __nv_bfloat16*>;
   XRow xrow[NT];
-  if constexpr (PRO != kProPlain) {
+  const float* sxs = nullptr;  // variant 7: x's block scales [chunk][16] (shared)
+  if constexpr (kQ) {
+    extern __shared__ __align__(16) unsigned char smem_x[];
+    __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem_x);
+    uint8_t* xq = smem_x + (PRO == kProNormE4M3 ? a.M * a.xs_rs * 2 : 0);
+    const int qrs = quant_row_bytes(a.K);
+    float* sx = reinterpret_cast<float*>(xq + a.M * qrs);
+    if constexpr (PRO == kProNormE4M3) norm_rows(a, xs);
+    quant_rows<PRO == kProNormE4M3>(a, xs, xq, sx);
+    sxs = sx;
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+      xrow[j] = smem_u32(xq + (8 * j + g < a.M ? (8 * j + g) * qrs : 0) + t * kVec);
+  } else if constexpr (PRO != kProPlain) {
     extern __shared__ __align__(16) unsigned char smem_x[];
     __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem_x);
     if constexpr (PRO == kProNorm)
@@ -931,7 +1038,7 @@ __global__ void __launch_bounds__(kThreads, MINB) linear_small_m_kernel(const Ar
     constexpr bool kCheck = decltype(check)::value;
     auto& wa = wv.a;
     auto& wb = wv.b;
-    XFrag<NT, F8> xf[U][kSteps];
+    XF xf[U][kSteps];
     bool live[U][kSteps];
 #pragma unroll
     for (int u = 0; u < U; ++u)
@@ -940,8 +1047,13 @@ __global__ void __launch_bounds__(kThreads, MINB) linear_small_m_kernel(const Ar
 #pragma unroll
     for (int u = 0; u < U; ++u)
 #pragma unroll
-      for (int s = 0; s < kSteps; ++s)
-        load_x(xf[u][s], xrow, live[u][s] ? (c0 + u) * kChunk + s * 4 * kVec : -t * kVec);
+      for (int s = 0; s < kSteps; ++s) {
+        const int kk = live[u][s] ? (c0 + u) * kChunk + s * 4 * kVec : -t * kVec;
+        if constexpr (kQ)
+          load_xq(xf[u][s], xrow, kk);
+        else
+          load_x(xf[u][s], xrow, kk);
+      }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       if constexpr (kCheck) {
@@ -953,22 +1065,37 @@ __global__ void __launch_bounds__(kThreads, MINB) linear_small_m_kernel(const Ar
 #pragma unroll
             for (int j = 0; j < NT; ++j)
 #pragma unroll
-              for (int h = 0; h < (F8 ? 2 : 1); ++h) xf[u][s].v[j][h] = z;
+              for (int h = 0; h < (F8 && !kQ ? 2 : 1); ++h) xf[u][s].v[j][h] = z;
           }
         }
       }
       if constexpr (F8) {
         float part[NT][4] = {};  // this chunk's (scale block's) sum
 #pragma unroll
-        for (int s = 0; s < kSteps; ++s)
-          mma_step<NT, F8, kF16>(part, wa[u][s], wb[u][s], xf[u][s]);
+        for (int s = 0; s < kSteps; ++s) {
+          if constexpr (kQ)
+            mma_step_e4m3<NT>(part, wa[u][s], wb[u][s], xf[u][s]);
+          else
+            mma_step<NT, F8, kF16>(part, wa[u][s], wb[u][s], xf[u][s]);
+        }
         const bool in = !kCheck || c0 + u < c_end;
         const float sa = in ? __ldg(sra + c0 + u) : 0.f;
         const float sb = !kGlu ? sa : in ? __ldg(srb + c0 + u) : 0.f;
+        if constexpr (kQ) {  // and x's block scale of each column (x row 8 j + 2 t (+1))
 #pragma unroll
-        for (int j = 0; j < NT; ++j)
+          for (int j = 0; j < NT; ++j)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) acc[j][e] = fmaf(e < 2 ? sa : sb, part[j][e], acc[j][e]);
+            for (int e = 0; e < 4; ++e) {
+              const int m = 8 * j + 2 * t + (e & 1);
+              const float xsc = in && m < a.M ? sxs[(c0 + u) * 16 + m] : 0.f;
+              acc[j][e] = fmaf((e < 2 ? sa : sb) * xsc, part[j][e], acc[j][e]);
+            }
+        } else {
+#pragma unroll
+          for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[j][e] = fmaf(e < 2 ? sa : sb, part[j][e], acc[j][e]);
+        }
       } else {
         mma_step<NT, F8>(acc, wa[u][0], wb[u][0], xf[u][0]);
       }
@@ -1391,7 +1518,13 @@ Kern v0_pro_kern(int pro, bool f8, int nt, int dev, int smem, int variant = 0) {
   // the instantiations of v0_kern with the prologues (the normed one in variants 4-6 too)
   void (*fn)(Args);
   const bool pipe = variant == 4 || variant == 5;
-  if (pro == kProNorm && variant == 6)  // FP8 only (checked): variant 5's, rows in f16
+  if (pro == kProStageE4M3)  // variant 7 (FP8 only, checked): x's rows quantised
+    fn = nt <= 1 ? linear_small_m_kernel<1, 1, true, 3, kProStageE4M3, true>
+                 : linear_small_m_kernel<2, 1, true, 2, kProStageE4M3, true>;
+  else if (pro == kProNorm && variant == 7)  // normed, then quantised
+    fn = nt <= 1 ? linear_small_m_kernel<1, 1, true, 3, kProNormE4M3, true>
+                 : linear_small_m_kernel<2, 1, true, 2, kProNormE4M3, true>;
+  else if (pro == kProNorm && variant == 6)  // FP8 only (checked): variant 5's, rows in f16
     fn = nt <= 1 ? linear_small_m_kernel<1, 1, true, 3, kProNormF16, true>
                  : linear_small_m_kernel<2, 1, true, 2, kProNormF16, true>;
   else if (pro == kProStageF16)  // variant 6 without a norm
@@ -1418,10 +1551,10 @@ Kern v0_pro_kern(int pro, bool f8, int nt, int dev, int smem, int variant = 0) {
             : (nt <= 1 ? linear_small_m_kernel<1, 4, false, 3, kProAttend>
                        : linear_small_m_kernel<2, 4, false, 2, kProAttend>);
   static std::mutex lock;
-  static int allowed[64][32] = {};  // [device][i below]
+  static int allowed[64][40] = {};  // [device][i below]
   const int i = (nt <= 1 ? 0 : 1) + (f8 ? 2 : 0) +
-                (pro == kProAttend || pro == kProStageF16 ? 4 : 0) +
-                (variant == 4 ? 8 : variant == 5 ? 16 : variant == 6 ? 24 : 0);
+                (pro == kProAttend || pro == kProStageF16 || pro == kProStageE4M3 ? 4 : 0) +
+                (variant == 4 ? 8 : variant == 5 ? 16 : variant == 6 ? 24 : variant == 7 ? 32 : 0);
   // the kernel's static shared memory (its warps' partial sums, red[kWarps][NT * 4][32])
   // counts toward the default 48 KB per block too
   const int stat = kWarps * (nt <= 1 ? 1 : 2) * 4 * 32 * static_cast<int>(sizeof(float)) +
@@ -1434,7 +1567,7 @@ Kern v0_pro_kern(int pro, bool f8, int nt, int dev, int smem, int variant = 0) {
       int optin = 0;
       C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
       TORCH_CHECK(smem + static_cast<int>(attr.sharedSizeBytes) <= optin,
-                  "linear_small_m: the ", pro == kProAttend ? "attention" : "normed or staged",
+                  "linear_small_m: the ", pro == kProAttend ? "attention" : "normed, staged or quantised",
                   " prologue needs ", smem + static_cast<int>(attr.sharedSizeBytes),
                   " bytes of shared memory for its M = ", nt <= 1 ? "1..8" : "9..16",
                   " rows; this device allows ", optin, " per block (fewer rows)");
@@ -1508,13 +1641,14 @@ void run_linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> s
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && out.dim() == 2,
               "linear_small_m: x must be [M, K], w [N, K] and out [M, N]");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  // register batches (linear_small_m_kernel): variants 0, 4, 5, 6
-  const bool batched = variant == 0 || variant == 4 || variant == 5 || variant == 6;
+  // register batches (linear_small_m_kernel): variants 0, 4, 5, 6, 7
+  const bool batched = variant == 0 || variant == 4 || variant == 5 || variant == 6 ||
+                       variant == 7;
   TORCH_CHECK(!glu || (N % 2 == 0 && (!scale.has_value() ||
                                        (batched && (N / 2) % kScaleBlock == 0 &&
                                         M <= 16))),
               "linear_small_m: the SwiGLU epilogue takes weights [W1; W3] with an even row "
-              "count (FP8: variant 0, 4, 5 or 6, M <= 16 rows and I = N / 2 a multiple of ",
+              "count (FP8: variant 0, 4, 5, 6 or 7, M <= 16 rows and I = N / 2 a multiple of ",
               kScaleBlock,
               ", so that W1 and W3 keep their own block scales), got ", N, " rows",
               scale.has_value() ? " of FP8 weights" : "", ", M = ", M, " and variant ", variant);
@@ -1554,7 +1688,7 @@ void run_linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> s
               kMaxSplits, " (0: automatic), got ", splits);
   TORCH_CHECK(kwarps == 0 || kwarps == 1 || kwarps == 2 || kwarps == 4 || kwarps == 8,
               "linear_small_m: kwarps must be 0 (automatic), 1, 2, 4 or 8, got ", kwarps);
-  TORCH_CHECK(variant >= 0 && variant <= 6, "linear_small_m: variant must be 0..6, got ",
+  TORCH_CHECK(variant >= 0 && variant <= 7, "linear_small_m: variant must be 0..7, got ",
               variant);
   TORCH_CHECK(pdl >= kPdlOff && pdl <= kPdlEarly, "linear_small_m: pdl must be 0..3, got ",
               pdl);
@@ -1562,6 +1696,15 @@ void run_linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> s
               "linear_small_m: variant 6 takes FP8 weights and stages x's rows in shared memory: "
               "M <= 16 and M x (K + ", kNormPad, ") x 2 bytes <= ", kNormSmemMax, ", got M = ",
               M, ", K = ", K);
+  // variant 7: x's e4m3 rows and their scales (after the normed rows, with norm_weight)
+  const int64_t quant_smem = M * quant_row_bytes(static_cast<int>(K)) +
+                             (K + kScaleBlock - 1) / kScaleBlock * 16 * 4 +
+                             (norm_weight.has_value() ? M * (K + kNormPad) * 2 : 0);
+  TORCH_CHECK(variant != 7 || (f8 && M <= 16 && quant_smem <= kNormSmemMax),
+              "linear_small_m: variant 7 takes FP8 weights and quantises x's rows into shared "
+              "memory: M <= 16 and at most ", kNormSmemMax, " bytes (M x (K + 64) e4m3, "
+              "their scales and, normed, M x (K + ", kNormPad, ") x 2), got M = ", M, ", K = ",
+              K, norm_weight.has_value() ? " with the normed prologue" : "");
   TORCH_CHECK(f8 || variant <= 1 || variant == 4 || variant == 5,
               "linear_small_m: variants 2 and 3 convert FP8 weights; bf16 weights take 0, 1, "
               "4 or 5");
@@ -1577,8 +1720,8 @@ void run_linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> s
   const int64_t xs_rs = K + kNormPad;
   if (norm_weight.has_value()) {
     const auto& nw = *norm_weight;
-    TORCH_CHECK(batched, "linear_small_m: the normed prologue runs in variant 0, 4, 5 or 6, got ",
-                variant);
+    TORCH_CHECK(batched, "linear_small_m: the normed prologue runs in variant 0, 4, 5, 6 or 7, "
+                "got ", variant);
     TORCH_CHECK(M <= 16 && M * xs_rs * 2 <= kNormSmemMax,
                 "linear_small_m: the normed prologue holds M x K rows in shared memory: M <= "
                 "16 and M x (K + ", kNormPad, ") x 2 bytes <= ", kNormSmemMax, ", got M = ", M,
@@ -1605,14 +1748,17 @@ void run_linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> s
   const DevInfo info = device_info(dev);
   const int n_sm = info.n_sm;
   TORCH_CHECK(info.major >= 8, "linear_small_m: needs compute capability 8.0 or newer (bf16 MMA)");
-  TORCH_CHECK((variant != 3 && variant != 6) || info.major * 10 + info.minor >= 89,
-              "linear_small_m: variants 3 and 6 (e4m3 conversion instructions) need compute "
+  TORCH_CHECK((variant != 3 && variant != 6 && variant != 7) ||
+                  info.major * 10 + info.minor >= 89,
+              "linear_small_m: variants 3, 6 and 7 (e4m3 conversions, e4m3 MMAs) need compute "
               "capability 8.9 or newer");
   const bool norm = norm_weight.has_value();
   const int nt = static_cast<int>((M + 7) / 8);
   const int rows_smem = static_cast<int>(M * xs_rs * 2);
   const Kern kern =
-      norm     ? v0_pro_kern(kProNorm, f8, nt, dev, rows_smem, static_cast<int>(variant))
+      variant == 7 ? v0_pro_kern(norm ? kProNorm : kProStageE4M3, f8, nt, dev,
+                                 static_cast<int>(quant_smem), 7)
+      : norm   ? v0_pro_kern(kProNorm, f8, nt, dev, rows_smem, static_cast<int>(variant))
       : attend ? v0_pro_kern(kProAttend, f8, nt, dev,
                              rows_smem + kWarps * attn_warp_bytes(attend->s))
       : variant == 6 ? v0_pro_kern(kProStageF16, f8, nt, dev, rows_smem, 6)

@@ -913,6 +913,7 @@ def _bf16(*shape, seed=0, device="cpu"):
 def test_linear_fallbacks_are_the_references():
     import torch.nn.functional as F
 
+    from engine.kernels.fp8_triton import fp8_linear_w8a8_torch
     from engine.quant import fp8_linear_torch, quantize_fp8
 
     x, w = _bf16(2, 3, 64), _bf16(40, 64, seed=1)
@@ -920,8 +921,10 @@ def test_linear_fallbacks_are_the_references():
     assert torch.equal(linear.gemv(x, w), F.linear(x, w))
     assert torch.equal(linear.fp8_gemv(x, fw), fp8_linear_torch(x, fw))
     assert torch.equal(linear.gemv(x, w, splits=3, kwarps=2, kernel=False), F.linear(x, w))
-    for v in linear.VARIANTS:  # CPU tensors: the reference whatever the variant
-        assert torch.equal(linear.fp8_gemv(x, fw, variant=v), fp8_linear_torch(x, fw))
+    for v in linear.VARIANTS:  # CPU tensors: the variant's reference (7: W8A8's)
+        want = fp8_linear_w8a8_torch(x, fw) if v == 7 else fp8_linear_torch(x, fw)
+        assert torch.equal(linear.fp8_gemv(x, fw, variant=v), want)
+    assert not torch.equal(fp8_linear_w8a8_torch(x, fw), fp8_linear_torch(x, fw))
     assert torch.equal(linear.gemv(x, w, variant=1), F.linear(x, w))
     assert linear.gemv(x[0, 0], w).shape == (40,)  # one row, x [K]
     assert linear.fp8_gemv(x[:, :0], fw).shape == (2, 0, 40)  # no rows
@@ -966,7 +969,7 @@ def test_linear_contract(make, match):
 
 @pytest.mark.parametrize("kw", [{"splits": -1}, {"splits": 65}, {"splits": True},
                                 {"splits": 1.5}, {"kwarps": 3}, {"kwarps": 16},
-                                {"variant": 7}, {"variant": -1}, {"variant": True}])
+                                {"variant": 8}, {"variant": -1}, {"variant": True}])
 def test_linear_rejects_bad_splits_kwarps_and_variants(kw):
     with pytest.raises(ValueError, match=r"(splits|kwarps|variant) must be"):
         linear.gemv(_bf16(2, 64), _bf16(8, 64), **kw)
@@ -1006,6 +1009,41 @@ def test_variant6_takes_fp8_weights_and_rows_it_can_stage():
     assert torch.equal(linear.fp8_gemv(x, fw, variant=6, kernel=False),
                        linear.fp8_gemv(x, fw, variant=0, kernel=False))
     assert linear._normed_problem(x, fw, nw, 1e-6, True, 1, 1, 6) is None
+
+
+def test_variant7_takes_fp8_weights_and_rows_it_can_quantise():
+    """Variant 7 (W8A8) quantises x's rows into shared memory: bf16 weights, more than
+    NORM_MAX_M rows or rows too long are refused by name (the normed prologue's bound counts
+    its bf16 rows too); within that the reference runs off the kernel: x quantised per
+    1 x 128 block (`fp8_linear_w8a8_torch`), in every form."""
+    from engine.kernels.fp8_triton import fp8_linear_w8a8_torch
+    from engine.quant import quantize_fp8
+
+    x, w = _bf16(2, 256), _bf16(256, 256, seed=1)
+    fw, nw = quantize_fp8(w), (1 + 0.1 * _bf16(256, seed=2))
+    with pytest.raises(ValueError, match="variant 7 converts FP8 weights"):
+        linear.gemv(x, w, variant=7)
+    with pytest.raises(ValueError, match="variant 7 quantises x's rows"):
+        linear.fp8_gemv(_bf16(17, 256), fw, variant=7)
+    big = quantize_fp8(_bf16(128, 10240, seed=3))
+    with pytest.raises(ValueError, match="variant 7 quantises x's rows"):
+        linear.fp8_gemv(_bf16(16, 10240), big, variant=7)  # 16 x 10304 + 5120 bytes > 160 KB
+    linear.fp8_gemv(_bf16(8, 10240), big, variant=7)  # half the rows fit
+    assert linear._quantises(16, 9728, False)  # S2-Pro's w2 at 16 rows: 161,536 bytes
+    wide = quantize_fp8(_bf16(128, 4096, seed=4))
+    h16 = _bf16(16, 4096)
+    linear.fp8_gemv(h16, wide, variant=7)  # 16 x 4160 + 2048 bytes: fits
+    with pytest.raises(ValueError, match="with the normed rows"):  # + 16 x 4128 x 2 bf16
+        linear.gemv_normed(h16, (1 + 0.1 * _bf16(4096, seed=5)), 1e-6, wide, variant=7)
+    assert linear._quantises(16, 4096, False) and not linear._quantises(16, 4096, True)
+    assert not linear.supports(17, 256, 256, True, 7) and not linear.supports(1, 256, 256, False, 7)
+    assert torch.equal(linear.fp8_gemv(x, fw, variant=7), fp8_linear_w8a8_torch(x, fw))
+    assert torch.equal(linear.gemv_normed(x, nw, 1e-6, fw, variant=7),
+                       fp8_linear_w8a8_torch(functional.rms_norm(x, nw, 1e-6), fw))
+    w13 = quantize_fp8(_bf16(256, 256, seed=6))
+    gu = fp8_linear_w8a8_torch(x, w13)
+    torch.testing.assert_close(linear.gemv_swiglu(x, w13, variant=7),
+                               torch.nn.functional.silu(gu[:, :128]) * gu[:, 128:], rtol=0, atol=0)
 
 
 def test_variant6_probe_cases_are_what_they_claim():
@@ -1119,8 +1157,11 @@ def test_linear_plan_load_and_choose(tmp_path, caplog):
     ({"us": {"gemv": "fast"}}, "us must map"),
     ({"n": None}, "n must be"),
     ({"kwarps": 3}, "kwarps must be"),
-    ({"variant": 7}, "variant must be"),
+    ({"variant": 8}, "variant must be"),
     ({"variant": 2}, "variant 2 is for FP8 weights only"),
+    ({"fp8": True, "variant": 7}, "variant 7 quantises the activations"),  # a 'gemv' row
+    ({"fp8": True, "impl": "gemv_w8a8", "variant": 5}, "variant 7 quantises the activations"),
+    ({"impl": "gemv_w8a8", "variant": 7}, "impl must be one of"),  # W8A8: FP8 rows only
     ({"fp8": True, "m": 32, "variant": 6}, "variant 6 stages x's rows"),  # at most 16 rows
     ({"config": _CFG}, "a config belongs to a Triton row"),
 ])
@@ -1299,6 +1340,43 @@ def test_epilogue_kernels_decline_what_the_plan_runs_as_w8a8(monkeypatch):
                normed(x, torch.ones(k, dtype=torch.bfloat16), 1e-6, w, False)]
         assert got == [None, None, None]  # (on a CPU nothing takes it either way)
         assert looked == ([] if act else ["row", "row", "prologue"]), (act, looked)
+
+
+def test_gemv_w8a8_rows_run_variant_7_only_with_fp8_activations(monkeypatch):
+    """A "gemv_w8a8" row (variant 7, FP8 only) is its shape's W8A8 row: chosen with
+    `fp8_activations` where it beat the weight-only row, never without; the epilogues then
+    decline the call; `resolve` runs csrc's variant 7 with the row's splits and kwarps where
+    the kernel takes the shape (faked here: the call a CUDA machine would make), else the
+    library path; its recorded labels are never a weight-only row's candidates."""
+    from engine.quant import quantize_fp8
+
+    n, k = 256, 128
+    rows = [{"fp8": True, "m": 2, "n": n, "k": k, "impl": "gemv", "splits": 1, "kwarps": 4,
+             "variant": 5, "us": {"gemv:v5:k4:s1": 10.0}},
+            {"fp8": True, "m": 2, "n": n, "k": k, "impl": "gemv_w8a8", "splits": 2,
+             "kwarps": 2, "variant": 7, "us": {"gemv_w8a8:v7:k2:s2": 7.0}}]
+    plan = linear.LinearPlan.from_rows(rows)
+    assert plan.choose(2, n, k, True).impl == "gemv"
+    row = plan.choose(2, n, k, True, True)
+    assert (row.impl, row.variant, row.splits, row.kwarps) == ("gemv_w8a8", 7, 2, 2)
+    assert [c[1] for c in plan.rows[1].gemv_candidates()] == []
+    assert linear.LinearPlan.from_rows([r.to_json() for r in plan.rows]) == plan
+    w = quantize_fp8(torch.randn(n, k))
+    x = torch.randn(2, k).to(torch.bfloat16)
+    assert linear._w8a8_takes(plan, x, w, True) and not linear._w8a8_takes(plan, x, w, False)
+    calls = []
+    monkeypatch.setattr(linear, "supports", lambda m, n, k, fp8, variant=0: True)
+    monkeypatch.setattr(linear, "_problem", lambda *a: None)
+    monkeypatch.setattr(linear, "_run", lambda x, wq, scale, splits, kwarps, variant, **kw:
+                        calls.append((splits, kwarps, variant)) or x.new_zeros(2, n))
+    fn = linear.resolve(plan, True, 2, n, k, True, torch.bfloat16, True, fp8_activations=True)
+    fn(x, w)
+    assert calls == [(2, 2, 7)]
+    off = linear.resolve(plan, True, 2, n, k, True, torch.bfloat16, True)  # weight-only row
+    off(x, w)
+    assert calls[-1] == (1, 4, 5)
+    assert linear.resolve(plan, False, 2, n, k, True, torch.bfloat16, False,
+                          fp8_activations=True) is linear.fp8_linear_torch  # CPU: library
 
 
 def test_rowwise_copies_of_a_packed_ffn_stay_one_gemm():
@@ -1533,8 +1611,8 @@ _cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA d
 
 def _variants(fp8, m=1, k=16):
     """The csrc variants this GPU runs (3 and 6: sm_89+) for bf16 or FP8 weights, at m rows
-    of K (6: rows it can stage)."""
-    vs = linear.VARIANTS if fp8 else (0, 1, 4, 5)
+    of K (6: rows it can stage): the weight-only ones (7, W8A8, has tests of its own)."""
+    vs = tuple(v for v in linear.VARIANTS if v != linear.QUANT_VARIANT) if fp8 else (0, 1, 4, 5)
     return tuple(v for v in vs
                  if (v not in (3, 6) or torch.cuda.get_device_capability() >= (8, 9))
                  and (v != 6 or linear._stages(m, k)))
@@ -1819,6 +1897,80 @@ def test_variant5_is_bit_equal_to_variant0_with_one_warp_per_tile_cuda(M):
             kw = {"splits": 1, "kwarps": 1, "pdl": 1}
             assert torch.equal(linear.gemv_normed(h, nw, eps, ww, glu=glu, variant=5, **kw),
                                linear.gemv_normed(h, nw, eps, ww, glu=glu, variant=0, **kw))
+
+
+@pytest.mark.cuda
+@_cuda
+@pytest.mark.parametrize("M", [1, 2, 8, 9, 16])
+def test_variant7_matches_its_w8a8_reference_cuda(M):
+    """Variant 7 (x quantised per 1 x 128 block in its prologue, e4m3 MMAs) against its torch
+    reference (`fp8_linear_w8a8_torch`: the same rounding of x, float32 products): within
+    2^-7 of each output plus 2^-9 of sum |x w| (the MMAs' accumulation, the scales applied
+    per block, a rare tie rounding one x element the other way), in every form (plain,
+    residual, SwiGLU, the normed prologue; split K, one and two warps per tile, plain and
+    PDL launches, strided rows, a partial K block, a partial tile, a graph replay), and
+    measurably off the weight-only product (it does quantise x)."""
+    from engine.kernels.fp8_triton import fp8_linear_w8a8_torch
+    from engine.quant import quantize_fp8
+
+    assert extension_available(), "the CUDA extension did not build"
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("variant 7 needs compute capability 8.9+")
+    eps = 1e-6
+
+    def close(got, want, x, w, where):  # type: ignore[no-untyped-def]
+        from engine.quant import dequantize_fp8
+
+        mag = x.float().abs() @ dequantize_fp8(w).abs().T
+        err = (got.float() - want.float()).abs()
+        bound = 2**-7 * want.float().abs() + 2**-9 * mag
+        assert bool((err <= bound).all()), (where, float((err - bound).max()))
+
+    for N, K in ((6144, 2560), (2560, 9728), (300, 2576), (40, 48)):
+        if not linear._quantises(M, K, False):
+            continue
+        w = quantize_fp8((_bf16(N, K, seed=N + K, device="cuda").float() / K**0.5)
+                         .to(torch.bfloat16))
+        wide = _bf16(M, K + 64, seed=M, device="cuda") * 3
+        x = wide[:, 32:32 + K]  # strided rows
+        r = _bf16(M, N, seed=M + 1, device="cuda")
+        nw = (1 + 0.1 * _bf16(K, seed=6, device="cuda").float()).to(torch.bfloat16)
+        w13 = quantize_fp8((_bf16(2 * 640, K, seed=8, device="cuda").float() / K**0.5)
+                           .to(torch.bfloat16)) if K % 128 == 0 else None
+        want = fp8_linear_w8a8_torch(x, w)
+        xn = functional.rms_norm(x, nw, eps)
+        want_n = fp8_linear_w8a8_torch(xn, w)
+        assert (want.float() - linear.fp8_linear_torch(x, w).float()).abs().max() > 0
+        for splits, kwarps, pdl in ((1, 1, 1), (3, 1, 0), (1, 2, 1), (2, 2, 1), (0, 0, 1)):
+            kw = {"splits": splits, "kwarps": kwarps, "pdl": pdl, "variant": 7}
+            where = (N, K, splits, kwarps, pdl)
+            close(linear.fp8_gemv(x, w, **kw), want, x, w, where)
+            got = linear._run(x, w.q, w.scale, splits, kwarps, 7, residual=r, pdl=pdl)
+            close(got - r, want, x, w, ("residual", *where))  # the sum rounds once more
+            if linear._quantises(M, K, True):
+                close(linear.gemv_normed(x, nw, eps, w, **kw), want_n, xn, w, ("normed", *where))
+            if w13 is not None and M <= linear.FP8_GLU_MAX_M:
+                gu = fp8_linear_w8a8_torch(x, w13).float()
+                ref = torch.nn.functional.silu(gu[:, :640]) * gu[:, 640:]
+                got = linear.gemv_swiglu(x, w13, **kw).float()
+                assert bool(((got - ref).abs() <= 2**-6 * ref.abs() + 2**-6 * ref.abs().max()
+                             ).all()), ("glu", *where)
+    # one launch in a CUDA graph replays to the same bits
+    K, N = 2560, 6144
+    w = quantize_fp8((_bf16(N, K, seed=7, device="cuda").float() / K**0.5).to(torch.bfloat16))
+    x = _bf16(M, K, seed=5, device="cuda")
+    eager = linear.fp8_gemv(x, w, variant=7, pdl=1)
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        linear.fp8_gemv(x, w, variant=7, pdl=1)
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(g):
+        out = linear.fp8_gemv(x, w, variant=7, pdl=1)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
 
 
 @pytest.mark.cuda

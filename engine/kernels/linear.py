@@ -29,6 +29,13 @@ Kernel variants (`variant=`, the table picks one per shape):
      bit-equal to 5 where the f16 MMAs sum as the bf16 ones do (linear_bench probes it
      before recording 6) unless a row's values span more than 2^31 (the smallest then
      rounded: an error under 2^-39 of the row's largest per value, times its weight)
+  7  FP8 only, sm_89+, at most NORM_MAX_M rows whose e4m3 copy (QUANT_PAD bytes more per
+     row, 64 bytes of scales per 128 of K; and the normed rows in `gemv_normed`) fit
+     NORM_SMEM_MAX: W8A8. 5 with x quantised to e4m3 per 1 x 128 block of K by a prologue
+     (normed first in `gemv_normed`) and e4m3 MMAs: no conversion of the weights at all.
+     Other numerics (x rounded to e4m3, about 2^-5 relative):
+     `fp8_triton.fp8_linear_w8a8_torch` is its reference and fallback. A table's W8A8 row
+     runs it ("gemv_w8a8", taken only with `fp8_activations`), never a weight-only row.
 
 `gemv_swiglu` runs the same kernel with a SwiGLU epilogue: for the packed FFN input
 projection [W1; W3] it writes silu(x W1^T) * (x W3^T) straight from the accumulators (one
@@ -69,21 +76,25 @@ MAX_M = 64  # the kernel's largest template: 8 MMA tiles of 8 rows
 MAX_SPLITS = 64
 K_MULTIPLE = 16
 KWARPS = (0, 1, 2, 4, 8)  # warps per 16-row tile splitting K inside a block; 0: automatic
-VARIANTS = (0, 1, 2, 3, 4, 5, 6)  # csrc kernel variants (module docstring)
-FP8_VARIANTS = (2, 3, 6)  # variants that exist for FP8 weights only
+VARIANTS = (0, 1, 2, 3, 4, 5, 6, 7)  # csrc kernel variants (module docstring)
+FP8_VARIANTS = (2, 3, 6, 7)  # variants that exist for FP8 weights only
 # register batches: FP8 SwiGLU and the normed prologue run in these
-BATCHED_VARIANTS = (0, 4, 5, 6)
+BATCHED_VARIANTS = (0, 4, 5, 6, 7)
 STAGED_VARIANT = 6  # x's rows staged in shared memory in f16 (at most NORM_MAX_M of them)
+QUANT_VARIANT = 7  # W8A8: x's rows quantised to e4m3 in shared memory (at most NORM_MAX_M)
 # what a recorded table chooses among by default: the variants exact to bf16 x (3 rounds x to
 # f16, which saturates above 65504: only for activations known to be small, on request; 6
 # scales each row by a power of two first: bit-equal to 5 unless a row spans 2^31)
 EXACT_VARIANTS = (0, 1, 2, 4, 5, 6)
-IMPLS = ("library", "gemv", "triton", "triton_w8a8", "rowwise_w8a8")
+IMPLS = ("library", "gemv", "triton", "triton_w8a8", "rowwise_w8a8", "gemv_w8a8")
 W8A8 = "triton_w8a8"  # FP8 activations: another numerics, taken only when asked
 # the same, through the rowwise-scaled FP8 GEMM (torch._scaled_mm) on the weights' rowwise
 # copies (`Fp8Weight.rowwise`) with x quantised per row
 ROWWISE = "rowwise_w8a8"
-W8A8_IMPLS = (W8A8, ROWWISE)  # a shape's W8A8 row takes one of these
+# the same, through csrc's small-M kernel in variant 7 (x quantised per 1 x 128 block, as
+# the Triton W8A8 kernel does; e4m3 MMAs)
+GEMV_W8A8 = "gemv_w8a8"
+W8A8_IMPLS = (W8A8, ROWWISE, GEMV_W8A8)  # a shape's W8A8 row takes one of these
 DEFAULT_TABLE = Path(__file__).with_name("linear_table.json")
 
 log = logging.getLogger(__name__)
@@ -124,6 +135,8 @@ def _problem(x: Tensor, wq: Tensor, splits: object, kwarps: object,
         return f"M = {m} rows (x {tuple(x.shape)}); the kernel takes at most {MAX_M}"
     if variant == STAGED_VARIANT and not _stages(m, k, _device_index(x)):
         return _staging_problem(m, k)
+    if variant == QUANT_VARIANT and not _quantises(m, k, False, _device_index(x)):
+        return _quant_problem(m, k, False)
     if x.device != wq.device:
         return f"x is on {x.device} but the weight on {wq.device}"
     if not wq.is_contiguous() or wq.data_ptr() % 16:
@@ -174,7 +187,8 @@ def _mma_current() -> bool:
 
 
 def _device_ok(index: int, variant: int) -> bool:
-    return _mma_device(index) and (variant not in (3, STAGED_VARIANT) or _cvt_device(index))
+    return _mma_device(index) and (variant not in (3, STAGED_VARIANT, QUANT_VARIANT)
+                                   or _cvt_device(index))
 
 
 def _use_kernel(kernel: bool, x: Tensor, wq: Tensor, variant: int = 0) -> bool:
@@ -283,6 +297,41 @@ def _stages(m: int, k: int, device: int | None = None) -> bool:
             and (device is None or need <= _smem_optin(device) - NORM_STATIC_SMEM))
 
 
+# variant 7's e4m3 rows: K rounded up to 128 plus this many bytes each (csrc's kQuantPad),
+# then 16 float32 scales per 128 of K
+QUANT_PAD = 64
+
+
+def _quant_bytes(m: int, k: int, norm: bool) -> int:
+    """Shared memory of variant 7's prologue: the e4m3 rows, their scales, the normed rows."""
+    kb = -(-k // FP8_BLOCK)
+    return m * (kb * FP8_BLOCK + QUANT_PAD) + kb * 16 * 4 + (m * (k + NORM_PAD) * 2 if norm else 0)
+
+
+def _quantises(m: int, k: int, norm: bool, device: int | None = None) -> bool:
+    """Whether variant 7's prologue fits m rows of K (normed first or not): the kernel's bound
+    and, on CUDA `device`, what it gives a block."""
+    need = _quant_bytes(m, k, norm)
+    return (m <= NORM_MAX_M and need <= NORM_SMEM_MAX
+            and (device is None or need <= _smem_optin(device) - NORM_STATIC_SMEM))
+
+
+def _quant_problem(m: int, k: int, norm: bool) -> str:
+    return (f"variant {QUANT_VARIANT} quantises x's rows into shared memory: at most "
+            f"{NORM_MAX_M} rows and {NORM_SMEM_MAX} bytes, got M = {m}, K = {k} "
+            f"({_quant_bytes(m, k, norm)} bytes{' with the normed rows' if norm else ''})")
+
+
+def _fp8_product(x: Tensor, w: Fp8Weight, variant: int) -> Tensor:
+    """The kernel's reference product for FP8 weights in `variant`: W8A8 (x quantised per
+    1 x 128 block) for variant 7, the dequantising weight-only one otherwise."""
+    if variant == QUANT_VARIANT:
+        from .fp8_triton import fp8_linear_w8a8_torch
+
+        return fp8_linear_w8a8_torch(x, w)
+    return fp8_linear_torch(x, w)
+
+
 def _staging_problem(m: int, k: int) -> str:
     return (f"variant {STAGED_VARIANT} stages x's rows in shared memory: at most {NORM_MAX_M} "
             f"rows of M x (K + {NORM_PAD}) x 2 bytes <= {NORM_SMEM_MAX}, got M = {m}, K = {k}")
@@ -309,7 +358,7 @@ def _glu_problem(x: Tensor, w13: object, splits: object, kwarps: object,
     if wq.shape[0] % 2:
         return f"[W1; W3] must have an even row count, got {wq.shape[0]}"
     if fp8 and variant not in BATCHED_VARIANTS:
-        return (f"the SwiGLU epilogue of FP8 weights runs in variant 0, 4, 5 or 6, got variant "
+        return (f"the SwiGLU epilogue of FP8 weights runs in variant 0, 4, 5, 6 or 7, got variant "
                 f"{variant}")
     m = x.numel() // wq.shape[1]
     if fp8 and m > FP8_GLU_MAX_M:
@@ -328,7 +377,9 @@ def supports(m: int, n: int, k: int, fp8: bool, variant: int = 0) -> bool:
     return (1 <= m <= MAX_M and n >= 1 and k >= K_MULTIPLE and k % K_MULTIPLE == 0
             and variant in VARIANTS and (fp8 or variant not in FP8_VARIANTS)
             and extension_available() and _device_ok(torch.cuda.current_device(), variant)
-            and (variant != STAGED_VARIANT or _stages(m, k, torch.cuda.current_device())))
+            and (variant != STAGED_VARIANT or _stages(m, k, torch.cuda.current_device()))
+            and (variant != QUANT_VARIANT
+                 or _quantises(m, k, False, torch.cuda.current_device())))
 
 
 def gemv(x: Tensor, w: Tensor, *, splits: int = 0, kwarps: int = 0, variant: int = 0,
@@ -353,25 +404,26 @@ def fp8_gemv(x: Tensor, w: Fp8Weight, *, splits: int = 0, kwarps: int = 0, varia
              kernel: bool = True, pdl: bool | int = False) -> Tensor:
     """x [..., K] bf16 @ W^T with W = w.q * w.scale (e4m3 [N, K], float32 scales per 128 x 128
     block) -> [..., N] bf16: weight-only FP8, the values converted in registers, each 128-wide
-    K block's sum scaled in float32. `splits`, `kwarps`, `pdl`: as for `gemv`; `variant` 0..6 (module
+    K block's sum scaled in float32. `splits`, `kwarps`, `pdl`: as for `gemv`; `variant` 0..7 (module
     docstring: 0, 1, 4, 5 are exact like the reference's float32 product, 2 where the tensor
     cores keep subnormals, 3 rounds x to f16, 6 scales x's rows by powers of two into f16:
-    exact unless a row spans 2^31). `kernel=False`, CPU tensors or no extension:
-    `engine.quant.fp8_linear_torch` (the dequantising reference)."""
+    exact unless a row spans 2^31; 7 is W8A8, x quantised to e4m3 per 1 x 128 block).
+    `kernel=False`, CPU tensors or no extension: `engine.quant.fp8_linear_torch` (the
+    dequantising reference; variant 7: `fp8_triton.fp8_linear_w8a8_torch`)."""
     w = _check_fp8(w)
     problem = _problem(x, w.q, splits, kwarps, True, variant)
     if problem is not None:
         raise ValueError(f"fp8_gemv: {problem}")
     if _use_kernel(kernel, x, w.q, variant):
         return _run(x, w.q, w.scale, splits, kwarps, variant, pdl=pdl)
-    return fp8_linear_torch(x, w)
+    return _fp8_product(x, w, variant)
 
 
-def swiglu_reference(x: Tensor, w13: Tensor | Fp8Weight) -> Tensor:
+def swiglu_reference(x: Tensor, w13: Tensor | Fp8Weight, variant: int = 0) -> Tensor:
     """silu(x W1^T) * (x W3^T) for w13 = [W1; W3] [2I, K], unfused: the library linear (the
-    dequantising reference for an Fp8Weight), then F.silu(gate) * up (what the kernel's
-    epilogue reproduces)."""
-    h = fp8_linear_torch(x, w13) if isinstance(w13, Fp8Weight) else F.linear(x, w13)
+    dequantising reference for an Fp8Weight; variant 7's W8A8 one), then F.silu(gate) * up
+    (what the kernel's epilogue reproduces)."""
+    h = _fp8_product(x, w13, variant) if isinstance(w13, Fp8Weight) else F.linear(x, w13)
     i = w13.shape[0] // 2
     return F.silu(h[..., :i]) * h[..., i:]
 
@@ -391,7 +443,7 @@ def gemv_swiglu(x: Tensor, w13: Tensor | Fp8Weight, *, splits: int = 0, kwarps: 
     wq, scale = _operands(w13)
     if _use_kernel(kernel, x, wq, variant):
         return _run(x, wq, scale, splits, kwarps, variant, glu=True, pdl=pdl)
-    return swiglu_reference(x, w13)
+    return swiglu_reference(x, w13, variant)
 
 
 def residual_reference(x: Tensor, w: Tensor, r: Tensor) -> Tensor:
@@ -414,13 +466,13 @@ def gemv_residual(x: Tensor, w: Tensor, r: Tensor, *, splits: int = 0, kwarps: i
 
 
 def normed_reference(h: Tensor, nw: Tensor, eps: float, w: Tensor | Fp8Weight,
-                     glu: bool = False) -> Tensor:
-    """rms_norm(h) * nw, then the linear (the dequantising one for an Fp8Weight; glu:
-    `swiglu_reference` of w = [W1; W3])."""
+                     glu: bool = False, variant: int = 0) -> Tensor:
+    """rms_norm(h) * nw, then the linear (the dequantising one for an Fp8Weight, variant 7's
+    W8A8 one; glu: `swiglu_reference` of w = [W1; W3])."""
     x = functional.rms_norm(h, nw, eps)
     if glu:
-        return swiglu_reference(x, w)
-    return fp8_linear_torch(x, w) if isinstance(w, Fp8Weight) else F.linear(x, w)
+        return swiglu_reference(x, w, variant)
+    return _fp8_product(x, w, variant) if isinstance(w, Fp8Weight) else F.linear(x, w)
 
 
 def _normed_problem(h: Tensor, w: Tensor | Fp8Weight, nw: object, eps: object, glu: bool,
@@ -429,10 +481,16 @@ def _normed_problem(h: Tensor, w: Tensor | Fp8Weight, nw: object, eps: object, g
     with these launch parameters, or None."""
     wq, scale = _operands(w)
     if isinstance(variant, bool) or variant not in BATCHED_VARIANTS:
-        return f"the normed prologue runs in variant 0, 4, 5 or 6, got variant {variant!r}"
-    return ((_glu_problem(h, w, splits, kwarps, variant) if glu
-             else _problem(h, wq, splits, kwarps, scale is not None, variant))
-            or _norm_problem(h, w, nw, eps))
+        return f"the normed prologue runs in variant 0, 4, 5, 6 or 7, got variant {variant!r}"
+    problem = ((_glu_problem(h, w, splits, kwarps, variant) if glu
+                else _problem(h, wq, splits, kwarps, scale is not None, variant))
+               or _norm_problem(h, w, nw, eps))
+    k = h.shape[-1]
+    m = h.numel() // k if k else 0
+    if problem is None and variant == QUANT_VARIANT \
+            and not _quantises(m, k, True, _device_index(h)):
+        return _quant_problem(m, k, True)
+    return problem
 
 
 def gemv_normed(h: Tensor, nw: Tensor, eps: float, w: Tensor | Fp8Weight, *, glu: bool = False,
@@ -451,7 +509,7 @@ def gemv_normed(h: Tensor, nw: Tensor, eps: float, w: Tensor | Fp8Weight, *, glu
     if _use_kernel(kernel, h, wq, variant):
         return _run(h, wq, scale, splits, kwarps, variant, glu=glu, norm=(nw, float(eps)),
                     pdl=pdl)
-    return normed_reference(h, nw, eps, w, glu)
+    return normed_reference(h, nw, eps, w, glu, variant)
 
 
 # ---------------------------------------------------------------------- the attention prologue
@@ -616,7 +674,8 @@ class PlanRow:
             hit = _GEMV_LABEL.match(label)
             if hit is not None:
                 variant, kwarps, splits = (int(g) for g in hit.groups())
-                out.append((us, variant, kwarps, splits))
+                if variant != QUANT_VARIANT:  # W8A8: never a weight-only row's candidate
+                    out.append((us, variant, kwarps, splits))
         return out
 
     @property
@@ -635,7 +694,7 @@ class PlanRow:
     def to_json(self) -> dict[str, object]:
         d: dict[str, object] = {"fp8": self.fp8, "m": self.m, "n": self.n, "k": self.k,
                                 "impl": self.impl, "splits": self.splits}
-        if self.impl == "gemv":
+        if self.impl in ("gemv", GEMV_W8A8):
             d.update(kwarps=self.kwarps, variant=self.variant)
         if self.config is not None:
             d["config"] = dict(self.config)
@@ -674,6 +733,10 @@ def _row(d: object, where: str) -> PlanRow:
     variant = _int_in(d, "variant", 0, VARIANTS, where)
     if impl == "gemv" and variant in FP8_VARIANTS and not fp8:
         raise ValueError(f"{where}: variant {variant} is for FP8 weights only")
+    if (impl == "gemv") == (variant == QUANT_VARIANT) and impl in ("gemv", GEMV_W8A8):
+        raise ValueError(f"{where}: variant {QUANT_VARIANT} quantises the activations (W8A8): "
+                         f"a '{GEMV_W8A8}' row runs it, a 'gemv' row another variant; got "
+                         f"{impl!r} with variant {variant}")
     if impl == "gemv" and variant == STAGED_VARIANT and not _stages(d["m"], d["k"]):
         raise ValueError(f"{where}: {_staging_problem(d['m'], d['k'])}")
     config = d.get("config")
@@ -997,6 +1060,12 @@ def resolve(plan: LinearPlan | None, kernels: bool, m: int, n: int, k: int, fp8:
     if (row.impl == "gemv" and kernels and cuda and dtype == torch.bfloat16
             and supports(m, n, k, fp8, row.variant)):
         return _kernel_or(library, row.splits, row.kwarps, row.variant, pdl)
+    if (row.impl == GEMV_W8A8 and kernels and cuda and dtype == torch.bfloat16
+            and supports(m, n, k, True, QUANT_VARIANT)):
+        # a call off the kernel's layout contract: the Triton W8A8 kernel (the same rounding
+        # of x) where it runs, else the library path, as the other W8A8 rows fall back
+        w8a8: LinearFn = mod.fp8_linear_triton_w8a8 if mod is not None else library
+        return _kernel_or(w8a8, row.splits, row.kwarps, QUANT_VARIANT, pdl)
     if row.impl in ("triton", W8A8) and mod is not None:
         fn = mod.fp8_linear_triton_w8a8 if row.impl == W8A8 else mod.fp8_linear_triton
         if row.config is None and row.impl == "triton":
@@ -1028,7 +1097,7 @@ def _w8a8_takes(plan: LinearPlan | None, x: Tensor, w: Tensor | Fp8Weight,
         return False
     n, k = w.shape
     impl = plan.choose(x.numel() // k if k else 0, n, k, True, True).impl
-    return impl == W8A8 or (impl == ROWWISE and w.rowwise is not None)
+    return impl in (W8A8, GEMV_W8A8) or (impl == ROWWISE and w.rowwise is not None)
 
 
 def _gemv_row(plan: LinearPlan | None, kernels: bool, m: int, n: int, k: int, fp8: bool,
