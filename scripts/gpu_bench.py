@@ -400,7 +400,7 @@ def profile_step(report: dict, device: str, sampler_kernel: bool = True,
                  dtype: str = "bf16", decode_rope: int | None = None, pdl: int | None = None,
                  batches: tuple[int, ...] = (1, 2, 16, 64),
                  normed_fp8: int | None = None, dense_copy: bool = True,
-                 attend_prologue: bool = False) -> None:
+                 attend_prologue: bool = False, fp8_activations: bool = False) -> None:
     """Where one frame step's GPU time goes (eager, fused ops), and graph-replay step time.
     `decode_rope`: the q/k norm + RoPE inside decode attention up to that many rows (key
     profile_decode_rope<rows>; None: the engine's default);
@@ -410,7 +410,9 @@ def profile_step(report: dict, device: str, sampler_kernel: bool = True,
     profile_fp8_normed); `dense_copy`: FP8 linears get their bf16 copies where the table
     measured them faster, as the engine's fp8_dense_copy does (False: key
     profile_fp8_nodense); `attend_prologue`: the fast AR's attention in wo's prologue at up
-    to 2 rows (key profile_attend; the engine's default: its own launches)."""
+    to 2 rows (key profile_attend; the engine's default: its own launches);
+    `fp8_activations`: FP8 linears may take the table's W8A8 rows, as the engine's
+    --fp8-activations (key profile_fp8_w8a8)."""
     from engine.fusion import add_dense_copies_where_faster, pack_ffn
     from engine.loader import load_bundle
     from engine.ops import build_ops
@@ -421,10 +423,16 @@ def profile_step(report: dict, device: str, sampler_kernel: bool = True,
     ops = build_ops(device, fused="compile", sampler_kernel=sampler_kernel,
                     **({} if decode_rope is None else {"decode_rope": decode_rope}),
                     fp8_dense=dense_copy, attend_prologue=attend_prologue,
+                    fp8_activations=fp8_activations,
                     **({} if normed_fp8 is None else {"normed_max_m_fp8": normed_fp8}),
                     pdl=(1 if dtype == "fp8" else 0) if pdl is None else pdl)
     pack_ffn(b.model)
-    add_dense_copies_where_faster(b.model, ops.dense_plan)  # None (no dense_copy): none
+    if fp8_activations:  # the copies the engine makes with --fp8-activations
+        from engine.engine import _add_fp8_copies
+
+        _add_fp8_copies(b.model, ops.dense_plan, ops.rowwise_plan)
+    else:
+        add_dense_copies_where_faster(b.model, ops.dense_plan)  # None (no dense_copy): none
     out = {}
     runner = ModelRunner(b.model, n_rows=64, max_len=1024, ops=ops)
     col = torch.zeros(11, dtype=torch.long)
@@ -554,6 +562,10 @@ def main() -> int:
     ap.add_argument("--fp8-nodense", action="store_true",
                     help="profile the FP8 step again without the bf16 copies of its linears "
                     "(batches 16, 32, 64; key profile_fp8_nodense)")
+    ap.add_argument("--fp8-activations", action="store_true",
+                    help="also profile the FP8 step with the table's W8A8 rows allowed, as "
+                    "`rtvoice serve --fp8-activations` (batches 1, 2, 16, 64; key "
+                    "profile_fp8_w8a8)")
     ap.add_argument("--attend-prologue", action="store_true",
                     help="also profile the step with the fast AR's attention in its output "
                          "projection's prologue (batches 1, 2; key profile_attend)")
@@ -598,6 +610,10 @@ def main() -> int:
                          functools.partial(profile_step, report, device, dtype="fp8",
                                            dense_copy=False, batches=(16, 32, 64))),)
                        if args.fp8_nodense else ()),
+                     *((("profile_fp8_w8a8",
+                         functools.partial(profile_step, report, device, dtype="fp8",
+                                           fp8_activations=True)),)
+                       if args.fp8_activations else ()),
                      *((("profile_attend",
                          functools.partial(profile_step, report, device, dtype=args.dtype,
                                            attend_prologue=True, batches=(1, 2))),)
