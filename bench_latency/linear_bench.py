@@ -76,6 +76,8 @@ from engine.kernels.linear import (
     STAGED_VARIANT,
     VARIANTS,
     W8A8,
+    W8A8_IMPLS,
+    LinearPlan,
     PlanRow,
     _normed_params,
     _triton_module,
@@ -684,9 +686,29 @@ def _plan_row(fp8: bool, m: int, n: int, k: int, meta: Meta, us: dict[str, float
                    None if config is None else tuple(sorted(config.items())))  # type: ignore[union-attr]
 
 
+def merge_w8a8(table: dict, rows: list[PlanRow], device: str) -> dict:
+    """`table` (a recorded table's JSON) with `rows`' W8A8 rows in place of its W8A8 rows of
+    the same (fp8, M, N, K); its weight-only rows and other keys kept. The table must be from
+    `device` (timings from two GPU kinds do not mix)."""
+    if table.get("device") != device:
+        raise SystemExit(f"--w8a8-into: that table was recorded on {table.get('device')!r}, "
+                         f"this is {device!r}")
+    new = [r for r in rows if r.impl in W8A8_IMPLS]
+    keys = {(r.fp8, r.m, r.n, r.k) for r in new}
+    kept = [d for d in table["rows"]
+            if not (d["impl"] in W8A8_IMPLS and (d["fp8"], d["m"], d["n"], d["k"]) in keys)]
+    merged = {**table, "rows": kept + [r.to_json() for r in new]}
+    LinearPlan.from_rows(merged["rows"], "merged table")
+    return merged
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, help="write the plan table (JSON) here")
+    ap.add_argument("--w8a8-into", type=Path, default=None, metavar="TABLE",
+                    help="with --out: write TABLE with this sweep's W8A8 rows in place of its "
+                    "W8A8 rows of the same shape and M (its weight-only rows kept): a partial "
+                    "sweep, e.g. --variants 5,7, adds its W8A8 candidates to a full table")
     ap.add_argument("--shapes", default=",".join(SHAPES),
                     help=f"comma-separated subset of {','.join(SHAPES)}")
     ap.add_argument("--ms", default=None,
@@ -794,10 +816,12 @@ def main(argv: list[str] | None = None) -> int:
                                 variants, triton, args.pdl)
     print(f"done in {time.perf_counter() - t0:.0f} s")
     if args.out:
-        args.out.write_text(json.dumps(
-            {"device": device, "copy_gbs": round(copy, 1), "torch": torch.__version__,
-             "variants": list(variants), "pdl": args.pdl, "rows": [r.to_json() for r in rows]}, indent=1) + "\n")
-        print(f"wrote {len(rows)} rows to {args.out}")
+        table = {"device": device, "copy_gbs": round(copy, 1), "torch": torch.__version__,
+                 "variants": list(variants), "pdl": args.pdl, "rows": [r.to_json() for r in rows]}
+        if args.w8a8_into is not None:
+            table = merge_w8a8(json.loads(args.w8a8_into.read_text()), rows, device)
+        args.out.write_text(json.dumps(table, indent=1) + "\n")
+        print(f"wrote {len(table['rows'])} rows to {args.out}")
     return 0
 
 

@@ -1379,6 +1379,25 @@ def test_gemv_w8a8_rows_run_variant_7_only_with_fp8_activations(monkeypatch):
                           fp8_activations=True) is linear.fp8_linear_torch  # CPU: library
 
 
+def test_linear_bench_merges_a_partial_sweeps_w8a8_rows_into_a_table():
+    """`linear_bench --w8a8-into TABLE`: the sweep's W8A8 rows replace TABLE's of the same
+    shape and M, its weight-only rows stay; a table from another device is refused."""
+    from bench_latency.linear_bench import merge_w8a8
+
+    table = {"device": "GPU A", "rows": _plan_rows()}
+    new = [linear.PlanRow(True, 2, 256, 64, "gemv_w8a8", 2, (("gemv_w8a8:v7:k2:s2", 3.0),), 2, 7),
+           linear.PlanRow(True, 64, 256, 64, "gemv_w8a8", 1, (("gemv_w8a8:v7:k1:s1", 9.0),), 1, 7),
+           linear.PlanRow(True, 2, 256, 64, "gemv", 1, (("gemv:v5:k1:s1", 1.0),), 1, 5)]
+    merged = merge_w8a8(table, new, "GPU A")
+    plan = linear.LinearPlan.from_rows(merged["rows"])
+    assert plan.choose(2, 256, 64, True, True).impl == "gemv_w8a8"  # replaced triton_w8a8
+    assert plan.choose(2, 256, 64, True).variant == 3  # the table's weight-only row kept
+    assert plan.choose(64, 256, 64, True, True).impl == "gemv_w8a8"  # added
+    assert len(merged["rows"]) == len(table["rows"]) + 1 and merged["device"] == "GPU A"
+    with pytest.raises(SystemExit, match="recorded on 'GPU A'"):
+        merge_w8a8(table, new, "GPU B")
+
+
 def test_rowwise_copies_of_a_packed_ffn_stay_one_gemm():
     """fusion.add_rowwise_copies gives the FP8 linears whose shape pays their rowwise copy,
     a packed W1|W3 as one buffer (its halves' copies adjacent: `packed` hands the pair one
@@ -1971,6 +1990,47 @@ def test_variant7_matches_its_w8a8_reference_cuda(M):
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
+
+
+@pytest.mark.cuda
+@_cuda
+def test_gemv_w8a8_rows_keep_the_epilogues_in_variant_7s_launch_cuda():
+    """With `fp8_activations` and a "gemv_w8a8" row, make_linear runs variant 7 with the
+    row's splits and kwarps, and make_swiglu / make_residual / make_normed take the call
+    into variant 7's launch (epilogue, normed prologue) instead of declining it: the bits
+    of the direct launches. Without the option the weight-only row's kernels run."""
+    from engine.quant import quantize_fp8
+
+    assert extension_available(), "the CUDA extension did not build"
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("variant 7 needs compute capability 8.9+")
+    K, N, M = 2560, 1280, 2
+    rows = []
+    for n in (N, 2 * N):
+        rows += [{"fp8": True, "m": M, "n": n, "k": K, "impl": "gemv", "splits": 1,
+                  "kwarps": 4, "variant": 5, "us": {"gemv:v5:k4:s1": 10.0}},
+                 {"fp8": True, "m": M, "n": n, "k": K, "impl": "gemv_w8a8", "splits": 2,
+                  "kwarps": 2, "variant": 7, "us": {"gemv_w8a8:v7:k2:s2": 7.0}}]
+    plan = linear.LinearPlan.from_rows(rows)
+    w = quantize_fp8((_bf16(N, K, seed=1, device="cuda").float() / K**0.5).to(torch.bfloat16))
+    w13 = quantize_fp8((_bf16(2 * N, K, seed=2, device="cuda").float() / K**0.5)
+                       .to(torch.bfloat16))
+    x = _bf16(M, K, seed=3, device="cuda")
+    r = _bf16(M, N, seed=4, device="cuda")
+    nw = (1 + 0.1 * _bf16(K, seed=5, device="cuda").float()).to(torch.bfloat16)
+    v7 = {"splits": 2, "kwarps": 2, "variant": 7, "pdl": 1}
+    lin = linear.make_linear(plan, True, fp8_activations=True, pdl=1)
+    assert torch.equal(lin(x, w), linear.fp8_gemv(x, w, **v7))
+    swiglu = linear.make_swiglu(plan, True, pdl=1, fp8_activations=True)
+    assert torch.equal(swiglu(x, w13), linear.gemv_swiglu(x, w13, **v7))
+    residual = linear.make_residual(plan, True, pdl=1, fp8_activations=True)
+    assert torch.equal(residual(x, w, r),
+                       linear._run(x, w.q, w.scale, 2, 2, 7, residual=r, pdl=1))
+    normed = linear.make_normed(plan, True, pdl=1, fp8_activations=True)
+    assert torch.equal(normed(x, nw, 1e-6, w13, True),
+                       linear.gemv_normed(x, nw, 1e-6, w13, glu=True, **v7))
+    plain = linear.make_linear(plan, True, pdl=1)  # the weight-only row
+    assert torch.equal(plain(x, w), linear.fp8_gemv(x, w, splits=1, kwarps=4, variant=5, pdl=1))
 
 
 @pytest.mark.cuda

@@ -1092,12 +1092,30 @@ def _w8a8_takes(plan: LinearPlan | None, x: Tensor, w: Tensor | Fp8Weight,
                 fp8_activations: bool) -> bool:
     """Whether, with `fp8_activations`, the plan runs this FP8 linear as a W8A8 GEMM at x's
     rows (its W8A8 row won there): the csrc epilogues and prologues then decline the call,
-    so that the linear runs it (with its add, norm or silu * mul as their own launches)."""
+    so that the linear runs it (with its add, norm or silu * mul as their own launches),
+    unless it is csrc's variant 7 (`_w8a8_kernel_row`), which runs them in its launch."""
     if not (fp8_activations and plan is not None and isinstance(w, Fp8Weight)):
         return False
     n, k = w.shape
     impl = plan.choose(x.numel() // k if k else 0, n, k, True, True).impl
     return impl in (W8A8, GEMV_W8A8) or (impl == ROWWISE and w.rowwise is not None)
+
+
+def _w8a8_kernel_row(plan: LinearPlan | None, kernels: bool, x: Tensor,
+                     w: Tensor | Fp8Weight) -> PlanRow | None:
+    """Where `_w8a8_takes` says the plan runs this FP8 linear as a W8A8 GEMM and that is
+    csrc's variant 7 ("gemv_w8a8") on this x: its row, whose kernel also takes the
+    epilogues and the normed prologue (so they run in its launch, not as their own);
+    else None."""
+    if not (kernels and plan is not None and isinstance(w, Fp8Weight) and x.is_cuda
+            and x.dtype == torch.bfloat16):
+        return None
+    n, k = w.shape
+    m = x.numel() // k if k else 0
+    row = plan.choose(m, n, k, True, True)
+    if row.impl != GEMV_W8A8 or not supports(m, n, k, True, QUANT_VARIANT):
+        return None
+    return row
 
 
 def _gemv_row(plan: LinearPlan | None, kernels: bool, m: int, n: int, k: int, fp8: bool,
@@ -1157,7 +1175,9 @@ def make_swiglu(plan: LinearPlan | None, kernels: bool,
     otherwise (the library's shapes, misaligned x): the caller then runs the linear and its
     silu * mul. Chosen once per (M, N, K, FP8, x's dtype, CUDA or not), as `make_linear`
     does; `pdl` as there. With `fp8_activations` (as make_linear's) a call the plan runs as
-    a W8A8 GEMM is declined (so are make_residual's, make_normed's and make_attend's)."""
+    a W8A8 GEMM is declined (so are make_residual's, make_normed's and make_attend's) unless
+    that GEMM is csrc's variant 7 (a "gemv_w8a8" row), whose launch takes the epilogue (and
+    the normed prologue) too."""
     dense_plan = plan if dense else None  # FP8 weights' dense copies taken or not
     chosen: dict[tuple[int, int, int, bool, torch.dtype, bool], SwigluFn] = {}
 
@@ -1180,7 +1200,12 @@ def make_swiglu(plan: LinearPlan | None, kernels: bool,
         n, k = w13.shape
         w13 = _as_dense(dense_plan, w13, x, fp8_activations)
         if _w8a8_takes(plan, x, w13, fp8_activations):
-            return None
+            row = _w8a8_kernel_row(plan, kernels, x, w13)
+            if row is None or _glu_problem(x, w13, row.splits, row.kwarps,
+                                           QUANT_VARIANT) is not None:
+                return None
+            wq, scale = _operands(w13)
+            return _run(x, wq, scale, row.splits, row.kwarps, QUANT_VARIANT, glu=True, pdl=pdl)
         key = (x.numel() // k if k else 0, n, k, isinstance(w13, Fp8Weight), x.dtype,
                x.is_cuda)
         fn = chosen.get(key)
@@ -1229,8 +1254,11 @@ def make_residual(plan: LinearPlan | None, kernels: bool,
     def residual(y: Tensor, w: Tensor | Fp8Weight, r: Tensor) -> Tensor | None:
         w = _as_dense(dense_plan, w, y, fp8_activations)
         if _w8a8_takes(plan, y, w, fp8_activations):
-            return None
-        row = row_for(y, w)
+            row = _w8a8_kernel_row(plan, kernels, y, w)
+            if row is None:
+                return None
+        else:
+            row = row_for(y, w)
         if row is None:
             return None
         wq, scale = _operands(w)
@@ -1317,13 +1345,15 @@ def make_normed(plan: LinearPlan | None, kernels: bool, max_m: int = NORMED_DISP
     def normed(h: Tensor, nw: Tensor, eps: float, w: Tensor | Fp8Weight,
                glu: bool) -> Tensor | None:
         w = _as_dense(dense_plan, w, h, fp8_activations)
-        if _w8a8_takes(plan, h, w, fp8_activations):
-            return None
         fp8 = isinstance(w, Fp8Weight)
         n, k = w.shape
         if h.numel() > (max_m_fp8 if fp8 else max_m) * k:
             return None
-        chosen = lookup(h, n, k, fp8)
+        if _w8a8_takes(plan, h, w, fp8_activations):
+            row = _w8a8_kernel_row(plan, kernels, h, w)  # variant 7 norms, then quantises
+            chosen = None if row is None else (row.splits, row.kwarps, QUANT_VARIANT)
+        else:
+            chosen = lookup(h, n, k, fp8)
         if chosen is None:
             return None
         splits, kwarps, variant = chosen
