@@ -824,6 +824,26 @@ __device__ void attend_rows(const Args& a, __nv_bfloat16* xs, unsigned char* scr
   __syncthreads();
 }
 
+// d += weight rows g and g + 8 (wa, wb: 16 bytes at the lane's k) times x's rows at the same
+// k, operands already of the MMA's type: bf16 W and x (two m16n8k16), or, kE4M3 (variant 7),
+// e4m3 W and x (two m16n8k32 under the k permutation: mma k 4t + i <-> byte i, k 16 + 4t + i
+// <-> byte 4 + i of the lane's first 8 bytes, the next 8 likewise, the same for A and B).
+template <int NT, bool kE4M3>
+__device__ __forceinline__ void mma_direct(float (&d)[NT][4], const uint4& wa, const uint4& wb,
+                                           const XFrag<NT, false>& x) {
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    const uint4 xv = x.v[j][0];
+    if constexpr (kE4M3) {
+      mma_e4m3(d[j], wa.x, wb.x, wa.y, wb.y, xv.x, xv.y);
+      mma_e4m3(d[j], wa.z, wb.z, wa.w, wb.w, xv.z, xv.w);
+    } else {
+      mma_bf16(d[j], wa.x, wb.x, wa.y, wb.y, xv.x, xv.y);
+      mma_bf16(d[j], wa.z, wb.z, wa.w, wb.w, xv.z, xv.w);
+    }
+  }
+}
+
 // d += weight rows g and g + 8 (wa, wb: 8 bf16 or 16 e4m3 values at k = kk + t * kVec) times
 // the x fragments.
 // kF16 (FP8 only): the e4m3 values on the conversion unit to f16, x already f16 (variant 6).
@@ -854,27 +874,7 @@ __device__ __forceinline__ void mma_step(float (&d)[NT][4], const uint4& wa, con
       }
     }
   } else {
-#pragma unroll
-    for (int j = 0; j < NT; ++j) {
-      const uint4 xv = x.v[j][0];
-      mma_bf16(d[j], wa.x, wb.x, wa.y, wb.y, xv.x, xv.y);
-      mma_bf16(d[j], wa.z, wb.z, wa.w, wb.w, xv.z, xv.w);
-    }
-  }
-}
-
-// Variant 7: d += weight rows g and g + 8 (wa, wb: 16 e4m3 values at k = kk + t * 16) times
-// x's e4m3 rows (16 values each at the same k): two m16n8k32 MMAs under the k permutation
-// (mma k 4t + i <-> byte i, k 16 + 4t + i <-> byte 4 + i of the lane's first 8; the next 8
-// likewise), the same for A and B.
-template <int NT>
-__device__ __forceinline__ void mma_step_e4m3(float (&d)[NT][4], const uint4& wa,
-                                              const uint4& wb, const XFrag<NT, false>& x) {
-#pragma unroll
-  for (int j = 0; j < NT; ++j) {
-    const uint4 xv = x.v[j][0];
-    mma_e4m3(d[j], wa.x, wb.x, wa.y, wb.y, xv.x, xv.y);
-    mma_e4m3(d[j], wa.z, wb.z, wa.w, wb.w, xv.z, xv.w);
+    mma_direct<NT, false>(d, wa, wb, x);
   }
 }
 
@@ -1074,7 +1074,7 @@ __global__ void __launch_bounds__(kThreads, MINB) linear_small_m_kernel(const Ar
 #pragma unroll
         for (int s = 0; s < kSteps; ++s) {
           if constexpr (kQ)
-            mma_step_e4m3<NT>(part, wa[u][s], wb[u][s], xf[u][s]);
+            mma_direct<NT, true>(part, wa[u][s], wb[u][s], xf[u][s]);
           else
             mma_step<NT, F8, kF16>(part, wa[u][s], wb[u][s], xf[u][s]);
         }

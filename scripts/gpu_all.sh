@@ -63,6 +63,8 @@
 # bf16 correctness gate at real size with its negative controls (engine.fp8_gate); FP8_GATE_W8A8=1
 # also runs it with the activations quantised (--w8a8 table: as --fp8-activations runs; rowwise:
 # every FP8 linear through the rowwise W8A8 GEMM) into $OUT/fp8_gate_w8a8_<mode>.{json,txt};
+# SKIP_AFTER_FIRST: gpu_bench sections to skip for every dtype after the first (codec_profile:
+# the codec does not depend on the model's dtype).
 # DTYPES="bf16 fp8" runs the server bench and gpu_bench once per model dtype, under
 # $OUT/<dtype>/ (default: bf16 only, straight under $OUT); the server bench saves each
 # dtype's decode_tps baseline and gates against bench_latency/baselines/h200_s2pro_<dtype>.json
@@ -203,8 +205,9 @@ servers() {
 }
 benches() {
     [ "${BENCH:-1}" = 1 ] || return 0
-    local n
+    local n skip
     n=$(echo ${BENCH_DTYPES:-$DTYPES} | wc -w)
+    skip=${SKIP:-decode,codec,fixtures,profile}
     for DT in ${BENCH_DTYPES:-$DTYPES}; do
         D_OUT=$(dir_for "$DT")
         LEFT=$(( (${TOTAL:-585} - ($(date +%s) - t0)) / n ))
@@ -212,7 +215,7 @@ benches() {
         [ "$LEFT" -lt 30 ] && echo "only ${LEFT}s left of TOTAL: gpu_bench ($DT) gets 30s" && LEFT=30
         n=$(( n > 1 ? n - 1 : 1 ))
         timeout -s ABRT "$LEFT" python3 -X faulthandler scripts/gpu_bench.py --dtype "$DT" \
-            --skip "${SKIP:-decode,codec,fixtures,profile}" ${COMPILED_SAMPLER:+--compiled-sampler} \
+            --skip "$skip" ${COMPILED_SAMPLER:+--compiled-sampler} \
             ${DECODE_ROPE:+--decode-rope $DECODE_ROPE} ${PDL_MODES:+--pdl-modes $PDL_MODES} \
             ${FP8_NORMED:+--fp8-normed $FP8_NORMED} \
             $([ "$DT" = fp8 ] && [ "${FP8_NODENSE:-0}" = 1 ] && echo --fp8-nodense) \
@@ -223,6 +226,7 @@ benches() {
             >"$D_OUT/gpu_bench_log.txt" 2>&1
         grep '^{"' "$D_OUT/gpu_bench_log.txt" | cut -c1-400 | tail -14
         echo "gpu_bench ($DT) done at +$(( $(date +%s) - t0 ))s"
+        skip="$skip${SKIP_AFTER_FIRST:+,$SKIP_AFTER_FIRST}"  # e.g. the dtype-free codec profile
     done
 }
 # BENCH_FIRST=1: gpu_bench (with BENCH_S seconds per dtype) before the server bench

@@ -1918,6 +1918,23 @@ def test_variant5_is_bit_equal_to_variant0_with_one_warp_per_tile_cuda(M):
                                linear.gemv_normed(h, nw, eps, ww, glu=glu, variant=0, **kw))
 
 
+def _fp8_forms_case(M, N, K):
+    """CUDA operands for every form of an FP8 linear at M rows: W [N, K], x with strided
+    rows (x 3), a residual [M, N], a norm weight [K] and a packed [W1; W3] of 2 x 640 rows
+    (None where K is no multiple of 128)."""
+    from engine.quant import quantize_fp8
+
+    w = quantize_fp8((_bf16(N, K, seed=N + K, device="cuda").float() / K**0.5)
+                     .to(torch.bfloat16))
+    wide = _bf16(M, K + 64, seed=M, device="cuda") * 3
+    x = wide[:, 32:32 + K]  # strided rows
+    r = _bf16(M, N, seed=M + 1, device="cuda")
+    nw = (1 + 0.1 * _bf16(K, seed=6, device="cuda").float()).to(torch.bfloat16)
+    w13 = quantize_fp8((_bf16(2 * 640, K, seed=8, device="cuda").float() / K**0.5)
+                       .to(torch.bfloat16)) if K % 128 == 0 else None
+    return w, x, r, nw, w13
+
+
 @pytest.mark.cuda
 @_cuda
 @pytest.mark.parametrize("M", [1, 2, 8, 9, 16])
@@ -1948,14 +1965,7 @@ def test_variant7_matches_its_w8a8_reference_cuda(M):
     for N, K in ((6144, 2560), (2560, 9728), (300, 2576), (40, 48)):
         if not linear._quantises(M, K, False):
             continue
-        w = quantize_fp8((_bf16(N, K, seed=N + K, device="cuda").float() / K**0.5)
-                         .to(torch.bfloat16))
-        wide = _bf16(M, K + 64, seed=M, device="cuda") * 3
-        x = wide[:, 32:32 + K]  # strided rows
-        r = _bf16(M, N, seed=M + 1, device="cuda")
-        nw = (1 + 0.1 * _bf16(K, seed=6, device="cuda").float()).to(torch.bfloat16)
-        w13 = quantize_fp8((_bf16(2 * 640, K, seed=8, device="cuda").float() / K**0.5)
-                           .to(torch.bfloat16)) if K % 128 == 0 else None
+        w, x, r, nw, w13 = _fp8_forms_case(M, N, K)
         want = fp8_linear_w8a8_torch(x, w)
         xn = functional.rms_norm(x, nw, eps)
         want_n = fp8_linear_w8a8_torch(xn, w)
@@ -2054,14 +2064,7 @@ def test_variant6_is_bit_equal_to_variant5_cuda(M):
     for N, K in ((6144, 2560), (2560, 9728), (300, 2576), (40, 48)):
         if not linear._stages(M, K):
             continue
-        w = quantize_fp8((_bf16(N, K, seed=N + K, device="cuda").float() / K**0.5)
-                         .to(torch.bfloat16))
-        wide = _bf16(M, K + 64, seed=M, device="cuda") * 3
-        x = wide[:, 32:32 + K]  # strided rows
-        r = _bf16(M, N, seed=M + 1, device="cuda")
-        nw = (1 + 0.1 * _bf16(K, seed=6, device="cuda").float()).to(torch.bfloat16)
-        w13 = quantize_fp8((_bf16(2 * 640, K, seed=8, device="cuda").float() / K**0.5)
-                           .to(torch.bfloat16)) if K % 128 == 0 else None
+        w, x, r, nw, w13 = _fp8_forms_case(M, N, K)
         for splits, kwarps, pdl in ((1, 1, 1), (3, 1, 0), (1, 2, 1), (2, 2, 1), (0, 0, 1)):
             kw = {"splits": splits, "kwarps": kwarps, "pdl": pdl}
             where = (N, K, splits, kwarps, pdl)
