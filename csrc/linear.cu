@@ -629,35 +629,60 @@ __device__ __forceinline__ void bf16x4_to_f(const uint2& v, float (&f)[4]) {
 // Variant 7's prologue: x's rows (with kNorm the normed rows norm_rows left in xs) quantised
 // to e4m3 per 1 x 128 block of K, as engine.kernels.fp8_triton.quantize_act_torch does:
 // s = max(amax, 1e-30) / 448, q = e4m3(v / s) rounded to nearest even and saturated to +-448,
-// into xq
-// [M][quant_row_bytes(K)] and the scales into sx [chunk][16]. A warp per (row, block), 4
-// values per lane; one barrier at the end, before the main loop reads them.
+// into xq [M][quant_row_bytes(K)] and the scales into sx [chunk][16]. A warp takes 2 kQU
+// blocks of one row at a time: each lane loads 8 values of each of kQU pairs of blocks (a
+// half-warp per block), all loads issued before the first is used (one L2 round trip per
+// 2 kQU blocks; from shared memory, normed, kQU = 2: fewer registers beside the weight batch
+// in flight), the half-warp reduces its block's amax. One barrier at the end, before the main
+// loop reads them.
 template <bool kNorm>
 __device__ __forceinline__ void quant_rows(const Args& a, const __nv_bfloat16* xs, uint8_t* xq,
                                            float* sx) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  constexpr int kQU = kNorm ? 2 : 4;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, half = lane >> 4, hl = lane & 15;
   const int qrs = quant_row_bytes(a.K);
-  for (int i = warp; i < a.M * a.kb; i += kWarps) {
-    const int m = i / a.kb, b = i - m * a.kb;
-    const int k0 = b * 128 + lane * 4;  // K % 16 == 0: a lane's 4 values are in or past K
-    float f[4] = {0.f, 0.f, 0.f, 0.f};
-    if (k0 < a.K) {
-      const __nv_bfloat16* src = kNorm ? xs + m * a.xs_rs + k0 : a.x + m * a.x_rs + k0;
-      bf16x4_to_f(*reinterpret_cast<const uint2*>(src), f);
+  const int groups = (a.kb + 2 * kQU - 1) / (2 * kQU);  // of 2 kQU blocks, per row
+  for (int i = warp; i < a.M * groups; i += kWarps) {
+    const int m = i / groups, b0 = (i - m * groups) * 2 * kQU;
+    const __nv_bfloat16* src = kNorm ? xs + m * a.xs_rs : a.x + m * a.x_rs;
+    uint4 v[kQU];
+#pragma unroll
+    for (int u = 0; u < kQU; ++u) {  // K % 16 == 0: a lane's 8 values are in or past K
+      const int k0 = (b0 + 2 * u + half) * 128 + hl * 8;
+      v[u] = k0 < a.K ? *reinterpret_cast<const uint4*>(src + k0) : make_uint4(0u, 0u, 0u, 0u);
     }
-    const float mx = warp_max(fmaxf(fmaxf(fabsf(f[0]), fabsf(f[1])),
-                                    fmaxf(fabsf(f[2]), fabsf(f[3]))));
-    const float sc = __fdiv_rn(fmaxf(mx, 1e-30f), 448.f);  // a block of zeros: q = 0
-    if (k0 < a.K) {
-      unsigned short lo, hi;  // the first value of each pair in the low byte
-      asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n"
-          : "=h"(lo) : "f"(__fdiv_rn(f[1], sc)), "f"(__fdiv_rn(f[0], sc)));
-      asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n"
-          : "=h"(hi) : "f"(__fdiv_rn(f[3], sc)), "f"(__fdiv_rn(f[2], sc)));
-      *reinterpret_cast<uint32_t*>(xq + static_cast<int64_t>(m) * qrs + k0) =
-          static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+#pragma unroll
+    for (int u = 0; u < kQU; ++u) {
+      const int b = b0 + 2 * u + half, k0 = b * 128 + hl * 8;
+      const uint32_t raw[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
+      float f[8];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float2 p = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw[e]));
+        f[2 * e] = p.x;
+        f[2 * e + 1] = p.y;
+      }
+      float mx = 0.f;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) mx = fmaxf(mx, fabsf(f[e]));
+#pragma unroll
+      for (int o = 8; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+      const float sc = __fdiv_rn(fmaxf(mx, 1e-30f), 448.f);  // a block of zeros: q = 0
+      if (k0 < a.K) {
+        uint32_t q[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          unsigned short lo, hi;  // the first value of each pair in the low byte
+          asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n"
+              : "=h"(lo) : "f"(__fdiv_rn(f[4 * h + 1], sc)), "f"(__fdiv_rn(f[4 * h], sc)));
+          asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n"
+              : "=h"(hi) : "f"(__fdiv_rn(f[4 * h + 3], sc)), "f"(__fdiv_rn(f[4 * h + 2], sc)));
+          q[h] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+        }
+        *reinterpret_cast<uint2*>(xq + static_cast<int64_t>(m) * qrs + k0) = make_uint2(q[0], q[1]);
+      }
+      if (hl == 0 && b < a.kb) sx[b * 16 + m] = sc;
     }
-    if (lane == 0) sx[b * 16 + m] = sc;
   }
   __syncthreads();
 }
