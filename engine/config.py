@@ -387,8 +387,9 @@ class EngineConfig:
         "than the FP8 ones (H200: wqkv from 17 rows, the other projections from 33); false: "
         "FP8 kernels at every batch size")
     fp8_activations: bool = option(False, "with FP8 weights: decode-step linears may also "
-                                   "quantise their activations to e4m3 (per 1x128 block: the "
-                                   "W8A8 Triton GEMM; per row: the rowwise-scaled FP8 GEMM on "
+                                   "quantise their activations to e4m3 (per 1x128 block: "
+                                   "csrc's small-M kernel in variant 7, with its epilogues, or "
+                                   "the W8A8 Triton GEMM; per row: the rowwise-scaled FP8 GEMM on "
                                    "rowwise copies of the weights, made at start for the "
                                    "shapes that take it) where the linear table measured that "
                                    "faster; "
