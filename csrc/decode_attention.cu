@@ -150,28 +150,28 @@ __global__ void __launch_bounds__(kGroups * L) decode_attention_kernel(
   __shared__ float s_acc[kGroups][R][D];
 
   const int parts = rep / R;
-  // PAIR: launch row y = 2 b + i is row b's query at pos[b] + i (i = 0, 1)
-  const int y = blockIdx.y, b = PAIR ? y / 2 : y, i = PAIR ? y % 2 : 0;
+  // PAIR: launch row y = 2 b + qi is row b's query at pos[b] + qi (qi = 0, 1)
+  const int y = blockIdx.y, b = PAIR ? y / 2 : y, qi = PAIR ? y % 2 : 0;
   const int g = blockIdx.x / parts, part = blockIdx.x % parts;
   const int split = blockIdx.z;
   const int h0 = g * rep + part * R;  // first query head of this block
   const int grp = threadIdx.x / L, sub = threadIdx.x % L;
   pdl_wait();  // (PDL) q, k_new, v_new, pos come from the kernels before
-  const int64_t p = pos[b] + i;
+  const int64_t p = pos[b] + qi;
   // the row's other new position (its first query's, read from k_new/v_new), or none (-1)
-  const int64_t pp = PAIR && i == 1 ? p - 1 : -1;
+  const int64_t pp = PAIR && qi == 1 ? p - 1 : -1;
   // this block's positions [t_begin, t_end) of 0..p (empty for a split past the row's end)
   // ranges in whole passes of kGroups positions, so only a range's last pass runs part-empty
   const int64_t n = p + 1, chunk = ((n + splits - 1) / splits + kGroups - 1) / kGroups * kGroups;
   const int64_t t_begin = min(n, split * chunk), t_end = min(n, t_begin + chunk);
-  const T* kn = k_new + b * k_rs + i * k_ts + g * D;
-  const T* vn = v_new + b * v_rs + i * v_ts + g * D;
-  const T* kp = kn - k_ts;  // PAIR, i = 1: position pp's key and value
+  const T* kn = k_new + b * k_rs + qi * k_ts + g * D;
+  const T* vn = v_new + b * v_rs + qi * v_ts + g * D;
+  const T* kp = kn - k_ts;  // PAIR, qi = 1: position pp's key and value
   const T* vp = vn - v_ts;
 
   // with cs: this lane's elements of the normed, rotated key (every group holds the whole
   // head), stored below and used in place of k_new at position p (kxp: at pp)
-  const T* csr = ROPE ? cs + b * cs_rs + i * cs_ts : nullptr;
+  const T* csr = ROPE ? cs + b * cs_rs + qi * cs_ts : nullptr;
   float kx[ROPE ? E : 1];
   float kxp[ROPE && PAIR ? E : 1];
   if constexpr (ROPE) {
@@ -202,7 +202,7 @@ __global__ void __launch_bounds__(kGroups * L) decode_attention_kernel(
   float qv[R][E];
 #pragma unroll
   for (int r = 0; r < R; ++r) {
-    load<T, E>(q + b * q_rs + i * q_ts + (h0 + r) * D + sub * E, qv[r], vec);
+    load<T, E>(q + b * q_rs + qi * q_ts + (h0 + r) * D + sub * E, qv[r], vec);
     if constexpr (ROPE) norm_rope<T, E, L>(qv[r], qw, csr, sub, eps);
 #pragma unroll
     for (int e = 0; e < E; ++e) qv[r][e] *= scale;
@@ -354,7 +354,7 @@ __global__ void __launch_bounds__(kGroups * L) decode_attention_kernel(
     }
     const int64_t bh = static_cast<int64_t>(y) * Hkv * rep + h0 + r;
     if (splits == 1) {
-      out[b * out_rs + i * out_ts + static_cast<int64_t>(h0 + r) * D + d] = static_cast<T>(o / den);
+      out[b * out_rs + qi * out_ts + static_cast<int64_t>(h0 + r) * D + d] = static_cast<T>(o / den);
     } else {  // an empty range leaves den = 0: the merge skips it
       const int64_t w = bh * splits + split;
       ws_o[w * D + d] = o;
@@ -487,9 +487,12 @@ void launch(const torch::Tensor& q, const torch::Tensor& k_new, const torch::Ten
   const int R = (static_cast<int64_t>(rows) * Hkv >= 2 * n_sm) ? rep : 1;
   const int64_t blocks = static_cast<int64_t>(rows) * Hkv * (rep / R);
   // auto: fill the GPU twice over, at most one split per 64 cache positions (the count must
-  // not depend on pos: a captured graph replays it at every position)
+  // not depend on pos: a captured graph replays it at every position). A pair launch takes
+  // the count of its one-position launches (B rows), so that it gives their bits.
   if (splits == 0) {
-    const int64_t want = blocks >= n_sm ? 1 : (2 * n_sm + blocks - 1) / blocks;
+    const int R1 = (static_cast<int64_t>(B) * Hkv >= 2 * n_sm) ? rep : 1;
+    const int64_t blocks1 = static_cast<int64_t>(B) * Hkv * (rep / R1);
+    const int64_t want = blocks1 >= n_sm ? 1 : (2 * n_sm + blocks1 - 1) / blocks1;
     const int64_t positions = table.size(1) * k_cache.size(2);
     splits = std::max<int64_t>(1, std::min<int64_t>({want, kMaxSplits, positions / 64}));
   }

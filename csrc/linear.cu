@@ -672,11 +672,15 @@ __device__ __forceinline__ void quant_rows(const Args& a, const __nv_bfloat16* x
         uint32_t q[2];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          unsigned short lo, hi;  // the first value of each pair in the low byte
+          unsigned short lo = 0, hi = 0;  // the first value of each pair in the low byte
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 890
           asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n"
               : "=h"(lo) : "f"(__fdiv_rn(f[4 * h + 1], sc)), "f"(__fdiv_rn(f[4 * h], sc)));
           asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n"
               : "=h"(hi) : "f"(__fdiv_rn(f[4 * h + 3], sc)), "f"(__fdiv_rn(f[4 * h + 2], sc)));
+#else
+          __trap();  // e4m3 conversions need sm_89; the host refuses variant 7 below it
+#endif
           q[h] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
         }
         *reinterpret_cast<uint2*>(xq + static_cast<int64_t>(m) * qrs + k0) = make_uint2(q[0], q[1]);

@@ -1954,12 +1954,15 @@ def test_variant7_matches_its_w8a8_reference_cuda(M):
         pytest.skip("variant 7 needs compute capability 8.9+")
     eps = 1e-6
 
-    def close(got, want, x, w, where):  # type: ignore[no-untyped-def]
+    def close(got, want, x, w, where, loose=False):  # type: ignore[no-untyped-def]
+        """loose: the normed rows differ from rms_norm's in a rare ulp, which can move a
+        block's scale and so every rounding in it (2^-4 of sum |x w| still fails a wrong
+        permutation or scale, whose errors are of its size)."""
         from engine.quant import dequantize_fp8
 
         mag = x.float().abs() @ dequantize_fp8(w).abs().T
         err = (got.float() - want.float()).abs()
-        bound = 2**-7 * want.float().abs() + 2**-9 * mag
+        bound = 2**-7 * want.float().abs() + (2**-4 if loose else 2**-9) * mag
         assert bool((err <= bound).all()), (where, float((err - bound).max()))
 
     for N, K in ((6144, 2560), (2560, 9728), (300, 2576), (40, 48)):
@@ -1977,7 +1980,8 @@ def test_variant7_matches_its_w8a8_reference_cuda(M):
             got = linear._run(x, w.q, w.scale, splits, kwarps, 7, residual=r, pdl=pdl)
             close(got - r, want, x, w, ("residual", *where))  # the sum rounds once more
             if linear._quantises(M, K, True):
-                close(linear.gemv_normed(x, nw, eps, w, **kw), want_n, xn, w, ("normed", *where))
+                close(linear.gemv_normed(x, nw, eps, w, **kw), want_n, xn, w, ("normed", *where),
+                      loose=True)
             if w13 is not None and M <= linear.FP8_GLU_MAX_M:
                 gu = fp8_linear_w8a8_torch(x, w13).float()
                 ref = torch.nn.functional.silu(gu[:, :640]) * gu[:, 640:]

@@ -206,7 +206,9 @@ def _positions(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_cache
            and supports(q.shape[-1], q.shape[2], k_new.shape[2])
            and (rope is None or rope_supported(q[:, 0], Rope(rope.qw, rope.kw, rope.cs[:, 0],
                                                              rope.eps)))
-           and out.stride(3) == 1 and out.stride(2) == q.shape[3])
+           and out.stride(3) == 1 and out.stride(2) == q.shape[3]
+           and out.stride(1) >= q.shape[2] * q.shape[3]
+           and (q.shape[0] <= 1 or out.stride(0) >= 2 * out.stride(1)))
     if use:
         qw, kw, cs, eps = (None, None, None, 0.0) if rope is None else rope
         torch.ops.rtvoice_kernels.decode_attention(q, k_new, v_new, k_cache, v_cache, table,

@@ -1060,12 +1060,14 @@ def resolve(plan: LinearPlan | None, kernels: bool, m: int, n: int, k: int, fp8:
     if (row.impl == "gemv" and kernels and cuda and dtype == torch.bfloat16
             and supports(m, n, k, fp8, row.variant)):
         return _kernel_or(library, row.splits, row.kwarps, row.variant, pdl)
-    if (row.impl == GEMV_W8A8 and kernels and cuda and dtype == torch.bfloat16
-            and supports(m, n, k, True, QUANT_VARIANT)):
-        # a call off the kernel's layout contract: the Triton W8A8 kernel (the same rounding
-        # of x) where it runs, else the library path, as the other W8A8 rows fall back
+    if row.impl == GEMV_W8A8:
+        # off the kernel (or its layout contract): the Triton W8A8 kernel (the same rounding
+        # of x) where it runs, else the library path, as a "triton_w8a8" row falls back
         w8a8: LinearFn = mod.fp8_linear_triton_w8a8 if mod is not None else library
-        return _kernel_or(w8a8, row.splits, row.kwarps, QUANT_VARIANT, pdl)
+        if kernels and cuda and dtype == torch.bfloat16 and supports(m, n, k, True,
+                                                                     QUANT_VARIANT):
+            return _kernel_or(w8a8, row.splits, row.kwarps, QUANT_VARIANT, pdl)
+        return w8a8
     if row.impl in ("triton", W8A8) and mod is not None:
         fn = mod.fp8_linear_triton_w8a8 if row.impl == W8A8 else mod.fp8_linear_triton
         if row.config is None and row.impl == "triton":
