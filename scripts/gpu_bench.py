@@ -484,6 +484,7 @@ def profile_step(report: dict, device: str, sampler_kernel: bool = True,
            else "profile_fp8_normed" if normed_fp8 is not None
            else "profile_fp8_nodense" if not dense_copy
            else "profile_attend" if attend_prologue
+           else "profile_fp8_w8a8" if fp8_activations
            else "profile" if sampler_kernel else "profile_compiled_sampler"] = out
     del runner, b
     torch.cuda.empty_cache()

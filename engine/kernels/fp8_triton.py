@@ -473,11 +473,15 @@ def fp8_linear_triton(x: Tensor, w: Fp8Weight, *, config: Config | None = None,
 
 def quantize_act_torch(x: Tensor) -> tuple[Tensor, Tensor]:
     """x [M, K] -> (e4m3 [M, K], float32 scales [M, ceil(K/128)]): per 1 x 128 block,
-    scale = amax / 448, as the W8A8 kernel does it on the fly."""
+    scale = amax / 448, as the W8A8 kernels do it on the fly. The division is a true one on
+    every device (a CUDA tensor divided by a Python number is multiplied by its reciprocal,
+    a rounding apart: then a block's values could round otherwise than csrc's variant 7,
+    which divides exactly)."""
     m, k = x.shape
     kb = scale_shape(1, k)[1]
     xf = torch.nn.functional.pad(x.float(), (0, kb * BLOCK - k)).view(m, kb, BLOCK)
-    s = xf.abs().amax(-1).clamp_min(1e-30) / FP8_MAX
+    amax = xf.abs().amax(-1).clamp_min(1e-30)
+    s = amax / torch.full_like(amax, FP8_MAX)
     q = (xf / s[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q.view(m, kb * BLOCK)[:, :k], s
 
