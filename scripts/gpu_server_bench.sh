@@ -25,6 +25,8 @@
 # decode_tps per level (bench-latency --save-baseline), and with BASELINE=FILE (e.g.
 # bench_latency/baselines/h200_s2pro_bf16.json) the run is gated against it (exit 1 when
 # decode_tps drops > 5 % at a level). DTYPE (bf16): the server's --dtype (fp8: FP8 linears).
+# The server's --max-sessions and --max-unstarted are set to the most streams any level (or
+# the capacity search) opens at once, at least 128, unless SERVER_ARGS gives them.
 set -uo pipefail
 OUT=${OUT:-artifacts/gpu}
 PORT=${PORT:-8765}
@@ -35,8 +37,17 @@ LEVEL_TIMEOUT=${LEVEL_TIMEOUT:-120}
 MAX_RUNNING=${MAX_RUNNING:-64}
 # SERVER_ARGS: more `rtvoice serve` options, e.g. "--prefill-first-lead-s 0"
 mkdir -p "$OUT"
+# the server's open-session bounds sized to the most streams a level (or the capacity search)
+# opens at once, so that no level is cut by them ('overloaded') unless SERVER_ARGS sets them
+MOST=128
+for C in $LEVELS ${WHOLE_LEVELS:-} ${POISSON_LEVELS:-}; do [ "$C" -gt "$MOST" ] && MOST=$C; done
+[ "${CAPACITY:-0}" = 1 ] && [ "${CAPACITY_MAX:-512}" -gt "$MOST" ] && MOST=${CAPACITY_MAX:-512}
+BOUNDS=()
+case " ${SERVER_ARGS:-} " in *" --max-sessions "*) ;; *) BOUNDS+=(--max-sessions "$MOST") ;; esac
+case " ${SERVER_ARGS:-} " in *" --max-unstarted "*) ;; *) BOUNDS+=(--max-unstarted "$MOST") ;; esac
 SERVE=(--model "${MODEL:-s2-pro}" --device "${DEVICE:-cuda}" --port "$PORT" --dtype "${DTYPE:-bf16}"
-       --max-running "$MAX_RUNNING" --max-len "$MAX_LEN" ${SERVER_ARGS:-} --data-dir /tmp/rtvoice-bench)
+       --max-running "$MAX_RUNNING" --max-len "$MAX_LEN" "${BOUNDS[@]}" ${SERVER_ARGS:-}
+       --data-dir /tmp/rtvoice-bench)
 if [ "${PRESTART:-0}" = 1 ]; then
     # A first start (until /ready) fills the compile and autotune caches on disk, so the
     # start measured below is that of a warm machine (a restart, a second replica)
