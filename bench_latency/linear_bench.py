@@ -5,7 +5,7 @@ rotating weight copies (more than 200 MB of them, so the 50 MB L2 holds none), a
     python -m bench_latency.linear_bench --out engine/kernels/linear_table.json
 
 Candidates: bf16 weights: F.linear (cuBLAS, "library") and the csrc kernel (`gemv`) in
-variants 0, 1, 4 and 5; FP8 weights (e4m3, 128 x 128 block scales): `fp8_gemv` in variants 0-6
+variants 0, 1, 4 and 5; FP8 weights (e4m3, 128 x 128 block scales): `fp8_gemv` in variants 0-6 (7, W8A8, with the W8A8 candidates below)
 (3 only when asked: `--variants`; 6 at the M and K whose rows it can stage), the
 Triton weight-only kernel (engine/kernels/fp8_triton.py) in `sweep_configs(M)`'s few configs,
 and the W8A8 candidates (activations quantised to e4m3: other numerics, recorded as a
