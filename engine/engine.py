@@ -58,7 +58,7 @@ from .scheduler import Scheduler, new_stats
 from .tokenizer import Tokenizer
 from .warmup import BackgroundCapture
 
-__all__ = ["CollectingSink", "Engine", "build_engine", "fit_kv_blocks"]
+__all__ = ["CollectingSink", "Engine", "add_fp8_copies", "build_engine", "fit_kv_blocks"]
 
 log = logging.getLogger(__name__)
 
@@ -681,7 +681,7 @@ class Engine:
         return self.decode_worker.idle_gaps_ms()
 
 
-def _add_fp8_copies(model: torch.nn.Module, dense_plan: LinearPlan | None,
+def add_fp8_copies(model: torch.nn.Module, dense_plan: LinearPlan | None,
                     rowwise_plan: LinearPlan | None) -> None:  # on CUDA
     """The FP8 linears' bf16 copies where `dense_plan` measured them faster (fusion.
     add_dense_copies_where_faster, against the W8A8 rows too when there is a `rowwise_plan`)
@@ -746,7 +746,7 @@ def build_engine(bundle: Bundle, config: EngineConfig | None = None, *,
         pack_ffn(bundle.codec)
     dense_plan = ops.dense_plan if cfg.fp8_dense_copy else None
     if (dense_plan is not None or ops.rowwise_plan is not None) and fp8_layers(model):
-        _add_fp8_copies(model, dense_plan, ops.rowwise_plan)  # before the KV pool's sizing
+        add_fp8_copies(model, dense_plan, ops.rowwise_plan)  # before the KV pool's sizing
     n_rows, bs = cfg.max_running, cfg.kv_block_size
     context = -(-cfg.max_len // bs)
     n_blocks = cfg.kv_blocks or n_rows * 2 * context

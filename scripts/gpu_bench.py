@@ -413,7 +413,8 @@ def profile_step(report: dict, device: str, sampler_kernel: bool = True,
     to 2 rows (key profile_attend; the engine's default: its own launches);
     `fp8_activations`: FP8 linears may take the table's W8A8 rows, as the engine's
     --fp8-activations (key profile_fp8_w8a8)."""
-    from engine.fusion import add_dense_copies_where_faster, pack_ffn
+    from engine.engine import add_fp8_copies
+    from engine.fusion import pack_ffn
     from engine.loader import load_bundle
     from engine.ops import build_ops
     from engine.runner import ModelRunner
@@ -427,12 +428,8 @@ def profile_step(report: dict, device: str, sampler_kernel: bool = True,
                     **({} if normed_fp8 is None else {"normed_max_m_fp8": normed_fp8}),
                     pdl=(1 if dtype == "fp8" else 0) if pdl is None else pdl)
     pack_ffn(b.model)
-    if fp8_activations:  # the copies the engine makes with --fp8-activations
-        from engine.engine import _add_fp8_copies
-
-        _add_fp8_copies(b.model, ops.dense_plan, ops.rowwise_plan)
-    else:
-        add_dense_copies_where_faster(b.model, ops.dense_plan)  # None (no dense_copy): none
+    # the copies the engine makes (none without dense_copy; rowwise ones with fp8_activations)
+    add_fp8_copies(b.model, ops.dense_plan, ops.rowwise_plan)
     out = {}
     runner = ModelRunner(b.model, n_rows=64, max_len=1024, ops=ops)
     col = torch.zeros(11, dtype=torch.long)

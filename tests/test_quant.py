@@ -267,7 +267,7 @@ def test_dense_copies_by_shape_packed_later_and_dropped_on_oom(tiny, monkeypatch
     halves never one by one); pack_ffn after the copies packs them too; running out of memory
     midway drops every copy made in that call and re-raises; build_engine's copy step names
     the option that avoids it."""
-    from engine.engine import _add_fp8_copies
+    from engine.engine import add_fp8_copies
     from engine.errors import EngineOutOfMemory
 
     m = copy.deepcopy(tiny)
@@ -316,7 +316,7 @@ def test_dense_copies_by_shape_packed_later_and_dropped_on_oom(tiny, monkeypatch
 
     calls.clear()
     with pytest.raises(EngineOutOfMemory, match="no-fp8-dense-copy"):
-        _add_fp8_copies(oom, Pays(), None)
+        add_fp8_copies(oom, Pays(), None)
     # the rowwise copies (fp8_activations) drop what they made too
     real_rw, rw_calls = fusion.rowwise_fp8, []
 
@@ -329,7 +329,7 @@ def test_dense_copies_by_shape_packed_later_and_dropped_on_oom(tiny, monkeypatch
     monkeypatch.setattr(fusion, "dequantize_fp8", real)
     monkeypatch.setattr(fusion, "rowwise_fp8", failing_rw)
     with pytest.raises(EngineOutOfMemory, match="fp8-activations"):
-        _add_fp8_copies(oom, Pays(), Pays())
+        add_fp8_copies(oom, Pays(), Pays())
     # none of the copies made before it stays (the dense ones neither)
     assert all(oom.get_submodule(n).rowwise_q is None for n in fp8_layers(oom))
     assert all(oom.get_submodule(n).dense_weight is None for n in fp8_layers(oom))
