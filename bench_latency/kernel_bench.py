@@ -16,7 +16,8 @@ from collections.abc import Callable
 import torch
 
 from engine import functional, fusion
-from engine.kernels import extension_available
+from engine.bookkeeping import Bookkeeping
+from engine.kernels import extension_available, step_book
 from engine.kernels.activation import (
     bias_residual,
     bias_residual_torch,
@@ -45,6 +46,41 @@ def timed(fn: Callable[..., object], args: tuple, n: int, cuda: bool) -> float:
     return 1e6 * (time.perf_counter() - t) / n
 
 
+def bench_step_book(dev: str, kind: str, cuda: bool) -> None:
+    """The decode step's bookkeeping: csrc's one launch each against the compiled functions
+    (inductor: one kernel per output size) and the torch ones, at the S2-Pro step's shapes."""
+    ref = Bookkeeping()
+    book = Bookkeeping.built(fusion.compiled) if cuda else None
+    dt = torch.bfloat16 if cuda else torch.float32
+    for bs in (1, 64):
+        f32 = [torch.rand(bs, device=dev) for _ in range(4)]
+        i64 = [torch.randint(1, 30, (bs,), device=dev) for _ in range(3)]
+        cases = {
+            "ras_inputs": (step_book.ras_inputs, (torch.randn(bs, 4097, device=dev).to(dt),
+                                                  *f32, *i64)),
+            "frame_tokens": (step_book.frame_tokens, (
+                torch.randint(0, 4097, (bs,), device=dev), 4096, 151678, 151645,
+                torch.randn(4096, 2560, device=dev).to(dt),
+                torch.randn(bs, 2560, device=dev).to(dt))),
+            "step_end": (step_book.step_end, (
+                [torch.randint(0, 4096, (bs,), device=dev) for _ in range(11)],
+                torch.ones(bs, dtype=torch.bool, device=dev),
+                torch.zeros(bs, 11, dtype=torch.int64, device=dev),
+                torch.zeros(bs, dtype=torch.int64, device=dev),
+                torch.full((bs,), 10**9, dtype=torch.int64, device=dev),
+                torch.ones(bs, dtype=torch.bool, device=dev),
+                torch.zeros(bs, dtype=torch.int64, device=dev), 151645)),
+        }
+        for fn_name, (fn, args) in cases.items():
+            runs = [(kind, fn), ("torch", getattr(ref, fn_name))]
+            if book is not None:
+                runs.append(("compiled", getattr(book, fn_name)))
+            for name, f in runs:
+                with torch.inference_mode():
+                    us = timed(f, args, 500 if cuda else 50, cuda)
+                print(f"{fn_name} bs={bs:4d} {name:8s} {us:8.2f} us")
+
+
 def main(argv: list[str] | None = None) -> int:
     argparse.ArgumentParser(prog="python -m bench_latency.kernel_bench", description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter
@@ -58,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, fn in ((kind, prev_tokens_shift_inplace), ("torch", prev_tokens_shift_torch)):
             us = timed(fn, (prev, nxt), 1000, cuda)
             print(f"prev_tokens_shift bs={bs:4d} {name:7s} {us:8.2f} us")
+    bench_step_book(dev, kind, cuda)
     dt = torch.bfloat16 if cuda else torch.float32
     for bs, pos in ((1, 200), (1, 1000), (64, 200), (64, 1000)):
         S, BS = 1024, 64  # the engine's KV pool: blocks of 64 positions, rows' blocks shuffled

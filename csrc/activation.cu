@@ -33,6 +33,8 @@
 #include <optional>
 #include <type_traits>
 
+#include "check.cuh"
+
 namespace {
 
 enum Op { kSnake = 0, kBiasResidual = 1 };
@@ -313,7 +315,8 @@ void launch_snake_cat(const torch::Tensor& tail, const torch::Tensor& x,
   const int v = wide ? kWide : 1;
   const int threads = 256;
   const int64_t n_vec = n / v;
-  TORCH_CHECK(n_vec / threads < (1ll << 31), "snake_cat: tensor too large (", out.sizes(), ")");
+  TORCH_CHECK(n_vec / threads < (1ll << 31), "snake_cat: tensor too large (",
+              rtvoice::dims(out), ")");
   const unsigned grid = static_cast<unsigned>((n_vec + threads - 1) / threads);
   auto stream = c10::cuda::getCurrentCUDAStream();
   const Rows tr{tail.data_ptr(), tail.stride(0), tail.stride(1)};
@@ -350,7 +353,8 @@ void launch(const torch::Tensor& x, const torch::Tensor* y, const torch::Tensor*
   }
   const int threads = 256;
   const int64_t n = B * C * (T_len / v);  // threads needed
-  TORCH_CHECK(n / threads < (1ll << 31), "codec pointwise op: tensor too large (", x.sizes(), ")");
+  TORCH_CHECK(n / threads < (1ll << 31), "codec pointwise op: tensor too large (",
+              rtvoice::dims(x), ")");
   const unsigned grid = static_cast<unsigned>((n + threads - 1) / threads);
   auto stream = c10::cuda::getCurrentCUDAStream();
   const Rows xr{x.data_ptr(), x.stride(0), x.stride(1)};
@@ -374,8 +378,8 @@ void launch(const torch::Tensor& x, const torch::Tensor* y, const torch::Tensor*
 void check_rows(const char* op, const torch::Tensor& x, const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.is_cuda() && t.device() == x.device(), op, ": ", name,
               " must be a CUDA tensor on x's device");
-  TORCH_CHECK(t.dim() == 3 && t.sizes() == x.sizes(), op, ": ", name, " ", t.sizes(),
-              " must match x ", x.sizes());
+  TORCH_CHECK(t.dim() == 3 && t.sizes() == x.sizes(), op, ": ", name, " ", rtvoice::dims(t),
+              " must match x ", rtvoice::dims(x));
   TORCH_CHECK(t.scalar_type() == x.scalar_type(), op, ": ", name, " must have x's dtype");
 }
 
@@ -390,7 +394,7 @@ void check_channels(const char* op, const torch::Tensor& x, const torch::Tensor&
   TORCH_CHECK(t.is_cuda() && t.device() == x.device(), op, ": ", name,
               " must be a CUDA tensor on x's device");
   TORCH_CHECK(t.dim() == 1 && t.size(0) == x.size(1) && t.is_contiguous(), op, ": ", name,
-              " must be contiguous [C] with C = ", x.size(1), ", got ", t.sizes());
+              " must be contiguous [C] with C = ", x.size(1), ", got ", rtvoice::dims(t));
   TORCH_CHECK(t.scalar_type() == x.scalar_type(), op, ": ", name, " must have x's dtype");
 }
 
@@ -423,7 +427,7 @@ void dispatch(const torch::Tensor& x, const torch::Tensor* y, const torch::Tenso
 void snake(torch::Tensor x, torch::Tensor alpha, std::optional<torch::Tensor> bias,
            torch::Tensor out) {
   TORCH_CHECK(x.is_cuda() && x.dim() == 3, "snake: x must be a CUDA [B, C, T] tensor, got ",
-              x.sizes());
+              rtvoice::dims(x));
   check_rows("snake", x, out, "out");
   check_channels("snake", x, alpha, "alpha");
   if (bias.has_value()) check_channels("snake", x, *bias, "bias");
@@ -433,7 +437,7 @@ void snake(torch::Tensor x, torch::Tensor alpha, std::optional<torch::Tensor> bi
 
 void bias_residual(torch::Tensor x, torch::Tensor y, torch::Tensor bias, torch::Tensor out) {
   TORCH_CHECK(x.is_cuda() && x.dim() == 3,
-              "bias_residual: x must be a CUDA [B, C, T] tensor, got ", x.sizes());
+              "bias_residual: x must be a CUDA [B, C, T] tensor, got ", rtvoice::dims(x));
   check_rows("bias_residual", x, y, "y");
   check_rows("bias_residual", x, out, "out");
   check_channels("bias_residual", x, bias, "bias");
@@ -444,17 +448,18 @@ void bias_residual(torch::Tensor x, torch::Tensor y, torch::Tensor bias, torch::
 void snake_cat(torch::Tensor tail, torch::Tensor x, torch::Tensor alpha,
                std::optional<torch::Tensor> bias, torch::Tensor out) {
   TORCH_CHECK(x.is_cuda() && x.dim() == 3, "snake_cat: x must be a CUDA [B, C, T] tensor, got ",
-              x.sizes());
+              rtvoice::dims(x));
   TORCH_CHECK(tail.is_cuda() && tail.device() == x.device() && tail.dim() == 3 &&
                   tail.size(0) == x.size(0) && tail.size(1) == x.size(1) &&
                   tail.scalar_type() == x.scalar_type(),
-              "snake_cat: tail ", tail.sizes(), " must be a [B, C, P] tensor of x's batch, ",
-              "channels, dtype and device (x ", x.sizes(), ")");
+              "snake_cat: tail ", rtvoice::dims(tail), " must be a [B, C, P] tensor of x's batch, ",
+              "channels, dtype and device (x ", rtvoice::dims(x), ")");
   TORCH_CHECK(out.is_cuda() && out.device() == x.device() &&
                   out.scalar_type() == x.scalar_type() && out.dim() == 3 &&
                   out.size(0) == x.size(0) && out.size(1) == x.size(1) &&
                   out.size(2) == tail.size(2) + x.size(2),
-              "snake_cat: out must be a [B, C, P + T] tensor of x's dtype, got ", out.sizes());
+              "snake_cat: out must be a [B, C, P + T] tensor of x's dtype, got ",
+              rtvoice::dims(out));
   check_channels("snake_cat", x, alpha, "alpha");
   if (bias.has_value()) check_channels("snake_cat", x, *bias, "bias");
   if (out.numel() == 0) return;

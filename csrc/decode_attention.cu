@@ -54,6 +54,7 @@
 #include <cmath>
 #include <type_traits>
 
+#include "check.cuh"
 #include "launch.cuh"
 
 namespace {
@@ -548,7 +549,7 @@ void decode_attention(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new,
   TORCH_CHECK(!pair || (q.size(1) == 2 && k_new.size(1) == 2 && v_new.size(1) == 2 &&
                         out.size(1) == 2),
               "decode_attention: 4-d q/k_new/v_new/out take exactly two positions per row, got ",
-              q.sizes(), " and ", k_new.sizes());
+              rtvoice::dims(q), " and ", rtvoice::dims(k_new));
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4, "decode_attention: caches must be 4-d");
   const auto dt = q.scalar_type();
   for (const auto* t : {&k_new, &v_new, &k_cache, &v_cache, &out})
@@ -569,7 +570,8 @@ void decode_attention(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new,
               "decode_attention: table must be [B, MB] (rows may be strided), wblock/pos [B]");
   TORCH_CHECK(k_cache.size(1) == Hkv && k_cache.size(3) == D &&
                   v_cache.sizes() == k_cache.sizes(),
-              "decode_attention: cache shape ", k_cache.sizes(), " does not fit q ", q.sizes());
+              "decode_attention: cache shape ", rtvoice::dims(k_cache), " does not fit q ",
+              rtvoice::dims(q));
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(),
               "decode_attention: caches must be contiguous");
   TORCH_CHECK(out.sizes() == q.sizes() && out.stride(hd + 1) == 1 && out.stride(hd) == D &&
@@ -577,7 +579,7 @@ void decode_attention(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new,
                   (!pair || out.stride(1) >= H * D),
               "decode_attention: out must be shaped like q with heads and dims packed and rows "
               "(and positions) apart, got ",
-              out.sizes(), " strides ", out.strides());
+              rtvoice::dims(out), " strides ", rtvoice::dims(out.strides()));
   for (const auto* t : {&q, &k_new, &v_new})
     TORCH_CHECK(t->stride(hd + 1) == 1 && t->stride(hd) == D,
                 "decode_attention: heads and dims of q/k_new/v_new must be packed");
@@ -594,7 +596,7 @@ void decode_attention(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new,
                     c.stride(cd) == 2,
                 "decode_attention: cs must be [B or 1, head_dim / 2, 2] ([B or 1, 2, head_dim "
                 "/ 2, 2] for two positions) in q's dtype with its last two dims packed, got ",
-                c.scalar_type(), " ", c.sizes(), " strides ", c.strides());
+                c.scalar_type(), " ", rtvoice::dims(c), " strides ", rtvoice::dims(c.strides()));
     for (const auto* w : {&qw, &kw})
       TORCH_CHECK(!w->has_value() || ((*w)->scalar_type() == dt && (*w)->device() == q.device() &&
                                       (*w)->dim() == 1 && (*w)->size(0) == D &&

@@ -131,6 +131,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "check.cuh"
 #include "launch.cuh"
 
 namespace {
@@ -1682,8 +1683,9 @@ void run_linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> s
               ", so that W1 and W3 keep their own block scales), got ", N, " rows",
               scale.has_value() ? " of FP8 weights" : "", ", M = ", M, " and variant ", variant);
   TORCH_CHECK(w.size(1) == K && out.size(0) == M && out.size(1) == (glu ? N / 2 : N),
-              "linear_small_m: shapes do not agree: x ", x.sizes(), ", w ", w.sizes(), ", out ",
-              out.sizes(), glu ? " (SwiGLU: out [M, N / 2])" : "");
+              "linear_small_m: shapes do not agree: x ", rtvoice::dims(x), ", w ",
+              rtvoice::dims(w), ", out ",
+              rtvoice::dims(out), glu ? " (SwiGLU: out [M, N / 2])" : "");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16,
               "linear_small_m: x and out must be bfloat16");
   const bool f8 = scale.has_value();
@@ -1697,7 +1699,7 @@ void run_linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> s
                 "linear_small_m: scale must be a contiguous float32 [ceil(N/128), ceil(K/128)]"
                 " = [", (N + kScaleBlock - 1) / kScaleBlock, ", ",
                 (K + kScaleBlock - 1) / kScaleBlock, "] on x's device, got ", s.scalar_type(),
-                " ", s.sizes());
+                " ", rtvoice::dims(s));
   } else {
     TORCH_CHECK(w.scalar_type() == at::kBFloat16,
                 "linear_small_m: without a scale, w must be bfloat16, got ", w.scalar_type());
@@ -1712,7 +1714,7 @@ void run_linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> s
   TORCH_CHECK(x.stride(1) == 1 && aligned16(x.data_ptr()) &&
                   (M <= 1 || (x.stride(0) * 2) % 16 == 0),
               "linear_small_m: x's rows must be contiguous, 16-byte aligned, with a row stride "
-              "that is a multiple of 8 elements; got strides ", x.strides());
+              "that is a multiple of 8 elements; got strides ", rtvoice::dims(x.strides()));
   TORCH_CHECK(splits >= 0 && splits <= kMaxSplits, "linear_small_m: splits must be in 0..",
               kMaxSplits, " (0: automatic), got ", splits);
   TORCH_CHECK(kwarps == 0 || kwarps == 1 || kwarps == 2 || kwarps == 4 || kwarps == 8,
@@ -1744,7 +1746,7 @@ void run_linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> s
                     r.size(0) == M && r.size(1) == N && r.stride(1) == 1,
                 "linear_small_m: residual must be a bf16 [M, N] = [", M, ", ", N,
                 "] tensor on x's device with contiguous rows, got ", r.scalar_type(), " ",
-                r.sizes(), " strides ", r.strides());
+                rtvoice::dims(r), " strides ", rtvoice::dims(r.strides()));
   }
   const int64_t xs_rs = K + kNormPad;
   if (norm_weight.has_value()) {
@@ -1759,7 +1761,7 @@ void run_linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> s
                     nw.dim() == 1 && nw.size(0) == K && nw.is_contiguous() &&
                     aligned16(nw.data_ptr()),
                 "linear_small_m: norm_weight must be a contiguous, 16-byte aligned bf16 [K] = [",
-                K, "] tensor on x's device, got ", nw.scalar_type(), " ", nw.sizes());
+                K, "] tensor on x's device, got ", nw.scalar_type(), " ", rtvoice::dims(nw));
     TORCH_CHECK(eps >= 0, "linear_small_m: eps must be >= 0, got ", eps);
   }
   if (attend != nullptr) {
@@ -1886,7 +1888,7 @@ void linear_small_m_attend(torch::Tensor qkv, torch::Tensor k_cache, torch::Tens
                            std::optional<torch::Tensor> residual, int64_t pdl) {
   TORCH_CHECK(qkv.is_cuda() && qkv.dim() == 2 && qkv.scalar_type() == at::kBFloat16,
               "linear_small_m_attend: qkv must be a bf16 CUDA [M, q + 2 kv] tensor, got ",
-              qkv.scalar_type(), " ", qkv.sizes());
+              qkv.scalar_type(), " ", rtvoice::dims(qkv));
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() &&
                   k_cache.scalar_type() == at::kBFloat16 &&
                   v_cache.scalar_type() == at::kBFloat16 && k_cache.is_contiguous() &&
@@ -1895,7 +1897,7 @@ void linear_small_m_attend(torch::Tensor qkv, torch::Tensor k_cache, torch::Tens
                   aligned16(v_cache.data_ptr()),
               "linear_small_m_attend: k_cache and v_cache must be contiguous, 16-byte aligned "
               "bf16 [B, Hkv, S, D] tensors of one shape on qkv's device, got ",
-              k_cache.sizes(), " and ", v_cache.sizes());
+              rtvoice::dims(k_cache), " and ", rtvoice::dims(v_cache));
   const int64_t M = qkv.size(0), hkv = k_cache.size(1), S = k_cache.size(2);
   const int64_t K = w.dim() == 2 ? w.size(1) : 0;
   TORCH_CHECK(k_cache.size(3) == kAttnD, "linear_small_m_attend: head_dim must be ", kAttnD,
@@ -1915,7 +1917,7 @@ void linear_small_m_attend(torch::Tensor qkv, torch::Tensor k_cache, torch::Tens
                   cs.dim() == 2 && cs.size(0) == kAttnD / 2 && cs.size(1) == 2 &&
                   cs.is_contiguous() && reinterpret_cast<uintptr_t>(cs.data_ptr()) % 8 == 0,
               "linear_small_m_attend: cs must be a contiguous, 8-byte aligned bf16 [", kAttnD / 2,
-              ", 2] tensor on qkv's device, got ", cs.scalar_type(), " ", cs.sizes());
+              ", 2] tensor on qkv's device, got ", cs.scalar_type(), " ", rtvoice::dims(cs));
   const AttendArgs at{reinterpret_cast<__nv_bfloat16*>(k_cache.data_ptr()),
                       reinterpret_cast<__nv_bfloat16*>(v_cache.data_ptr()),
                       reinterpret_cast<const __nv_bfloat16*>(cs.data_ptr()),

@@ -28,6 +28,17 @@ void linear_small_m_attend(torch::Tensor qkv, torch::Tensor k_cache, torch::Tens
                            std::optional<torch::Tensor> scale, torch::Tensor out,
                            int64_t splits, int64_t kwarps,
                            std::optional<torch::Tensor> residual, int64_t pdl);
+void book_ras_inputs(torch::Tensor logits, torch::Tensor temperature,
+                     torch::Tensor ras_temperature, torch::Tensor top_p, torch::Tensor ras_top_p,
+                     torch::Tensor top_k, torch::Tensor seed, torch::Tensor step,
+                     torch::Tensor out_logits, torch::Tensor out_t, torch::Tensor out_p,
+                     torch::Tensor out_k, torch::Tensor out_seed, torch::Tensor out_step);
+void book_frame_tokens(torch::Tensor idx, torch::Tensor table, torch::Tensor h,
+                       int64_t n_semantic, int64_t semantic_start, int64_t im_end,
+                       torch::Tensor token, torch::Tensor code, torch::Tensor x);
+void book_step_end(std::vector<torch::Tensor> columns, torch::Tensor was, torch::Tensor next_col,
+                   torch::Tensor pos, torch::Tensor frames_left, torch::Tensor active,
+                   torch::Tensor draw_step, int64_t im_end, torch::Tensor out);
 
 TORCH_LIBRARY(rtvoice_kernels, m) {
   m.def("prev_tokens_shift_inplace(Tensor(a!) prev, Tensor next_tokens) -> ()");
@@ -47,6 +58,15 @@ TORCH_LIBRARY(rtvoice_kernels, m) {
   m.def("linear_small_m_attend(Tensor qkv, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cs, "
         "int pos, Tensor w, Tensor? scale, Tensor(c!) out, int splits, int kwarps, "
         "Tensor? residual=None, int pdl=0) -> ()");
+  m.def("book_ras_inputs(Tensor logits, Tensor temperature, Tensor ras_temperature, "
+        "Tensor top_p, Tensor ras_top_p, Tensor top_k, Tensor seed, Tensor step, "
+        "Tensor(a!) out_logits, Tensor(b!) out_t, Tensor(c!) out_p, Tensor(d!) out_k, "
+        "Tensor(e!) out_seed, Tensor(f!) out_step) -> ()");
+  m.def("book_frame_tokens(Tensor idx, Tensor table, Tensor h, int n_semantic, "
+        "int semantic_start, int im_end, Tensor(a!) token, Tensor(b!) code, Tensor(c!) x) -> ()");
+  m.def("book_step_end(Tensor[] columns, Tensor was, Tensor(a!) next_col, Tensor(b!) pos, "
+        "Tensor(c!) frames_left, Tensor(d!) active, Tensor(e!) draw_step, int im_end, "
+        "Tensor(f!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(rtvoice_kernels, CUDA, m) {
@@ -58,6 +78,9 @@ TORCH_LIBRARY_IMPL(rtvoice_kernels, CUDA, m) {
   m.impl("snake_cat", &snake_cat);
   m.impl("linear_small_m", &linear_small_m);
   m.impl("linear_small_m_attend", &linear_small_m_attend);
+  m.impl("book_ras_inputs", &book_ras_inputs);
+  m.impl("book_frame_tokens", &book_frame_tokens);
+  m.impl("book_step_end", &book_step_end);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}

@@ -11,6 +11,8 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
 
+#include "check.cuh"
+
 namespace {
 
 __global__ void prev_tokens_shift_kernel(int32_t* __restrict__ prev,
@@ -33,10 +35,10 @@ void prev_tokens_shift_inplace(torch::Tensor prev, torch::Tensor next_tokens) {
   TORCH_CHECK(prev.device() == next_tokens.device(), "prev_tokens_shift_inplace: tensors on different devices");
   TORCH_CHECK(prev.scalar_type() == at::kInt, "prev must be int32, got ", prev.scalar_type());
   TORCH_CHECK(next_tokens.scalar_type() == at::kInt, "next_tokens must be int32, got ", next_tokens.scalar_type());
-  TORCH_CHECK(prev.dim() == 3, "prev must be [bs, W, cw], got ", prev.sizes());
-  TORCH_CHECK(next_tokens.dim() == 2, "next_tokens must be [bs, cw], got ", next_tokens.sizes());
+  TORCH_CHECK(prev.dim() == 3, "prev must be [bs, W, cw], got ", rtvoice::dims(prev));
+  TORCH_CHECK(next_tokens.dim() == 2, "next_tokens must be [bs, cw], got ", rtvoice::dims(next_tokens));
   TORCH_CHECK(prev.size(0) == next_tokens.size(0) && prev.size(2) == next_tokens.size(1),
-              "shape mismatch: prev ", prev.sizes(), " vs next_tokens ", next_tokens.sizes());
+              "shape mismatch: prev ", rtvoice::dims(prev), " vs next_tokens ", rtvoice::dims(next_tokens));
   TORCH_CHECK(prev.is_contiguous() && next_tokens.is_contiguous(), "inputs must be contiguous");
   const int64_t bs = prev.size(0), window = prev.size(1), cw = prev.size(2);
   if (bs == 0 || window == 0 || cw == 0) return;

@@ -30,6 +30,7 @@
 #include <cstdint>
 #include <optional>
 
+#include "check.cuh"
 #include "launch.cuh"
 
 namespace {
@@ -380,7 +381,7 @@ void sample_topk(torch::Tensor logits, torch::Tensor temperature, torch::Tensor 
     TORCH_CHECK(e.dim() == 2 && e.is_contiguous() && e.device() == logits.device() &&
                     e.size(0) >= V,
                 "sample_topk: embed must be a contiguous [R, D] table on the logits' device "
-                "with R >= V (every drawable index a row), got ", e.sizes());
+                "with R >= V (every drawable index a row), got ", rtvoice::dims(e));
     TORCH_CHECK(eo.dim() == 2 && eo.is_contiguous() && eo.size(0) == B &&
                     eo.size(1) == e.size(1) && eo.scalar_type() == e.scalar_type() &&
                     eo.device() == logits.device(),

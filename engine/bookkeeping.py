@@ -3,7 +3,8 @@ rows run and where they write, the RAS choice between two draws, the frame's tok
 the rows' state after the frame. Written out as torch ops each is a handful of one-element
 kernels per step (~30 launches of a batch-1 frame step on the H200); engine/ops.py hands the
 runner compiled versions (a fused kernel per output size each, same values) when it compiles
-the others.
+the others, and with csrc's extension built `ras_inputs`, `frame_tokens` and `step_end` as
+one launch each (engine/kernels/step_book.py, csrc/bookkeeping.cu: 15 launches -> 3).
 """
 
 from __future__ import annotations

@@ -20,7 +20,15 @@ from . import functional, fusion, quant
 from .bookkeeping import Bookkeeping
 from .codec.layers import CodecOps
 from .codec.quantizer import lookup_sum
-from .kernels import activation, codec_conv, extension_available, linear, qk_rope, sampling
+from .kernels import (
+    activation,
+    codec_conv,
+    extension_available,
+    linear,
+    qk_rope,
+    sampling,
+    step_book,
+)
 from .kernels.decode_attention import decode_attention
 from .kernels.prev_tokens import prev_tokens_shift_checked, prev_tokens_shift_inplace
 from .quant import Fp8Weight
@@ -208,12 +216,18 @@ class Ops:
                 "fp8_dense": self.fp8_dense,
                 "fp8_rowwise": self.rowwise_plan is not None,
                 "packed_heads": self.packed_heads,
-                "bookkeeping": getattr(self.book.step_end, "__name__", str(self.book.step_end)),
+                "bookkeeping": {f.name: _name(getattr(self.book, f.name))
+                                for f in dataclasses.fields(self.book)},
                 "codec_kernels": self.codec.fold_bias,
                 "codec_conv_plan": self.codec.conv_plan is not None,
                 "codec_channels_last": self.codec.channels_last,
                 "codec_transformer": getattr(self.codec.rms_norm, "__name__",
                                              str(self.codec.rms_norm))}
+
+
+def _name(fn: Callable[..., object]) -> str:
+    """A function's module-qualified name, for describe()."""
+    return f"{getattr(fn, '__module__', '')}.{getattr(fn, '__name__', str(fn))}".lstrip(".")
 
 
 REFERENCE = Ops()
@@ -242,7 +256,7 @@ def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool 
               fp8_dense: bool = True, codec_conv_kernel: bool = True,
               codec_conv_table: Path = codec_conv.DEFAULT_TABLE,
               codec_snake_into_next: bool = False, codec_conv_fast_sine: bool = True,
-              attend_prologue: bool = False) -> Ops:
+              attend_prologue: bool = False, book_kernels: bool = True) -> Ops:
     """The ops an engine on `device` runs. `fused`: "compile" (torch.compile'd elementwise ops
     — the model's and the codec transformer's — and the packed FFN GEMM), "reference", or
     "auto" (compile on CUDA only). `kernels`: use
@@ -272,7 +286,10 @@ def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool 
     kernels); `codec_snake_into_next`: with those, a residual unit's fused last conv also
     writes the next conv's Snake'd input (off by default: slower on the H200, docs/PERF.md);
     `codec_conv_fast_sine`: their Snake epilogues with the hardware sine, as csrc's Snake pass
-    (on: 0.4 ms faster per 64 x 8 tick on the H200, max abs 0.031 from the accurate sine).
+    (on: 0.4 ms faster per 64 x 8 tick on the H200, max abs 0.031 from the accurate sine);
+    `book_kernels`: the decode step's draw inputs, frame ids and row updates as csrc's one
+    launch each (csrc/bookkeeping.cu; off: the compiled functions, one kernel per output
+    size, 12 launches more per frame step).
     On CUDA the linears (dense and FP8) take the implementation the recorded per-shape table
     `linear_table` picks (csrc's small-M kernel only with `linear_kernels`); FP8 weights
     without a kernel there run the Triton FP8 GEMM (the dequantising reference without it)."""
@@ -294,6 +311,10 @@ def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool 
     if kernels and fused == "compile" and cuda and qk_rope.available():
         # one Triton launch per layer where inductor made up to six
         parts["norm_rope_qk"] = qk_rope.norm_rope_qk
+    if built and book_kernels:  # one launch each where inductor made one per output size
+        parts["book"] = dataclasses.replace(
+            parts.get("book", Bookkeeping()), ras_inputs=step_book.ras_inputs,
+            frame_tokens=step_book.frame_tokens, step_end=step_book.step_end)
     pdl = pdl if built else False
     if built and sampler_kernel and fused == "compile":  # the kernel replaces the compiled draw
         sample = (functools.wraps(sampling.sample_topk)(

@@ -40,7 +40,9 @@
 # again without the bf16 copies of its linears, batches 16, 32, 64), ATTEND=1 (the step
 # again with the fast AR's attention in wo's prologue, not its own launches; batches 1, 2),
 # FP8_W8A8=1 (the FP8 step again with the table's W8A8 rows allowed, as --fp8-activations:
-# key profile_fp8_w8a8; record a table with them first, LINEAR=1).
+# key profile_fp8_w8a8; record a table with them first, LINEAR=1), COMPILED_BOOK=1 (the step
+# again with its bookkeeping compiled, not csrc/bookkeeping.cu's kernels: key
+# profile_compiled_book; batches 1, 2, 64).
 # CONV=1: `python -m bench_latency.codec_conv_bench` (the codec's fused residual-unit convs
 # against cuDNN's conv + csrc's pass at the 64 x 8 tick's shapes, then graphed ticks with and
 # without them (and with the hardware sine and / or `snake_into_next`: ~40 s of capture
@@ -220,6 +222,7 @@ benches() {
             ${FP8_NORMED:+--fp8-normed $FP8_NORMED} \
             $([ "$DT" = fp8 ] && [ "${FP8_NODENSE:-0}" = 1 ] && echo --fp8-nodense) \
             $([ "${ATTEND:-0}" = 1 ] && echo --attend-prologue) \
+            $([ "${COMPILED_BOOK:-0}" = 1 ] && echo --compiled-book) \
             $([ "${FP8_W8A8:-0}" = 1 ] && echo --fp8-activations) \
             --levels "${ENGINE_LEVELS:-1,4,16,32,64,128}" --frames 64 \
             --engine-runs "${ENGINE_RUNS:-pingpong_codec,pingpong_nocodec,naive_nocodec}" --out "$D_OUT" \

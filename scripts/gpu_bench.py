@@ -400,7 +400,8 @@ def profile_step(report: dict, device: str, sampler_kernel: bool = True,
                  dtype: str = "bf16", decode_rope: int | None = None, pdl: int | None = None,
                  batches: tuple[int, ...] = (1, 2, 16, 64),
                  normed_fp8: int | None = None, dense_copy: bool = True,
-                 attend_prologue: bool = False, fp8_activations: bool = False) -> None:
+                 attend_prologue: bool = False, fp8_activations: bool = False,
+                 step_book: bool = True) -> None:
     """Where one frame step's GPU time goes (eager, fused ops), and graph-replay step time.
     `decode_rope`: the q/k norm + RoPE inside decode attention up to that many rows (key
     profile_decode_rope<rows>; None: the engine's default);
@@ -412,7 +413,8 @@ def profile_step(report: dict, device: str, sampler_kernel: bool = True,
     profile_fp8_nodense); `attend_prologue`: the fast AR's attention in wo's prologue at up
     to 2 rows (key profile_attend; the engine's default: its own launches);
     `fp8_activations`: FP8 linears may take the table's W8A8 rows, as the engine's
-    --fp8-activations (key profile_fp8_w8a8)."""
+    --fp8-activations (key profile_fp8_w8a8); `step_book` False: the step's bookkeeping as
+    the compiled functions, not csrc's kernels (key profile_compiled_book)."""
     from engine.engine import add_fp8_copies
     from engine.fusion import pack_ffn
     from engine.loader import load_bundle
@@ -424,7 +426,7 @@ def profile_step(report: dict, device: str, sampler_kernel: bool = True,
     ops = build_ops(device, fused="compile", sampler_kernel=sampler_kernel,
                     **({} if decode_rope is None else {"decode_rope": decode_rope}),
                     fp8_dense=dense_copy, attend_prologue=attend_prologue,
-                    fp8_activations=fp8_activations,
+                    fp8_activations=fp8_activations, book_kernels=step_book,
                     **({} if normed_fp8 is None else {"normed_max_m_fp8": normed_fp8}),
                     pdl=(1 if dtype == "fp8" else 0) if pdl is None else pdl)
     pack_ffn(b.model)
@@ -482,6 +484,7 @@ def profile_step(report: dict, device: str, sampler_kernel: bool = True,
            else "profile_fp8_nodense" if not dense_copy
            else "profile_attend" if attend_prologue
            else "profile_fp8_w8a8" if fp8_activations
+           else "profile_compiled_book" if not step_book
            else "profile" if sampler_kernel else "profile_compiled_sampler"] = out
     del runner, b
     torch.cuda.empty_cache()
@@ -564,6 +567,9 @@ def main() -> int:
                     help="also profile the FP8 step with the table's W8A8 rows allowed, as "
                     "`rtvoice serve --fp8-activations` (batches 1, 2, 16, 64; key "
                     "profile_fp8_w8a8)")
+    ap.add_argument("--compiled-book", action="store_true",
+                    help="also profile the step with its bookkeeping compiled, not csrc's "
+                         "kernels (batches 1, 2, 64; key profile_compiled_book)")
     ap.add_argument("--attend-prologue", action="store_true",
                     help="also profile the step with the fast AR's attention in its output "
                          "projection's prologue (batches 1, 2; key profile_attend)")
@@ -612,6 +618,10 @@ def main() -> int:
                          functools.partial(profile_step, report, device, dtype="fp8",
                                            fp8_activations=True)),)
                        if args.fp8_activations else ()),
+                     *((("profile_compiled_book",
+                         functools.partial(profile_step, report, device, dtype=args.dtype,
+                                           step_book=False, batches=(1, 2, 64))),)
+                       if args.compiled_book else ()),
                      *((("profile_attend",
                          functools.partial(profile_step, report, device, dtype=args.dtype,
                                            attend_prologue=True, batches=(1, 2))),)

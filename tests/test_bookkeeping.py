@@ -100,8 +100,9 @@ def test_ras_inputs_stack_main_and_ras_settings():
     pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
         not torch.cuda.is_available(), reason="needs a CUDA device")])])
 def test_compiled_bookkeeping_matches_the_reference(device: str):
-    """build_ops' compiled functions (one fused kernel each on CUDA) give the reference's
-    values at several batch sizes, in-place updates included."""
+    """build_ops' functions (compiled, and on CUDA csrc's one-launch kernels for ras_inputs,
+    frame_tokens and step_end) give the reference's values at several batch sizes, in-place
+    updates included."""
     from engine.ops import build_ops
 
     book, ref = build_ops(device, fused="compile").book, Bookkeeping()
@@ -122,7 +123,7 @@ def test_compiled_bookkeeping_matches_the_reference(device: str):
         c = [t.to(device) for t in rows(B)]
         steps = [torch.randint(0, 9, (B,), generator=g).to(device) for _ in range(2)]
         steps[1].copy_(steps[0])
-        cols = list(frames.unbind(1))
+        cols = [c.contiguous() for c in frames.unbind(1)]  # as the draws give them
         with torch.inference_mode():
             for x, y in zip(ref.step_begin(a[4], a[2], tables, 64, 7),
                             book.step_begin(c[4], c[2], tables, 64, 7)):

@@ -53,6 +53,131 @@ def test_prev_tokens_shift_cuda_kernel_matches_fallback():
         assert torch.equal(prev, want)
 
 
+# ---------------------------------------------------------------------- step bookkeeping
+def _book_case(B: int, device: str, dtype: torch.dtype, seed: int = 0) -> dict:
+    """Inputs of the three bookkeeping functions for B rows: logits rows strided (a slice of a
+    wider buffer), h a strided view, next_col a view of a wider state (as the runner's)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape: int) -> torch.Tensor:
+        return torch.rand(*shape, generator=g).to(device)
+
+    def i(lo: int, hi: int, *shape: int) -> torch.Tensor:
+        return torch.randint(lo, hi, shape, generator=g).to(device)
+
+    temperature = r(B)
+    temperature[::3] = 0.0  # greedy rows: their RAS draw stays greedy
+    return {
+        "logits": torch.randn(B, 40, generator=g).to(dtype).to(device)[:, 3:36],
+        "sampling": [temperature, r(B), r(B), r(B), i(1, 30, B), i(0, 2**40, B), i(0, 9, B)],
+        "idx": i(0, 9, B),  # 8 semantic codes and <|im_end|>
+        "table": torch.randn(12, 64, generator=g).to(dtype).to(device),
+        "h": torch.randn(B, 3, 64, generator=g).to(dtype).to(device)[:, 1],
+        "columns": [c.contiguous() for c in i(0, 12, B, 11).unbind(1)],  # as the draws give
+        "state": [r(B) < 0.7, i(0, 20, B + 1, 11)[:B], i(0, 500, B), i(0, 3, B), r(B) < 0.7,
+                  i(0, 9, B)],
+    }
+
+
+@pytest.mark.parametrize("B", [1, 3])
+def test_step_book_wrappers_run_the_reference_off_cuda(B):
+    """On the CPU (or with kernel=False) the wrappers are engine/bookkeeping.py's functions."""
+    from engine import bookkeeping as ref
+    from engine.kernels import step_book
+
+    c, d = _book_case(B, "cpu", torch.float32), _book_case(B, "cpu", torch.float32)
+    for x, y in zip(step_book.ras_inputs(c["logits"], *c["sampling"]),
+                    ref.ras_inputs(d["logits"], *d["sampling"])):
+        assert torch.equal(x, y)
+    for x, y in zip(step_book.frame_tokens(c["idx"], 8, 100, 9, c["table"], c["h"]),
+                    ref.frame_tokens(d["idx"], 8, 100, 9, d["table"], d["h"])):
+        assert torch.equal(x, y)
+    assert torch.equal(step_book.step_end(c["columns"], *c["state"], 9),
+                       ref.step_end(d["columns"], *d["state"], 9))
+    assert all(torch.equal(x, y) for x, y in zip(c["state"], d["state"]))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("B", [1, 2, 5, 129, 257])
+def test_step_book_cuda_kernels_are_the_reference_bit_for_bit(dtype, B):
+    """csrc/bookkeeping.cu against the torch functions: every output and every in-place
+    update equal, strided inputs included, in a CUDA graph too."""
+    from engine import bookkeeping as ref
+    from engine.kernels import step_book
+
+    assert extension_available(), "the CUDA extension did not build"
+    c, d = _book_case(B, "cuda", dtype, B), _book_case(B, "cuda", dtype, B)
+    assert step_book.ras_inputs_takes(c["logits"], *c["sampling"])  # the kernels run
+    assert step_book.frame_tokens_takes(c["idx"], c["table"], c["h"])
+    assert step_book.step_end_takes(c["columns"], *c["state"])
+    got = step_book.ras_inputs(c["logits"], *c["sampling"])
+    for x, y in zip(got, ref.ras_inputs(d["logits"], *d["sampling"])):
+        assert x.dtype == y.dtype and torch.equal(x, y)
+    got = step_book.frame_tokens(c["idx"], 8, 100, 9, c["table"], c["h"])
+    for x, y in zip(got, ref.frame_tokens(d["idx"], 8, 100, 9, d["table"], d["h"])):
+        assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
+    for _ in range(3):  # rows stop on <|im_end|> (9) or their budget across calls
+        out = step_book.step_end(c["columns"], *c["state"], 9)
+        want = ref.step_end(d["columns"], *d["state"], 9)
+        assert torch.equal(out, want)
+        assert all(torch.equal(x, y) for x, y in zip(c["state"], d["state"]))
+        c["state"][0].copy_(c["state"][4])  # was <- active, as the next step_begin
+        d["state"][0].copy_(d["state"][4])
+    # captured and replayed: the same updates
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step_book.step_end(c["columns"], *c["state"], 9)
+    torch.cuda.current_stream().wait_stream(s)
+    ref.step_end(d["columns"], *d["state"], 9)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step_book.step_end(c["columns"], *c["state"], 9)
+    graph.replay()
+    want = ref.step_end(d["columns"], *d["state"], 9)
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)
+    assert all(torch.equal(x, y) for x, y in zip(c["state"], d["state"]))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_ops_reject_bad_inputs_naming_their_shapes():
+    """The ops' own checks (the wrappers check or fall back before them): a clear error each,
+    shapes printed (an IntArrayRef streamed into the message crashed the process on the
+    device's torch 2.11: csrc/check.cuh)."""
+    assert extension_available(), "the CUDA extension did not build"
+    ops = torch.ops.rtvoice_kernels
+    x3 = torch.zeros(1, 4, 8, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"snake: alpha must be contiguous \[C\] with C = 4, "
+                                           r"got \[5\]"):
+        ops.snake(x3, torch.zeros(5, device="cuda", dtype=torch.bfloat16), None, x3)
+    with pytest.raises(RuntimeError, match=r"prev must be \[bs, W, cw\], got \[2, 4\]"):
+        ops.prev_tokens_shift_inplace(torch.zeros(2, 4, dtype=torch.int32, device="cuda"),
+                                      torch.zeros(2, 1, dtype=torch.int32, device="cuda"))
+    c = _book_case(2, "cuda", torch.bfloat16)
+    was, next_col, pos, left, active, draw_step = c["state"]
+    out = torch.empty(2, 13, dtype=torch.int64, device="cuda")
+    with pytest.raises(RuntimeError, match="a column must be"):
+        ops.book_step_end([t.int() for t in c["columns"]], was, next_col, pos, left, active,
+                          draw_step, 9, out)
+    with pytest.raises(RuntimeError, match="out must be"):
+        ops.book_step_end(c["columns"], was, next_col, pos, left, active, draw_step, 9,
+                          out[:, :12])
+    x = torch.empty(2, 2, 64, dtype=torch.float32, device="cuda")
+    code = torch.empty(2, dtype=torch.int64, device="cuda")
+    with pytest.raises(RuntimeError, match=r"x must be .*, got \[2, 2, 64\]"):
+        ops.book_frame_tokens(c["idx"][:2], c["table"], c["h"], 8, 100, 9, code.clone(), code, x)
+    # the wrapper takes a float32 table with bf16 h to the reference (which promotes)
+    from engine import bookkeeping as ref
+    from engine.kernels import step_book
+    for x, y in zip(step_book.frame_tokens(c["idx"][:2], 8, 100, 9, c["table"].float(), c["h"]),
+                    ref.frame_tokens(c["idx"][:2], 8, 100, 9, c["table"].float(), c["h"])):
+        assert torch.equal(x, y)
+
+
 # ---------------------------------------------------------------------- decode attention
 def _attention_case(B, H, Hkv, D, S, dtype, device, seed=0, strided_v=True, bs=16,
                     last_at_end=False):

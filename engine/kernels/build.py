@@ -20,9 +20,10 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
 # one .cu file per kernel family, registered in ops.cpp
 KERNEL_FILES = ("prev_tokens.cu", "decode_attention.cu", "sampling.cu", "activation.cu",
-                "linear.cu")
+                "linear.cu", "bookkeeping.cu")
 KERNEL_OPS = ("prev_tokens_shift_inplace", "decode_attention", "sample_topk", "snake",
-              "bias_residual", "snake_cat", "linear_small_m")
+              "bias_residual", "snake_cat", "linear_small_m", "book_ras_inputs",
+              "book_frame_tokens", "book_step_end")
 
 
 @functools.cache
