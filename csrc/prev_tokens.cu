@@ -7,8 +7,8 @@
 // A silent reshape or dtype promotion here corrupts the window and sounds like a worse
 // model (speaker drift), so nothing is converted: wrong inputs fail loudly.
 
-#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
 #include "check.cuh"
@@ -45,7 +45,7 @@ void prev_tokens_shift_inplace(torch::Tensor prev, torch::Tensor next_tokens) {
   const c10::cuda::CUDAGuard guard(prev.device());
   const int threads = 128;
   const int64_t blocks = (bs * cw + threads - 1) / threads;
-  prev_tokens_shift_kernel<<<blocks, threads, 0, at::cuda::getCurrentCUDAStream()>>>(
+  prev_tokens_shift_kernel<<<blocks, threads, 0, c10::cuda::getCurrentCUDAStream()>>>(
       prev.data_ptr<int32_t>(), next_tokens.data_ptr<int32_t>(), bs, window, cw);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
