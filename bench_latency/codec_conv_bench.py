@@ -1,8 +1,9 @@
 """The codec's fused residual-unit convs (engine/kernels/codec_conv.py) against the path they
 replace: cuDNN's channels-last conv (autotuned, as the codec's graph capture does) plus csrc's
 Snake / bias-residual pass, at the S2-Pro decoder's shapes for a tick of 64 streams x 8 frames;
-then the graphed streaming codec's ticks with and without the fused convs, and each one's bf16
-audio against the float32 offline decode.
+then the fused residual unit (both convs in one launch, up to 256 channels) against its two
+convs as that plan runs them; then the graphed streaming codec's ticks with and without the
+fused convs, and each one's bf16 audio against the float32 offline decode.
 
     python -m bench_latency.codec_conv_bench [--sweep [--wide] [--accurate-sine]] [--streams 64,4]
         [--json out.json] [--no-ticks | --ticks-only]
@@ -10,7 +11,8 @@ audio against the float32 offline decode.
 `--sweep` times every launch shape of `SWEEP` (`--wide`: and of `WIDE`) per conv, the Snake
 convs with the hardware sine as the engine runs them (`--accurate-sine`: Triton's), and
 reports the fastest: the JSON is then a table the codec's plan loads (`codec_conv.load_plan`: the
-fused conv where its best shape beat cuDNN's conv + pass). Timing: CUDA events over 20 calls
+fused conv where its best shape beat cuDNN's conv + pass, and the fused unit where its best
+shape of `UNIT_SWEEP` beat the unit's two convs). Timing: CUDA events over 20 calls
 after 3 warm-ups.
 """
 
@@ -134,6 +136,90 @@ def conv_row(streams: int, c: int, t: int, k: int, d: int,
     return row
 
 
+UNIT_SWEEP = tuple(cc.Config(*c) for c in (  # the fused unit: block_n is its k=1 chunk
+    (64, 64, 64, 4, 3), (64, 64, 64, 8, 3), (32, 64, 64, 4, 3), (64, 32, 64, 4, 3),
+    (128, 64, 64, 8, 3), (64, 128, 64, 8, 3), (64, 64, 32, 4, 4), (32, 128, 64, 4, 2)))
+
+
+def unit_rows(streams: list[int], sweep: tuple[cc.Config, ...], conv_table: list[dict],
+              fast_sine: bool = True) -> list[dict]:
+    """The fused residual unit (`cc.residual_unit`) against its two convs as the plan made
+    of `conv_table` (this run's conv rows) runs them, at every unit shape it takes (<= 256
+    channels) and dilation: the table's "units" rows."""
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+        f.write(json.dumps({"convs": conv_table}))
+        f.flush()
+        plan = cc.load_plan(f.name, device=None)
+    rows = []
+    for n in streams:
+        for c, t in LEVELS:
+            if c > cc.UNIT_MAX_C:
+                continue
+            for d in (9, 3, 1):
+                row = unit_row(n, c, t, d, plan, sweep, fast_sine)
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+    return rows
+
+
+def unit_row(streams: int, c: int, t: int, d: int, plan: cc.Plan, sweep: tuple[cc.Config, ...],
+             fast_sine: bool = True) -> dict:
+    dt = torch.bfloat16
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, device="cuda", generator=g) * scale).to(dt)
+
+    P = 6 * d
+    xx = randn(streams, P + t, c).transpose(1, 2)
+    x = randn(streams, t, c).transpose(1, 2)
+    w7, w1 = randn(c, c, 7, scale=(7 * c) ** -0.5), randn(c, c, 1, scale=c ** -0.5)
+    b7, b1 = randn(c, scale=0.1), randn(c, scale=0.1)
+    a2 = (torch.rand(c, device="cuda", generator=g) + 0.3).to(dt)
+    taps7, taps1 = cc.conv_taps(w7), cc.conv_taps(w1)
+    w7_4, w1_4 = (w.unsqueeze(2).contiguous(memory_format=torch.channels_last) for w in (w7, w1))
+    m = streams * t
+    cfg7, cfg1 = plan.choose(c, 7, d, m), plan.choose(c, 1, 1, m)
+
+    def two_convs() -> torch.Tensor:  # the unit as the plan runs it without the fused unit
+        if cfg7 is not None:
+            h = cc.causal_conv(xx, w7, b7, d, alpha=a2, taps=taps7, config=cfg7,
+                               fast_sine=fast_sine)
+        else:
+            h = snake(F.conv2d(xx.unsqueeze(2), w7_4, None, 1, 0, (1, d)).squeeze(2), a2, b7)
+        if cfg1 is not None:
+            return cc.causal_conv(h, w1, b1, 1, residual=x, taps=taps1, config=cfg1)
+        return bias_residual(x, F.conv2d(h.unsqueeze(2), w1_4).squeeze(2), b1)
+
+    def unit(cfg: cc.Config | None = None) -> torch.Tensor:
+        return cc.residual_unit(x, xx, w7, b7, d, a2, w1, b1, taps7=taps7, taps1=taps1,
+                                config=cfg, fast_sine=fast_sine)
+
+    cfg = cc.unit_config_for(m, c)
+    row: dict = {"streams": streams, "channels": c, "samples": t, "dilation": d,
+                 "two_convs_ms": round(timed_ms(two_convs), 4),
+                 "two_convs_fused": [cfg7 is not None, cfg1 is not None],
+                 "unit_ms": round(timed_ms(unit), 4), "unit_config": _cfg(cfg),
+                 "max_abs_vs_two_convs": round(float((unit().float() - two_convs().float())
+                                                     .abs().max()), 4)}
+    best = None
+    for s in sweep:
+        bk = next(b for b in (128, 64, 32, 16) if b <= s.block_k and c % b == 0)
+        s = cc.Config(s.block_m, min(s.block_n, cc._pow2(c)), bk, s.warps, s.stages)
+        try:
+            ms = timed_ms(lambda s=s: unit(s))
+        except Exception as e:  # a shape that does not fit (registers, shared memory)
+            print(f"  unit {s}: {type(e).__name__}: {str(e)[:80]}", flush=True)
+            continue
+        if best is None or ms < best[0]:
+            best = (ms, s)
+    if best is not None:
+        row.update(best_ms=round(best[0], 4), best_config=_cfg(best[1]))
+    return row
+
+
 def _tick_ms(dec, streams: int, frames: int) -> float:  # type: ignore[no-untyped-def]
     sids = [dec.open() for _ in range(streams)]
     chunk = {s: torch.randint(0, 1024, (10, frames)) for s in sids}
@@ -172,6 +258,8 @@ def tick_rows(table: str | None) -> dict:
         t0 = time.perf_counter()
         dec.capture(keys=keys)
         row: dict = {"fused_convs": sum(cfg is not None for *_, cfg in ops.conv_plan.rows)
+                     if ops.conv_plan is not None else 0,
+                     "fused_units": sum(cfg is not None for *_, cfg in ops.conv_plan.units)
                      if ops.conv_plan is not None else 0,
                      "capture_s": round(time.perf_counter() - t0, 1)}
         for streams, frames in keys[:4]:
@@ -223,6 +311,9 @@ def main(argv: list[str] | None = None) -> int:
                     "convs": [] if a.ticks_only else conv_rows(
                         streams, (SWEEP + (WIDE if a.wide else ())) if a.sweep else (),
                         fast_sine=not a.accurate_sine)}
+    if not a.ticks_only:  # the fused residual unit against its two convs as planned above
+        report["units"] = unit_rows(streams, UNIT_SWEEP if a.sweep else (), report["convs"],
+                                    fast_sine=not a.accurate_sine)
     if a.json:
         Path(a.json).write_text(json.dumps(report, indent=1))
     if not a.no_ticks:  # with this run's plan where it swept, else the committed one

@@ -382,3 +382,145 @@ def test_cuda_codec_with_the_fused_convs():
         assert got.shape == want.shape
         errs[name] = float((got - want).norm() / want.norm())
     assert errs["fused"] <= 1.1 * errs["cudnn"] + 1e-3, errs
+
+
+# ------------------------------------------------------------------------- the fused unit
+def _unit_operands(B, C, T, d, device="cpu", dtype=torch.bfloat16, seed=0):  # type: ignore[no-untyped-def]
+    """A residual unit's operands after its first Snake: x [B, C, T] (the residual) and xx
+    [B, C, P + T] (the k=7 conv's [tail | Snake(x)] input), both channels-last slices; w7,
+    b7, alpha2, w1, b1."""
+    xx, w7, b7, alpha2, x = _operands(B, C, C, T, 7, d, device, dtype, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    w1 = (torch.randn(C, C, 1, generator=g) / C ** 0.5).to(device=device, dtype=dtype)
+    b1 = (torch.randn(C, generator=g) * 0.1).to(device=device, dtype=dtype)
+    return x, xx, w7, b7, alpha2, w1, b1
+
+
+def _assert_unit_close(got, x, xx, w7, b7, d, alpha2, w1, b1):  # type: ignore[no-untyped-def]
+    """Against float64 with the unit's middle activation rounded to x's dtype (as the kernel
+    and the two-launch path store it): that rounding may land an ulp apart, so the bound
+    adds 2^-7 of sum |h w1| to the output's own rounding and float32 accumulation."""
+    h, _ = _reference(xx, w7, b7, d, alpha=alpha2)
+    h = h.to(x.dtype).double()
+    w1d = w1.double()
+    ref = x.double() + torch.nn.functional.conv1d(h, w1d) + b1.double().reshape(1, -1, 1)
+    mag = torch.nn.functional.conv1d(h.abs(), w1d.abs())
+    assert got.shape == ref.shape and got.transpose(1, 2).is_contiguous()
+    err = (got.double() - ref).abs()
+    bound = 2 ** -8 * ref.abs() + 2 ** -7 * mag + 3e-5 * (mag + 1) + 1e-6
+    worst = float((err - bound).max())
+    assert worst <= 0, f"fused unit vs float64: exceeds the bound by {worst:.3g} " \
+                       f"(max err {float(err.max()):.3g})"
+
+
+UNIT_CASES = [(2, 32, 5, 3), (3, 16, 9, 1), (1, 96, 37, 9), (2, 48, 4, 1)]  # B, C, T, d
+
+
+def test_unit_formulas_are_the_offline_unit():
+    """residual_unit's formulas (what a CPU runs) against the offline ResidualUnit on the
+    same samples: its [tail | Snake(x)] input made from zeros as the offline unit pads."""
+    from engine.codec.layers import ResidualUnit
+
+    torch.manual_seed(0)
+    unit = ResidualUnit(16, dilation=3).eval()
+    for m in unit.modules():
+        if hasattr(m, "alpha"):
+            m.alpha.data = torch.rand_like(m.alpha) + 0.3
+    x = torch.randn(2, 16, 30)
+    act1, conv7, act2, conv1 = unit.block
+    xx = torch.cat([torch.zeros(2, 16, 18), act1(x)], dim=-1)
+    with torch.no_grad():
+        got = cc.residual_unit(x, xx, conv7.conv.weight, conv7.conv.bias, 3, act2.alpha,
+                               conv1.conv.weight, conv1.conv.bias)
+        torch.testing.assert_close(got, unit(x), rtol=1e-5, atol=1e-5)
+
+
+def test_unit_bad_arguments_name_the_problem():
+    x, xx, w7, b7, a2, w1, b1 = _unit_operands(2, 16, 5, 3, dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"w1 \[16, 8, 1\] \[16, 16, 1\]"):
+        cc.residual_unit(x, xx, w7, b7, 3, a2, w1[:, :8], b1)
+    with pytest.raises(ValueError, match="gives 5 outputs for 2 streams; x"):
+        cc.residual_unit(x[..., :4], xx, w7, b7, 3, a2, w1, b1)
+    with pytest.raises(ValueError, match="b1 has 3 values"):
+        cc.residual_unit(x, xx, w7, b7, 3, a2, w1, b1[:3])
+    with pytest.raises(ValueError, match="alpha has 3 values"):
+        cc.residual_unit(x, xx, w7, b7, 3, a2[:3], w1, b1)
+    with pytest.raises(TypeError, match="w1"):
+        cc.residual_unit(x, xx, w7, b7, 3, a2, w1.double(), b1)
+    with pytest.raises(ValueError, match="fewer than the conv's span"):
+        cc.residual_unit(x, xx[..., :10], w7, b7, 3, a2, w1, b1)
+
+
+def test_unit_config_rule_fits_the_codec():
+    """The unit's launch rule: its reduction step divides C, its output chunk fits the padded
+    channels, for the S2-Pro units it may take (96, 192) and the fixture's."""
+    for c in (16, 32, 48, 96, 192, 256):
+        for m in (8, 4096, 131072):
+            cfg = cc.unit_config_for(m, c)
+            cfg.check()
+            assert c % cfg.block_k == 0 and cfg.block_n <= cc._pow2(c)
+
+
+def test_plan_loads_the_fused_units(tmp_path):
+    """A table's "units" rows: the fused unit where it beat the unit's two convs by the
+    margin, at the nearest measured rows; a table without them (recorded before) has none."""
+    unit = {"channels": 96, "dilation": 9, "samples": 100, "best_config": [64, 64, 32, 4, 3]}
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"convs": [], "units": [
+        {**unit, "streams": 64, "two_convs_ms": 1.0, "best_ms": 0.8},
+        {**unit, "streams": 1, "two_convs_ms": 1.0, "best_ms": 0.99}]}))
+    plan = cc.load_plan(path)
+    assert plan.choose_unit(96, 9, 6400) == cc.Config(64, 64, 32, 4, 3)
+    assert plan.choose_unit(96, 9, 100) is None  # within the margin
+    assert plan.choose_unit(96, 3, 6400) is None and plan.choose(96, 0, 9, 6400) is None
+    path.write_text(json.dumps({"convs": []}))
+    assert cc.load_plan(path).units == ()
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_residual_unit_streams_as_one_launch_through_the_plan(monkeypatch, channels_last):
+    """With a plan row for the fused unit, each chunk of a streamed unit is one
+    `residual_unit` call (its formulas on the CPU: the kernel's call path) and the stream
+    still gives the offline unit; the next conv makes its own input (no `then`)."""
+    import engine.codec.layers as layers
+
+    calls = []
+
+    def unit(*a, **k):  # type: ignore[no-untyped-def]
+        calls.append(k.get("config"))
+        return cc.residual_unit(*a, **k)
+
+    monkeypatch.setattr(layers, "residual_unit", unit)
+    cfg = cc.Config(64, 16, 16)
+    plan = cc.Plan((), ((16, 0, 3, 1, cfg),))
+    got, want = stream_vs_offline(unit_block(16), torch.randn(2, 16, 50),
+                                  CodecOps(conv_plan=plan, channels_last=channels_last,
+                                           snake_into_next=True), channels_last)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert calls == [cfg] * 4
+
+
+@needs_interp
+@pytest.mark.parametrize("B,C,T,d", UNIT_CASES)
+def test_interp_unit_kernel_matches_reference(monkeypatch, B, C, T, d):
+    from tests.test_fp8_triton import _patch_interpreter
+
+    _patch_interpreter(monkeypatch)
+    ops = _unit_operands(B, C, T, d)
+    for cfg in (cc.Config(16, 16, 16, 4, 1), cc.Config(32, min(64, cc._pow2(C)), 16, 4, 1)):
+        got = cc._unit_launch(*ops[:4], d, *ops[4:], None, None, cfg, T)
+        _assert_unit_close(got, *ops[:4], d, *ops[4:])
+
+
+@needs_cuda
+@pytest.mark.parametrize("B,C,T,d", [*UNIT_CASES, (64, 96, 512, 9), (64, 192, 128, 1),
+                                     (1, 192, 2, 3)])
+@pytest.mark.parametrize("fast_sine", [False, True])
+def test_cuda_unit_kernel_matches_reference(B, C, T, d, fast_sine):
+    x, xx, w7, b7, a2, w1, b1 = _unit_operands(B, C, T, d, device="cuda")
+    assert cc.unit_supported(x, xx)
+    _assert_unit_close(cc.residual_unit(x, xx, w7, b7, d, a2, w1, b1, fast_sine=fast_sine),
+                       x, xx, w7, b7, d, a2, w1, b1)
+    for cfg in (cc.Config(32, 16, 16, 4, 2), cc.Config(128, 64, 32, 8, 3)):
+        got = cc.residual_unit(x, xx, w7, b7, d, a2, w1, b1, config=cfg, fast_sine=fast_sine)
+        _assert_unit_close(got, x, xx, w7, b7, d, a2, w1, b1)

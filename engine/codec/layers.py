@@ -44,7 +44,7 @@ from ..kernels.activation import (
     snake_formula,
     snake_torch,
 )
-from ..kernels.codec_conv import Plan, causal_conv, conv_taps
+from ..kernels.codec_conv import Plan, causal_conv, conv_taps, residual_unit, unit_supported
 from ..kernels.codec_conv import supported as causal_conv_supported
 from .config import WindowTransformerConfig
 
@@ -274,8 +274,9 @@ class CodecOps:
     bias_residual: Callable[..., Tensor] = bias_residual_torch  # (x, y, bias): x + (y + bias)
     fold_bias: bool = False
     # where a residual unit's conv runs as engine/kernels/codec_conv.py's Triton conv with the
-    # Snake after it (the first) or the residual sum (the second) in its epilogue; the others
-    # as the conv, then the pointwise op (needs fold_bias' ops)
+    # Snake after it (the first) or the residual sum (the second) in its epilogue, and where
+    # the whole unit runs as one launch (`residual_unit`, the plan's `units`); the others as
+    # the conv, then the pointwise op (needs fold_bias' ops)
     conv_plan: Plan | None = None
     # with the plan: a residual unit whose last conv runs fused also writes the next conv's
     # [tail | Snake] input in that conv's epilogue (`ResidualUnit.stream_chain`). Off: on the
@@ -562,11 +563,25 @@ class ResidualUnit(nn.Module):
         module's streaming conv, the Snake before it): where this unit's last conv runs
         fused, it writes that Snake of the unit's output into the next conv's input in the
         same pass and returns it beside the output (else None), which saves the next conv's
-        Snake-and-concatenate pass."""
+        Snake-and-concatenate pass. Where the plan has a row for the fused unit at this
+        shape, both convs run as one launch (`residual_unit`; no `then`)."""
         act1, conv7, act2, conv1 = self.block
         ops = ctx.ops
         if ops.conv_plan is not None and conv7.conv.bias is not None \
                 and conv1.conv.bias is not None:
+            c7, c1 = conv7.conv, conv1.conv
+            cfg = ops.conv_plan.choose_unit(c7.in_channels, c7.dilation[0],
+                                            x.shape[0] * x.shape[-1])
+            if cfg is not None and c7.groups == 1 and c1.groups == 1:
+                # the whole unit in one launch where the plan measured it faster (its
+                # formulas on a CPU); a CUDA input the kernel does not take keeps the convs
+                xx = conv7.stream_input(x, ctx, act1.alpha, xx)
+                if not x.is_cuda or unit_supported(x, xx):
+                    return residual_unit(
+                        x, xx, c7.weight, c7.bias, c7.dilation[0], act2.alpha, c1.weight,
+                        c1.bias, taps7=derived(c7.__dict__, "_conv_taps", c7.weight, conv_taps),
+                        taps1=derived(c1.__dict__, "_conv_taps", c1.weight, conv_taps),
+                        config=cfg, fast_sine=ops.conv_fast_sine), None
             # conv7 + bias + Snake, then conv1 + bias + the residual sum (each one pass where
             # the plan chose the fused conv)
             h = conv7.stream_then(x, ctx, act1.alpha, alpha=act2.alpha, xx=xx)

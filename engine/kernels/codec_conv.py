@@ -31,6 +31,15 @@ Contract (checked by the wrapper; anything else runs the torch formulas):
 The kernel needs C a multiple of 16 (the reduction step); the fixture codec's 4-32 channel
 convs run the formulas.
 
+`residual_unit(x, xx, w7, b7, dilation, alpha2, w1, b1)`: a whole residual unit after its
+first Snake, ``x + (conv1(snake(conv7(xx) + b7, alpha2)) + b1)``, in one launch for up to
+256 channels: each program holds its rows' k=7 conv output for every channel (rounded to
+x's dtype after the Snake, as the two-launch path stores it) and multiplies it by the k=1
+conv's taps in chunks of block_n output channels, so the unit's middle activation never
+goes through memory and the k=1 conv has no launch of its own. Contract: x [B, C, T] and xx
+[B, C, P + T] channels-last as above, w7 [C, C, 7], w1 [C, C, 1], C a multiple of 16, at most
+256; -> [B, C, T] channels-last.
+
 Triton is imported lazily: importing this module needs neither triton nor CUDA.
 """
 
@@ -51,10 +60,12 @@ from .activation import bias_residual_torch, snake_torch
 from .build import CURRENT_DEVICE, current_device_name, triton_available
 
 __all__ = ["Config", "Plan", "available", "causal_conv", "causal_conv_torch", "config_for",
-           "conv_taps", "load_plan", "supported"]
+           "conv_taps", "load_plan", "residual_unit", "residual_unit_torch", "supported",
+           "unit_config_for", "unit_supported"]
 
 log = logging.getLogger(__name__)
 N_PAD = 128  # the taps' output channels are padded to this: the kernel's loads need no mask
+UNIT_MAX_C = 256  # the fused unit keeps a row tile's conv output for every channel
 _DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -100,15 +111,30 @@ class Plan:
     one never measured, or with under half the fewest rows measured, runs cuDNN."""
 
     rows: tuple[tuple[int, int, int, int, Config | None], ...] = ()
+    # the fused residual unit (`residual_unit`), per (channels, dilation of its k=7 conv, m
+    # rows): its fastest launch shape where it beat the unit's two convs as the rows above
+    # run them by `margin`, else None; (c, 0, d, m, config) as the rows above
+    units: tuple[tuple[int, int, int, int, Config | None], ...] = ()
 
     def choose(self, c: int, k: int, d: int, m: int) -> Config | None:
-        rows = [(abs(math.log(max(m, 1) / rm)), rm, cfg)
-                for rc, rk, rd, rm, cfg in self.rows if (rc, rk, rd) == (c, k, d)]
-        # no extrapolation to fewer rows than measured: launch-bound sizes (a 1-stream x
-        # 2-frame tick) ran slower fused (H200: 2.23 vs 2.08 ms)
-        if not rows or 2 * m < min(rm for _, rm, _ in rows):
-            return None
-        return min(rows, key=lambda r: r[0])[2]
+        return _nearest(self.rows, c, k, d, m)
+
+    def choose_unit(self, c: int, d: int, m: int) -> Config | None:
+        """The fused unit's launch shape for c channels, dilation d and m rows (None: the
+        unit runs as its two convs)."""
+        return _nearest(self.units, c, 0, d, m)
+
+
+def _nearest(rows: tuple[tuple[int, int, int, int, Config | None], ...], c: int, k: int,
+             d: int, m: int) -> Config | None:
+    """The measured row of (c, k, d) nearest m in log(m), or None."""
+    near = [(abs(math.log(max(m, 1) / rm)), rm, cfg)
+            for rc, rk, rd, rm, cfg in rows if (rc, rk, rd) == (c, k, d)]
+    # no extrapolation to fewer rows than measured: launch-bound sizes (a 1-stream x
+    # 2-frame tick) ran slower fused (H200: 2.23 vs 2.08 ms)
+    if not near or 2 * m < min(rm for _, rm, _ in near):
+        return None
+    return min(near, key=lambda r: r[0])[2]
 
 
 DEFAULT_TABLE = Path(__file__).with_name("codec_conv_table.json")
@@ -117,8 +143,8 @@ MARGIN = 0.03  # the fused conv must beat cuDNN + its pass by this fraction to b
 
 def load_plan(path: Path | str = DEFAULT_TABLE, margin: float = MARGIN,
               device: str | None = CURRENT_DEVICE) -> Plan:
-    """The plan from a codec_conv_bench JSON (its "convs" rows); a clear error if the file
-    is not one. The table is for the GPU it was measured on ("device"): when `device` (the
+    """The plan from a codec_conv_bench JSON (its "convs" rows, and its "units" rows for the
+    fused residual unit where it has them); a clear error if the file is not one. The table is for the GPU it was measured on ("device"): when `device` (the
     current CUDA device's name by default; None: no check) differs, it is ignored with a
     warning and the plan is empty (cuDNN everywhere: the timings do not carry over)."""
     try:
@@ -132,6 +158,14 @@ def load_plan(path: Path | str = DEFAULT_TABLE, margin: float = MARGIN,
                 cfg.check()
             rows.append((int(r["channels"]), int(r["k"]), int(r["dilation"]),
                          int(r["streams"]) * int(r["samples"]), cfg))
+        units = []
+        for r in data.get("units", []):  # tables recorded before the fused unit have none
+            cfg = None
+            if r.get("best_ms") is not None and r["best_ms"] < (1 - margin) * r["two_convs_ms"]:
+                cfg = Config(*r["best_config"])
+                cfg.check()
+            units.append((int(r["channels"]), 0, int(r["dilation"]),
+                          int(r["streams"]) * int(r["samples"]), cfg))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"codec conv table {path}: {type(e).__name__}: {e} (write one with "
                          f"`python -m bench_latency.codec_conv_bench --sweep --json FILE`)"
@@ -144,7 +178,7 @@ def load_plan(path: Path | str = DEFAULT_TABLE, margin: float = MARGIN,
                     "bench_latency.codec_conv_bench --sweep --streams 64,4 --json FILE`)",
                     path, recorded, device)
         return Plan()
-    return Plan(tuple(rows))
+    return Plan(tuple(rows), tuple(units))
 
 
 # ------------------------------------------------------------------------- the formulas
@@ -175,6 +209,27 @@ def causal_conv_torch(x: Tensor, weight: Tensor, bias: Tensor, dilation: int, *,
             xx[..., xx.shape[-1] - out.shape[-1]:] = snake_torch(out, alpha2)
         return out
     return y + bias.reshape(1, -1, 1)
+
+
+def residual_unit_torch(x: Tensor, xx: Tensor, w7: Tensor, b7: Tensor, dilation: int,
+                        alpha2: Tensor, w1: Tensor, b1: Tensor) -> Tensor:
+    """The formulas of `residual_unit`: the k=7 conv with its Snake, then the k=1 conv with
+    the residual sum, as the two `causal_conv_torch` calls of the unfused unit."""
+    h = causal_conv_torch(xx, w7, b7, dilation, alpha=alpha2)
+    return causal_conv_torch(h, w1, b1, 1, residual=x)
+
+
+def unit_config_for(m: int, c: int) -> Config:
+    """The fused unit's launch shape where the plan has none: 64-row tiles, the k=1 conv in
+    chunks of 64 channels, 8 warps for more than 128 channels (the row tile's conv output is
+    then [64, 256] float32)."""
+    block_k = 64 if c % 64 == 0 else 32 if c % 32 == 0 else 16
+    block_n = min(64, _pow2(c))
+    return Config(64 if m >= 64 else 32, block_n, block_k, 8 if c > 128 else 4, 3)
+
+
+def _pow2(n: int) -> int:
+    return max(16, 1 << (max(n, 1) - 1).bit_length())
 
 
 # ------------------------------------------------------------------------- the kernel
@@ -288,6 +343,139 @@ def _launch(x: Tensor, weight: Tensor, bias: Tensor, dilation: int, alpha: Tenso
         FAST_SIN=bool(fast_sine), BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, num_warps=cfg.warps,
         num_stages=cfg.stages)
     return out.transpose(1, 2)
+
+
+def _unit_check(x: Tensor, xx: Tensor, w7: Tensor, b7: Tensor, dilation: int, alpha2: Tensor,
+                w1: Tensor, b1: Tensor) -> int:
+    """Validate `residual_unit`'s arguments (any device); return T."""
+    if x.dim() != 3 or w7.dim() != 3 or w1.dim() != 3:
+        raise ValueError(f"residual_unit: x [B, C, T] {list(x.shape)}, w7 [C, C, k] "
+                         f"{list(w7.shape)} and w1 [C, C, 1] {list(w1.shape)} expected")
+    B, C, t = x.shape
+    if tuple(w7.shape[:2]) != (C, C) or tuple(w1.shape) != (C, C, 1):
+        raise ValueError(f"residual_unit: w7 {list(w7.shape)} must be [{C}, {C}, k] and w1 "
+                         f"{list(w1.shape)} [{C}, {C}, 1] for x's {C} channels")
+    t_in = _check(xx, w7, b7, dilation, alpha2, None)
+    if t_in != t or xx.shape[0] != B:
+        raise ValueError(f"residual_unit: xx {list(xx.shape)} gives {t_in} outputs for "
+                         f"{xx.shape[0]} streams; x {list(x.shape)} has {t} for {B}")
+    if b1.numel() != C:
+        raise ValueError(f"residual_unit: b1 has {b1.numel()} values for {C} channels")
+    for name, v in (("x", x), ("w1", w1), ("b1", b1)):
+        if v.dtype != xx.dtype or v.device != xx.device:
+            raise TypeError(f"residual_unit: {name} ({v.dtype}, {v.device}) must match xx "
+                            f"({xx.dtype}, {xx.device})")
+    return t
+
+
+def unit_supported(x: Tensor, xx: Tensor) -> bool:
+    """Whether the fused unit's kernel takes these: `supported`'s layouts for xx and x (the
+    residual), C a multiple of 16 and at most UNIT_MAX_C."""
+    return x.shape[1] <= UNIT_MAX_C and supported(xx, xx, residual=x)
+
+
+def residual_unit(x: Tensor, xx: Tensor, w7: Tensor, b7: Tensor, dilation: int,
+                  alpha2: Tensor, w1: Tensor, b1: Tensor, *, taps7: Tensor | None = None,
+                  taps1: Tensor | None = None, config: Config | None = None,
+                  kernel: bool = True, fast_sine: bool = False) -> Tensor:
+    """A residual unit after its first Snake (module docstring) in one launch where the
+    kernel applies (`taps7`, `taps1`: `conv_taps` of w7 and w1, made once by the caller;
+    made here when not given), `residual_unit_torch` otherwise (CPU, no triton,
+    `kernel=False`, other layouts, more than UNIT_MAX_C channels). `fast_sine`: the Snake
+    with the hardware sine, as `causal_conv`'s."""
+    t = _unit_check(x, xx, w7, b7, dilation, alpha2, w1, b1)
+    if not (kernel and available() and unit_supported(x, xx)):
+        return residual_unit_torch(x, xx, w7, b7, dilation, alpha2, w1, b1)
+    return _unit_launch(x, xx, w7, b7, dilation, alpha2, w1, b1, taps7, taps1, config, t,
+                        fast_sine)
+
+
+def _unit_launch(x: Tensor, xx: Tensor, w7: Tensor, b7: Tensor, dilation: int, alpha2: Tensor,
+                 w1: Tensor, b1: Tensor, taps7: Tensor | None, taps1: Tensor | None,
+                 config: Config | None, t: int, fast_sine: bool = False) -> Tensor:
+    B, C, _ = x.shape
+    k = w7.shape[2]
+    taps7 = conv_taps(w7) if taps7 is None else taps7
+    taps1 = conv_taps(w1) if taps1 is None else taps1
+    np_ = -(-C // N_PAD) * N_PAD
+    for name, tp, want in (("taps7", taps7, (k * C, np_)), ("taps1", taps1, (C, np_))):
+        if tuple(tp.shape) != want or not tp.is_contiguous() or tp.dtype != x.dtype \
+                or tp.device != x.device:
+            raise ValueError(f"residual_unit: {name} {list(tp.shape)} {tp.dtype} is not "
+                             f"conv_taps of its weight ({list(want)}, {x.dtype})")
+    m = B * t
+    cfg = config if config is not None else unit_config_for(m, C)
+    cfg.check()
+    npc = _pow2(C)
+    if C % cfg.block_k or cfg.block_n > npc:
+        raise ValueError(f"residual_unit: block_k {cfg.block_k} must divide C = {C} and "
+                         f"block_n {cfg.block_n} be at most {npc}")
+    out = torch.empty((B, t, C), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out.transpose(1, 2)
+    import triton
+
+    grid = (triton.cdiv(m, cfg.block_m),)
+    _unit_kernel()[grid](
+        xx, taps7, b7.reshape(-1), alpha2.reshape(-1), taps1, b1.reshape(-1), x, out,
+        m, t, C, np_, dilation * xx.stride(2), xx.stride(0), xx.stride(2), x.stride(0),
+        x.stride(2), TAPS=k, FAST_SIN=bool(fast_sine), BM=cfg.block_m, NPC=npc,
+        BN=cfg.block_n, BK=cfg.block_k, num_warps=cfg.warps, num_stages=cfg.stages)
+    return out.transpose(1, 2)
+
+
+@functools.cache
+def _unit_kernel():  # type: ignore[no-untyped-def]
+    import triton
+    import triton.language as tl
+    from triton.language.extra import libdevice
+
+    @triton.jit(do_not_specialize=["M", "T"])
+    def unit_kernel(x_ptr, w7_ptr, b7_ptr, a_ptr, w1_ptr, b1_ptr, r_ptr, o_ptr, M, T, C, NP,
+                    s_tap, sxb, sxt, srb, srt, TAPS: tl.constexpr, FAST_SIN: tl.constexpr,
+                    BM: tl.constexpr, NPC: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        # one program per BM output rows (stream b, time t) = b * T + t, every channel
+        pid = tl.program_id(0)
+        rm = pid * BM + tl.arange(0, BM)
+        rc = tl.arange(0, NPC)  # the k=7 conv's output channels (padded to a power of two)
+        rk = tl.arange(0, BK)
+        row_ok = rm < M
+        rmc = tl.where(row_ok, rm, 0)
+        b = rmc // T
+        t = rmc - b * T
+        a_row = b.to(tl.int64) * sxb + t.to(tl.int64) * sxt
+        # h: [BM, NPC] = snake(conv7(xx) + b7), the reduction over (tap, input channel)
+        acc = tl.zeros((BM, NPC), dtype=tl.float32)
+        for kk in range(0, TAPS * C, BK):
+            j = kk // C
+            c0 = kk - j * C
+            a = tl.load(x_ptr + a_row[:, None] + j * s_tap + (c0 + rk)[None, :])
+            w = tl.load(w7_ptr + (kk + rk)[:, None] * NP + rc[None, :])
+            acc = tl.dot(a, w, acc)
+        c_ok = rc < C
+        v = acc + tl.load(b7_ptr + rc, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+        al = tl.load(a_ptr + rc, mask=c_ok, other=1.0).to(tl.float32)
+        if FAST_SIN:
+            s = libdevice.fast_sinf(al[None, :] * v)
+        else:
+            s = tl.sin(al[None, :] * v)
+        v = v + (1.0 / (al + 1e-9))[None, :] * (s * s)
+        h = v.to(o_ptr.dtype.element_ty)  # rounded as the two-launch path stores it
+        r_row = b.to(tl.int64) * srb + t.to(tl.int64) * srt
+        # out = x + (h @ W1 + b1), BN output channels at a time (W1's padded rows read as 0)
+        for n0 in tl.static_range(0, NPC, BN):
+            rn = n0 + tl.arange(0, BN)
+            n_ok = rn < C
+            w1 = tl.load(w1_ptr + rc[:, None] * NP + rn[None, :], mask=c_ok[:, None],
+                         other=0.0)
+            y = tl.dot(h, w1) + tl.load(b1_ptr + rn, mask=n_ok,
+                                        other=0.0).to(tl.float32)[None, :]
+            ok = row_ok[:, None] & n_ok[None, :]
+            res = tl.load(r_ptr + r_row[:, None] + rn[None, :], mask=ok, other=0.0)
+            tl.store(o_ptr + rm.to(tl.int64)[:, None] * C + rn[None, :],
+                     (res.to(tl.float32) + y).to(o_ptr.dtype.element_ty), mask=ok)
+
+    return unit_kernel
 
 
 @functools.cache
