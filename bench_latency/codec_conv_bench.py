@@ -2,8 +2,9 @@
 replace: cuDNN's channels-last conv (autotuned, as the codec's graph capture does) plus csrc's
 Snake / bias-residual pass, at the S2-Pro decoder's shapes for a tick of 64 streams x 8 frames;
 then the fused residual unit (both convs in one launch, up to 256 channels) against its two
-convs as that plan runs them; then the graphed streaming codec's ticks with and without the
-fused convs, and each one's bf16 audio against the float32 offline decode.
+convs as that plan runs them, and the decoder's transposed convs as the fused conv over their
+input against cuDNN's; then the graphed streaming codec's ticks with and without the fused
+convs, and each one's bf16 audio against the float32 offline decode.
 
     python -m bench_latency.codec_conv_bench [--sweep [--wide] [--accurate-sine]] [--streams 64,4]
         [--json out.json] [--no-ticks | --ticks-only]
@@ -11,8 +12,9 @@ fused convs, and each one's bf16 audio against the float32 offline decode.
 `--sweep` times every launch shape of `SWEEP` (`--wide`: and of `WIDE`) per conv, the Snake
 convs with the hardware sine as the engine runs them (`--accurate-sine`: Triton's), and
 reports the fastest: the JSON is then a table the codec's plan loads (`codec_conv.load_plan`: the
-fused conv where its best shape beat cuDNN's conv + pass, and the fused unit where its best
-shape of `UNIT_SWEEP` beat the unit's two convs). Timing: CUDA events over 20 calls
+fused conv where its best shape beat cuDNN's conv + pass, the fused unit where its best
+shape of `UNIT_SWEEP` beat the unit's two convs, a transposed conv as the fused conv where it
+beat cuDNN's). Timing: CUDA events over 20 calls
 after 3 warm-ups.
 """
 
@@ -220,6 +222,66 @@ def unit_row(streams: int, c: int, t: int, d: int, plan: cc.Plan, sweep: tuple[c
     return row
 
 
+# the decoder blocks' transposed convs: (input channels, input samples per stream for 8
+# frames, stride); kernel 2 * stride, output channels half the input's
+UPS = ((1536, 32, 8), (768, 256, 8), (384, 2048, 4), (192, 8192, 2))
+
+
+def up_rows(streams: list[int], sweep: tuple[cc.Config, ...]) -> list[dict]:
+    """Each transposed conv as the fused conv over its input (`cc.upsample`) against cuDNN's
+    channels-last transposed conv with its bias (what the codec runs without it): the
+    table's "ups" rows."""
+    rows = []
+    for n in streams:
+        for c, t, s in UPS:
+            row = up_row(n, c, t, s, sweep)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    return rows
+
+
+def up_row(streams: int, c: int, t: int, s: int, sweep: tuple[cc.Config, ...]) -> dict:
+    dt, k, cout = torch.bfloat16, 2 * s, c // 2
+    g = torch.Generator(device="cuda").manual_seed(0)
+    xx = torch.randn(streams, 1 + t, c, device="cuda", generator=g).to(dt).transpose(1, 2)
+    w = (torch.randn(c, cout, k, device="cuda", generator=g) / (2 * c) ** 0.5).to(dt)
+    b = (torch.randn(cout, device="cuda", generator=g) * 0.1).to(dt)
+    w4 = w.unsqueeze(2).contiguous(memory_format=torch.channels_last)
+    we, be = cc.transposed_weight(w, s), b.repeat(s)
+    taps = cc.conv_taps(we)
+
+    def cudnn() -> torch.Tensor:  # CausalConvTranspose1d.stream's conv_cl and slice
+        y = F.conv_transpose2d(xx.unsqueeze(2), w4, b, (1, s)).squeeze(2)
+        return y[..., s: s + t * s]
+
+    def fused(cfg: cc.Config | None = None) -> torch.Tensor:
+        return cc.upsample(xx, we, be, s, taps=taps, config=cfg)
+
+    flop = 2 * streams * t * s * cout * c * 2  # each output sums 2 taps of c inputs
+    ms = timed_ms(fused)
+    row: dict = {"streams": streams, "channels": c, "samples": t, "k": k, "stride": s,
+                 "cudnn_ms": round(timed_ms(cudnn), 4), "fused_ms": round(ms, 4),
+                 "fused_config": _cfg(cc.config_for(streams * t, s * cout, c)),
+                 "fused_tflops": round(flop / ms / 1e9, 1),
+                 "max_abs_vs_cudnn": round(float((fused().float() - cudnn().float())
+                                                 .abs().max()), 4)}
+    best = None
+    for cfg in sweep:
+        bk = next(v for v in (128, 64, 32, 16) if v <= cfg.block_k and c % v == 0)
+        cfg = cc.Config(cfg.block_m, cfg.block_n, bk, cfg.warps, cfg.stages)
+        try:
+            ms = timed_ms(lambda cfg=cfg: fused(cfg))
+        except Exception as e:  # a shape that does not fit (shared memory)
+            print(f"  up {cfg}: {type(e).__name__}: {str(e)[:80]}", flush=True)
+            continue
+        if best is None or ms < best[0]:
+            best = (ms, cfg)
+    if best is not None:
+        row.update(best_ms=round(best[0], 4), best_tflops=round(flop / best[0] / 1e9, 1),
+                   best_config=_cfg(best[1]))
+    return row
+
+
 def _tick_ms(dec, streams: int, frames: int) -> float:  # type: ignore[no-untyped-def]
     sids = [dec.open() for _ in range(streams)]
     chunk = {s: torch.randint(0, 1024, (10, frames)) for s in sids}
@@ -260,6 +322,8 @@ def tick_rows(table: str | None) -> dict:
         row: dict = {"fused_convs": sum(cfg is not None for *_, cfg in ops.conv_plan.rows)
                      if ops.conv_plan is not None else 0,
                      "fused_units": sum(cfg is not None for *_, cfg in ops.conv_plan.units)
+                     if ops.conv_plan is not None else 0,
+                     "fused_ups": sum(cfg is not None for *_, cfg in ops.conv_plan.ups)
                      if ops.conv_plan is not None else 0,
                      "capture_s": round(time.perf_counter() - t0, 1)}
         for streams, frames in keys[:4]:
@@ -311,9 +375,11 @@ def main(argv: list[str] | None = None) -> int:
                     "convs": [] if a.ticks_only else conv_rows(
                         streams, (SWEEP + (WIDE if a.wide else ())) if a.sweep else (),
                         fast_sine=not a.accurate_sine)}
-    if not a.ticks_only:  # the fused residual unit against its two convs as planned above
+    if not a.ticks_only:  # the fused residual unit against its two convs as planned above,
+        # and the transposed convs as the fused conv against cuDNN's
         report["units"] = unit_rows(streams, UNIT_SWEEP if a.sweep else (), report["convs"],
                                     fast_sine=not a.accurate_sine)
+        report["ups"] = up_rows(streams, (SWEEP + (WIDE if a.wide else ())) if a.sweep else ())
     if a.json:
         Path(a.json).write_text(json.dumps(report, indent=1))
     if not a.no_ticks:  # with this run's plan where it swept, else the committed one

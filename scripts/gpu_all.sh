@@ -45,7 +45,8 @@
 # profile_compiled_book; batches 1, 2, 64).
 # CONV=1: `python -m bench_latency.codec_conv_bench` (the codec's fused residual-unit convs
 # against cuDNN's conv + csrc's pass at the 64 x 8 tick's shapes, the fused residual unit
-# against its two convs (the table's units rows), then graphed ticks with and
+# against its two convs (the table's units rows), the transposed convs as the fused conv
+# against cuDNN's (ups rows), then graphed ticks with and
 # without them (and with the hardware sine and / or `snake_into_next`: ~40 s of capture
 # each) and their bf16 audio against float32;
 # CONV_ARGS="--sweep": every launch shape; CONV_INSTALL=1: the swept table then serves the

@@ -524,3 +524,106 @@ def test_cuda_unit_kernel_matches_reference(B, C, T, d, fast_sine):
     for cfg in (cc.Config(32, 16, 16, 4, 2), cc.Config(128, 64, 32, 8, 3)):
         got = cc.residual_unit(x, xx, w7, b7, d, a2, w1, b1, config=cfg, fast_sine=fast_sine)
         _assert_unit_close(got, x, xx, w7, b7, d, a2, w1, b1)
+
+
+# ------------------------------------------------------------------------- the transposed convs
+UP_CASES = [(16, 8, 4, 2), (8, 4, 16, 8), (16, 6, 5, 2), (16, 2, 3, 3)]  # C_in, C_out, k, s
+
+
+def _up_operands(B, cin, cout, k, s, T, device="cpu", dtype=torch.float32, seed=0):  # type: ignore[no-untyped-def]
+    """x [B, C_in, T] channels-last, the transposed conv's weight [C_in, C_out, k] and bias,
+    and xx = [m - 1 zero rows | x] (a stream's first input: its history is zeros)."""
+    g = torch.Generator().manual_seed(seed)
+    m = -(-k // s)
+    x = torch.randn(B, T, cin, generator=g).transpose(1, 2)
+    w = torch.randn(cin, cout, k, generator=g) / (cin * m) ** 0.5
+    b = torch.randn(cout, generator=g) * 0.1
+    xx = torch.cat([torch.zeros(B, m - 1, cin), x.transpose(1, 2)], dim=1).transpose(1, 2)
+    return [t.to(device=device, dtype=dtype) for t in (x, w, b, xx)]
+
+
+@pytest.mark.parametrize("cin,cout,k,s", UP_CASES)
+def test_upsample_is_the_transposed_conv(cin, cout, k, s):
+    """`upsample` over [history | x] with `transposed_weight` and the bias repeated gives the
+    causal transposed conv's outputs (its first T * s), channels-last."""
+    x, w, b, xx = _up_operands(2, cin, cout, k, s, 7)
+    got = cc.upsample(xx, cc.transposed_weight(w, s), b.repeat(s), s)
+    want = torch.nn.functional.conv_transpose1d(x, w, b, stride=s)[..., :7 * s]
+    assert got.shape == want.shape and got.transpose(1, 2).is_contiguous()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="int stride"):
+        cc.transposed_weight(w, 0)
+    with pytest.raises(ValueError, match="not transposed_weight"):
+        cc.upsample(xx, cc.transposed_weight(w, s), b.repeat(s), s * cout + 1)
+
+
+def test_plan_loads_the_transposed_convs(tmp_path):
+    up = {"channels": 192, "k": 4, "stride": 2, "samples": 100, "best_config": [64, 64, 64, 4, 3]}
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"convs": [], "ups": [
+        {**up, "streams": 64, "cudnn_ms": 1.0, "best_ms": 0.5},
+        {**up, "streams": 1, "cudnn_ms": 1.0, "best_ms": 1.2}]}))
+    plan = cc.load_plan(path)
+    assert plan.choose_up(192, 4, 2, 6400) == cc.Config(64, 64, 64, 4, 3)
+    assert plan.choose_up(192, 4, 2, 100) is None and plan.choose_up(192, 8, 4, 6400) is None
+    path.write_text(json.dumps({"convs": []}))
+    assert cc.load_plan(path).ups == ()
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_transposed_conv_streams_as_a_conv_through_the_plan(monkeypatch, channels_last):
+    """A Snake + causal transposed conv streamed in uneven chunks with a plan row for it: one
+    `upsample` call per chunk (its formulas on the CPU) and the offline output."""
+    import engine.codec.layers as layers
+    from engine.codec.layers import CausalConvTranspose1d, Snake1d
+
+    calls = []
+
+    def up(*a, **k):  # type: ignore[no-untyped-def]
+        calls.append(k.get("config"))
+        return cc.upsample(*a, **k)
+
+    monkeypatch.setattr(layers, "upsample", up)
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(Snake1d(16), CausalConvTranspose1d(16, 8, 4, 2)).eval()
+    block[0].alpha.data = torch.rand_like(block[0].alpha) + 0.3
+    cfg = cc.Config(64, 64, 16)
+    plan = cc.Plan((), (), ((16, 4, 2, 1, cfg),))
+    got, want = stream_vs_offline(block, torch.randn(2, 16, 50),
+                                  CodecOps(conv_plan=plan, channels_last=channels_last),
+                                  channels_last)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert calls == [cfg] * 4
+
+
+def _assert_up_close(got, x, w, b, s, T):  # type: ignore[no-untyped-def]
+    xd, wd = x.double(), w.double()
+    ref = torch.nn.functional.conv_transpose1d(xd, wd, b.double(), stride=s)[..., :T * s]
+    mag = torch.nn.functional.conv_transpose1d(xd.abs(), wd.abs(), stride=s)[..., :T * s]
+    assert got.shape == ref.shape and got.transpose(1, 2).is_contiguous()
+    err = (got.double() - ref).abs()
+    worst = float((err - (2 ** -8 * ref.abs() + 3e-5 * (mag + 1) + 1e-6)).max())
+    assert worst <= 0, f"upsample vs float64: exceeds the bound by {worst:.3g}"
+
+
+@needs_interp
+@pytest.mark.parametrize("cin,cout,k,s", [(16, 8, 4, 2), (32, 16, 16, 8), (16, 6, 5, 2)])
+def test_interp_upsample_kernel_matches_reference(monkeypatch, cin, cout, k, s):
+    from tests.test_fp8_triton import _patch_interpreter
+
+    _patch_interpreter(monkeypatch)
+    x, w, b, xx = _up_operands(3, cin, cout, k, s, 9, dtype=torch.bfloat16)
+    we, be = cc.transposed_weight(w, s), b.repeat(s)
+    y = cc._launch(xx, we, be, 1, None, None, None, cc.Config(16, 32, 16, 4, 1), 9)
+    _assert_up_close(y.transpose(1, 2).reshape(3, 9 * s, cout).transpose(1, 2), x, w, b, s, 9)
+
+
+@needs_cuda
+@pytest.mark.parametrize("cin,cout,k,s,T", [(16, 8, 4, 2, 9), (192, 96, 4, 2, 300),
+                                            (384, 192, 8, 4, 64), (1536, 768, 16, 8, 8)])
+def test_cuda_upsample_matches_reference(cin, cout, k, s, T):
+    x, w, b, xx = _up_operands(4, cin, cout, k, s, T, device="cuda", dtype=torch.bfloat16)
+    we, be = cc.transposed_weight(w, s), b.repeat(s)
+    assert cc.supported(xx, we)
+    for cfg in (None, cc.Config(64, 64, 16, 4, 2), cc.Config(128, 128, 64, 8, 3)):
+        _assert_up_close(cc.upsample(xx, we, be, s, config=cfg), x, w, b, s, T)

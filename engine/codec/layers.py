@@ -44,7 +44,15 @@ from ..kernels.activation import (
     snake_formula,
     snake_torch,
 )
-from ..kernels.codec_conv import Plan, causal_conv, conv_taps, residual_unit, unit_supported
+from ..kernels.codec_conv import (
+    Plan,
+    causal_conv,
+    conv_taps,
+    residual_unit,
+    transposed_weight,
+    unit_supported,
+    upsample,
+)
 from ..kernels.codec_conv import supported as causal_conv_supported
 from .config import WindowTransformerConfig
 
@@ -525,6 +533,19 @@ class CausalConvTranspose1d(Stateful, nn.Module):
         if xx is None:
             xx = _stream_input(ctx.get(self, "tail"), x, act, ctx)  # [B, Cin, history + T]
         ctx.put(self, "tail", ctx.take_last(xx, self.history))
+        c, plan = self.conv, ctx.ops.conv_plan
+        cfg = (plan.choose_up(c.in_channels, self.kernel_size, self.stride,
+                              x.shape[0] * x.shape[-1])
+               if plan is not None and c.bias is not None and c.groups == 1 else None)
+        # as a conv over the input (codec_conv.upsample) where the plan measured it faster;
+        # its formulas on a CPU; a CUDA input the kernel does not take keeps cuDNN's
+        if cfg is not None and (not xx.is_cuda or causal_conv_supported(xx, c.weight)):
+            s = self.stride
+            w = derived(c.__dict__, "_up_weight", c.weight, lambda v: transposed_weight(v, s))
+            return upsample(xx, w, derived(c.__dict__, "_up_bias", c.bias, lambda v: v.repeat(s)),
+                            s, taps=derived(c.__dict__, "_up_taps", c.weight,
+                                            lambda v: conv_taps(transposed_weight(v, s))),
+                            config=cfg)
         y = conv(xx)  # [B, Cout, (history + T - 1)*stride + kernel]
         start = self.history * self.stride  # outputs of the tail alone were emitted last call
         return y[..., start : start + x.shape[-1] * self.stride]

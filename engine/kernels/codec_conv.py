@@ -40,6 +40,12 @@ goes through memory and the k=1 conv has no launch of its own. Contract: x [B, C
 [B, C, P + T] channels-last as above, w7 [C, C, 7], w1 [C, C, 1], C a multiple of 16, at most
 256; -> [B, C, T] channels-last.
 
+`transposed_weight(weight, stride)` and `upsample(xx, ...)`: a causal transposed conv (the
+decoder blocks' upsampling: kernel k, stride s) as this conv over its input: output sample
+s * t + r of channel co is conv row t, channel r * C_out + co, so a conv with s * C_out output
+channels and ceil(k / s) taps over the input's [history | new] rows gives the transposed conv
+in channels-last order with its bias in the epilogue — the kernel above, unchanged.
+
 Triton is imported lazily: importing this module needs neither triton nor CUDA.
 """
 
@@ -61,7 +67,7 @@ from .build import CURRENT_DEVICE, current_device_name, triton_available
 
 __all__ = ["Config", "Plan", "available", "causal_conv", "causal_conv_torch", "config_for",
            "conv_taps", "load_plan", "residual_unit", "residual_unit_torch", "supported",
-           "unit_config_for", "unit_supported"]
+           "transposed_weight", "unit_config_for", "unit_supported", "upsample"]
 
 log = logging.getLogger(__name__)
 N_PAD = 128  # the taps' output channels are padded to this: the kernel's loads need no mask
@@ -119,10 +125,20 @@ class Plan:
     def choose(self, c: int, k: int, d: int, m: int) -> Config | None:
         return _nearest(self.rows, c, k, d, m)
 
+    # the transposed convs as this conv (`upsample`), per (input channels, kernel, stride, m
+    # input rows): the fastest launch shape where it beat cuDNN's transposed conv (with its
+    # bias) by `margin`, else None; (c, k, stride, m, config)
+    ups: tuple[tuple[int, int, int, int, Config | None], ...] = ()
+
     def choose_unit(self, c: int, d: int, m: int) -> Config | None:
         """The fused unit's launch shape for c channels, dilation d and m rows (None: the
         unit runs as its two convs)."""
         return _nearest(self.units, c, 0, d, m)
+
+    def choose_up(self, c: int, k: int, stride: int, m: int) -> Config | None:
+        """The launch shape of a transposed conv (c input channels, kernel k, `stride`, m
+        input rows) as this conv (None: cuDNN's transposed conv)."""
+        return _nearest(self.ups, c, k, stride, m)
 
 
 def _nearest(rows: tuple[tuple[int, int, int, int, Config | None], ...], c: int, k: int,
@@ -143,8 +159,9 @@ MARGIN = 0.03  # the fused conv must beat cuDNN + its pass by this fraction to b
 
 def load_plan(path: Path | str = DEFAULT_TABLE, margin: float = MARGIN,
               device: str | None = CURRENT_DEVICE) -> Plan:
-    """The plan from a codec_conv_bench JSON (its "convs" rows, and its "units" rows for the
-    fused residual unit where it has them); a clear error if the file is not one. The table is for the GPU it was measured on ("device"): when `device` (the
+    """The plan from a codec_conv_bench JSON (its "convs" rows, and where it has them its
+    "units" rows for the fused residual unit and "ups" rows for the transposed convs); a
+    clear error if the file is not one. The table is for the GPU it was measured on ("device"): when `device` (the
     current CUDA device's name by default; None: no check) differs, it is ignored with a
     warning and the plan is empty (cuDNN everywhere: the timings do not carry over)."""
     try:
@@ -166,6 +183,14 @@ def load_plan(path: Path | str = DEFAULT_TABLE, margin: float = MARGIN,
                 cfg.check()
             units.append((int(r["channels"]), 0, int(r["dilation"]),
                           int(r["streams"]) * int(r["samples"]), cfg))
+        ups = []
+        for r in data.get("ups", []):  # likewise: tables before the transposed convs
+            cfg = None
+            if r.get("best_ms") is not None and r["best_ms"] < (1 - margin) * r["cudnn_ms"]:
+                cfg = Config(*r["best_config"])
+                cfg.check()
+            ups.append((int(r["channels"]), int(r["k"]), int(r["stride"]),
+                        int(r["streams"]) * int(r["samples"]), cfg))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"codec conv table {path}: {type(e).__name__}: {e} (write one with "
                          f"`python -m bench_latency.codec_conv_bench --sweep --json FILE`)"
@@ -178,7 +203,7 @@ def load_plan(path: Path | str = DEFAULT_TABLE, margin: float = MARGIN,
                     "bench_latency.codec_conv_bench --sweep --streams 64,4 --json FILE`)",
                     path, recorded, device)
         return Plan()
-    return Plan(tuple(rows), tuple(units))
+    return Plan(tuple(rows), tuple(units), tuple(ups))
 
 
 # ------------------------------------------------------------------------- the formulas
@@ -217,6 +242,38 @@ def residual_unit_torch(x: Tensor, xx: Tensor, w7: Tensor, b7: Tensor, dilation:
     the residual sum, as the two `causal_conv_torch` calls of the unfused unit."""
     h = causal_conv_torch(xx, w7, b7, dilation, alpha=alpha2)
     return causal_conv_torch(h, w1, b1, 1, residual=x)
+
+
+def transposed_weight(weight: Tensor, stride: int) -> Tensor:
+    """A ConvTranspose1d weight [C_in, C_out, k] at `stride` s as a conv weight
+    [s * C_out, C_in, m], m = ceil(k / s), over the transposed conv's input with m - 1 rows of
+    history: row r * C_out + co, tap q holds weight[:, co, r + (m - 1 - q) * s] (zero past k),
+    so conv row t, channel r * C_out + co is the transposed conv's output s * t + r (counted
+    from the first output of the new rows), channel co."""
+    if weight.dim() != 3 or isinstance(stride, bool) or not isinstance(stride, int) \
+            or stride < 1:
+        raise ValueError(f"transposed_weight: a ConvTranspose1d weight [C_in, C_out, k] and an "
+                         f"int stride >= 1, got {list(weight.shape)} and {stride!r}")
+    cin, cout, k = weight.shape
+    m = -(-k // stride)
+    w = F.pad(weight.detach(), (0, m * stride - k)).reshape(cin, cout, m, stride)
+    # [ci, co, j, r] is tap j * s + r; the conv's tap q reads the input j = m - 1 - q back
+    return w.flip(2).permute(3, 1, 0, 2).reshape(stride * cout, cin, m).contiguous()
+
+
+def upsample(xx: Tensor, weight: Tensor, bias: Tensor, stride: int, *,
+             taps: Tensor | None = None, config: Config | None = None,
+             kernel: bool = True) -> Tensor:
+    """A causal transposed conv's new outputs from its input xx [B, C_in, m - 1 + T] (the
+    saved history first): `causal_conv` with `weight` = `transposed_weight(w, stride)` [s *
+    C_out, C_in, m] and `bias` = the transposed conv's bias repeated s times, then its rows
+    read as s samples each -> [B, C_out, s * T], channels-last (its storage is the conv's)."""
+    if weight.dim() != 3 or weight.shape[0] % stride:
+        raise ValueError(f"upsample: weight {list(weight.shape)} is not transposed_weight's "
+                         f"[stride * C_out, C_in, m] for stride {stride}")
+    y = causal_conv(xx, weight, bias, 1, taps=taps, config=config, kernel=kernel)
+    B, N, T = y.shape
+    return y.transpose(1, 2).reshape(B, T * stride, N // stride).transpose(1, 2)
 
 
 def unit_config_for(m: int, c: int) -> Config:
