@@ -59,6 +59,25 @@ def _cfg(c: cc.Config) -> list[int]:
     return [c.block_m, c.block_n, c.block_k, c.warps, c.stages]
 
 
+def sweep_best(sweep: tuple[cc.Config, ...], c: int, run: Callable[[cc.Config], object],
+               label: str = "", block_n_max: int = cc.N_PAD) -> dict:
+    """Time `run(config)` for each launch shape of `sweep` (its reduction step narrowed to the
+    widest that divides the c input channels, its block_n to `block_n_max`); the fastest as
+    a row's best_ms / best_config ({} when none ran: a shape that does not fit is skipped)."""
+    best = None
+    for s in sweep:
+        bk = next(b for b in (128, 64, 32, 16) if b <= s.block_k and c % b == 0)
+        s = cc.Config(s.block_m, min(s.block_n, block_n_max), bk, s.warps, s.stages)
+        try:
+            ms = timed_ms(lambda s=s: run(s))
+        except Exception as e:  # a shape that does not fit (registers, shared memory)
+            print(f"  {label}{s}: {type(e).__name__}: {str(e)[:80]}", flush=True)
+            continue
+        if best is None or ms < best[0]:
+            best = (ms, s)
+    return {} if best is None else {"best_ms": round(best[0], 4), "best_config": _cfg(best[1])}
+
+
 def wall_ms(fn: Callable[[], object], n: int = 10) -> float:
     """Wall time per call, synchronised (the codec may run on streams of its own)."""
     for _ in range(3):
@@ -120,21 +139,9 @@ def conv_row(streams: int, c: int, t: int, k: int, d: int,
         row.update(fused_fast_sine_ms=round(fast, 4), max_abs_fast_vs_accurate_sine=round(
             float((fused(fast_sine=True).float() - fused().float()).abs().max()), 4))
     if sweep:
-        best = None
-        for s in sweep:
-            # the widest reduction step up to the shape's that divides C
-            bk = next(b for b in (128, 64, 32, 16) if b <= s.block_k and c % b == 0)
-            s = cc.Config(s.block_m, s.block_n, bk, s.warps, s.stages)
-            try:
-                ms = timed_ms(lambda s=s: fused(s, fast_sine and k == 7))
-            except Exception as e:  # a shape that does not fit (shared memory)
-                print(f"  {s}: {type(e).__name__}: {str(e)[:80]}", flush=True)
-                continue
-            if best is None or ms < best[0]:
-                best = (ms, s)
-        if best is not None:
-            row.update(best_ms=round(best[0], 4), best_tflops=round(flop / best[0] / 1e9, 1),
-                       best_config=_cfg(best[1]))
+        row.update(sweep_best(sweep, c, lambda s: fused(s, fast_sine and k == 7)))
+        if "best_ms" in row:
+            row["best_tflops"] = round(flop / row["best_ms"] / 1e9, 1)
     return row
 
 
@@ -206,19 +213,7 @@ def unit_row(streams: int, c: int, t: int, d: int, plan: cc.Plan, sweep: tuple[c
                  "unit_ms": round(timed_ms(unit), 4), "unit_config": _cfg(cfg),
                  "max_abs_vs_two_convs": round(float((unit().float() - two_convs().float())
                                                      .abs().max()), 4)}
-    best = None
-    for s in sweep:
-        bk = next(b for b in (128, 64, 32, 16) if b <= s.block_k and c % b == 0)
-        s = cc.Config(s.block_m, min(s.block_n, cc._pow2(c)), bk, s.warps, s.stages)
-        try:
-            ms = timed_ms(lambda s=s: unit(s))
-        except Exception as e:  # a shape that does not fit (registers, shared memory)
-            print(f"  unit {s}: {type(e).__name__}: {str(e)[:80]}", flush=True)
-            continue
-        if best is None or ms < best[0]:
-            best = (ms, s)
-    if best is not None:
-        row.update(best_ms=round(best[0], 4), best_config=_cfg(best[1]))
+    row.update(sweep_best(sweep, c, unit, "unit ", block_n_max=cc._pow2(c)))
     return row
 
 
@@ -265,20 +260,9 @@ def up_row(streams: int, c: int, t: int, s: int, sweep: tuple[cc.Config, ...]) -
                  "fused_tflops": round(flop / ms / 1e9, 1),
                  "max_abs_vs_cudnn": round(float((fused().float() - cudnn().float())
                                                  .abs().max()), 4)}
-    best = None
-    for cfg in sweep:
-        bk = next(v for v in (128, 64, 32, 16) if v <= cfg.block_k and c % v == 0)
-        cfg = cc.Config(cfg.block_m, cfg.block_n, bk, cfg.warps, cfg.stages)
-        try:
-            ms = timed_ms(lambda cfg=cfg: fused(cfg))
-        except Exception as e:  # a shape that does not fit (shared memory)
-            print(f"  up {cfg}: {type(e).__name__}: {str(e)[:80]}", flush=True)
-            continue
-        if best is None or ms < best[0]:
-            best = (ms, cfg)
-    if best is not None:
-        row.update(best_ms=round(best[0], 4), best_tflops=round(flop / best[0] / 1e9, 1),
-                   best_config=_cfg(best[1]))
+    row.update(sweep_best(sweep, c, fused, "up "))
+    if "best_ms" in row:
+        row["best_tflops"] = round(flop / row["best_ms"] / 1e9, 1)
     return row
 
 
