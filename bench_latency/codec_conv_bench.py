@@ -44,8 +44,15 @@ WIDE = tuple(cc.Config(*c) for c in (  # beyond SWEEP: what the next table may f
 
 
 def timed_ms(fn: Callable[[], object], n: int = 20) -> float:
+    """Milliseconds per call: CUDA events where a GPU runs it, else the wall clock (the rows'
+    functions on a CPU, as the tests run them)."""
     for _ in range(3):
         fn()
+    if not torch.cuda.is_available():
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        return (time.perf_counter() - t) / n * 1000
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     e0.record()
     for _ in range(n):
@@ -104,17 +111,17 @@ def conv_rows(streams: list[int], sweep: tuple[cc.Config, ...],
 
 
 def conv_row(streams: int, c: int, t: int, k: int, d: int,
-             sweep: tuple[cc.Config, ...], fast_sine: bool = True) -> dict:
+             sweep: tuple[cc.Config, ...], fast_sine: bool = True, device: str = "cuda") -> dict:
     """One conv of c -> c channels over `streams` x t samples: cuDNN + its pass vs fused
     (the sweep's Snake epilogues with the hardware sine where `fast_sine`, as the engine's
     `build_ops` runs them by default)."""
     dt = torch.bfloat16
     P = (k - 1) * d
-    x = torch.randn(streams, P + t, c, device="cuda", dtype=dt).transpose(1, 2)
-    w = (torch.randn(c, c, k, device="cuda") / (c * k) ** 0.5).to(dt)
-    bias = torch.randn(c, device="cuda", dtype=dt) * 0.1
-    alpha = torch.rand(c, device="cuda", dtype=dt) + 0.3
-    res = torch.randn(streams, t, c, device="cuda", dtype=dt).transpose(1, 2)
+    x = torch.randn(streams, P + t, c, device=device, dtype=dt).transpose(1, 2)
+    w = (torch.randn(c, c, k, device=device) / (c * k) ** 0.5).to(dt)
+    bias = torch.randn(c, device=device, dtype=dt) * 0.1
+    alpha = torch.rand(c, device=device, dtype=dt) + 0.3
+    res = torch.randn(streams, t, c, device=device, dtype=dt).transpose(1, 2)
     w4 = w.unsqueeze(2).contiguous(memory_format=torch.channels_last)
     ep = {"alpha": alpha} if k == 7 else {"residual": res}
     taps = cc.conv_taps(w)
@@ -174,19 +181,19 @@ def unit_rows(streams: list[int], sweep: tuple[cc.Config, ...], conv_table: list
 
 
 def unit_row(streams: int, c: int, t: int, d: int, plan: cc.Plan, sweep: tuple[cc.Config, ...],
-             fast_sine: bool = True) -> dict:
+             fast_sine: bool = True, device: str = "cuda") -> dict:
     dt = torch.bfloat16
-    g = torch.Generator(device="cuda").manual_seed(0)
+    g = torch.Generator(device=device).manual_seed(0)
 
     def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
-        return (torch.randn(*shape, device="cuda", generator=g) * scale).to(dt)
+        return (torch.randn(*shape, device=device, generator=g) * scale).to(dt)
 
     P = 6 * d
     xx = randn(streams, P + t, c).transpose(1, 2)
     x = randn(streams, t, c).transpose(1, 2)
     w7, w1 = randn(c, c, 7, scale=(7 * c) ** -0.5), randn(c, c, 1, scale=c ** -0.5)
     b7, b1 = randn(c, scale=0.1), randn(c, scale=0.1)
-    a2 = (torch.rand(c, device="cuda", generator=g) + 0.3).to(dt)
+    a2 = (torch.rand(c, device=device, generator=g) + 0.3).to(dt)
     taps7, taps1 = cc.conv_taps(w7), cc.conv_taps(w1)
     w7_4, w1_4 = (w.unsqueeze(2).contiguous(memory_format=torch.channels_last) for w in (w7, w1))
     m = streams * t
@@ -235,12 +242,13 @@ def up_rows(streams: list[int], sweep: tuple[cc.Config, ...]) -> list[dict]:
     return rows
 
 
-def up_row(streams: int, c: int, t: int, s: int, sweep: tuple[cc.Config, ...]) -> dict:
+def up_row(streams: int, c: int, t: int, s: int, sweep: tuple[cc.Config, ...],
+           device: str = "cuda") -> dict:
     dt, k, cout = torch.bfloat16, 2 * s, c // 2
-    g = torch.Generator(device="cuda").manual_seed(0)
-    xx = torch.randn(streams, 1 + t, c, device="cuda", generator=g).to(dt).transpose(1, 2)
-    w = (torch.randn(c, cout, k, device="cuda", generator=g) / (2 * c) ** 0.5).to(dt)
-    b = (torch.randn(cout, device="cuda", generator=g) * 0.1).to(dt)
+    g = torch.Generator(device=device).manual_seed(0)
+    xx = torch.randn(streams, 1 + t, c, device=device, generator=g).to(dt).transpose(1, 2)
+    w = (torch.randn(c, cout, k, device=device, generator=g) / (2 * c) ** 0.5).to(dt)
+    b = (torch.randn(cout, device=device, generator=g) * 0.1).to(dt)
     w4 = w.unsqueeze(2).contiguous(memory_format=torch.channels_last)
     we, be = cc.transposed_weight(w, s), b.repeat(s)
     taps = cc.conv_taps(we)

@@ -627,3 +627,21 @@ def test_cuda_upsample_matches_reference(cin, cout, k, s, T):
     assert cc.supported(xx, we)
     for cfg in (None, cc.Config(64, 64, 16, 4, 2), cc.Config(128, 128, 64, 8, 3)):
         _assert_up_close(cc.upsample(xx, we, be, s, config=cfg), x, w, b, s, T)
+
+
+def test_bench_rows_run_on_the_cpu():
+    """codec_conv_bench's row functions (the conv, the fused unit, the transposed conv) on the
+    CPU, where every path is its formulas: each row has its timings, a sweep's best shape, and
+    the fused path within bf16 rounding of the path it replaces — a broken row shows here,
+    not in a device call."""
+    from bench_latency import codec_conv_bench as bench
+
+    sweep = bench.SWEEP[:2]
+    row = bench.conv_row(1, 32, 8, 7, 3, sweep, device="cpu")
+    assert row["cudnn_ms"] > 0 and row["best_config"] and row["max_abs_vs_cudnn"] < 0.05
+    plan = cc.Plan(((32, 7, 3, 8, cc.Config(64, 64, 32)),))
+    row = bench.unit_row(1, 32, 8, 3, plan, bench.UNIT_SWEEP[:2], device="cpu")
+    assert row["two_convs_fused"] == [True, False] and row["best_config"]
+    assert row["max_abs_vs_two_convs"] < 0.05
+    row = bench.up_row(1, 32, 8, 2, sweep, device="cpu")
+    assert row["k"] == 4 and row["best_config"] and row["max_abs_vs_cudnn"] < 0.05
