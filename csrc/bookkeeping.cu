@@ -126,7 +126,7 @@ __global__ void step_end_kernel(Columns cols, int n_cols, const bool* __restrict
 void check_vec(const torch::Tensor& t, const torch::Tensor& like, int64_t n, at::ScalarType dt,
                const char* op, const char* name) {
   TORCH_CHECK(t.is_cuda() && t.device() == like.device(), op, ": ", name,
-              " must be on ", like.device());
+              " must be on ", like.device().str());
   TORCH_CHECK(t.scalar_type() == dt, op, ": ", name, " must be ", dt, ", got ", t.scalar_type());
   TORCH_CHECK(t.dim() == 1 && t.size(0) == n && t.is_contiguous(), op, ": ", name,
               " must be a contiguous [", n, "] tensor, got ", rtvoice::dims(t));
@@ -184,6 +184,7 @@ void book_frame_tokens(torch::Tensor idx, torch::Tensor table, torch::Tensor h,
   const char* op = "book_frame_tokens";
   TORCH_CHECK(idx.is_cuda() && idx.dim() == 1, op, ": idx must be a CUDA [B] tensor");
   const int64_t B = idx.size(0);
+  TORCH_CHECK(B < (1 << 30), op, ": too many rows (", B, ")");
   check_vec(idx, idx, B, at::kLong, op, "idx");
   TORCH_CHECK(table.is_cuda() && table.device() == idx.device() && table.dim() == 2 &&
                   table.is_contiguous(),
@@ -228,8 +229,10 @@ void book_step_end(std::vector<torch::Tensor> columns, torch::Tensor was, torch:
   }
   TORCH_CHECK(next_col.is_cuda() && next_col.device() == was.device() &&
                   next_col.scalar_type() == at::kLong && next_col.dim() == 2 &&
-                  next_col.size(0) == B && next_col.size(1) == n && next_col.stride(1) == 1,
-              op, ": next_col must be an int64 [B, ", n, "] tensor with unit column stride, got ",
+                  next_col.size(0) == B && next_col.size(1) == n && next_col.stride(1) == 1 &&
+                  (B <= 1 || next_col.stride(0) >= n),
+              op, ": next_col must be an int64 [B, ", n, "] tensor with unit column stride and "
+              "rows apart, got ",
               rtvoice::dims(next_col));
   check_vec(pos, was, B, at::kLong, op, "pos");
   check_vec(frames_left, was, B, at::kLong, op, "frames_left");

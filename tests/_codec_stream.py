@@ -41,13 +41,15 @@ def stream_vs_offline(block: torch.nn.Module, x: torch.Tensor, ops: CodecOps,
             if hasattr(m, "state_shapes"):
                 m.state_key = name
                 for key, shape in m.state_shapes().items():
-                    states[f"{name}.{key}"] = torch.zeros(B, *shape)
+                    states[f"{name}.{key}"] = torch.zeros(B, *shape, dtype=x.dtype,
+                                                          device=x.device)
         got = []
         for a, b in CUTS:
             xs = x[..., a:b]
             if channels_last:
                 xs = xs.transpose(1, 2).contiguous().transpose(1, 2)
-            ctx = StreamContext(torch.tensor([b - a] * B), torch.tensor([a] * B), b - a, a,
+            ctx = StreamContext(torch.tensor([b - a] * B, device=x.device),
+                                torch.tensor([a] * B, device=x.device), b - a, a,
                                 states, uniform=True, ops=ops)
             got.append(stream_sequential(block, xs, ctx))
             states = {**states, **ctx.new_state}

@@ -521,7 +521,8 @@ def test_cuda_unit_kernel_matches_reference(B, C, T, d, fast_sine):
     assert cc.unit_supported(x, xx)
     _assert_unit_close(cc.residual_unit(x, xx, w7, b7, d, a2, w1, b1, fast_sine=fast_sine),
                        x, xx, w7, b7, d, a2, w1, b1)
-    for cfg in (cc.Config(32, 16, 16, 4, 2), cc.Config(128, 64, 32, 8, 3)):
+    for cfg in (cc.Config(32, 16, 16, 4, 2),
+                cc.Config(128, min(64, cc._pow2(C)), 32 if C % 32 == 0 else 16, 8, 3)):
         got = cc.residual_unit(x, xx, w7, b7, d, a2, w1, b1, config=cfg, fast_sine=fast_sine)
         _assert_unit_close(got, x, xx, w7, b7, d, a2, w1, b1)
 
@@ -625,7 +626,7 @@ def test_cuda_upsample_matches_reference(cin, cout, k, s, T):
     x, w, b, xx = _up_operands(4, cin, cout, k, s, T, device="cuda", dtype=torch.bfloat16)
     we, be = cc.transposed_weight(w, s), b.repeat(s)
     assert cc.supported(xx, we)
-    for cfg in (None, cc.Config(64, 64, 16, 4, 2), cc.Config(128, 128, 64, 8, 3)):
+    for cfg in (None, cc.Config(64, 64, 16, 4, 2), cc.Config(128, 128, min(64, cin), 8, 3)):
         _assert_up_close(cc.upsample(xx, we, be, s, config=cfg), x, w, b, s, T)
 
 
@@ -645,3 +646,42 @@ def test_bench_rows_run_on_the_cpu():
     assert row["max_abs_vs_two_convs"] < 0.05
     row = bench.up_row(1, 32, 8, 2, sweep, device="cpu")
     assert row["k"] == 4 and row["best_config"] and row["max_abs_vs_cudnn"] < 0.05
+
+
+@needs_cuda
+def test_cuda_units_and_transposed_convs_stream_through_the_plan(monkeypatch):
+    """A Snake + transposed conv + residual unit (32 channels) streamed in bf16 on the GPU,
+    channels-last, with a plan that takes the fused unit and the transposed conv as the
+    fused conv: each chunk goes through both kernels, and the stream stays as close to the
+    float32 offline block as the stream through the plan without them."""
+    import engine.codec.layers as layers
+    from engine.codec.layers import CausalConvTranspose1d, ResidualUnit, Snake1d
+    from engine.ops import build_ops
+
+    calls = []
+    for name in ("residual_unit", "upsample"):
+        fn = getattr(layers, name)
+        monkeypatch.setattr(layers, name, lambda *a, _fn=fn, _n=name, **k: (calls.append(_n),
+                                                                          _fn(*a, **k))[1])
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(Snake1d(32), CausalConvTranspose1d(32, 32, 4, 2),
+                                ResidualUnit(32, dilation=3)).eval()
+    for m in block.modules():
+        if isinstance(m, Snake1d):
+            m.alpha.data = torch.rand_like(m.alpha) + 0.3
+    x = torch.randn(2, 32, 50)
+    with torch.no_grad():
+        want = block(x)
+    base = build_ops("cuda").codec
+    assert base.conv_plan is not None, "the codec conv plan did not build"
+    both = cc.Plan((), ((32, 0, 3, 1, cc.Config(32, 32, 32, 4, 2)),),
+                   ((32, 4, 2, 1, cc.Config(32, 64, 32, 4, 2)),))
+    errs = {}
+    block = block.cuda().to(torch.bfloat16)
+    for name, plan in (("fused", both), ("plain", cc.Plan())):
+        calls.clear()
+        ops = dataclasses.replace(base, conv_plan=plan)
+        got, _ = stream_vs_offline(block, x.cuda().to(torch.bfloat16), ops, channels_last=True)
+        errs[name] = float((got.float().cpu() - want).norm() / want.norm())
+        assert calls == (["upsample", "residual_unit"] * 4 if name == "fused" else []), calls
+    assert errs["fused"] <= 1.1 * errs["plain"] + 1e-3, errs

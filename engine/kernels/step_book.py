@@ -61,7 +61,8 @@ def step_end_takes(columns: Sequence[Tensor], was: Tensor, next_col: Tensor, pos
     """Whether `step_end` runs the kernel on these: 1..MAX_COLUMNS contiguous int64 [B]
     columns (the draws' outputs; a column of a [B, 1+K] tensor is strided: the torch
     function runs), was / active bool and pos / frames_left / draw_step int64 contiguous [B],
-    next_col int64 [B, 1+K] with unit column stride, one device."""
+    next_col int64 [B, 1+K] with unit column stride and rows that do not overlap, one
+    device."""
     cols = list(columns)
     B = was.shape[0] if was.dim() == 1 else -1
     d = was.device
@@ -70,7 +71,7 @@ def step_end_takes(columns: Sequence[Tensor], was: Tensor, next_col: Tensor, pos
             and _vectors(B, torch.int64, d, *cols, pos, frames_left, draw_step)
             and next_col.dim() == 2 and tuple(next_col.shape) == (B, len(cols))
             and next_col.dtype == torch.int64 and next_col.device == d
-            and next_col.stride(1) == 1)
+            and next_col.stride(1) == 1 and (B <= 1 or next_col.stride(0) >= len(cols)))
 
 
 def ras_inputs(logits: Tensor, temperature: Tensor, ras_temperature: Tensor, top_p: Tensor,
