@@ -250,15 +250,14 @@ def up_row(streams: int, c: int, t: int, s: int, sweep: tuple[cc.Config, ...],
     w = (torch.randn(c, cout, k, device=device, generator=g) / (2 * c) ** 0.5).to(dt)
     b = (torch.randn(cout, device=device, generator=g) * 0.1).to(dt)
     w4 = w.unsqueeze(2).contiguous(memory_format=torch.channels_last)
-    we, be = cc.transposed_weight(w, s), b.repeat(s)
-    taps = cc.conv_taps(we)
+    taps = cc.conv_taps(cc.transposed_weight(w, s))
 
     def cudnn() -> torch.Tensor:  # CausalConvTranspose1d.stream's conv_cl and slice
         y = F.conv_transpose2d(xx.unsqueeze(2), w4, b, (1, s)).squeeze(2)
         return y[..., s: s + t * s]
 
     def fused(cfg: cc.Config | None = None) -> torch.Tensor:
-        return cc.upsample(xx, we, be, s, taps=taps, config=cfg)
+        return cc.upsample(xx, w, b, s, taps=taps, config=cfg)
 
     flop = 2 * streams * t * s * cout * c * 2  # each output sums 2 taps of c inputs
     ms = timed_ms(fused)

@@ -548,14 +548,14 @@ def test_upsample_is_the_transposed_conv(cin, cout, k, s):
     """`upsample` over [history | x] with `transposed_weight` and the bias repeated gives the
     causal transposed conv's outputs (its first T * s), channels-last."""
     x, w, b, xx = _up_operands(2, cin, cout, k, s, 7)
-    got = cc.upsample(xx, cc.transposed_weight(w, s), b.repeat(s), s)
+    got = cc.upsample(xx, w, b, s)
     want = torch.nn.functional.conv_transpose1d(x, w, b, stride=s)[..., :7 * s]
     assert got.shape == want.shape and got.transpose(1, 2).is_contiguous()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="int stride"):
         cc.transposed_weight(w, 0)
-    with pytest.raises(ValueError, match="not transposed_weight"):
-        cc.upsample(xx, cc.transposed_weight(w, s), b.repeat(s), s * cout + 1)
+    with pytest.raises(ValueError, match="upsample: a ConvTranspose1d weight"):
+        cc.upsample(xx, w, b.repeat(s), s)  # a bias per output channel of the conv's
 
 
 def test_plan_loads_the_transposed_convs(tmp_path):
@@ -617,6 +617,13 @@ def test_interp_upsample_kernel_matches_reference(monkeypatch, cin, cout, k, s):
     we, be = cc.transposed_weight(w, s), b.repeat(s)
     y = cc._launch(xx, we, be, 1, None, None, None, cc.Config(16, 32, 16, 4, 1), 9)
     _assert_up_close(y.transpose(1, 2).reshape(3, 9 * s, cout).transpose(1, 2), x, w, b, s, 9)
+    # upsample's kernel branch (the weight only a stride-0 shape, the taps made or given)
+    monkeypatch.setattr(cc, "available", lambda: True)
+    monkeypatch.setattr(cc, "supported", lambda x, w, *a, **k: x.stride(1) == 1)
+    taps = cc.conv_taps(we)
+    for t in (None, taps):
+        got = cc.upsample(xx, w, b, s, taps=t, config=cc.Config(16, 32, 16, 4, 1))
+        _assert_up_close(got, x, w, b, s, 9)
 
 
 @needs_cuda
@@ -624,10 +631,11 @@ def test_interp_upsample_kernel_matches_reference(monkeypatch, cin, cout, k, s):
                                             (384, 192, 8, 4, 64), (1536, 768, 16, 8, 8)])
 def test_cuda_upsample_matches_reference(cin, cout, k, s, T):
     x, w, b, xx = _up_operands(4, cin, cout, k, s, T, device="cuda", dtype=torch.bfloat16)
-    we, be = cc.transposed_weight(w, s), b.repeat(s)
-    assert cc.supported(xx, we)
+    assert cc.supported(xx, w)
+    taps = cc.conv_taps(cc.transposed_weight(w, s))
     for cfg in (None, cc.Config(64, 64, 16, 4, 2), cc.Config(128, 128, min(64, cin), 8, 3)):
-        _assert_up_close(cc.upsample(xx, we, be, s, config=cfg), x, w, b, s, T)
+        _assert_up_close(cc.upsample(xx, w, b, s, config=cfg), x, w, b, s, T)
+        _assert_up_close(cc.upsample(xx, w, b, s, config=cfg, taps=taps), x, w, b, s, T)
 
 
 def test_bench_rows_run_on_the_cpu():

@@ -541,11 +541,9 @@ class CausalConvTranspose1d(Stateful, nn.Module):
         # its formulas on a CPU; a CUDA input the kernel does not take keeps cuDNN's
         if cfg is not None and (not xx.is_cuda or causal_conv_supported(xx, c.weight)):
             s = self.stride
-            w = derived(c.__dict__, "_up_weight", c.weight, lambda v: transposed_weight(v, s))
-            return upsample(xx, w, derived(c.__dict__, "_up_bias", c.bias, lambda v: v.repeat(s)),
-                            s, taps=derived(c.__dict__, "_up_taps", c.weight,
-                                            lambda v: conv_taps(transposed_weight(v, s))),
-                            config=cfg)
+            return upsample(xx, c.weight, c.bias, s, config=cfg,
+                            taps=derived(c.__dict__, "_up_taps", c.weight,
+                                         lambda v: conv_taps(transposed_weight(v, s))))
         y = conv(xx)  # [B, Cout, (history + T - 1)*stride + kernel]
         start = self.history * self.stride  # outputs of the tail alone were emitted last call
         return y[..., start : start + x.shape[-1] * self.stride]

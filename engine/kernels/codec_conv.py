@@ -265,13 +265,28 @@ def upsample(xx: Tensor, weight: Tensor, bias: Tensor, stride: int, *,
              taps: Tensor | None = None, config: Config | None = None,
              kernel: bool = True) -> Tensor:
     """A causal transposed conv's new outputs from its input xx [B, C_in, m - 1 + T] (the
-    saved history first): `causal_conv` with `weight` = `transposed_weight(w, stride)` [s *
-    C_out, C_in, m] and `bias` = the transposed conv's bias repeated s times, then its rows
-    read as s samples each -> [B, C_out, s * T], channels-last (its storage is the conv's)."""
-    if weight.dim() != 3 or weight.shape[0] % stride:
-        raise ValueError(f"upsample: weight {list(weight.shape)} is not transposed_weight's "
-                         f"[stride * C_out, C_in, m] for stride {stride}")
-    y = causal_conv(xx, weight, bias, 1, taps=taps, config=config, kernel=kernel)
+    saved history first): the conv of `transposed_weight(weight, stride)` [s * C_out, C_in,
+    m] with the bias repeated s times, its rows read as s samples each -> [B, C_out, s * T],
+    channels-last (its storage is the conv's). `weight` [C_in, C_out, k] and `bias` [C_out]
+    are the transposed conv's; `taps`: `conv_taps(transposed_weight(weight, stride))`, made
+    once by the caller (made here when not given). The kernel reads only the taps, so no
+    rearranged weight is kept for it; the formulas (CPU, other layouts) make one per call."""
+    if weight.dim() != 3 or isinstance(stride, bool) or not isinstance(stride, int) \
+            or stride < 1 or bias.numel() != weight.shape[1]:
+        raise ValueError(f"upsample: a ConvTranspose1d weight [C_in, C_out, k] with its bias "
+                         f"[C_out] and an int stride >= 1, got {list(weight.shape)}, "
+                         f"{list(bias.shape)} and {stride!r}")
+    cin, cout, k = weight.shape
+    b = bias.reshape(-1).repeat(stride)
+    if kernel and available() and supported(xx, weight):
+        # the conv's weight only for its shape checks: a stride-0 view, no copy
+        shape = weight.new_empty(()).expand(stride * cout, cin, -(-k // stride))
+        t = _check(xx, shape, b, 1, None, None)
+        if taps is None:
+            taps = conv_taps(transposed_weight(weight, stride))
+        y = _launch(xx, shape, b, 1, None, None, taps, config, t)
+    else:
+        y = causal_conv_torch(xx, transposed_weight(weight, stride), b, 1)
     B, N, T = y.shape
     return y.transpose(1, 2).reshape(B, T * stride, N // stride).transpose(1, 2)
 
