@@ -162,12 +162,7 @@ def unit_rows(streams: list[int], sweep: tuple[cc.Config, ...], conv_table: list
     """The fused residual unit (`cc.residual_unit`) against its two convs as the plan made
     of `conv_table` (this run's conv rows) runs them, at every unit shape it takes (<= 256
     channels) and dilation: the table's "units" rows."""
-    import tempfile
-
-    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
-        f.write(json.dumps({"convs": conv_table}))
-        f.flush()
-        plan = cc.load_plan(f.name, device=None)
+    plan = cc.plan_from({"convs": conv_table})
     rows = []
     for n in streams:
         for c, t in LEVELS:

@@ -543,7 +543,9 @@ class CausalConvTranspose1d(Stateful, nn.Module):
             s = self.stride
             return upsample(xx, c.weight, c.bias, s, config=cfg,
                             taps=derived(c.__dict__, "_up_taps", c.weight,
-                                         lambda v: conv_taps(transposed_weight(v, s))))
+                                         lambda v: conv_taps(transposed_weight(v, s))),
+                            bias_rows=derived(c.__dict__, "_up_bias", c.bias,
+                                              lambda v: v.repeat(s)))
         y = conv(xx)  # [B, Cout, (history + T - 1)*stride + kernel]
         start = self.history * self.stride  # outputs of the tail alone were emitted last call
         return y[..., start : start + x.shape[-1] * self.stride]
@@ -591,16 +593,17 @@ class ResidualUnit(nn.Module):
             c7, c1 = conv7.conv, conv1.conv
             cfg = ops.conv_plan.choose_unit(c7.in_channels, c7.dilation[0],
                                             x.shape[0] * x.shape[-1])
-            if cfg is not None and c7.groups == 1 and c1.groups == 1:
-                # the whole unit in one launch where the plan measured it faster (its
-                # formulas on a CPU); a CUDA input the kernel does not take keeps the convs
+            # the whole unit in one launch where the plan measured it faster (its formulas
+            # on a CPU); a CUDA input the kernel does not take keeps the convs (the conv's
+            # input is made in x's layout, so x decides)
+            if cfg is not None and c7.groups == 1 and c1.groups == 1 \
+                    and (not x.is_cuda or unit_supported(x, x)):
                 xx = conv7.stream_input(x, ctx, act1.alpha, xx)
-                if not x.is_cuda or unit_supported(x, xx):
-                    return residual_unit(
-                        x, xx, c7.weight, c7.bias, c7.dilation[0], act2.alpha, c1.weight,
-                        c1.bias, taps7=derived(c7.__dict__, "_conv_taps", c7.weight, conv_taps),
-                        taps1=derived(c1.__dict__, "_conv_taps", c1.weight, conv_taps),
-                        config=cfg, fast_sine=ops.conv_fast_sine), None
+                return residual_unit(
+                    x, xx, c7.weight, c7.bias, c7.dilation[0], act2.alpha, c1.weight, c1.bias,
+                    taps7=derived(c7.__dict__, "_conv_taps", c7.weight, conv_taps),
+                    taps1=derived(c1.__dict__, "_conv_taps", c1.weight, conv_taps),
+                    config=cfg, fast_sine=ops.conv_fast_sine), None
             # conv7 + bias + Snake, then conv1 + bias + the residual sum (each one pass where
             # the plan chose the fused conv)
             h = conv7.stream_then(x, ctx, act1.alpha, alpha=act2.alpha, xx=xx)

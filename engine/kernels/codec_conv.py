@@ -66,7 +66,7 @@ from .activation import bias_residual_torch, snake_torch
 from .build import CURRENT_DEVICE, current_device_name, triton_available
 
 __all__ = ["Config", "Plan", "available", "causal_conv", "causal_conv_torch", "config_for",
-           "conv_taps", "load_plan", "residual_unit", "residual_unit_torch", "supported",
+           "conv_taps", "load_plan", "plan_from", "residual_unit", "residual_unit_torch", "supported",
            "transposed_weight", "unit_config_for", "unit_supported", "upsample"]
 
 log = logging.getLogger(__name__)
@@ -157,40 +157,41 @@ DEFAULT_TABLE = Path(__file__).with_name("codec_conv_table.json")
 MARGIN = 0.03  # the fused conv must beat cuDNN + its pass by this fraction to be chosen
 
 
+def _plan_rows(rows: list[dict], baseline: str, k: str | None, d: str,
+               margin: float) -> tuple[tuple[int, int, int, int, Config | None], ...]:
+    """(channels, k, d, rows, config) per table row: its best launch shape where it beat the
+    row's `baseline` time by `margin`, else None (k: the row's key for the kernel size, None
+    for the fused unit's 0)."""
+    out = []
+    for r in rows:
+        cfg = None
+        if r.get("best_ms") is not None and r["best_ms"] < (1 - margin) * r[baseline]:
+            cfg = Config(*r["best_config"])
+            cfg.check()
+        out.append((int(r["channels"]), int(r[k]) if k else 0, int(r[d]),
+                    int(r["streams"]) * int(r["samples"]), cfg))
+    return tuple(out)
+
+
+def plan_from(data: dict, margin: float = MARGIN) -> Plan:
+    """The plan of a codec_conv_bench report (its "convs" rows against cuDNN's conv + pass;
+    where it has them, its "units" rows against the unit's two convs and "ups" rows against
+    cuDNN's transposed conv: tables recorded before those have none)."""
+    return Plan(_plan_rows(data["convs"], "cudnn_ms", "k", "dilation", margin),
+                _plan_rows(data.get("units", []), "two_convs_ms", None, "dilation", margin),
+                _plan_rows(data.get("ups", []), "cudnn_ms", "k", "stride", margin))
+
+
 def load_plan(path: Path | str = DEFAULT_TABLE, margin: float = MARGIN,
               device: str | None = CURRENT_DEVICE) -> Plan:
-    """The plan from a codec_conv_bench JSON (its "convs" rows, and where it has them its
-    "units" rows for the fused residual unit and "ups" rows for the transposed convs); a
-    clear error if the file is not one. The table is for the GPU it was measured on ("device"): when `device` (the
+    """The plan from a codec_conv_bench JSON (`plan_from`); a clear error if the file is not
+    one. The table is for the GPU it was measured on ("device"): when `device` (the
     current CUDA device's name by default; None: no check) differs, it is ignored with a
     warning and the plan is empty (cuDNN everywhere: the timings do not carry over)."""
     try:
         data = json.loads(Path(path).read_text())
         recorded = data.get("device")
-        rows = []
-        for r in data["convs"]:
-            cfg = None
-            if r.get("best_ms") is not None and r["best_ms"] < (1 - margin) * r["cudnn_ms"]:
-                cfg = Config(*r["best_config"])
-                cfg.check()
-            rows.append((int(r["channels"]), int(r["k"]), int(r["dilation"]),
-                         int(r["streams"]) * int(r["samples"]), cfg))
-        units = []
-        for r in data.get("units", []):  # tables recorded before the fused unit have none
-            cfg = None
-            if r.get("best_ms") is not None and r["best_ms"] < (1 - margin) * r["two_convs_ms"]:
-                cfg = Config(*r["best_config"])
-                cfg.check()
-            units.append((int(r["channels"]), 0, int(r["dilation"]),
-                          int(r["streams"]) * int(r["samples"]), cfg))
-        ups = []
-        for r in data.get("ups", []):  # likewise: tables before the transposed convs
-            cfg = None
-            if r.get("best_ms") is not None and r["best_ms"] < (1 - margin) * r["cudnn_ms"]:
-                cfg = Config(*r["best_config"])
-                cfg.check()
-            ups.append((int(r["channels"]), int(r["k"]), int(r["stride"]),
-                        int(r["streams"]) * int(r["samples"]), cfg))
+        plan = plan_from(data, margin)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"codec conv table {path}: {type(e).__name__}: {e} (write one with "
                          f"`python -m bench_latency.codec_conv_bench --sweep --json FILE`)"
@@ -203,7 +204,7 @@ def load_plan(path: Path | str = DEFAULT_TABLE, margin: float = MARGIN,
                     "bench_latency.codec_conv_bench --sweep --streams 64,4 --json FILE`)",
                     path, recorded, device)
         return Plan()
-    return Plan(tuple(rows), tuple(units), tuple(ups))
+    return plan
 
 
 # ------------------------------------------------------------------------- the formulas
@@ -262,14 +263,15 @@ def transposed_weight(weight: Tensor, stride: int) -> Tensor:
 
 
 def upsample(xx: Tensor, weight: Tensor, bias: Tensor, stride: int, *,
-             taps: Tensor | None = None, config: Config | None = None,
-             kernel: bool = True) -> Tensor:
+             taps: Tensor | None = None, bias_rows: Tensor | None = None,
+             config: Config | None = None, kernel: bool = True) -> Tensor:
     """A causal transposed conv's new outputs from its input xx [B, C_in, m - 1 + T] (the
     saved history first): the conv of `transposed_weight(weight, stride)` [s * C_out, C_in,
     m] with the bias repeated s times, its rows read as s samples each -> [B, C_out, s * T],
     channels-last (its storage is the conv's). `weight` [C_in, C_out, k] and `bias` [C_out]
-    are the transposed conv's; `taps`: `conv_taps(transposed_weight(weight, stride))`, made
-    once by the caller (made here when not given). The kernel reads only the taps, so no
+    are the transposed conv's; `taps`: `conv_taps(transposed_weight(weight, stride))` and
+    `bias_rows`: `bias.repeat(stride)`, made once by the caller (made here when not given:
+    a copy per call). The kernel reads only the taps, so no
     rearranged weight is kept for it; the formulas (CPU, other layouts) make one per call."""
     if weight.dim() != 3 or isinstance(stride, bool) or not isinstance(stride, int) \
             or stride < 1 or bias.numel() != weight.shape[1]:
@@ -277,7 +279,7 @@ def upsample(xx: Tensor, weight: Tensor, bias: Tensor, stride: int, *,
                          f"[C_out] and an int stride >= 1, got {list(weight.shape)}, "
                          f"{list(bias.shape)} and {stride!r}")
     cin, cout, k = weight.shape
-    b = bias.reshape(-1).repeat(stride)
+    b = bias.reshape(-1).repeat(stride) if bias_rows is None else bias_rows
     if kernel and available() and supported(xx, weight):
         # the conv's weight only for its shape checks: a stride-0 view, no copy
         shape = weight.new_empty(()).expand(stride * cout, cin, -(-k // stride))
