@@ -17,6 +17,7 @@ import torch
 
 from engine import functional, fusion
 from engine.bookkeeping import Bookkeeping
+from engine.kernels import decode_attention_triton as attn_triton
 from engine.kernels import extension_available, step_book
 from engine.kernels.activation import (
     bias_residual,
@@ -44,6 +45,69 @@ def timed(fn: Callable[..., object], args: tuple, n: int, cuda: bool) -> float:
     if cuda:
         torch.cuda.synchronize()
     return 1e6 * (time.perf_counter() - t) / n
+
+
+def graph_us(fn: Callable[..., object], args: tuple, calls: int = 20, reps: int = 10) -> float:
+    """Microseconds per call of fn(*args) on the GPU: `calls` calls captured in one CUDA
+    graph (compiled and warmed first), replayed `reps` times — no host launch cost, which
+    for a Triton launch from Python exceeds a small kernel's time."""
+    for _ in range(3):
+        fn(*args)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn(*args)
+    g.replay()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(reps):
+        g.replay()
+    e1.record()
+    torch.cuda.synchronize()
+    return 1000 * e0.elapsed_time(e1) / (calls * reps)
+
+
+def bench_attention_many_rows() -> None:
+    """The slow AR's decode attention at many rows (S2-Pro heads, the pool's 64-position
+    blocks shuffled): csrc's kernel (one block per row's positions, and split) against the
+    Triton kernel (automatic splits, then launch shapes), graph-timed, with the bandwidth
+    over the keys and values each call reads (CUDA only)."""
+    dt, BS = torch.bfloat16, 64
+    for bs, pos in ((16, 200), (64, 200), (64, 1000), (256, 600)):
+        mb = -(-(pos + 1) // BS)
+        q = torch.randn(bs, 32, 128, device="cuda", dtype=dt)
+        kn, vn = (torch.randn(bs, 8, 128, device="cuda", dtype=dt) for _ in range(2))
+        kc, vc = (torch.randn(bs * mb + 1, 8, BS, 128, device="cuda", dtype=dt)
+                  for _ in range(2))
+        table = torch.randperm(bs * mb, device="cuda").view(bs, mb)
+        ps = torch.full((bs,), pos, device="cuda")
+        ws = table[:, pos // BS].contiguous()
+        args = (q, kn, vn, kc, vc, table, ws, ps, pos + 1)
+        kv_bytes = 2 * bs * (pos + 1) * 8 * 128 * dt.itemsize
+        runs: list[tuple[str, Callable[..., object]]] = []
+        if extension_available():
+            runs += [("csrc", lambda *a: decode_attention(*a, splits=1)),
+                     ("csrc-split", lambda *a: decode_attention(*a, splits=0))]
+        if attn_triton.available():
+            runs.append(("triton", attn_triton.decode_attention_triton))
+            for cfg in (attn_triton.Config(32, 4, 3), attn_triton.Config(64, 4, 2),
+                        attn_triton.Config(64, 8, 3), attn_triton.Config(64, 4, 4)):
+                runs.append((f"triton:t{cfg.block_t}w{cfg.warps}s{cfg.stages}",
+                             lambda *a, c=cfg: attn_triton.decode_attention_triton(*a,
+                                                                                   config=c)))
+            runs += [(f"triton-s{sp}", lambda *a, sp=sp: attn_triton.decode_attention_triton(
+                *a, splits=sp)) for sp in (1, 2, 4)]
+        for name, fn in runs:
+            try:
+                us = graph_us(fn, args)
+            except Exception as e:  # a launch shape this GPU cannot take: say so, go on
+                print(f"decode_attention_rows bs={bs:3d} pos={pos:5d} {name:18s} failed: "
+                      f"{type(e).__name__}: {str(e)[:160]}")
+                continue
+            print(f"decode_attention_rows bs={bs:3d} pos={pos:5d} {name:18s} {us:9.2f} us "
+                  f"{kv_bytes / us / 1e3:7.1f} GB/s")
+        del kc, vc
 
 
 def bench_step_book(dev: str, kind: str, cuda: bool) -> None:
@@ -110,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
                          ("torch", decode_attention_torch)):
             us = timed(fn, (q, kn, vn, kc, vc, table, ws, ps, pos + 1), 200 if cuda else 5, cuda)
             print(f"decode_attention bs={bs:3d} pos={pos:5d} {name:12s} {us:9.2f} us")
+    if cuda:
+        bench_attention_many_rows()
     for bs in (1, 64, 128):  # a main-token draw: 4,096 semantic tokens + <|im_end|>
         logits = 3 * torch.randn(bs, 4097, device=dev)
         args = (logits, torch.full((bs,), 0.8, device=dev), torch.full((bs,), 0.8, device=dev),

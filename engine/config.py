@@ -398,6 +398,11 @@ class EngineConfig:
     split_kv: bool = option(False, "decode attention splits a row's positions over more "
                             "blocks when the batch is too small to fill the GPU (measured: "
                             "no gain on the H200)")
+    attention_triton_rows: int = option(
+        0, "decode steps of at least this many rows run the slow AR's attention as the Triton "
+        "tile kernel (its keys and values through the tensor cores, several tiles in flight, "
+        "automatic splits) instead of csrc's CUDA-core kernel; 0: never (the default until a "
+        "GPU measures it: docs/PERF.md)", ge=0, le=4096)
     stall_s: float = option(10.0, "a device wait, or one pass of a worker thread's loop (a "
                             "step, codec tick or prefill round), longer than this marks the "
                             "engine stalled (/ready 503)", gt=0)

@@ -205,6 +205,9 @@ class Ops:
         """What runs, for logs and bench reports."""
         return {"fused": self.fused, "linear": getattr(self.linear, "__name__", str(self.linear)),
                 "decode_attention": self.decode_attention is not None,
+                "attention_triton_rows": (self.decode_attention.keywords.get("triton_rows", 0)
+                                          if isinstance(self.decode_attention,
+                                                        functools.partial) else 0),
                 "decode_rope": self.decode_rope,
                 "pdl": self.pdl,
                 "sampler": getattr(self.sample, "__name__", str(self.sample)),
@@ -256,7 +259,8 @@ def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool 
               fp8_dense: bool = True, codec_conv_kernel: bool = True,
               codec_conv_table: Path = codec_conv.DEFAULT_TABLE,
               codec_snake_into_next: bool = False, codec_conv_fast_sine: bool = True,
-              attend_prologue: bool = False, book_kernels: bool = True) -> Ops:
+              attend_prologue: bool = False, book_kernels: bool = True,
+              attention_triton_rows: int = 0) -> Ops:
     """The ops an engine on `device` runs. `fused`: "compile" (torch.compile'd elementwise ops
     — the model's and the codec transformer's — and the packed FFN GEMM), "reference", or
     "auto" (compile on CUDA only). `kernels`: use
@@ -289,12 +293,19 @@ def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool 
     (on: 0.4 ms faster per 64 x 8 tick on the H200, max abs 0.031 from the accurate sine);
     `book_kernels`: the decode step's draw inputs, frame ids and row updates as csrc's one
     launch each (csrc/bookkeeping.cu; off: the compiled functions, one kernel per output
-    size, 12 launches more per frame step).
+    size, 12 launches more per frame step); `attention_triton_rows` (> 0): decode attention
+    calls of at least that many rows (the slow AR's: the fast AR's 10-position blocks are not
+    the Triton kernel's) run engine/kernels/decode_attention_triton.py instead of csrc's
+    kernel (0: never).
     On CUDA the linears (dense and FP8) take the implementation the recorded per-shape table
     `linear_table` picks (csrc's small-M kernel only with `linear_kernels`); FP8 weights
     without a kernel there run the Triton FP8 GEMM (the dequantising reference without it)."""
     if fused not in FUSED_MODES:
         raise ValueError(f"fused ops must be one of {', '.join(FUSED_MODES)}, got {fused!r}")
+    if isinstance(attention_triton_rows, bool) or not isinstance(attention_triton_rows, int) \
+            or attention_triton_rows < 0:
+        raise ValueError(f"attention_triton_rows must be an int >= 0 (0: never), got "
+                         f"{attention_triton_rows!r}")
     cuda = torch.device(device).type == "cuda"
     if fused == "auto":
         fused = "compile" if cuda else "reference"
@@ -363,7 +374,7 @@ def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool 
         fused=fused, packed_ffn=fused == "compile", packed_heads=fused == "compile",
         sample=sample, sample_embed=sample_embed, codec=codec,
         decode_attention=(functools.partial(decode_attention, splits=0 if split_kv else 1,
-                                            pdl=bool(pdl))
+                                            pdl=bool(pdl), triton_rows=attention_triton_rows)
                           if built else None),
         decode_rope=_rope_rows(decode_rope) if built else 0, pdl=bool(pdl),
         shift_window=functools.partial(prev_tokens_shift_inplace, kernel=built),

@@ -43,7 +43,10 @@
 # FP8_W8A8=1 (the FP8 step again with the table's W8A8 rows allowed, as --fp8-activations:
 # key profile_fp8_w8a8; record a table with them first, LINEAR=1), COMPILED_BOOK=1 (the step
 # again with its bookkeeping compiled, not csrc/bookkeeping.cu's kernels: key
-# profile_compiled_book; batches 1, 2, 64).
+# profile_compiled_book; batches 1, 2, 64), ATTN_TRITON=ROWS (the step again with the slow
+# AR's attention as the Triton tile kernel from ROWS rows: key profile_attn_triton; batches
+# 2, 16, 64; add pingpong_nocodec_attn_triton / pingpong_codec_voice_attn_triton to
+# ENGINE_RUNS for the engine with it).
 # CONV=1: `python -m bench_latency.codec_conv_bench` (the codec's fused residual-unit convs
 # against cuDNN's conv + csrc's pass at the 64 x 8 tick's shapes, the fused residual unit
 # against its two convs (the table's units rows), the transposed convs as the fused conv
@@ -95,9 +98,9 @@ OUT=${OUT:-artifacts/gpu}
 mkdir -p "$OUT"
 export OUT PYTHONUNBUFFERED=1 RTVOICE_FIXTURES=${RTVOICE_FIXTURES:-tests/fixtures/fish_s2_tiny}
 t0=$(date +%s)
-SMOKE="host_sync or engine_audio or pingpong or replay_streams or fused_kernel or bias_folding or split or two_engines or fixtures_with_fused or swiglu or fused_rope or prefilled_ahead or residual_epilogue or norm_fusion or pdl or step_book or naming or unit_kernel or upsample"
+SMOKE="host_sync or engine_audio or pingpong or replay_streams or fused_kernel or bias_folding or split or two_engines or fixtures_with_fused or swiglu or fused_rope or prefilled_ahead or residual_epilogue or norm_fusion or pdl or step_book or naming or unit_kernel or upsample or decode_attention_triton"
 if [ "${TESTS:-smoke}" = all ]; then K=${TESTS_K:-}; else K=${TESTS_K:-$SMOKE}; fi
-[ "${TESTS:-smoke}" = none ] || timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_kernels.py tests/test_fp8_triton.py tests/test_quant.py tests/test_codec_conv.py tests/test_bookkeeping.py \
+[ "${TESTS:-smoke}" = none ] || timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_kernels.py tests/test_fp8_triton.py tests/test_quant.py tests/test_codec_conv.py tests/test_bookkeeping.py tests/test_decode_attention_triton.py \
     ${K:+-k "$K"} 2>&1 | grep -Ev '^ |^$|site-packages|Warning:|warnings.html' | tail -15 | tee "$OUT/tests.txt"
 echo "tests done at +$(( $(date +%s) - t0 ))s"
 if [ "${GATE:-0}" = 1 ]; then  # the change's ±5 % gate against .baseline (~200 s)
@@ -226,6 +229,7 @@ benches() {
             $([ "$DT" = fp8 ] && [ "${FP8_NODENSE:-0}" = 1 ] && echo --fp8-nodense) \
             $([ "${ATTEND:-0}" = 1 ] && echo --attend-prologue) \
             $([ "${COMPILED_BOOK:-0}" = 1 ] && echo --compiled-book) \
+            ${ATTN_TRITON:+--attn-triton $ATTN_TRITON} \
             $([ "${FP8_W8A8:-0}" = 1 ] && echo --fp8-activations) \
             --levels "${ENGINE_LEVELS:-1,4,16,32,64,128}" --frames 64 \
             --engine-runs "${ENGINE_RUNS:-pingpong_codec,pingpong_nocodec,naive_nocodec}" --out "$D_OUT" \

@@ -348,6 +348,12 @@ def engine_sweep(report: dict, device: str, levels: list[int], frames: int,
             ("pingpong_codec_voice", [levels[0], hi], dict(mode="pingpong", codec=True,
                                                            ref_frames=215)),
             ("pingpong_nocodec", ends, dict(mode="pingpong", codec=False)),
+            # the slow AR's attention as the Triton tile kernel from 16 rows (csrc's below)
+            ("pingpong_nocodec_attn_triton", ends, dict(
+                mode="pingpong", codec=False, config=dict(attention_triton_rows=16))),
+            ("pingpong_codec_voice_attn_triton", [levels[0], hi], dict(
+                mode="pingpong", codec=True, ref_frames=215,
+                config=dict(attention_triton_rows=16))),
             # a lone turn in an engine of `hi` rows (the server's case: its bucket is the
             # two-row step) against the same with the one-row bucket
             # (EngineConfig.one_row_bucket); the sweep's own c=1 engines have one row only
@@ -401,7 +407,7 @@ def profile_step(report: dict, device: str, sampler_kernel: bool = True,
                  batches: tuple[int, ...] = (1, 2, 16, 64),
                  normed_fp8: int | None = None, dense_copy: bool = True,
                  attend_prologue: bool = False, fp8_activations: bool = False,
-                 step_book: bool = True) -> None:
+                 step_book: bool = True, attn_triton: int = 0) -> None:
     """Where one frame step's GPU time goes (eager, fused ops), and graph-replay step time.
     `decode_rope`: the q/k norm + RoPE inside decode attention up to that many rows (key
     profile_decode_rope<rows>; None: the engine's default);
@@ -414,7 +420,9 @@ def profile_step(report: dict, device: str, sampler_kernel: bool = True,
     to 2 rows (key profile_attend; the engine's default: its own launches);
     `fp8_activations`: FP8 linears may take the table's W8A8 rows, as the engine's
     --fp8-activations (key profile_fp8_w8a8); `step_book` False: the step's bookkeeping as
-    the compiled functions, not csrc's kernels (key profile_compiled_book)."""
+    the compiled functions, not csrc's kernels (key profile_compiled_book); `attn_triton`
+    (> 0): the slow AR's attention as the Triton tile kernel from that many rows (key
+    profile_attn_triton)."""
     from engine.engine import add_fp8_copies
     from engine.fusion import pack_ffn
     from engine.loader import load_bundle
@@ -427,6 +435,7 @@ def profile_step(report: dict, device: str, sampler_kernel: bool = True,
                     **({} if decode_rope is None else {"decode_rope": decode_rope}),
                     fp8_dense=dense_copy, attend_prologue=attend_prologue,
                     fp8_activations=fp8_activations, book_kernels=step_book,
+                    attention_triton_rows=attn_triton,
                     **({} if normed_fp8 is None else {"normed_max_m_fp8": normed_fp8}),
                     pdl=(1 if dtype == "fp8" else 0) if pdl is None else pdl)
     pack_ffn(b.model)
@@ -485,6 +494,7 @@ def profile_step(report: dict, device: str, sampler_kernel: bool = True,
            else "profile_attend" if attend_prologue
            else "profile_fp8_w8a8" if fp8_activations
            else "profile_compiled_book" if not step_book
+           else "profile_attn_triton" if attn_triton
            else "profile" if sampler_kernel else "profile_compiled_sampler"] = out
     del runner, b
     torch.cuda.empty_cache()
@@ -570,6 +580,11 @@ def main() -> int:
     ap.add_argument("--compiled-book", action="store_true",
                     help="also profile the step with its bookkeeping compiled, not csrc's "
                          "kernels (batches 1, 2, 64; key profile_compiled_book)")
+    ap.add_argument("--attn-triton", type=int, default=0, metavar="ROWS",
+                    help="also profile the step with the slow AR's attention as the Triton "
+                         "tile kernel from ROWS rows (batches 2, 16, 64; key "
+                         "profile_attn_triton), and add the engine runs "
+                         "pingpong_nocodec_attn_triton / pingpong_codec_attn_triton with it")
     ap.add_argument("--attend-prologue", action="store_true",
                     help="also profile the step with the fast AR's attention in its output "
                          "projection's prologue (batches 1, 2; key profile_attend)")
@@ -579,6 +594,7 @@ def main() -> int:
                     "pingpong_codec_no_prefill_first, "
                     "pingpong_codec_first_chunk_2, pingpong_codec_split_kv, pingpong_codec_voice, "
                     "pingpong_nocodec, pingpong_nocodec_rows, pingpong_nocodec_rows_one_row, "
+                    "pingpong_nocodec_attn_triton, pingpong_codec_voice_attn_triton, "
                     "pingpong_unfused_nocodec, "
                     "graphs_sync_nocodec, "
                     "naive_nocodec); default all")
@@ -622,6 +638,10 @@ def main() -> int:
                          functools.partial(profile_step, report, device, dtype=args.dtype,
                                            step_book=False, batches=(1, 2, 64))),)
                        if args.compiled_book else ()),
+                     *((("profile_attn_triton",
+                         functools.partial(profile_step, report, device, dtype=args.dtype,
+                                           attn_triton=args.attn_triton, batches=(2, 16, 64))),)
+                       if args.attn_triton else ()),
                      *((("profile_attend",
                          functools.partial(profile_step, report, device, dtype=args.dtype,
                                            attend_prologue=True, batches=(1, 2))),)

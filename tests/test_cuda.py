@@ -250,6 +250,29 @@ def test_split_kv_engine_matches(gpu_bundle):
         assert torch.equal(a, b)
 
 
+def test_triton_attention_engine_graphs_match_eager(monkeypatch):
+    """EngineConfig(attention_triton_rows=2): the slow AR's attention runs the Triton tile
+    kernel in the decode steps of two rows and more (bf16: the kernel's dtypes), and the
+    captured steps give the eager steps' greedy frames."""
+    from engine.kernels import decode_attention_triton
+
+    calls = []
+    real = decode_attention_triton.decode_attention_triton
+    monkeypatch.setattr(decode_attention_triton, "decode_attention_triton",
+                        lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    bundle = load_bundle("tiny", device="cuda", dtype="bf16", max_seq_len=1024)
+    eager, eng = _run(bundle, EngineConfig(max_running=8, max_len=512, cuda_graphs=False,
+                                           prefill_graphs=False, codec_graphs=False,
+                                           pingpong=False, attention_triton_rows=2), TEXTS)
+    assert eng.ops.describe()["attention_triton_rows"] == 2
+    assert calls and min(calls) >= 2  # taken, and only from two rows
+    graphed, eng = _run(bundle, EngineConfig(max_running=8, max_len=512, cuda_graphs=True,
+                                             pingpong=False, attention_triton_rows=2), TEXTS)
+    assert eng.runner.step_graphs
+    for a, b in zip(eager, graphed):
+        assert torch.equal(a, b)
+
+
 def test_steady_state_decode_has_no_host_sync(gpu_bundle):
     """Launching a decode step (graph replay, result copy to pinned memory, event record)
     never synchronises with the GPU; only reading step N-1 waits, while step N runs."""

@@ -1,6 +1,8 @@
-"""The Triton kernels on the CPU: the `interp` tests of tests/test_fp8_triton.py and
-tests/test_codec_conv.py (the FP8 GEMMs, the codec's fused conv, residual unit and transposed
-convs against their float64 references) under Triton's interpreter, in a venv of their own.
+"""The Triton kernels on the CPU: the `interp` tests of tests/test_fp8_triton.py,
+tests/test_codec_conv.py and tests/test_decode_attention_triton.py (the FP8 GEMMs, the codec's
+fused conv, residual unit and transposed convs against their float64 references, the paged
+decode attention against its float32 fallback) under Triton's interpreter, in a venv of their
+own.
 
 Triton's interpreter needs triton, which the project's CPU environment does not install, and
 numpy < 2 (Triton 3.5's interpreter turns one-element arrays into ints with `int()`, an error
@@ -21,7 +23,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PINS = ("torch==2.13.0", "triton==3.5.0", "numpy<2", "pytest>=8")
-FILES = ("tests/test_fp8_triton.py", "tests/test_codec_conv.py")
+FILES = ("tests/test_fp8_triton.py", "tests/test_codec_conv.py",
+         "tests/test_decode_attention_triton.py")
 
 
 def _venv() -> Path:

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from .. import functional
+from . import decode_attention_triton as triton_kernel
 from .build import extension_available
 
 HEAD_DIMS = (40, 48, 64, 128)  # head_dim / 8 in the .cu switch
@@ -130,7 +131,7 @@ def supports(head_dim: int, n_head: int, n_kv_heads: int) -> bool:
 def decode_attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_cache: Tensor,
                      table: Tensor, wblock: Tensor, pos: Tensor, span: int, *, splits: int = 1,
                      kernel: bool = True, rope: Rope | None = None, pdl: bool = False,
-                     out: Tensor | None = None) -> Tensor:
+                     out: Tensor | None = None, triton_rows: int = 0) -> Tensor:
     """q [B, H, D]; k_new/v_new [B, Hkv, D]; k_cache/v_cache [N, Hkv, BS, D]: N blocks of BS
     positions; table int64 [B, MB]: row b's position t is at (table[b, t // BS], t % BS);
     wblock/pos int64 [B]: row b writes k_new/v_new at (wblock[b], :, pos[b] % BS) — its own
@@ -146,6 +147,9 @@ def decode_attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v
     sm_90+): launched with programmatic dependent launch (csrc/launch.cuh; same result).
     Returns out [B, H, D] in q's dtype: `out` when given (q's shape and dtype, heads and dims
     packed, rows may be strided: one position of a [B, T, H, D] output), else a new tensor.
+    `triton_rows` (> 0): calls of at least that many rows run the Triton kernel instead
+    (engine/kernels/decode_attention_triton.py: tiles through the tensor cores, automatic
+    splits; `rope` then applied before it) where it takes them; 0: never.
 
     Several new positions per row: q [B, T, H, D], k_new/v_new [B, T, Hkv, D], rope's cs
     [B or 1, T, D/2, 2], out [B, T, H, D]: row b's queries at pos[b] + t, each attending
@@ -165,6 +169,15 @@ def decode_attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v
         raise ValueError(f"out must be {list(q.shape)} {q.dtype} on {q.device} with heads and "
                          f"dims packed and rows apart, got {list(out.shape)} {out.dtype} strides "
                          f"{out.stride()}")
+    if isinstance(triton_rows, bool) or not isinstance(triton_rows, int) or triton_rows < 0:
+        raise ValueError(f"decode_attention: triton_rows must be an int >= 0 (0: never), got "
+                         f"{triton_rows!r}")
+    if (kernel and 0 < triton_rows <= q.shape[0] and triton_kernel.available()
+            and triton_kernel.supported(q, k_cache, table, wblock, pos)):
+        if rope is not None:
+            q, k_new = apply_rope(q, k_new, rope)
+        return triton_kernel.decode_attention_triton(q, k_new, v_new, k_cache, v_cache, table,
+                                                     wblock, pos, span, out=out)
     use = kernel and q.is_cuda and supports(q.shape[-1], q.shape[1], k_new.shape[1])
     if rope is not None and not (use and rope_supported(q, rope)):
         q, k_new = apply_rope(q, k_new, rope)

@@ -1,0 +1,243 @@
+"""One-position paged decode attention in Triton for many rows: csrc's `decode_attention`
+contract (engine/kernels/decode_attention.py) — store the new key/value at (wblock[b], :,
+pos[b] % BS), attend to positions 0..pos[b] through the block table, the last one taken from
+k_new/v_new — with the keys and values read as tiles through the tensor cores.
+
+Why: csrc's kernel walks a row's positions one dependent round trip after another on the CUDA
+cores; at 64 rows and 200 positions a slow-AR layer's launch reads 53 MB of keys and values
+in ~40 us on the H200 (~1.3 TB/s, docs/PERF.md), where the bytes alone take ~13 us. Here one
+program owns a (row, kv head, split) and streams [BT, D] key and value tiles of that head
+(one page each: BT divides BS) through Triton's pipelined loads, several tiles in flight,
+with all REP query heads of the kv head as the rows of one `tl.dot` (padded to QM = 16, the
+dot's minimum) and the online softmax in float32.
+
+Numerics: q.k^T of the model's dtype in float32; the probabilities rounded to that dtype for
+the p.v dot (flash attention's choice), so the output is within a few of that dtype's ulps of
+the float32 reference, not bit-equal to csrc's kernel (which keeps them in float32).
+
+Splits: with `splits` > 1 each row's positions 0..pos are cut into that many ranges of whole
+tiles, each program writes its range's softmax state (max, sum, unnormalised output; float32)
+and a second launch merges them in split order. `splits=0` picks the count from the rows
+(enough programs to fill the GPU twice) and `span` (no more splits than tiles).
+
+Contract (`supported` says whether the kernel takes a call; the wrapper checks the rest):
+  q          [B, H, D] bf16/fp16, heads and dims packed (rows may be strided)
+  k_new/v_new [B, Hkv, D] q's dtype, heads and dims packed
+  k_cache/v_cache [N, Hkv, BS, D] q's dtype, contiguous; BS a multiple of 16, D a multiple
+             of 8 in 16..256 (padded to a power of two in registers), H / Hkv at most 16
+  table      [B, MB] int64 (row stride free, entries contiguous); wblock, pos [B] int64,
+             contiguous
+  out        [B, H, D] q's dtype, heads and dims packed (rows may be strided)
+
+Triton is imported lazily: importing this module needs neither triton nor CUDA.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .build import triton_available
+
+__all__ = ["Config", "auto_splits", "available", "decode_attention_triton", "shapes_supported",
+           "supported"]
+
+QM = 16  # query rows per dot: a kv head's REP query heads, padded
+MAX_SPLITS = 32
+_DTYPES = (torch.bfloat16, torch.float16)
+available = triton_available  # Triton importable and a CUDA device present
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """A launch shape: `block_t` positions per tile (divides the cache's block size),
+    `warps` warps, `stages` tiles in flight."""
+
+    block_t: int = 64
+    warps: int = 4
+    stages: int = 3
+
+    def check(self, bs: int) -> None:
+        if self.block_t < 16 or self.block_t & (self.block_t - 1) or bs % self.block_t:
+            raise ValueError(f"Config.block_t must be a power of two >= 16 dividing the "
+                             f"cache's block size {bs}, got {self.block_t}")
+        if self.warps not in (1, 2, 4, 8) or not 1 <= self.stages <= 6:
+            raise ValueError(f"Config: warps in (1, 2, 4, 8), stages in 1..6; got "
+                             f"{self.warps}, {self.stages}")
+
+
+def shapes_supported(heads: int, kv_heads: int, head_dim: int, block_size: int) -> bool:
+    """The attention shapes the kernel takes: head_dim a multiple of 8 in 16..256, at most
+    QM query heads per kv head, cache blocks of a multiple of 16 positions."""
+    return (16 <= head_dim <= 256 and head_dim % 8 == 0
+            and heads % kv_heads == 0 and heads // kv_heads <= QM and block_size % 16 == 0)
+
+
+def supported(q: Tensor, k_cache: Tensor, table: Tensor, wblock: Tensor, pos: Tensor) -> bool:
+    """Whether the kernel takes a call with these (the rest of the contract is csrc's, which
+    the caller has checked): CUDA, bf16/fp16, `shapes_supported`, the layouts the module
+    docstring names."""
+    _, H, D = q.shape
+    return (q.is_cuda and q.dtype in _DTYPES
+            and shapes_supported(H, k_cache.shape[1], D, k_cache.shape[2])
+            and q.stride(2) == 1 and q.stride(1) == D and k_cache.is_contiguous()
+            and table.stride(1) == 1 and wblock.stride(0) == 1 and pos.stride(0) == 1)
+
+
+def auto_splits(rows: int, kv_heads: int, span: int, block_t: int, sms: int) -> int:
+    """Splits per row for `rows` rows: enough programs for two per SM, no more splits than
+    tiles in `span` positions, at most MAX_SPLITS."""
+    want = -(-2 * sms // max(1, rows * kv_heads))
+    return max(1, min(want, -(-span // block_t), MAX_SPLITS))
+
+
+def _pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def decode_attention_triton(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor,
+                            v_cache: Tensor, table: Tensor, wblock: Tensor, pos: Tensor,
+                            span: int, *, splits: int = 0, config: Config | None = None,
+                            out: Tensor | None = None) -> Tensor:
+    """The kernel on one position per row (module docstring). `span` (> every pos) bounds
+    the automatic split count; the kernel reads exactly 0..pos[b]. Returns `out` (given:
+    q's shape and dtype, heads and dims packed) or a new [B, H, D] tensor."""
+    B, H, D = q.shape
+    Hkv, BS = k_cache.shape[1], k_cache.shape[2]
+    cfg = config or Config(block_t=min(64, BS & -BS))  # a power of two dividing BS
+    cfg.check(BS)
+    if isinstance(splits, bool) or not isinstance(splits, int) or not 0 <= splits <= MAX_SPLITS:
+        raise ValueError(f"decode_attention_triton: splits must be an int in 0..{MAX_SPLITS}, "
+                         f"got {splits!r}")
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if B == 0:
+        return out
+    if splits == 0:
+        index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+        splits = auto_splits(B, Hkv, span, cfg.block_t,
+                             _sm_count(index) if q.is_cuda else 132)
+    rep = H // Hkv
+    scale = math.log2(math.e) / math.sqrt(D)  # exp2 of scores in log2 units
+    if splits == 1:
+        ws_o = ws_ml = out  # unused
+    else:
+        ws_o = torch.empty((B, H, splits, D), dtype=torch.float32, device=q.device)
+        ws_ml = torch.empty((B, H, splits, 2), dtype=torch.float32, device=q.device)
+    attend, combine = _kernels()
+    attend[(B, Hkv, splits)](
+        q, k_new, v_new, k_cache, v_cache, table, wblock, pos, out, ws_o, ws_ml,
+        q.stride(0), k_new.stride(0), v_new.stride(0), out.stride(0), table.stride(0), Hkv,
+        scale, REP=rep, QMR=QM, D=D, DP=_pow2(D), BS=BS, BT=cfg.block_t, SPLITS=splits,
+        num_warps=cfg.warps, num_stages=cfg.stages)
+    if splits > 1:
+        combine[(B, H)](ws_o, ws_ml, out, out.stride(0), H, D=D, DP=_pow2(D), SPLITS=splits,
+                        SP=max(2, 1 << (splits - 1).bit_length()), num_warps=4)
+    return out
+
+
+@functools.cache
+def _kernels():  # type: ignore[no-untyped-def]
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def attend(q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, tab_ptr, wb_ptr, pos_ptr, o_ptr,
+               ws_o_ptr, ws_ml_ptr, q_rs, kn_rs, vn_rs, o_rs, tab_rs, Hkv, scale,
+               REP: tl.constexpr, QMR: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+               BS: tl.constexpr, BT: tl.constexpr, SPLITS: tl.constexpr):
+        # one program per (row b, kv head g, split): query heads g * REP .. as dot rows
+        b = tl.program_id(0)
+        g = tl.program_id(1)
+        sp = tl.program_id(2)
+        rh = tl.arange(0, QMR)
+        rd = tl.arange(0, DP)  # head dims, padded to a power of two (read as 0)
+        rt = tl.arange(0, BT)
+        h_ok = rh < REP
+        d_ok = rd < D
+        heads = g * REP + rh
+        p = tl.load(pos_ptr + b)
+        q = tl.load(q_ptr + b * q_rs + heads[:, None] * D + rd[None, :],
+                    mask=h_ok[:, None] & d_ok[None, :], other=0.0)  # [QM, DP]
+        # this split's positions [t_begin, t_end) of 0..p, in whole tiles
+        n = p + 1
+        chunk = tl.cdiv(tl.cdiv(n, SPLITS), BT) * BT
+        t_begin = tl.minimum(n, sp * chunk)
+        t_end = tl.minimum(n, t_begin + chunk)
+        c_end = tl.minimum(t_end, p)  # positions read from the cache (p comes from k_new)
+        m_i = tl.full((QMR,), float("-inf"), tl.float32)
+        l_i = tl.zeros((QMR,), tl.float32)
+        acc = tl.zeros((QMR, DP), tl.float32)
+        for t0 in range(t_begin, c_end, BT):
+            # a tile lies in one page (BT divides BS, tiles start at multiples of BT)
+            blk = tl.load(tab_ptr + b * tab_rs + t0 // BS).to(tl.int64)
+            base = ((blk * Hkv + g) * BS + t0 % BS) * D
+            ok = t0 + rt < c_end
+            kv_ok = ok[:, None] & d_ok[None, :]
+            k = tl.load(kc_ptr + base + rt[:, None] * D + rd[None, :], mask=kv_ok,
+                        other=0.0)  # [BT, DP]
+            s = tl.dot(q, tl.trans(k)) * scale  # [QM, BT], log2 units
+            s = tl.where(ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            pr = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(pr, 1)
+            v = tl.load(vc_ptr + base + rt[:, None] * D + rd[None, :], mask=kv_ok, other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
+            m_i = m_new
+        kx = tl.load(kn_ptr + b * kn_rs + g * D + rd, mask=d_ok, other=0.0)
+        vx = tl.load(vn_ptr + b * vn_rs + g * D + rd, mask=d_ok, other=0.0)
+        if (p >= t_begin) & (p < t_end):  # position p, from k_new / v_new
+            s1 = tl.sum(q.to(tl.float32) * kx.to(tl.float32)[None, :], 1) * scale  # [QM]
+            m_new = tl.maximum(m_i, s1)
+            alpha = tl.exp2(m_i - m_new)
+            p1 = tl.exp2(s1 - m_new)
+            l_i = l_i * alpha + p1
+            acc = acc * alpha[:, None] + p1[:, None] * vx.to(tl.float32)[None, :]
+            m_i = m_new
+        if sp == 0:  # store position p (every program of this row reads it from k_new)
+            w = ((tl.load(wb_ptr + b) * Hkv + g) * BS + p % BS) * D
+            tl.store(kc_ptr + w + rd, kx, mask=d_ok)
+            tl.store(vc_ptr + w + rd, vx, mask=d_ok)
+        if SPLITS == 1:
+            o = acc / l_i[:, None]
+            tl.store(o_ptr + b * o_rs + heads[:, None] * D + rd[None, :],
+                     o.to(o_ptr.dtype.element_ty), mask=h_ok[:, None] & d_ok[None, :])
+        else:
+            H = Hkv * REP
+            row = (b * H + heads) * SPLITS + sp  # [QM]
+            tl.store(ws_o_ptr + row[:, None] * D + rd[None, :], acc,
+                     mask=h_ok[:, None] & d_ok[None, :])
+            tl.store(ws_ml_ptr + row * 2, m_i, mask=h_ok)
+            tl.store(ws_ml_ptr + row * 2 + 1, l_i, mask=h_ok)
+
+    @triton.jit
+    def combine(ws_o_ptr, ws_ml_ptr, o_ptr, o_rs, H, D: tl.constexpr, DP: tl.constexpr,
+                SPLITS: tl.constexpr, SP: tl.constexpr):
+        # one program per (row b, head h): merge its splits' softmax states in split order
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        rs = tl.arange(0, SP)
+        rd = tl.arange(0, DP)
+        d_ok = rd < D
+        s_ok = rs < SPLITS
+        row = (b * H + h) * SPLITS + rs
+        m = tl.load(ws_ml_ptr + row * 2, mask=s_ok, other=float("-inf"))
+        ls = tl.load(ws_ml_ptr + row * 2 + 1, mask=s_ok, other=0.0)
+        mx = tl.max(m, 0)  # finite: the split holding position p is never empty
+        wgt = tl.where(s_ok & (m > float("-inf")), tl.exp2(m - mx), 0.0)
+        o = tl.load(ws_o_ptr + row[:, None] * D + rd[None, :],
+                    mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+        tot = tl.sum(o * wgt[:, None], 0) / tl.sum(ls * wgt, 0)
+        tl.store(o_ptr + b * o_rs + h * D + rd, tot.to(o_ptr.dtype.element_ty), mask=d_ok)
+
+    return attend, combine

@@ -1,0 +1,173 @@
+"""engine/kernels/decode_attention_triton.py: the launch contract, the automatic splits, the
+kernel against the float32 fallback (`decode_attention_torch`) under Triton's interpreter on
+the CPU (TRITON_INTERPRET=1, tests/test_triton_interpreter.py runs these) and on CUDA, and
+the wrapper's routing (`decode_attention(..., triton_rows=)`) on CUDA.
+
+Tolerance: q.k^T is exact in float32 and the probabilities are rounded to the cache's dtype
+for the p.v product (bf16: 2^-9 relative each), so outputs (|v| ~ 1) may be off by ~1e-2."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from engine.kernels import decode_attention as attention
+from engine.kernels import decode_attention_triton as tri
+from engine.kernels.fp8_triton import _triton_importable
+from tests.test_kernels import _attention_case
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and _triton_importable()
+CUDA = torch.cuda.is_available() and tri.available()
+needs_interp = pytest.mark.skipif(not INTERPRET,
+                                  reason="needs TRITON_INTERPRET=1 and triton importable")
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device and Triton")
+
+
+def _check(case, S, *, splits, config=None, tol=2e-2, out=None):  # type: ignore[no-untyped-def]
+    """The kernel's output and cache writes against the fallback's on a copy of the case."""
+    q, kn, vn, kc, vc, table, wb, pos = case
+    kc2, vc2 = kc.clone(), vc.clone()
+    got = tri.decode_attention_triton(q, kn, vn, kc, vc, table, wb, pos, S, splits=splits,
+                                      config=config, out=out)
+    want = attention.decode_attention_torch(q, kn, vn, kc2, vc2, table, wb, pos, S)
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)  # position p written, nothing else
+    return got
+
+
+@pytest.mark.parametrize("cfg", [tri.Config(48), tri.Config(8), tri.Config(128),
+                                 tri.Config(64, warps=3), tri.Config(64, stages=0)])
+def test_config_rejects_bad_shapes(cfg):
+    with pytest.raises(ValueError, match="Config"):
+        cfg.check(64)
+
+
+@pytest.mark.parametrize("splits", [-1, 33, 1.5, True])
+def test_rejects_bad_splits(splits):
+    case = _attention_case(2, 4, 2, 16, 20, torch.bfloat16, "cpu", bs=16)
+    with pytest.raises(ValueError, match="splits"):
+        tri.decode_attention_triton(*case, 20, splits=splits)
+
+
+def test_auto_splits_fill_the_gpu_within_the_span():
+    assert tri.auto_splits(64, 8, 1024, 64, 132) == 1  # 512 programs: twice 132 SMs over
+    assert tri.auto_splits(16, 8, 1024, 64, 132) == 3
+    assert tri.auto_splits(1, 8, 1024, 64, 132) == 16  # 1024 positions: 16 tiles
+    assert tri.auto_splits(1, 8, 100, 64, 132) == 2
+    assert tri.auto_splits(1, 1, 10**6, 16, 132) == tri.MAX_SPLITS
+
+
+def test_supported_names_the_kernels_shapes():
+    assert tri.shapes_supported(32, 8, 128, 64)  # S2-Pro's slow AR, the pool's blocks
+    assert tri.shapes_supported(16, 1, 16, 16)
+    assert tri.shapes_supported(4, 2, 48, 64)  # the tiny model's (padded to 64)
+    assert not tri.shapes_supported(4, 1, 20, 64)  # head_dim not a multiple of 8
+    assert not tri.shapes_supported(32, 1, 128, 64)  # 32 query heads per kv head
+    assert not tri.shapes_supported(32, 8, 128, 10)  # the fast AR's 10-position blocks
+    assert not tri.shapes_supported(32, 8, 512, 64)
+    case = _attention_case(2, 32, 8, 128, 70, torch.bfloat16, "cpu", bs=64)
+    q, _, _, kc, _, table, wb, pos = case
+    assert not tri.supported(q, kc, table, wb, pos)  # CPU tensors
+
+
+@pytest.mark.parametrize("rows", [-1, True, 1.5])
+def test_routing_rejects_bad_rows(rows):
+    case = _attention_case(3, 4, 2, 16, 6, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="triton_rows must be an int >= 0"):
+        attention.decode_attention(*case, span=6, triton_rows=rows)
+
+
+def test_routing_off_cuda_is_csrcs_contract_unchanged():
+    """Off CUDA (and for calls the kernel does not take) `triton_rows` changes nothing."""
+    case = _attention_case(3, 4, 2, 16, 12, torch.float32, "cpu")
+    again = [t.clone() for t in case]
+    got = attention.decode_attention(*case, span=12, triton_rows=1)
+    assert torch.equal(got, attention.decode_attention(*again, span=12))
+    assert torch.equal(case[3], again[3]) and torch.equal(case[4], again[4])
+
+
+def test_build_ops_and_engine_config_bound_the_rows():
+    from engine.config import EngineConfig
+    from engine.ops import build_ops
+
+    with pytest.raises(ValueError, match="attention_triton_rows must be an int >= 0"):
+        build_ops("cpu", attention_triton_rows=-1)
+    with pytest.raises(ValueError, match="attention_triton_rows"):
+        EngineConfig(attention_triton_rows=-1)
+    assert build_ops("cpu", attention_triton_rows=16).describe()["attention_triton_rows"] == 0
+
+
+# the fixture sizes: GQA 2 and 4, head_dim 16 / 64, blocks of 16 and 64, positions crossing
+# blocks; row 0 at position 0, the last row writing the scratch block (_attention_case)
+INTERP_CASES = [(3, 4, 2, 16, 40, 16), (2, 8, 2, 64, 70, 64), (4, 4, 1, 32, 33, 16),
+                (3, 4, 2, 48, 50, 16)]
+
+
+@needs_interp
+@pytest.mark.parametrize("B,H,Hkv,D,S,bs", INTERP_CASES)
+@pytest.mark.parametrize("splits", [1, 3])
+def test_interp_kernel_matches_fallback(monkeypatch, B, H, Hkv, D, S, bs, splits):
+    from tests.test_fp8_triton import _patch_interpreter
+
+    _patch_interpreter(monkeypatch)
+    case = _attention_case(B, H, Hkv, D, S, torch.bfloat16, "cpu", bs=bs, last_at_end=True)
+    _check(case, S, splits=splits, config=tri.Config(16, 4, 1))
+
+
+@needs_interp
+def test_interp_kernel_writes_a_strided_out_and_merges_empty_splits(monkeypatch):
+    """Rows of `out` further apart than H * D (one position of a [B, T, H, D] output), and
+    more splits than a short row has tiles (its later ranges empty, merged as nothing)."""
+    from tests.test_fp8_triton import _patch_interpreter
+
+    _patch_interpreter(monkeypatch)
+    case = _attention_case(3, 4, 2, 16, 20, torch.bfloat16, "cpu", bs=16)
+    wide = torch.full((3, 2, 4, 16), 7.0, dtype=torch.bfloat16)
+    got = _check(case, 20, splits=8, config=tri.Config(16, 4, 1), out=wide[:, 0])
+    assert got.data_ptr() == wide.data_ptr()
+    assert torch.equal(wide[:, 1], torch.full((3, 4, 16), 7.0, dtype=torch.bfloat16))
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("B,H,Hkv,D,S", [(64, 32, 8, 128, 300), (16, 32, 8, 128, 1024),
+                                         (256, 32, 8, 128, 700), (3, 4, 2, 64, 17),
+                                         (5, 16, 1, 128, 130), (5, 4, 2, 48, 130)])
+@pytest.mark.parametrize("splits", [0, 1, 5])
+def test_cuda_kernel_matches_fallback(dtype, B, H, Hkv, D, S, splits):
+    case = _attention_case(B, H, Hkv, D, S, dtype, "cuda", bs=64, last_at_end=True)
+    _check(case, S, splits=splits)
+    for cfg in (tri.Config(32, 4, 2), tri.Config(64, 8, 4)):
+        case = _attention_case(B, H, Hkv, D, S, dtype, "cuda", bs=64, last_at_end=True)
+        _check(case, S, splits=splits, config=cfg)
+
+
+@needs_cuda
+def test_cuda_routing_by_rows_and_graph_capture():
+    """`decode_attention(..., triton_rows=R)` runs this kernel from R rows (csrc's below it),
+    and the call replays in a CUDA graph."""
+    for B, want_triton in ((8, False), (16, True)):
+        case = _attention_case(B, 32, 8, 128, 200, torch.bfloat16, "cuda", bs=64,
+                               last_at_end=True)
+        q, kn, vn, kc, vc, table, wb, pos = case
+        got = attention.decode_attention(q, kn, vn, kc.clone(), vc.clone(), table, wb, pos,
+                                         200, triton_rows=16)
+        ref_tri = tri.decode_attention_triton(q, kn, vn, kc.clone(), vc.clone(), table, wb,
+                                              pos, 200)
+        assert torch.equal(got, ref_tri) == want_triton
+    out = torch.empty_like(q)
+    g = torch.cuda.CUDAGraph()
+    attention.decode_attention(q, kn, vn, kc, vc, table, wb, pos, 200, triton_rows=16,
+                               out=out)  # compiled before the capture
+    torch.cuda.synchronize()
+    with torch.cuda.graph(g):
+        attention.decode_attention(q, kn, vn, kc, vc, table, wb, pos, 200, triton_rows=16,
+                                   out=out)
+    out.zero_()
+    g.replay()
+    torch.cuda.synchronize()
+    want = attention.decode_attention_torch(q, kn, vn, kc.clone(), vc.clone(), table, wb, pos,
+                                            200)
+    torch.testing.assert_close(out.float(), want.float(), rtol=2e-2, atol=2e-2)
