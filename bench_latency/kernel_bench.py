@@ -83,16 +83,17 @@ def bench_attention_many_rows() -> None:
         table = torch.randperm(bs * mb, device="cuda").view(bs, mb)
         ps = torch.full((bs,), pos, device="cuda")
         ws = table[:, pos // BS].contiguous()
-        args = (q, kn, vn, kc, vc, table, ws, ps, pos + 1)
+        args = (q, kn, vn, kc, vc, table, ws, ps)
         kv_bytes = 2 * bs * (pos + 1) * 8 * 128 * dt.itemsize
         runs: list[tuple[str, Callable[..., object]]] = []
         if extension_available():
-            runs += [("csrc", lambda *a: decode_attention(*a, splits=1)),
-                     ("csrc-split", lambda *a: decode_attention(*a, splits=0))]
+            runs += [("csrc", lambda *a, n=pos + 1: decode_attention(*a, n, splits=1)),
+                     ("csrc-split", lambda *a, n=pos + 1: decode_attention(*a, n, splits=0))]
         if attn_triton.available():
             runs.append(("triton", attn_triton.decode_attention_triton))
             for cfg in (attn_triton.Config(32, 4, 3), attn_triton.Config(64, 4, 2),
-                        attn_triton.Config(64, 8, 3), attn_triton.Config(64, 4, 4)):
+                        attn_triton.Config(64, 8, 3), attn_triton.Config(64, 4, 4),
+                        attn_triton.Config(64, 4, 5)):
                 runs.append((f"triton:t{cfg.block_t}w{cfg.warps}s{cfg.stages}",
                              lambda *a, c=cfg: attn_triton.decode_attention_triton(*a,
                                                                                    config=c)))

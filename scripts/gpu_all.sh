@@ -14,7 +14,9 @@
 #      eviction to host memory with a restored turn;
 #   2. diagnostics, only with PROBE=1 (~50 s): scripts/prefill_probe.py (one prefill-graph
 #      replay per bucket alone), `python -m bench_latency.kernel_bench` (csrc kernels vs torch)
-#      and scripts/start_probe.py (the start before the engine);
+#      and scripts/start_probe.py (the start before the engine); KBENCH=1 runs only
+#      kernel_bench, into $OUT/kernel_bench.txt (its decode_attention_rows: csrc's attention
+#      against the Triton tile kernel at 16-256 rows, graph-timed);
 #   3. the server bench: `rtvoice serve` (S2-Pro shapes, bf16 dummy weights, 128 decode rows)
 #      driven by bench-latency over real WebSockets at c = 1, 4, 16, 32, 64, 128, 200 ms
 #      jitter buffer, every session cloning a 10 s voice, turns up to 300 frames (knobs of
@@ -113,6 +115,13 @@ if [ "${PROBE:-0}" = 1 ]; then  # prefill graphs alone: what a burst of turns co
     timeout 60 python3 -m bench_latency.kernel_bench 2>&1 | grep -v "Warn\|warn" | tee -a "$OUT/probes.txt" | grep decode_attention
     # where the server's start goes before the engine (import, CUDA init, random weights)
     timeout 60 python3 scripts/start_probe.py 2>&1 | tail -1 | tee -a "$OUT/probes.txt"
+fi
+if [ "${KBENCH:-0}" = 1 ]; then  # kernel_bench alone (with its graph-timed attention rows:
+    # csrc's decode attention against the Triton tile kernel at 16-256 rows; ~60 s)
+    timeout ${KBENCH_TIMEOUT:-150} python3 -m bench_latency.kernel_bench 2>&1 \
+        | grep -v "Warn\|warn" >"$OUT/kernel_bench.txt"
+    grep decode_attention "$OUT/kernel_bench.txt" | tail -30
+    echo "kernel_bench done at +$(( $(date +%s) - t0 ))s"
 fi
 if [ "${CONV:-0}" = 1 ]; then  # the codec's fused residual-unit convs vs cuDNN + a pass, ticks
     timeout ${CONV_TIMEOUT:-420} python3 -m bench_latency.codec_conv_bench ${CONV_ARGS:-} \

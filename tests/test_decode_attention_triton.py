@@ -29,7 +29,7 @@ def _check(case, S, *, splits, config=None, tol=2e-2, out=None):  # type: ignore
     """The kernel's output and cache writes against the fallback's on a copy of the case."""
     q, kn, vn, kc, vc, table, wb, pos = case
     kc2, vc2 = kc.clone(), vc.clone()
-    got = tri.decode_attention_triton(q, kn, vn, kc, vc, table, wb, pos, S, splits=splits,
+    got = tri.decode_attention_triton(q, kn, vn, kc, vc, table, wb, pos, splits=splits,
                                       config=config, out=out)
     want = attention.decode_attention_torch(q, kn, vn, kc2, vc2, table, wb, pos, S)
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
@@ -38,7 +38,7 @@ def _check(case, S, *, splits, config=None, tol=2e-2, out=None):  # type: ignore
 
 
 @pytest.mark.parametrize("cfg", [tri.Config(48), tri.Config(8), tri.Config(128),
-                                 tri.Config(64, warps=3), tri.Config(64, stages=0)])
+                                 tri.Config(64, warps=1), tri.Config(64, stages=0)])
 def test_config_rejects_bad_shapes(cfg):
     with pytest.raises(ValueError, match="Config"):
         cfg.check(64)
@@ -48,15 +48,32 @@ def test_config_rejects_bad_shapes(cfg):
 def test_rejects_bad_splits(splits):
     case = _attention_case(2, 4, 2, 16, 20, torch.bfloat16, "cpu", bs=16)
     with pytest.raises(ValueError, match="splits"):
-        tri.decode_attention_triton(*case, 20, splits=splits)
+        tri.decode_attention_triton(*case, splits=splits)
 
 
-def test_auto_splits_fill_the_gpu_within_the_span():
-    assert tri.auto_splits(64, 8, 1024, 64, 132) == 1  # 512 programs: twice 132 SMs over
-    assert tri.auto_splits(16, 8, 1024, 64, 132) == 3
-    assert tri.auto_splits(1, 8, 1024, 64, 132) == 16  # 1024 positions: 16 tiles
-    assert tri.auto_splits(1, 8, 100, 64, 132) == 2
-    assert tri.auto_splits(1, 1, 10**6, 16, 132) == tri.MAX_SPLITS
+def test_auto_splits_fill_the_gpu_twice_in_powers_of_two():
+    assert tri.auto_splits(64, 8, 132) == 1  # 512 programs: twice 132 SMs over
+    assert tri.auto_splits(16, 8, 132) == 4  # 3 would do: the next power of two
+    assert tri.auto_splits(32, 8, 132) == 2
+    assert tri.auto_splits(1, 8, 132) == tri.MAX_SPLITS  # 33 wanted
+
+
+@pytest.mark.parametrize("bad", ["q", "k_new", "out", "cache", "pos"])
+def test_rejects_layouts_it_does_not_read(bad):
+    case = list(_attention_case(2, 4, 2, 16, 20, torch.bfloat16, "cpu", bs=16))
+    out = None
+    if bad == "q":
+        case[0] = case[0].transpose(1, 2).contiguous().transpose(1, 2)  # dims not packed
+    elif bad == "k_new":
+        case[1] = torch.empty(2, 16, 2, dtype=torch.bfloat16).transpose(1, 2)
+    elif bad == "out":
+        out = torch.empty(2, 16, 4, dtype=torch.bfloat16).transpose(1, 2)
+    elif bad == "cache":
+        case[4] = case[4].transpose(2, 3).contiguous().transpose(2, 3)
+    else:
+        case[7] = torch.stack([case[7], case[7]], 1)[:, 0]  # a strided [B] view
+    with pytest.raises(ValueError, match="decode_attention_triton"):
+        tri.decode_attention_triton(*case, out=out)
 
 
 def test_supported_names_the_kernels_shapes():
@@ -155,7 +172,7 @@ def test_cuda_routing_by_rows_and_graph_capture():
         got = attention.decode_attention(q, kn, vn, kc.clone(), vc.clone(), table, wb, pos,
                                          200, triton_rows=16)
         ref_tri = tri.decode_attention_triton(q, kn, vn, kc.clone(), vc.clone(), table, wb,
-                                              pos, 200)
+                                              pos)
         assert torch.equal(got, ref_tri) == want_triton
     out = torch.empty_like(q)
     g = torch.cuda.CUDAGraph()

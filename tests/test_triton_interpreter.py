@@ -1,8 +1,9 @@
 """The Triton kernels on the CPU: the `interp` tests of tests/test_fp8_triton.py,
 tests/test_codec_conv.py and tests/test_decode_attention_triton.py (the FP8 GEMMs, the codec's
 fused conv, residual unit and transposed convs against their float64 references, the paged
-decode attention against its float32 fallback) under Triton's interpreter, in a venv of their
-own.
+decode attention against its float32 fallback) under Triton's interpreter, and
+tests/test_triton_sm90.py (the kernels no GPU has run yet compiled for sm_90), in a venv of
+their own.
 
 Triton's interpreter needs triton, which the project's CPU environment does not install, and
 numpy < 2 (Triton 3.5's interpreter turns one-element arrays into ints with `int()`, an error
@@ -70,3 +71,22 @@ def test_triton_kernels_under_the_interpreter():
     # every interp test function ran, at least once each (most are parametrised)
     assert int(passed.group(1)) >= _interp_tests() > 0, tail
     print(f"triton interpreter: {passed.group(0)}")
+
+
+@pytest.mark.timeout(1800)
+def test_triton_kernels_compile_for_sm90():
+    """tests/test_triton_sm90.py in the same venv, compiled (not interpreted): the kernels no
+    GPU has run yet lowered for sm_90 through Triton's bundled ptxas."""
+    py = _venv()
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env |= {"PYTHONPATH": str(ROOT), "PYTHONHASHSEED": "0"}
+    r = subprocess.run([str(py), "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        "tests/test_triton_sm90.py"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=1500)
+    tail = r.stdout[-4000:] + r.stderr[-2000:]
+    assert r.returncode == 0, f"sm_90 compile tests failed:\n{tail}"
+    passed = re.search(r"(\d+) passed", r.stdout)
+    assert passed and "skipped" not in r.stdout.splitlines()[-1], tail
+    text = (ROOT / "tests/test_triton_sm90.py").read_text()
+    assert int(passed.group(1)) >= len(re.findall(r"^def test_sm90_\w+", text, flags=re.M)) > 0
+    print(f"triton sm_90 compiles: {passed.group(0)}")

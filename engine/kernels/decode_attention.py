@@ -177,7 +177,7 @@ def decode_attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v
         if rope is not None:
             q, k_new = apply_rope(q, k_new, rope)
         return triton_kernel.decode_attention_triton(q, k_new, v_new, k_cache, v_cache, table,
-                                                     wblock, pos, span, out=out)
+                                                     wblock, pos, out=out)
     use = kernel and q.is_cuda and supports(q.shape[-1], q.shape[1], k_new.shape[1])
     if rope is not None and not (use and rope_supported(q, rope)):
         q, k_new = apply_rope(q, k_new, rope)

@@ -9,7 +9,9 @@ in ~40 us on the H200 (~1.3 TB/s, docs/PERF.md), where the bytes alone take ~13 
 program owns a (row, kv head, split) and streams [BT, D] key and value tiles of that head
 (one page each: BT divides BS) through Triton's pipelined loads, several tiles in flight,
 with all REP query heads of the kv head as the rows of one `tl.dot` (padded to QM = 16, the
-dot's minimum) and the online softmax in float32.
+dot's minimum; mma.sync, not wgmma: enough for bytes that bound it) and the online softmax in
+float32. (Compiled for sm_90 on a CPU with Triton 3.5 and 3.6: the default shape takes ~39 KB
+of shared memory and 108 registers, no spills.)
 
 Numerics: q.k^T of the model's dtype in float32; the probabilities rounded to that dtype for
 the p.v dot (flash attention's choice), so the output is within a few of that dtype's ulps of
@@ -18,7 +20,7 @@ the float32 reference, not bit-equal to csrc's kernel (which keeps them in float
 Splits: with `splits` > 1 each row's positions 0..pos are cut into that many ranges of whole
 tiles, each program writes its range's softmax state (max, sum, unnormalised output; float32)
 and a second launch merges them in split order. `splits=0` picks the count from the rows
-(enough programs to fill the GPU twice) and `span` (no more splits than tiles).
+(enough programs to fill the GPU twice): `auto_splits`.
 
 Contract (`supported` says whether the kernel takes a call; the wrapper checks the rest):
   q          [B, H, D] bf16/fp16, heads and dims packed (rows may be strided)
@@ -65,8 +67,8 @@ class Config:
         if self.block_t < 16 or self.block_t & (self.block_t - 1) or bs % self.block_t:
             raise ValueError(f"Config.block_t must be a power of two >= 16 dividing the "
                              f"cache's block size {bs}, got {self.block_t}")
-        if self.warps not in (1, 2, 4, 8) or not 1 <= self.stages <= 6:
-            raise ValueError(f"Config: warps in (1, 2, 4, 8), stages in 1..6; got "
+        if self.warps not in (2, 4, 8) or not 1 <= self.stages <= 6:  # one warp spills
+            raise ValueError(f"Config: warps in (2, 4, 8), stages in 1..6; got "
                              f"{self.warps}, {self.stages}")
 
 
@@ -88,11 +90,20 @@ def supported(q: Tensor, k_cache: Tensor, table: Tensor, wblock: Tensor, pos: Te
             and table.stride(1) == 1 and wblock.stride(0) == 1 and pos.stride(0) == 1)
 
 
-def auto_splits(rows: int, kv_heads: int, span: int, block_t: int, sms: int) -> int:
-    """Splits per row for `rows` rows: enough programs for two per SM, no more splits than
-    tiles in `span` positions, at most MAX_SPLITS."""
+def auto_splits(rows: int, kv_heads: int, sms: int) -> int:
+    """Splits per row for `rows` rows: the least power of two that makes two programs per SM,
+    at most MAX_SPLITS. From the rows alone (not the positions, which a CUDA graph does not
+    know): each count is a compiled variant, and every batch bucket's warm-up step then
+    compiles the one its captures use; powers of two keep the variants few."""
     want = -(-2 * sms // max(1, rows * kv_heads))
-    return max(1, min(want, -(-span // block_t), MAX_SPLITS))
+    s = 1
+    while s < want and 2 * s <= MAX_SPLITS:
+        s *= 2
+    return s
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def _pow2(n: int) -> int:
@@ -105,14 +116,26 @@ def _sm_count(index: int) -> int:
 
 
 def decode_attention_triton(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor,
-                            v_cache: Tensor, table: Tensor, wblock: Tensor, pos: Tensor,
-                            span: int, *, splits: int = 0, config: Config | None = None,
+                            v_cache: Tensor, table: Tensor, wblock: Tensor, pos: Tensor, *,
+                            splits: int = 0, config: Config | None = None,
                             out: Tensor | None = None) -> Tensor:
-    """The kernel on one position per row (module docstring). `span` (> every pos) bounds
-    the automatic split count; the kernel reads exactly 0..pos[b]. Returns `out` (given:
-    q's shape and dtype, heads and dims packed) or a new [B, H, D] tensor."""
+    """The kernel on one position per row (module docstring; it reads exactly 0..pos[b]).
+    `splits`: 1..MAX_SPLITS, or 0 for `auto_splits`. Returns `out` (given: q's shape and
+    dtype, heads and dims packed, rows may be strided) or a new [B, H, D] tensor. The
+    layouts are checked here (csrc's wrapper checks the rest of the contract)."""
     B, H, D = q.shape
     Hkv, BS = k_cache.shape[1], k_cache.shape[2]
+    for name, t in (("q", q), ("k_new", k_new), ("v_new", v_new), ("out", out)):
+        if t is not None and (t.dim() != 3 or t.stride(2) != 1 or t.stride(1) != D):
+            raise ValueError(f"decode_attention_triton: {name} {list(t.shape)} must be [B, H, "
+                             f"{D}] with heads and dims packed (strides {t.stride()})")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) \
+            or k_cache.shape != v_cache.shape:
+        raise ValueError("decode_attention_triton: k_cache and v_cache must be contiguous "
+                         f"and of one shape, got {list(k_cache.shape)} / {list(v_cache.shape)}")
+    if table.stride(1) != 1 or wblock.stride(0) != 1 or pos.stride(0) != 1:
+        raise ValueError("decode_attention_triton: table rows, wblock and pos must be "
+                         "contiguous")
     cfg = config or Config(block_t=min(64, BS & -BS))  # a power of two dividing BS
     cfg.check(BS)
     if isinstance(splits, bool) or not isinstance(splits, int) or not 0 <= splits <= MAX_SPLITS:
@@ -123,9 +146,7 @@ def decode_attention_triton(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Te
     if B == 0:
         return out
     if splits == 0:
-        index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-        splits = auto_splits(B, Hkv, span, cfg.block_t,
-                             _sm_count(index) if q.is_cuda else 132)
+        splits = auto_splits(B, Hkv, _sm_count(_index(q.device)) if q.is_cuda else 132)
     rep = H // Hkv
     scale = math.log2(math.e) / math.sqrt(D)  # exp2 of scores in log2 units
     if splits == 1:
@@ -177,10 +198,17 @@ def _kernels():  # type: ignore[no-untyped-def]
         m_i = tl.full((QMR,), float("-inf"), tl.float32)
         l_i = tl.zeros((QMR,), tl.float32)
         acc = tl.zeros((QMR, DP), tl.float32)
+        # a tile lies in one page (BT divides BS, tiles start at multiples of BT). Its page
+        # number is loaded one tile ahead: a tile's key/value addresses then depend on no
+        # load of the same iteration, so the pipeliner keeps several tiles in flight (with
+        # the page loaded in the iteration that uses it, Triton 3.5/3.6 keep one buffer).
+        blk = tl.load(tab_ptr + b * tab_rs + t_begin // BS, mask=t_begin < c_end,
+                      other=0).to(tl.int64)
         for t0 in range(t_begin, c_end, BT):
-            # a tile lies in one page (BT divides BS, tiles start at multiples of BT)
-            blk = tl.load(tab_ptr + b * tab_rs + t0 // BS).to(tl.int64)
-            base = ((blk * Hkv + g) * BS + t0 % BS) * D
+            here = blk
+            blk = tl.load(tab_ptr + b * tab_rs + (t0 + BT) // BS, mask=t0 + BT < c_end,
+                          other=0).to(tl.int64)
+            base = ((here * Hkv + g) * BS + t0 % BS) * D
             ok = t0 + rt < c_end
             kv_ok = ok[:, None] & d_ok[None, :]
             k = tl.load(kc_ptr + base + rt[:, None] * D + rd[None, :], mask=kv_ok,

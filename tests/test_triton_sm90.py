@@ -1,0 +1,130 @@
+"""The Triton kernels no GPU has run yet, compiled for sm_90 (H100 / H200) on the CPU: Triton
+lowers them through ptxas (bundled with its wheel) for a GPUTarget without a device, so a
+kernel that would not compile, would not fit in shared memory or would lose its software
+pipelining shows here, before a device call. tests/test_triton_interpreter.py runs these in
+its venv (triton pinned there; not under TRITON_INTERPRET, which turns `triton.jit` functions
+into interpreted ones).
+
+The signatures mirror a real launch's specialisation: pointers 16-byte aligned and the
+integer strides / widths that are multiples of 16 at S2-Pro's shapes marked so (Triton
+specialises them at launch; without the marks its axis analysis cannot prove 16-byte
+vectors, and the loads neither vectorise nor pipeline).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from engine.kernels.fp8_triton import _triton_importable
+
+RUN = _triton_importable() and os.environ.get("TRITON_INTERPRET") != "1"
+pytestmark = pytest.mark.skipif(not RUN, reason="needs triton importable (not interpreted)")
+SMEM = 227 * 1024  # sm_90's shared memory per block
+
+
+def _compile(kernel, ptrs: dict[str, str], consts: dict, warps: int, stages: int, *,  # type: ignore[no-untyped-def]
+             div16: tuple[str, ...] = (), floats: tuple[str, ...] = ()):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig, attrs = {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name in ptrs:
+            sig[name] = f"*{ptrs[name]}"
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name in floats:
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+            if name in div16:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(kernel, sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": warps, "num_stages": stages})
+
+
+def _spills(compiled) -> int:  # type: ignore[no-untyped-def]
+    """Bytes of spill stores ptxas reports for the compiled kernel's PTX."""
+    import re
+
+    import triton
+
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    ptx = Path(os.environ.get("TMPDIR", "/tmp")) / f"rtvoice_sm90_{os.getpid()}.ptx"
+    ptx.write_text(compiled.asm["ptx"])
+    try:
+        r = subprocess.run([str(ptxas), "-v", "--gpu-name=sm_90a", str(ptx), "-o", os.devnull],
+                           capture_output=True, text=True, timeout=300)
+    finally:
+        ptx.unlink(missing_ok=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", r.stderr))
+
+
+def _async_copies(compiled) -> int:  # type: ignore[no-untyped-def]
+    return compiled.asm["ttgir"].count("async_copy_global_to_local")
+
+
+ATTN_PTRS = {n: "bf16" for n in ("q_ptr", "kn_ptr", "vn_ptr", "kc_ptr", "vc_ptr", "o_ptr")}
+ATTN_PTRS |= {"tab_ptr": "i64", "wb_ptr": "i64", "pos_ptr": "i64"}
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("block_t,warps,stages", [(64, 4, 3), (64, 8, 3), (32, 4, 3),
+                                                  (64, 4, 4)])
+def test_sm90_decode_attention_compiles_with_tiles_in_flight(splits, block_t, warps, stages):
+    """S2-Pro's slow AR (32 heads over 8 kv heads, head_dim 128, the pool's 64-position
+    pages): the key/value tiles go through async copies with stages - 1 tiles in flight
+    (their page number loaded a tile ahead), within shared memory, no spills."""
+    from engine.kernels import decode_attention_triton as tri
+
+    attend, _ = tri._kernels()
+    ptrs = ATTN_PTRS | {"ws_o_ptr": "fp32" if splits > 1 else "bf16",
+                        "ws_ml_ptr": "fp32" if splits > 1 else "bf16"}
+    k = _compile(attend, ptrs, dict(REP=4, QMR=tri.QM, D=128, DP=128, BS=64, BT=block_t,
+                                    SPLITS=splits), warps, stages,
+                 div16=("q_rs", "kn_rs", "vn_rs", "o_rs", "tab_rs"), floats=("scale",))
+    tile = 2 * block_t * 128 * 2  # one tile of keys and one of values, bf16
+    assert (stages - 1) * tile <= k.metadata.shared <= SMEM, k.metadata.shared
+    assert _async_copies(k) >= 2
+    assert _spills(k) == 0
+
+
+@pytest.mark.parametrize("splits", [2, 32])
+def test_sm90_decode_attention_combine_compiles(splits):
+    from engine.kernels import decode_attention_triton as tri
+
+    _, combine = tri._kernels()
+    k = _compile(combine, {"ws_o_ptr": "fp32", "ws_ml_ptr": "fp32", "o_ptr": "bf16"},
+                 dict(D=128, DP=128, SPLITS=splits, SP=max(2, 1 << (splits - 1).bit_length())),
+                 4, 1, div16=("o_rs",))
+    assert k.metadata.shared <= SMEM and _spills(k) == 0
+
+
+@pytest.mark.parametrize("channels", [96, 192])
+def test_sm90_codec_units_compile_in_every_swept_shape(channels):
+    """The fused residual unit (`codec_conv.residual_unit`) at the S2-Pro decoder's widths,
+    in every launch shape the bench sweeps and the default one: each compiles, fits in shared
+    memory and pipelines its k=7 loads (some 192-channel shapes spill a little: the sweep
+    measures whether they still win)."""
+    from bench_latency.codec_conv_bench import UNIT_SWEEP
+    from engine.kernels import codec_conv as cc
+
+    unit = cc._unit_kernel()
+    ptrs = {n: "bf16" for n in ("x_ptr", "w7_ptr", "b7_ptr", "a_ptr", "w1_ptr", "b1_ptr",
+                                "r_ptr", "o_ptr")}
+    m = 64 * 8 * 2048 * 96 // channels  # a 64 x 8 tick's rows at this width
+    for cfg in (*UNIT_SWEEP, cc.unit_config_for(m, channels)):
+        k = _compile(unit, ptrs, dict(TAPS=7, FAST_SIN=True, BM=cfg.block_m,
+                                      NPC=cc._pow2(channels), BN=cfg.block_n, BK=cfg.block_k),
+                     cfg.warps, cfg.stages,
+                     div16=("C", "NP", "s_tap", "sxb", "sxt", "srb", "srt"))
+        assert k.metadata.shared <= SMEM, (cfg, k.metadata.shared)
+        assert _async_copies(k) >= 2, cfg
