@@ -238,7 +238,8 @@ def _triton_splits(mod, m: int, n: int, k: int, cfg, sms: int) -> list[int]:  # 
 
 def _cfg_name(cfg) -> str:
     return (f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}w{cfg.num_warps}s{cfg.num_stages}"
-            f"{'T' if cfg.swap_ab else ''}{'P' if cfg.prescale else ''}")
+            f"{'T' if cfg.swap_ab else ''}{'P' if cfg.prescale else ''}"
+            f"{'Q' if cfg.prequant else ''}")
 
 
 class Timer:

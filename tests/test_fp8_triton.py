@@ -263,6 +263,18 @@ def test_sweep_configs_are_candidates_and_round_trip():
         ft.Config.from_json({**ft.Config(16, 64, 128).to_json(), "prescale": True}, w8a8=True)
     with pytest.raises(ValueError, match="true or false"):
         ft.Config.from_json({**cfg, "prescale": 1})
+    pre = ft.Config(16, 64, 128, swap_ab=True, prequant=True)
+    assert ft.Config.from_json(pre.to_json(), w8a8=True) == pre
+    # plans recorded before the field: read as False
+    assert ft.Config.from_json({k: v for k, v in pre.to_json().items() if k != "prequant"},
+                               w8a8=True).prequant is False
+    with pytest.raises(ValueError, match="prequant"):
+        ft.Config.from_json(pre.to_json())  # a weight-only row
+    with pytest.raises(ValueError, match="true or false"):
+        ft.Config.from_json({**pre.to_json(), "prequant": 1}, w8a8=True)
+    assert any(c.prequant for c in ft.sweep_configs(64, w8a8=True))
+    assert ft.fit_smem(ft.Config(64, 128, 128, 4, 8, prequant=True), 99 * 1024,
+                       w8a8=True).num_stages == 4  # x in 8 bits: 24 KiB a stage
 
 
 @pytest.mark.parametrize("m,n,k", [(1, 2560, 9728), (64, 19456, 2560), (5, 300, 260)])
@@ -423,6 +435,34 @@ def test_w8a8_kernel(m, n, k):
         assert_w8a8(ft.fp8_linear_triton_w8a8(x, w, config=cfg, split_k=2), x, w)
 
 
+def _prequant_case(device: str, m: int, n: int, k: int) -> None:
+    """The prequantised W8A8 configs give the in-kernel quantisation's output bit for bit
+    (the same operations on the same values), and `quantize_act` its e4m3 values and
+    scales."""
+    import dataclasses
+
+    w = make_weight(n, k, seed=5) if device == "cpu" else cuda_weight(n, k)
+    x = make_x(m, k, device=device, seed=6, pad=8)
+    for cfg in (ft.Config(16, 64, 128, swap_ab=True), ft.Config(64, 64, 128)):
+        pre = dataclasses.replace(cfg, prequant=True)
+        for split in (1, 2):
+            a = ft._launch(x, w, cfg, split, sms=132, w8a8=True)
+            b = ft._launch(x, w, pre, split, sms=132, w8a8=True)
+            assert torch.equal(a, b), (cfg, split)
+            assert_w8a8(b, x, w)
+    q, sc = ft.quantize_act(x)
+    qr, sr = ft.quantize_act_torch(x)
+    assert torch.equal(sc, sr) or torch.allclose(sc, sr, rtol=2**-22, atol=0)
+    assert (q.float() - qr.float()).abs().max() <= 0.0625 * qr.float().abs().max()
+
+
+@needs_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("m,n,k", [(1, 300, 260), (17, 2560, 4096), (64, 19456, 2560)])
+def test_w8a8_prequant_is_the_in_kernel_quantisation(m, n, k):
+    _prequant_case("cuda", m, n, k)
+
+
 # ------------------------------------------------------------- interpreter (CPU, opt-in)
 def _patch_interpreter(monkeypatch):
     """Triton 3.9's interpreter multiplies bf16 dot operands as their uint16 bits and rounds
@@ -521,3 +561,12 @@ def test_interp_w8a8(interp, m, n, k):
     for cfg in (ft.default_config(m, n, k, w8a8=True), ft.Config(16, 32, 128, swap_ab=True)):
         for split in (1, 2):
             assert_w8a8(ft._launch(x, w, cfg, split, sms=132, w8a8=True), x, w)
+
+
+@needs_interp
+@pytest.mark.parametrize("m,n,k", [(1, 300, 260), (17, 200, 384), (40, 130, 640)])
+def test_interp_w8a8_prequant(interp, m, n, k):
+    _prequant_case("cpu", m, n, k)
+    q, sc = ft.quantize_act(make_x(m, k, seed=6, pad=8))  # the interpreter divides exactly
+    qr, sr = ft.quantize_act_torch(make_x(m, k, seed=6, pad=8))
+    assert torch.equal(sc, sr) and torch.equal(q.view(torch.uint8), qr.view(torch.uint8))

@@ -144,16 +144,49 @@ def test_sm90_fp8_prescaled_gemm_keeps_wgmma_async_unswapped(m):
     (engine/kernels/fp8_triton.py)."""
     from engine.kernels import fp8_triton as ft
 
-    gemm, _ = ft._kernels()
-    ptrs = {"x_ptr": "bf16", "q_ptr": "fp8e4nv", "s_ptr": "fp32", "out_ptr": "bf16"}
+    gemm, _, _ = ft._kernels()
+    ptrs = {"x_ptr": "bf16", "q_ptr": "fp8e4nv", "s_ptr": "fp32", "out_ptr": "bf16",
+            "xs_ptr": "fp32"}
     cfgs = [c for c in ft.sweep_configs(m) if c.prescale]
     assert any(not c.swap_ab for c in cfgs)
     for cfg in cfgs:
         k = _compile(gemm, ptrs, dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                                       BLOCK_K=cfg.block_k, EVEN_K=True, SWAP_AB=cfg.swap_ab,
-                                      ACT_FP8=False, PRESCALE=True), cfg.num_warps,
+                                      ACT_FP8=False, PRESCALE=True, X_Q=False),
+                     cfg.num_warps,
                      cfg.num_stages, div16=("N", "K", "stride_xm", "stride_om", "stride_os"))
         report = _ptxas(k)
         assert k.metadata.shared <= SMEM and "spill stores" in report, cfg
         if not cfg.swap_ab:
             assert "C7515" not in report, (cfg, report[-600:])
+
+
+@pytest.mark.parametrize("m", [16, 32, 64])
+def test_sm90_fp8_prequantised_w8a8_gemm_has_no_conversion_in_its_loop(m):
+    """The W8A8 configs with x quantised beforehand (`prequant`) at w13's shape: both dot
+    operands e4m3 from shared memory through async copies, asynchronous wgmmas and no
+    conversion in the main loop (the sweep's tiles put >= 64 rows on the MMA's M side: below
+    that Triton's mma.sync path converts e4m3 operands to f16), within shared memory, no
+    spills; and the quantisation launch compiles."""
+    from engine.kernels import fp8_triton as ft
+
+    gemm, _, quant = ft._kernels()
+    cfgs = [c for c in ft.sweep_configs(m, w8a8=True) if c.prequant]
+    assert cfgs
+    for cfg in cfgs:
+        out = "fp32"  # split-K partials (the sweep's splits > 1)
+        k = _compile(gemm, {"x_ptr": "fp8e4nv", "q_ptr": "fp8e4nv", "s_ptr": "fp32",
+                            "out_ptr": out, "xs_ptr": "fp32"},
+                     dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                          EVEN_K=True, SWAP_AB=cfg.swap_ab, ACT_FP8=True, PRESCALE=False,
+                          X_Q=True), cfg.num_warps, cfg.num_stages,
+                     div16=("N", "K", "stride_xm", "stride_om", "stride_os"))
+        report = _ptxas(k)
+        assert k.metadata.shared <= SMEM and _async_copies(k) >= 2, cfg
+        assert "C7515" not in report and _spills(k) == 0, (cfg, report[-600:])
+        ttgir = k.asm["ttgir"]
+        assert "warp_group_dot " in ttgir, cfg
+        assert "tt.fp_to_fp" not in ttgir.split("scf.for")[1].split("scf.yield")[0], cfg
+    q = _compile(quant, {"x_ptr": "bf16", "q_ptr": "fp8e4nv", "s_ptr": "fp32"},
+                 dict(BLOCK=128), 1, 1, div16=("K", "stride_xm"))
+    assert _spills(q) == 0

@@ -18,6 +18,10 @@ per-block partial to wait for and rescale).
 block (amax / 448, round to e4m3) and an fp8 x fp8 `tl.dot`, each block's partial product
 rescaled by act_scale * w_scale. Not exact to the reference (it rounds the activations to
 3 mantissa bits); it pays where the GEMM is compute-bound (prefill), not at decode's small M.
+`prequant` configs quantise x once per call in a launch of their own (`quantize_act`, the
+same values) and stream e4m3 x tiles with their scales: the main loop then holds no
+conversion at all, where every program quantising its x tiles again repeats that work once
+per output-column tile.
 
 Small M: BLOCK_M = 16 (tl.dot's minimum) and split-K: `split_k` programs per output tile each
 take a run of K blocks and write an fp32 partial; a second kernel sums the partials in a fixed
@@ -64,6 +68,11 @@ class Config:
     # weight, exactly) and accumulate every K block into one chain of dots, instead of a
     # float32 partial per K block scaled after its dot (which waits for each block's MMA)
     prescale: bool = False
+    # W8A8: x quantised per 1 x 128 block by a launch of its own before the GEMM (once per
+    # call: `quantize_act`), which then reads e4m3 x tiles and their scales — both dot
+    # operands straight from shared memory, no conversion in the main loop — instead of
+    # every program quantising its x tiles again (the same values either way)
+    prequant: bool = False
 
     def check(self, *, w8a8: bool = False) -> None:
         if self.block_m not in (16, 32, 64, 128, 256):
@@ -75,6 +84,8 @@ class Config:
         if w8a8 and self.prescale:
             raise ValueError("prescale scales the weight tile in the activations' dtype: a "
                              "weight-only config (the W8A8 kernel scales each block's product)")
+        if self.prequant and not w8a8:
+            raise ValueError("prequant quantises the activations: a W8A8 config only")
         if w8a8 and self.block_k != BLOCK:
             raise ValueError(f"the W8A8 kernel quantises activations per 1 x {BLOCK} block: "
                              f"block_k must be {BLOCK}, got {self.block_k}")
@@ -86,7 +97,7 @@ class Config:
     def to_json(self) -> dict[str, int | bool]:
         return {"block_m": self.block_m, "block_n": self.block_n, "block_k": self.block_k,
                 "num_warps": self.num_warps, "num_stages": self.num_stages,
-                "swap_ab": self.swap_ab, "prescale": self.prescale}
+                "swap_ab": self.swap_ab, "prescale": self.prescale, "prequant": self.prequant}
 
     @classmethod
     def from_json(cls, d: object, *, w8a8: bool = False) -> Config:
@@ -95,7 +106,7 @@ class Config:
         if not isinstance(d, dict):
             raise ValueError(f"a Triton config must be an object, got {type(d).__name__}")
         names = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "swap_ab",
-                 "prescale")
+                 "prescale", "prequant")
         unknown = set(d) - set(names)
         missing = {"block_m", "block_n", "block_k"} - set(d)
         if unknown or missing:
@@ -105,7 +116,7 @@ class Config:
             v = d.get(key, 1)
             if isinstance(v, bool) or not isinstance(v, int):
                 raise ValueError(f"Triton config {key} must be an int, got {v!r}")
-        for key in ("swap_ab", "prescale"):
+        for key in ("swap_ab", "prescale", "prequant"):
             if not isinstance(d.get(key, False), bool):
                 raise ValueError(f"Triton config {key} must be true or false, got {d[key]!r}")
         cfg = cls(**d)
@@ -169,10 +180,17 @@ _SWEEP_PRESCALE: tuple[tuple[int, tuple[Config, ...]], ...] = (
           Config(64, 128, 128, 4, 4, prescale=True), Config(64, 64, 128, 4, 4, prescale=True))),
 )
 _SWEEP_W8A8: tuple[tuple[int, tuple[Config, ...]], ...] = (
-    (16, (Config(16, 64, 128, 4, 4),)),
-    (32, (Config(32, 64, 128, 4, 4), Config(32, 128, 128, 4, 4, swap_ab=True))),
+    # prequant: tiles whose dot is a wgmma (its M side >= 64 rows: x's rows at 64, else the
+    # weight's, swapped); below that Triton's mma.sync path converts e4m3 operands to f16
+    (16, (Config(16, 64, 128, 4, 4), Config(16, 64, 128, 4, 4, swap_ab=True, prequant=True),
+          Config(16, 128, 128, 4, 4, swap_ab=True, prequant=True))),
+    (32, (Config(32, 64, 128, 4, 4), Config(32, 128, 128, 4, 4, swap_ab=True),
+          Config(32, 64, 128, 4, 4, swap_ab=True, prequant=True),
+          Config(32, 128, 128, 4, 4, swap_ab=True, prequant=True))),
     (64, (Config(64, 64, 128, 4, 4), Config(64, 128, 128, 4, 4),
-          Config(64, 128, 128, 8, 4, swap_ab=True))),
+          Config(64, 128, 128, 8, 4, swap_ab=True), Config(64, 64, 128, 4, 4, prequant=True),
+          Config(64, 128, 128, 4, 4, prequant=True),
+          Config(64, 128, 128, 8, 4, swap_ab=True, prequant=True))),
 )
 
 
@@ -310,8 +328,9 @@ def fit_smem(cfg: Config, smem: int | None, *, w8a8: bool = False) -> Config:
     stage counts are for Hopper's 227 KiB; sm_89 parts have about 100)."""
     if smem is None:
         return cfg
-    per_stage = cfg.block_m * cfg.block_k * 2 + cfg.block_n * cfg.block_k
-    scratch = (cfg.block_m if w8a8 else 2 * cfg.block_n) * cfg.block_k
+    per_stage = cfg.block_m * cfg.block_k * (1 if cfg.prequant else 2) \
+        + cfg.block_n * cfg.block_k
+    scratch = (0 if cfg.prequant else cfg.block_m if w8a8 else 2 * cfg.block_n) * cfg.block_k
     stages = cfg.num_stages
     while stages > 1 and stages * per_stage + scratch > smem:
         stages -= 1
@@ -329,11 +348,13 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit(do_not_specialize=["M"])
-    def fp8_gemm(x_ptr, q_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride_om, stride_os,
-                 blocks_per_split,
+    def fp8_gemm(x_ptr, q_ptr, s_ptr, out_ptr, xs_ptr, M, N, K, stride_xm, stride_om,
+                 stride_os, blocks_per_split,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr, ACT_FP8: tl.constexpr,
-                 PRESCALE: tl.constexpr):
+                 PRESCALE: tl.constexpr, X_Q: tl.constexpr):
+        # X_Q (with ACT_FP8): x_ptr holds x already quantised (e4m3 [M, K] rows) and xs_ptr
+        # its float32 scales [M, ceil(K / 128)] (`quant_rows`)
         # program (pid, split): output tile pid (M tiles fastest, so the programs reading one
         # weight tile run together and share it through L2), K blocks of split `split`
         pid = tl.program_id(0)
@@ -378,9 +399,13 @@ def _kernels():
                     else:
                         acc = tl.dot(xt, tl.trans(wb), acc)
                 elif ACT_FP8:  # BLOCK_K == 128: this tile is the rows' 1 x 128 blocks
-                    xf = xt.to(tl.float32)
-                    a_s = tl.maximum(tl.max(tl.abs(xf), axis=1), 1e-30) / 448.0  # [BLOCK_M]
-                    xq = tl.clamp(xf / a_s[:, None], -448.0, 448.0).to(tl.float8e4nv)
+                    if X_Q:
+                        xq = xt
+                        a_s = tl.load(xs_ptr + rm * kb + b)  # [BLOCK_M]
+                    else:
+                        xf = xt.to(tl.float32)
+                        a_s = tl.maximum(tl.max(tl.abs(xf), axis=1), 1e-30) / 448.0
+                        xq = tl.clamp(xf / a_s[:, None], -448.0, 448.0).to(tl.float8e4nv)
                     if SWAP_AB:
                         part += tl.dot(wt, tl.trans(xq)) * a_s[None, :]
                     else:
@@ -413,10 +438,40 @@ def _kernels():
             acc += tl.load(p_ptr + s * MN + offs, mask=mask, other=0.0)
         tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
-    return fp8_gemm, reduce_splits
+    @triton.jit
+    def quant_rows(x_ptr, q_ptr, s_ptr, K, stride_xm, kb, BLOCK: tl.constexpr):
+        # row m's K block b: amax / 448 and the block rounded to e4m3, exactly as fp8_gemm
+        # quantises an x tile in its main loop (the same operations, in the same order)
+        m = tl.program_id(0)
+        b = tl.program_id(1)
+        offs = b * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < K
+        xf = tl.load(x_ptr + m * stride_xm + offs, mask=ok, other=0.0).to(tl.float32)
+        a_s = tl.maximum(tl.max(tl.abs(xf), axis=0), 1e-30) / 448.0
+        q = tl.clamp(xf / a_s, -448.0, 448.0).to(tl.float8e4nv)
+        tl.store(q_ptr + m * K + offs, q, mask=ok)
+        tl.store(s_ptr + m * kb + b, a_s)
+
+    return fp8_gemm, reduce_splits, quant_rows
 
 
 REDUCE_BLOCK = 1024
+
+
+def quantize_act(x2: Tensor) -> tuple[Tensor, Tensor]:
+    """x2 [M, K] (bf16/fp16 on CUDA or under Triton's interpreter, last dim contiguous, 16-byte
+    aligned: `check`'s contract) -> (e4m3 [M, K], float32 scales
+    [M, ceil(K/128)]): the W8A8 kernel's own per-block quantisation as one launch
+    (`quantize_act_torch` is the reference; its exact division may differ from the GPU's in
+    the last bit of a scale)."""
+    _, _, quant = _kernels()
+    m, k = x2.shape
+    kb = scale_shape(1, k)[1]
+    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x2.device)
+    s = torch.empty((m, kb), dtype=torch.float32, device=x2.device)
+    if m and k:
+        quant[(m, kb)](x2, q, s, k, x2.stride(0), kb, BLOCK=BLOCK, num_warps=1)
+    return q, s
 
 
 def _launch(x2: Tensor, w: Fp8Weight, cfg: Config, split_k: int, sms: int, *,
@@ -425,7 +480,7 @@ def _launch(x2: Tensor, w: Fp8Weight, cfg: Config, split_k: int, sms: int, *,
     already checked; split_k = 0: automatic."""
     import triton
 
-    gemm, reduce_splits = _kernels()
+    gemm, reduce_splits, _ = _kernels()
     m, k = x2.shape
     n = w.q.shape[0]
     out = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
@@ -435,11 +490,12 @@ def _launch(x2: Tensor, w: Fp8Weight, cfg: Config, split_k: int, sms: int, *,
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     dst = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32,
                                              device=x2.device)
+    xq, xs = quantize_act(x2) if w8a8 and cfg.prequant else (x2, w.scale)  # xs: unused
     gemm[(tiles, split)](
-        x2, w.q, w.scale, dst, m, n, k, x2.stride(0), n, 0 if split == 1 else m * n, per,
+        xq, w.q, w.scale, dst, xs, m, n, k, xq.stride(0), n, 0 if split == 1 else m * n, per,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         EVEN_K=k % BLOCK == 0, SWAP_AB=cfg.swap_ab, ACT_FP8=w8a8, PRESCALE=cfg.prescale,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        X_Q=w8a8 and cfg.prequant, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split > 1:
         reduce_splits[(triton.cdiv(m * n, REDUCE_BLOCK),)](dst, out, m * n, split,
                                                            BLOCK=REDUCE_BLOCK, num_warps=4)
