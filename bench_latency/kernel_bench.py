@@ -69,12 +69,17 @@ def graph_us(fn: Callable[..., object], args: tuple, calls: int = 20, reps: int 
 
 
 def bench_attention_many_rows() -> None:
-    """The slow AR's decode attention at many rows (S2-Pro heads, the pool's 64-position
+    """The slow AR's decode attention at 1-256 rows (S2-Pro heads, the pool's 64-position
     blocks shuffled): csrc's kernel (one block per row's positions, and split) against the
-    Triton kernel (automatic splits, then launch shapes), graph-timed, with the bandwidth
+    Triton kernel (automatic splits, then launch shapes; at 1-2 rows both also with the
+    fused q/k norm + RoPE, as the engine runs them there), graph-timed, with the bandwidth
     over the keys and values each call reads (CUDA only)."""
+    from engine.functional import rope_table
+    from engine.kernels.decode_attention import Rope
+
     dt, BS = torch.bfloat16, 64
-    for bs, pos in ((16, 200), (64, 200), (64, 1000), (256, 600)):
+    for bs, pos in ((1, 200), (1, 1000), (2, 200), (16, 200), (64, 200), (64, 1000),
+                    (256, 600)):
         mb = -(-(pos + 1) // BS)
         q = torch.randn(bs, 32, 128, device="cuda", dtype=dt)
         kn, vn = (torch.randn(bs, 8, 128, device="cuda", dtype=dt) for _ in range(2))
@@ -99,6 +104,19 @@ def bench_attention_many_rows() -> None:
                                                                                    config=c)))
             runs += [(f"triton-s{sp}", lambda *a, sp=sp: attn_triton.decode_attention_triton(
                 *a, splits=sp)) for sp in (1, 2, 4)]
+        if bs <= 2:  # one speaking turn's buckets: csrc's attention there folds the q/k norm
+            # and RoPE in (decode_rope), so the Triton kernel with its own fold beside it
+            w = torch.ones(128, device="cuda", dtype=dt)
+            cs = rope_table(pos + 1, 128, 1e6).to("cuda")[pos:pos + 1]
+            rope = Rope(w, w, cs, 1e-6)
+            if extension_available():
+                runs.append(("csrc+rope", lambda *a, r=rope, n=pos + 1: decode_attention(
+                    *a, n, splits=1, rope=r)))
+            if attn_triton.available():
+                runs += [(f"triton-s{sp}+rope", lambda *a, sp=sp, r=rope:
+                          attn_triton.decode_attention_triton(*a, splits=sp, cs=r.cs, qw=r.qw,
+                                                              kw=r.kw, eps=r.eps))
+                         for sp in (0, 1)]
         for name, fn in runs:
             try:
                 us = graph_us(fn, args)

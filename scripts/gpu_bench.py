@@ -312,8 +312,9 @@ def _codec_category(name: str) -> str:
 
 def engine_sweep(report: dict, device: str, levels: list[int], frames: int,
                  only: set[str] | None = None, save: Callable[[], None] | None = None,
-                 dtype: str = "bf16") -> None:
-    """The engine end to end (frames -> batched codec -> PCM): pingpong vs graphs vs naive."""
+                 dtype: str = "bf16", attn_rows: int = 16) -> None:
+    """The engine end to end (frames -> batched codec -> PCM): pingpong vs graphs vs naive
+    (`attn_rows`: the *_attn_triton runs' EngineConfig.attention_triton_rows)."""
     from bench_latency.engine_throughput import DeviceStalled, sweep
     from engine.loader import load_bundle
 
@@ -348,12 +349,12 @@ def engine_sweep(report: dict, device: str, levels: list[int], frames: int,
             ("pingpong_codec_voice", [levels[0], hi], dict(mode="pingpong", codec=True,
                                                            ref_frames=215)),
             ("pingpong_nocodec", ends, dict(mode="pingpong", codec=False)),
-            # the slow AR's attention as the Triton tile kernel from 16 rows (csrc's below)
+            # the slow AR's attention as the Triton tile kernel from attn_rows rows
             ("pingpong_nocodec_attn_triton", ends, dict(
-                mode="pingpong", codec=False, config=dict(attention_triton_rows=16))),
+                mode="pingpong", codec=False, config=dict(attention_triton_rows=attn_rows))),
             ("pingpong_codec_voice_attn_triton", [levels[0], hi], dict(
                 mode="pingpong", codec=True, ref_frames=215,
-                config=dict(attention_triton_rows=16))),
+                config=dict(attention_triton_rows=attn_rows))),
             # a lone turn in an engine of `hi` rows (the server's case: its bucket is the
             # two-row step) against the same with the one-row bucket
             # (EngineConfig.one_row_bucket); the sweep's own c=1 engines have one row only
@@ -582,9 +583,9 @@ def main() -> int:
                          "kernels (batches 1, 2, 64; key profile_compiled_book)")
     ap.add_argument("--attn-triton", type=int, default=0, metavar="ROWS",
                     help="also profile the step with the slow AR's attention as the Triton "
-                         "tile kernel from ROWS rows (batches 2, 16, 64; key "
-                         "profile_attn_triton), and add the engine runs "
-                         "pingpong_nocodec_attn_triton / pingpong_codec_attn_triton with it")
+                         "tile kernel from ROWS rows (batches 1, 2, 16, 64; key "
+                         "profile_attn_triton); the engine runs pingpong_nocodec_attn_triton / "
+                         "pingpong_codec_voice_attn_triton take ROWS (default 16)")
     ap.add_argument("--attend-prologue", action="store_true",
                     help="also profile the step with the fast AR's attention in its output "
                          "projection's prologue (batches 1, 2; key profile_attend)")
@@ -640,7 +641,8 @@ def main() -> int:
                        if args.compiled_book else ()),
                      *((("profile_attn_triton",
                          functools.partial(profile_step, report, device, dtype=args.dtype,
-                                           attn_triton=args.attn_triton, batches=(2, 16, 64))),)
+                                           attn_triton=args.attn_triton,
+                                           batches=(1, 2, 16, 64))),)
                        if args.attn_triton else ()),
                      *((("profile_attend",
                          functools.partial(profile_step, report, device, dtype=args.dtype,
@@ -654,7 +656,8 @@ def main() -> int:
                                                      [int(x) for x in args.levels.split(",")],
                                                      args.frames,
                                                      set(filter(None, args.engine_runs.split(","))),
-                                                     save, args.dtype))):
+                                                     save, args.dtype,
+                                                     args.attn_triton or 16))):
         if name in skip or (name == "profile_compiled_sampler" and not args.compiled_sampler) \
                 or (name == "profile_decode_rope" and args.decode_rope is None):
             continue

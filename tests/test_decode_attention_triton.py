@@ -16,7 +16,7 @@ import torch
 from engine.kernels import decode_attention as attention
 from engine.kernels import decode_attention_triton as tri
 from engine.kernels.fp8_triton import _triton_importable
-from tests.test_kernels import _attention_case
+from tests.test_kernels import _attention_case, _rope_case
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and _triton_importable()
 CUDA = torch.cuda.is_available() and tri.available()
@@ -147,6 +147,56 @@ def test_interp_kernel_writes_a_strided_out_and_merges_empty_splits(monkeypatch)
     assert torch.equal(wide[:, 1], torch.full((3, 4, 16), 7.0, dtype=torch.bfloat16))
 
 
+def _rope_check(case, S, rope, *, splits, config=None, tol=2**-7):  # type: ignore[no-untyped-def]
+    """The kernel with the fused q/k norm + RoPE against functional.norm_rope_qk and then
+    the fallback: the stored keys to a bf16 ulp (only the sum of squares' order differs),
+    the values untouched, the output within the kernel's tolerance."""
+    q, kn, vn, kc, vc, table, wb, pos = case
+    kc2, vc2 = kc.clone(), vc.clone()
+    got = tri.decode_attention_triton(q, kn, vn, kc, vc, table, wb, pos, splits=splits,
+                                      config=config, cs=rope.cs, qw=rope.qw, kw=rope.kw,
+                                      eps=rope.eps)
+    q2, k2 = attention.apply_rope(q, kn, rope)
+    want = attention.decode_attention_torch(q2, k2, vn, kc2, vc2, table, wb, pos, S)
+    torch.testing.assert_close(kc.float(), kc2.float(), rtol=tol, atol=tol)
+    assert float((kc != kc2).float().mean()) < 2e-3 and torch.equal(vc, vc2)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_rope_arguments_are_checked():
+    case = _attention_case(2, 4, 2, 16, 20, torch.bfloat16, "cpu", bs=16)
+    rope = _rope_case(2, 16, torch.bfloat16, "cpu")
+    with pytest.raises(ValueError, match="qw and kw together"):
+        tri.decode_attention_triton(*case, qw=rope.qw, kw=rope.kw)  # no cs
+    with pytest.raises(ValueError, match="cs"):
+        tri.decode_attention_triton(*case, cs=rope.cs.transpose(1, 2))
+    with pytest.raises(ValueError, match="qw must be"):
+        tri.decode_attention_triton(*case, cs=rope.cs, qw=rope.qw[:8], kw=rope.kw)
+
+
+@needs_interp
+@pytest.mark.parametrize("norm,shared", [(True, False), (False, False), (True, True)])
+@pytest.mark.parametrize("D", [16, 48])
+def test_interp_fused_norm_rope(monkeypatch, norm, shared, D):
+    from tests.test_fp8_triton import _patch_interpreter
+
+    _patch_interpreter(monkeypatch)
+    case = _attention_case(3, 4, 2, D, 40, torch.bfloat16, "cpu", bs=16, last_at_end=True)
+    rope = _rope_case(3, D, torch.bfloat16, "cpu", norm=norm, shared=shared)
+    _rope_check(case, 40, rope, splits=2, config=tri.Config(16, 4, 1))
+
+
+@needs_cuda
+@pytest.mark.parametrize("norm,shared", [(True, False), (False, True)])
+@pytest.mark.parametrize("B,H,Hkv,D,S", [(1, 32, 8, 128, 300), (2, 32, 8, 128, 1024),
+                                         (64, 32, 8, 128, 300), (3, 4, 2, 48, 130)])
+@pytest.mark.parametrize("splits", [0, 1])
+def test_cuda_fused_norm_rope(norm, shared, B, H, Hkv, D, S, splits):
+    case = _attention_case(B, H, Hkv, D, S, torch.bfloat16, "cuda", bs=64, last_at_end=True)
+    rope = _rope_case(B, D, torch.bfloat16, "cuda", norm=norm, shared=shared)
+    _rope_check(case, S, rope, splits=splits)
+
+
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("B,H,Hkv,D,S", [(64, 32, 8, 128, 300), (16, 32, 8, 128, 1024),
@@ -174,6 +224,15 @@ def test_cuda_routing_by_rows_and_graph_capture():
         ref_tri = tri.decode_attention_triton(q, kn, vn, kc.clone(), vc.clone(), table, wb,
                                               pos)
         assert torch.equal(got, ref_tri) == want_triton
+    # with the fused q/k norm + RoPE: routed with it into the Triton kernel's launch
+    rope = _rope_case(16, 128, torch.bfloat16, "cuda")
+    kc2, vc2 = kc.clone(), vc.clone()
+    got = attention.decode_attention(q, kn, vn, kc2, vc2, table, wb, pos, 200, rope=rope,
+                                     triton_rows=16)
+    kc3, vc3 = kc.clone(), vc.clone()
+    direct = tri.decode_attention_triton(q, kn, vn, kc3, vc3, table, wb, pos, cs=rope.cs,
+                                         qw=rope.qw, kw=rope.kw, eps=rope.eps)
+    assert torch.equal(got, direct) and torch.equal(kc2, kc3)
     out = torch.empty_like(q)
     g = torch.cuda.CUDAGraph()
     attention.decode_attention(q, kn, vn, kc, vc, table, wb, pos, 200, triton_rows=16,

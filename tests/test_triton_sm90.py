@@ -28,7 +28,7 @@ SMEM = 227 * 1024  # sm_90's shared memory per block
 
 
 def _compile(kernel, ptrs: dict[str, str], consts: dict, warps: int, stages: int, *,  # type: ignore[no-untyped-def]
-             div16: tuple[str, ...] = (), floats: tuple[str, ...] = ()):
+             div16: tuple[str, ...] = (), floats: tuple[str, ...] = (), **options):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -48,7 +48,7 @@ def _compile(kernel, ptrs: dict[str, str], consts: dict, warps: int, stages: int
                 attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(kernel, sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": warps, "num_stages": stages})
+                          options={"num_warps": warps, "num_stages": stages, **options})
 
 
 def _spills(compiled) -> int:  # type: ignore[no-untyped-def]
@@ -76,25 +76,29 @@ def _async_copies(compiled) -> int:  # type: ignore[no-untyped-def]
     return compiled.asm["ttgir"].count("async_copy_global_to_local")
 
 
-ATTN_PTRS = {n: "bf16" for n in ("q_ptr", "kn_ptr", "vn_ptr", "kc_ptr", "vc_ptr", "o_ptr")}
+ATTN_PTRS = {n: "bf16" for n in ("q_ptr", "kn_ptr", "vn_ptr", "kc_ptr", "vc_ptr", "o_ptr",
+                                  "cs_ptr", "qw_ptr", "kw_ptr")}
 ATTN_PTRS |= {"tab_ptr": "i64", "wb_ptr": "i64", "pos_ptr": "i64"}
 
 
-@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("splits,rope", [(1, 0), (4, 0), (1, 2), (32, 1)])
 @pytest.mark.parametrize("block_t,warps,stages", [(64, 4, 3), (64, 8, 3), (32, 4, 3),
                                                   (64, 4, 4)])
-def test_sm90_decode_attention_compiles_with_tiles_in_flight(splits, block_t, warps, stages):
+def test_sm90_decode_attention_compiles_with_tiles_in_flight(splits, rope, block_t, warps,
+                                                             stages):
     """S2-Pro's slow AR (32 heads over 8 kv heads, head_dim 128, the pool's 64-position
-    pages): the key/value tiles go through async copies with stages - 1 tiles in flight
-    (their page number loaded a tile ahead), within shared memory, no spills."""
+    pages), plain and with the fused q/k norm + RoPE: the key/value tiles go through async
+    copies with stages - 1 tiles in flight (their page number loaded a tile ahead), within
+    shared memory, no spills."""
     from engine.kernels import decode_attention_triton as tri
 
     attend, _ = tri._kernels()
     ptrs = ATTN_PTRS | {"ws_o_ptr": "fp32" if splits > 1 else "bf16",
                         "ws_ml_ptr": "fp32" if splits > 1 else "bf16"}
     k = _compile(attend, ptrs, dict(REP=4, QMR=tri.QM, D=128, DP=128, BS=64, BT=block_t,
-                                    SPLITS=splits), warps, stages,
-                 div16=("q_rs", "kn_rs", "vn_rs", "o_rs", "tab_rs"), floats=("scale",))
+                                    SPLITS=splits, ROPE=rope), warps, stages,
+                 div16=("q_rs", "kn_rs", "vn_rs", "o_rs", "tab_rs", "cs_rs"),
+                 floats=("scale", "eps"), enable_fp_fusion=False)
     tile = 2 * block_t * 128 * 2  # one tile of keys and one of values, bf16
     assert (stages - 1) * tile <= k.metadata.shared <= SMEM, k.metadata.shared
     assert _async_copies(k) >= 2

@@ -149,7 +149,7 @@ def decode_attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v
     packed, rows may be strided: one position of a [B, T, H, D] output), else a new tensor.
     `triton_rows` (> 0): calls of at least that many rows run the Triton kernel instead
     (engine/kernels/decode_attention_triton.py: tiles through the tensor cores, automatic
-    splits; `rope` then applied before it) where it takes them; 0: never.
+    splits; `rope` in its launch too where `rope_supported`) where it takes them; 0: never.
 
     Several new positions per row: q [B, T, H, D], k_new/v_new [B, T, Hkv, D], rope's cs
     [B or 1, T, D/2, 2], out [B, T, H, D]: row b's queries at pos[b] + t, each attending
@@ -174,10 +174,12 @@ def decode_attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v
                          f"{triton_rows!r}")
     if (kernel and 0 < triton_rows <= q.shape[0] and triton_kernel.available()
             and triton_kernel.supported(q, k_cache, table, wblock, pos)):
-        if rope is not None:
+        if rope is not None and not rope_supported(q, rope):
             q, k_new = apply_rope(q, k_new, rope)
-        return triton_kernel.decode_attention_triton(q, k_new, v_new, k_cache, v_cache, table,
-                                                     wblock, pos, out=out)
+            rope = None
+        return triton_kernel.decode_attention_triton(
+            q, k_new, v_new, k_cache, v_cache, table, wblock, pos, out=out,
+            **({} if rope is None else dict(cs=rope.cs, qw=rope.qw, kw=rope.kw, eps=rope.eps)))
     use = kernel and q.is_cuda and supports(q.shape[-1], q.shape[1], k_new.shape[1])
     if rope is not None and not (use and rope_supported(q, rope)):
         q, k_new = apply_rope(q, k_new, rope)

@@ -118,11 +118,18 @@ def _sm_count(index: int) -> int:
 def decode_attention_triton(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor,
                             v_cache: Tensor, table: Tensor, wblock: Tensor, pos: Tensor, *,
                             splits: int = 0, config: Config | None = None,
-                            out: Tensor | None = None) -> Tensor:
+                            out: Tensor | None = None, cs: Tensor | None = None,
+                            qw: Tensor | None = None, kw: Tensor | None = None,
+                            eps: float = 0.0) -> Tensor:
     """The kernel on one position per row (module docstring; it reads exactly 0..pos[b]).
     `splits`: 1..MAX_SPLITS, or 0 for `auto_splits`. Returns `out` (given: q's shape and
     dtype, heads and dims packed, rows may be strided) or a new [B, H, D] tensor. The
-    layouts are checked here (csrc's wrapper checks the rest of the contract)."""
+    layouts are checked here (csrc's wrapper checks the rest of the contract).
+    `cs` [B or 1, D/2, 2] (q's dtype, last two dims packed; D even): q and k_new are first
+    rotated as `functional.apply_rope` does (interleaved pairs), after the per-head RMSNorm
+    with `qw`, `kw` [D] and `eps` where those are given (`functional.norm_rope_qk`, every
+    rounding of it; products not fused into FMAs), and that k is what the cache stores —
+    the model's q/k norm + RoPE launch folded into this one (csrc's `rope`)."""
     B, H, D = q.shape
     Hkv, BS = k_cache.shape[1], k_cache.shape[2]
     for name, t in (("q", q), ("k_new", k_new), ("v_new", v_new), ("out", out)):
@@ -136,6 +143,18 @@ def decode_attention_triton(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Te
     if table.stride(1) != 1 or wblock.stride(0) != 1 or pos.stride(0) != 1:
         raise ValueError("decode_attention_triton: table rows, wblock and pos must be "
                          "contiguous")
+    if (qw is None) != (kw is None) or (qw is not None and cs is None):
+        raise ValueError("decode_attention_triton: give qw and kw together, with cs")
+    if cs is not None and (D % 2 or cs.dtype != q.dtype or cs.dim() != 3
+                           or cs.shape[0] not in (1, B) or tuple(cs.shape[1:]) != (D // 2, 2)
+                           or cs.stride(2) != 1 or cs.stride(1) != 2):
+        raise ValueError(f"decode_attention_triton: cs {list(cs.shape)} {cs.dtype} must be "
+                         f"[B or 1, {D // 2}, 2] {q.dtype} with its last two dims packed")
+    for name, wt in (("qw", qw), ("kw", kw)):
+        if wt is not None and (wt.shape != (D,) or wt.dtype != q.dtype
+                               or not wt.is_contiguous()):
+            raise ValueError(f"decode_attention_triton: {name} must be a contiguous [{D}] "
+                             f"{q.dtype} tensor")
     cfg = config or Config(block_t=min(64, BS & -BS))  # a power of two dividing BS
     cfg.check(BS)
     if isinstance(splits, bool) or not isinstance(splits, int) or not 0 <= splits <= MAX_SPLITS:
@@ -155,11 +174,14 @@ def decode_attention_triton(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Te
         ws_o = torch.empty((B, H, splits, D), dtype=torch.float32, device=q.device)
         ws_ml = torch.empty((B, H, splits, 2), dtype=torch.float32, device=q.device)
     attend, combine = _kernels()
+    rope = 0 if cs is None else 1 if qw is None else 2
     attend[(B, Hkv, splits)](
         q, k_new, v_new, k_cache, v_cache, table, wblock, pos, out, ws_o, ws_ml,
+        q if cs is None else cs, q if qw is None else qw, q if kw is None else kw,
         q.stride(0), k_new.stride(0), v_new.stride(0), out.stride(0), table.stride(0), Hkv,
-        scale, REP=rep, QMR=QM, D=D, DP=_pow2(D), BS=BS, BT=cfg.block_t, SPLITS=splits,
-        num_warps=cfg.warps, num_stages=cfg.stages)
+        0 if cs is None or cs.shape[0] == 1 else cs.stride(0), scale, float(eps),
+        REP=rep, QMR=QM, D=D, DP=_pow2(D), BS=BS, BT=cfg.block_t, SPLITS=splits, ROPE=rope,
+        num_warps=cfg.warps, num_stages=cfg.stages, enable_fp_fusion=False)
     if splits > 1:
         combine[(B, H)](ws_o, ws_ml, out, out.stride(0), H, D=D, DP=_pow2(D), SPLITS=splits,
                         SP=max(2, 1 << (splits - 1).bit_length()), num_warps=4)
@@ -168,104 +190,7 @@ def decode_attention_triton(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Te
 
 @functools.cache
 def _kernels():  # type: ignore[no-untyped-def]
-    import triton
-    import triton.language as tl
+    """(attend, combine), compiled on first use (imports triton)."""
+    from . import _decode_attention_triton_jit as jit
 
-    @triton.jit
-    def attend(q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, tab_ptr, wb_ptr, pos_ptr, o_ptr,
-               ws_o_ptr, ws_ml_ptr, q_rs, kn_rs, vn_rs, o_rs, tab_rs, Hkv, scale,
-               REP: tl.constexpr, QMR: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-               BS: tl.constexpr, BT: tl.constexpr, SPLITS: tl.constexpr):
-        # one program per (row b, kv head g, split): query heads g * REP .. as dot rows
-        b = tl.program_id(0)
-        g = tl.program_id(1)
-        sp = tl.program_id(2)
-        rh = tl.arange(0, QMR)
-        rd = tl.arange(0, DP)  # head dims, padded to a power of two (read as 0)
-        rt = tl.arange(0, BT)
-        h_ok = rh < REP
-        d_ok = rd < D
-        heads = g * REP + rh
-        p = tl.load(pos_ptr + b)
-        q = tl.load(q_ptr + b * q_rs + heads[:, None] * D + rd[None, :],
-                    mask=h_ok[:, None] & d_ok[None, :], other=0.0)  # [QM, DP]
-        # this split's positions [t_begin, t_end) of 0..p, in whole tiles
-        n = p + 1
-        chunk = tl.cdiv(tl.cdiv(n, SPLITS), BT) * BT
-        t_begin = tl.minimum(n, sp * chunk)
-        t_end = tl.minimum(n, t_begin + chunk)
-        c_end = tl.minimum(t_end, p)  # positions read from the cache (p comes from k_new)
-        m_i = tl.full((QMR,), float("-inf"), tl.float32)
-        l_i = tl.zeros((QMR,), tl.float32)
-        acc = tl.zeros((QMR, DP), tl.float32)
-        # a tile lies in one page (BT divides BS, tiles start at multiples of BT). Its page
-        # number is loaded one tile ahead: a tile's key/value addresses then depend on no
-        # load of the same iteration, so the pipeliner keeps several tiles in flight (with
-        # the page loaded in the iteration that uses it, Triton 3.5/3.6 keep one buffer).
-        blk = tl.load(tab_ptr + b * tab_rs + t_begin // BS, mask=t_begin < c_end,
-                      other=0).to(tl.int64)
-        for t0 in range(t_begin, c_end, BT):
-            here = blk
-            blk = tl.load(tab_ptr + b * tab_rs + (t0 + BT) // BS, mask=t0 + BT < c_end,
-                          other=0).to(tl.int64)
-            base = ((here * Hkv + g) * BS + t0 % BS) * D
-            ok = t0 + rt < c_end
-            kv_ok = ok[:, None] & d_ok[None, :]
-            k = tl.load(kc_ptr + base + rt[:, None] * D + rd[None, :], mask=kv_ok,
-                        other=0.0)  # [BT, DP]
-            s = tl.dot(q, tl.trans(k)) * scale  # [QM, BT], log2 units
-            s = tl.where(ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            pr = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(pr, 1)
-            v = tl.load(vc_ptr + base + rt[:, None] * D + rd[None, :], mask=kv_ok, other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
-            m_i = m_new
-        kx = tl.load(kn_ptr + b * kn_rs + g * D + rd, mask=d_ok, other=0.0)
-        vx = tl.load(vn_ptr + b * vn_rs + g * D + rd, mask=d_ok, other=0.0)
-        if (p >= t_begin) & (p < t_end):  # position p, from k_new / v_new
-            s1 = tl.sum(q.to(tl.float32) * kx.to(tl.float32)[None, :], 1) * scale  # [QM]
-            m_new = tl.maximum(m_i, s1)
-            alpha = tl.exp2(m_i - m_new)
-            p1 = tl.exp2(s1 - m_new)
-            l_i = l_i * alpha + p1
-            acc = acc * alpha[:, None] + p1[:, None] * vx.to(tl.float32)[None, :]
-            m_i = m_new
-        if sp == 0:  # store position p (every program of this row reads it from k_new)
-            w = ((tl.load(wb_ptr + b) * Hkv + g) * BS + p % BS) * D
-            tl.store(kc_ptr + w + rd, kx, mask=d_ok)
-            tl.store(vc_ptr + w + rd, vx, mask=d_ok)
-        if SPLITS == 1:
-            o = acc / l_i[:, None]
-            tl.store(o_ptr + b * o_rs + heads[:, None] * D + rd[None, :],
-                     o.to(o_ptr.dtype.element_ty), mask=h_ok[:, None] & d_ok[None, :])
-        else:
-            H = Hkv * REP
-            row = (b * H + heads) * SPLITS + sp  # [QM]
-            tl.store(ws_o_ptr + row[:, None] * D + rd[None, :], acc,
-                     mask=h_ok[:, None] & d_ok[None, :])
-            tl.store(ws_ml_ptr + row * 2, m_i, mask=h_ok)
-            tl.store(ws_ml_ptr + row * 2 + 1, l_i, mask=h_ok)
-
-    @triton.jit
-    def combine(ws_o_ptr, ws_ml_ptr, o_ptr, o_rs, H, D: tl.constexpr, DP: tl.constexpr,
-                SPLITS: tl.constexpr, SP: tl.constexpr):
-        # one program per (row b, head h): merge its splits' softmax states in split order
-        b = tl.program_id(0)
-        h = tl.program_id(1)
-        rs = tl.arange(0, SP)
-        rd = tl.arange(0, DP)
-        d_ok = rd < D
-        s_ok = rs < SPLITS
-        row = (b * H + h) * SPLITS + rs
-        m = tl.load(ws_ml_ptr + row * 2, mask=s_ok, other=float("-inf"))
-        ls = tl.load(ws_ml_ptr + row * 2 + 1, mask=s_ok, other=0.0)
-        mx = tl.max(m, 0)  # finite: the split holding position p is never empty
-        wgt = tl.where(s_ok & (m > float("-inf")), tl.exp2(m - mx), 0.0)
-        o = tl.load(ws_o_ptr + row[:, None] * D + rd[None, :],
-                    mask=s_ok[:, None] & d_ok[None, :], other=0.0)
-        tot = tl.sum(o * wgt[:, None], 0) / tl.sum(ls * wgt, 0)
-        tl.store(o_ptr + b * o_rs + h * D + rd, tot.to(o_ptr.dtype.element_ty), mask=d_ok)
-
-    return attend, combine
+    return jit.attend, jit.combine

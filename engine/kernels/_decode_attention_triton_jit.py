@@ -1,0 +1,140 @@
+"""The Triton programs of engine/kernels/decode_attention_triton.py (that module's docstring
+says what they compute), at module level so that one jit function can call another (Triton
+resolves the names a kernel calls among its module's globals). Imported only by
+`decode_attention_triton._kernels`: importing the wrapper needs no triton."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def norm_rope(x, w_ptr, cs_ptr, eps, D: tl.constexpr, DP: tl.constexpr,
+              NORM: tl.constexpr):
+    # x: [R, DP] float32 (the dtype's values, zeros past D) -> RMSNorm (NORM) and the
+    # interleaved rotation, rounded to the dtype where functional.norm_rope_qk rounds
+    R: tl.constexpr = x.shape[0]
+    dt = cs_ptr.dtype.element_ty
+    rd = tl.arange(0, DP)
+    if NORM:
+        ss = tl.sum(x * x, 1)
+        r = tl.math.rsqrt(ss * (1.0 / D) + eps)
+        x = (x * r[:, None]).to(dt).to(tl.float32)
+        wt = tl.load(w_ptr + rd, mask=rd < D, other=0.0).to(tl.float32)
+        x = (x * wt[None, :]).to(dt).to(tl.float32)
+    x0, x1 = tl.split(tl.reshape(x, (R, DP // 2, 2)))
+    ri = tl.arange(0, DP // 2)
+    c = tl.load(cs_ptr + 2 * ri, mask=ri < D // 2, other=0.0).to(tl.float32)[None, :]
+    sn = tl.load(cs_ptr + 2 * ri + 1, mask=ri < D // 2, other=0.0).to(tl.float32)[None, :]
+    y0 = (x0 * c - x1 * sn).to(dt).to(tl.float32)
+    y1 = (x1 * c + x0 * sn).to(dt).to(tl.float32)
+    return tl.reshape(tl.join(y0, y1), (R, DP))
+
+
+@triton.jit
+def attend(q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, tab_ptr, wb_ptr, pos_ptr, o_ptr,
+           ws_o_ptr, ws_ml_ptr, cs_ptr, qw_ptr, kw_ptr, q_rs, kn_rs, vn_rs, o_rs, tab_rs,
+           Hkv, cs_rs, scale, eps,
+           REP: tl.constexpr, QMR: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+           BS: tl.constexpr, BT: tl.constexpr, SPLITS: tl.constexpr, ROPE: tl.constexpr):
+    # ROPE: 0 none; 1 the rotation of q and k_new first (cs); 2 their RMSNorm, then it
+    # one program per (row b, kv head g, split): query heads g * REP .. as dot rows
+    b = tl.program_id(0)
+    g = tl.program_id(1)
+    sp = tl.program_id(2)
+    rh = tl.arange(0, QMR)
+    rd = tl.arange(0, DP)  # head dims, padded to a power of two (read as 0)
+    rt = tl.arange(0, BT)
+    h_ok = rh < REP
+    d_ok = rd < D
+    heads = g * REP + rh
+    p = tl.load(pos_ptr + b)
+    q = tl.load(q_ptr + b * q_rs + heads[:, None] * D + rd[None, :],
+                mask=h_ok[:, None] & d_ok[None, :], other=0.0)  # [QM, DP]
+    kx = tl.load(kn_ptr + b * kn_rs + g * D + rd, mask=d_ok, other=0.0)
+    vx = tl.load(vn_ptr + b * vn_rs + g * D + rd, mask=d_ok, other=0.0)
+    if ROPE > 0:  # padded heads stay 0: their norm is 0 times a finite rsqrt(eps)
+        csr = cs_ptr + b * cs_rs
+        q = norm_rope(q.to(tl.float32), qw_ptr, csr, eps, D, DP,
+                      ROPE == 2).to(q_ptr.dtype.element_ty)
+        kx = tl.reshape(norm_rope(tl.reshape(kx.to(tl.float32), (1, DP)), kw_ptr, csr,
+                                  eps, D, DP, ROPE == 2),
+                        (DP,)).to(kn_ptr.dtype.element_ty)
+    # this split's positions [t_begin, t_end) of 0..p, in whole tiles
+    n = p + 1
+    chunk = tl.cdiv(tl.cdiv(n, SPLITS), BT) * BT
+    t_begin = tl.minimum(n, sp * chunk)
+    t_end = tl.minimum(n, t_begin + chunk)
+    c_end = tl.minimum(t_end, p)  # positions read from the cache (p comes from k_new)
+    m_i = tl.full((QMR,), float("-inf"), tl.float32)
+    l_i = tl.zeros((QMR,), tl.float32)
+    acc = tl.zeros((QMR, DP), tl.float32)
+    # a tile lies in one page (BT divides BS, tiles start at multiples of BT). Its page
+    # number is loaded one tile ahead: a tile's key/value addresses then depend on no
+    # load of the same iteration, so the pipeliner keeps several tiles in flight (with
+    # the page loaded in the iteration that uses it, Triton 3.5/3.6 keep one buffer).
+    blk = tl.load(tab_ptr + b * tab_rs + t_begin // BS, mask=t_begin < c_end,
+                  other=0).to(tl.int64)
+    for t0 in range(t_begin, c_end, BT):
+        here = blk
+        blk = tl.load(tab_ptr + b * tab_rs + (t0 + BT) // BS, mask=t0 + BT < c_end,
+                      other=0).to(tl.int64)
+        base = ((here * Hkv + g) * BS + t0 % BS) * D
+        ok = t0 + rt < c_end
+        kv_ok = ok[:, None] & d_ok[None, :]
+        k = tl.load(kc_ptr + base + rt[:, None] * D + rd[None, :], mask=kv_ok,
+                    other=0.0)  # [BT, DP]
+        s = tl.dot(q, tl.trans(k)) * scale  # [QM, BT], log2 units
+        s = tl.where(ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        pr = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(pr, 1)
+        v = tl.load(vc_ptr + base + rt[:, None] * D + rd[None, :], mask=kv_ok, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
+        m_i = m_new
+    if (p >= t_begin) & (p < t_end):  # position p, from k_new / v_new
+        s1 = tl.sum(q.to(tl.float32) * kx.to(tl.float32)[None, :], 1) * scale  # [QM]
+        m_new = tl.maximum(m_i, s1)
+        alpha = tl.exp2(m_i - m_new)
+        p1 = tl.exp2(s1 - m_new)
+        l_i = l_i * alpha + p1
+        acc = acc * alpha[:, None] + p1[:, None] * vx.to(tl.float32)[None, :]
+        m_i = m_new
+    if sp == 0:  # store position p (every program of this row reads it from k_new)
+        w = ((tl.load(wb_ptr + b) * Hkv + g) * BS + p % BS) * D
+        tl.store(kc_ptr + w + rd, kx, mask=d_ok)
+        tl.store(vc_ptr + w + rd, vx, mask=d_ok)
+    if SPLITS == 1:
+        o = acc / l_i[:, None]
+        tl.store(o_ptr + b * o_rs + heads[:, None] * D + rd[None, :],
+                 o.to(o_ptr.dtype.element_ty), mask=h_ok[:, None] & d_ok[None, :])
+    else:
+        H = Hkv * REP
+        row = (b * H + heads) * SPLITS + sp  # [QM]
+        tl.store(ws_o_ptr + row[:, None] * D + rd[None, :], acc,
+                 mask=h_ok[:, None] & d_ok[None, :])
+        tl.store(ws_ml_ptr + row * 2, m_i, mask=h_ok)
+        tl.store(ws_ml_ptr + row * 2 + 1, l_i, mask=h_ok)
+
+
+@triton.jit
+def combine(ws_o_ptr, ws_ml_ptr, o_ptr, o_rs, H, D: tl.constexpr, DP: tl.constexpr,
+            SPLITS: tl.constexpr, SP: tl.constexpr):
+    # one program per (row b, head h): merge its splits' softmax states in split order
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    rs = tl.arange(0, SP)
+    rd = tl.arange(0, DP)
+    d_ok = rd < D
+    s_ok = rs < SPLITS
+    row = (b * H + h) * SPLITS + rs
+    m = tl.load(ws_ml_ptr + row * 2, mask=s_ok, other=float("-inf"))
+    ls = tl.load(ws_ml_ptr + row * 2 + 1, mask=s_ok, other=0.0)
+    mx = tl.max(m, 0)  # finite: the split holding position p is never empty
+    wgt = tl.where(s_ok & (m > float("-inf")), tl.exp2(m - mx), 0.0)
+    o = tl.load(ws_o_ptr + row[:, None] * D + rd[None, :],
+                mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    tot = tl.sum(o * wgt[:, None], 0) / tl.sum(ls * wgt, 0)
+    tl.store(o_ptr + b * o_rs + h * D + rd, tot.to(o_ptr.dtype.element_ty), mask=d_ok)
