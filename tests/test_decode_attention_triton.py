@@ -171,7 +171,9 @@ def test_rope_arguments_are_checked():
     with pytest.raises(ValueError, match="cs"):
         tri.decode_attention_triton(*case, cs=rope.cs.transpose(1, 2))
     with pytest.raises(ValueError, match="qw must be"):
-        tri.decode_attention_triton(*case, cs=rope.cs, qw=rope.qw[:8], kw=rope.kw)
+        tri.decode_attention_triton(*case, cs=rope.cs, qw=rope.qw[:8], kw=rope.kw, eps=1e-6)
+    with pytest.raises(ValueError, match="eps must be > 0"):
+        tri.decode_attention_triton(*case, cs=rope.cs, qw=rope.qw, kw=rope.kw)
 
 
 @needs_interp

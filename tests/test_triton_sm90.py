@@ -194,3 +194,12 @@ def test_sm90_fp8_prequantised_w8a8_gemm_has_no_conversion_in_its_loop(m):
     q = _compile(quant, {"x_ptr": "bf16", "q_ptr": "fp8e4nv", "s_ptr": "fp32"},
                  dict(BLOCK=128), 1, 1, div16=("K", "stride_xm"))
     assert _spills(q) == 0
+    # true divisions in both quantisations (`/` is div.full.f32: an ulp off at times, and a
+    # value on an e4m3 tie then rounds otherwise than quantize_act_torch)
+    inloop = _compile(gemm, {"x_ptr": "bf16", "q_ptr": "fp8e4nv", "s_ptr": "fp32",
+                             "out_ptr": "fp32", "xs_ptr": "fp32"},
+                      dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, EVEN_K=True, SWAP_AB=False,
+                           ACT_FP8=True, PRESCALE=False, X_Q=False), 4, 4,
+                      div16=("N", "K", "stride_xm", "stride_om", "stride_os"))
+    for k in (q, inloop):
+        assert "div.full.f32" not in k.asm["ptx"] and "div.rn" in k.asm["ptx"]

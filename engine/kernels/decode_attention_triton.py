@@ -145,6 +145,8 @@ def decode_attention_triton(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Te
                          "contiguous")
     if (qw is None) != (kw is None) or (qw is not None and cs is None):
         raise ValueError("decode_attention_triton: give qw and kw together, with cs")
+    if qw is not None and not eps > 0:  # the padded query rows are normed too: rsqrt(0 + eps)
+        raise ValueError(f"decode_attention_triton: the norm's eps must be > 0, got {eps!r}")
     if cs is not None and (D % 2 or cs.dtype != q.dtype or cs.dim() != 3
                            or cs.shape[0] not in (1, B) or tuple(cs.shape[1:]) != (D // 2, 2)
                            or cs.stride(2) != 1 or cs.stride(1) != 2):

@@ -404,8 +404,12 @@ def _kernels():
                         a_s = tl.load(xs_ptr + rm * kb + b)  # [BLOCK_M]
                     else:
                         xf = xt.to(tl.float32)
-                        a_s = tl.maximum(tl.max(tl.abs(xf), axis=1), 1e-30) / 448.0
-                        xq = tl.clamp(xf / a_s[:, None], -448.0, 448.0).to(tl.float8e4nv)
+                        # true divisions (`/` is div.full.f32, an ulp off at times: a value
+                        # on an e4m3 tie would round otherwise than the reference)
+                        a_s = tl.math.div_rn(tl.maximum(tl.max(tl.abs(xf), axis=1), 1e-30),
+                                             448.0)
+                        xq = tl.clamp(tl.math.div_rn(xf, a_s[:, None]), -448.0,
+                                      448.0).to(tl.float8e4nv)
                     if SWAP_AB:
                         part += tl.dot(wt, tl.trans(xq)) * a_s[None, :]
                     else:
@@ -447,8 +451,8 @@ def _kernels():
         offs = b * BLOCK + tl.arange(0, BLOCK)
         ok = offs < K
         xf = tl.load(x_ptr + m * stride_xm + offs, mask=ok, other=0.0).to(tl.float32)
-        a_s = tl.maximum(tl.max(tl.abs(xf), axis=0), 1e-30) / 448.0
-        q = tl.clamp(xf / a_s, -448.0, 448.0).to(tl.float8e4nv)
+        a_s = tl.math.div_rn(tl.maximum(tl.max(tl.abs(xf), axis=0), 1e-30), 448.0)
+        q = tl.clamp(tl.math.div_rn(xf, a_s), -448.0, 448.0).to(tl.float8e4nv)
         tl.store(q_ptr + m * K + offs, q, mask=ok)
         tl.store(s_ptr + m * kb + b, a_s)
 
@@ -461,9 +465,8 @@ REDUCE_BLOCK = 1024
 def quantize_act(x2: Tensor) -> tuple[Tensor, Tensor]:
     """x2 [M, K] (bf16/fp16 on CUDA or under Triton's interpreter, last dim contiguous, 16-byte
     aligned: `check`'s contract) -> (e4m3 [M, K], float32 scales
-    [M, ceil(K/128)]): the W8A8 kernel's own per-block quantisation as one launch
-    (`quantize_act_torch` is the reference; its exact division may differ from the GPU's in
-    the last bit of a scale)."""
+    [M, ceil(K/128)]): the W8A8 kernel's own per-block quantisation as one launch, with
+    true divisions: `quantize_act_torch`'s values bit for bit."""
     _, _, quant = _kernels()
     m, k = x2.shape
     kb = scale_shape(1, k)[1]
