@@ -488,14 +488,15 @@ def profile_step(report: dict, device: str, sampler_kernel: bool = True,
                   "per_launch_us": launches}
         print(json.dumps({B: out[B]})[:1500], flush=True)
         del g
-    report[f"profile_decode_rope{decode_rope}" if decode_rope is not None
+    report[("profile_attn_triton" + (f"_rope{decode_rope}" if decode_rope is not None else ""))
+           if attn_triton
+           else f"profile_decode_rope{decode_rope}" if decode_rope is not None
            else f"profile_pdl{pdl}" if pdl is not None
            else "profile_fp8_normed" if normed_fp8 is not None
            else "profile_fp8_nodense" if not dense_copy
            else "profile_attend" if attend_prologue
            else "profile_fp8_w8a8" if fp8_activations
            else "profile_compiled_book" if not step_book
-           else "profile_attn_triton" if attn_triton
            else "profile" if sampler_kernel else "profile_compiled_sampler"] = out
     del runner, b
     torch.cuda.empty_cache()
@@ -584,7 +585,9 @@ def main() -> int:
     ap.add_argument("--attn-triton", type=int, default=0, metavar="ROWS",
                     help="also profile the step with the slow AR's attention as the Triton "
                          "tile kernel from ROWS rows (batches 1, 2, 16, 64; key "
-                         "profile_attn_triton); the engine runs pingpong_nocodec_attn_triton / "
+                         "profile_attn_triton; with --decode-rope R also with the q/k norm + "
+                         "RoPE folded into it up to R rows: profile_attn_triton_rope<R>); the "
+                         "engine runs pingpong_nocodec_attn_triton / "
                          "pingpong_codec_voice_attn_triton take ROWS (default 16)")
     ap.add_argument("--attend-prologue", action="store_true",
                     help="also profile the step with the fast AR's attention in its output "
@@ -642,7 +645,13 @@ def main() -> int:
                      *((("profile_attn_triton",
                          functools.partial(profile_step, report, device, dtype=args.dtype,
                                            attn_triton=args.attn_triton,
-                                           batches=(1, 2, 16, 64))),)
+                                           batches=(1, 2, 16, 64))),
+                        *((("profile_attn_triton_rope",  # with the q/k norm + RoPE folded in
+                            functools.partial(profile_step, report, device, dtype=args.dtype,
+                                              attn_triton=args.attn_triton,
+                                              decode_rope=args.decode_rope,
+                                              batches=(1, 2, 16, 64))),)
+                          if args.decode_rope is not None else ()))
                        if args.attn_triton else ()),
                      *((("profile_attend",
                          functools.partial(profile_step, report, device, dtype=args.dtype,
