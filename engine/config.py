@@ -14,6 +14,8 @@ from typing import Any
 
 from .options import option, validate
 
+DECODE_ROPE_ROWS = 2  # decode_rope_rows' default: one speaking turn's buckets
+
 
 def _positive(obj: object, *names: str) -> None:
     for name in names:
@@ -398,6 +400,12 @@ class EngineConfig:
     split_kv: bool = option(False, "decode attention splits a row's positions over more "
                             "blocks when the batch is too small to fill the GPU (measured: "
                             "no gain on the H200)")
+    decode_rope_rows: int = option(
+        DECODE_ROPE_ROWS, "the most rows of a decode step whose q/k norm + RoPE decode attention folds into "
+        "its own launch (csrc's kernel, or the Triton one from attention_triton_rows); above "
+        "it they take a launch of their own per layer (2: one speaking turn's buckets, "
+        "where it measured faster; slower at 64 rows with csrc's kernel, docs/PERF.md)",
+        ge=0, le=4096)
     attention_triton_rows: int = option(
         0, "decode steps of at least this many rows run the slow AR's attention as the Triton "
         "tile kernel (its keys and values through the tensor cores, several tiles in flight, "

@@ -20,6 +20,7 @@ from . import functional, fusion, quant
 from .bookkeeping import Bookkeeping
 from .codec.layers import CodecOps
 from .codec.quantizer import lookup_sum
+from .config import DECODE_ROPE_ROWS
 from .kernels import (
     activation,
     codec_conv,
@@ -234,7 +235,6 @@ def _name(fn: Callable[..., object]) -> str:
 
 
 REFERENCE = Ops()
-DECODE_ROPE_ROWS = 2  # build_ops' default: decode_rope for one speaking turn's buckets
 ALL_ROWS = 1 << 30
 
 

@@ -312,9 +312,13 @@ def _codec_category(name: str) -> str:
 
 def engine_sweep(report: dict, device: str, levels: list[int], frames: int,
                  only: set[str] | None = None, save: Callable[[], None] | None = None,
-                 dtype: str = "bf16", attn_rows: int = 16) -> None:
+                 dtype: str = "bf16", attn_rows: int = 16,
+                 rope_rows: int | None = None) -> None:
     """The engine end to end (frames -> batched codec -> PCM): pingpong vs graphs vs naive
-    (`attn_rows`: the *_attn_triton runs' EngineConfig.attention_triton_rows)."""
+    (`attn_rows`, `rope_rows`: the *_attn_triton runs' EngineConfig.attention_triton_rows and,
+    given, decode_rope_rows)."""
+    tri = dict(attention_triton_rows=attn_rows,
+               **({} if rope_rows is None else {"decode_rope_rows": rope_rows}))
     from bench_latency.engine_throughput import DeviceStalled, sweep
     from engine.loader import load_bundle
 
@@ -350,11 +354,10 @@ def engine_sweep(report: dict, device: str, levels: list[int], frames: int,
                                                            ref_frames=215)),
             ("pingpong_nocodec", ends, dict(mode="pingpong", codec=False)),
             # the slow AR's attention as the Triton tile kernel from attn_rows rows
-            ("pingpong_nocodec_attn_triton", ends, dict(
-                mode="pingpong", codec=False, config=dict(attention_triton_rows=attn_rows))),
+            ("pingpong_nocodec_attn_triton", ends, dict(mode="pingpong", codec=False,
+                                                        config=tri)),
             ("pingpong_codec_voice_attn_triton", [levels[0], hi], dict(
-                mode="pingpong", codec=True, ref_frames=215,
-                config=dict(attention_triton_rows=attn_rows))),
+                mode="pingpong", codec=True, ref_frames=215, config=tri)),
             # a lone turn in an engine of `hi` rows (the server's case: its bucket is the
             # two-row step) against the same with the one-row bucket
             # (EngineConfig.one_row_bucket); the sweep's own c=1 engines have one row only
@@ -666,7 +669,8 @@ def main() -> int:
                                                      args.frames,
                                                      set(filter(None, args.engine_runs.split(","))),
                                                      save, args.dtype,
-                                                     args.attn_triton or 16))):
+                                                     args.attn_triton or 16,
+                                                     args.decode_rope))):
         if name in skip or (name == "profile_compiled_sampler" and not args.compiled_sampler) \
                 or (name == "profile_decode_rope" and args.decode_rope is None):
             continue

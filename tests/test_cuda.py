@@ -263,11 +263,14 @@ def test_triton_attention_engine_graphs_match_eager(monkeypatch):
     bundle = load_bundle("tiny", device="cuda", dtype="bf16", max_seq_len=1024)
     eager, eng = _run(bundle, EngineConfig(max_running=8, max_len=512, cuda_graphs=False,
                                            prefill_graphs=False, codec_graphs=False,
-                                           pingpong=False, attention_triton_rows=2), TEXTS)
-    assert eng.ops.describe()["attention_triton_rows"] == 2
+                                           pingpong=False, attention_triton_rows=2,
+                                           decode_rope_rows=8), TEXTS)
+    # the q/k norm + RoPE folded into the Triton launches at every bucket (up to 8 rows)
+    assert eng.ops.describe()["attention_triton_rows"] == 2 and eng.ops.decode_rope == 8
     assert calls and min(calls) >= 2  # taken, and only from two rows
     graphed, eng = _run(bundle, EngineConfig(max_running=8, max_len=512, cuda_graphs=True,
-                                             pingpong=False, attention_triton_rows=2), TEXTS)
+                                             pingpong=False, attention_triton_rows=2,
+                                             decode_rope_rows=8), TEXTS)
     assert eng.runner.step_graphs
     for a, b in zip(eager, graphed):
         assert torch.equal(a, b)
