@@ -10,8 +10,11 @@ program owns a (row, kv head, split) and streams [BT, D] key and value tiles of 
 (one page each: BT divides BS) through Triton's pipelined loads, several tiles in flight,
 with all REP query heads of the kv head as the rows of one `tl.dot` (padded to QM = 16, the
 dot's minimum; mma.sync, not wgmma: enough for bytes that bound it) and the online softmax in
-float32. (Compiled for sm_90 on a CPU with Triton 3.5 and 3.6: the default shape takes ~39 KB
-of shared memory and 108 registers, no spills.)
+float32. Each tile's page number is loaded a tile ahead, so its addresses depend on no load
+of its own iteration and the pipeliner keeps stages - 1 tiles in flight (compiled for sm_90 on
+a CPU with Triton 3.5 and 3.6: the default shape takes ~72 KB of shared memory, two tiles of
+keys and values, and 108 registers, no spills; tests/test_triton_sm90.py). With `cs` the
+launch also does the q/k RMSNorm + RoPE of the new position (`decode_attention_triton`).
 
 Numerics: q.k^T of the model's dtype in float32; the probabilities rounded to that dtype for
 the p.v dot (flash attention's choice), so the output is within a few of that dtype's ulps of
@@ -31,7 +34,8 @@ Contract (`supported` says whether the kernel takes a call; the wrapper checks t
              contiguous
   out        [B, H, D] q's dtype, heads and dims packed (rows may be strided)
 
-Triton is imported lazily: importing this module needs neither triton nor CUDA.
+Triton is imported lazily: importing this module needs neither triton nor CUDA (the programs
+are in `_decode_attention_triton_jit`).
 """
 
 from __future__ import annotations
