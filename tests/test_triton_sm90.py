@@ -165,7 +165,7 @@ def test_sm90_fp8_prescaled_gemm_keeps_wgmma_async_unswapped(m):
             assert "C7515" not in report, (cfg, report[-600:])
 
 
-@pytest.mark.parametrize("m", [16, 32, 64])
+@pytest.mark.parametrize("m", [16, 32, 64, 512])
 def test_sm90_fp8_prequantised_w8a8_gemm_has_no_conversion_in_its_loop(m):
     """The W8A8 configs with x quantised beforehand (`prequant`) at w13's shape: both dot
     operands e4m3 from shared memory through async copies, asynchronous wgmmas and no

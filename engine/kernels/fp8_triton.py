@@ -191,6 +191,10 @@ _SWEEP_W8A8: tuple[tuple[int, tuple[Config, ...]], ...] = (
           Config(64, 128, 128, 8, 4, swap_ab=True), Config(64, 64, 128, 4, 4, prequant=True),
           Config(64, 128, 128, 4, 4, prequant=True),
           Config(64, 128, 128, 8, 4, swap_ab=True, prequant=True))),
+    # prefill's rows: compute-bound, where e4m3 MMAs have twice bf16's rate (the table's
+    # entry against prequantised tiles of 128 and 64 rows)
+    (INT32_MAX, (_TABLE_W8A8[-1][1], Config(128, 128, 128, 8, 3, prequant=True),
+                 Config(64, 128, 128, 4, 4, prequant=True))),
 )
 
 

@@ -860,8 +860,9 @@ class LinearPlan:
         at m rows' bucket (both rows recorded there, each with its fastest candidate's time;
         with `fp8_activations`, FP8's W8A8 row of that bucket too): an FP8 linear with a
         dequantised copy (`Fp8Weight.dense`) then runs on that. Past the table's largest M,
-        its largest bucket decides (a dense GEMM's lead over the FP8 kernels only grows with
-        M: it becomes compute-bound on bf16 MMAs either way)."""
+        its largest bucket decides (a dense GEMM's lead over the weight-only FP8 kernels only
+        grows with M: they become compute-bound on bf16 MMAs too; the W8A8 kernels' e4m3
+        MMAs do not, so record W8A8 rows at prefill's M for them to count there)."""
         key = (m, n, k, fp8_activations)
         hit = self._dense.get(key)
         if hit is None:
