@@ -101,7 +101,7 @@ OUT=${OUT:-artifacts/gpu}
 mkdir -p "$OUT"
 export OUT PYTHONUNBUFFERED=1 RTVOICE_FIXTURES=${RTVOICE_FIXTURES:-tests/fixtures/fish_s2_tiny}
 t0=$(date +%s)
-SMOKE="host_sync or engine_audio or pingpong or replay_streams or fused_kernel or bias_folding or split or two_engines or fixtures_with_fused or swiglu or fused_rope or prefilled_ahead or residual_epilogue or norm_fusion or pdl or step_book or naming or unit_kernel or upsample or decode_attention_triton"
+SMOKE="host_sync or engine_audio or pingpong or replay_streams or fused_kernel or bias_folding or split or two_engines or fixtures_with_fused or swiglu or fused_rope or prefilled_ahead or residual_epilogue or norm_fusion or pdl or step_book or naming or unit_kernel or upsample or decode_attention_triton or triton_attention or prequant"
 if [ "${TESTS:-smoke}" = all ]; then K=${TESTS_K:-}; else K=${TESTS_K:-$SMOKE}; fi
 [ "${TESTS:-smoke}" = none ] || timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_kernels.py tests/test_fp8_triton.py tests/test_quant.py tests/test_codec_conv.py tests/test_bookkeeping.py tests/test_decode_attention_triton.py \
     ${K:+-k "$K"} 2>&1 | grep -Ev '^ |^$|site-packages|Warning:|warnings.html' | tail -15 | tee "$OUT/tests.txt"
