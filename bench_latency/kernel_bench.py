@@ -165,9 +165,13 @@ def bench_step_book(dev: str, kind: str, cuda: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argparse.ArgumentParser(prog="python -m bench_latency.kernel_bench", description=__doc__,
-                            formatter_class=argparse.RawDescriptionHelpFormatter
-                            ).parse_args(argv)
+    ap = argparse.ArgumentParser(prog="python -m bench_latency.kernel_bench",
+                                 description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--attention-rows", action="store_true",
+                    help="also time the slow AR's decode attention at 1-256 rows, csrc's "
+                         "against the Triton tile kernel, graph-timed (CUDA; ~60 s)")
+    args = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
     dev = "cuda" if cuda else "cpu"
     kind = "kernel" if cuda and extension_available() else "wrapper"
@@ -193,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
                          ("torch", decode_attention_torch)):
             us = timed(fn, (q, kn, vn, kc, vc, table, ws, ps, pos + 1), 200 if cuda else 5, cuda)
             print(f"decode_attention bs={bs:3d} pos={pos:5d} {name:12s} {us:9.2f} us")
-    if cuda:
+    if cuda and args.attention_rows:
         bench_attention_many_rows()
     for bs in (1, 64, 128):  # a main-token draw: 4,096 semantic tokens + <|im_end|>
         logits = 3 * torch.randn(bs, 4097, device=dev)

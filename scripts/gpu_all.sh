@@ -119,7 +119,7 @@ if [ "${PROBE:-0}" = 1 ]; then  # prefill graphs alone: what a burst of turns co
 fi
 if [ "${KBENCH:-0}" = 1 ]; then  # kernel_bench alone (with its graph-timed attention rows:
     # csrc's decode attention against the Triton tile kernel at 16-256 rows; ~60 s)
-    timeout ${KBENCH_TIMEOUT:-150} python3 -m bench_latency.kernel_bench 2>&1 \
+    timeout ${KBENCH_TIMEOUT:-150} python3 -m bench_latency.kernel_bench --attention-rows 2>&1 \
         | grep -v "Warn\|warn" >"$OUT/kernel_bench.txt"
     grep decode_attention "$OUT/kernel_bench.txt" | tail -30
     echo "kernel_bench done at +$(( $(date +%s) - t0 ))s"

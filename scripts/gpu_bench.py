@@ -312,11 +312,11 @@ def _codec_category(name: str) -> str:
 
 def engine_sweep(report: dict, device: str, levels: list[int], frames: int,
                  only: set[str] | None = None, save: Callable[[], None] | None = None,
-                 dtype: str = "bf16", attn_rows: int = 16,
+                 dtype: str = "bf16", attn_rows: int = 0,
                  rope_rows: int | None = None) -> None:
     """The engine end to end (frames -> batched codec -> PCM): pingpong vs graphs vs naive
-    (`attn_rows`, `rope_rows`: the *_attn_triton runs' EngineConfig.attention_triton_rows and,
-    given, decode_rope_rows)."""
+    (`attn_rows` > 0: also the *_attn_triton runs, with EngineConfig.attention_triton_rows =
+    attn_rows and, given, decode_rope_rows = `rope_rows`)."""
     tri = dict(attention_triton_rows=attn_rows,
                **({} if rope_rows is None else {"decode_rope_rows": rope_rows}))
     from bench_latency.engine_throughput import DeviceStalled, sweep
@@ -353,11 +353,13 @@ def engine_sweep(report: dict, device: str, levels: list[int], frames: int,
             ("pingpong_codec_voice", [levels[0], hi], dict(mode="pingpong", codec=True,
                                                            ref_frames=215)),
             ("pingpong_nocodec", ends, dict(mode="pingpong", codec=False)),
-            # the slow AR's attention as the Triton tile kernel from attn_rows rows
-            ("pingpong_nocodec_attn_triton", ends, dict(mode="pingpong", codec=False,
-                                                        config=tri)),
-            ("pingpong_codec_voice_attn_triton", [levels[0], hi], dict(
-                mode="pingpong", codec=True, ref_frames=215, config=tri)),
+            # the slow AR's attention as the Triton tile kernel from attn_rows rows (only
+            # with --attn-triton: not in a default sweep)
+            *((("pingpong_nocodec_attn_triton", ends, dict(mode="pingpong", codec=False,
+                                                            config=tri)),
+               ("pingpong_codec_voice_attn_triton", [levels[0], hi], dict(
+                   mode="pingpong", codec=True, ref_frames=215, config=tri)))
+              if attn_rows else ()),
             # a lone turn in an engine of `hi` rows (the server's case: its bucket is the
             # two-row step) against the same with the one-row bucket
             # (EngineConfig.one_row_bucket); the sweep's own c=1 engines have one row only
@@ -589,9 +591,9 @@ def main() -> int:
                     help="also profile the step with the slow AR's attention as the Triton "
                          "tile kernel from ROWS rows (batches 1, 2, 16, 64; key "
                          "profile_attn_triton; with --decode-rope R also with the q/k norm + "
-                         "RoPE folded into it up to R rows: profile_attn_triton_rope<R>); the "
-                         "engine runs pingpong_nocodec_attn_triton / "
-                         "pingpong_codec_voice_attn_triton take ROWS (default 16)")
+                         "RoPE folded into it up to R rows: profile_attn_triton_rope<R>), and "
+                         "add the engine runs pingpong_nocodec_attn_triton / "
+                         "pingpong_codec_voice_attn_triton with it from ROWS rows")
     ap.add_argument("--attend-prologue", action="store_true",
                     help="also profile the step with the fast AR's attention in its output "
                          "projection's prologue (batches 1, 2; key profile_attend)")
@@ -669,7 +671,7 @@ def main() -> int:
                                                      args.frames,
                                                      set(filter(None, args.engine_runs.split(","))),
                                                      save, args.dtype,
-                                                     args.attn_triton or 16,
+                                                     args.attn_triton,
                                                      args.decode_rope))):
         if name in skip or (name == "profile_compiled_sampler" and not args.compiled_sampler) \
                 or (name == "profile_decode_rope" and args.decode_rope is None):

@@ -273,9 +273,11 @@ def test_sweep_configs_are_candidates_and_round_trip():
     with pytest.raises(ValueError, match="true or false"):
         ft.Config.from_json({**pre.to_json(), "prequant": 1}, w8a8=True)
     assert any(c.prequant for c in ft.sweep_configs(64, w8a8=True))
-    big = ft.sweep_configs(512, w8a8=True)  # prefill's rows: the table's entry, prequantised
-    assert big[0] == ft.default_config(512, 4096, 4096, w8a8=True)
-    assert any(c.prequant and c.block_m == 128 for c in big)
+    for m in (65, 128, 512):  # prefill's rows: the table's entry, then prequantised tiles
+        big = ft.sweep_configs(m, w8a8=True)
+        assert big[0] == ft.default_config(m, 4096, 4096, w8a8=True)
+        assert any(c.prequant and c.block_m == 128 for c in big)
+        assert set(big) <= set(ft.configs(w8a8=True))
     assert ft.fit_smem(ft.Config(64, 128, 128, 4, 8, prequant=True), 99 * 1024,
                        w8a8=True).num_stages == 4  # x in 8 bits: 24 KiB a stage
 

@@ -160,7 +160,7 @@ def test_sm90_fp8_prescaled_gemm_keeps_wgmma_async_unswapped(m):
                      cfg.num_warps,
                      cfg.num_stages, div16=("N", "K", "stride_xm", "stride_om", "stride_os"))
         report = _ptxas(k)
-        assert k.metadata.shared <= SMEM and "spill stores" in report, cfg
+        assert k.metadata.shared <= SMEM and _spills(k) == 0, cfg
         if not cfg.swap_ab:
             assert "C7515" not in report, (cfg, report[-600:])
 

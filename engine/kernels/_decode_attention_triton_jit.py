@@ -1,7 +1,8 @@
 """The Triton programs of engine/kernels/decode_attention_triton.py (that module's docstring
 says what they compute), at module level so that one jit function can call another (Triton
 resolves the names a kernel calls among its module's globals). Imported only by
-`decode_attention_triton._kernels`: importing the wrapper needs no triton."""
+`decode_attention_triton._kernels`: importing the wrapper needs no triton. The names carry
+"decode_attention" (and the merge "combine", as csrc's) for the profiles' kernel categories."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def norm_rope(x, w_ptr, cs_ptr, eps, D: tl.constexpr, DP: tl.constexpr,
 
 
 @triton.jit
-def attend(q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, tab_ptr, wb_ptr, pos_ptr, o_ptr,
+def decode_attention_tiles(q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, tab_ptr, wb_ptr, pos_ptr, o_ptr,
            ws_o_ptr, ws_ml_ptr, cs_ptr, qw_ptr, kw_ptr, q_rs, kn_rs, vn_rs, o_rs, tab_rs,
            Hkv, cs_rs, scale, eps,
            REP: tl.constexpr, QMR: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
@@ -120,7 +121,7 @@ def attend(q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, tab_ptr, wb_ptr, pos_ptr, o_pt
 
 
 @triton.jit
-def combine(ws_o_ptr, ws_ml_ptr, o_ptr, o_rs, H, D: tl.constexpr, DP: tl.constexpr,
+def decode_attention_combine_tiles(ws_o_ptr, ws_ml_ptr, o_ptr, o_rs, H, D: tl.constexpr, DP: tl.constexpr,
             SPLITS: tl.constexpr, SP: tl.constexpr):
     # one program per (row b, head h): merge its splits' softmax states in split order
     b = tl.program_id(0)

@@ -149,7 +149,8 @@ def decode_attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v
     packed, rows may be strided: one position of a [B, T, H, D] output), else a new tensor.
     `triton_rows` (> 0): calls of at least that many rows run the Triton kernel instead
     (engine/kernels/decode_attention_triton.py: tiles through the tensor cores, automatic
-    splits; `rope` in its launch too where `rope_supported`) where it takes them; 0: never.
+    splits; `rope` in its launch too where `rope_supported`) where it takes them; 0: never
+    (one-position calls only: the several-positions form below keeps csrc's kernel).
 
     Several new positions per row: q [B, T, H, D], k_new/v_new [B, T, Hkv, D], rope's cs
     [B or 1, T, D/2, 2], out [B, T, H, D]: row b's queries at pos[b] + t, each attending

@@ -199,4 +199,4 @@ def _kernels():  # type: ignore[no-untyped-def]
     """(attend, combine), compiled on first use (imports triton)."""
     from . import _decode_attention_triton_jit as jit
 
-    return jit.attend, jit.combine
+    return jit.decode_attention_tiles, jit.decode_attention_combine_tiles

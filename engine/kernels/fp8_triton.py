@@ -191,9 +191,9 @@ _SWEEP_W8A8: tuple[tuple[int, tuple[Config, ...]], ...] = (
           Config(64, 128, 128, 8, 4, swap_ab=True), Config(64, 64, 128, 4, 4, prequant=True),
           Config(64, 128, 128, 4, 4, prequant=True),
           Config(64, 128, 128, 8, 4, swap_ab=True, prequant=True))),
-    # prefill's rows: compute-bound, where e4m3 MMAs have twice bf16's rate (the table's
-    # entry against prequantised tiles of 128 and 64 rows)
-    (INT32_MAX, (_TABLE_W8A8[-1][1], Config(128, 128, 128, 8, 3, prequant=True),
+    # prefill's rows (after the table's entry, `sweep_configs`): compute-bound, where e4m3
+    # MMAs have twice bf16's rate — prequantised tiles of 128 and 64 rows
+    (INT32_MAX, (Config(128, 128, 128, 8, 3, prequant=True),
                  Config(64, 128, 128, 4, 4, prequant=True))),
 )
 
@@ -222,11 +222,12 @@ def _sweeps(w8a8: bool) -> tuple[tuple[tuple[int, tuple[Config, ...]], ...], ...
 
 
 def sweep_configs(m: int, *, w8a8: bool = False) -> tuple[Config, ...]:
-    """The few configs worth timing for M = m rows (m <= 64; above, the table's entry):
-    weight-only, the M bucket's configs and its prescaled ones."""
+    """The few configs worth timing for M = m rows: up to 64, the M bucket's configs
+    (weight-only: its plain and prescaled ones); above, the table's entry (and for W8A8 the
+    prequantised large tiles after it)."""
     out = [next((cs for bound, cs in sweep if m <= bound), ()) for sweep in _sweeps(w8a8)]
-    if not out[0]:
-        return (default_config(m, 4096, 4096, w8a8=w8a8),)
+    if m > _SWEEP[-1][0]:
+        return (default_config(m, 4096, 4096, w8a8=w8a8), *(out[0] if w8a8 else ()))
     return tuple(c for cs in out for c in cs)
 
 
