@@ -46,7 +46,8 @@ s * t + r of channel co is conv row t, channel r * C_out + co, so a conv with s 
 channels and ceil(k / s) taps over the input's [history | new] rows gives the transposed conv
 in channels-last order with its bias in the epilogue — the kernel above, unchanged.
 
-Triton is imported lazily: importing this module needs neither triton nor CUDA.
+Triton is imported lazily: importing this module needs neither triton nor CUDA (the programs,
+which share their main loop and Snake, are in `_codec_conv_jit`).
 """
 
 from __future__ import annotations
@@ -500,119 +501,15 @@ def _unit_launch(x: Tensor, xx: Tensor, w7: Tensor, b7: Tensor, dilation: int, a
 
 @functools.cache
 def _unit_kernel():  # type: ignore[no-untyped-def]
-    import triton
-    import triton.language as tl
-    from triton.language.extra import libdevice
+    """The fused residual unit's program, compiled on first use (imports triton)."""
+    from . import _codec_conv_jit as jit
 
-    @triton.jit(do_not_specialize=["M", "T"])
-    def unit_kernel(x_ptr, w7_ptr, b7_ptr, a_ptr, w1_ptr, b1_ptr, r_ptr, o_ptr, M, T, C, NP,
-                    s_tap, sxb, sxt, srb, srt, TAPS: tl.constexpr, FAST_SIN: tl.constexpr,
-                    BM: tl.constexpr, NPC: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-        # one program per BM output rows (stream b, time t) = b * T + t, every channel
-        pid = tl.program_id(0)
-        rm = pid * BM + tl.arange(0, BM)
-        rc = tl.arange(0, NPC)  # the k=7 conv's output channels (padded to a power of two)
-        rk = tl.arange(0, BK)
-        row_ok = rm < M
-        rmc = tl.where(row_ok, rm, 0)
-        b = rmc // T
-        t = rmc - b * T
-        a_row = b.to(tl.int64) * sxb + t.to(tl.int64) * sxt
-        # h: [BM, NPC] = snake(conv7(xx) + b7), the reduction over (tap, input channel)
-        acc = tl.zeros((BM, NPC), dtype=tl.float32)
-        for kk in range(0, TAPS * C, BK):
-            j = kk // C
-            c0 = kk - j * C
-            a = tl.load(x_ptr + a_row[:, None] + j * s_tap + (c0 + rk)[None, :])
-            w = tl.load(w7_ptr + (kk + rk)[:, None] * NP + rc[None, :])
-            acc = tl.dot(a, w, acc)
-        c_ok = rc < C
-        v = acc + tl.load(b7_ptr + rc, mask=c_ok, other=0.0).to(tl.float32)[None, :]
-        al = tl.load(a_ptr + rc, mask=c_ok, other=1.0).to(tl.float32)
-        if FAST_SIN:
-            s = libdevice.fast_sinf(al[None, :] * v)
-        else:
-            s = tl.sin(al[None, :] * v)
-        v = v + (1.0 / (al + 1e-9))[None, :] * (s * s)
-        h = v.to(o_ptr.dtype.element_ty)  # rounded as the two-launch path stores it
-        r_row = b.to(tl.int64) * srb + t.to(tl.int64) * srt
-        # out = x + (h @ W1 + b1), BN output channels at a time (W1's padded rows read as 0)
-        for n0 in tl.static_range(0, NPC, BN):
-            rn = n0 + tl.arange(0, BN)
-            n_ok = rn < C
-            w1 = tl.load(w1_ptr + rc[:, None] * NP + rn[None, :], mask=c_ok[:, None],
-                         other=0.0)
-            y = tl.dot(h, w1) + tl.load(b1_ptr + rn, mask=n_ok,
-                                        other=0.0).to(tl.float32)[None, :]
-            ok = row_ok[:, None] & n_ok[None, :]
-            res = tl.load(r_ptr + r_row[:, None] + rn[None, :], mask=ok, other=0.0)
-            tl.store(o_ptr + rm.to(tl.int64)[:, None] * C + rn[None, :],
-                     (res.to(tl.float32) + y).to(o_ptr.dtype.element_ty), mask=ok)
-
-    return unit_kernel
+    return jit.unit_kernel
 
 
 @functools.cache
 def _kernel():  # type: ignore[no-untyped-def]
-    import triton
-    import triton.language as tl
-    from triton.language.extra import libdevice
+    """The fused conv's program, compiled on first use (imports triton)."""
+    from . import _codec_conv_jit as jit
 
-    @triton.jit(do_not_specialize=["M", "T"])
-    def conv_kernel(x_ptr, w_ptr, b_ptr, a_ptr, r_ptr, o_ptr, s_ptr, M, T, N, C, NP, s_tap,
-                    sxb, sxt, srb, srt, ssb, s_off, TAPS: tl.constexpr, EPI: tl.constexpr,
-                    FAST_SIN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                    BK: tl.constexpr):
-        # output tiles in row-major order with the channel tiles fastest: the programs that
-        # run together read the same input rows (from L2) and the whole weight stays in L2
-        pid = tl.program_id(0)
-        n_tiles = tl.cdiv(N, BN)
-        pid_m = pid // n_tiles
-        pid_n = pid % n_tiles
-        rm = pid_m * BM + tl.arange(0, BM)  # output rows: (stream b, time t) = b * T + t
-        rn = pid_n * BN + tl.arange(0, BN)  # output channels (taps are padded: no mask)
-        rk = tl.arange(0, BK)
-        row_ok = rm < M
-        rmc = tl.where(row_ok, rm, 0)  # rows past the end read row 0 and are not stored
-        b = rmc // T
-        t = rmc - b * T
-        # x: [B, P + T, C] rows; output row t's tap j reads input row t + j * dilation
-        # (s_tap = dilation * sxt elements further on)
-        a_row = b.to(tl.int64) * sxb + t.to(tl.int64) * sxt
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for kk in range(0, TAPS * C, BK):  # (tap, channel block): BK divides C
-            j = kk // C
-            c0 = kk - j * C
-            a = tl.load(x_ptr + a_row[:, None] + j * s_tap + (c0 + rk)[None, :])
-            w = tl.load(w_ptr + (kk + rk)[:, None] * NP + rn[None, :])
-            acc = tl.dot(a, w, acc)
-        n_ok = rn < N
-        v = acc + tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        if EPI == 1:  # Snake: v + sin(alpha v)^2 / (alpha + 1e-9)
-            al = tl.load(a_ptr + rn, mask=n_ok, other=1.0).to(tl.float32)
-            if FAST_SIN:
-                s = libdevice.fast_sinf(al[None, :] * v)
-            else:
-                s = tl.sin(al[None, :] * v)
-            v = v + (1.0 / (al + 1e-9))[None, :] * (s * s)
-        elif EPI >= 2:  # the residual sum x + (y + bias)
-            r_row = b.to(tl.int64) * srb + t.to(tl.int64) * srt
-            res = tl.load(r_ptr + r_row[:, None] + rn[None, :],
-                          mask=row_ok[:, None] & n_ok[None, :], other=0.0)
-            v = res.to(tl.float32) + v
-        y = v.to(o_ptr.dtype.element_ty)
-        tl.store(o_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :], y,
-                 mask=row_ok[:, None] & n_ok[None, :])
-        if EPI == 3:  # and the next Snake of the rounded sum into the next conv's input
-            al = tl.load(a_ptr + rn, mask=n_ok, other=1.0).to(tl.float32)
-            yf = y.to(tl.float32)
-            if FAST_SIN:
-                s = libdevice.fast_sinf(al[None, :] * yf)
-            else:
-                s = tl.sin(al[None, :] * yf)
-            sv = yf + (1.0 / (al + 1e-9))[None, :] * (s * s)
-            s_row = b.to(tl.int64) * ssb + (s_off + t).to(tl.int64) * N
-            tl.store(s_ptr + s_row[:, None] + rn[None, :], sv.to(s_ptr.dtype.element_ty),
-                     mask=row_ok[:, None] & n_ok[None, :])
-
-    return conv_kernel
+    return jit.conv_kernel
