@@ -73,6 +73,16 @@ def current_device_name() -> str | None:
         return None
 
 
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (its index, or the current one)."""
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 @functools.cache
 def triton_available() -> bool:
     """Triton importable and a CUDA device present (the Triton kernels' precondition)."""

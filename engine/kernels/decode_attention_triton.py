@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .build import triton_available
+from .build import sm_count, triton_available
 
 __all__ = ["Config", "auto_splits", "available", "decode_attention_triton", "shapes_supported",
            "supported"]
@@ -106,17 +106,8 @@ def auto_splits(rows: int, kv_heads: int, sms: int) -> int:
     return s
 
 
-def _index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
-
-
 def _pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
-
-
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def decode_attention_triton(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor,
@@ -171,7 +162,7 @@ def decode_attention_triton(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Te
     if B == 0:
         return out
     if splits == 0:
-        splits = auto_splits(B, Hkv, _sm_count(_index(q.device)) if q.is_cuda else 132)
+        splits = auto_splits(B, Hkv, sm_count(q.device) if q.is_cuda else 132)
     rep = H // Hkv
     scale = math.log2(math.e) / math.sqrt(D)  # exp2 of scores in log2 units
     if splits == 1:

@@ -46,6 +46,7 @@ import torch
 from torch import Tensor
 
 from ..quant import BLOCK, FP8_MAX, Fp8Weight, fp8_linear_torch, scale_shape
+from .build import sm_count
 
 ACT_DTYPES = (torch.bfloat16, torch.float16)
 ALIGN = 16  # bytes: base pointers of x, q and scale (Triton specialises on it)
@@ -317,11 +318,6 @@ def available() -> bool:
 
 
 @functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-@functools.cache
 def _smem_bytes(index: int) -> int | None:
     return getattr(torch.cuda.get_device_properties(index), "shared_memory_per_block_optin",
                    None)
@@ -526,7 +522,7 @@ def _run(x: Tensor, w: Fp8Weight, config: Config | None, split_k: int, kernel: b
     cfg = config or fit_smem(default_config(m, n, k, w8a8=w8a8), _smem_bytes(index),
                              w8a8=w8a8)
     with torch.cuda.device(index):
-        out = _launch(x2, w, cfg, split_k, _sm_count(index), w8a8=w8a8)
+        out = _launch(x2, w, cfg, split_k, sm_count(x.device), w8a8=w8a8)
     return out.view(*lead, n)
 
 
