@@ -406,6 +406,10 @@ class EngineConfig:
         "it they take a launch of their own per layer (2: one speaking turn's buckets, "
         "where it measured faster; slower at 64 rows with csrc's kernel, docs/PERF.md)",
         ge=0, le=4096)
+    fast_decode_rope_rows: int | None = option(
+        None, "the same for the fast AR's attention (csrc's kernel over its <= 11 positions), "
+        "apart so that the slow AR's can fold at many rows where the fast AR's measured "
+        "slower; default: decode_rope_rows", ge=0, le=4096)
     attention_triton_rows: int = option(
         0, "decode steps of at least this many rows run the slow AR's attention as the Triton "
         "tile kernel (its keys and values through the tensor cores, several tiles in flight, "
@@ -431,6 +435,9 @@ class EngineConfig:
     def resolved(self, *, cuda: bool, model_len: int) -> EngineConfig:
         """A copy with the device-dependent defaults filled in."""
         call = self.codec_call_frames
+        fast_rope = self.fast_decode_rope_rows
         return replace(self, max_running=self.max_running or (64 if cuda else 8),
+                       fast_decode_rope_rows=(self.decode_rope_rows if fast_rope is None
+                                              else fast_rope),
                        max_len=min(self.max_len or 4096, model_len),
                        codec_call_frames=(0 if cuda else 64) if call is None else call)

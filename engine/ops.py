@@ -104,6 +104,9 @@ class Ops:
     # launch (its `rope`; 0: never): 76 launches fewer per frame step, 1-2 % faster at 1-2
     # rows and slower at 64 (H200, docs/PERF.md)
     decode_rope: int = 0
+    # the same for the fast AR's decode attention (its own knob: folding at many rows measured
+    # slower there with csrc's kernel, while the slow AR's Triton kernel may gain from it)
+    decode_rope_fast: int = 0
     # csrc's step kernels launched with programmatic dependent launch (sm_90+): each may start
     # while the kernel before it ends (csrc/launch.cuh); recorded here for describe()
     pdl: bool = False
@@ -210,6 +213,7 @@ class Ops:
                                           if isinstance(self.decode_attention,
                                                         functools.partial) else 0),
                 "decode_rope": self.decode_rope,
+                "decode_rope_fast": self.decode_rope_fast,
                 "pdl": self.pdl,
                 "sampler": getattr(self.sample, "__name__", str(self.sample)),
                 "sampler_embed": getattr(self.sample_embed, "__name__", str(self.sample_embed)),
@@ -252,7 +256,8 @@ def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool 
               sampler_kernel: bool = True, codec_kernels: bool = True,
               split_kv: bool = False, linear_kernels: bool = True,
               fp8_activations: bool = False, codec_channels_last: bool = True,
-              decode_rope: bool | int = DECODE_ROPE_ROWS, norm_fusion: bool = True,
+              decode_rope: bool | int = DECODE_ROPE_ROWS,
+              decode_rope_fast: bool | int | None = None, norm_fusion: bool = True,
               pdl: bool | int = False,
               linear_table: Path | None = linear.DEFAULT_TABLE,
               normed_max_m_fp8: int = linear.NORMED_DISPATCH_M_FP8,
@@ -269,7 +274,8 @@ def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool 
     the codec's Snake/bias kernels and decode attention's split positions among them,
     `decode_rope` up to how many rows decode attention also does the step's q/k norm and
     RoPE (True: every batch, False: none; default `DECODE_ROPE_ROWS`: the c=1 buckets, where it
-    saves 76 launches per step; slower at 64 rows on the H200, docs/PERF.md);
+    saves 76 launches per step; slower at 64 rows on the H200, docs/PERF.md), for the slow AR
+    and, unless `decode_rope_fast` says otherwise (None: the same), the fast AR;
     `codec_channels_last`: the streaming codec's convs as NHWC convs over channels-last
     activations (CUDA only: cuDNN's fast kernels are NHWC); `norm_fusion`: where csrc's
     small-M kernel runs a block's projections, the residual add in wo / w2's epilogue and the
@@ -376,7 +382,10 @@ def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool 
         decode_attention=(functools.partial(decode_attention, splits=0 if split_kv else 1,
                                             pdl=bool(pdl), triton_rows=attention_triton_rows)
                           if built else None),
-        decode_rope=_rope_rows(decode_rope) if built else 0, pdl=bool(pdl),
+        decode_rope=_rope_rows(decode_rope) if built else 0,
+        decode_rope_fast=(_rope_rows(decode_rope if decode_rope_fast is None
+                                     else decode_rope_fast) if built else 0),
+        pdl=bool(pdl),
         shift_window=functools.partial(prev_tokens_shift_inplace, kernel=built),
         **parts,  # type: ignore[arg-type]
     )

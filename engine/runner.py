@@ -72,7 +72,7 @@ class ModelRunner:
         self.slow_kernel = self._attention_kernel(self.cfg.slow)
         self.fast_kv = FastKV(self.cfg, S, device=d, dtype=self.dtype,
                               kernel=self._attention_kernel(self.cfg.fast),
-                              rope_rows=self._rope_rows(self.cfg.fast),
+                              rope_rows=self._rope_rows(self.cfg.fast, self.ops.decode_rope_fast),
                               deferred=ops.attend_kernel is not None)
         self.n_semantic = self.cfg.ids.n_semantic
         # Per-row decode state, device-resident.
@@ -115,10 +115,11 @@ class ModelRunner:
             return None
         return k
 
-    def _rope_rows(self, c: TransformerConfig) -> int:
+    @staticmethod
+    def _rope_rows(c: TransformerConfig, rows: int) -> int:
         """Up to how many rows this stack's decode attention kernel also does the q/k norm
-        and RoPE (0: never)."""
-        return self.ops.decode_rope if c.head_dim in ROPE_HEAD_DIMS else 0
+        and RoPE (0: never): the ops' `rows` where the kernel handles its head size."""
+        return rows if c.head_dim in ROPE_HEAD_DIMS else 0
 
     @property
     def attention_kernel(self) -> bool:
@@ -255,7 +256,8 @@ class ModelRunner:
         """Rows 0..B-1 feed cols [B, 1+K] at positions [B] through their block tables
         [B, MB], writing into wblock [B] -> the frame's columns (`frame_from_hidden`)."""
         attend = PagedDecodeAttend(self.cache, tables, wblock, positions, span, self.slow_kernel,
-                                   cols.shape[0] <= self._rope_rows(self.cfg.slow))
+                                   cols.shape[0] <= self._rope_rows(self.cfg.slow,
+                                                                   self.ops.decode_rope))
         h = self.model.forward_slow(cols[:, :, None], positions[:, None], attend,
                                     self.ops)[:, 0]  # [B, D]
         return self.frame_from_hidden(h)

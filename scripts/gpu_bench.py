@@ -33,6 +33,7 @@ import torch
 # the repository's packages (engine, bench_latency) without an install: the device machine
 # runs this from a plain checkout
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from engine.config import DECODE_ROPE_ROWS  # after the path: a plain checkout
 
 
 def _sync() -> None:
@@ -316,9 +317,10 @@ def engine_sweep(report: dict, device: str, levels: list[int], frames: int,
                  rope_rows: int | None = None) -> None:
     """The engine end to end (frames -> batched codec -> PCM): pingpong vs graphs vs naive
     (`attn_rows` > 0: also the *_attn_triton runs, with EngineConfig.attention_triton_rows =
-    attn_rows and, given, decode_rope_rows = `rope_rows`)."""
+    attn_rows and, given, decode_rope_rows = `rope_rows` for the slow AR only)."""
     tri = dict(attention_triton_rows=attn_rows,
-               **({} if rope_rows is None else {"decode_rope_rows": rope_rows}))
+               **({} if rope_rows is None else {"decode_rope_rows": rope_rows,
+                                                "fast_decode_rope_rows": DECODE_ROPE_ROWS}))
     from bench_latency.engine_throughput import DeviceStalled, sweep
     from engine.loader import load_bundle
 
@@ -413,7 +415,8 @@ def profile_step(report: dict, device: str, sampler_kernel: bool = True,
                  batches: tuple[int, ...] = (1, 2, 16, 64),
                  normed_fp8: int | None = None, dense_copy: bool = True,
                  attend_prologue: bool = False, fp8_activations: bool = False,
-                 step_book: bool = True, attn_triton: int = 0) -> None:
+                 step_book: bool = True, attn_triton: int = 0,
+                 decode_rope_fast: int | None = None) -> None:
     """Where one frame step's GPU time goes (eager, fused ops), and graph-replay step time.
     `decode_rope`: the q/k norm + RoPE inside decode attention up to that many rows (key
     profile_decode_rope<rows>; None: the engine's default);
@@ -428,7 +431,8 @@ def profile_step(report: dict, device: str, sampler_kernel: bool = True,
     --fp8-activations (key profile_fp8_w8a8); `step_book` False: the step's bookkeeping as
     the compiled functions, not csrc's kernels (key profile_compiled_book); `attn_triton`
     (> 0): the slow AR's attention as the Triton tile kernel from that many rows (key
-    profile_attn_triton)."""
+    profile_attn_triton); `decode_rope_fast`: the fast AR's fold apart from `decode_rope`
+    (None: the same)."""
     from engine.engine import add_fp8_copies
     from engine.fusion import pack_ffn
     from engine.loader import load_bundle
@@ -439,7 +443,7 @@ def profile_step(report: dict, device: str, sampler_kernel: bool = True,
     b = load_bundle("s2-pro", device=device, dtype=dtype, max_seq_len=1024)
     ops = build_ops(device, fused="compile", sampler_kernel=sampler_kernel,
                     **({} if decode_rope is None else {"decode_rope": decode_rope}),
-                    fp8_dense=dense_copy, attend_prologue=attend_prologue,
+                    decode_rope_fast=decode_rope_fast, fp8_dense=dense_copy, attend_prologue=attend_prologue,
                     fp8_activations=fp8_activations, book_kernels=step_book,
                     attention_triton_rows=attn_triton,
                     **({} if normed_fp8 is None else {"normed_max_m_fp8": normed_fp8}),
@@ -591,7 +595,8 @@ def main() -> int:
                     help="also profile the step with the slow AR's attention as the Triton "
                          "tile kernel from ROWS rows (batches 1, 2, 16, 64; key "
                          "profile_attn_triton; with --decode-rope R also with the q/k norm + "
-                         "RoPE folded into it up to R rows: profile_attn_triton_rope<R>), and "
+                         "RoPE folded into it up to R rows, the fast AR's at its default: "
+                         "profile_attn_triton_rope<R>), and "
                          "add the engine runs pingpong_nocodec_attn_triton / "
                          "pingpong_codec_voice_attn_triton with it from ROWS rows")
     ap.add_argument("--attend-prologue", action="store_true",
@@ -655,6 +660,7 @@ def main() -> int:
                             functools.partial(profile_step, report, device, dtype=args.dtype,
                                               attn_triton=args.attn_triton,
                                               decode_rope=args.decode_rope,
+                                              decode_rope_fast=DECODE_ROPE_ROWS,
                                               batches=(1, 2, 16, 64))),)
                           if args.decode_rope is not None else ()))
                        if args.attn_triton else ()),

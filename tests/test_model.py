@@ -462,6 +462,37 @@ def test_decode_rope_rows_fold_the_norm_and_rope_per_batch(fixture_dir, fixture_
     assert no_kernel.at(0, 1).norm_rope_attend is None
 
 
+def test_fast_decode_rope_rows_are_the_fast_ars_own(fixture_model, monkeypatch):
+    """The fast AR folds its q/k norm + RoPE up to `decode_rope_fast` rows, the slow AR up to
+    `decode_rope`: EngineConfig's fast_decode_rope_rows defaults to decode_rope_rows and is
+    kept when given; the runner hands each stack its own count."""
+    import dataclasses
+    import functools
+
+    import engine.runner as runner_mod
+    from engine.config import EngineConfig
+    from engine.kernels.decode_attention import decode_attention
+    from engine.ops import REFERENCE
+
+    assert EngineConfig(decode_rope_rows=64).resolved(
+        cuda=True, model_len=4096).fast_decode_rope_rows == 64
+    assert EngineConfig(decode_rope_rows=64, fast_decode_rope_rows=2).resolved(
+        cuda=True, model_len=4096).fast_decode_rope_rows == 2
+    with pytest.raises(ValueError, match="fast_decode_rope_rows"):
+        EngineConfig(fast_decode_rope_rows=-1)
+    cfg = fixture_model.cfg
+    # let the fixture's fast head size (40) take the fold, as S2-Pro's 128 does
+    monkeypatch.setattr(runner_mod, "ROPE_HEAD_DIMS", (cfg.slow.head_dim, cfg.fast.head_dim))
+    monkeypatch.setattr(ModelRunner, "_attention_kernel", lambda self, c: self.ops.decode_attention)
+    ops = dataclasses.replace(
+        REFERENCE, decode_attention=functools.partial(decode_attention, kernel=False),
+        decode_rope=64, decode_rope_fast=2)
+    runner = ModelRunner(fixture_model, n_rows=4, max_len=256, block_size=16, ops=ops)
+    assert runner.fast_kv.rope_rows == 2
+    assert runner._rope_rows(cfg.slow, ops.decode_rope) == 64
+    assert ops.describe()["decode_rope_fast"] == 2
+
+
 def test_paged_decode_attend_with_a_kernel_makes_no_fallback_tensors(fixture_model):
     """With csrc's kernel the attend launches nothing of its own (the fallback's write
     offsets and mask would be three launches of every frame step that nothing reads); the
