@@ -127,6 +127,53 @@ def bench_attention_many_rows() -> None:
             print(f"decode_attention_rows bs={bs:3d} pos={pos:5d} {name:18s} {us:9.2f} us "
                   f"{kv_bytes / us / 1e3:7.1f} GB/s")
         del kc, vc
+    if attn_triton.available():
+        bench_attention_shared_prefix()
+
+
+def bench_attention_shared_prefix() -> None:
+    """The slow AR's decode attention with every row's first 4 blocks (256 positions: a
+    10 s voice's prompt) shared, as sessions speaking with one stored voice have them: csrc's
+    kernel and the Triton kernel reading every row's positions against the Triton kernel
+    with the shared prefix read once per 16-row tile (`prefix`), graph-timed; GB/s over the
+    keys and values the rows attend to (the prefix counted per row)."""
+    from engine.shared_prefix import SharedPrefixes
+
+    dt, BS, shared = torch.bfloat16, 64, 4
+    for bs, pos in ((64, 600), (128, 600), (256, 400), (256, 600)):
+        mb = -(-(pos + 1) // BS)
+        q = torch.randn(bs, 32, 128, device="cuda", dtype=dt)
+        kn, vn = (torch.randn(bs, 8, 128, device="cuda", dtype=dt) for _ in range(2))
+        kc, vc = (torch.randn(bs * mb + 1, 8, BS, 128, device="cuda", dtype=dt)
+                  for _ in range(2))
+        table = torch.randperm(bs * mb, device="cuda").view(bs, mb)
+        table[:, :shared] = table[0, :shared]
+        ps = torch.full((bs,), pos, device="cuda")
+        ws = table[:, pos // BS].contiguous()
+        args = (q, kn, vn, kc, vc, table, ws, ps)
+        kv_bytes = 2 * bs * (pos + 1) * 8 * 128 * dt.itemsize
+        sp = SharedPrefixes(bs, BS, attn_triton.prefix_rows_per_tile(32, 8), "cuda")
+        for r, blocks in enumerate(table.tolist()):
+            sp.set(r, blocks)
+        sp.refresh()
+        runs: list[tuple[str, Callable[..., object]]] = []
+        if extension_available():
+            runs.append(("csrc", lambda *a, n=pos + 1: decode_attention(*a, n, splits=1)))
+        runs += [("triton", attn_triton.decode_attention_triton),
+                 ("triton+prefix", lambda *a, t=sp.tiles: attn_triton.decode_attention_triton(
+                     *a, prefix=t)),
+                 ("triton+prefix:w4", lambda *a, t=sp.tiles:
+                  attn_triton.decode_attention_triton(*a, prefix=t, prefix_warps=4))]
+        for name, fn in runs:
+            try:
+                us = graph_us(fn, args)
+            except Exception as e:  # say so, go on
+                print(f"decode_attention_shared bs={bs:3d} pos={pos:5d} {name:18s} failed: "
+                      f"{type(e).__name__}: {str(e)[:160]}")
+                continue
+            print(f"decode_attention_shared bs={bs:3d} pos={pos:5d} {name:18s} {us:9.2f} us "
+                  f"{kv_bytes / us / 1e3:7.1f} GB/s")
+        del kc, vc
 
 
 def bench_step_book(dev: str, kind: str, cuda: bool) -> None:

@@ -28,6 +28,7 @@ from torch import Tensor
 
 from .config import ModelConfig, TransformerConfig
 from .kernels.decode_attention import Rope, gather_blocks
+from .kernels.decode_attention_triton import PrefixTiles
 from .kv_pool import table_width
 from .model import explicit_attention, gqa_attention
 from .ops import PendingHeads
@@ -179,12 +180,14 @@ class TablePrefillAttend:
 
 class PagedDecodeAttend:
     """One new position per row: row b writes its k/v at (wblock[b], positions[b] % BS) and
-    attends to its positions [0, positions[b]] through tables[b] ([B, MB])."""
+    attends to its positions [0, positions[b]] through tables[b] ([B, MB]). `prefix`: the
+    rows' shared leading blocks, handed to the kernel (engine/shared_prefix.py)."""
 
     def __init__(self, cache: SlowKVCache, tables: Tensor, wblock: Tensor, positions: Tensor,
-                 span: int, kernel: Kernel = None, fuse_rope: bool = False) -> None:
+                 span: int, kernel: Kernel = None, fuse_rope: bool = False,
+                 prefix: PrefixTiles | None = None) -> None:
         self.cache, self.tables, self.wblock, self.positions = cache, tables, wblock, positions
-        self.span, self.kernel = span, kernel
+        self.span, self.kernel, self.prefix = span, kernel, prefix
         self.norm_rope_attend = self._norm_rope_attend if kernel and fuse_rope else None
         # the fallback's write offsets and mask, made on its first call: with the kernel they
         # would be three launches of every frame step that nothing reads
@@ -204,8 +207,9 @@ class PagedDecodeAttend:
         """The kernel on one position: q [B, H, Dh], k/v [B, Hkv, Dh] -> [B, H, 1, Dh]."""
         c = self.cache
         assert self.kernel is not None
+        extra = {} if self.prefix is None else {"prefix": self.prefix}
         return self.kernel(q, k, v, c.k[layer], c.v[layer], self.tables, self.wblock,
-                           self.positions, self.span, rope=rope)[:, :, None]
+                           self.positions, self.span, rope=rope, **extra)[:, :, None]
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         c = self.cache

@@ -737,6 +737,7 @@ def build_engine(bundle: Bundle, config: EngineConfig | None = None, *,
                         pdl=cfg.pdl == "on" or (cfg.pdl == "auto" and bool(fp8_layers(model))),
                         fp8_dense=cfg.fp8_dense_copy, codec_conv_kernel=cfg.codec_conv_kernel,
                         attention_triton_rows=cfg.attention_triton_rows,
+                        shared_prefix=cfg.attention_shared_prefix,
                         decode_rope=cfg.decode_rope_rows,
                         decode_rope_fast=cfg.fast_decode_rope_rows)
     ops_s = time.perf_counter() - t0

@@ -107,6 +107,9 @@ class Ops:
     # the same for the fast AR's decode attention (its own knob: folding at many rows measured
     # slower there with csrc's kernel, while the slow AR's Triton kernel may gain from it)
     decode_rope_fast: int = 0
+    # decode steps on the Triton attention read a voice prefix that several speaking rows
+    # share once per tile of rows (the runner plans the tiles: engine/shared_prefix.py)
+    shared_prefix: bool = False
     # csrc's step kernels launched with programmatic dependent launch (sm_90+): each may start
     # while the kernel before it ends (csrc/launch.cuh); recorded here for describe()
     pdl: bool = False
@@ -214,6 +217,7 @@ class Ops:
                                                         functools.partial) else 0),
                 "decode_rope": self.decode_rope,
                 "decode_rope_fast": self.decode_rope_fast,
+                "shared_prefix": self.shared_prefix,
                 "pdl": self.pdl,
                 "sampler": getattr(self.sample, "__name__", str(self.sample)),
                 "sampler_embed": getattr(self.sample_embed, "__name__", str(self.sample_embed)),
@@ -265,7 +269,7 @@ def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool 
               codec_conv_table: Path = codec_conv.DEFAULT_TABLE,
               codec_snake_into_next: bool = False, codec_conv_fast_sine: bool = True,
               attend_prologue: bool = False, book_kernels: bool = True,
-              attention_triton_rows: int = 0) -> Ops:
+              attention_triton_rows: int = 0, shared_prefix: bool = False) -> Ops:
     """The ops an engine on `device` runs. `fused`: "compile" (torch.compile'd elementwise ops
     — the model's and the codec transformer's — and the packed FFN GEMM), "reference", or
     "auto" (compile on CUDA only). `kernels`: use
@@ -302,7 +306,8 @@ def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool 
     size, 12 launches more per frame step); `attention_triton_rows` (> 0): decode attention
     calls of at least that many rows (the slow AR's: the fast AR's 10-position blocks are not
     the Triton kernel's) run engine/kernels/decode_attention_triton.py instead of csrc's
-    kernel (0: never).
+    kernel (0: never); `shared_prefix`: with those, rows that share a voice prompt's KV
+    blocks read them once per tile of rows (cascade attention; CUDA with the extension).
     On CUDA the linears (dense and FP8) take the implementation the recorded per-shape table
     `linear_table` picks (csrc's small-M kernel only with `linear_kernels`); FP8 weights
     without a kernel there run the Triton FP8 GEMM (the dequantising reference without it)."""
@@ -383,6 +388,7 @@ def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool 
                                             pdl=bool(pdl), triton_rows=attention_triton_rows)
                           if built else None),
         decode_rope=_rope_rows(decode_rope) if built else 0,
+        shared_prefix=bool(shared_prefix and attention_triton_rows and built),
         decode_rope_fast=(_rope_rows(decode_rope if decode_rope_fast is None
                                      else decode_rope_fast) if built else 0),
         pdl=bool(pdl),

@@ -42,10 +42,12 @@ from .capture import capture_graphs
 from .config import ModelConfig, TransformerConfig
 from .kernels.decode_attention import ROPE_HEAD_DIMS
 from .kernels.decode_attention import supports as kernel_supports
+from .kernels.decode_attention_triton import prefix_rows_per_tile
 from .model import DualAR
 from .ops import REFERENCE, Ops
 from .request import RowOp
 from .sampler import SamplingParams, SlotSampling
+from .shared_prefix import SharedPrefixes
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +77,10 @@ class ModelRunner:
                               rope_rows=self._rope_rows(self.cfg.fast, self.ops.decode_rope_fast),
                               deferred=ops.attend_kernel is not None)
         self.n_semantic = self.cfg.ids.n_semantic
+        # the rows' shared voice prefixes, planned for the Triton decode attention
+        slow = self.cfg.slow
+        self.prefixes = (SharedPrefixes(S, block_size, prefix_rows_per_tile(
+            slow.n_head, slow.n_local_heads), d) if ops.shared_prefix else None)
         # Per-row decode state, device-resident.
         self.next_col = torch.zeros(S, self.cfg.frame_rows, dtype=torch.long, device=d)
         self.pos = torch.zeros(S, dtype=torch.long, device=d)
@@ -154,15 +160,21 @@ class ModelRunner:
         self.next_col[row] = vals[3: 3 + K1]
         self.tables[row] = vals[3 + K1:]
         self.active[row] = True
+        if self.prefixes is not None:
+            self.prefixes.set(row, blocks)
 
     def extend(self, row: int, index: int, blocks: tuple[int, ...]) -> None:
         """More blocks for a decoding row's table, from entry `index` on."""
         vals = staging.to_device(list(blocks), self.device)
         self.tables[row, index: index + len(blocks)] = vals
+        if self.prefixes is not None:
+            self.prefixes.extend(row, index, blocks)
 
     def leave(self, row: int) -> None:
         """Stop decoding `row` from the next step on (cancel)."""
         self.active[row] = False
+        if self.prefixes is not None:
+            self.prefixes.clear(row)
 
     # ------------------------------------------------------------------ blocks
     def own_blocks(self, row: int) -> tuple[int, ...]:
@@ -257,7 +269,8 @@ class ModelRunner:
         [B, MB], writing into wblock [B] -> the frame's columns (`frame_from_hidden`)."""
         attend = PagedDecodeAttend(self.cache, tables, wblock, positions, span, self.slow_kernel,
                                    cols.shape[0] <= self._rope_rows(self.cfg.slow,
-                                                                   self.ops.decode_rope))
+                                                                   self.ops.decode_rope),
+                                   None if self.prefixes is None else self.prefixes.tiles)
         h = self.model.forward_slow(cols[:, :, None], positions[:, None], attend,
                                     self.ops)[:, 0]  # [B, D]
         return self.frame_from_hidden(h)
@@ -343,6 +356,8 @@ class ModelRunner:
         """Queue one step of rows 0..B-1 over keys [0, span): a graph replay where one was
         captured (B and span must then be buckets), else eager. Returns its output tensor
         (a graph's static output: read it before the next launch of the same key)."""
+        if self.prefixes is not None:  # a row op changed the plan: stage it before the step
+            self.prefixes.refresh()
         graph = self.step_graphs.get((B, span))
         if graph is None:
             return self.step(B, span)

@@ -256,3 +256,189 @@ def test_cuda_routing_by_rows_and_graph_capture():
     want = attention.decode_attention_torch(q, kn, vn, kc.clone(), vc.clone(), table, wb, pos,
                                             200)
     torch.testing.assert_close(out.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+# ---------------------------------------------------------------- shared prefixes (cascade)
+def _shared_case(B, H, Hkv, D, S, bs, groups, n_blocks, *, device="cpu",  # type: ignore[no-untyped-def]
+                 dtype=torch.bfloat16, seed=0):
+    """_attention_case with the rows of each group in `groups` (lists of rows) reading the
+    first `n_blocks` blocks of the group's first row (one stored voice's prompt), each row
+    past them at its own position in a block of its own."""
+    q, kn, vn, kc, vc, table, wb, pos = _attention_case(B, H, Hkv, D, S, dtype, "cpu",
+                                                        seed=seed, bs=bs)
+    g = torch.Generator().manual_seed(seed + 1)
+    for rows in groups:
+        for r in rows:
+            table[r, :n_blocks] = table[rows[0], :n_blocks]
+            pos[r] = int(torch.randint(n_blocks * bs, S, (1,), generator=g))
+            wb[r] = table[r, pos[r] // bs]
+    case = [t.to(device) for t in (q, kn, vn, kc, vc, table, wb, pos)]
+    case[1] = case[1].as_strided(kn.shape, kn.stride())  # views, as the model hands them
+    return case
+
+
+def _prefix_tiles(table, bs, rows_per_tile, device, max_groups=2):  # type: ignore[no-untyped-def]
+    """The runner's plan (engine/shared_prefix.py) of a case's tables, on `device`."""
+    from engine.shared_prefix import SharedPrefixes
+
+    sp = SharedPrefixes(table.shape[0], bs, rows_per_tile, device, max_groups=max_groups)
+    for r, blocks in enumerate(table.tolist()):
+        sp.set(r, blocks)
+    sp.refresh()
+    return sp
+
+
+def _check_shared(case, S, *, splits, rows_per_tile, config=None, tol=2e-2, prefix=None):  # type: ignore[no-untyped-def]
+    q, kn, vn, kc, vc, table, wb, pos = case
+    sp = None
+    if prefix is None:
+        sp = _prefix_tiles(table.cpu(), kc.shape[2], rows_per_tile, q.device)
+        prefix = sp.tiles
+    kc2, vc2 = kc.clone(), vc.clone()
+    got = tri.decode_attention_triton(q, kn, vn, kc, vc, table, wb, pos, splits=splits,
+                                      config=config, prefix=prefix)
+    want = attention.decode_attention_torch(q, kn, vn, kc2, vc2, table, wb, pos, S)
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    return sp
+
+
+def test_plan_groups_rows_by_their_common_leading_blocks():
+    from engine.shared_prefix import plan
+
+    tables = [[5, 6, 7, 40], [5, 6, 7, 41], [], [9, 1], [5, 6, 8, 42], [5, 6, 7, 43],
+              [9, 2], [3, 4]]
+    tiles, start = plan(tables, 16, rows_per_tile=2, max_tiles=8)
+    # rows 0, 1, 4, 5 share blocks 5, 6 (row 4 parts at the third); rows 3, 6 block 9
+    assert tiles == [([0, 1], 32, 0), ([4, 5], 32, 4), ([3, 6], 16, 3)]
+    assert start == [32, 32, 0, 16, 32, 32, 16, 0]
+    # a lone row left over reads its prefix itself; max_tiles bounds the plan
+    tiles, start = plan(tables, 16, rows_per_tile=3, max_tiles=8)
+    assert tiles == [([0, 1, 4], 32, 0), ([3, 6], 16, 3)] and start[5] == 0
+    tiles, start = plan(tables, 16, rows_per_tile=2, max_tiles=1)
+    assert tiles == [([0, 1], 32, 0)] and start == [32, 32, 0, 0, 0, 0, 0, 0]
+    assert plan(tables, 16, rows_per_tile=2, max_tiles=8, min_blocks=2)[0] == [
+        ([0, 1], 32, 0), ([4, 5], 32, 4)]
+    assert plan([[1], [2], []], 64, 16, 4) == ([], [0, 0, 0])
+    with pytest.raises(ValueError, match="rows_per_tile"):
+        plan(tables, 16, rows_per_tile=0, max_tiles=8)
+
+
+def test_shared_prefixes_follow_the_row_ops_into_one_device_buffer():
+    from engine.shared_prefix import SharedPrefixes
+
+    sp = SharedPrefixes(5, 16, 2, "cpu", max_groups=1)
+    assert sp.max_tiles == 4 and sp.tiles.rows.shape == (4, 2) and sp.tiles.start.shape == (5,)
+    sp.set(0, [1, 2, 3])
+    sp.set(3, [1, 2, 4])
+    sp.refresh()
+    assert not sp.dirty and sp.n_tiles == 1
+    assert sp.tiles.rows.tolist() == [[0, 3], [-1, -1], [-1, -1], [-1, -1]]
+    assert sp.tiles.length.tolist() == [32, 0, 0, 0] and sp.tiles.src.tolist()[0] == 0
+    assert sp.tiles.start.tolist() == [32, 0, 0, 32, 0]
+    sp.extend(3, 5, [7])  # entries 3, 4 skipped: they match no other row's
+    sp.extend(0, 2, [9, 10])
+    assert sp.tables[3] == [1, 2, 4, -5, -5, 7] and sp.tables[0] == [1, 2, 9, 10]
+    sp.clear(3)
+    sp.refresh()
+    assert sp.n_tiles == 0 and sp.tiles.start.tolist() == [0] * 5
+    assert sp.tiles.length.tolist() == [0] * 4
+
+
+def test_prefix_layouts_are_checked():
+    case = _shared_case(4, 4, 2, 16, 40, 16, [[0, 1, 2]], 1)
+    sp = _prefix_tiles(case[5], 16, 2, "cpu")
+    bad = [sp.tiles._replace(rows=sp.tiles.rows.long()),
+           sp.tiles._replace(length=sp.tiles.length[:-1]),
+           sp.tiles._replace(start=sp.tiles.start[:2]),
+           sp.tiles._replace(rows=torch.zeros(2, 65, dtype=torch.int32))]  # 130 queries
+    for prefix in bad:
+        with pytest.raises(ValueError, match="prefix"):
+            tri.decode_attention_triton(*case, prefix=prefix)
+    rope = _rope_case(4, 16, torch.bfloat16, "cpu")
+    with pytest.raises(ValueError, match="rotated"):
+        tri.decode_attention_triton(*case, prefix=sp.tiles, cs=rope.cs)
+    with pytest.raises(ValueError, match="prefix_warps"):
+        tri.decode_attention_triton(*case, prefix=sp.tiles, prefix_warps=3)
+
+
+@needs_interp
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("H,Hkv,D,bs", [(4, 2, 16, 16), (8, 2, 48, 32)])
+def test_interp_shared_prefix_matches_fallback(monkeypatch, splits, H, Hkv, D, bs):
+    """Two groups of rows sharing 2 blocks and 1 block (tiles of 2 rows: one group cut in
+    two and a lone row left over), rows of no group, more splits than short rows fill."""
+    from tests.test_fp8_triton import _patch_interpreter
+
+    _patch_interpreter(monkeypatch)
+    case = _shared_case(8, H, Hkv, D, 3 * bs + 5, bs, [[0, 2, 3, 5, 7], [1, 4]], 2)
+    sp = _check_shared(case, 3 * bs + 5, splits=splits, rows_per_tile=2,
+                       config=tri.Config(16, 4, 1))
+    assert sp.n_tiles == 3 and sorted(sp.tiles.start.tolist()) == [0, 0] + [2 * bs] * 6
+
+
+@needs_interp
+def test_interp_shared_prefix_never_reads_past_a_rows_position(monkeypatch):
+    """A plan that claims more than a row has written (its position inside the shared
+    blocks; it writes to the scratch block) still gives the row its positions 0..pos only;
+    tiles past the rows of the call (row >= B) are skipped."""
+    from tests.test_fp8_triton import _patch_interpreter
+
+    _patch_interpreter(monkeypatch)
+    q, kn, vn, kc, vc, table, wb, pos = _shared_case(4, 4, 2, 16, 60, 16, [[0, 1, 2, 3]], 3)
+    pos[2], wb[2] = 5, kc.shape[0] - 1  # inside the first shared block
+    sp = _prefix_tiles(table, 16, 4, "cpu")
+    assert sp.tiles.length.tolist()[0] == 48
+    case = (q, kn, vn, kc, vc, table, wb, pos)
+    _check_shared(case, 60, splits=2, rows_per_tile=4, config=tri.Config(16, 4, 1),
+                  prefix=sp.tiles)
+    # the first two rows called alone, with the same (4-row) plan
+    part = (q[:2], kn[:2], vn[:2], kc, vc, table[:2], wb[:2], pos[:2])
+    _check_shared(part, 60, splits=1, rows_per_tile=4, config=tri.Config(16, 4, 1),
+                  prefix=sp.tiles)
+
+
+@needs_cuda
+@pytest.mark.parametrize("B,S,groups", [(64, 600, [list(range(64))]),
+                                        (48, 700, [list(range(0, 48, 2)), [1, 3, 5]]),
+                                        (256, 500, [list(range(200))])])
+@pytest.mark.parametrize("splits", [0, 1])
+def test_cuda_shared_prefix_matches_fallback(B, S, groups, splits):
+    """S2-Pro's slow AR with a 10 s voice's ~215 positions shared (4 blocks of 64)."""
+    from engine.kernels.decode_attention_triton import prefix_rows_per_tile
+
+    case = _shared_case(B, 32, 8, 128, S, 64, groups, 4, device="cuda")
+    _check_shared(case, S, splits=splits, rows_per_tile=prefix_rows_per_tile(32, 8))
+
+
+@needs_cuda
+def test_cuda_shared_prefix_replays_in_a_graph_after_a_new_plan():
+    """The plan's buffer is read at replay: a graph captured with no sharing gives the
+    shared rows' attention once the plan changes (staged, no recapture)."""
+    from engine.shared_prefix import SharedPrefixes
+
+    q, kn, vn, kc, vc, table, wb, pos = _shared_case(64, 32, 8, 128, 400, 64,
+                                                     [list(range(64))], 3, device="cuda")
+    sp = SharedPrefixes(64, 64, 16, "cuda")
+    sp.refresh()
+    out = torch.empty_like(q)
+
+    def call():  # type: ignore[no-untyped-def]
+        attention.decode_attention(q, kn, vn, kc, vc, table, wb, pos, 400, triton_rows=16,
+                                   out=out, prefix=sp.tiles)
+
+    call()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        call()
+    for r, blocks in enumerate(table.tolist()):
+        sp.set(r, blocks)
+    sp.refresh()
+    assert sp.n_tiles == 4
+    out.zero_()
+    g.replay()
+    torch.cuda.synchronize()
+    want = attention.decode_attention_torch(q, kn, vn, kc.clone(), vc.clone(), table, wb, pos,
+                                            400)
+    torch.testing.assert_close(out.float(), want.float(), rtol=2e-2, atol=2e-2)

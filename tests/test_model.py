@@ -493,6 +493,56 @@ def test_fast_decode_rope_rows_are_the_fast_ars_own(fixture_model, monkeypatch):
     assert ops.describe()["decode_rope_fast"] == 2
 
 
+def test_runner_plans_shared_voice_prefixes_from_its_row_ops(fixture_dir, fixture_model,
+                                                             monkeypatch):
+    """With `Ops.shared_prefix` the runner plans which speaking rows share their leading KV
+    blocks from its row ops (join, extend, leave), stages the plan at `launch` and hands it
+    to the decode attention; two rows on one prompt's shared blocks (each past them in
+    blocks of its own) still give the reference's frames (the kernel's CPU fallback reads
+    every row's positions: the plan is the Triton kernel's, tested in
+    tests/test_decode_attention_triton.py)."""
+    import dataclasses
+
+    from engine.kernels.decode_attention import decode_attention
+    from engine.ops import REFERENCE
+
+    seen: list[object] = []
+
+    def kernel(*a, prefix=None, **kw):  # type: ignore[no-untyped-def]
+        seen.append(prefix)
+        return decode_attention(*a, kernel=False, **kw)
+
+    monkeypatch.setattr(ModelRunner, "_attention_kernel", lambda self, c: kernel)
+    ops = dataclasses.replace(REFERENCE, decode_attention=kernel, shared_prefix=True)
+    runner = ModelRunner(fixture_model, n_rows=4, max_len=512, block_size=16, ops=ops)
+    assert runner.prefixes is not None and runner.prefixes.rows_per_tile >= 2
+    p, want = _prompts(fixture_dir)[0]
+    T = p.shape[1] - 1
+    n = T // 16  # whole blocks of the prompt: the shared ones
+    assert n >= 1
+    shared = runner.own_blocks(0)[:n]
+    rows = {0: runner.own_blocks(0), 1: shared + runner.own_blocks(1)[n:]}
+    runner.prefill(rows[0], p[:, :-1], 0)
+    runner.prefill(rows[1], p[:, n * 16: -1], n * 16)  # row 1's own part of the prompt
+    for r, blocks in rows.items():
+        runner.join(r, SamplingParams.greedy(), p[:, -1], T, 6, 0, blocks)
+    got = torch.stack([runner.launch(2, 200) for _ in range(6)], dim=2)
+    for r in rows:
+        assert torch.equal(got[r, :11], want[:, :6]), r
+    tiles = runner.prefixes.tiles
+    assert runner.prefixes.n_tiles == 1 and tiles.length.tolist()[0] == n * 16
+    assert tiles.rows.tolist()[0][:3] == [0, 1, -1]
+    assert tiles.start.tolist()[:3] == [n * 16, n * 16, 0]
+    slow = [s for s in seen if s is not None]  # the fast AR's calls have no prefix
+    assert len(slow) == 6 * fixture_model.cfg.slow.n_layer and all(s is tiles for s in slow)
+    runner.leave(1)
+    runner.launch(2, 200)
+    assert runner.prefixes.n_tiles == 0 and tiles.start.tolist()[:2] == [0, 0]
+    # without the option: no plan, nothing handed over
+    assert ModelRunner(fixture_model, n_rows=2, max_len=512, block_size=16,
+                       ops=dataclasses.replace(ops, shared_prefix=False)).prefixes is None
+
+
 def test_paged_decode_attend_with_a_kernel_makes_no_fallback_tensors(fixture_model):
     """With csrc's kernel the attend launches nothing of its own (the fallback's write
     offsets and mask would be three launches of every frame step that nothing reads); the

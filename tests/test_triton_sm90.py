@@ -78,7 +78,7 @@ def _async_copies(compiled) -> int:  # type: ignore[no-untyped-def]
 
 ATTN_PTRS = {n: "bf16" for n in ("q_ptr", "kn_ptr", "vn_ptr", "kc_ptr", "vc_ptr", "o_ptr",
                                   "cs_ptr", "qw_ptr", "kw_ptr")}
-ATTN_PTRS |= {"tab_ptr": "i64", "wb_ptr": "i64", "pos_ptr": "i64"}
+ATTN_PTRS |= {"tab_ptr": "i64", "wb_ptr": "i64", "pos_ptr": "i64", "st_ptr": "i32"}
 
 
 @pytest.mark.parametrize("splits,rope,block_t,warps,stages", [
@@ -92,11 +92,11 @@ def test_sm90_decode_attention_compiles_with_tiles_in_flight(splits, rope, block
     shared memory, no spills."""
     from engine.kernels import decode_attention_triton as tri
 
-    attend, _ = tri._kernels()
+    attend, _, _ = tri._kernels()
     ptrs = ATTN_PTRS | {"ws_o_ptr": "fp32" if splits > 1 else "bf16",
                         "ws_ml_ptr": "fp32" if splits > 1 else "bf16"}
     k = _compile(attend, ptrs, dict(REP=4, QMR=tri.QM, D=128, DP=128, BS=64, BT=block_t,
-                                    SPLITS=splits, ROPE=rope), warps, stages,
+                                    SPLITS=splits, ROPE=rope, SLOTS=splits), warps, stages,
                  div16=("q_rs", "kn_rs", "vn_rs", "o_rs", "tab_rs", "cs_rs"),
                  floats=("scale", "eps"), enable_fp_fusion=False)
     tile = 2 * block_t * 128 * 2  # one tile of keys and one of values, bf16
@@ -105,11 +105,39 @@ def test_sm90_decode_attention_compiles_with_tiles_in_flight(splits, rope, block
     assert _spills(k) == 0
 
 
+@pytest.mark.parametrize("splits,psplits,warps", [(1, 1, 4), (1, 4, 4), (2, 2, 8)])
+def test_sm90_shared_prefix_attention_compiles_with_tiles_in_flight(splits, psplits, warps):
+    """The shared-prefix (cascade) programs at S2-Pro's slow AR: 16 rows x 4 query heads as
+    the dot's 64 rows against 64-position key/value tiles with tiles in flight, within shared
+    memory, no spills; and the row programs that then start after the prefix (SLOTS)."""
+    from engine.kernels import decode_attention_triton as tri
+
+    attend, _, shared = tri._kernels()
+    slots = splits + psplits
+    rt = tri.prefix_rows_per_tile(32, 8)
+    k = _compile(shared, {"q_ptr": "bf16", "kc_ptr": "bf16", "vc_ptr": "bf16", "tab_ptr": "i64",
+                          "pos_ptr": "i64", "tr_ptr": "i32", "tlen_ptr": "i32", "ts_ptr": "i32",
+                          "ws_o_ptr": "fp32", "ws_ml_ptr": "fp32"},
+                 dict(REP=4, RT=rt, QMP=64, D=128, DP=128, BS=64, BT=64, SPLITS=splits,
+                      SLOTS=slots, PSPLITS=psplits), warps, 3,
+                 div16=("q_rs", "tab_rs"), floats=("scale",))
+    assert rt == 16
+    assert 2 * 64 * 128 * 2 <= k.metadata.shared <= SMEM, k.metadata.shared
+    assert _async_copies(k) >= 2
+    assert _spills(k) == 0
+    ptrs = ATTN_PTRS | {"ws_o_ptr": "fp32", "ws_ml_ptr": "fp32"}
+    k = _compile(attend, ptrs, dict(REP=4, QMR=tri.QM, D=128, DP=128, BS=64, BT=64,
+                                    SPLITS=splits, ROPE=0, SLOTS=slots), 4, 3,
+                 div16=("q_rs", "kn_rs", "vn_rs", "o_rs", "tab_rs", "cs_rs"),
+                 floats=("scale", "eps"), enable_fp_fusion=False)
+    assert k.metadata.shared <= SMEM and _async_copies(k) >= 2 and _spills(k) == 0
+
+
 @pytest.mark.parametrize("splits", [2, 32])
 def test_sm90_decode_attention_combine_compiles(splits):
     from engine.kernels import decode_attention_triton as tri
 
-    _, combine = tri._kernels()
+    _, combine, _ = tri._kernels()
     k = _compile(combine, {"ws_o_ptr": "fp32", "ws_ml_ptr": "fp32", "o_ptr": "bf16"},
                  dict(D=128, DP=128, SPLITS=splits, SP=max(2, 1 << (splits - 1).bit_length())),
                  4, 1, div16=("o_rs",))

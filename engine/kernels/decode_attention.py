@@ -131,7 +131,8 @@ def supports(head_dim: int, n_head: int, n_kv_heads: int) -> bool:
 def decode_attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_cache: Tensor,
                      table: Tensor, wblock: Tensor, pos: Tensor, span: int, *, splits: int = 1,
                      kernel: bool = True, rope: Rope | None = None, pdl: bool = False,
-                     out: Tensor | None = None, triton_rows: int = 0) -> Tensor:
+                     out: Tensor | None = None, triton_rows: int = 0,
+                     prefix: triton_kernel.PrefixTiles | None = None) -> Tensor:
     """q [B, H, D]; k_new/v_new [B, Hkv, D]; k_cache/v_cache [N, Hkv, BS, D]: N blocks of BS
     positions; table int64 [B, MB]: row b's position t is at (table[b, t // BS], t % BS);
     wblock/pos int64 [B]: row b writes k_new/v_new at (wblock[b], :, pos[b] % BS) — its own
@@ -151,6 +152,9 @@ def decode_attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v
     (engine/kernels/decode_attention_triton.py: tiles through the tensor cores, automatic
     splits; `rope` in its launch too where `rope_supported`) where it takes them; 0: never
     (one-position calls only: the several-positions form below keeps csrc's kernel).
+    `prefix` (a `PrefixTiles`: rows sharing leading KV blocks, engine/shared_prefix.py): the
+    Triton kernel reads those positions once per tile of rows (with `rope`, q and k are then
+    rotated first, apart); the other paths read every row's positions and ignore it.
 
     Several new positions per row: q [B, T, H, D], k_new/v_new [B, T, Hkv, D], rope's cs
     [B or 1, T, D/2, 2], out [B, T, H, D]: row b's queries at pos[b] + t, each attending
@@ -175,11 +179,11 @@ def decode_attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v
                          f"{triton_rows!r}")
     if (kernel and 0 < triton_rows <= q.shape[0] and triton_kernel.available()
             and triton_kernel.supported(q, k_cache, table, wblock, pos)):
-        if rope is not None and not rope_supported(q, rope):
+        if rope is not None and (prefix is not None or not rope_supported(q, rope)):
             q, k_new = apply_rope(q, k_new, rope)
             rope = None
         return triton_kernel.decode_attention_triton(
-            q, k_new, v_new, k_cache, v_cache, table, wblock, pos, out=out,
+            q, k_new, v_new, k_cache, v_cache, table, wblock, pos, out=out, prefix=prefix,
             **({} if rope is None else dict(cs=rope.cs, qw=rope.qw, kw=rope.kw, eps=rope.eps)))
     use = kernel and q.is_cuda and supports(q.shape[-1], q.shape[1], k_new.shape[1])
     if rope is not None and not (use and rope_supported(q, rope)):

@@ -25,6 +25,15 @@ tiles, each program writes its range's softmax state (max, sum, unnormalised out
 and a second launch merges them in split order. `splits=0` picks the count from the rows
 (enough programs to fill the GPU twice): `auto_splits`.
 
+Shared prefixes (`prefix`, a `PrefixTiles`): rows whose block tables begin with the same
+blocks — sessions speaking with one stored voice, whose prompt's KV the pool keeps once
+(engine/kv_pool.py) — read those positions once per tile of rows instead of once per row
+(cascade attention): a third launch, one program per (tile, kv head, prefix split), puts the
+tile's rows x query heads (up to `PREFIX_QUERIES`) as the rows of one dot against each key /
+value tile of the shared range, and each row's own program reads only its positions after
+it; the merge launch combines both. Where most of a row's positions are a shared 10 s voice
+(~215 frames of a ~500-position context), the step's attention reads about half the bytes.
+
 Contract (`supported` says whether the kernel takes a call; the wrapper checks the rest):
   q          [B, H, D] bf16/fp16, heads and dims packed (rows may be strided)
   k_new/v_new [B, Hkv, D] q's dtype, heads and dims packed
@@ -43,17 +52,19 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from .build import sm_count, triton_available
 
-__all__ = ["Config", "auto_splits", "available", "decode_attention_triton", "shapes_supported",
-           "supported"]
+__all__ = ["PREFIX_QUERIES", "Config", "PrefixTiles", "auto_splits", "available",
+           "decode_attention_triton", "prefix_rows_per_tile", "shapes_supported", "supported"]
 
 QM = 16  # query rows per dot: a kv head's REP query heads, padded
 MAX_SPLITS = 32
+PREFIX_QUERIES = 64  # a shared-prefix tile's rows x query heads: the rows of its dots
 _DTYPES = (torch.bfloat16, torch.float16)
 available = triton_available  # Triton importable and a CUDA device present
 
@@ -74,6 +85,30 @@ class Config:
         if self.warps not in (2, 4, 8) or not 1 <= self.stages <= 6:  # one warp spills
             raise ValueError(f"Config: warps in (2, 4, 8), stages in 1..6; got "
                              f"{self.warps}, {self.stages}")
+
+
+class PrefixTiles(NamedTuple):
+    """Which rows share which leading positions (`decode_attention_triton`'s `prefix`), as
+    device tensors a CUDA graph can read (engine/shared_prefix.py plans them):
+      rows   [T, RT] int32: tile t's rows (-1: none), each row in at most one tile
+      length [T] int32: the positions [0, length) the tile's rows share (a multiple of the
+             cache's block size; 0: an unused tile)
+      src    [T] int32: a row of the tile, whose table's first length / BS entries every
+             row of the tile has
+      start  [>= B] int32: each row's first position of its own, its tile's length (0: in
+             no tile)
+    Positions at or past a row's own `pos` are never read from the prefix, whatever the
+    plan says; a plan whose rows do not share those blocks gives wrong attention."""
+
+    rows: Tensor
+    length: Tensor
+    src: Tensor
+    start: Tensor
+
+
+def prefix_rows_per_tile(heads: int, kv_heads: int) -> int:
+    """Rows per shared-prefix tile: PREFIX_QUERIES query heads of one kv head."""
+    return max(1, PREFIX_QUERIES // (heads // kv_heads))
 
 
 def shapes_supported(heads: int, kv_heads: int, head_dim: int, block_size: int) -> bool:
@@ -115,7 +150,8 @@ def decode_attention_triton(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Te
                             splits: int = 0, config: Config | None = None,
                             out: Tensor | None = None, cs: Tensor | None = None,
                             qw: Tensor | None = None, kw: Tensor | None = None,
-                            eps: float = 0.0) -> Tensor:
+                            eps: float = 0.0, prefix: PrefixTiles | None = None,
+                            prefix_warps: int = 8) -> Tensor:
     """The kernel on one position per row (module docstring; it reads exactly 0..pos[b]).
     `splits`: 1..MAX_SPLITS, or 0 for `auto_splits`. Returns `out` (given: q's shape and
     dtype, heads and dims packed, rows may be strided) or a new [B, H, D] tensor. The
@@ -124,7 +160,11 @@ def decode_attention_triton(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Te
     rotated as `functional.apply_rope` does (interleaved pairs), after the per-head RMSNorm
     with `qw`, `kw` [D] and `eps` where those are given (`functional.norm_rope_qk`, every
     rounding of it; products not fused into FMAs), and that k is what the cache stores —
-    the model's q/k norm + RoPE launch folded into this one (csrc's `rope`)."""
+    the model's q/k norm + RoPE launch folded into this one (csrc's `rope`). `prefix`: the
+    rows' shared leading positions read once per tile of rows (module docstring; not with
+    `cs`: that tile's queries must be rotated already), its programs with `prefix_warps`
+    warps (2, 4 or 8; compiled for sm_90, 16 rows x 4 heads: 192 registers at 8 warps, 255
+    at 4); the result is the same up to rounding."""
     B, H, D = q.shape
     Hkv, BS = k_cache.shape[1], k_cache.shape[2]
     for name, t in (("q", q), ("k_new", k_new), ("v_new", v_new), ("out", out)):
@@ -152,6 +192,15 @@ def decode_attention_triton(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Te
                                or not wt.is_contiguous()):
             raise ValueError(f"decode_attention_triton: {name} must be a contiguous [{D}] "
                              f"{q.dtype} tensor")
+    rep = H // Hkv
+    if prefix is not None:
+        _check_prefix(prefix, B, rep, q.device)
+        if cs is not None:
+            raise ValueError("decode_attention_triton: a shared prefix needs q rotated "
+                             "already: rope first, then call without cs")
+        if prefix_warps not in (2, 4, 8):
+            raise ValueError(f"decode_attention_triton: prefix_warps must be 2, 4 or 8, got "
+                             f"{prefix_warps!r}")
     cfg = config or Config(block_t=min(64, BS & -BS))  # a power of two dividing BS
     cfg.check(BS)
     if isinstance(splits, bool) or not isinstance(splits, int) or not 0 <= splits <= MAX_SPLITS:
@@ -161,33 +210,71 @@ def decode_attention_triton(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Te
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if B == 0:
         return out
+    sms = sm_count(q.device) if q.is_cuda else 132
     if splits == 0:
-        splits = auto_splits(B, Hkv, sm_count(q.device) if q.is_cuda else 132)
-    rep = H // Hkv
+        splits = auto_splits(B, Hkv, sms)
+    psplits = 0
+    if prefix is not None:  # the prefix programs: fill the GPU twice, as auto_splits
+        psplits = auto_splits(prefix.rows.shape[0], Hkv, sms)
+    slots = splits + psplits
     scale = math.log2(math.e) / math.sqrt(D)  # exp2 of scores in log2 units
-    if splits == 1:
+    if slots == 1:
         ws_o = ws_ml = out  # unused
     else:
-        ws_o = torch.empty((B, H, splits, D), dtype=torch.float32, device=q.device)
-        ws_ml = torch.empty((B, H, splits, 2), dtype=torch.float32, device=q.device)
-    attend, combine = _kernels()
+        ws_o = torch.empty((B, H, slots, D), dtype=torch.float32, device=q.device)
+        ws_ml = torch.empty((B, H, slots, 2), dtype=torch.float32, device=q.device)
+    attend, combine, shared = _kernels()
     rope = 0 if cs is None else 1 if qw is None else 2
     attend[(B, Hkv, splits)](
         q, k_new, v_new, k_cache, v_cache, table, wblock, pos, out, ws_o, ws_ml,
         q if cs is None else cs, q if qw is None else qw, q if kw is None else kw,
+        pos if prefix is None else prefix.start,
         q.stride(0), k_new.stride(0), v_new.stride(0), out.stride(0), table.stride(0), Hkv,
         0 if cs is None or cs.shape[0] == 1 else cs.stride(0), scale, float(eps),
         REP=rep, QMR=QM, D=D, DP=_pow2(D), BS=BS, BT=cfg.block_t, SPLITS=splits, ROPE=rope,
-        num_warps=cfg.warps, num_stages=cfg.stages, enable_fp_fusion=False)
-    if splits > 1:
-        combine[(B, H)](ws_o, ws_ml, out, out.stride(0), H, D=D, DP=_pow2(D), SPLITS=splits,
-                        SP=max(2, 1 << (splits - 1).bit_length()), num_warps=4)
+        SLOTS=slots, num_warps=cfg.warps, num_stages=cfg.stages, enable_fp_fusion=False)
+    if prefix is not None:
+        T, RT = prefix.rows.shape
+        shared[(T, Hkv, psplits)](
+            q, k_cache, v_cache, table, pos, prefix.rows, prefix.length, prefix.src, ws_o,
+            ws_ml, q.stride(0), table.stride(0), Hkv, B, scale,
+            REP=rep, RT=RT, QMP=max(QM, _pow2(RT * rep)), D=D, DP=_pow2(D), BS=BS,
+            BT=cfg.block_t, SPLITS=splits, SLOTS=slots, PSPLITS=psplits,
+            num_warps=prefix_warps, num_stages=cfg.stages)
+    if slots > 1:
+        combine[(B, H)](ws_o, ws_ml, out, out.stride(0), H, D=D, DP=_pow2(D), SPLITS=slots,
+                        SP=max(2, 1 << (slots - 1).bit_length()), num_warps=4)
     return out
+
+
+def _check_prefix(prefix: PrefixTiles, B: int, rep: int, device: torch.device) -> None:
+    """The layouts of a `PrefixTiles` (their values are the planner's: checking them would
+    need a device sync); a tile's rows x query heads at most 2 * PREFIX_QUERIES (its
+    accumulator lives in registers)."""
+    rows, length, src, start = prefix
+    T, RT = rows.shape if rows.dim() == 2 else (-1, -1)
+    if not 1 <= RT * rep <= 2 * PREFIX_QUERIES:
+        raise ValueError(f"decode_attention_triton: prefix.rows must be [tiles, rows per "
+                         f"tile] with rows per tile x {rep} query heads per kv head in 1.."
+                         f"{2 * PREFIX_QUERIES}, got {list(rows.shape)}")
+    for name, t, shape in (("rows", rows, (T, RT)), ("length", length, (T,)),
+                           ("src", src, (T,))):
+        if tuple(t.shape) != shape or t.dtype != torch.int32 or not t.is_contiguous() \
+                or t.device != device:
+            raise ValueError(f"decode_attention_triton: prefix.{name} must be a contiguous "
+                             f"int32 {list(shape)} tensor on {device}, got {list(t.shape)} "
+                             f"{t.dtype} on {t.device}")
+    if T < 1 or start.dim() != 1 or start.shape[0] < B or start.dtype != torch.int32 \
+            or start.stride(0) != 1 or start.device != device:
+        raise ValueError(f"decode_attention_triton: prefix.start must be a contiguous int32 "
+                         f"[>= {B}] tensor on {device} and there must be a tile, got "
+                         f"{list(start.shape)} {start.dtype}, {T} tiles")
 
 
 @functools.cache
 def _kernels():  # type: ignore[no-untyped-def]
-    """(attend, combine), compiled on first use (imports triton)."""
+    """(attend, combine, shared prefix), compiled on first use (imports triton)."""
     from . import _decode_attention_triton_jit as jit
 
-    return jit.decode_attention_tiles, jit.decode_attention_combine_tiles
+    return (jit.decode_attention_tiles, jit.decode_attention_combine_tiles,
+            jit.decode_attention_prefix_tiles)
