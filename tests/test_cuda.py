@@ -276,6 +276,34 @@ def test_triton_attention_engine_graphs_match_eager(monkeypatch):
         assert torch.equal(a, b)
 
 
+def test_shared_prefix_attention_engine_graphs_match_eager(monkeypatch):
+    """EngineConfig(attention_shared_prefix=True) with the Triton attention from two rows:
+    six sessions on one voice (the pool's shared blocks, 16 positions each) speak at once,
+    the decode steps read their shared blocks through the plan's tiles, and the captured
+    steps give the eager steps' greedy frames."""
+    from engine.shared_prefix import SharedPrefixes
+
+    planned = []
+    real = SharedPrefixes.refresh
+
+    def refresh(self):  # type: ignore[no-untyped-def]
+        real(self)
+        planned.append(self.n_tiles)
+
+    monkeypatch.setattr(SharedPrefixes, "refresh", refresh)
+    bundle = load_bundle("tiny", device="cuda", dtype="bf16", max_seq_len=1024)
+    cfg = dict(max_running=8, max_len=512, pingpong=False, attention_triton_rows=2,
+               attention_shared_prefix=True, kv_block_size=16)
+    eager, eng = _run(bundle, EngineConfig(cuda_graphs=False, prefill_graphs=False,
+                                           codec_graphs=False, **cfg), TEXTS)
+    assert eng.ops.shared_prefix and eng.runner.prefixes is not None
+    assert eng.stats["prefix_hits"] >= 1 and max(planned) >= 1
+    graphed, eng = _run(bundle, EngineConfig(cuda_graphs=True, **cfg), TEXTS)
+    assert eng.runner.step_graphs
+    for a, b in zip(eager, graphed):
+        assert torch.equal(a, b)
+
+
 def test_steady_state_decode_has_no_host_sync(gpu_bundle):
     """Launching a decode step (graph replay, result copy to pinned memory, event record)
     never synchronises with the GPU; only reading step N-1 waits, while step N runs."""
