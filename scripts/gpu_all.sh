@@ -49,7 +49,9 @@
 # AR's attention as the Triton tile kernel from ROWS rows: key profile_attn_triton; batches
 # 1, 2, 16, 64; with DECODE_ROPE=R also with the q/k norm + RoPE folded into it up to R rows,
 # the fast AR's at its default: profile_attn_triton_rope<R>; add pingpong_nocodec_attn_triton /
-# pingpong_codec_voice_attn_triton to ENGINE_RUNS for the engine with it from ROWS rows).
+# pingpong_codec_voice_attn_triton to ENGINE_RUNS for the engine with it from ROWS rows; on one
+# 10 s voice: pingpong_nocodec_voice, pingpong_nocodec_voice_attn_triton[_shared],
+# pingpong_codec_voice_attn_triton_shared — _shared: its prefix read once per 16 rows).
 # CONV=1: `python -m bench_latency.codec_conv_bench` (the codec's fused residual-unit convs
 # against cuDNN's conv + csrc's pass at the 64 x 8 tick's shapes, the fused residual unit
 # against its two convs (the table's units rows), the transposed convs as the fused conv

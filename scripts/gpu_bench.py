@@ -357,10 +357,23 @@ def engine_sweep(report: dict, device: str, levels: list[int], frames: int,
             ("pingpong_nocodec", ends, dict(mode="pingpong", codec=False)),
             # the slow AR's attention as the Triton tile kernel from attn_rows rows (only
             # with --attn-triton: not in a default sweep)
+            # (and, every sequence on one 10 s voice whose KV the pool holds once, csrc's,
+            # the Triton kernel's and the Triton kernel with that prefix read once per 16
+            # rows: EngineConfig.attention_shared_prefix)
             *((("pingpong_nocodec_attn_triton", ends, dict(mode="pingpong", codec=False,
                                                             config=tri)),
+               ("pingpong_nocodec_voice", [hi], dict(mode="pingpong", codec=False,
+                                                     ref_frames=215)),
+               ("pingpong_nocodec_voice_attn_triton", [hi], dict(
+                   mode="pingpong", codec=False, ref_frames=215, config=tri)),
+               ("pingpong_nocodec_voice_attn_triton_shared", [hi], dict(
+                   mode="pingpong", codec=False, ref_frames=215,
+                   config=tri | {"attention_shared_prefix": True})),
                ("pingpong_codec_voice_attn_triton", [levels[0], hi], dict(
-                   mode="pingpong", codec=True, ref_frames=215, config=tri)))
+                   mode="pingpong", codec=True, ref_frames=215, config=tri)),
+               ("pingpong_codec_voice_attn_triton_shared", [levels[0], hi], dict(
+                   mode="pingpong", codec=True, ref_frames=215,
+                   config=tri | {"attention_shared_prefix": True})))
               if attn_rows else ()),
             # a lone turn in an engine of `hi` rows (the server's case: its bucket is the
             # two-row step) against the same with the one-row bucket
@@ -598,7 +611,11 @@ def main() -> int:
                          "RoPE folded into it up to R rows, the fast AR's at its default: "
                          "profile_attn_triton_rope<R>), and "
                          "add the engine runs pingpong_nocodec_attn_triton / "
-                         "pingpong_codec_voice_attn_triton with it from ROWS rows")
+                         "pingpong_codec_voice_attn_triton with it from ROWS rows, and on one "
+                         "10 s voice pingpong_nocodec_voice (csrc's) / "
+                         "pingpong_nocodec_voice_attn_triton / *_attn_triton_shared (its "
+                         "prefix read once per 16 rows) / "
+                         "pingpong_codec_voice_attn_triton_shared")
     ap.add_argument("--attend-prologue", action="store_true",
                     help="also profile the step with the fast AR's attention in its output "
                          "projection's prologue (batches 1, 2; key profile_attend)")
@@ -609,6 +626,9 @@ def main() -> int:
                     "pingpong_codec_first_chunk_2, pingpong_codec_split_kv, pingpong_codec_voice, "
                     "pingpong_nocodec, pingpong_nocodec_rows, pingpong_nocodec_rows_one_row, "
                     "pingpong_nocodec_attn_triton, pingpong_codec_voice_attn_triton, "
+                    "pingpong_nocodec_voice, pingpong_nocodec_voice_attn_triton, "
+                    "pingpong_nocodec_voice_attn_triton_shared, "
+                    "pingpong_codec_voice_attn_triton_shared, "
                     "pingpong_unfused_nocodec, "
                     "graphs_sync_nocodec, "
                     "naive_nocodec); default all")
