@@ -208,13 +208,17 @@ class Ops:
         n = w1.shape[0]
         return self.silu_mul(h[..., :n], h[..., n:])
 
+    @property
+    def attention_triton_rows(self) -> int:
+        """From how many rows decode attention runs the Triton kernel (0: never)."""
+        k = self.decode_attention
+        return k.keywords.get("triton_rows", 0) if isinstance(k, functools.partial) else 0
+
     def describe(self) -> dict[str, object]:
         """What runs, for logs and bench reports."""
         return {"fused": self.fused, "linear": getattr(self.linear, "__name__", str(self.linear)),
                 "decode_attention": self.decode_attention is not None,
-                "attention_triton_rows": (self.decode_attention.keywords.get("triton_rows", 0)
-                                          if isinstance(self.decode_attention,
-                                                        functools.partial) else 0),
+                "attention_triton_rows": self.attention_triton_rows,
                 "decode_rope": self.decode_rope,
                 "decode_rope_fast": self.decode_rope_fast,
                 "shared_prefix": self.shared_prefix,

@@ -201,9 +201,10 @@ class RowOp:
     join: a turn starts decoding on the row from the next step on — its sampling parameters
     and seed, its block table `blocks`, the column `col` fed at `pos`, at most `max_frames`
     frames; extend: `blocks` appended to the row's table from entry `pos` on; leave: stop
-    decoding the row."""
+    decoding the row; free: the row holds no turn any more (the host's bookkeeping only —
+    the device already stopped it, or a leave did: the runner's shared-prefix plan)."""
 
-    kind: Literal["join", "extend", "leave"]
+    kind: Literal["join", "extend", "leave", "free"]
     row: int
     params: SamplingParams | None = None
     seed: int = 0

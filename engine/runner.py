@@ -143,6 +143,9 @@ class ModelRunner:
             self.extend(op.row, op.pos, op.blocks)
         elif op.kind == "leave":
             self.leave(op.row)
+        elif op.kind == "free":
+            if self.prefixes is not None:
+                self.prefixes.clear(op.row)
         else:
             raise ValueError(f"unknown row op {op.kind!r}")
 
@@ -255,6 +258,9 @@ class ModelRunner:
         """One frame for rows 0..B-1; `span` bounds max(pos)+1 of the active rows.
         Returns out [B, 1+K+2] int64: frame [t, c0..c9], was_active, stopped."""
         book = self.ops.book
+        if self.prefixes is not None and not (self.device.type == "cuda"
+                                              and torch.cuda.is_current_stream_capturing()):
+            self.prefixes.refresh()  # a row op changed the plan (a capture reads the buffer)
         was, pos, wblock = book.step_begin(self.active[:B], self.pos[:B], self.tables[:B],
                                            self.cache.block_size, self.cache.scratch)
         columns = self.decode(self.next_col[:B], pos, self.tables[:B], wblock, span)
@@ -267,10 +273,14 @@ class ModelRunner:
                span: int) -> list[Tensor]:
         """Rows 0..B-1 feed cols [B, 1+K] at positions [B] through their block tables
         [B, MB], writing into wblock [B] -> the frame's columns (`frame_from_hidden`)."""
+        B = cols.shape[0]
+        # with a shared-prefix plan the Triton kernel takes q rotated already: the model's
+        # (compiled) q/k norm + RoPE then runs first, not the kernel's fold
+        shared = self.prefixes is not None and 0 < self.ops.attention_triton_rows <= B
         attend = PagedDecodeAttend(self.cache, tables, wblock, positions, span, self.slow_kernel,
-                                   cols.shape[0] <= self._rope_rows(self.cfg.slow,
-                                                                   self.ops.decode_rope),
-                                   None if self.prefixes is None else self.prefixes.tiles)
+                                   not shared and B <= self._rope_rows(self.cfg.slow,
+                                                                       self.ops.decode_rope),
+                                   self.prefixes.tiles if shared else None)
         h = self.model.forward_slow(cols[:, :, None], positions[:, None], attend,
                                     self.ops)[:, 0]  # [B, D]
         return self.frame_from_hidden(h)
@@ -356,7 +366,7 @@ class ModelRunner:
         """Queue one step of rows 0..B-1 over keys [0, span): a graph replay where one was
         captured (B and span must then be buckets), else eager. Returns its output tensor
         (a graph's static output: read it before the next launch of the same key)."""
-        if self.prefixes is not None:  # a row op changed the plan: stage it before the step
+        if self.prefixes is not None:  # a row op changed the plan: stage it before the replay
             self.prefixes.refresh()
         graph = self.step_graphs.get((B, span))
         if graph is None:

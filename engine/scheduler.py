@@ -658,6 +658,7 @@ class Scheduler:
         if row in self._free_rows or not 0 <= row < self.n_rows:
             raise RuntimeError(f"decode row {row} released twice or never taken")
         self._free_rows.append(row)
+        self._row_ops.append(RowOp("free", row))
         seq.row = None
         while self.row_queue and self._free_rows:
             self._join(self.row_queue.popleft())

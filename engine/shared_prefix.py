@@ -36,7 +36,7 @@ def plan(tables: Sequence[Sequence[int]], block_size: int, rows_per_tile: int,
     least `min_blocks`), cut into tiles of at most `rows_per_tile` rows (a lone row left
     over reads its prefix itself); start[r] is the first position row r reads on its own
     (its tile's shared positions, else 0). At most `max_tiles` tiles, groups in order of
-    their first row."""
+    their first row; a tile's rows ascending, the one whose table it reads its first."""
     if rows_per_tile < 1 or max_tiles < 0 or block_size < 1 or min_blocks < 1:
         raise ValueError(f"plan: rows_per_tile >= 1, max_tiles >= 0, block_size >= 1, "
                          f"min_blocks >= 1; got {rows_per_tile}, {max_tiles}, {block_size}, "
@@ -88,6 +88,7 @@ class SharedPrefixes:
                                  src=b[T * RT + T: T * RT + 2 * T], start=b[T * RT + 2 * T:])
         self.dirty = False
         self.n_tiles = 0  # in the current plan
+        self._start = [0] * n_rows  # the current plan's `start`, on the host
 
     def set(self, row: int, blocks: Sequence[int]) -> None:
         """Row `row` now has exactly these blocks (a join)."""
@@ -96,12 +97,15 @@ class SharedPrefixes:
 
     def extend(self, row: int, index: int, blocks: Sequence[int]) -> None:
         """Row `row`'s entries from `index` on are these blocks (entries skipped in between
-        match no other row's)."""
+        match no other row's). Blocks appended past the row's shared run change no plan (a
+        decoding row's every ~64th step): only a rewrite, or a row whose blocks all lie in
+        its shared run (it may bound the run), asks for a new one."""
         t = self.tables[row]
+        if index < len(t) or len(t) * self.block_size <= self._start[row]:
+            self.dirty = True
         if index > len(t):
             t.extend([-2 - row] * (index - len(t)))
         t[index: index + len(blocks)] = list(blocks)
-        self.dirty = True
 
     def clear(self, row: int) -> None:
         """Row `row` speaks no more (a leave)."""
@@ -122,5 +126,5 @@ class SharedPrefixes:
             rows[i * RT: i * RT + len(members)] = members
             length[i], src[i] = n, s
         staging.stage(self._buf, rows + length + src + start)
-        self.n_tiles = len(tiles)
+        self.n_tiles, self._start = len(tiles), start
         self.dirty = False

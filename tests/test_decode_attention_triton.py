@@ -337,12 +337,22 @@ def test_shared_prefixes_follow_the_row_ops_into_one_device_buffer():
     assert sp.tiles.length.tolist() == [32, 0, 0, 0] and sp.tiles.src.tolist()[0] == 0
     assert sp.tiles.start.tolist() == [32, 0, 0, 32, 0]
     sp.extend(3, 5, [7])  # entries 3, 4 skipped: they match no other row's
-    sp.extend(0, 2, [9, 10])
+    assert not sp.dirty  # appended past row 3's shared run: the plan stands
+    sp.extend(0, 2, [9, 10])  # a rewrite of row 0's third entry
+    assert sp.dirty
     assert sp.tables[3] == [1, 2, 4, -5, -5, 7] and sp.tables[0] == [1, 2, 9, 10]
     sp.clear(3)
     sp.refresh()
     assert sp.n_tiles == 0 and sp.tiles.start.tolist() == [0] * 5
     assert sp.tiles.length.tolist() == [0] * 4
+    # a row whose blocks all lie in the shared run bounds it: its extend plans again
+    sp.set(1, [1])
+    sp.refresh()
+    assert sp.tiles.start.tolist()[:2] == [16, 16]
+    sp.extend(1, 1, [2])
+    assert sp.dirty
+    sp.refresh()
+    assert sp.tiles.start.tolist()[:2] == [32, 32]
 
 
 def test_prefix_layouts_are_checked():
@@ -381,7 +391,7 @@ def test_interp_shared_prefix_matches_fallback(monkeypatch, splits, H, Hkv, D, b
 def test_interp_shared_prefix_never_reads_past_a_rows_position(monkeypatch):
     """A plan that claims more than a row has written (its position inside the shared
     blocks; it writes to the scratch block) still gives the row its positions 0..pos only;
-    tiles past the rows of the call (row >= B) are skipped."""
+    a tile's rows past the call's (row >= B) are skipped, and a tile of such rows only."""
     from tests.test_fp8_triton import _patch_interpreter
 
     _patch_interpreter(monkeypatch)
@@ -395,6 +405,14 @@ def test_interp_shared_prefix_never_reads_past_a_rows_position(monkeypatch):
     # the first two rows called alone, with the same (4-row) plan
     part = (q[:2], kn[:2], vn[:2], kc, vc, table[:2], wb[:2], pos[:2])
     _check_shared(part, 60, splits=1, rows_per_tile=4, config=tri.Config(16, 4, 1),
+                  prefix=sp.tiles)
+    # a tile whose rows are all past the call's (its table row is not even read: the
+    # call's table has B rows)
+    q, kn, vn, kc, vc, table, wb, pos = _shared_case(4, 4, 2, 16, 60, 16, [[2, 3]], 2)
+    sp = _prefix_tiles(table, 16, 4, "cpu")
+    assert sp.n_tiles == 1 and sp.tiles.src.tolist()[0] == 2
+    part = (q[:2], kn[:2], vn[:2], kc, vc, table[:2].clone(), wb[:2], pos[:2])
+    _check_shared(part, 60, splits=2, rows_per_tile=4, config=tri.Config(16, 4, 1),
                   prefix=sp.tiles)
 
 

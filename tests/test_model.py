@@ -502,9 +502,11 @@ def test_runner_plans_shared_voice_prefixes_from_its_row_ops(fixture_dir, fixtur
     every row's positions: the plan is the Triton kernel's, tested in
     tests/test_decode_attention_triton.py)."""
     import dataclasses
+    import functools
 
     from engine.kernels.decode_attention import decode_attention
     from engine.ops import REFERENCE
+    from engine.request import RowOp
 
     seen: list[object] = []
 
@@ -513,7 +515,10 @@ def test_runner_plans_shared_voice_prefixes_from_its_row_ops(fixture_dir, fixtur
         return decode_attention(*a, kernel=False, **kw)
 
     monkeypatch.setattr(ModelRunner, "_attention_kernel", lambda self, c: kernel)
-    ops = dataclasses.replace(REFERENCE, decode_attention=kernel, shared_prefix=True)
+    # the Triton kernel's rows from 2 (the plan goes to steps of that many rows and more)
+    ops = dataclasses.replace(REFERENCE, decode_attention=functools.partial(
+        kernel, triton_rows=2), shared_prefix=True)
+    assert ops.attention_triton_rows == 2
     runner = ModelRunner(fixture_model, n_rows=4, max_len=512, block_size=16, ops=ops)
     assert runner.prefixes is not None and runner.prefixes.rows_per_tile >= 2
     p, want = _prompts(fixture_dir)[0]
@@ -535,9 +540,20 @@ def test_runner_plans_shared_voice_prefixes_from_its_row_ops(fixture_dir, fixtur
     assert tiles.start.tolist()[:3] == [n * 16, n * 16, 0]
     slow = [s for s in seen if s is not None]  # the fast AR's calls have no prefix
     assert len(slow) == 6 * fixture_model.cfg.slow.n_layer and all(s is tiles for s in slow)
+    # one row below the Triton kernel's rows: no plan handed over
+    seen.clear()
+    runner.launch(1, 200)
+    assert [s for s in seen if s is not None] == []
     runner.leave(1)
     runner.launch(2, 200)
     assert runner.prefixes.n_tiles == 0 and tiles.start.tolist()[:2] == [0, 0]
+    # a turn that ended on the device: the scheduler's `free` takes it out of the plan
+    runner.join(1, SamplingParams.greedy(), p[:, -1], T, 6, 0, rows[1])
+    runner.step(2, 200)  # an eager step stages the plan itself
+    assert runner.prefixes.n_tiles == 1
+    runner.apply(RowOp("free", 1))
+    runner.launch(2, 200)
+    assert runner.prefixes.n_tiles == 0
     # without the option: no plan, nothing handed over
     assert ModelRunner(fixture_model, n_rows=2, max_len=512, block_size=16,
                        ops=dataclasses.replace(ops, shared_prefix=False)).prefixes is None

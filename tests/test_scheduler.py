@@ -378,7 +378,7 @@ def test_a_failed_step_ends_every_decoding_turn_and_resets_their_context():
         res = sink.results[-1]
         assert res.reason is FinishReason.ERROR and res.error_code is TurnError.INTERNAL
         assert seq.needs_rebuild and seq.state is SeqState.IDLE and not sched.running
-    assert {op.kind for op in sched.take_row_ops()} == {"leave"}
+    assert {op.kind for op in sched.take_row_ops()} == {"leave", "free"}
     assert sched.free_rows == 2
 
 

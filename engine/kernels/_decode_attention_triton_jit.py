@@ -153,7 +153,8 @@ def decode_attention_prefix_tiles(q_ptr, kc_ptr, vc_ptr, tab_ptr, pos_ptr, tr_pt
     g = tl.program_id(1)
     ps = tl.program_id(2)
     L = tl.load(tlen_ptr + t).to(tl.int64)
-    if L > 0:
+    src = tl.load(ts_ptr + t).to(tl.int64)  # the tile's lowest row: none of the call's if >= B
+    if (L > 0) & (src < B):
         ri = tl.arange(0, QMP)
         slot = ri // REP  # the tile row of query row ri, its head g * REP + ri % REP
         row = tl.load(tr_ptr + t * RT + slot, mask=slot < RT, other=-1).to(tl.int64)
@@ -168,7 +169,6 @@ def decode_attention_prefix_tiles(q_ptr, kc_ptr, vc_ptr, tab_ptr, pos_ptr, tr_pt
         # each row reads only below its own position (a plan that claimed more than a
         # row has written would otherwise read its future)
         pr = tl.load(pos_ptr + row, mask=r_ok, other=0)  # [QMP]
-        src = tl.load(ts_ptr + t).to(tl.int64)
         chunk = tl.cdiv(tl.cdiv(L, PSPLITS), BT) * BT
         t_begin = tl.minimum(L, ps * chunk)
         t_end = tl.minimum(L, t_begin + chunk)

@@ -93,8 +93,9 @@ class PrefixTiles(NamedTuple):
       rows   [T, RT] int32: tile t's rows (-1: none), each row in at most one tile
       length [T] int32: the positions [0, length) the tile's rows share (a multiple of the
              cache's block size; 0: an unused tile)
-      src    [T] int32: a row of the tile, whose table's first length / BS entries every
-             row of the tile has
+      src    [T] int32: the tile's lowest row, whose table's first length / BS entries
+             every row of the tile has (a tile whose src is not a row of the call is
+             skipped: its table row is not read)
       start  [>= B] int32: each row's first position of its own, its tile's length (0: in
              no tile)
     Positions at or past a row's own `pos` are never read from the prefix, whatever the
