@@ -460,3 +460,61 @@ def test_cuda_shared_prefix_replays_in_a_graph_after_a_new_plan():
     want = attention.decode_attention_torch(q, kn, vn, kc.clone(), vc.clone(), table, wb, pos,
                                             400)
     torch.testing.assert_close(out.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+@needs_interp
+def test_interp_engine_plans_match_every_rows_attention(monkeypatch):
+    """The real engine (tiny model, bf16, CPU) with shared prefixes on: five sessions on one
+    voice speak two turns each (four rows: one waits) while its scheduler shares the voice's blocks, copies their
+    last one on write, grows tables and frees rows. At every slow-AR decode attention the
+    runner plans, the cascade (the Triton programs, interpreted) equals every row's own
+    attention (the float32 fallback), and some plans did share."""
+    import dataclasses
+    import functools
+
+    from engine.config import EngineConfig
+    from engine.engine import CollectingSink, build_engine
+    from engine.loader import load_bundle
+    from engine.ops import build_ops
+    from engine.runner import ModelRunner
+    from engine.sampler import SamplingParams
+    from tests.test_fp8_triton import _patch_interpreter
+
+    _patch_interpreter(monkeypatch)
+    monkeypatch.setattr(tri, "auto_splits", lambda *a: 1)  # few programs to interpret
+    shared_calls = []
+
+    def kernel(q, kn, vn, kc, vc, table, wb, pos, span, *, rope=None, prefix=None, **_):  # type: ignore[no-untyped-def]
+        if prefix is not None:  # the cascade on copies, against the fallback below
+            got = tri.decode_attention_triton(q, kn, vn, kc.clone(), vc.clone(), table, wb,
+                                              pos, prefix=prefix, config=tri.Config(16, 4, 1),
+                                              splits=1)
+        want = attention.decode_attention(q, kn, vn, kc, vc, table, wb, pos, span,
+                                          kernel=False, rope=rope)
+        if prefix is not None:  # outputs ~0.2-0.7 here: a bf16 ulp or two apart at most
+            torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=4e-3)
+            shared_calls.append(int((prefix.length > 0).sum()))
+        return want
+
+    bundle = load_bundle("tiny", device="cpu", dtype="bf16")
+    slow = bundle.model.cfg.slow
+    monkeypatch.setattr(ModelRunner, "_attention_kernel",
+                        lambda self, c: kernel if c is slow else None)
+    ops = dataclasses.replace(build_ops("cpu", fused="reference"),
+                              decode_attention=functools.partial(kernel, triton_rows=2),
+                              shared_prefix=True)
+    eng = build_engine(bundle, EngineConfig(max_running=4, max_len=256, pingpong=False,
+                                            kv_block_size=16), ops=ops)
+    sinks = [CollectingSink() for _ in range(5)]
+    seqs = [eng.open([], SamplingParams(seed=i), s) for i, s in enumerate(sinks)]
+    eng.run_until_idle()
+    for rnd in range(2):
+        for i, seq in enumerate(seqs):
+            # texts that differ from their first token on: a row's own positions right
+            # after the shared blocks differ from every other row's
+            eng.submit(seq, f"{'ABCDE'[i]} says round {rnd}.", turn_id=f"{rnd}",
+                       max_frames=3 + i)
+        eng.run_until_idle()
+    assert all(len(s.results) == 2 and not s.errors for s in sinks)
+    assert eng.stats["prefix_hits"] >= 4 and eng.stats["cow_copies"] >= 1
+    assert shared_calls and max(shared_calls) >= 1

@@ -1,7 +1,8 @@
 """The Triton kernels on the CPU: the `interp` tests of tests/test_fp8_triton.py,
 tests/test_codec_conv.py and tests/test_decode_attention_triton.py (the FP8 GEMMs, the codec's
 fused conv, residual unit and transposed convs against their float64 references, the paged
-decode attention against its float32 fallback) under Triton's interpreter, and
+decode attention against its float32 fallback, with shared prefixes also as the real engine
+plans them) under Triton's interpreter, and
 tests/test_triton_sm90.py (the kernels no GPU has run yet compiled for sm_90), in a venv of
 their own.
 
@@ -23,7 +24,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PINS = ("torch==2.13.0", "triton==3.5.0", "numpy<2", "pytest>=8")
+# safetensors: the engine's loader (the shared-prefix test drives the real engine)
+PINS = ("torch==2.13.0", "triton==3.5.0", "numpy<2", "pytest>=8", "safetensors>=0.4")
 FILES = ("tests/test_fp8_triton.py", "tests/test_codec_conv.py",
          "tests/test_decode_attention_triton.py")
 
