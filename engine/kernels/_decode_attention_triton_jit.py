@@ -34,6 +34,53 @@ def norm_rope(x, w_ptr, cs_ptr, eps, D: tl.constexpr, DP: tl.constexpr,
 
 
 @triton.jit
+def attend_pages(q, kc_ptr, vc_ptr, tab_row, t_begin, t_end, lim, g, Hkv, scale,
+                 D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr, BT: tl.constexpr,
+                 LIMIT: tl.constexpr):
+    # q: [M, DP] query rows against kv head g's keys/values at positions [t_begin, t_end)
+    # through the page-table row tab_row (pointer) -> the online softmax state (m [M],
+    # l [M], acc [M, DP]), float32, scores in log2 units (scale folds log2 e). LIMIT: query
+    # row i reads only positions < lim[i] (a row then may see none: its state stays empty).
+    # A tile lies in one page (BT divides BS, tiles start at multiples of BT). Its page
+    # number is loaded one tile ahead: a tile's key/value addresses then depend on no load
+    # of the same iteration, so the pipeliner keeps several tiles in flight (with the page
+    # loaded in the iteration that uses it, Triton 3.5/3.6 keep one buffer).
+    M: tl.constexpr = q.shape[0]
+    rd = tl.arange(0, DP)
+    rt = tl.arange(0, BT)
+    d_ok = rd < D
+    m_i = tl.full((M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((M,), tl.float32)
+    acc = tl.zeros((M, DP), tl.float32)
+    blk = tl.load(tab_row + t_begin // BS, mask=t_begin < t_end, other=0).to(tl.int64)
+    for t0 in range(t_begin, t_end, BT):
+        here = blk
+        blk = tl.load(tab_row + (t0 + BT) // BS, mask=t0 + BT < t_end, other=0).to(tl.int64)
+        base = ((here * Hkv + g) * BS + t0 % BS) * D
+        ok = t0 + rt < t_end
+        kv_ok = ok[:, None] & d_ok[None, :]
+        k = tl.load(kc_ptr + base + rt[:, None] * D + rd[None, :], mask=kv_ok,
+                    other=0.0)  # [BT, DP]
+        s = tl.dot(q, tl.trans(k)) * scale  # [M, BT]
+        if LIMIT:
+            s = tl.where(ok[None, :] & ((t0 + rt)[None, :] < lim[:, None]), s,
+                         float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing yet
+        else:  # every row sees the tile's first position
+            s = tl.where(ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = m_new
+        alpha = tl.exp2(m_i - m_use)
+        pr = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(pr, 1)
+        v = tl.load(vc_ptr + base + rt[:, None] * D + rd[None, :], mask=kv_ok, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
 def decode_attention_tiles(q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, tab_ptr, wb_ptr, pos_ptr, o_ptr,
            ws_o_ptr, ws_ml_ptr, cs_ptr, qw_ptr, kw_ptr, st_ptr, q_rs, kn_rs, vn_rs, o_rs,
            tab_rs, Hkv, cs_rs, scale, eps,
@@ -51,7 +98,6 @@ def decode_attention_tiles(q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, tab_ptr, wb_pt
     sp = tl.program_id(2)
     rh = tl.arange(0, QMR)
     rd = tl.arange(0, DP)  # head dims, padded to a power of two (read as 0)
-    rt = tl.arange(0, BT)
     h_ok = rh < REP
     d_ok = rd < D
     heads = g * REP + rh
@@ -79,33 +125,8 @@ def decode_attention_tiles(q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, tab_ptr, wb_pt
     t_begin = lo + tl.minimum(n, sp * chunk)
     t_end = tl.minimum(p + 1, t_begin + chunk)
     c_end = tl.minimum(t_end, p)  # positions read from the cache (p comes from k_new)
-    m_i = tl.full((QMR,), float("-inf"), tl.float32)
-    l_i = tl.zeros((QMR,), tl.float32)
-    acc = tl.zeros((QMR, DP), tl.float32)
-    # a tile lies in one page (BT divides BS, tiles start at multiples of BT). Its page
-    # number is loaded one tile ahead: a tile's key/value addresses then depend on no
-    # load of the same iteration, so the pipeliner keeps several tiles in flight (with
-    # the page loaded in the iteration that uses it, Triton 3.5/3.6 keep one buffer).
-    blk = tl.load(tab_ptr + b * tab_rs + t_begin // BS, mask=t_begin < c_end,
-                  other=0).to(tl.int64)
-    for t0 in range(t_begin, c_end, BT):
-        here = blk
-        blk = tl.load(tab_ptr + b * tab_rs + (t0 + BT) // BS, mask=t0 + BT < c_end,
-                      other=0).to(tl.int64)
-        base = ((here * Hkv + g) * BS + t0 % BS) * D
-        ok = t0 + rt < c_end
-        kv_ok = ok[:, None] & d_ok[None, :]
-        k = tl.load(kc_ptr + base + rt[:, None] * D + rd[None, :], mask=kv_ok,
-                    other=0.0)  # [BT, DP]
-        s = tl.dot(q, tl.trans(k)) * scale  # [QM, BT], log2 units
-        s = tl.where(ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        pr = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(pr, 1)
-        v = tl.load(vc_ptr + base + rt[:, None] * D + rd[None, :], mask=kv_ok, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
-        m_i = m_new
+    m_i, l_i, acc = attend_pages(q, kc_ptr, vc_ptr, tab_ptr + b * tab_rs, t_begin, c_end, p,
+                                 g, Hkv, scale, D, DP, BS, BT, False)
     if (p >= t_begin) & (p < t_end):  # position p, from k_new / v_new
         s1 = tl.sum(q.to(tl.float32) * kx.to(tl.float32)[None, :], 1) * scale  # [QM]
         m_new = tl.maximum(m_i, s1)
@@ -162,7 +183,6 @@ def decode_attention_prefix_tiles(q_ptr, kc_ptr, vc_ptr, tab_ptr, pos_ptr, tr_pt
         row = tl.where(r_ok, row, 0)
         head = g * REP + ri % REP
         rd = tl.arange(0, DP)
-        rt = tl.arange(0, BT)
         d_ok = rd < D
         q = tl.load(q_ptr + row[:, None] * q_rs + head[:, None] * D + rd[None, :],
                     mask=r_ok[:, None] & d_ok[None, :], other=0.0)  # [QMP, DP]
@@ -172,30 +192,8 @@ def decode_attention_prefix_tiles(q_ptr, kc_ptr, vc_ptr, tab_ptr, pos_ptr, tr_pt
         chunk = tl.cdiv(tl.cdiv(L, PSPLITS), BT) * BT
         t_begin = tl.minimum(L, ps * chunk)
         t_end = tl.minimum(L, t_begin + chunk)
-        m_i = tl.full((QMP,), float("-inf"), tl.float32)
-        l_i = tl.zeros((QMP,), tl.float32)
-        acc = tl.zeros((QMP, DP), tl.float32)
-        blk = tl.load(tab_ptr + src * tab_rs + t_begin // BS, mask=t_begin < t_end,
-                      other=0).to(tl.int64)
-        for t0 in range(t_begin, t_end, BT):
-            here = blk
-            blk = tl.load(tab_ptr + src * tab_rs + (t0 + BT) // BS, mask=t0 + BT < t_end,
-                          other=0).to(tl.int64)
-            base = ((here * Hkv + g) * BS + t0 % BS) * D
-            ok = t0 + rt < t_end
-            kv_ok = ok[:, None] & d_ok[None, :]
-            k = tl.load(kc_ptr + base + rt[:, None] * D + rd[None, :], mask=kv_ok, other=0.0)
-            s = tl.dot(q, tl.trans(k)) * scale  # [QMP, BT], log2 units
-            live = ok[None, :] & ((t0 + rt)[None, :] < pr[:, None])
-            s = tl.where(live, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing yet
-            alpha = tl.exp2(m_i - m_use)
-            pr_ = tl.exp2(s - m_use[:, None])
-            l_i = l_i * alpha + tl.sum(pr_, 1)
-            v = tl.load(vc_ptr + base + rt[:, None] * D + rd[None, :], mask=kv_ok, other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(pr_.to(v.dtype), v)
-            m_i = m_new
+        m_i, l_i, acc = attend_pages(q, kc_ptr, vc_ptr, tab_ptr + src * tab_rs, t_begin,
+                                     t_end, pr, g, Hkv, scale, D, DP, BS, BT, True)
         H = Hkv * REP
         e = (row * H + head) * SLOTS + SPLITS + ps  # [QMP]
         tl.store(ws_o_ptr + e[:, None] * D + rd[None, :], acc,

@@ -13,7 +13,7 @@ dot's minimum; mma.sync, not wgmma: enough for bytes that bound it) and the onli
 float32. Each tile's page number is loaded a tile ahead, so its addresses depend on no load
 of its own iteration and the pipeliner keeps stages - 1 tiles in flight (compiled for sm_90 on
 a CPU with Triton 3.5 and 3.6: the default shape takes ~72 KB of shared memory, two tiles of
-keys and values, and 108 registers, no spills; tests/test_triton_sm90.py). With `cs` the
+keys and values, and 140 registers, no spills; tests/test_triton_sm90.py). With `cs` the
 launch also does the q/k RMSNorm + RoPE of the new position (`decode_attention_triton`).
 
 Numerics: q.k^T of the model's dtype in float32; the probabilities rounded to that dtype for
