@@ -68,6 +68,23 @@ def graph_us(fn: Callable[..., object], args: tuple, calls: int = 20, reps: int 
     return 1000 * e0.elapsed_time(e1) / (calls * reps)
 
 
+def _slow_attention_case(bs: int, pos: int, shared: int = 0) -> tuple[torch.Tensor, ...]:
+    """The slow AR's decode attention inputs (S2-Pro heads, bf16, CUDA) for `bs` rows at
+    position `pos`: the pool's 64-position blocks shuffled, every row's first `shared`
+    blocks row 0's (one voice's prompt). (q, k_new, v_new, k_cache, v_cache, table,
+    wblock, pos)."""
+    dt, BS = torch.bfloat16, 64
+    mb = -(-(pos + 1) // BS)
+    q = torch.randn(bs, 32, 128, device="cuda", dtype=dt)
+    kn, vn = (torch.randn(bs, 8, 128, device="cuda", dtype=dt) for _ in range(2))
+    kc, vc = (torch.randn(bs * mb + 1, 8, BS, 128, device="cuda", dtype=dt) for _ in range(2))
+    table = torch.randperm(bs * mb, device="cuda").view(bs, mb)
+    table[:, :shared] = table[0, :shared]
+    ps = torch.full((bs,), pos, device="cuda")
+    ws = table[:, pos // BS].contiguous()
+    return q, kn, vn, kc, vc, table, ws, ps
+
+
 def bench_attention_many_rows() -> None:
     """The slow AR's decode attention at 1-256 rows (S2-Pro heads, the pool's 64-position
     blocks shuffled): csrc's kernel (one block per row's positions, and split) against the
@@ -77,18 +94,10 @@ def bench_attention_many_rows() -> None:
     from engine.functional import rope_table
     from engine.kernels.decode_attention import Rope
 
-    dt, BS = torch.bfloat16, 64
+    dt = torch.bfloat16
     for bs, pos in ((1, 200), (1, 1000), (2, 200), (16, 200), (64, 200), (64, 1000),
                     (256, 600)):
-        mb = -(-(pos + 1) // BS)
-        q = torch.randn(bs, 32, 128, device="cuda", dtype=dt)
-        kn, vn = (torch.randn(bs, 8, 128, device="cuda", dtype=dt) for _ in range(2))
-        kc, vc = (torch.randn(bs * mb + 1, 8, BS, 128, device="cuda", dtype=dt)
-                  for _ in range(2))
-        table = torch.randperm(bs * mb, device="cuda").view(bs, mb)
-        ps = torch.full((bs,), pos, device="cuda")
-        ws = table[:, pos // BS].contiguous()
-        args = (q, kn, vn, kc, vc, table, ws, ps)
+        args = _slow_attention_case(bs, pos)
         kv_bytes = 2 * bs * (pos + 1) * 8 * 128 * dt.itemsize
         runs: list[tuple[str, Callable[..., object]]] = []
         if extension_available():
@@ -126,7 +135,7 @@ def bench_attention_many_rows() -> None:
                 continue
             print(f"decode_attention_rows bs={bs:3d} pos={pos:5d} {name:18s} {us:9.2f} us "
                   f"{kv_bytes / us / 1e3:7.1f} GB/s")
-        del kc, vc
+        del args  # the caches (~GBs at 256 rows) before the next case's
     if attn_triton.available():
         bench_attention_shared_prefix()
 
@@ -139,18 +148,10 @@ def bench_attention_shared_prefix() -> None:
     keys and values the rows attend to (the prefix counted per row)."""
     from engine.shared_prefix import SharedPrefixes
 
-    dt, BS, shared = torch.bfloat16, 64, 4
+    dt, BS = torch.bfloat16, 64
     for bs, pos in ((64, 600), (128, 600), (256, 400), (256, 600)):
-        mb = -(-(pos + 1) // BS)
-        q = torch.randn(bs, 32, 128, device="cuda", dtype=dt)
-        kn, vn = (torch.randn(bs, 8, 128, device="cuda", dtype=dt) for _ in range(2))
-        kc, vc = (torch.randn(bs * mb + 1, 8, BS, 128, device="cuda", dtype=dt)
-                  for _ in range(2))
-        table = torch.randperm(bs * mb, device="cuda").view(bs, mb)
-        table[:, :shared] = table[0, :shared]
-        ps = torch.full((bs,), pos, device="cuda")
-        ws = table[:, pos // BS].contiguous()
-        args = (q, kn, vn, kc, vc, table, ws, ps)
+        args = _slow_attention_case(bs, pos, shared=4)
+        table = args[5]
         kv_bytes = 2 * bs * (pos + 1) * 8 * 128 * dt.itemsize
         sp = SharedPrefixes(bs, BS, attn_triton.prefix_rows_per_tile(32, 8), "cuda")
         for r, blocks in enumerate(table.tolist()):
@@ -173,7 +174,7 @@ def bench_attention_shared_prefix() -> None:
                 continue
             print(f"decode_attention_shared bs={bs:3d} pos={pos:5d} {name:18s} {us:9.2f} us "
                   f"{kv_bytes / us / 1e3:7.1f} GB/s")
-        del kc, vc
+        del args  # the caches (~GBs at 256 rows) before the next case's
 
 
 def bench_step_book(dev: str, kind: str, cuda: bool) -> None:
