@@ -5,8 +5,9 @@
 #      engine codec's audio, pingpong == sync, capture streams, the fused masked attention,
 #      decode attention with split positions, two engines with different ops in one process,
 #      the reference fixtures with the fused ops, the step's bookkeeping kernels, the ops' errors,
-#      the codec's fused unit and transposed convs; 136-148 s with the extension build on a
-#      fresh machine); TESTS=all runs tests/test_cuda.py and tests/test_kernels.py whole,
+#      the codec's fused unit and transposed convs, the Triton decode attention with and
+#      without shared prefixes; 136-148 s with the extension build on a fresh machine, before
+#      the Triton attention's cases); TESTS=all runs tests/test_cuda.py and tests/test_kernels.py whole,
 #      TESTS_K picks by name; GATE=1 then runs scripts/gpu_gate.sh (this tree against
 #      .baseline at c=1 and 64: the ±5 % performance gate of a change);
 #   1b. scripts/sessions_bench.py (SESSIONS=0 skips it): 1,000 sessions with distinct 10 s
@@ -103,7 +104,7 @@ OUT=${OUT:-artifacts/gpu}
 mkdir -p "$OUT"
 export OUT PYTHONUNBUFFERED=1 RTVOICE_FIXTURES=${RTVOICE_FIXTURES:-tests/fixtures/fish_s2_tiny}
 t0=$(date +%s)
-SMOKE="host_sync or engine_audio or pingpong or replay_streams or fused_kernel or bias_folding or split or two_engines or fixtures_with_fused or swiglu or fused_rope or prefilled_ahead or residual_epilogue or norm_fusion or pdl or step_book or naming or unit_kernel or upsample or decode_attention_triton or triton_attention or prequant"
+SMOKE="host_sync or engine_audio or pingpong or replay_streams or fused_kernel or bias_folding or split or two_engines or fixtures_with_fused or swiglu or fused_rope or prefilled_ahead or residual_epilogue or norm_fusion or pdl or step_book or naming or unit_kernel or upsample or decode_attention_triton or triton_attention or shared_prefix or prequant"
 if [ "${TESTS:-smoke}" = all ]; then K=${TESTS_K:-}; else K=${TESTS_K:-$SMOKE}; fi
 [ "${TESTS:-smoke}" = none ] || timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_kernels.py tests/test_fp8_triton.py tests/test_quant.py tests/test_codec_conv.py tests/test_bookkeeping.py tests/test_decode_attention_triton.py \
     ${K:+-k "$K"} 2>&1 | grep -Ev '^ |^$|site-packages|Warning:|warnings.html' | tail -15 | tee "$OUT/tests.txt"
