@@ -85,6 +85,21 @@ def _slow_attention_case(bs: int, pos: int, shared: int = 0) -> tuple[torch.Tens
     return q, kn, vn, kc, vc, table, ws, ps
 
 
+def _time_attention_runs(label: str, bs: int, pos: int,
+                         runs: list[tuple[str, Callable[..., object]]], args: tuple,
+                         kv_bytes: int) -> None:
+    """One line per run: graph-timed microseconds and GB/s over `kv_bytes`."""
+    for name, fn in runs:
+        try:
+            us = graph_us(fn, args)
+        except Exception as e:  # a launch shape this GPU cannot take: say so, go on
+            print(f"{label} bs={bs:3d} pos={pos:5d} {name:18s} failed: "
+                  f"{type(e).__name__}: {str(e)[:160]}")
+            continue
+        print(f"{label} bs={bs:3d} pos={pos:5d} {name:18s} {us:9.2f} us "
+              f"{kv_bytes / us / 1e3:7.1f} GB/s")
+
+
 def bench_attention_many_rows() -> None:
     """The slow AR's decode attention at 1-256 rows (S2-Pro heads, the pool's 64-position
     blocks shuffled): csrc's kernel (one block per row's positions, and split) against the
@@ -126,15 +141,7 @@ def bench_attention_many_rows() -> None:
                           attn_triton.decode_attention_triton(*a, splits=sp, cs=r.cs, qw=r.qw,
                                                               kw=r.kw, eps=r.eps))
                          for sp in (0, 1)]
-        for name, fn in runs:
-            try:
-                us = graph_us(fn, args)
-            except Exception as e:  # a launch shape this GPU cannot take: say so, go on
-                print(f"decode_attention_rows bs={bs:3d} pos={pos:5d} {name:18s} failed: "
-                      f"{type(e).__name__}: {str(e)[:160]}")
-                continue
-            print(f"decode_attention_rows bs={bs:3d} pos={pos:5d} {name:18s} {us:9.2f} us "
-                  f"{kv_bytes / us / 1e3:7.1f} GB/s")
+        _time_attention_runs("decode_attention_rows", bs, pos, runs, args, kv_bytes)
         del args  # the caches (~GBs at 256 rows) before the next case's
     if attn_triton.available():
         bench_attention_shared_prefix()
@@ -165,15 +172,7 @@ def bench_attention_shared_prefix() -> None:
                      *a, prefix=t)),
                  ("triton+prefix:w4", lambda *a, t=sp.tiles:
                   attn_triton.decode_attention_triton(*a, prefix=t, prefix_warps=4))]
-        for name, fn in runs:
-            try:
-                us = graph_us(fn, args)
-            except Exception as e:  # say so, go on
-                print(f"decode_attention_shared bs={bs:3d} pos={pos:5d} {name:18s} failed: "
-                      f"{type(e).__name__}: {str(e)[:160]}")
-                continue
-            print(f"decode_attention_shared bs={bs:3d} pos={pos:5d} {name:18s} {us:9.2f} us "
-                  f"{kv_bytes / us / 1e3:7.1f} GB/s")
+        _time_attention_runs("decode_attention_shared", bs, pos, runs, args, kv_bytes)
         del args  # the caches (~GBs at 256 rows) before the next case's
 
 

@@ -250,11 +250,17 @@ def test_cuda_routing_by_rows_and_graph_capture():
     with torch.cuda.graph(g):
         attention.decode_attention(q, kn, vn, kc, vc, table, wb, pos, 200, triton_rows=16,
                                    out=out)
+    _replay_matches(g, out, (q, kn, vn, kc, vc, table, wb, pos), 200)
+
+
+def _replay_matches(g, out, case, span):  # type: ignore[no-untyped-def]
+    """Replay graph g, whose attention writes `out`, and check it against the fallback."""
     out.zero_()
     g.replay()
     torch.cuda.synchronize()
+    q, kn, vn, kc, vc, table, wb, pos = case
     want = attention.decode_attention_torch(q, kn, vn, kc.clone(), vc.clone(), table, wb, pos,
-                                            200)
+                                            span)
     torch.testing.assert_close(out.float(), want.float(), rtol=2e-2, atol=2e-2)
 
 
@@ -454,12 +460,7 @@ def test_cuda_shared_prefix_replays_in_a_graph_after_a_new_plan():
         sp.set(r, blocks)
     sp.refresh()
     assert sp.n_tiles == 4
-    out.zero_()
-    g.replay()
-    torch.cuda.synchronize()
-    want = attention.decode_attention_torch(q, kn, vn, kc.clone(), vc.clone(), table, wb, pos,
-                                            400)
-    torch.testing.assert_close(out.float(), want.float(), rtol=2e-2, atol=2e-2)
+    _replay_matches(g, out, (q, kn, vn, kc, vc, table, wb, pos), 400)
 
 
 @needs_interp
