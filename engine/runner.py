@@ -366,11 +366,11 @@ class ModelRunner:
         """Queue one step of rows 0..B-1 over keys [0, span): a graph replay where one was
         captured (B and span must then be buckets), else eager. Returns its output tensor
         (a graph's static output: read it before the next launch of the same key)."""
-        if self.prefixes is not None:  # a row op changed the plan: stage it before the replay
-            self.prefixes.refresh()
         graph = self.step_graphs.get((B, span))
         if graph is None:
-            return self.step(B, span)
+            return self.step(B, span)  # stages a changed shared-prefix plan itself
+        if self.prefixes is not None:  # a row op changed the plan: stage it before the replay
+            self.prefixes.refresh()
         g, out = graph
         g.replay()
         return out
