@@ -571,9 +571,21 @@ def summarize_level(c: int, records: list[TurnRecord], wall_s: float,
             "streams_affected": sum(1 for v in per_stream.values() if v),
             "per_stream": [per_stream[k] for k in sorted(per_stream)],
             "stall_s": round(sum(stall.values()), 4),
+            # turns by their number of segments (sentences): [turns, underruns] — a turn of
+            # several starts each later sentence anew, where the stream may run dry
+            "by_segments": _by_segments(ok),
         },
         "records": [asdict(r) for r in records],
     }
+
+
+def _by_segments(turns: Sequence[TurnRecord]) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for r in sorted(turns, key=lambda r: r.segments or 0):
+        entry = out.setdefault(str(r.segments or 0), [0, 0])
+        entry[0] += 1
+        entry[1] += r.underruns
+    return out
 
 
 # ============================================================================================

@@ -288,12 +288,15 @@ class Engine:
             raise ValueError(f"first_chunk_frames ({chunking.first}) must not exceed chunk_frames "
                              f"({size}{'' if chunking.size else ', the engine default'})")
 
-    def submit(self, seq: Sequence, text: str, *, turn_id: str, max_frames: int | None = None) -> None:
-        """Start a turn: `text` is spoken in the sequence's voice, continuing its context."""
+    def submit(self, seq: Sequence, text: str, *, turn_id: str, max_frames: int | None = None,
+               continues: bool = False) -> None:
+        """Start a turn: `text` is spoken in the sequence's voice, continuing its context.
+        `continues`: a later sentence of an utterance whose audio the client already plays —
+        its prefill and its decode row come before those of turns that start an utterance."""
         if not text.strip():
             raise ValueError("turn text is empty")
         budget = min(max_frames or self.cfg.max_turn_frames, self.cfg.max_turn_frames)
-        turn = Turn(turn_id, text, max(1, budget))
+        turn = Turn(turn_id, text, max(1, budget), continues=continues)
         self._post(lambda: self.scheduler.start_turn(seq, turn))
 
     def prefill_ahead(self, seq: Sequence, text: str) -> None:

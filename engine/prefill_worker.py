@@ -65,10 +65,10 @@ class PrefillWorker:
     def round(self, jobs: list[PrefillJob]) -> list[PrefillJob]:
         """One chunk of each of `jobs` (at most `batch` of them). Returns the jobs now done —
         complete, abandoned, or failed (`job.event` holds the exception) — each carrying the
-        event to wait for on a GPU. Prefill-ahead jobs (speculative) go after every other job
-        unless a turn waits for one (`urgent`)."""
-        # stable: FIFO otherwise
-        jobs = sorted(jobs, key=lambda j: j.ahead and not j.urgent)[: self.batch]
+        event to wait for on a GPU. Jobs go in `PrefillJob.rank` order: a later sentence of an
+        utterance the client is playing first, prefill-ahead jobs (speculative) last unless a
+        turn waits for one (`urgent`)."""
+        jobs = sorted(jobs, key=lambda j: j.rank)[: self.batch]  # stable: FIFO within a rank
         with on_stream(self.stream):
             try:
                 finished = self._round_safe(jobs)

@@ -108,6 +108,10 @@ class Turn:
     closes_previous: bool = False  # its prompt starts by closing the previous assistant turn
     rebuilt: bool = False  # its prompt re-prefills the context after the voice (context full)
     finished: FinishReason | None = None
+    # the client already plays audio of this utterance (a later sentence of it): its prefill
+    # and its decode row come before those of turns that start an utterance, which have no
+    # audio to run out of
+    continues: bool = False
 
 
 @dataclass(slots=True, eq=False)
@@ -187,6 +191,14 @@ class PrefillJob:
     # (ahead) a turn waits for it: not behind the other jobs any more, and no longer counted
     # as speculative (Scheduler.ahead_outstanding)
     urgent: bool = False
+
+    @property
+    def rank(self) -> int:
+        """Order in a prefill round (lowest first; FIFO within a rank): a turn whose
+        utterance is playing, then other turns and voice prompts, then speculative heads."""
+        if self.ahead and not self.urgent:
+            return 2
+        return 0 if self.turn is not None and self.turn.continues else 1
 
     @property
     def abandoned(self) -> bool:

@@ -99,6 +99,7 @@ def new_stats() -> dict[str, float]:
             "codec_s": 0.0, "codec_ticks": 0, "codec_slow_ticks": 0, "wasted_rows": 0, "prefill_calls": 0,
             "decode_pauses": 0, "decode_paused_s": 0.0, "prefix_hits": 0, "kv_evictions": 0,
             "kv_restores": 0, "kv_restore_s": 0.0, "cow_copies": 0, "row_waits": 0,
+            "continuations": 0, "continuation_row_waits": 0,
             "turns_cut_no_blocks": 0, "ahead_jobs": 0, "ahead_cols": 0, "ahead_hits": 0,
             "ahead_misses": 0}
 
@@ -377,6 +378,7 @@ class Scheduler:
                             TurnError.INVALID_STATE)
             return
         seq.last_used = time.perf_counter()
+        self.stats["continuations"] += turn.continues
         if self._turn_may_start(seq):
             seq.turn = turn
             self._queue_turn_prefill(seq)
@@ -428,7 +430,7 @@ class Scheduler:
                 cols = cols[:, ahead.cols.shape[1]:]
         turn.cols = cols
         if not self._prefill_turn(seq):
-            self.block_queue.append(seq)  # served when blocks free (a close, an idle session)
+            _enqueue(self.block_queue, seq)  # served when blocks free (a close, an idle session)
             self._retry_waits()  # or refused now if none ever can
 
     def _prefill_turn(self, seq: Sequence) -> bool:
@@ -759,10 +761,11 @@ class Scheduler:
         seq.pos = job.start + job.cols.shape[1]
         if self._free_rows:
             self._join(seq)
-        else:  # every row speaks: first come, first served as rows free
+        else:  # every row speaks: served as rows free (continuations first, else FIFO)
             seq.state = SeqState.QUEUED
-            self.row_queue.append(seq)
+            _enqueue(self.row_queue, seq)
             self.stats["row_waits"] += 1
+            self.stats["continuation_row_waits"] += turn.continues
 
     def _prompt_in(self, seq: Sequence) -> None:
         """A voice prompt landed: kept for later sessions with the same voice, and shared now
@@ -1147,6 +1150,21 @@ class Scheduler:
                           turn.submitted_at, turn.ready_at, turn.first_audio_at,
                           time.perf_counter(), codes=codes, error=error, error_code=code)
 
+
+
+def _enqueue(queue: deque[Sequence], seq: Sequence) -> None:
+    """A turn into a wait queue: one that continues an utterance the client is playing
+    (`Turn.continues`) after the queue's other continuations but before every turn that starts
+    one — a new turn only waits longer for its first audio, a continuation would leave a gap in
+    audio already playing. FIFO otherwise."""
+    if seq.turn is None or not seq.turn.continues:
+        queue.append(seq)
+        return
+    at = 0
+    for i, other in enumerate(queue):
+        if other.turn is not None and other.turn.continues:
+            at = i + 1
+    queue.insert(at, seq)
 
 
 def _begins_with(cols: Tensor, head: Tensor) -> bool:

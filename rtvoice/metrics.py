@@ -218,4 +218,11 @@ def render_metrics(m: Metrics, engine: Engine, *, model: str, device: str,
                               for k in ("jobs", "hits", "misses")])
     metric("rtvoice_engine_prefill_ahead_columns_total", "counter", "Prompt columns queued to "
            "prefill ahead of their turn.", [("", int(stats["ahead_cols"]))])
+    metric("rtvoice_engine_row_waits_total", "counter", "Prefilled turns that waited for a "
+           "decode row (every row speaking): all, and those continuing an utterance the client "
+           "plays (served first; a wait there risks a gap in its audio).",
+           [('{kind="all"}', int(stats["row_waits"])),
+            ('{kind="continuation"}', int(stats["continuation_row_waits"]))])
+    metric("rtvoice_engine_continuations_total", "counter", "Turns that continue an utterance "
+           "whose audio already plays (its later sentences).", [("", int(stats["continuations"]))])
     return "\n".join(out) + "\n"

@@ -625,7 +625,8 @@ class Session:
     def submit(self, seg: Segment) -> None:
         seg.submitted_at = time.perf_counter()  # the segment's TTFA origin
         assert self._seq is not None
-        self.rt.engine.submit(self._seq, seg.text, turn_id=seg.turn_id, max_frames=seg.max_frames)
+        self.rt.engine.submit(self._seq, seg.text, turn_id=seg.turn_id, max_frames=seg.max_frames,
+                              continues=seg.continues)
         self.rt.metrics.segments_total += 1
 
     def ahead(self, text: str) -> None:

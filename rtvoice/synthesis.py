@@ -266,7 +266,8 @@ class Synthesis:
     def submit(self, seg: Segment) -> None:
         seg.submitted_at = time.perf_counter()
         assert self._seq is not None
-        self.rt.engine.submit(self._seq, seg.text, turn_id=seg.turn_id, max_frames=seg.max_frames)
+        self.rt.engine.submit(self._seq, seg.text, turn_id=seg.turn_id, max_frames=seg.max_frames,
+                              continues=seg.continues)
         self.rt.metrics.segments_total += 1
 
     def cancel_running(self) -> None:  # a REST request has no cancel: closing ends it

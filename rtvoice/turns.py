@@ -154,6 +154,12 @@ class Segment:
     start_s: float = 0.0  # where its audio starts within its utterance's audio
     end_s: float = 0.0  # ... and ends (known when the engine ended it)
 
+    @property
+    def continues(self) -> bool:
+        """An earlier segment of its utterance had audio: the client is playing it, and this
+        one must start before that audio runs out (the engine serves it first)."""
+        return self.utterance.samples_in > 0
+
 
 class TurnPort(Protocol):
     """What `Turns` asks of its session."""

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from bench_latency import cli, stats
+from rtvoice.segmenter import Segmenter
 
 # ============================================================================ percentiles
 
@@ -191,6 +192,11 @@ def bench_run(server_url: str, tmp_path_factory: pytest.TempPathFactory) -> dict
     return paths
 
 
+def _sentences(text: str) -> int:
+    seg = Segmenter()
+    return len(seg.push(text) + seg.flush())
+
+
 def test_bench_json_has_every_figure(bench_run: dict[str, Path]) -> None:
     res = json.loads(bench_run["json"].read_text())
     assert res["schema"] == cli.SCHEMA
@@ -217,6 +223,11 @@ def test_bench_json_has_every_figure(bench_run: dict[str, Path]) -> None:
         u = lv["underruns"]
         assert u["jitter_buffer_ms"] == 100 and len(u["per_stream"]) == c
         assert u["total"] == sum(u["per_stream"])
+        by = u["by_segments"]  # the builtin texts 0 and 11 have two sentences, the rest one
+        assert sum(n for n, _ in by.values()) == 2 * c and sum(x for _, x in by.values()) == u["total"]
+        assert set(by) <= {"1", "2"} and by["1"][0] > 0
+        assert by.get("2", [0])[0] == sum(_sentences(cli.pick_text(cli.BUILTIN_TEXTS, i, k)) == 2
+                                          for i in range(c) for k in range(2))
         assert lv["open"]["failed"] == 0 and lv["open"]["prefill_ms"]["n"] == c
         # The per-turn records back every figure: underruns recomputed from the chunk
         # timelines agree, and no turn exceeded its frame budget.

@@ -591,6 +591,51 @@ def test_idle_sessions_hold_no_row_and_a_waiting_turn_gets_the_first_free_one():
     assert all(s.results[-1].reason is FinishReason.LENGTH for s in sinks)
 
 
+def test_a_continuing_sentence_takes_the_next_free_row_before_new_turns():
+    """A later sentence of an utterance whose audio already plays (`Turn.continues`) waits
+    for a row ahead of turns that start an utterance (they only wait longer for their first
+    audio; it would leave a gap in audio already playing), behind earlier continuations, and
+    its prefill job comes first in its round."""
+    sched, dev = make(n_rows=1)
+    a, b, c, d, e = (ready(sched, CollectingSink(), i) for i in range(5))
+    sched.start_turn(a, Turn("a", "Holds the row.", 3))
+    sched.start_turn(b, Turn("b", "A new turn.", 2))
+    sched.start_turn(c, Turn("c", "Another new turn.", 2))
+    prefill_all(sched)
+    assert list(sched.row_queue) == [b, c]
+    sched.start_turn(d, Turn("d", "How can I help?", 2, continues=True))
+    sched.start_turn(e, Turn("e", "And then?", 2, continues=True))
+    jobs = sched.take_prefill_jobs()
+    assert [j.rank for j in jobs] == [0, 0]
+    for job in jobs:
+        job.done = job.cols.shape[1]
+        sched.prefill_done(job)
+    assert list(sched.row_queue) == [d, e, b, c]  # continuations first, FIFO within each
+    order = []
+    for _ in range(40):
+        sync_step(sched, dev)
+        seq = sched.running.get(0)
+        if seq is not None and (not order or order[-1] is not seq):
+            order.append(seq)
+    assert order == [a, d, e, b, c]
+    run_idle(sched, dev)
+    assert [s.sink.results[-1].frames for s in (a, b, c, d, e)] == [3, 2, 2, 2, 2]
+
+
+def test_prefill_rounds_put_continuations_first_and_speculative_heads_last():
+    from engine.request import PrefillJob
+
+    seq = new_seq(make()[0])
+    cols = torch.zeros(K + 1, 4, dtype=torch.long)
+    new = PrefillJob(seq, cols, 0, Turn("n", "New.", 2), ())
+    cont = PrefillJob(seq, cols, 0, Turn("c", "Next.", 2, continues=True), ())
+    voice = PrefillJob(seq, cols, 0, None, ())
+    head = PrefillJob(seq, cols, 0, None, (), ahead=True)
+    waited = PrefillJob(seq, cols, 0, None, (), ahead=True, urgent=True)
+    jobs = [head, new, voice, cont, waited]
+    assert sorted(jobs, key=lambda j: j.rank) == [cont, new, voice, waited, head]
+
+
 def test_a_queued_turn_can_be_cancelled_and_closed():
     sched, dev = make(n_rows=1)
     a, b = ready(sched), ready(sched, CollectingSink(), 1)

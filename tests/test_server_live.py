@@ -529,6 +529,23 @@ async def test_every_segment_ttfa_goes_to_metrics(server):
     assert done.ttfa_ms == round(first * 1000, 3)  # done reports the first segment's
 
 
+async def test_later_sentences_reach_the_engine_as_continuations(server):
+    """Every segment had audio (above): the second and third continue an utterance the
+    client plays, and the engine serves them first (Turn.continues)."""
+    stats = server.app.state.runtime.engine.stats
+    before = stats["continuations"]
+    events, code = await speak(server.ws_url, ["One. Two. ", "Three."], max_new_tokens=2)
+    assert code == 1000
+    assert next(e for e in events if isinstance(e, Done)).segments == 3
+    assert stats["continuations"] - before == 2
+    events, code = await speak(server.ws_url, ["One sentence only."], max_new_tokens=2)
+    assert code == 1000 and stats["continuations"] - before == 2
+    async with httpx.AsyncClient(base_url=server, timeout=30) as http:
+        text = (await http.get("/metrics")).text
+    assert f"rtvoice_engine_continuations_total {int(stats['continuations'])}" in text
+    assert 'rtvoice_engine_row_waits_total{kind="continuation"}' in text
+
+
 async def test_a_streamed_sentence_is_prefilled_ahead_and_sounds_the_same(server):
     """Text streamed word by word into an idle session: the start of the sentence is
     prefilled while it streams (the engine's ahead counters move), and the audio is that of

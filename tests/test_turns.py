@@ -259,3 +259,25 @@ def test_each_context_offers_its_own_head_and_a_cancel_forgets_it():
     for piece in ("One context streams", " again"):
         turns.text("a", piece)
     assert aheads()[-1] == "One context streams"  # offered afresh after the cancel
+
+
+def test_a_sentence_continues_its_utterance_once_an_earlier_one_had_audio():
+    """`Segment.continues` (the engine serves such a turn first) holds for a later sentence
+    of an utterance whose audio the client already plays — not for an utterance's first
+    sentence, nor after sentences that made no audio, nor for the next utterance."""
+    turns, _ = make()
+    turns.accepting = True
+    turns.text(None, "Hello! How can I help? Bye.")
+    turns.flush(None)
+    first = turns.running
+    assert first.text == "Hello!" and not first.continues
+    end(turns, frames=0)  # no audio yet: nothing plays, the next sentence starts nothing late
+    assert turns.running.text == "How can I help?" and not turns.running.continues
+    assert turns.audio(turns.running.turn_id, 2048) is turns.running
+    end(turns)
+    assert turns.running.text == "Bye." and turns.running.continues
+    end(turns)
+    turns.utterance_finished(next(iter(turns.open_utterances)))
+    turns.text(None, "A new turn.")
+    turns.flush(None)
+    assert turns.running.text == "A new turn." and not turns.running.continues
