@@ -385,7 +385,8 @@ async def _metrics(request: Request) -> Response:
         return PlainTextResponse("", status_code=503)
     text = render_metrics(rt.metrics, rt.engine, model=rt.bundle.name,
                           device=rt.settings.model.device, random_weights=rt.bundle.random_weights,
-                          queued_bytes=sum(s.queued_bytes for s in list(rt.sessions)))
+                          queued_bytes=sum(s.queued_bytes for s in list(rt.sessions)),
+                          gc=rt.gc_watch.snapshot() if rt.gc_watch is not None else None)
     return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
-from typing import Final
+from typing import Any, Final
 
 import numpy as np
 
@@ -97,7 +97,8 @@ def _label(value: str) -> str:
 
 
 def render_metrics(m: Metrics, engine: Engine, *, model: str, device: str,
-                   random_weights: bool, queued_bytes: int = 0) -> str:
+                   random_weights: bool, queued_bytes: int = 0,
+                   gc: dict[str, Any] | None = None) -> str:
     """Prometheus text exposition (format 0.0.4) of the service's and the engine's counters."""
     out: list[str] = []
 
@@ -162,6 +163,19 @@ def render_metrics(m: Metrics, engine: Engine, *, model: str, device: str,
            "would exceed max_unstarted).", [("", m.lingering)])
     metric("rtvoice_draining", "gauge", "1 while the server drains (after SIGTERM).",
            [("", int(m.draining))])
+    if gc is not None:  # gc_pauses.GcWatch.snapshot()
+        gens = range(3)
+        metric("rtvoice_gc_passes_total", "counter", "Garbage-collector passes by generation "
+               "(each holds every thread: no step, tick or send meanwhile).",
+               [(f'{{generation="{g}"}}', int(gc["passes"][g])) for g in gens])
+        metric("rtvoice_gc_pause_seconds_total", "counter", "Time in garbage-collector passes.",
+               [(f'{{generation="{g}"}}', float(gc["seconds"][g])) for g in gens])
+        metric("rtvoice_gc_pause_max_seconds", "gauge", "The longest garbage-collector pass "
+               "since the start (every stream's audio stalls for it).",
+               [(f'{{generation="{g}"}}', float(gc["longest"][g])) for g in gens])
+        metric("rtvoice_gc_frozen_objects", "gauge", "Objects in the collector's permanent "
+               "generation (the start-up heap when gc_freeze is on: never scanned).",
+               [("", int(gc["frozen"]))])
     metric("rtvoice_reference_jobs", "gauge", "Reference clips being decoded and encoded, and "
            "waiting for a worker (reference_workers).",
            [('{state="running"}', m.references_running),

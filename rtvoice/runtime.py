@@ -30,6 +30,7 @@ from engine.reference_audio import reference_from_bytes
 from engine.request import Chunking
 from engine.sampler import SamplingParams
 from protocol import ErrorCode, ProtocolError, TTSRequest
+from rtvoice.gc_pauses import GcWatch, freeze, unfreeze
 from rtvoice.memory import trim_loop
 from rtvoice.metrics import Metrics
 from rtvoice.settings import Settings
@@ -48,6 +49,15 @@ DEFAULT_VOICE_ALIASES: Final = frozenset({
 })
 
 log = logging.getLogger(__name__)
+
+
+async def _freeze_when_warm(engine: Engine) -> None:
+    """Freeze again once the background captures are in (their graphs and compiled code are
+    start-up objects too); no full collection first: traffic flows by then."""
+    while not await asyncio.to_thread(engine.warmup.wait, 1.0):
+        pass
+    log.info("garbage collector: %d objects frozen after the background graph captures",
+             freeze(collect=False))
 
 
 def known_error(exc: BaseException) -> ProtocolError | None:
@@ -95,6 +105,8 @@ class Runtime:
     # sockets kept open after finish{stop} for another start, oldest first (LiveSession)
     lingering: dict[LiveSession, None] = field(default_factory=dict)
     trimmer: asyncio.Task[None] | None = None  # memory.trim_loop
+    gc_watch: GcWatch | None = None  # the collector's passes, timed (gc_pauses)
+    gc_refreeze: asyncio.Task[None] | None = None  # freezes again once every graph is in
     # where the start went: model load, compile, each graph family, ready (seconds)
     startup_s: dict[str, float] = field(default_factory=dict)
 
@@ -148,6 +160,12 @@ class Runtime:
                  f"; {engine.warmup.pending} more graphs are captured in the background "
                  "(/ready: warming)" if engine.warmup.pending else "")
         trim_s = settings.service.heap_trim_s
+        svc = settings.service
+        watch = GcWatch(svc.gc_warn_ms / 1000.0)
+        watch.install()
+        if svc.gc_freeze:
+            log.info("garbage collector: %d start-up objects frozen (never scanned again)",
+                     freeze(collect=True))
         return cls(
             startup_s={k: round(v, 3) for k, v in startup.items()},
             settings=settings, bundle=bundle, engine=engine, store=store,
@@ -156,11 +174,19 @@ class Runtime:
             # the pool bounds the memory of clips decoding at once
             codec_pool=ThreadPoolExecutor(settings.limits.reference_workers, "rtvoice-codec"),
             trimmer=asyncio.create_task(trim_loop(trim_s), name="heap-trim") if trim_s else None,
+            gc_watch=watch,
+            gc_refreeze=(asyncio.create_task(_freeze_when_warm(engine), name="gc-refreeze")
+                         if svc.gc_freeze and engine.warmup.pending else None),
         )
 
     async def stop(self) -> None:
-        if self.trimmer is not None:
-            self.trimmer.cancel()
+        for task in (self.trimmer, self.gc_refreeze):
+            if task is not None:
+                task.cancel()
+        if self.gc_watch is not None:
+            self.gc_watch.uninstall()
+        if self.settings.service.gc_freeze:
+            unfreeze()
         await asyncio.to_thread(self.engine.shutdown)
         self.encode_pool.shutdown(wait=False, cancel_futures=True)
         self.codec_pool.shutdown(wait=False, cancel_futures=True)

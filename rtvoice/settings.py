@@ -164,6 +164,14 @@ class ServiceSettings:
     heap_trim_s: float = option(5.0, "give freed heap memory back to the OS every this many "
                                 "seconds (glibc malloc_trim; without it RSS ratchets up to its "
                                 "worst moment); 0 = never", ge=0)
+    gc_freeze: bool = option(True, "move every object alive at the start (model, compiled "
+                             "kernels, graphs) into the garbage collector's permanent "
+                             "generation, once ready and again when the background graphs are "
+                             "in: its full passes, which hold every thread and so stall every "
+                             "stream's audio, then scan only what sessions made since")
+    gc_warn_ms: float = option(50.0, "log a warning when one garbage-collector pass holds the "
+                               "threads longer than this (ms; every pass is timed in /metrics); "
+                               "0 = never", ge=0)
 
     def __post_init__(self) -> None:
         validate(self)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import gc
 import io
 import json
 import math
@@ -606,6 +607,10 @@ async def test_health_ready_metrics(server):
     assert samples['rtvoice_ttfa_seconds_bucket{le="+Inf"}'] == samples["rtvoice_ttfa_seconds_count"] > 0
     assert samples["rtvoice_connections_open"] >= 0
     assert samples["rtvoice_engine_codec_slow_ticks_total"] >= 0
+    # the start-up heap is frozen (gc_freeze, on by default): the collector's passes are timed
+    assert samples["rtvoice_gc_frozen_objects"] > 10_000 and gc.get_freeze_count() > 10_000
+    assert all(f'rtvoice_gc_pause_max_seconds{{generation="{g}"}}' in samples for g in range(3))
+    assert samples['rtvoice_gc_passes_total{generation="0"}'] > 0
 
 
 async def test_ready_reports_a_stalled_device(server):

@@ -360,3 +360,40 @@ async def test_encoder_backlog_is_bounded_without_waiting():
     cfg = EngineConfig(max_turn_frames=256, chunk_frames=8)
     assert encode_backlog_chunks(cfg) == 2 * 32 + 16
     assert encode_backlog_chunks(cfg, 1) == 2 * 256 + 16
+
+
+def test_gc_watch_times_every_pass_and_warns_about_a_long_one(caplog):
+    """Every collector pass holds every thread (no step, tick or send): each is timed per
+    generation; one longer than warn_s is a warning naming what to do."""
+    import gc
+
+    from rtvoice.gc_pauses import GcWatch, freeze, unfreeze
+
+    watch = GcWatch(warn_s=1e-9)
+    watch.install()
+    watch.install()  # once only
+    try:
+        with caplog.at_level(logging.WARNING, logger="rtvoice.gc_pauses"):
+            gc.collect()
+            gc.collect(0)
+    finally:
+        watch.uninstall()
+    snap = watch.snapshot()
+    assert snap["passes"][2] == 1 and snap["passes"][0] >= 1
+    assert 0 < snap["longest"][2] <= snap["seconds"][2]
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "generation 2" in warnings[0]  # one per 10 s at most
+    assert "held every thread" in warnings[0] and "--no-gc-freeze" in warnings[0]
+    gc.collect()
+    assert watch.snapshot()["passes"][2] == 1  # uninstalled: no longer counted
+    try:
+        assert freeze(collect=True) == gc.get_freeze_count() > 0
+        class Cycle:
+            pass
+        a = Cycle()
+        a.self = a  # made after the freeze: still collected
+        del a
+        assert gc.collect() >= 1
+    finally:
+        unfreeze()
+    assert gc.get_freeze_count() == 0
