@@ -147,6 +147,21 @@ def test_interp_kernel_writes_a_strided_out_and_merges_empty_splits(monkeypatch)
     assert torch.equal(wide[:, 1], torch.full((3, 4, 16), 7.0, dtype=torch.bfloat16))
 
 
+@needs_interp
+def test_interp_one_row_takes_its_block_ids_with_any_stride(monkeypatch):
+    """One row: its write block and position are [1] tensors, which torch calls contiguous
+    with any stride (a column of the table: `table[:, j].contiguous()` keeps the table's row
+    stride); the wrapper takes them (the kernel_bench's one-row case had failed there)."""
+    from tests.test_fp8_triton import _patch_interpreter
+
+    _patch_interpreter(monkeypatch)
+    q, kn, vn, kc, vc, table, _, pos = _attention_case(1, 4, 2, 16, 40, torch.bfloat16, "cpu",
+                                                       bs=16, last_at_end=True)
+    wb = table[:, int(pos[0]) // 16].contiguous()
+    assert wb.stride(0) == table.shape[1] > 1
+    _check((q, kn, vn, kc, vc, table, wb, pos), 40, splits=1, config=tri.Config(16, 4, 1))
+
+
 def _rope_check(case, S, rope, *, splits, config=None, tol=2**-7):  # type: ignore[no-untyped-def]
     """The kernel with the fused q/k norm + RoPE against functional.norm_rope_qk and then
     the fallback: the stored keys to a bf16 ulp (only the sum of squares' order differs),

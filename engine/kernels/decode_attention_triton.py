@@ -176,9 +176,11 @@ def decode_attention_triton(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Te
             or k_cache.shape != v_cache.shape:
         raise ValueError("decode_attention_triton: k_cache and v_cache must be contiguous "
                          f"and of one shape, got {list(k_cache.shape)} / {list(v_cache.shape)}")
-    if table.stride(1) != 1 or wblock.stride(0) != 1 or pos.stride(0) != 1:
+    # a dimension of size 1 may carry any stride (torch calls it contiguous): only one element
+    if any(t.shape[d] > 1 and t.stride(d) != 1 for t, d in ((table, 1), (wblock, 0), (pos, 0))):
         raise ValueError("decode_attention_triton: table rows, wblock and pos must be "
-                         "contiguous")
+                         f"contiguous, got strides {table.stride()}, {wblock.stride()}, "
+                         f"{pos.stride()}")
     if (qw is None) != (kw is None) or (qw is not None and cs is None):
         raise ValueError("decode_attention_triton: give qw and kw together, with cs")
     if qw is not None and not eps > 0:  # the padded query rows are normed too: rsqrt(0 + eps)
