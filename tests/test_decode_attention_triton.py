@@ -51,11 +51,14 @@ def test_rejects_bad_splits(splits):
         tri.decode_attention_triton(*case, splits=splits)
 
 
-def test_auto_splits_fill_the_gpu_twice_in_powers_of_two():
-    assert tri.auto_splits(64, 8, 132) == 1  # 512 programs: twice 132 SMs over
-    assert tri.auto_splits(16, 8, 132) == 4  # 3 would do: the next power of two
-    assert tri.auto_splits(32, 8, 132) == 2
-    assert tri.auto_splits(1, 8, 132) == tri.MAX_SPLITS  # 33 wanted
+def test_auto_splits_fill_one_wave_in_powers_of_two():
+    assert tri.auto_splits(64, 8, 132) == 1  # 512 programs: several waves already
+    assert tri.auto_splits(16, 8, 132) == 1  # 128 programs: one wave (splits measured slower)
+    assert tri.auto_splits(8, 8, 132) == 2  # 128 programs
+    assert tri.auto_splits(2, 8, 132) == 8  # 128 programs
+    assert tri.auto_splits(1, 8, 132) == 16
+    assert tri.auto_splits(1, 1, 132) == tri.MAX_SPLITS  # at most
+    assert tri.auto_splits(0, 8, 132) == tri.MAX_SPLITS  # no rows: the bound, not a loop
 
 
 @pytest.mark.parametrize("bad", ["q", "k_new", "out", "cache", "pos"])

@@ -12,8 +12,10 @@ with all REP query heads of the kv head as the rows of one `tl.dot` (padded to Q
 dot's minimum; mma.sync, not wgmma: enough for bytes that bound it) and the online softmax in
 float32. Each tile's page number is loaded a tile ahead, so its addresses depend on no load
 of its own iteration and the pipeliner keeps stages - 1 tiles in flight (compiled for sm_90 on
-a CPU with Triton 3.5 and 3.6: the default shape takes ~72 KB of shared memory, two tiles of
-keys and values, and 140 registers, no spills; tests/test_triton_sm90.py). With `cs` the
+a CPU with Triton 3.5: the default shape, 2 stages, takes 38 KB of shared memory, one tile of
+keys and values loading while the other is read, no spills; 3 stages 72 KB and 140
+registers; tests/test_triton_sm90.py). On the H200 2 stages measured faster than 3 at 2-64
+rows and equal at 256: more programs fit an SM. With `cs` the
 launch also does the q/k RMSNorm + RoPE of the new position (`decode_attention_triton`).
 
 Numerics: q.k^T of the model's dtype in float32; the probabilities rounded to that dtype for
@@ -23,7 +25,7 @@ the float32 reference, not bit-equal to csrc's kernel (which keeps them in float
 Splits: with `splits` > 1 each row's positions 0..pos are cut into that many ranges of whole
 tiles, each program writes its range's softmax state (max, sum, unnormalised output; float32)
 and a second launch merges them in split order. `splits=0` picks the count from the rows
-(enough programs to fill the GPU twice): `auto_splits`.
+(as many as still fit one wave of programs): `auto_splits`.
 
 Shared prefixes (`prefix`, a `PrefixTiles`): rows whose block tables begin with the same
 blocks — sessions speaking with one stored voice, whose prompt's KV the pool keeps once
@@ -76,7 +78,8 @@ class Config:
 
     block_t: int = 64
     warps: int = 4
-    stages: int = 3
+    stages: int = 2  # H200 (gpu_s32_kernel_bench.txt): 17.0 against 3 stages' 22.6 us at
+    # 64 rows x 200 positions, 64.7 / 74.1 at 64 x 1000, 9.1 / 11.3 at 16 x 200, even at 256
 
     def check(self, bs: int) -> None:
         if self.block_t < 16 or self.block_t & (self.block_t - 1) or bs % self.block_t:
@@ -131,13 +134,16 @@ def supported(q: Tensor, k_cache: Tensor, table: Tensor, wblock: Tensor, pos: Te
 
 
 def auto_splits(rows: int, kv_heads: int, sms: int) -> int:
-    """Splits per row for `rows` rows: the least power of two that makes two programs per SM,
-    at most MAX_SPLITS. From the rows alone (not the positions, which a CUDA graph does not
-    know): each count is a compiled variant, and every batch bucket's warm-up step then
-    compiles the one its captures use; powers of two keep the variants few."""
-    want = -(-2 * sms // max(1, rows * kv_heads))
+    """Splits per row for `rows` rows: the largest power of two whose programs still fit one
+    wave (rows x kv heads x splits <= SMs), at least 1, at most MAX_SPLITS. A split only pays
+    where programs would leave SMs idle: on the H200 (132 SMs, 8 kv heads) 16 rows x 200
+    positions took 6.95 us unsplit against 8.1 with 2 splits and 11.3 with 4 (two waves, the
+    old rule), and 2 rows 5.4 us with 4 against 6.4 unsplit (gpu_s32_kernel_bench.txt). From
+    the rows alone (not the positions, which a CUDA graph does not know): each count is a
+    compiled variant, and every batch bucket's warm-up step then compiles the one its
+    captures use; powers of two keep the variants few."""
     s = 1
-    while s < want and 2 * s <= MAX_SPLITS:
+    while 2 * s <= MAX_SPLITS and rows * kv_heads * 2 * s <= sms:
         s *= 2
     return s
 
@@ -217,7 +223,7 @@ def decode_attention_triton(q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Te
     if splits == 0:
         splits = auto_splits(B, Hkv, sms)
     psplits = 0
-    if prefix is not None:  # the prefix programs: fill the GPU twice, as auto_splits
+    if prefix is not None:  # the prefix programs: one wave, as auto_splits
         psplits = auto_splits(prefix.rows.shape[0], Hkv, sms)
     slots = splits + psplits
     scale = math.log2(math.e) / math.sqrt(D)  # exp2 of scores in log2 units
