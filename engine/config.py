@@ -418,8 +418,8 @@ class EngineConfig:
     attention_shared_prefix: bool = option(
         False, "with attention_triton_rows, speaking rows whose sessions share a voice "
         "prompt's KV (one stored voice, or identical inline references) read it once per "
-        "tile of 16 rows instead of once per row (cascade attention); off until a GPU "
-        "measures it (docs/PERF.md)")
+        "tile of 16 rows instead of once per row (cascade attention); off: it measured slower "
+        "than reading it per row on the H200 (docs/PERF.md)")
     stall_s: float = option(10.0, "a device wait, or one pass of a worker thread's loop (a "
                             "step, codec tick or prefill round), longer than this marks the "
                             "engine stalled (/ready 503)", gt=0)
