@@ -161,11 +161,11 @@ class Runtime:
                  "(/ready: warming)" if engine.warmup.pending else "")
         trim_s = settings.service.heap_trim_s
         svc = settings.service
-        watch = GcWatch(svc.gc_warn_ms / 1000.0)
-        watch.install()
         if svc.gc_freeze:
             log.info("garbage collector: %d start-up objects frozen (never scanned again)",
                      freeze(collect=True))
+        watch = GcWatch(svc.gc_warn_ms / 1000.0)  # from here on: the passes while serving
+        watch.install()
         return cls(
             startup_s={k: round(v, 3) for k, v in startup.items()},
             settings=settings, bundle=bundle, engine=engine, store=store,
