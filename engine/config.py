@@ -411,10 +411,11 @@ class EngineConfig:
         "apart so that the slow AR's can fold at many rows where the fast AR's measured "
         "slower; default: decode_rope_rows", ge=0, le=4096)
     attention_triton_rows: int = option(
-        16, "decode steps of at least this many rows run the slow AR's attention as the Triton "
+        0, "decode steps of at least this many rows run the slow AR's attention as the Triton "
         "tile kernel (its keys and values through the tensor cores, tiles in flight, "
-        "automatic splits) instead of csrc's CUDA-core kernel (CUDA only); on the H200 it made "
-        "the 64-row step 6 % faster (docs/PERF.md); 0: never", ge=0, le=4096)
+        "automatic splits) instead of csrc's CUDA-core kernel (CUDA only); on the H200 16 made "
+        "the 64-row step 6 % faster (docs/PERF.md), but its CUDA equality tests have not run "
+        "there yet, so 0 (never) stays the default until they pass", ge=0, le=4096)
     attention_shared_prefix: bool = option(
         False, "with attention_triton_rows, speaking rows whose sessions share a voice "
         "prompt's KV (one stored voice, or identical inline references) read it once per "
