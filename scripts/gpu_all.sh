@@ -7,7 +7,8 @@
 #      the reference fixtures with the fused ops, the step's bookkeeping kernels, the ops' errors,
 #      the codec's fused unit and transposed convs, the Triton decode attention with and
 #      without shared prefixes; 136-148 s with the extension build on a fresh machine, before
-#      the Triton attention's cases); TESTS=all runs tests/test_cuda.py and tests/test_kernels.py whole,
+#      the Triton attention's cases; one pytest process per test file, the Triton attention's
+#      first: a segfault stops only its file); TESTS=all runs tests/test_cuda.py and tests/test_kernels.py whole,
 #      TESTS_K picks by name; GATE=1 then runs scripts/gpu_gate.sh (this tree against
 #      .baseline at c=1 and 64: the ±5 % performance gate of a change);
 #   1b. scripts/sessions_bench.py (SESSIONS=0 skips it): 1,000 sessions with distinct 10 s
@@ -106,8 +107,21 @@ export OUT PYTHONUNBUFFERED=1 RTVOICE_FIXTURES=${RTVOICE_FIXTURES:-tests/fixture
 t0=$(date +%s)
 SMOKE="host_sync or engine_audio or pingpong or replay_streams or fused_kernel or bias_folding or split or two_engines or fixtures_with_fused or swiglu or fused_rope or prefilled_ahead or residual_epilogue or norm_fusion or pdl or step_book or naming or unit_kernel or upsample or decode_attention_triton or triton_attention or shared_prefix or prequant"
 if [ "${TESTS:-smoke}" = all ]; then K=${TESTS_K:-}; else K=${TESTS_K:-$SMOKE}; fi
-[ "${TESTS:-smoke}" = none ] || timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_kernels.py tests/test_fp8_triton.py tests/test_quant.py tests/test_codec_conv.py tests/test_bookkeeping.py tests/test_decode_attention_triton.py \
-    ${K:+-k "$K"} 2>&1 | grep -Ev '^ |^$|site-packages|Warning:|warnings.html' | tail -15 | tee "$OUT/tests.txt"
+# one pytest process per file, within TESTS_TIMEOUT in all: a file whose test takes the
+# process down (a segfault: faulthandler names the test) stops only that file
+if [ "${TESTS:-smoke}" != none ]; then
+    : >"$OUT/tests.txt"
+    T_END=$(( $(date +%s) + ${TESTS_TIMEOUT:-300} ))
+    for F in tests/test_decode_attention_triton.py tests/test_cuda.py tests/test_bookkeeping.py \
+             tests/test_codec_conv.py tests/test_fp8_triton.py tests/test_quant.py tests/test_kernels.py; do
+        LEFT=$(( T_END - $(date +%s) ))
+        [ $LEFT -gt 5 ] || { echo "$F: not run (TESTS_TIMEOUT)" | tee -a "$OUT/tests.txt"; continue; }
+        echo "== $F" >>"$OUT/tests.txt"
+        timeout $LEFT python3 -m pytest -q -p no:cacheprovider "$F" ${K:+-k "$K"} 2>&1 \
+            | grep -Ev '^ {4,}|^$|site-packages|Warning:|warnings.html' | tail -12 >>"$OUT/tests.txt"
+    done
+    grep -E "^==|passed|failed|error|Fatal|File \"/.*tests/" "$OUT/tests.txt" | tail -30
+fi
 echo "tests done at +$(( $(date +%s) - t0 ))s"
 if [ "${GATE:-0}" = 1 ]; then  # the change's ±5 % gate against .baseline (~200 s)
     OUT="$OUT" bash scripts/gpu_gate.sh 2>&1 | tail -12
