@@ -1160,10 +1160,9 @@ def _enqueue(queue: deque[Sequence], seq: Sequence) -> None:
     if seq.turn is None or not seq.turn.continues:
         queue.append(seq)
         return
-    at = 0
-    for i, other in enumerate(queue):
-        if other.turn is not None and other.turn.continues:
-            at = i + 1
+    # continuations only ever go in ahead of the rest: they form the queue's head
+    at = next((i for i, o in enumerate(queue) if o.turn is None or not o.turn.continues),
+              len(queue))
     queue.insert(at, seq)
 
 
