@@ -397,3 +397,21 @@ def test_gc_watch_times_every_pass_and_warns_about_a_long_one(caplog):
     finally:
         unfreeze()
     assert gc.get_freeze_count() == 0
+
+
+def test_gc_probe_times_a_full_pass_with_and_without_the_frozen_heap():
+    """scripts/gc_probe.py (the PERF.md figure): a real tiny server's tracked objects, and a
+    full collector pass that frozen objects no longer cost."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "scripts/gc_probe.py", "--reps", "1"], cwd=root,
+                       capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(root)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["tracked_objects"] > 100_000 and got["frozen_objects"] > 100_000
+    assert got["full_pass_ms_frozen"] < got["full_pass_ms"]
