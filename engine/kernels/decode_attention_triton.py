@@ -5,15 +5,16 @@ k_new/v_new — with the keys and values read as tiles through the tensor cores.
 
 Why: csrc's kernel walks a row's positions one dependent round trip after another on the CUDA
 cores; at 64 rows and 200 positions a slow-AR layer's launch reads 53 MB of keys and values
-in ~40 us on the H200 (~1.3 TB/s, docs/PERF.md), where the bytes alone take ~13 us. Here one
+in ~35 us on the H200 (~1.5 TB/s; this kernel: 17 us, docs/PERF.md), where the bytes alone
+take ~13 us. Here one
 program owns a (row, kv head, split) and streams [BT, D] key and value tiles of that head
 (one page each: BT divides BS) through Triton's pipelined loads, several tiles in flight,
 with all REP query heads of the kv head as the rows of one `tl.dot` (padded to QM = 16, the
 dot's minimum; mma.sync, not wgmma: enough for bytes that bound it) and the online softmax in
 float32. Each tile's page number is loaded a tile ahead, so its addresses depend on no load
 of its own iteration and the pipeliner keeps stages - 1 tiles in flight (compiled for sm_90 on
-a CPU with Triton 3.5: the default shape, 2 stages, takes 38 KB of shared memory, one tile of
-keys and values loading while the other is read, no spills; 3 stages 72 KB and 140
+a CPU with Triton 3.5: the default shape, 2 stages, holds one tile of keys and values
+loading while the other is read, within shared memory, no spills; 3 stages 72 KB and 140
 registers; tests/test_triton_sm90.py). On the H200 2 stages measured faster than 3 at 2-64
 rows and equal at 256: more programs fit an SM. With `cs` the
 launch also does the q/k RMSNorm + RoPE of the new position (`decode_attention_triton`).
