@@ -1,9 +1,8 @@
 // Shapes in the kernels' error messages ("[2, 3]"), shared by every op's checks.
 //
-// Streaming an IntArrayRef into TORCH_CHECK's message (`<< t.sizes()`) crashed the process
-// (SIGSEGV) instead of raising, in this extension built by nvcc against torch 2.11 on the
-// H200 (2026-12-05: checks that print only names and dtypes raised as they should), so the
-// messages print shapes through this string instead.
+// (A crash on the device once blamed on streaming sizes() into TORCH_CHECK was the build's:
+// a compiler that links a static copy of libstdc++ makes any message that formats a number
+// crash the process. engine/kernels/toolchain.py keeps such compilers out of the build.)
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -15,6 +15,7 @@ from typing import Any
 from .options import option, validate
 
 DECODE_ROPE_ROWS = 2  # decode_rope_rows' default: one speaking turn's buckets
+ATTENTION_TRITON_ROWS = 16  # attention_triton_rows' default: the Triton attention from 16 rows
 
 
 def _positive(obj: object, *names: str) -> None:
@@ -411,11 +412,12 @@ class EngineConfig:
         "apart so that the slow AR's can fold at many rows where the fast AR's measured "
         "slower; default: decode_rope_rows", ge=0, le=4096)
     attention_triton_rows: int = option(
-        0, "decode steps of at least this many rows run the slow AR's attention as the Triton "
-        "tile kernel (its keys and values through the tensor cores, tiles in flight, "
-        "automatic splits) instead of csrc's CUDA-core kernel (CUDA only); on the H200 16 made "
-        "the 64-row step 6 % faster (docs/PERF.md), but its CUDA equality tests have not run "
-        "there yet, so 0 (never) stays the default until they pass", ge=0, le=4096)
+        ATTENTION_TRITON_ROWS, "decode steps of at least this many rows run the slow AR's attention as the "
+        "Triton tile kernel (its keys and values through the tensor cores, tiles in flight, "
+        "automatic splits) instead of csrc's CUDA-core kernel (CUDA only): on the H200 the "
+        "64-row step 8.07 -> 7.59 ms, engine c=64 7,553 -> 7,825 frames/s (docs/PERF.md); "
+        "below 16 rows csrc's kernel (with its folded q/k norm + RoPE at 1-2 rows); 0: never",
+        ge=0, le=4096)
     attention_shared_prefix: bool = option(
         False, "with attention_triton_rows, speaking rows whose sessions share a voice "
         "prompt's KV (one stored voice, or identical inline references) read it once per "

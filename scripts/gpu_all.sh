@@ -48,7 +48,8 @@
 # key profile_fp8_w8a8; record a table with them first, LINEAR=1), COMPILED_BOOK=1 (the step
 # again with its bookkeeping compiled, not csrc/bookkeeping.cu's kernels: key
 # profile_compiled_book; batches 1, 2, 64), ATTN_TRITON=ROWS (the step again with the slow
-# AR's attention as the Triton tile kernel from ROWS rows: key profile_attn_triton; batches
+# AR's attention as the Triton tile kernel from ROWS rows instead of the engine's 16 — 0:
+# csrc's kernel at every batch: key profile_attn_triton; batches
 # 1, 2, 16, 64; with DECODE_ROPE=R also with the q/k norm + RoPE folded into it up to R rows,
 # the fast AR's at its default: profile_attn_triton_rope<R>; add pingpong_nocodec_attn_triton /
 # pingpong_codec_voice_attn_triton to ENGINE_RUNS for the engine with it from ROWS rows; on one

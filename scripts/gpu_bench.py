@@ -33,7 +33,10 @@ import torch
 # the repository's packages (engine, bench_latency) without an install: the device machine
 # runs this from a plain checkout
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from engine.config import DECODE_ROPE_ROWS  # after the path: a plain checkout
+from engine.config import (  # after the path: a plain checkout
+    ATTENTION_TRITON_ROWS,
+    DECODE_ROPE_ROWS,
+)
 
 
 def _sync() -> None:
@@ -313,11 +316,12 @@ def _codec_category(name: str) -> str:
 
 def engine_sweep(report: dict, device: str, levels: list[int], frames: int,
                  only: set[str] | None = None, save: Callable[[], None] | None = None,
-                 dtype: str = "bf16", attn_rows: int = 0,
+                 dtype: str = "bf16", attn_rows: int | None = None,
                  rope_rows: int | None = None) -> None:
     """The engine end to end (frames -> batched codec -> PCM): pingpong vs graphs vs naive
-    (`attn_rows` > 0: also the *_attn_triton runs, with EngineConfig.attention_triton_rows =
-    attn_rows and, given, decode_rope_rows = `rope_rows` for the slow AR only)."""
+    (the engine's attention_triton_rows; `attn_rows` given: also the *_attn_triton runs,
+    with EngineConfig.attention_triton_rows = attn_rows — 0: csrc's kernel at every batch —
+    and, given, decode_rope_rows = `rope_rows` for the slow AR only)."""
     tri = dict(attention_triton_rows=attn_rows,
                **({} if rope_rows is None else {"decode_rope_rows": rope_rows,
                                                 "fast_decode_rope_rows": DECODE_ROPE_ROWS}))
@@ -355,8 +359,8 @@ def engine_sweep(report: dict, device: str, levels: list[int], frames: int,
             ("pingpong_codec_voice", [levels[0], hi], dict(mode="pingpong", codec=True,
                                                            ref_frames=215)),
             ("pingpong_nocodec", ends, dict(mode="pingpong", codec=False)),
-            # the slow AR's attention as the Triton tile kernel from attn_rows rows (only
-            # with --attn-triton: not in a default sweep)
+            # the slow AR's attention switched at attn_rows rows instead of the engine's
+            # default (only with --attn-triton: not in a default sweep)
             # (and, every sequence on one 10 s voice whose KV the pool holds once, csrc's,
             # the Triton kernel's and the Triton kernel with that prefix read once per 16
             # rows: EngineConfig.attention_shared_prefix)
@@ -374,7 +378,7 @@ def engine_sweep(report: dict, device: str, levels: list[int], frames: int,
                ("pingpong_codec_voice_attn_triton_shared", [levels[0], hi], dict(
                    mode="pingpong", codec=True, ref_frames=215,
                    config=tri | {"attention_shared_prefix": True})))
-              if attn_rows else ()),
+              if attn_rows is not None else ()),
             # a lone turn in an engine of `hi` rows (the server's case: its bucket is the
             # two-row step) against the same with the one-row bucket
             # (EngineConfig.one_row_bucket); the sweep's own c=1 engines have one row only
@@ -428,7 +432,7 @@ def profile_step(report: dict, device: str, sampler_kernel: bool = True,
                  batches: tuple[int, ...] = (1, 2, 16, 64),
                  normed_fp8: int | None = None, dense_copy: bool = True,
                  attend_prologue: bool = False, fp8_activations: bool = False,
-                 step_book: bool = True, attn_triton: int = 0,
+                 step_book: bool = True, attn_triton: int = ATTENTION_TRITON_ROWS,
                  decode_rope_fast: int | None = None) -> None:
     """Where one frame step's GPU time goes (eager, fused ops), and graph-replay step time.
     `decode_rope`: the q/k norm + RoPE inside decode attention up to that many rows (key
@@ -442,9 +446,9 @@ def profile_step(report: dict, device: str, sampler_kernel: bool = True,
     to 2 rows (key profile_attend; the engine's default: its own launches);
     `fp8_activations`: FP8 linears may take the table's W8A8 rows, as the engine's
     --fp8-activations (key profile_fp8_w8a8); `step_book` False: the step's bookkeeping as
-    the compiled functions, not csrc's kernels (key profile_compiled_book); `attn_triton`
-    (> 0): the slow AR's attention as the Triton tile kernel from that many rows (key
-    profile_attn_triton); `decode_rope_fast`: the fast AR's fold apart from `decode_rope`
+    the compiled functions, not csrc's kernels (key profile_compiled_book); `attn_triton`:
+    the slow AR's attention as the Triton tile kernel from that many rows (0: csrc's kernel
+    at every batch; other than the engine's default: key profile_attn_triton); `decode_rope_fast`: the fast AR's fold apart from `decode_rope`
     (None: the same)."""
     from engine.engine import add_fp8_copies
     from engine.fusion import pack_ffn
@@ -511,7 +515,7 @@ def profile_step(report: dict, device: str, sampler_kernel: bool = True,
         print(json.dumps({B: out[B]})[:1500], flush=True)
         del g
     report[("profile_attn_triton" + (f"_rope{decode_rope}" if decode_rope is not None else ""))
-           if attn_triton
+           if attn_triton != ATTENTION_TRITON_ROWS
            else f"profile_decode_rope{decode_rope}" if decode_rope is not None
            else f"profile_pdl{pdl}" if pdl is not None
            else "profile_fp8_normed" if normed_fp8 is not None
@@ -604,15 +608,17 @@ def main() -> int:
     ap.add_argument("--compiled-book", action="store_true",
                     help="also profile the step with its bookkeeping compiled, not csrc's "
                          "kernels (batches 1, 2, 64; key profile_compiled_book)")
-    ap.add_argument("--attn-triton", type=int, default=0, metavar="ROWS",
+    ap.add_argument("--attn-triton", type=int, default=None, metavar="ROWS",
                     help="also profile the step with the slow AR's attention as the Triton "
-                         "tile kernel from ROWS rows (batches 1, 2, 16, 64; key "
+                         "tile kernel from ROWS rows, not the engine's "
+                         f"{ATTENTION_TRITON_ROWS} (0: csrc's kernel at every batch; "
+                         "batches 1, 2, 16, 64; key "
                          "profile_attn_triton; with --decode-rope R also with the q/k norm + "
                          "RoPE folded into it up to R rows, the fast AR's at its default: "
                          "profile_attn_triton_rope<R>), and "
                          "add the engine runs pingpong_nocodec_attn_triton / "
                          "pingpong_codec_voice_attn_triton with it from ROWS rows, and on one "
-                         "10 s voice pingpong_nocodec_voice (csrc's) / "
+                         "10 s voice pingpong_nocodec_voice (the engine's default) / "
                          "pingpong_nocodec_voice_attn_triton / *_attn_triton_shared (its "
                          "prefix read once per 16 rows) / "
                          "pingpong_codec_voice_attn_triton_shared")
@@ -683,7 +689,7 @@ def main() -> int:
                                               decode_rope_fast=DECODE_ROPE_ROWS,
                                               batches=(1, 2, 16, 64))),)
                           if args.decode_rope is not None else ()))
-                       if args.attn_triton else ()),
+                       if args.attn_triton is not None else ()),
                      *((("profile_attend",
                          functools.partial(profile_step, report, device, dtype=args.dtype,
                                            attend_prologue=True, batches=(1, 2))),)

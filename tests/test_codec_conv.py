@@ -16,7 +16,7 @@ import os
 
 import pytest
 import torch
-from _codec_stream import stream_vs_offline, unit_block
+from _codec_stream import CUTS, stream_vs_offline, unit_block
 
 from engine.codec.layers import (
     CodecOps,
@@ -691,5 +691,8 @@ def test_cuda_units_and_transposed_convs_stream_through_the_plan(monkeypatch):
         ops = dataclasses.replace(base, conv_plan=plan)
         got, _ = stream_vs_offline(block, x.cuda().to(torch.bfloat16), ops, channels_last=True)
         errs[name] = float((got.float().cpu() - want).norm() / want.norm())
-        assert calls == (["upsample", "residual_unit"] * 4 if name == "fused" else []), calls
+        # a one-sample chunk's [B, C, 1] input counts as channels-first (it is both), so its
+        # transposed conv stays cuDNN's; its output (two samples) is channels-last again
+        fused = [f for a, b in CUTS for f in (["upsample"] if b - a > 1 else []) + ["residual_unit"]]
+        assert calls == (fused if name == "fused" else []), calls
     assert errs["fused"] <= 1.1 * errs["plain"] + 1e-3, errs

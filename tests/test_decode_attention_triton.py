@@ -297,7 +297,9 @@ def _shared_case(B, H, Hkv, D, S, bs, groups, n_blocks, *, device="cpu",  # type
             pos[r] = int(torch.randint(n_blocks * bs, S, (1,), generator=g))
             wb[r] = table[r, pos[r] // bs]
     case = [t.to(device) for t in (q, kn, vn, kc, vc, table, wb, pos)]
-    case[1] = case[1].as_strided(kn.shape, kn.stride())  # views, as the model hands them
+    # k_new as the model hands it over, a view into a wider row (`.to` made it dense)
+    wide = torch.empty(kn.shape[0], kn.stride(0), dtype=kn.dtype, device=device)
+    case[1] = wide.as_strided(kn.shape, kn.stride()).copy_(case[1])
     return case
 
 

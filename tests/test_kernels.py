@@ -146,9 +146,14 @@ def test_step_book_cuda_kernels_are_the_reference_bit_for_bit(dtype, B):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_ops_reject_bad_inputs_naming_their_shapes():
     """The ops' own checks (the wrappers check or fall back before them): a clear error each,
-    shapes printed (an IntArrayRef streamed into the message crashed the process on the
-    device's torch 2.11: csrc/check.cuh)."""
+    shapes and counts printed. Built by a compiler that linked a static libstdc++ (the
+    device image's CXX), every message with a number in it crashed the process instead:
+    the build takes a compiler that links the shared one (engine/kernels/toolchain.py)."""
     assert extension_available(), "the CUDA extension did not build"
+    from engine.kernels import toolchain
+    from engine.kernels.build import extension_path
+
+    assert toolchain.links_shared_cxx_runtime(extension_path())
     ops = torch.ops.rtvoice_kernels
     x3 = torch.zeros(1, 4, 8, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match=r"snake: alpha must be contiguous \[C\] with C = 4, "

@@ -1,7 +1,9 @@
 """Building and loading csrc/ as one torch extension (namespace `torch.ops.rtvoice_kernels`).
 
 The extension is compiled on first use on a CUDA machine with
-`torch.utils.cpp_extension.load` (cached under `~/.cache/torch_extensions`). Whether it built
+`torch.utils.cpp_extension.load` (cached under `~/.cache/torch_extensions`), by a compiler
+that links the shared C++ runtime (`toolchain`: a static copy crashes the process on an error
+message with a number in it). Whether it built
 is a fact of the machine, found once per process; which kernels an engine *uses* is decided
 by the `Ops` it is built with (engine/ops.py), never here.
 """
@@ -15,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from . import toolchain
+
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
@@ -26,28 +30,53 @@ KERNEL_OPS = ("prev_tokens_shift_inplace", "decode_attention", "sample_topk", "s
               "book_frame_tokens", "book_step_end")
 
 
-@functools.cache
 def extension_available() -> bool:
     """Build (once per process) and load the CUDA extension; False on CPU-only machines or
-    build errors (no nvcc, no headers: every wrapper then runs its torch fallback)."""
+    build errors (no nvcc, no headers, no compiler that links the shared C++ runtime: every
+    wrapper then runs its torch fallback)."""
+    return extension_path() is not None
+
+
+@functools.cache
+def extension_path() -> str | None:
+    """`extension_available`'s work: the loaded extension's file, or None."""
     if not torch.cuda.is_available() or not (CSRC / "ops.cpp").is_file():
-        return False
+        return None
     try:
         from torch.utils.cpp_extension import load
 
+        tc, passed_over = toolchain.choose()
+        for why in passed_over:
+            log.warning("csrc build: %s; trying the next compiler", why)
+        if tc is None:
+            log.warning("rtvoice CUDA kernels unavailable: no C++ compiler here links the "
+                        "shared libstdc++ (install the system's g++, or point CXX at one); "
+                        "using the torch fallbacks")
+            return None
         major, minor = torch.cuda.get_device_capability()
-        load(name="rtvoice_kernels",
-             sources=[str(CSRC / f) for f in ("ops.cpp", *KERNEL_FILES)],
-             extra_cuda_cflags=["-O3", f"-gencode=arch=compute_{major}{minor},"
-                                       f"code=sm_{major}{minor}",
-                                f"-DRTV_HEADERS_HASH={_headers_hash()}"],
-             verbose=False)
-        ok = all(hasattr(torch.ops.rtvoice_kernels, op) for op in KERNEL_OPS)
-        log.info("rtvoice CUDA kernels loaded (sm_%d%d)", major, minor)
-        return ok
+        keys = [f"-DRTV_HEADERS_HASH={_headers_hash()}", f"-DRTV_TOOLCHAIN={tc.key}"]
+        with tc.environ():
+            mod = load(name="rtvoice_kernels",
+                       sources=[str(CSRC / f) for f in ("ops.cpp", *KERNEL_FILES)],
+                       extra_cflags=keys[1:],
+                       extra_cuda_cflags=["-O3", f"-gencode=arch=compute_{major}{minor},"
+                                                 f"code=sm_{major}{minor}", *keys],
+                       verbose=False)
+        if not toolchain.links_shared_cxx_runtime(mod.__file__):
+            log.warning("rtvoice CUDA kernels built by %s carry their own copy of libstdc++ "
+                        "(%s): their error checks could crash the process; using the torch "
+                        "fallbacks", tc.cxx, mod.__file__)
+            return None
+        missing = [op for op in KERNEL_OPS if not hasattr(torch.ops.rtvoice_kernels, op)]
+        if missing:
+            log.warning("rtvoice CUDA kernels lack %s (a stale build?); using the torch "
+                        "fallbacks", ", ".join(missing))
+            return None
+        log.info("rtvoice CUDA kernels loaded (sm_%d%d, built by %s)", major, minor, tc.cxx)
+        return str(mod.__file__)
     except Exception as e:
         log.warning("rtvoice CUDA kernels unavailable (%s); using the torch fallbacks", e)
-        return False
+        return None
 
 
 def _headers_hash() -> str:
