@@ -146,6 +146,9 @@ ALLOWED = {
     # reference did
     ("engine/verify_reference.py", "main"),
     ("engine/codec/reference_checks.py", "deterministic"),
+    # CC / CXX around the csrc extension's build only (torch's build reads its compilers
+    # from the environment), restored after it
+    ("engine/kernels/toolchain.py", "_set_environ"),
 }
 
 

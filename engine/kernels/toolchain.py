@@ -99,18 +99,19 @@ class Toolchain:
         want = {"CC": self.cc, "CXX": self.cxx}
         saved = {k: os.environ.get(k) for k in want}
         try:
-            for k, v in want.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+            _set_environ(want)
             yield
         finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+            _set_environ(saved)
+
+
+def _set_environ(values: Mapping[str, str | None]) -> None:
+    """Set these environment variables (None: unset)."""
+    for k, v in values.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
 
 
 def choose(env: Mapping[str, str] | None = None,
