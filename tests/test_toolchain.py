@@ -19,12 +19,32 @@ needs_gxx = pytest.mark.skipif(GXX is None or not sys.platform.startswith("linux
                                reason="needs g++ on Linux")
 
 
-def test_needed_libraries_reads_torchs_extension_module():
-    so = Path(torch._C.__file__)
-    needed = toolchain.needed_libraries(so)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ELF files on Linux")
+def test_needed_libraries_reads_torchs_libraries(tmp_path):
+    needed = toolchain.needed_libraries(torch._C.__file__)
     assert "libtorch_python.so" in needed, needed
+    cpu = next(Path(torch.__file__).parent.glob("lib/libtorch_cpu.so*"))
+    assert "libstdc++.so.6" in toolchain.needed_libraries(cpu)
+    assert toolchain.links_shared_cxx_runtime(cpu)
     with pytest.raises(ValueError, match="not a 64-bit little-endian ELF"):
-        toolchain.needed_libraries(Path(torch.__file__))  # a .py file
+        toolchain.needed_libraries(torch.__file__)  # a .py file
+    data = Path(torch._C.__file__).read_bytes()
+    cut = tmp_path / "cut.so"
+    for n in (4, 64, 600):  # truncated: a clear error, never an IndexError / struct.error
+        cut.write_bytes(data[:n])
+        with pytest.raises(ValueError):
+            toolchain.needed_libraries(cut)
+
+
+@needs_gxx
+def test_needed_libraries_of_an_object_without_a_dynamic_segment(tmp_path):
+    import subprocess
+
+    (tmp_path / "a.cpp").write_text("int f() { return 1; }\n")
+    subprocess.run([GXX, "-c", "-o", str(tmp_path / "a.o"), str(tmp_path / "a.cpp")],
+                   check=True)
+    with pytest.raises(ValueError, match="no dynamic segment"):
+        toolchain.needed_libraries(tmp_path / "a.o")
 
 
 def _static_wrapper(tmp_path: Path) -> str:
@@ -49,14 +69,15 @@ def test_choose_passes_over_a_static_compiler_for_the_systems(tmp_path):
     gcc = shutil.which("gcc") or "gcc"
     tc, why = toolchain.choose({"CC": "/opt/x/gcc", "CXX": static}, system=(gcc, GXX))
     assert tc == toolchain.Toolchain(gcc, GXX) and len(why) == 1 and "statically" in why[0]
-    # the environment's compiler first when it links the shared runtime
+    # the environment's compiler first when it links the shared runtime; without CC, nvcc's
+    # host compiler is that same one
     tc, why = toolchain.choose({"CXX": GXX}, system=(gcc, GXX))
-    assert tc == toolchain.Toolchain(None, GXX) and why == []
+    assert tc == toolchain.Toolchain(GXX, GXX) and why == []
     # nothing usable: None, and every reason
     tc, why = toolchain.choose({"CXX": static}, system=(gcc, str(tmp_path / "none")))
     assert tc is None and len(why) == 1
     # different compilers, different build-cache keys
-    assert toolchain.Toolchain(gcc, GXX).key != toolchain.Toolchain(None, static).key
+    assert toolchain.Toolchain(gcc, GXX).key != toolchain.Toolchain(gcc, static).key
 
 
 def test_environ_sets_and_restores(monkeypatch):
@@ -64,8 +85,9 @@ def test_environ_sets_and_restores(monkeypatch):
     monkeypatch.delenv("CXX", raising=False)
     import os
 
-    with toolchain.Toolchain(None, "/x/g++").environ():
-        assert "CC" not in os.environ and os.environ["CXX"] == "/x/g++"
+    with pytest.raises(RuntimeError), toolchain.Toolchain("/x/gcc", "/x/g++").environ():
+        assert (os.environ["CC"], os.environ["CXX"]) == ("/x/gcc", "/x/g++")
+        raise RuntimeError("the build failed")
     assert os.environ["CC"] == "/keep/cc" and "CXX" not in os.environ
 
 
@@ -79,8 +101,23 @@ def _built(tmp_path: Path, cxx: str) -> str:
     return str(out)
 
 
+@pytest.fixture
+def fresh_build():  # type: ignore[no-untyped-def]
+    """build's cached result cleared before and after (a failing test leaves none behind)."""
+    from engine.kernels import build
+
+    def clear() -> None:
+        build.extension_path.cache_clear()
+        build._build.cache_clear()
+
+    clear()
+    yield clear
+    clear()
+
+
 @needs_gxx
-def test_build_refuses_an_extension_with_its_own_libstdcxx(tmp_path, monkeypatch, caplog):
+def test_build_refuses_an_extension_with_its_own_libstdcxx(tmp_path, monkeypatch, caplog,
+                                                           fresh_build):
     """extension_path's checks around torch's build (faked: no CUDA here): a build whose
     output carries a static libstdc++ is not used; neither is one with no compiler at all;
     a good one is, built with the chosen compilers in CC / CXX."""
@@ -105,16 +142,22 @@ def test_build_refuses_an_extension_with_its_own_libstdcxx(tmp_path, monkeypatch
     monkeypatch.setattr(torch.ops, "rtvoice_kernels",
                         types.SimpleNamespace(**dict.fromkeys(build.KERNEL_OPS, 1)),
                         raising=False)
-    cases = [(toolchain.Toolchain(None, static), "carry their own copy of libstdc++", False),
+    cases = [(toolchain.Toolchain(static, static), "carry their own copy of libstdc++", False),
              (None, "no C++ compiler here links the shared libstdc++", False),
-             (toolchain.Toolchain(None, GXX), "loaded (sm_90, built by", True)]
+             (toolchain.Toolchain(GXX, GXX), "loaded (sm_90, built by", True)]
+    import os
+
+    monkeypatch.setenv("CC", "/env/cc")
+    monkeypatch.setenv("CXX", "/env/c++")
     for tc, said, ok in cases:
-        build.extension_path.cache_clear()
+        fresh_build()
         monkeypatch.setattr(toolchain, "choose", lambda tc=tc: (tc, []))
         caplog.clear()
         with caplog.at_level("INFO", logger="engine.kernels.build"):
             path = build.extension_path()
         assert (path is not None) == ok and said in caplog.text, caplog.text
+        assert build.extension_available() == ok
         if tc is not None:
             assert seen["cxx"] == tc.cxx and f"-DRTV_TOOLCHAIN={tc.key}" in seen["flags"]
-    build.extension_path.cache_clear()
+        # the build's compilers were set for it only
+        assert (os.environ["CC"], os.environ["CXX"]) == ("/env/cc", "/env/c++")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import threading
 from pathlib import Path
 
 import torch
@@ -30,6 +31,9 @@ KERNEL_OPS = ("prev_tokens_shift_inplace", "decode_attention", "sample_topk", "s
               "book_frame_tokens", "book_step_end")
 
 
+_BUILD_LOCK = threading.Lock()
+
+
 def extension_available() -> bool:
     """Build (once per process) and load the CUDA extension; False on CPU-only machines or
     build errors (no nvcc, no headers, no compiler that links the shared C++ runtime: every
@@ -39,7 +43,14 @@ def extension_available() -> bool:
 
 @functools.cache
 def extension_path() -> str | None:
-    """`extension_available`'s work: the loaded extension's file, or None."""
+    """`extension_available`'s work: the loaded extension's file, or None. One build at a
+    time, once (it sets CC / CXX in the process environment while torch builds)."""
+    with _BUILD_LOCK:
+        return _build()
+
+
+@functools.cache
+def _build() -> str | None:
     if not torch.cuda.is_available() or not (CSRC / "ops.cpp").is_file():
         return None
     try:
@@ -64,8 +75,9 @@ def extension_path() -> str | None:
                        verbose=False)
         if not toolchain.links_shared_cxx_runtime(mod.__file__):
             log.warning("rtvoice CUDA kernels built by %s carry their own copy of libstdc++ "
-                        "(%s): their error checks could crash the process; using the torch "
-                        "fallbacks", tc.cxx, mod.__file__)
+                        "(%s): loaded, but their error checks could crash the process, so no "
+                        "engine uses them (the torch fallbacks run); point CXX at a compiler "
+                        "that links the shared libstdc++", tc.cxx, mod.__file__)
             return None
         missing = [op for op in KERNEL_OPS if not hasattr(torch.ops.rtvoice_kernels, op)]
         if missing:
