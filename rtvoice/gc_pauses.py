@@ -81,10 +81,11 @@ class GcWatch:
         self.longest[g] = max(self.longest[g], dt)
         if self.warn_s and dt > self.warn_s and now - self._warned_at >= WARN_EVERY_S:
             self._warned_at = now
+            # (no count of the tracked objects here: listing them would lengthen the pause)
             log.warning("garbage collection (generation %d) held every thread for %.0f ms: "
-                        "audio of every stream may have a gap; %d objects are tracked, %d "
-                        "frozen (the service freezes its start-up objects unless --no-gc-freeze)",
-                        g, dt * 1000, len(gc.get_objects()), gc.get_freeze_count())
+                        "audio of every stream may have a gap; %d objects frozen (the service "
+                        "freezes its start-up objects unless --no-gc-freeze)",
+                        g, dt * 1000, gc.get_freeze_count())
 
     def snapshot(self) -> dict[str, list[float] | list[int] | int]:
         return {"passes": list(self.passes), "seconds": list(self.seconds),

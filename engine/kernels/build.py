@@ -65,13 +65,14 @@ def _build() -> str | None:
                         "using the torch fallbacks")
             return None
         major, minor = torch.cuda.get_device_capability()
-        keys = [f"-DRTV_HEADERS_HASH={_headers_hash()}", f"-DRTV_TOOLCHAIN={tc.key}"]
+        compilers = f"-DRTV_TOOLCHAIN={tc.key}"  # both object kinds' flags: a build of its own
         with tc.environ():
             mod = load(name="rtvoice_kernels",
                        sources=[str(CSRC / f) for f in ("ops.cpp", *KERNEL_FILES)],
-                       extra_cflags=keys[1:],
+                       extra_cflags=[compilers],
                        extra_cuda_cflags=["-O3", f"-gencode=arch=compute_{major}{minor},"
-                                                 f"code=sm_{major}{minor}", *keys],
+                                                 f"code=sm_{major}{minor}",
+                                          f"-DRTV_HEADERS_HASH={_headers_hash()}", compilers],
                        verbose=False)
         if not toolchain.links_shared_cxx_runtime(mod.__file__):
             log.warning("rtvoice CUDA kernels built by %s carry their own copy of libstdc++ "
