@@ -4,8 +4,9 @@ rotating weight copies (more than 200 MB of them, so the 50 MB L2 holds none), a
 
     python -m bench_latency.linear_bench --out engine/kernels/linear_table.json
 
-Candidates: bf16 weights: F.linear (cuBLAS, "library") and the csrc kernel (`gemv`) in
-variants 0, 1, 4 and 5; FP8 weights (e4m3, 128 x 128 block scales): `fp8_gemv` in variants 0-6 (7, W8A8, with the W8A8 candidates below)
+Candidates: bf16 weights: F.linear (cuBLAS, "library"), the csrc kernel (`gemv`) in
+variants 0, 1, 4 and 5 and, from M = 8, the Triton GEMM over the dense weights
+(`dense_linear_triton` in `sweep_configs(M, dense=True)`'s configs, "triton"); FP8 weights (e4m3, 128 x 128 block scales): `fp8_gemv` in variants 0-6 (7, W8A8, with the W8A8 candidates below)
 (3 only when asked: `--variants`; 6 at the M and K whose rows it can stage), the
 Triton weight-only kernel (engine/kernels/fp8_triton.py) in `sweep_configs(M)`'s few configs,
 and the W8A8 candidates (activations quantised to e4m3: other numerics, recorded as a
@@ -124,6 +125,8 @@ ROTATE_BYTES = 200 * 2**20
 # the automatic rule aims at two programs per SM, which the 128-wide tiles at M >= 32 (one
 # program per SM by shared memory) turn into two waves
 TRITON_SPLIT_SWEEP_M = 16
+# bf16 weights: the dense Triton GEMM is timed from this M (below, csrc's kernel leads)
+DENSE_TRITON_MIN_M = 8
 TRITON_SPLITS = (1, 2, 3, 4, 6, 8)
 
 Meta = dict[str, object]  # a candidate's PlanRow fields: impl, splits, kwarps, variant, config
@@ -358,6 +361,13 @@ def bench_shape(name: str, n: int, k: int, ms: tuple[int, ...], reps: int, copy:
                 sweep_gemv(timer, fp8, vs, functools.partial(_chunks, k, fp8),
                            pdl_mode(pdl, fp8))
             w8a8: Timer | None = None
+            if not fp8 and mod is not None and m >= DENSE_TRITON_MIN_M:
+                for cfg in mod.sweep_configs(m, dense=True):
+                    for split in _triton_splits(mod, m, n, k, cfg, sms):
+                        call = functools.partial(mod.dense_linear_triton, config=cfg,
+                                                 split_k=split)
+                        timer.time(f"triton:{_cfg_name(cfg)}:k{split}", call,
+                                   {"impl": "triton", "splits": split, "config": cfg.to_json()})
             if fp8 and mod is not None:
                 # N not a multiple of 16 compiles every config anew: the default one only
                 cfgs = mod.sweep_configs(m)[: None if n % 16 == 0 else 1]

@@ -215,6 +215,70 @@ def test_aligned_strided_rows_pass_the_contract():
     ft.check(torch.zeros(0, 384, dtype=torch.bfloat16), W)
 
 
+WD = torch.zeros(256, 384, dtype=torch.bfloat16)
+DENSE_CONTRACT = [
+    ("not 2-D", lambda: ft.dense_linear_triton(torch.zeros(2, 384, dtype=torch.bfloat16),
+                                               WD[None]), r"\[N, K\] weight"),
+    ("fp8 weight", lambda: ft.dense_linear_triton(torch.zeros(2, 384, dtype=torch.bfloat16),
+                                                  W), r"\[N, K\] weight"),
+    ("dtypes differ", lambda: ft.dense_linear_triton(torch.zeros(2, 384, dtype=torch.float16),
+                                                     WD), "bfloat16 or both float16"),
+    ("float32", lambda: ft.dense_linear_triton(torch.zeros(2, 384), WD.float()),
+     "bfloat16 or both float16"),
+    ("strided weight", lambda: ft.dense_linear_triton(
+        torch.zeros(2, 384, dtype=torch.bfloat16),
+        torch.zeros(256, 400, dtype=torch.bfloat16)[:, :384]), "must be contiguous"),
+    ("K", lambda: ft.dense_linear_triton(torch.zeros(2, 383, dtype=torch.bfloat16), WD),
+     "K = 384"),
+    ("aligned", lambda: ft.dense_linear_triton(_misaligned_x(2, 384), WD), "16-byte"),
+    ("prescale", lambda: ft.dense_linear_triton(
+        torch.zeros(2, 384, dtype=torch.bfloat16), WD,
+        config=ft.Config(16, 64, 128, prescale=True)), "no scales"),
+    ("split_k", lambda: ft.dense_linear_triton(
+        torch.zeros(2, 384, dtype=torch.bfloat16), WD, split_k=-2), "split_k"),
+]
+
+
+@pytest.mark.parametrize("call,match", [(c, m) for _, c, m in DENSE_CONTRACT],
+                         ids=[i for i, _, _ in DENSE_CONTRACT])
+def test_dense_contract(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_dense_fallback_is_f_linear():
+    """Off CUDA (or with kernel=False) the dense GEMM is F.linear, rows strided or not."""
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(200, 384, generator=g).to(torch.bfloat16)
+    for x in (make_x(5, 384, pad=8), make_x(1, 384), make_x(2, 384).view(1, 2, 384)):
+        out = ft.dense_linear_triton(x, w, config=ft.Config(16, 64, 128), split_k=2)
+        assert torch.equal(out, torch.nn.functional.linear(x, w))
+    assert ft.dense_linear_triton(torch.zeros(0, 384, dtype=torch.bfloat16), w).shape == (0, 200)
+
+
+def test_dense_sweep_configs():
+    """The dense GEMM's configs per M bucket (8-64 rows): valid for dense weights, among
+    `configs()` (so the GPU tests run them), the bucket's rows or unswapped 64-row tiles;
+    none above 64 rows; a dense config round-trips through a plan's JSON."""
+    every = set(ft.configs())
+    for m in (1, 8, 16, 17, 32, 33, 64):
+        bucket = 16 if m <= 16 else (32 if m <= 32 else 64)
+        sweep = ft.sweep_configs(m, dense=True)
+        assert sweep and set(sweep) <= every, m
+        assert any(c.swap_ab for c in sweep) and any(not c.swap_ab for c in sweep)
+        for c in sweep:
+            c.check(dense=True)
+            assert c.block_m == bucket or (not c.swap_ab and c.block_m == 64)
+            assert ft.Config.from_json(c.to_json()) == c
+    assert ft.sweep_configs(65, dense=True) == ()
+    with pytest.raises(ValueError, match="no W8A8"):
+        ft.sweep_configs(16, w8a8=True, dense=True)
+    # dense tiles hold 16-bit weights: fit_smem counts two bytes per weight, no scratch
+    cfg = ft.Config(64, 128, 128, 4, 4)
+    assert ft.fit_smem(cfg, 170 * 1024, dense=True).num_stages == 3  # 3 x 48 KiB
+    assert ft.fit_smem(cfg, 170 * 1024).num_stages == 4  # 4 x 32 KiB + 32 KiB
+
+
 # --------------------------------------------------------------------- CPU: the configs
 def test_configs_valid_and_table_in_them():
     cs = ft.configs()
@@ -451,8 +515,8 @@ def _prequant_case(device: str, m: int, n: int, k: int) -> None:
     for cfg in (ft.Config(16, 64, 128, swap_ab=True), ft.Config(64, 64, 128)):
         pre = dataclasses.replace(cfg, prequant=True)
         for split in (1, 2):
-            a = ft._launch(x, w, cfg, split, sms=132, w8a8=True)
-            b = ft._launch(x, w, pre, split, sms=132, w8a8=True)
+            a = ft._launch(x, w.q, w.scale, cfg, split, sms=132, w8a8=True)
+            b = ft._launch(x, w.q, w.scale, pre, split, sms=132, w8a8=True)
             assert torch.equal(a, b), (cfg, split)
             assert_w8a8(b, x, w)
     q, sc = ft.quantize_act(x)  # true divisions: the reference's values exactly
@@ -465,6 +529,61 @@ def _prequant_case(device: str, m: int, n: int, k: int) -> None:
 @pytest.mark.parametrize("m,n,k", [(1, 300, 260), (17, 2560, 4096), (64, 19456, 2560)])
 def test_w8a8_prequant_is_the_in_kernel_quantisation(m, n, k):
     _prequant_case("cuda", m, n, k)
+
+
+def assert_dense(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """The dense GEMM against the float64 product of its bf16 operands: bf16's rounding of
+    the output plus the fp32 accumulation (1e-5 of sum_k |x_k w_k|)."""
+    ref = x.double() @ w.double().T
+    mag = x.double().abs() @ w.double().abs().T
+    assert out.shape == ref.shape and out.dtype == x.dtype
+    err = (out.double() - ref).abs()
+    bound = 2**-8 * ref.abs() + 1e-5 * mag + 1e-30
+    bad = err > bound
+    assert not bad.any(), (f"{int(bad.sum())} of {bad.numel()} outputs off; worst "
+                           f"{float((err / bound).max()):.3g} x the bound")
+
+
+def _dense_case(device: str, m: int, n: int, k: int, splits=(1, 2)) -> None:
+    """Every dense sweep config of m's bucket (and the default table's) at each split, rows
+    strided, against the float64 product; a leading batch dim and fp16 through the wrapper."""
+    g = torch.Generator(device=device).manual_seed(n + k + m)
+    w = (torch.randn(n, k, generator=g, device=device) / k ** 0.5).to(torch.bfloat16)
+    x = make_x(m, k, device=device, seed=m, pad=8)
+    for cfg in (*ft.sweep_configs(m, dense=True), ft.default_config(m, n, k)):
+        for split in splits:
+            try:
+                assert_dense(ft._launch(x, w, None, cfg, split, sms=132), x, w)
+            except AssertionError as e:
+                raise AssertionError(f"{cfg} split {split}: {e}") from None
+    if device == "cuda":
+        x3 = make_x(2 * m, k, device=device, seed=m + 1).view(2, m, k)
+        assert_dense(ft.dense_linear_triton(x3, w).view(2 * m, n), x3.view(2 * m, k), w)
+        wh, xh = w.half(), make_x(m, k, device=device, seed=3, dtype=torch.float16)
+        assert_dense(ft.dense_linear_triton(xh, wh), xh, wh)
+
+
+@needs_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("m", (8, 16, 17, 32, 64))
+@pytest.mark.parametrize("n,k", ((6144, 2560), (2560, 9728), (4097, 2560), (300, 260)))
+def test_dense_kernel_matches_the_product(m, n, k):
+    _dense_case("cuda", m, n, k, splits=(0, 1, 3))
+
+
+@needs_cuda
+@pytest.mark.cuda
+def test_dense_kernel_graph_capturable():
+    w = (torch.randn(2560, 4096, device="cuda") / 64).to(torch.bfloat16)
+    x = make_x(64, 4096, device="cuda", seed=2)
+    cfg = ft.sweep_configs(64, dense=True)[0]
+    want = ft.dense_linear_triton(x, w, config=cfg, split_k=2)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ft.dense_linear_triton(x, w, config=cfg, split_k=2)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)
 
 
 # ------------------------------------------------------------- interpreter (CPU, opt-in)
@@ -519,7 +638,7 @@ def test_interp_kernel_matches_reference(interp, m, n, k):
     x = make_x(m, k, seed=m, pad=8)
     cfg = ft.default_config(m, n, k)
     for split in (0, 1, 2):
-        assert_matches(ft._launch(x, w, cfg, split, sms=132), x, w)
+        assert_matches(ft._launch(x, w.q, w.scale, cfg, split, sms=132), x, w)
 
 
 @needs_interp
@@ -530,7 +649,7 @@ def test_interp_every_config(interp):
         x = make_x(m, k, seed=m, pad=8)
         for cfg in ft.configs():
             try:
-                assert_matches(ft._launch(x, w, cfg, 2, sms=132), x, w,
+                assert_matches(ft._launch(x, w.q, w.scale, cfg, 2, sms=132), x, w,
                                prescaled=cfg.prescale)
             except AssertionError as e:
                 raise AssertionError(f"{cfg}: {e}") from None
@@ -543,7 +662,7 @@ def test_interp_every_split_k(interp):
     x = make_x(3, k, seed=3)
     cfg = ft.Config(16, 64, 64)
     for split in range(1, 11):
-        assert_matches(ft._launch(x, w, cfg, split, sms=132), x, w)
+        assert_matches(ft._launch(x, w.q, w.scale, cfg, split, sms=132), x, w)
 
 
 @needs_interp
@@ -553,7 +672,7 @@ def test_interp_kernel_uses_the_scales(interp):
     bad = Fp8Weight(w.q, w.scale.t().contiguous().view(w.scale.shape))
     x = make_x(4, k)
     ref, _ = reference(x, w)
-    out = ft._launch(x, bad, ft.default_config(4, n, k), 1, sms=132).double()
+    out = ft._launch(x, bad.q, bad.scale, ft.default_config(4, n, k), 1, sms=132).double()
     assert (out - ref).norm() / ref.norm() > 0.5
 
 
@@ -564,10 +683,16 @@ def test_interp_w8a8(interp, m, n, k):
     x = make_x(m, k, seed=6, pad=8)
     for cfg in (ft.default_config(m, n, k, w8a8=True), ft.Config(16, 32, 128, swap_ab=True)):
         for split in (1, 2):
-            assert_w8a8(ft._launch(x, w, cfg, split, sms=132, w8a8=True), x, w)
+            assert_w8a8(ft._launch(x, w.q, w.scale, cfg, split, sms=132, w8a8=True), x, w)
 
 
 @needs_interp
 @pytest.mark.parametrize("m,n,k", [(1, 300, 260), (17, 200, 384), (40, 130, 640)])
 def test_interp_w8a8_prequant(interp, m, n, k):
     _prequant_case("cpu", m, n, k)
+
+
+@needs_interp
+@pytest.mark.parametrize("m,n,k", [(1, 200, 384), (17, 130, 1064), (40, 64, 640)])
+def test_interp_dense(interp, m, n, k):
+    _dense_case("cpu", m, n, k)

@@ -1278,7 +1278,8 @@ def test_linear_plan_load_and_choose(tmp_path, caplog):
 
 
 @pytest.mark.parametrize("change,match", [
-    ({"impl": "triton"}, "impl must be one of"),  # Triton is an FP8 candidate only
+    ({"impl": "triton", "config": {**_CFG, "prescale": True}},
+     "a dense .* config has no scales"),  # bf16 Triton rows: the dense GEMM's configs
     ({"impl": "triton_w8a8"}, "impl must be one of"),
     ({"impl": "cublas"}, "impl must be one of"),
     ({"splits": 0}, "splits must be"),
@@ -1649,6 +1650,47 @@ def test_linear_resolve_follows_the_plan(monkeypatch):
     # a call whose x breaks the kernel's layout contract takes the library path instead
     x, w = _wide(1, 72, 4, 64), _bf16(256, 64, seed=1)
     assert torch.equal(picked(x, w), F.linear(x, w))
+
+
+def test_linear_resolve_runs_bf16_triton_rows_on_the_dense_gemm(monkeypatch):
+    """A bf16 row that chose the Triton GEMM runs `dense_linear_triton` with its config and
+    split on CUDA for bf16 / fp16 x where the call meets its contract, F.linear where it does
+    not (a strided weight, another dtype) and wherever Triton cannot run or the row has no
+    config; an FP8 weight's dense copy follows the bf16 row at M where the plan measured it
+    faster."""
+    import torch.nn.functional as F
+
+    from engine.kernels import fp8_triton
+
+    n, k = 256, 64
+    rows = [{"fp8": False, "m": 32, "n": n, "k": k, "impl": "triton", "splits": 2,
+             "config": {**_CFG, "block_m": 32}, "us": {"library": 9.0, "triton:x": 7.0}},
+            {"fp8": False, "m": 64, "n": n, "k": k, "impl": "triton", "splits": 1,
+             "us": {"triton:x": 7.0}},  # no config: the library path
+            {"fp8": True, "m": 32, "n": n, "k": k, "impl": "library", "us": {"library": 8.0}}]
+    plan = linear.LinearPlan.from_rows(rows)
+    assert plan.dense_faster(32, n, k)  # 7.0 (the dense GEMM) against FP8's 8.0
+    calls = []
+
+    def fake_dense(x, w, **kw):
+        calls.append(kw)
+        return F.linear(x, w) + 1  # tells the paths apart
+
+    monkeypatch.setattr(fp8_triton, "dense_linear_triton", fake_dense)
+    monkeypatch.setattr(linear, "_triton_module", lambda: fp8_triton)
+    bf = torch.bfloat16
+    fn = linear.resolve(plan, True, 20, n, k, False, bf, True)
+    x, w = torch.randn(20, k).to(bf), torch.randn(n, k).to(bf)
+    assert torch.equal(fn(x, w), F.linear(x, w) + 1)
+    assert calls == [{"config": fp8_triton.Config.from_json({**_CFG, "block_m": 32}),
+                      "split_k": 2}]
+    wide = torch.randn(n, 2 * k).to(bf)[:, :k]  # a strided weight: not the kernel's contract
+    assert torch.equal(fn(x, wide), F.linear(x, wide)) and len(calls) == 1
+    assert linear.resolve(plan, True, 20, n, k, False, bf, False) is F.linear  # CPU
+    assert linear.resolve(plan, True, 20, n, k, False, torch.float32, True) is F.linear
+    assert linear.resolve(plan, True, 64, n, k, False, bf, True) is F.linear  # no config
+    monkeypatch.setattr(linear, "_triton_module", lambda: None)
+    assert linear.resolve(plan, True, 20, n, k, False, bf, True) is F.linear
 
 
 def test_swiglu_fallback_contract_and_dispatch():

@@ -184,7 +184,7 @@ def test_sm90_fp8_prescaled_gemm_keeps_wgmma_async_unswapped(m):
     for cfg in cfgs:
         k = _compile(gemm, ptrs, dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                                       BLOCK_K=cfg.block_k, EVEN_K=True, SWAP_AB=cfg.swap_ab,
-                                      ACT_FP8=False, PRESCALE=True, X_Q=False),
+                                      ACT_FP8=False, PRESCALE=True, X_Q=False, DENSE=False),
                      cfg.num_warps,
                      cfg.num_stages, div16=("N", "K", "stride_xm", "stride_om", "stride_os"))
         report = _ptxas(k)
@@ -211,7 +211,7 @@ def test_sm90_fp8_prequantised_w8a8_gemm_has_no_conversion_in_its_loop(m):
                             "out_ptr": out, "xs_ptr": "fp32"},
                      dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                           EVEN_K=True, SWAP_AB=cfg.swap_ab, ACT_FP8=True, PRESCALE=False,
-                          X_Q=True), cfg.num_warps, cfg.num_stages,
+                          X_Q=True, DENSE=False), cfg.num_warps, cfg.num_stages,
                      div16=("N", "K", "stride_xm", "stride_om", "stride_os"))
         report = _ptxas(k)
         assert k.metadata.shared <= SMEM and _async_copies(k) >= 2, cfg
@@ -227,7 +227,31 @@ def test_sm90_fp8_prequantised_w8a8_gemm_has_no_conversion_in_its_loop(m):
     inloop = _compile(gemm, {"x_ptr": "bf16", "q_ptr": "fp8e4nv", "s_ptr": "fp32",
                              "out_ptr": "fp32", "xs_ptr": "fp32"},
                       dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, EVEN_K=True, SWAP_AB=False,
-                           ACT_FP8=True, PRESCALE=False, X_Q=False), 4, 4,
+                           ACT_FP8=True, PRESCALE=False, X_Q=False, DENSE=False), 4, 4,
                       div16=("N", "K", "stride_xm", "stride_om", "stride_os"))
     for k in (q, inloop):
         assert "div.full.f32" not in k.asm["ptx"] and "div.rn" in k.asm["ptx"]
+
+
+@pytest.mark.parametrize("m", [16, 32, 64])
+def test_sm90_dense_gemm_compiles_pipelined_with_async_wgmma(m):
+    """The dense (bf16 weight) GEMM's configs that linear_bench times at up to m rows, at
+    S2-Pro's w2 (2,560 x 9,728): within shared memory, no spills, both operands through
+    async copies (pipelined), and wgmma for the tiles with 64 rows on the MMA's M side
+    (x's rows unswapped, the weight's swapped), never serialised (warning C7515)."""
+    from engine.kernels import fp8_triton as ft
+
+    gemm, _, _ = ft._kernels()
+    ptrs = {"x_ptr": "bf16", "q_ptr": "bf16", "s_ptr": "bf16", "out_ptr": "fp32",
+            "xs_ptr": "bf16"}
+    for cfg in ft.sweep_configs(m, dense=True):
+        k = _compile(gemm, ptrs, dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                                      BLOCK_K=cfg.block_k, EVEN_K=True, SWAP_AB=cfg.swap_ab,
+                                      ACT_FP8=False, PRESCALE=False, X_Q=False, DENSE=True),
+                     cfg.num_warps, cfg.num_stages,
+                     div16=("N", "K", "stride_xm", "stride_om", "stride_os"))
+        report = _ptxas(k)
+        assert k.metadata.shared <= SMEM and _spills(k) == 0, cfg
+        assert _async_copies(k) >= 2 and "C7515" not in report, (cfg, report[-600:])
+        if (cfg.block_n if cfg.swap_ab else cfg.block_m) >= 64:
+            assert "warp_group_dot " in k.asm["ttgir"], cfg

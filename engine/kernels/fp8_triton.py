@@ -23,6 +23,10 @@ same values) and stream e4m3 x tiles with their scales: the main loop then holds
 conversion at all, where every program quantising its x tiles again repeats that work once
 per output-column tile.
 
+`dense_linear_triton`: the same kernel over a dense bf16 / fp16 W [N, K] (no scales, the
+weight tiles fed to the dots as loaded, one chain of dots): a candidate beside cuBLAS at
+decode's 8-64 rows (`sweep_configs(m, dense=True)`), where a recorded table chooses it.
+
 Small M: BLOCK_M = 16 (tl.dot's minimum) and split-K: `split_k` programs per output tile each
 take a run of K blocks and write an fp32 partial; a second kernel sums the partials in a fixed
 order (deterministic, no atomics) and casts. `split_k=0` picks the count that fills the GPU.
@@ -75,7 +79,11 @@ class Config:
     # every program quantising its x tiles again (the same values either way)
     prequant: bool = False
 
-    def check(self, *, w8a8: bool = False) -> None:
+    def check(self, *, w8a8: bool = False, dense: bool = False) -> None:
+        if dense and (w8a8 or self.prescale or self.prequant):
+            raise ValueError("a dense (bf16 / fp16 weight) config has no scales to apply and "
+                             "no activations to quantise: prescale, prequant and W8A8 are "
+                             "for FP8 weights")
         if self.block_m not in (16, 32, 64, 128, 256):
             raise ValueError(f"block_m must be 16, 32, 64, 128 or 256, got {self.block_m}")
         if self.block_n not in (16, 32, 64, 128):
@@ -199,6 +207,21 @@ _SWEEP_W8A8: tuple[tuple[int, tuple[Config, ...]], ...] = (
 )
 
 
+# dense weights (bf16 / fp16, `dense_linear_triton`) at 8-64 rows, where cuBLAS ran S2-Pro's
+# shapes at 53-81 % of copy bandwidth on the H200 (docs/PERF.md): both dot operands through
+# shared memory as loaded (no conversion), one chain of dots; unswapped tiles (x's rows on the
+# MMA's M side, padded to 64 for a wgmma) and swapped ones (the weight's rows there). Above
+# 64 rows none: cuBLAS's tiles are the ones to beat at prefill's sizes.
+_SWEEP_DENSE: tuple[tuple[int, tuple[Config, ...]], ...] = (
+    (16, (Config(16, 64, 128, 4, 4), Config(16, 64, 128, 4, 4, swap_ab=True),
+          Config(16, 128, 128, 4, 4, swap_ab=True), Config(64, 128, 64, 4, 4))),
+    (32, (Config(32, 64, 128, 4, 4), Config(32, 64, 128, 4, 4, swap_ab=True),
+          Config(32, 128, 128, 4, 4, swap_ab=True), Config(64, 128, 64, 4, 4))),
+    (64, (Config(64, 64, 128, 4, 4), Config(64, 128, 64, 4, 4), Config(64, 128, 128, 4, 3),
+          Config(64, 64, 128, 4, 4, swap_ab=True), Config(64, 128, 128, 8, 3, swap_ab=True))),
+)
+
+
 def configs(*, w8a8: bool = False) -> tuple[Config, ...]:
     """Candidate configs for a benchmark sweep (the table's entries and `sweep_configs`'
     among them)."""
@@ -211,7 +234,7 @@ def configs(*, w8a8: bool = False) -> tuple[Config, ...]:
                 out.append(Config(bm, bn, bk, warps, stages))
                 if bm <= 64:  # small M: W @ x^T puts block_n on the MMA's M side
                     out.append(Config(bm, bn, bk, warps, stages, swap_ab=True))
-    for sweep in _sweeps(w8a8):
+    for sweep in (*_sweeps(w8a8), *(() if w8a8 else (_SWEEP_DENSE,))):
         for _, cs in sweep:
             out += cs
     return tuple(dict.fromkeys(out))
@@ -222,10 +245,14 @@ def _sweeps(w8a8: bool) -> tuple[tuple[tuple[int, tuple[Config, ...]], ...], ...
     return (_SWEEP_W8A8,) if w8a8 else (_SWEEP, _SWEEP_PRESCALE)
 
 
-def sweep_configs(m: int, *, w8a8: bool = False) -> tuple[Config, ...]:
+def sweep_configs(m: int, *, w8a8: bool = False, dense: bool = False) -> tuple[Config, ...]:
     """The few configs worth timing for M = m rows: up to 64, the M bucket's configs
-    (weight-only: its plain and prescaled ones); above, the table's entry (and for W8A8 the
-    prequantised large tiles after it)."""
+    (weight-only: its plain and prescaled ones; `dense`: the dense weights' ones); above,
+    the table's entry (and for W8A8 the prequantised large tiles after it; dense: none)."""
+    if dense:
+        if w8a8:
+            raise ValueError("dense weights have no W8A8 configs")
+        return next((cs for bound, cs in _SWEEP_DENSE if m <= bound), ())
     out = [next((cs for bound, cs in sweep if m <= bound), ()) for sweep in _sweeps(w8a8)]
     if m > _SWEEP[-1][0]:
         return (default_config(m, 4096, 4096, w8a8=w8a8), *(out[0] if w8a8 else ()))
@@ -272,26 +299,49 @@ def check(x: Tensor, w: Fp8Weight, config: Config | None = None, split_k: int = 
     w.check()
     if x.dtype not in ACT_DTYPES:
         raise ValueError(f"x must be bfloat16 or float16, got {x.dtype}")
-    if x.dim() < 1 or x.shape[-1] != w.q.shape[1]:
-        raise ValueError(f"x {list(x.shape)} does not match the weight {list(w.q.shape)}: "
-                         f"its last dim must be K = {w.q.shape[1]}")
+    _check_x(x, w.q, "the weight's q", config, split_k, w8a8=w8a8, scale=w.scale)
+
+
+def check_dense(x: Tensor, w: Tensor, config: Config | None = None, split_k: int = 0) -> None:
+    """`check`'s contract for a dense weight: W a [N, K] tensor of x's dtype (bf16 / fp16)
+    on x's device, contiguous and 16-byte aligned."""
+    if not isinstance(w, Tensor) or w.dim() != 2:
+        raise ValueError(f"dense_linear_triton takes a [N, K] weight tensor, got "
+                         f"{type(w).__name__} {list(getattr(w, 'shape', []))}")
+    if x.dtype not in ACT_DTYPES or w.dtype != x.dtype:
+        raise ValueError(f"x and the weight must both be bfloat16 or both float16, got "
+                         f"{x.dtype} and {w.dtype}")
+    if not w.is_contiguous():
+        raise ValueError(f"the weight must be contiguous (strides {w.stride()})")
+    _check_x(x, w, "the weight", config, split_k, dense=True)
+
+
+def _check_x(x: Tensor, q: Tensor, name: str, config: Config | None, split_k: int, *,
+             w8a8: bool = False, dense: bool = False, scale: Tensor | None = None) -> None:
+    """The checks a call shares whatever its weight's kind: x [..., K] against q [N, K], one
+    device, alignment, int32-addressable sizes, the config and split_k."""
+    if x.dim() < 1 or x.shape[-1] != q.shape[1]:
+        raise ValueError(f"x {list(x.shape)} does not match the weight {list(q.shape)}: "
+                         f"its last dim must be K = {q.shape[1]}")
     if x.shape[-1] > 1 and x.stride(-1) != 1:
         raise ValueError(f"x's last dim must be contiguous (strides {x.stride()}); only its "
                          "rows may be strided")
-    if x.device != w.q.device:
-        raise ValueError(f"x on {x.device} but the weight on {w.q.device}")
-    for name, t in (("x", x), ("the weight's q", w.q), ("the weight's scale", w.scale)):
+    if x.device != q.device:
+        raise ValueError(f"x on {x.device} but the weight on {q.device}")
+    named = (("x", x), (name, q), *((("the weight's scale", scale),) if scale is not None
+                                     else ()))
+    for what, t in named:
         if t.numel() and t.data_ptr() % ALIGN:
-            raise ValueError(f"{name} must start on a {ALIGN}-byte boundary (data_ptr % {ALIGN}"
+            raise ValueError(f"{what} must start on a {ALIGN}-byte boundary (data_ptr % {ALIGN}"
                              f" = {t.data_ptr() % ALIGN}); slice it from an aligned buffer")
-    n, k = w.q.shape
+    n, k = q.shape
     m = x.numel() // k if k else 0
-    if w.q.numel() > INT32_MAX or m * max(n, k) > INT32_MAX:
+    if q.numel() > INT32_MAX or m * max(n, k) > INT32_MAX:
         raise ValueError(f"a [{m}, {k}] x [{n}, {k}]^T GEMM is too large for int32 offsets")
     if config is not None:
         if not isinstance(config, Config):
             raise ValueError(f"config must be a fp8_triton.Config, got {type(config).__name__}")
-        config.check(w8a8=w8a8)
+        config.check(w8a8=w8a8, dense=dense)
     if isinstance(split_k, bool) or not isinstance(split_k, int) or split_k < 0:
         raise ValueError(f"split_k must be an int >= 0 (0: automatic), got {split_k!r}")
 
@@ -323,15 +373,17 @@ def _smem_bytes(index: int) -> int | None:
                    None)
 
 
-def fit_smem(cfg: Config, smem: int | None, *, w8a8: bool = False) -> Config:
-    """`cfg` with num_stages lowered until its pipelined tiles (x in 16 bits, W in 8, plus the
-    converted operand the dot reads from shared memory) fit in `smem` bytes (the table's
-    stage counts are for Hopper's 227 KiB; sm_89 parts have about 100)."""
+def fit_smem(cfg: Config, smem: int | None, *, w8a8: bool = False,
+             dense: bool = False) -> Config:
+    """`cfg` with num_stages lowered until its pipelined tiles (x in 16 bits, W in 8 — dense:
+    16 —, plus the converted operand the dot reads from shared memory) fit in `smem` bytes
+    (the table's stage counts are for Hopper's 227 KiB; sm_89 parts have about 100)."""
     if smem is None:
         return cfg
     per_stage = cfg.block_m * cfg.block_k * (1 if cfg.prequant else 2) \
-        + cfg.block_n * cfg.block_k
-    scratch = (0 if cfg.prequant else cfg.block_m if w8a8 else 2 * cfg.block_n) * cfg.block_k
+        + cfg.block_n * cfg.block_k * (2 if dense else 1)
+    scratch = (0 if cfg.prequant or dense else cfg.block_m if w8a8
+               else 2 * cfg.block_n) * cfg.block_k
     stages = cfg.num_stages
     while stages > 1 and stages * per_stage + scratch > smem:
         stages -= 1
@@ -353,9 +405,10 @@ def _kernels():
                  stride_os, blocks_per_split,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr, ACT_FP8: tl.constexpr,
-                 PRESCALE: tl.constexpr, X_Q: tl.constexpr):
+                 PRESCALE: tl.constexpr, X_Q: tl.constexpr, DENSE: tl.constexpr):
         # X_Q (with ACT_FP8): x_ptr holds x already quantised (e4m3 [M, K] rows) and xs_ptr
-        # its float32 scales [M, ceil(K / 128)] (`quant_rows`)
+        # its float32 scales [M, ceil(K / 128)] (`quant_rows`). DENSE: q_ptr holds W itself
+        # in x's dtype ([N, K] rows; s_ptr unused): one chain of dots, no scales
         # program (pid, split): output tile pid (M tiles fastest, so the programs reading one
         # weight tile run together and share it through L2), K blocks of split `split`
         pid = tl.program_id(0)
@@ -379,7 +432,10 @@ def _kernels():
         else:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for b in range(b0, b1):
-            s_b = tl.load(s_ptrs + b)
+            if DENSE:
+                s_b = 1.0
+            else:
+                s_b = tl.load(s_ptrs + b)
             if SWAP_AB:
                 part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             else:
@@ -393,7 +449,12 @@ def _kernels():
                     kmask = (k0 + offs_k) < K
                     xt = tl.load(x_ptrs + k0, mask=kmask[None, :], other=0.0)
                     wt = tl.load(q_ptrs + k0, mask=kmask[None, :], other=0.0)
-                if PRESCALE:  # W's tile scaled and rounded as the reference dequantises it
+                if DENSE:
+                    if SWAP_AB:
+                        acc = tl.dot(wt, tl.trans(xt), acc)
+                    else:
+                        acc = tl.dot(xt, tl.trans(wt), acc)
+                elif PRESCALE:  # W's tile scaled and rounded as the reference dequantises it
                     wb = (wt.to(tl.float32) * s_b).to(xt.dtype)
                     if SWAP_AB:
                         acc = tl.dot(wb, tl.trans(xt), acc)
@@ -421,7 +482,7 @@ def _kernels():
                         part = tl.dot(wb, tl.trans(xt), part)
                     else:
                         part = tl.dot(xt, tl.trans(wb), part)
-            if not PRESCALE:
+            if not (PRESCALE or DENSE):
                 acc += part * s_b
         out = acc.to(out_ptr.dtype.element_ty)
         base = out_ptr + split * stride_os
@@ -478,15 +539,16 @@ def quantize_act(x2: Tensor) -> tuple[Tensor, Tensor]:
     return q, s
 
 
-def _launch(x2: Tensor, w: Fp8Weight, cfg: Config, split_k: int, sms: int, *,
-            w8a8: bool = False) -> Tensor:
-    """x2 [M, K] (rows strided, last dim contiguous) -> out [M, N] in x2's dtype. Contract
+def _launch(x2: Tensor, q: Tensor, scale: Tensor | None, cfg: Config, split_k: int, sms: int,
+            *, w8a8: bool = False) -> Tensor:
+    """x2 [M, K] (rows strided, last dim contiguous) @ W^T -> out [M, N] in x2's dtype, W
+    the FP8 weight's (q [N, K], scale) or, with scale None, dense q in x2's dtype. Contract
     already checked; split_k = 0: automatic."""
     import triton
 
     gemm, reduce_splits, _ = _kernels()
     m, k = x2.shape
-    n = w.q.shape[0]
+    n = q.shape[0]
     out = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
     kb = scale_shape(n, k)[1]
     split = launch_split(m, n, k, cfg, split_k, sms)
@@ -494,12 +556,14 @@ def _launch(x2: Tensor, w: Fp8Weight, cfg: Config, split_k: int, sms: int, *,
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     dst = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32,
                                              device=x2.device)
-    xq, xs = quantize_act(x2) if w8a8 and cfg.prequant else (x2, w.scale)  # xs: unused
+    s = q if scale is None else scale  # the dense kernel reads no scales
+    xq, xs = quantize_act(x2) if w8a8 and cfg.prequant else (x2, s)  # xs: unused
     gemm[(tiles, split)](
-        xq, w.q, w.scale, dst, xs, m, n, k, xq.stride(0), n, 0 if split == 1 else m * n, per,
+        xq, q, s, dst, xs, m, n, k, xq.stride(0), n, 0 if split == 1 else m * n, per,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         EVEN_K=k % BLOCK == 0, SWAP_AB=cfg.swap_ab, ACT_FP8=w8a8, PRESCALE=cfg.prescale,
-        X_Q=w8a8 and cfg.prequant, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        X_Q=w8a8 and cfg.prequant, DENSE=scale is None, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     if split > 1:
         reduce_splits[(triton.cdiv(m * n, REDUCE_BLOCK),)](dst, out, m * n, split,
                                                            BLOCK=REDUCE_BLOCK, num_warps=4)
@@ -507,12 +571,13 @@ def _launch(x2: Tensor, w: Fp8Weight, cfg: Config, split_k: int, sms: int, *,
 
 
 # ----------------------------------------------------------------------------- wrappers
-def _run(x: Tensor, w: Fp8Weight, config: Config | None, split_k: int, kernel: bool,
-         w8a8: bool) -> Tensor | None:
-    check(x, w, config, split_k, w8a8=w8a8)
+def _run(x: Tensor, q: Tensor, scale: Tensor | None, config: Config | None, split_k: int,
+         kernel: bool, w8a8: bool) -> Tensor | None:
+    """The kernel's product (contract checked by the caller) where it runs here, else None;
+    `scale` None: q is a dense weight."""
     if not (kernel and x.is_cuda and available()):
         return None
-    n, k = w.q.shape
+    n, k = q.shape
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
@@ -520,9 +585,9 @@ def _run(x: Tensor, w: Fp8Weight, config: Config | None, split_k: int, kernel: b
         return x.new_zeros((*lead, n))
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
     cfg = config or fit_smem(default_config(m, n, k, w8a8=w8a8), _smem_bytes(index),
-                             w8a8=w8a8)
+                             w8a8=w8a8, dense=scale is None)
     with torch.cuda.device(index):
-        out = _launch(x2, w, cfg, split_k, sm_count(x.device), w8a8=w8a8)
+        out = _launch(x2, q, scale, cfg, split_k, sm_count(x.device), w8a8=w8a8)
     return out.view(*lead, n)
 
 
@@ -534,8 +599,21 @@ def fp8_linear_triton(x: Tensor, w: Fp8Weight, *, config: Config | None = None,
     (0: enough to fill the GPU; clamped to the 128-wide K blocks; the result does not depend
     on it beyond fp32 summation order). Off CUDA, without Triton, or `kernel=False`: the
     torch reference `engine.quant.fp8_linear_torch`."""
-    out = _run(x, w, config, split_k, kernel, w8a8=False)
+    check(x, w, config, split_k)
+    out = _run(x, w.q, w.scale, config, split_k, kernel, w8a8=False)
     return fp8_linear_torch(x, w) if out is None else out
+
+
+def dense_linear_triton(x: Tensor, w: Tensor, *, config: Config | None = None,
+                        split_k: int = 0, kernel: bool = True) -> Tensor:
+    """x [..., K] @ W^T for a dense W [N, K] of x's dtype (bf16 / fp16) -> [..., N], fp32
+    accumulation: the same kernel with the weight tiles fed to the dots as loaded (a
+    candidate beside cuBLAS for decode's 8-64 rows, `sweep_configs(m, dense=True)`);
+    `config` and `split_k` as `fp8_linear_triton`'s (a config without prescale or
+    prequant). Off CUDA, without Triton, or `kernel=False`: F.linear."""
+    check_dense(x, w, config, split_k)
+    out = _run(x, w, None, config, split_k, kernel, w8a8=False)
+    return torch.nn.functional.linear(x, w) if out is None else out
 
 
 def quantize_act_torch(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -572,5 +650,6 @@ def fp8_linear_triton_w8a8(x: Tensor, w: Fp8Weight, *, config: Config | None = N
     the fly and an fp8 x fp8 dot (config.block_k must be 128). Approximates the reference by
     e4m3's rounding of x (about 2^-5 relative per element); the fallback is
     `fp8_linear_w8a8_torch`, which rounds the same way."""
-    out = _run(x, w, config, split_k, kernel, w8a8=True)
+    check(x, w, config, split_k, w8a8=True)
+    out = _run(x, w.q, w.scale, config, split_k, kernel, w8a8=True)
     return fp8_linear_w8a8_torch(x, w) if out is None else out

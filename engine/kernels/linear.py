@@ -647,8 +647,8 @@ _GEMV_LABEL = re.compile(r"gemv:v(\d+):k(\d+):s(\d+)$")
 class PlanRow:
     """One measured shape: the fastest implementation of an [m, k] x [n, k] linear (`fp8`: FP8
     weights) and its parameters: "gemv" (the csrc kernel) with `splits`, `kwarps`, `variant`;
-    "triton" / "triton_w8a8" (FP8) with `config` (fp8_triton.Config's fields; None: its
-    table's) and split_k = `splits`; "rowwise_w8a8" (FP8: torch._scaled_mm on the weight's
+    "triton" (FP8: `fp8_linear_triton`; bf16: `dense_linear_triton`) / "triton_w8a8" (FP8)
+    with `config` (fp8_triton.Config's fields; None: its table's) and split_k = `splits`; "rowwise_w8a8" (FP8: torch._scaled_mm on the weight's
     rowwise copy, x quantised per row); "library" (F.linear, FP8: the Triton kernel's
     defaults).
     A "triton_w8a8" row (activations quantised to e4m3: other numerics) sits beside the
@@ -725,9 +725,9 @@ def _row(d: object, where: str) -> PlanRow:
         v = d[key]
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{where}: {key} must be an int >= 1, got {v!r}")
-    if impl not in IMPLS or (impl in ("triton", *W8A8_IMPLS) and not fp8):
-        raise ValueError(f"{where}: impl must be one of {IMPLS} ('triton', '{W8A8}' and "
-                         f"'{ROWWISE}' for FP8 rows only), got {impl!r}")
+    if impl not in IMPLS or (impl in W8A8_IMPLS and not fp8):
+        raise ValueError(f"{where}: impl must be one of {IMPLS} ({', '.join(map(repr, W8A8_IMPLS))}"
+                         f" for FP8 rows only), got {impl!r}")
     splits = _int_in(d, "splits", 1, range(1, MAX_SPLITS + 1), where)
     kwarps = _int_in(d, "kwarps", 0, KWARPS, where)
     variant = _int_in(d, "variant", 0, VARIANTS, where)
@@ -746,7 +746,8 @@ def _row(d: object, where: str) -> PlanRow:
         from .fp8_triton import Config
 
         try:
-            Config.from_json(config, w8a8=impl == W8A8)
+            Config.from_json(config, w8a8=impl == W8A8).check(w8a8=impl == W8A8,
+                                                              dense=not fp8)
         except (ValueError, TypeError) as e:
             raise ValueError(f"{where}: {e}") from None
         config = tuple(sorted(config.items()))
@@ -833,8 +834,8 @@ class LinearPlan:
                fp8_activations: bool = False) -> PlanRow:
         """The row for an [m, k] x [n, k] linear: impl "library" (F.linear; for FP8 the
         Triton kernel if importable, else the dequantising reference), "gemv" (this module's
-        kernel with the row's splits, kwarps, variant), "triton" (FP8: the row's config and
-        split_k) or, only with `fp8_activations`, "triton_w8a8" / "rowwise_w8a8". A shape
+        kernel with the row's splits, kwarps, variant), "triton" (the Triton GEMM with the
+        row's config and split_k: FP8's, or the dense one for bf16) or, only with `fp8_activations`, "triton_w8a8" / "rowwise_w8a8". A shape
         the table lacks gets a "library" row."""
         key = (m, n, k, bool(fp8), bool(fp8 and fp8_activations))
         hit = self._chosen.get(key)
@@ -1025,6 +1026,20 @@ def _kernel_or(fallback: LinearFn, splits: int, kwarps: int = 0, variant: int = 
     return run
 
 
+def _dense_or(mod, config, splits: int) -> LinearFn:  # type: ignore[no-untyped-def]
+    """The Triton GEMM over a dense weight (`dense_linear_triton` with a bf16 row's config
+    and split) where the call meets its contract (a contiguous, aligned weight of x's
+    dtype: strides and alignment can differ between calls), else F.linear."""
+    def run(x: Tensor, w: Tensor | Fp8Weight) -> Tensor:
+        try:
+            mod.check_dense(x, w, config, splits)
+        except ValueError:
+            return F.linear(x, w)
+        return mod.dense_linear_triton(x, w, config=config, split_k=splits)
+
+    return run
+
+
 def rowwise_or(fallback: LinearFn, quantize: Callable[[Tensor], tuple[Tensor, Tensor]]
                 ) -> LinearFn:
     """The rowwise-scaled W8A8 GEMM on a weight's rowwise copy (`fp8_rowwise_linear`, x
@@ -1051,8 +1066,13 @@ def resolve(plan: LinearPlan | None, kernels: bool, m: int, n: int, k: int, fp8:
         # a weight without its rowwise copy takes the weight-only row's implementation
         return rowwise_or(resolve(plan, kernels, m, n, k, fp8, dtype, cuda, False, pdl),
                            quantize)
-    triton_ok = fp8 and cuda and dtype in (torch.bfloat16, torch.float16)
+    triton_ok = cuda and dtype in (torch.bfloat16, torch.float16) and (
+        fp8 or row.impl == "triton")
     mod = _triton_module() if triton_ok else None
+    if not fp8 and row.impl == "triton":
+        if mod is None or row.config is None:
+            return F.linear
+        return _dense_or(mod, row.triton_config(), row.splits)
     if fp8:
         tri = triton_fp8() if triton_ok else None
         library: LinearFn = tri if tri is not None else fp8_linear_torch  # type: ignore[assignment]
