@@ -45,7 +45,8 @@
 # again without the bf16 copies of its linears, batches 16, 32, 64), ATTEND=1 (the step
 # again with the fast AR's attention in wo's prologue, not its own launches; batches 1, 2),
 # FP8_W8A8=1 (the FP8 step again with the table's W8A8 rows allowed, as --fp8-activations:
-# key profile_fp8_w8a8; record a table with them first, LINEAR=1), COMPILED_BOOK=1 (the step
+# key profile_fp8_w8a8; record a table with them first, LINEAR=1; the FP8 engine with them:
+# ENGINE_RUNS=pingpong_nocodec_w8a8 with DTYPES=fp8), COMPILED_BOOK=1 (the step
 # again with its bookkeeping compiled, not csrc/bookkeeping.cu's kernels: key
 # profile_compiled_book; batches 1, 2, 64), ATTN_TRITON=ROWS (the step again with the slow
 # AR's attention as the Triton tile kernel from ROWS rows instead of the engine's 16 — 0:

@@ -359,6 +359,11 @@ def engine_sweep(report: dict, device: str, levels: list[int], frames: int,
             ("pingpong_codec_voice", [levels[0], hi], dict(mode="pingpong", codec=True,
                                                            ref_frames=215)),
             ("pingpong_nocodec", ends, dict(mode="pingpong", codec=False)),
+            # FP8 with the table's W8A8 rows allowed (EngineConfig.fp8_activations: other
+            # numerics, where a recorded W8A8 GEMM beat the weight-only and dense paths)
+            *((("pingpong_nocodec_w8a8", ends, dict(mode="pingpong", codec=False,
+                                                     config=dict(fp8_activations=True))),)
+              if dtype == "fp8" else ()),
             # the slow AR's attention switched at attn_rows rows instead of the engine's
             # default (only with --attn-triton: not in a default sweep)
             # (and, every sequence on one 10 s voice whose KV the pool holds once, csrc's,
@@ -630,7 +635,8 @@ def main() -> int:
                     "pingpong_codec_codec_priority, pingpong_codec_prefill_batch_64, "
                     "pingpong_codec_no_prefill_first, "
                     "pingpong_codec_first_chunk_2, pingpong_codec_split_kv, pingpong_codec_voice, "
-                    "pingpong_nocodec, pingpong_nocodec_rows, pingpong_nocodec_rows_one_row, "
+                    "pingpong_nocodec, pingpong_nocodec_w8a8 (FP8 only), "
+                    "pingpong_nocodec_rows, pingpong_nocodec_rows_one_row, "
                     "pingpong_nocodec_attn_triton, pingpong_codec_voice_attn_triton, "
                     "pingpong_nocodec_voice, pingpong_nocodec_voice_attn_triton, "
                     "pingpong_nocodec_voice_attn_triton_shared, "
