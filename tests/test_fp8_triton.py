@@ -66,6 +66,20 @@ def reference(x: torch.Tensor, w: Fp8Weight) -> tuple[torch.Tensor, torch.Tensor
     return xd @ wd.T, xd.abs() @ wd.abs().T
 
 
+def assert_product(out: torch.Tensor, x: torch.Tensor, wd: torch.Tensor,
+                   what: str = "the product") -> None:
+    """`out` against x @ wd^T in float64 (wd: the weight as the kernel multiplies it, in
+    float64): bf16's rounding of the output plus the fp32 accumulation (1e-5 of
+    sum_k |x_k w_k|)."""
+    ref, mag = x.double() @ wd.T, x.double().abs() @ wd.abs().T
+    assert out.shape == ref.shape and out.dtype == x.dtype
+    err = (out.double() - ref).abs()
+    bound = 2**-8 * ref.abs() + 1e-5 * mag + 1e-30
+    bad = err > bound
+    assert not bad.any(), (f"{int(bad.sum())} of {bad.numel()} outputs off {what}; worst "
+                           f"{float((err / bound).max()):.3g} x the bound")
+
+
 def assert_matches(out: torch.Tensor, x: torch.Tensor, w: Fp8Weight, *, exact: bool = True,
                    prescaled: bool = False):
     """`out` against the exact product: to the kernel's rounding (`exact`: bf16 output,
@@ -73,14 +87,7 @@ def assert_matches(out: torch.Tensor, x: torch.Tensor, w: Fp8Weight, *, exact: b
     `prescaled` kernel rounds the weight as fp8_linear_torch does, so it is held to the
     kernel's rounding around that weight's exact product."""
     if prescaled:
-        wd = dequantize_fp8(w, x.dtype).double()
-        ref, mag = x.double() @ wd.T, x.double().abs() @ wd.abs().T
-        assert out.shape == ref.shape and out.dtype == x.dtype
-        err = (out.double() - ref).abs()
-        bound = 2**-8 * ref.abs() + 1e-5 * mag + 1e-30
-        bad = err > bound
-        assert not bad.any(), (f"{int(bad.sum())} of {bad.numel()} outputs off the prescaled "
-                               f"product; worst {float((err / bound).max()):.3g} x the bound")
+        assert_product(out, x, dequantize_fp8(w, x.dtype).double(), "the prescaled product")
         assert_matches(out, x, w, exact=False)
         return
     ref, mag = reference(x, w)
@@ -202,13 +209,6 @@ CONTRACT = [
 ]
 
 
-@pytest.mark.parametrize("call,match", [(c, m) for _, c, m in CONTRACT],
-                         ids=[i for i, _, _ in CONTRACT])
-def test_contract(call, match):
-    with pytest.raises(ValueError, match=match):
-        call()
-
-
 def test_aligned_strided_rows_pass_the_contract():
     x = make_x(3, 384, pad=8)  # rows strided, base aligned
     ft.check(x, W)
@@ -239,9 +239,10 @@ DENSE_CONTRACT = [
 ]
 
 
-@pytest.mark.parametrize("call,match", [(c, m) for _, c, m in DENSE_CONTRACT],
-                         ids=[i for i, _, _ in DENSE_CONTRACT])
-def test_dense_contract(call, match):
+@pytest.mark.parametrize("call,match", [(c, m) for _, c, m in CONTRACT + DENSE_CONTRACT],
+                         ids=[i for i, _, _ in CONTRACT] + [f"dense {i}" for i, _, _ in
+                                                           DENSE_CONTRACT])
+def test_contract(call, match):
     with pytest.raises(ValueError, match=match):
         call()
 
@@ -531,19 +532,6 @@ def test_w8a8_prequant_is_the_in_kernel_quantisation(m, n, k):
     _prequant_case("cuda", m, n, k)
 
 
-def assert_dense(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
-    """The dense GEMM against the float64 product of its bf16 operands: bf16's rounding of
-    the output plus the fp32 accumulation (1e-5 of sum_k |x_k w_k|)."""
-    ref = x.double() @ w.double().T
-    mag = x.double().abs() @ w.double().abs().T
-    assert out.shape == ref.shape and out.dtype == x.dtype
-    err = (out.double() - ref).abs()
-    bound = 2**-8 * ref.abs() + 1e-5 * mag + 1e-30
-    bad = err > bound
-    assert not bad.any(), (f"{int(bad.sum())} of {bad.numel()} outputs off; worst "
-                           f"{float((err / bound).max()):.3g} x the bound")
-
-
 def _dense_case(device: str, m: int, n: int, k: int, splits=(1, 2)) -> None:
     """Every dense sweep config of m's bucket (and the default table's) at each split, rows
     strided, against the float64 product; a leading batch dim and fp16 through the wrapper."""
@@ -553,14 +541,14 @@ def _dense_case(device: str, m: int, n: int, k: int, splits=(1, 2)) -> None:
     for cfg in (*ft.sweep_configs(m, dense=True), ft.default_config(m, n, k)):
         for split in splits:
             try:
-                assert_dense(ft._launch(x, w, None, cfg, split, sms=132), x, w)
+                assert_product(ft._launch(x, w, None, cfg, split, sms=132), x, w.double())
             except AssertionError as e:
                 raise AssertionError(f"{cfg} split {split}: {e}") from None
     if device == "cuda":
         x3 = make_x(2 * m, k, device=device, seed=m + 1).view(2, m, k)
-        assert_dense(ft.dense_linear_triton(x3, w).view(2 * m, n), x3.view(2 * m, k), w)
+        assert_product(ft.dense_linear_triton(x3, w).view(2 * m, n), x3.view(2 * m, k), w.double())
         wh, xh = w.half(), make_x(m, k, device=device, seed=3, dtype=torch.float16)
-        assert_dense(ft.dense_linear_triton(xh, wh), xh, wh)
+        assert_product(ft.dense_linear_triton(xh, wh), xh, wh.double())
 
 
 @needs_cuda
