@@ -109,7 +109,7 @@ class Config:
                 "swap_ab": self.swap_ab, "prescale": self.prescale, "prequant": self.prequant}
 
     @classmethod
-    def from_json(cls, d: object, *, w8a8: bool = False) -> Config:
+    def from_json(cls, d: object, *, w8a8: bool = False, dense: bool = False) -> Config:
         """A config from `to_json`'s dict (a recorded plan's), checked; ValueError naming
         what is wrong."""
         if not isinstance(d, dict):
@@ -129,7 +129,7 @@ class Config:
             if not isinstance(d.get(key, False), bool):
                 raise ValueError(f"Triton config {key} must be true or false, got {d[key]!r}")
         cfg = cls(**d)
-        cfg.check(w8a8=w8a8)
+        cfg.check(w8a8=w8a8, dense=dense)
         return cfg
 
 

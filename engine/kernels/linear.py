@@ -648,8 +648,8 @@ class PlanRow:
     """One measured shape: the fastest implementation of an [m, k] x [n, k] linear (`fp8`: FP8
     weights) and its parameters: "gemv" (the csrc kernel) with `splits`, `kwarps`, `variant`;
     "triton" (FP8: `fp8_linear_triton`; bf16: `dense_linear_triton`) / "triton_w8a8" (FP8)
-    with `config` (fp8_triton.Config's fields; None: its table's) and split_k = `splits`; "rowwise_w8a8" (FP8: torch._scaled_mm on the weight's
-    rowwise copy, x quantised per row); "library" (F.linear, FP8: the Triton kernel's
+    with `config` (fp8_triton.Config's fields; None: its table's) and split_k = `splits`;
+    "rowwise_w8a8" (FP8: torch._scaled_mm on the weight's rowwise copy, x quantised per row); "library" (F.linear, FP8: the Triton kernel's
     defaults).
     A "triton_w8a8" row (activations quantised to e4m3: other numerics) sits beside the
     weight-only row of its shape and is taken only when asked. `us`: what each candidate took
@@ -689,7 +689,7 @@ class PlanRow:
             return None
         from .fp8_triton import Config
 
-        return Config.from_json(dict(self.config), w8a8=self.impl == W8A8)
+        return Config.from_json(dict(self.config), w8a8=self.impl == W8A8, dense=not self.fp8)
 
     def to_json(self) -> dict[str, object]:
         d: dict[str, object] = {"fp8": self.fp8, "m": self.m, "n": self.n, "k": self.k,
@@ -726,8 +726,9 @@ def _row(d: object, where: str) -> PlanRow:
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{where}: {key} must be an int >= 1, got {v!r}")
     if impl not in IMPLS or (impl in W8A8_IMPLS and not fp8):
-        raise ValueError(f"{where}: impl must be one of {IMPLS} ({', '.join(map(repr, W8A8_IMPLS))}"
-                         f" for FP8 rows only), got {impl!r}")
+        only = ", ".join(map(repr, W8A8_IMPLS))
+        raise ValueError(f"{where}: impl must be one of {IMPLS} ({only} for FP8 rows only), "
+                         f"got {impl!r}")
     splits = _int_in(d, "splits", 1, range(1, MAX_SPLITS + 1), where)
     kwarps = _int_in(d, "kwarps", 0, KWARPS, where)
     variant = _int_in(d, "variant", 0, VARIANTS, where)
@@ -746,8 +747,7 @@ def _row(d: object, where: str) -> PlanRow:
         from .fp8_triton import Config
 
         try:
-            Config.from_json(config, w8a8=impl == W8A8).check(w8a8=impl == W8A8,
-                                                              dense=not fp8)
+            Config.from_json(config, w8a8=impl == W8A8, dense=not fp8)
         except (ValueError, TypeError) as e:
             raise ValueError(f"{where}: {e}") from None
         config = tuple(sorted(config.items()))
@@ -835,8 +835,9 @@ class LinearPlan:
         """The row for an [m, k] x [n, k] linear: impl "library" (F.linear; for FP8 the
         Triton kernel if importable, else the dequantising reference), "gemv" (this module's
         kernel with the row's splits, kwarps, variant), "triton" (the Triton GEMM with the
-        row's config and split_k: FP8's, or the dense one for bf16) or, only with `fp8_activations`, "triton_w8a8" / "rowwise_w8a8". A shape
-        the table lacks gets a "library" row."""
+        row's config and split_k: FP8's, or the dense one for bf16) or, only with
+        `fp8_activations`, "triton_w8a8" / "rowwise_w8a8". A shape the table lacks gets a
+        "library" row."""
         key = (m, n, k, bool(fp8), bool(fp8 and fp8_activations))
         hit = self._chosen.get(key)
         if hit is None:
