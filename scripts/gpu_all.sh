@@ -63,7 +63,7 @@
 # without them (and with the hardware sine and / or `snake_into_next`: ~40 s of capture
 # each) and their bf16 audio against float32;
 # CONV_ARGS="--sweep": every launch shape; CONV_INSTALL=1: the swept table then serves the
-# rest of the call, as engine/kernels/codec_conv_table.json)
+# rest of the call, installed as this GPU kind's codec_conv table)
 # into $OUT/codec_conv.{json,txt}.
 # SWIGLU=1: `linear_bench --swiglu` (the FFN's packed linear + silu*mul vs csrc's SwiGLU
 # epilogue at the M where the table picks the kernel) into $OUT/swiglu.{json,txt}. NORM=1:
@@ -75,7 +75,8 @@
 # $OUT/rowwise.{json,txt}.
 # FP8 (issue 14): LINEAR=1 first records the per-shape linear table (bench_latency.linear_bench:
 # cuBLAS vs csrc's small-M kernel vs the Triton FP8 GEMM, every S2-Pro shape at M = 1..64) into
-# $OUT/linear_table.json and installs it for the rest of the call (LINEAR_INSTALL=0: not, for a
+# $OUT/linear_table.json and installs it as this GPU kind's table for the rest of the call
+# (build.device_table: the committed one on an H200, its sibling elsewhere; LINEAR_INSTALL=0: not, for a
 # partial sweep such as LINEAR_ARGS="--shapes wo --ms 1 --variants 0,3"); FP8_GATE=1 runs the FP8-vs-
 # bf16 correctness gate at real size with its negative controls (engine.fp8_gate); FP8_GATE_W8A8=1
 # also runs it with the activations quantised (--w8a8 table: as --fp8-activations runs; rowwise:
@@ -107,6 +108,12 @@ OUT=${OUT:-artifacts/gpu}
 mkdir -p "$OUT"
 export OUT PYTHONUNBUFFERED=1 RTVOICE_FIXTURES=${RTVOICE_FIXTURES:-tests/fixtures/fish_s2_tiny}
 t0=$(date +%s)
+# this GPU kind's recorded tables (the committed H200 ones, or their per-device siblings:
+# engine.kernels.build.device_table), where LINEAR / CONV_INSTALL install what they record
+read -r LT CT < <(python3 -c 'from engine.kernels import build, codec_conv, linear
+print(build.device_table(linear.DEFAULT_TABLE), build.device_table(codec_conv.DEFAULT_TABLE))' \
+    2>/dev/null) || { LT=engine/kernels/linear_table.json; CT=engine/kernels/codec_conv_table.json; }
+echo "tables of this GPU kind: $LT $CT"
 SMOKE="host_sync or engine_audio or pingpong or replay_streams or fused_kernel or bias_folding or split or two_engines or fixtures_with_fused or swiglu or fused_rope or prefilled_ahead or residual_epilogue or norm_fusion or pdl or step_book or naming or unit_kernel or upsample or decode_attention_triton or triton_attention or shared_prefix or prequant"
 if [ "${TESTS:-smoke}" = all ]; then K=${TESTS_K:-}; else K=${TESTS_K:-$SMOKE}; fi
 # one pytest process per file, within TESTS_TIMEOUT in all: a file whose test takes the
@@ -149,7 +156,7 @@ if [ "${CONV:-0}" = 1 ]; then  # the codec's fused residual-unit convs vs cuDNN 
         --json "$OUT/codec_conv.json" 2>&1 | grep -v "Warn\|warn" | tee "$OUT/codec_conv.txt" | tail -20
     # CONV_INSTALL=1 (with a --sweep): the new table serves the rest of the call
     [ "${CONV_INSTALL:-0}" = 1 ] && [ -s "$OUT/codec_conv.json" ] \
-        && cp "$OUT/codec_conv.json" engine/kernels/codec_conv_table.json \
+        && cp "$OUT/codec_conv.json" "$CT" \
         && echo "installed the swept codec conv table"
     echo "codec conv bench done at +$(( $(date +%s) - t0 ))s"
 fi
@@ -179,18 +186,18 @@ if [ "${LINEAR:-0}" = 1 ]; then  # the per-shape linear table, used by every eng
         > "$OUT/linear_bench.txt" 2>&1
     tail -40 "$OUT/linear_bench.txt"
     [ -s "$OUT/linear_table.json" ] && [ "${LINEAR_INSTALL:-1}" = 1 ] \
-        && cp "$OUT/linear_table.json" engine/kernels/linear_table.json
+        && cp "$OUT/linear_table.json" "$LT"
     echo "linear bench done at +$(( $(date +%s) - t0 ))s"
 fi
 if [ -n "${STEP_TABLES:-}" ]; then  # the frame step with each linear table in turn (A/B)
     kept=$(mktemp)
-    cp engine/kernels/linear_table.json "$kept"
+    if [ -f "$LT" ]; then cp "$LT" "$kept"; else : >"$kept"; fi  # none: restored as none
     for pair in $STEP_TABLES; do
         name=${pair%%=*}
         src=${pair#*=}
         [ "$src" = current ] && src=$kept
         if [ ! -s "$src" ]; then echo "STEP_TABLES: no table file '$src' for $name"; continue; fi
-        cp "$src" engine/kernels/linear_table.json
+        cp "$src" "$LT"
         for DT in ${STEP_DTYPES:-fp8}; do
             d=$(mktemp -d)
             timeout ${STEP_TIMEOUT:-150} python3 scripts/gpu_bench.py --dtype "$DT" \
@@ -202,7 +209,7 @@ if [ -n "${STEP_TABLES:-}" ]; then  # the frame step with each linear table in t
             rm -rf "$d"
         done
     done
-    cp "$kept" engine/kernels/linear_table.json
+    if [ -s "$kept" ]; then cp "$kept" "$LT"; else rm -f "$LT"; fi
     rm -f "$kept"
     echo "step tables done at +$(( $(date +%s) - t0 ))s"
 fi

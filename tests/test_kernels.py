@@ -11,6 +11,7 @@ from _codec_stream import stream_vs_offline, unit_block
 
 from engine import functional
 from engine.kernels import activation, extension_available, linear, prev_tokens, sampling
+from engine.kernels import codec_conv as cc
 from engine.kernels import decode_attention as attention
 
 
@@ -1275,6 +1276,53 @@ def test_linear_plan_load_and_choose(tmp_path, caplog):
     assert "recorded on 'NVIDIA H200'" in caplog.text
     if not torch.cuda.is_available():  # the default compares with the current GPU: none
         assert linear.load_plan(path) == plan
+
+
+def test_tables_per_device_kind(tmp_path, monkeypatch, caplog):
+    """The default table stands for the current GPU kind's: the committed file where it was
+    recorded on that kind, else its sibling `<stem>.<slug>.json` (read where it exists,
+    recorded and installed there otherwise); a kind with neither gets no plan, and a
+    warning naming the file to record."""
+    import json
+
+    from engine.kernels import build
+
+    assert build.device_slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
+    assert build.device_slug("  NVIDIA  H200 ") == "nvidia-h200"
+    base = tmp_path / "linear_table.json"
+    h100 = tmp_path / "linear_table.nvidia-h100-80gb-hbm3.json"
+    assert build.device_table(base, "NVIDIA H100 80GB HBM3") == base  # no base: the base
+    base.write_text(json.dumps({"device": "NVIDIA H200", "rows": _plan_rows()}))
+    assert build.device_table(base, "NVIDIA H200") == base
+    assert build.device_table(base, None) == base  # a CPU: no comparison
+    assert build.device_table(base, "NVIDIA H100 80GB HBM3") == h100  # not there yet
+    monkeypatch.setattr(linear, "DEFAULT_TABLE", base)
+    h200_plan = linear.load_plan(base, device="NVIDIA H200")
+    assert h200_plan is not None
+    with caplog.at_level("WARNING", logger="engine.kernels.linear"):
+        assert linear.load_plan(base, device="NVIDIA H100 80GB HBM3") is None
+    assert f"--out {h100}" in caplog.text
+    rows = [r for r in _plan_rows() if not r["fp8"]]  # a different table for the H100
+    h100.write_text(json.dumps({"device": "NVIDIA H100 80GB HBM3", "rows": rows}))
+    assert build.device_table(base, "NVIDIA H100 80GB HBM3") == h100
+    h100_plan = linear.load_plan(base, device="NVIDIA H100 80GB HBM3")
+    assert h100_plan is not None and len(h100_plan.rows) == len(rows) != len(h200_plan.rows)
+    assert linear.load_plan(base, device="NVIDIA H200") == h200_plan  # each its own
+    # an explicit path is that file only (a sibling never stands in for it)
+    other = tmp_path / "other.json"
+    other.write_text(base.read_text())
+    assert linear.load_plan(other, device="NVIDIA H100 80GB HBM3") is None
+    # the codec's conv table the same way: no table for this kind -> cuDNN everywhere
+    cbase = tmp_path / "codec_conv_table.json"
+    cbase.write_text(cc.DEFAULT_TABLE.read_text())
+    monkeypatch.setattr(cc, "DEFAULT_TABLE", cbase)
+    assert cc.load_plan(cbase, device="NVIDIA H200").rows
+    with caplog.at_level("WARNING", logger="engine.kernels.codec_conv"):
+        assert cc.load_plan(cbase, device="NVIDIA H100 80GB HBM3") == cc.Plan()
+    assert "codec_conv_table.nvidia-h100-80gb-hbm3.json is missing" in caplog.text
+    (tmp_path / "codec_conv_table.nvidia-h100-80gb-hbm3.json").write_text(
+        cbase.read_text().replace('"NVIDIA H200"', '"NVIDIA H100 80GB HBM3"'))
+    assert cc.load_plan(cbase, device="NVIDIA H100 80GB HBM3").rows
 
 
 @pytest.mark.parametrize("change,match", [

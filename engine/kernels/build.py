@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import logging
 import threading
 from pathlib import Path
@@ -113,6 +114,40 @@ def current_device_name() -> str | None:
         return torch.cuda.get_device_name()
     except Exception:  # a broken CUDA setup: no comparison possible
         return None
+
+
+def device_slug(name: str) -> str:
+    """A GPU's name as a file-name part: "NVIDIA H100 80GB HBM3" -> "nvidia-h100-80gb-hbm3"."""
+    return "-".join("".join(c if c.isalnum() else " " for c in name.lower()).split())
+
+
+def recorded_device(path: Path) -> str | None:
+    """The GPU a kernel table file records ("device"), or None (no file, not a JSON object,
+    no such key): the loaders report malformed files themselves."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    device = data.get("device") if isinstance(data, dict) else None
+    return device if isinstance(device, str) else None
+
+
+def device_table(base: Path, device: str | None = CURRENT_DEVICE) -> Path:
+    """Where `device`'s recorded kernel table of `base`'s kind lives (the current GPU by
+    default): `base` itself where it was recorded on that device kind (or records none, or
+    there is no device to compare, as on a CPU), else its per-device sibling
+    `<stem>.<slug>.json` (e.g. linear_table.nvidia-h100-80gb-hbm3.json), whether or not that
+    exists yet: the loaders read it, the benches' recordings are installed there. Each GPU
+    kind keeps its own timings (a table from another kind's choices does not carry over)."""
+    if device == CURRENT_DEVICE:
+        device = current_device_name()
+    if device is None:
+        return base
+    sibling = base.with_name(f"{base.stem}.{device_slug(device)}{base.suffix}")
+    if sibling.is_file():
+        return sibling
+    recorded = recorded_device(base)
+    return base if recorded is None or recorded == device else sibling
 
 
 def sm_count(device: torch.device) -> int:

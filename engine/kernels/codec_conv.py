@@ -64,7 +64,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .activation import bias_residual_torch, snake_torch
-from .build import CURRENT_DEVICE, current_device_name, triton_available
+from .build import CURRENT_DEVICE, current_device_name, device_table, triton_available
 
 __all__ = ["Config", "Plan", "available", "causal_conv", "causal_conv_torch", "config_for",
            "conv_taps", "load_plan", "plan_from", "residual_unit", "residual_unit_torch", "supported",
@@ -188,7 +188,17 @@ def load_plan(path: Path | str = DEFAULT_TABLE, margin: float = MARGIN,
     """The plan from a codec_conv_bench JSON (`plan_from`); a clear error if the file is not
     one. The table is for the GPU it was measured on ("device"): when `device` (the
     current CUDA device's name by default; None: no check) differs, it is ignored with a
-    warning and the plan is empty (cuDNN everywhere: the timings do not carry over)."""
+    warning and the plan is empty (cuDNN everywhere: the timings do not carry over). The
+    default path stands for the current device kind's table (`build.device_table`); where
+    that kind has none, the plan is empty, with a warning."""
+    if Path(path) == DEFAULT_TABLE:
+        path = device_table(DEFAULT_TABLE, device)
+        if not path.is_file():
+            log.warning("no codec conv table recorded on this GPU kind (%s is missing): the "
+                        "codec's convs run cuDNN's; record one with `python -m "
+                        "bench_latency.codec_conv_bench --sweep --streams 64,4 --json %s`",
+                        path.name, path)
+            return Plan()
     try:
         data = json.loads(Path(path).read_text())
         recorded = data.get("device")

@@ -70,7 +70,7 @@ from torch import Tensor
 from .. import functional
 from ..quant import BLOCK as FP8_BLOCK
 from ..quant import Fp8Weight, fp8_linear_torch, fp8_rowwise_linear, quantize_rows
-from .build import CURRENT_DEVICE, current_device_name, extension_available, kernel_ok
+from .build import CURRENT_DEVICE, current_device_name, device_table, extension_available, kernel_ok
 
 MAX_M = 64  # the kernel's largest template: 8 MMA tiles of 8 rows
 MAX_SPLITS = 64
@@ -909,10 +909,19 @@ def load_plan(path: str | Path | None = DEFAULT_TABLE,
     raises ValueError naming the row. A table that records the GPU it was measured on
     ("device") is for that device kind only: when `device` (the current CUDA device's name
     by default; None: no check, as on a CPU) differs, it is ignored with a warning and None
-    returned (its timings, and so its choices, do not carry over)."""
+    returned (its timings, and so its choices, do not carry over). The default path stands
+    for the current device kind's table (`build.device_table`: the committed H200 table, or
+    its sibling recorded on another kind); where that kind has none, None with a warning."""
     if path is None:
         return None
     p = Path(path)
+    if p == DEFAULT_TABLE:
+        p = device_table(p, device)
+        if not p.is_file():
+            log.warning("no linear table recorded on this GPU kind (%s is missing): every "
+                        "linear takes the library path; record one with `python -m "
+                        "bench_latency.linear_bench --out %s`", p.name, p)
+            return None
     if not p.is_file():
         return None
     try:
