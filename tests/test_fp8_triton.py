@@ -684,3 +684,210 @@ def test_interp_w8a8_prequant(interp, m, n, k):
 @pytest.mark.parametrize("m,n,k", [(1, 200, 384), (17, 130, 1064), (40, 64, 640)])
 def test_interp_dense(interp, m, n, k):
     _dense_case("cpu", m, n, k)
+
+
+# ------------------------------------------- residual epilogue, prequantised x, act_quant
+def assert_quant_close(got: ft.QuantAct, want: ft.QuantAct, *, exact: bool) -> None:
+    """Two quantisations of one tensor: identical (`exact`), or as the kernels' float32 may
+    leave them (a bf16 rounding of the norm or silu moved, which can move that element's
+    e4m3 code by one step and, where it was a block's largest, the block's scale by a bf16
+    ulp): at most 1 % of the codes and of the scales differ, each dequantised element within
+    one e4m3 step (2^-3 relative) plus 2^-9 of its block's range."""
+    assert got.q.shape == want.q.shape and got.s.shape == want.s.shape
+    assert got.dtype == want.dtype
+    gq, wq = got.q.view(torch.uint8), want.q.view(torch.uint8)
+    if exact:
+        assert torch.equal(gq, wq) and torch.equal(got.s, want.s)
+        return
+    assert (gq != wq).float().mean() <= 0.01
+    assert ((got.s - want.s).abs() > 2**-7 * want.s.abs()).float().mean() == 0
+    gd, wd = got.dequantize(), want.dequantize()
+    bound = 2**-3 * wd.abs() + 448 * 2**-9 * want.s.repeat_interleave(128, -1)[..., :wd.shape[-1]]
+    assert ((gd - wd).abs() <= bound).all()
+
+
+def _act_quant_cases(device: str, exact: bool) -> None:
+    """The norm and the gate kernels (through their launches: the CPU has no CUDA tensors)
+    against the torch references: S2-Pro's dim and an odd one (a partial last block), rows
+    strided, bf16 and fp16, a row of zeros."""
+    from engine.kernels import act_quant as aq
+
+    for m, k, dtype in ((1, 2560, torch.bfloat16), (17, 300, torch.bfloat16),
+                        (5, 2560, torch.float16)):
+        g = torch.Generator(device=device).manual_seed(m + k)
+        h = (torch.randn(m, k + 8, generator=g, device=device) * 3).to(dtype)[:, :k]
+        h[0, :] = 0 if m > 1 else h[0, :]
+        nw = (1 + 0.1 * torch.randn(k, generator=g, device=device)).to(dtype)
+        q, s = aq._launch_norm(h, nw, 1e-5)
+        assert_quant_close(ft.QuantAct(q, s, dtype), aq.rms_norm_quant_torch(h, nw, 1e-5),
+                           exact=exact)
+        gu = (torch.randn(m, 2 * k, generator=g, device=device) * 2).to(dtype)
+        a, b = gu[:, :k], gu[:, k:]  # the packed projection's halves: rows 2k apart
+        q, s = aq._launch_glu(a, b)
+        assert_quant_close(ft.QuantAct(q, s, dtype), aq.silu_mul_quant_torch(a, b),
+                           exact=exact)
+
+
+def _residual_and_prequant_case(device: str, m: int, n: int, k: int) -> None:
+    """The residual epilogue (unsplit, split: the reduce adds it) == the same launch's
+    product, then the add, bit for bit, for each weight kind; the GEMM over prequantised x
+    (`xs`) == the prequant config's own quantisation, bit for bit, with a residual too."""
+    w = make_weight(n, k, device=device, seed=7)
+    wd = dequantize_fp8(w, torch.bfloat16)
+    x = make_x(m, k, device=device, seed=8, pad=8)
+    r = make_x(m, n, device=device, seed=9, pad=16)  # rows strided
+    sms = 132
+    for split in (1, 3):
+        for q, scale, cfg, w8a8 in ((w.q, w.scale, ft.default_config(m, n, k), False),
+                                    (wd, None, ft.sweep_configs(16, dense=True)[0], False),
+                                    (w.q, w.scale, ft.Config(16, 64, 128, prequant=True), True)):
+            plain = ft._launch(x, q, scale, cfg, split, sms, w8a8=w8a8)
+            fused = ft._launch(x, q, scale, cfg, split, sms, w8a8=w8a8, residual=r)
+            assert torch.equal(fused, r + plain), (cfg, split)
+        pre = ft.Config(16, 64, 128, prequant=True)
+        xq, xs = ft.quantize_act(x) if device == "cuda" else ft.quantize_act_torch(x)
+        a = ft._launch(x, w.q, w.scale, pre, split, sms, w8a8=True, residual=r)
+        b = ft._launch(xq.contiguous(), w.q, w.scale, pre, split, sms, w8a8=True, xs=xs,
+                       residual=r, out_dtype=x.dtype)
+        assert torch.equal(a, b), split
+
+
+def test_residual_and_prequant_fallbacks():
+    """Off CUDA: each wrapper's residual is added after the reference product (as the
+    epilogue rounds it), the prequantised GEMM's fallback is the W8A8 reference's product of
+    the same values, and `QuantAct.dequantize` is what it multiplies."""
+    from engine.kernels import act_quant as aq
+
+    w = make_weight(300, 260, seed=1)
+    x = make_x(2, 3 * 260, seed=2).view(2, 3, 260)
+    r = make_x(6, 300, seed=3).view(2, 3, 300)
+    assert torch.equal(ft.fp8_linear_triton(x, w, residual=r), r + fp8_linear_torch(x, w))
+    assert torch.equal(ft.fp8_linear_triton_w8a8(x, w, residual=r),
+                       r + ft.fp8_linear_w8a8_torch(x, w))
+    wd = dequantize_fp8(w, torch.bfloat16)
+    assert torch.equal(ft.dense_linear_triton(x, wd, residual=r),
+                       r + torch.nn.functional.linear(x, wd))
+    q, s = ft.quantize_act_torch(x.reshape(6, 260))
+    xa = ft.QuantAct(q.contiguous().view(2, 3, 260), s.view(2, 3, 3), torch.bfloat16)
+    assert torch.equal(ft.fp8_linear_triton_prequant(xa, w), ft.fp8_linear_w8a8_torch(x, w))
+    assert torch.equal(ft.fp8_linear_triton_prequant(xa, w, residual=r),
+                       r + ft.fp8_linear_w8a8_torch(x, w))
+    xd = xa.dequantize()
+    assert xd.dtype == torch.float32 and ((xd - x.float()).abs() <= 2**-3 * x.float().abs()
+                                          + 1e-6).all()
+    # the act_quant references are the unfused ops, then the quantisation, whatever the
+    # leading dims and strides
+    h = make_x(6, 260, seed=4)
+    nw = make_x(1, 260, seed=5)[0]
+    from engine import functional
+
+    want = ft.quantize_act_torch(functional.rms_norm(h, nw, 1e-6))
+    got = aq.rms_norm_quant(h.view(2, 3, 260), nw, 1e-6)
+    assert torch.equal(got.q.view(6, 260).view(torch.uint8), want[0].view(torch.uint8))
+    assert torch.equal(got.s.view(6, 3), want[1]) and got.dtype == torch.bfloat16
+    gu = make_x(6, 520, seed=6)
+    got = aq.silu_mul_quant(gu[:, :260], gu[:, 260:])
+    want = ft.quantize_act_torch(torch.nn.functional.silu(gu[:, :260]) * gu[:, 260:])
+    assert torch.equal(got.q.view(torch.uint8), want[0].view(torch.uint8))
+    assert torch.equal(got.s, want[1])
+
+
+QA = ft.QuantAct(torch.zeros(2, 256, dtype=torch.float8_e4m3fn), torch.ones(2, 2),
+                 torch.bfloat16)
+R_CONTRACT = [
+    ("residual shape", lambda: ft.fp8_linear_triton(torch.zeros(2, 384, dtype=torch.bfloat16), W,
+                                                    residual=torch.zeros(2, 255, dtype=torch.bfloat16)),
+     r"residual \[2, 255\] must have the output's shape \[2, 256\]"),
+    ("residual dtype", lambda: ft.fp8_linear_triton_w8a8(
+        torch.zeros(2, 384, dtype=torch.bfloat16), W, residual=torch.zeros(2, 256)),
+     "residual must be torch.bfloat16"),
+    ("residual stride", lambda: ft.dense_linear_triton(
+        torch.zeros(2, 384, dtype=torch.bfloat16), WD,
+        residual=torch.zeros(256, 2, dtype=torch.bfloat16).t()), "last dim must be contiguous"),
+    ("not a QuantAct", lambda: ft.fp8_linear_triton_prequant(
+        torch.zeros(2, 384, dtype=torch.bfloat16), W), "takes a QuantAct"),
+    ("QuantAct q dtype", lambda: ft.fp8_linear_triton_prequant(
+        ft.QuantAct(torch.zeros(2, 384, dtype=torch.bfloat16), torch.ones(2, 3),
+                    torch.bfloat16), W), "e4m3 q and float32 s"),
+    ("QuantAct scales", lambda: ft.fp8_linear_triton_prequant(
+        ft.QuantAct(torch.zeros(2, 384, dtype=torch.float8_e4m3fn), torch.ones(2, 2),
+                    torch.bfloat16), W), r"expected \[2, 3\]"),
+    ("QuantAct dtype", lambda: ft.fp8_linear_triton_prequant(
+        ft.QuantAct(torch.zeros(2, 384, dtype=torch.float8_e4m3fn), torch.ones(2, 3),
+                    torch.float32), W), "dtype must be bfloat16 or float16"),
+    ("QuantAct K", lambda: ft.fp8_linear_triton_prequant(QA, W), "K = 384"),
+    ("prequant w8a8 config", lambda: ft.fp8_linear_triton_prequant(
+        ft.QuantAct(torch.zeros(2, 384, dtype=torch.float8_e4m3fn), torch.ones(2, 3),
+                    torch.bfloat16), W, config=ft.Config(16, 64, 64)), "block_k"),
+]
+
+
+@pytest.mark.parametrize("call,match", [(c, m) for _, c, m in R_CONTRACT],
+                         ids=[i for i, _, _ in R_CONTRACT])
+def test_residual_and_prequant_contract(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_act_quant_contract():
+    from engine.kernels import act_quant as aq
+
+    h = torch.zeros(2, 256, dtype=torch.bfloat16)
+    for call, match in (
+            (lambda: aq.rms_norm_quant(h.float(), torch.ones(256), 1e-6), "bfloat16 or float16"),
+            (lambda: aq.rms_norm_quant(h, torch.ones(255, dtype=torch.bfloat16), 1e-6),
+             r"norm weight must be \[256\]"),
+            (lambda: aq.rms_norm_quant(torch.zeros(256, 2, dtype=torch.bfloat16).t(),
+                                       torch.ones(2, dtype=torch.bfloat16), 1e-6),
+             "last dim must be contiguous"),
+            (lambda: aq.rms_norm_quant(torch.zeros(1, aq.MAX_K + 128, dtype=torch.bfloat16),
+                                       torch.ones(aq.MAX_K + 128, dtype=torch.bfloat16), 1e-6),
+             "holds a row in registers"),
+            (lambda: aq.silu_mul_quant(h, h[:, :128]), "a and b must match"),
+            (lambda: aq.silu_mul_quant(h, h.half()), "a and b must match"),
+            (lambda: aq.silu_mul_quant(torch.zeros(2, 0, dtype=torch.bfloat16),
+                                       torch.zeros(2, 0, dtype=torch.bfloat16)), "K > 0")):
+        with pytest.raises(ValueError, match=match):
+            call()
+
+
+@needs_interp
+@pytest.mark.parametrize("m,n,k", [(1, 300, 260), (17, 200, 384)])
+def test_interp_residual_and_prequant(interp, m, n, k):
+    _residual_and_prequant_case("cpu", m, n, k)
+
+
+@needs_interp
+def test_interp_act_quant(interp):
+    _act_quant_cases("cpu", exact=False)
+
+
+@needs_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("m,n,k", [(1, 300, 260), (17, 2560, 4096), (64, 19456, 2560)])
+def test_residual_epilogue_and_prequantised_x(m, n, k):
+    _residual_and_prequant_case("cuda", m, n, k)
+
+
+@needs_cuda
+@pytest.mark.cuda
+def test_act_quant_kernels():
+    from engine.kernels import act_quant as aq
+
+    _act_quant_cases("cuda", exact=False)
+    # through the wrappers: 3-d, graph-capturable, the GEMM over them == the W8A8 GEMM of
+    # the unfused ops' output where the quantisations agree
+    h = make_x(2 * 16, 2560, device="cuda", seed=11).view(2, 16, 2560)
+    nw = make_x(1, 2560, device="cuda", seed=12)[0]
+    w = make_weight(6144, 2560, device="cuda", seed=13)
+    xa = aq.rms_norm_quant(h, nw, 1e-6)
+    assert xa.q.shape == (2, 16, 2560) and xa.s.shape == (2, 16, 20)
+    want = ft.fp8_linear_triton_prequant(aq.rms_norm_quant_torch(h, nw, 1e-6), w)
+    got = ft.fp8_linear_triton_prequant(xa, w)
+    assert (got.float() - want.float()).norm() / want.float().norm() < 1e-2
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = ft.fp8_linear_triton_prequant(aq.rms_norm_quant(h, nw, 1e-6), w, residual=got)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, got + got)

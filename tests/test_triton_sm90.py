@@ -178,15 +178,15 @@ def test_sm90_fp8_prescaled_gemm_keeps_wgmma_async_unswapped(m):
 
     gemm, _, _ = ft._kernels()
     ptrs = {"x_ptr": "bf16", "q_ptr": "fp8e4nv", "s_ptr": "fp32", "out_ptr": "bf16",
-            "xs_ptr": "fp32"}
+            "xs_ptr": "fp32", "r_ptr": "bf16"}
     cfgs = [c for c in ft.sweep_configs(m) if c.prescale]
     assert any(not c.swap_ab for c in cfgs)
     for cfg in cfgs:
         k = _compile(gemm, ptrs, dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                                       BLOCK_K=cfg.block_k, EVEN_K=True, SWAP_AB=cfg.swap_ab,
-                                      ACT_FP8=False, PRESCALE=True, X_Q=False, DENSE=False),
+                                      ACT_FP8=False, PRESCALE=True, X_Q=False, DENSE=False, RESIDUAL=False),
                      cfg.num_warps,
-                     cfg.num_stages, div16=("N", "K", "stride_xm", "stride_om", "stride_os"))
+                     cfg.num_stages, div16=("N", "K", "stride_xm", "stride_om", "stride_os", "stride_rm"))
         report = _ptxas(k)
         assert k.metadata.shared <= SMEM and _spills(k) == 0, cfg
         if not cfg.swap_ab:
@@ -208,11 +208,11 @@ def test_sm90_fp8_prequantised_w8a8_gemm_has_no_conversion_in_its_loop(m):
     for cfg in cfgs:
         out = "fp32"  # split-K partials (the sweep's splits > 1)
         k = _compile(gemm, {"x_ptr": "fp8e4nv", "q_ptr": "fp8e4nv", "s_ptr": "fp32",
-                            "out_ptr": out, "xs_ptr": "fp32"},
+                            "out_ptr": out, "xs_ptr": "fp32", "r_ptr": "bf16"},
                      dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                           EVEN_K=True, SWAP_AB=cfg.swap_ab, ACT_FP8=True, PRESCALE=False,
-                          X_Q=True, DENSE=False), cfg.num_warps, cfg.num_stages,
-                     div16=("N", "K", "stride_xm", "stride_om", "stride_os"))
+                          X_Q=True, DENSE=False, RESIDUAL=False), cfg.num_warps, cfg.num_stages,
+                     div16=("N", "K", "stride_xm", "stride_om", "stride_os", "stride_rm"))
         report = _ptxas(k)
         assert k.metadata.shared <= SMEM and _async_copies(k) >= 2, cfg
         assert "C7515" not in report and _spills(k) == 0, (cfg, report[-600:])
@@ -225,10 +225,10 @@ def test_sm90_fp8_prequantised_w8a8_gemm_has_no_conversion_in_its_loop(m):
     # true divisions in both quantisations (`/` is div.full.f32: an ulp off at times, and a
     # value on an e4m3 tie then rounds otherwise than quantize_act_torch)
     inloop = _compile(gemm, {"x_ptr": "bf16", "q_ptr": "fp8e4nv", "s_ptr": "fp32",
-                             "out_ptr": "fp32", "xs_ptr": "fp32"},
+                             "out_ptr": "fp32", "xs_ptr": "fp32", "r_ptr": "bf16"},
                       dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, EVEN_K=True, SWAP_AB=False,
-                           ACT_FP8=True, PRESCALE=False, X_Q=False, DENSE=False), 4, 4,
-                      div16=("N", "K", "stride_xm", "stride_om", "stride_os"))
+                           ACT_FP8=True, PRESCALE=False, X_Q=False, DENSE=False, RESIDUAL=False), 4, 4,
+                      div16=("N", "K", "stride_xm", "stride_om", "stride_os", "stride_rm"))
     for k in (q, inloop):
         assert "div.full.f32" not in k.asm["ptx"] and "div.rn" in k.asm["ptx"]
 
@@ -243,15 +243,50 @@ def test_sm90_dense_gemm_compiles_pipelined_with_async_wgmma(m):
 
     gemm, _, _ = ft._kernels()
     ptrs = {"x_ptr": "bf16", "q_ptr": "bf16", "s_ptr": "bf16", "out_ptr": "fp32",
-            "xs_ptr": "bf16"}
+            "xs_ptr": "bf16", "r_ptr": "bf16"}
     for cfg in ft.sweep_configs(m, dense=True):
         k = _compile(gemm, ptrs, dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                                       BLOCK_K=cfg.block_k, EVEN_K=True, SWAP_AB=cfg.swap_ab,
-                                      ACT_FP8=False, PRESCALE=False, X_Q=False, DENSE=True),
+                                      ACT_FP8=False, PRESCALE=False, X_Q=False, DENSE=True, RESIDUAL=False),
                      cfg.num_warps, cfg.num_stages,
-                     div16=("N", "K", "stride_xm", "stride_om", "stride_os"))
+                     div16=("N", "K", "stride_xm", "stride_om", "stride_os", "stride_rm"))
         report = _ptxas(k)
         assert k.metadata.shared <= SMEM and _spills(k) == 0, cfg
         assert _async_copies(k) >= 2 and "C7515" not in report, (cfg, report[-600:])
         if (cfg.block_n if cfg.swap_ab else cfg.block_m) >= 64:
             assert "warp_group_dot " in k.asm["ttgir"], cfg
+
+
+def test_sm90_w8a8_residual_epilogue_and_act_quant_compile():
+    """The prequantised W8A8 GEMM with the residual in its epilogue (an unsplit launch writes
+    bf16 out = r + the product) at w2's shape and 64 rows, in each prequant config: within
+    shared memory, no spills, wgmma async; the split reduce with the residual; and the norm
+    and gate kernels that quantise in their own launch (engine/kernels/act_quant.py): no
+    spills, true divisions (`div.rn`, never div.full.f32: the values quantize_act_torch
+    gives)."""
+    from engine.kernels import act_quant as aq
+    from engine.kernels import fp8_triton as ft
+
+    gemm, reduce_splits, _ = ft._kernels()
+    for cfg in [c for c in ft.sweep_configs(64, w8a8=True) if c.prequant]:
+        k = _compile(gemm, {"x_ptr": "fp8e4nv", "q_ptr": "fp8e4nv", "s_ptr": "fp32",
+                            "out_ptr": "bf16", "xs_ptr": "fp32", "r_ptr": "bf16"},
+                     dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                          EVEN_K=True, SWAP_AB=cfg.swap_ab, ACT_FP8=True, PRESCALE=False,
+                          X_Q=True, DENSE=False, RESIDUAL=True), cfg.num_warps,
+                     cfg.num_stages,
+                     div16=("N", "K", "stride_xm", "stride_om", "stride_os", "stride_rm"))
+        assert k.metadata.shared <= SMEM and _spills(k) == 0, cfg
+        assert "C7515" not in _ptxas(k) and "warp_group_dot " in k.asm["ttgir"], cfg
+    red = _compile(reduce_splits, {"p_ptr": "fp32", "out_ptr": "bf16", "r_ptr": "bf16"},
+                   dict(BLOCK=ft.REDUCE_BLOCK, RESIDUAL=True), 4, 1,
+                   div16=("MN", "N", "stride_rm"))
+    assert _spills(red) == 0
+    norm, glu = aq._kernels()
+    kn = _compile(norm, {"h_ptr": "bf16", "w_ptr": "bf16", "q_ptr": "fp8e4nv", "s_ptr": "fp32"},
+                  dict(ROW=4096, BLOCK=128), 4, 1, div16=("K", "stride_hm"), floats=("eps",))
+    kg = _compile(glu, {"a_ptr": "bf16", "b_ptr": "bf16", "q_ptr": "fp8e4nv", "s_ptr": "fp32"},
+                  dict(BLOCK=128), 1, 1, div16=("K", "stride_am", "stride_bm"))
+    for k in (kn, kg):
+        assert _spills(k) == 0
+        assert "div.full.f32" not in k.asm["ptx"] and "div.rn" in k.asm["ptx"]

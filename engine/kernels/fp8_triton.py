@@ -302,6 +302,20 @@ def check(x: Tensor, w: Fp8Weight, config: Config | None = None, split_k: int = 
     _check_x(x, w.q, "the weight's q", config, split_k, w8a8=w8a8, scale=w.scale)
 
 
+def check_prequant(x: QuantAct, w: Fp8Weight, config: Config | None = None,
+                   split_k: int = 0) -> None:
+    """`check`'s contract for activations already quantised: x a valid `QuantAct` whose q
+    [..., K] meets x's layout rules there, a W8A8 config."""
+    if not isinstance(x, QuantAct):
+        raise ValueError(f"the prequantised W8A8 GEMM takes a QuantAct, got {type(x).__name__}")
+    x.check()
+    if not isinstance(w, Fp8Weight):
+        raise ValueError(f"the prequantised W8A8 GEMM takes an Fp8Weight, got "
+                         f"{type(w).__name__}")
+    w.check()
+    _check_x(x.q, w.q, "the weight's q", config, split_k, w8a8=True, scale=w.scale)
+
+
 def check_dense(x: Tensor, w: Tensor, config: Config | None = None, split_k: int = 0) -> None:
     """`check`'s contract for a dense weight: W a [N, K] tensor of x's dtype (bf16 / fp16)
     on x's device, contiguous and 16-byte aligned."""
@@ -401,14 +415,17 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit(do_not_specialize=["M"])
-    def fp8_gemm(x_ptr, q_ptr, s_ptr, out_ptr, xs_ptr, M, N, K, stride_xm, stride_om,
-                 stride_os, blocks_per_split,
+    def fp8_gemm(x_ptr, q_ptr, s_ptr, out_ptr, xs_ptr, r_ptr, M, N, K, stride_xm, stride_om,
+                 stride_os, stride_rm, blocks_per_split,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr, ACT_FP8: tl.constexpr,
-                 PRESCALE: tl.constexpr, X_Q: tl.constexpr, DENSE: tl.constexpr):
+                 PRESCALE: tl.constexpr, X_Q: tl.constexpr, DENSE: tl.constexpr,
+                 RESIDUAL: tl.constexpr):
         # X_Q (with ACT_FP8): x_ptr holds x already quantised (e4m3 [M, K] rows) and xs_ptr
         # its float32 scales [M, ceil(K / 128)] (`quant_rows`). DENSE: q_ptr holds W itself
-        # in x's dtype ([N, K] rows; s_ptr unused): one chain of dots, no scales
+        # in x's dtype ([N, K] rows; s_ptr unused): one chain of dots, no scales. RESIDUAL
+        # (unsplit launches only; with splits the reduce adds it): out = r + the product,
+        # the product rounded to out's dtype first, as the linear and then the add round
         # program (pid, split): output tile pid (M tiles fastest, so the programs reading one
         # weight tile run together and share it through L2), K blocks of split `split`
         pid = tl.program_id(0)
@@ -492,17 +509,31 @@ def _kernels():
         else:
             ptrs = base + offs_m[:, None] * stride_om + offs_n[None, :]
             mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        if RESIDUAL:
+            if SWAP_AB:
+                r_ptrs = r_ptr + offs_n[:, None] + offs_m[None, :] * stride_rm
+            else:
+                r_ptrs = r_ptr + offs_m[:, None] * stride_rm + offs_n[None, :]
+            r = tl.load(r_ptrs, mask=mask, other=0.0)
+            out = (out.to(tl.float32) + r.to(tl.float32)).to(out_ptr.dtype.element_ty)
         tl.store(ptrs, out, mask=mask)
 
     @triton.jit
-    def reduce_splits(p_ptr, out_ptr, MN, splits, BLOCK: tl.constexpr):
-        # out[i] = sum over s in order of p[s, i] (fp32), cast: the split-K epilogue
+    def reduce_splits(p_ptr, out_ptr, r_ptr, MN, N, stride_rm, splits, BLOCK: tl.constexpr,
+                      RESIDUAL: tl.constexpr):
+        # out[i] = sum over s in order of p[s, i] (fp32), cast: the split-K epilogue; with
+        # RESIDUAL then + r[i // N, i % N] (rows stride_rm apart), rounded again
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < MN
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
         for s in range(splits):
             acc += tl.load(p_ptr + s * MN + offs, mask=mask, other=0.0)
-        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        y = acc.to(out_ptr.dtype.element_ty)
+        if RESIDUAL:
+            row = offs // N
+            r = tl.load(r_ptr + row * stride_rm + (offs - row * N), mask=mask, other=0.0)
+            y = (y.to(tl.float32) + r.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + offs, y, mask=mask)
 
     @triton.jit
     def quant_rows(x_ptr, q_ptr, s_ptr, K, stride_xm, kb, BLOCK: tl.constexpr):
@@ -540,16 +571,19 @@ def quantize_act(x2: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _launch(x2: Tensor, q: Tensor, scale: Tensor | None, cfg: Config, split_k: int, sms: int,
-            *, w8a8: bool = False) -> Tensor:
-    """x2 [M, K] (rows strided, last dim contiguous) @ W^T -> out [M, N] in x2's dtype, W
-    the FP8 weight's (q [N, K], scale) or, with scale None, dense q in x2's dtype. Contract
-    already checked; split_k = 0: automatic."""
+            *, w8a8: bool = False, xs: Tensor | None = None,
+            residual: Tensor | None = None, out_dtype: torch.dtype | None = None) -> Tensor:
+    """x2 [M, K] (rows strided, last dim contiguous) @ W^T -> out [M, N] in x2's dtype (or
+    `out_dtype`), W the FP8 weight's (q [N, K], scale) or, with scale None, dense q in x2's
+    dtype. `xs` (W8A8): x2 is x already quantised (e4m3) and xs its scales [M, ceil(K/128)].
+    `residual` [M, N] (rows strided, last dim contiguous): out = residual + the product.
+    Contract already checked; split_k = 0: automatic."""
     import triton
 
     gemm, reduce_splits, _ = _kernels()
     m, k = x2.shape
     n = q.shape[0]
-    out = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+    out = torch.empty((m, n), dtype=out_dtype or x2.dtype, device=x2.device)
     kb = scale_shape(n, k)[1]
     split = launch_split(m, n, k, cfg, split_k, sms)
     per = -(-kb // split)
@@ -557,63 +591,108 @@ def _launch(x2: Tensor, q: Tensor, scale: Tensor | None, cfg: Config, split_k: i
     dst = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32,
                                              device=x2.device)
     s = q if scale is None else scale  # the dense kernel reads no scales
-    xq, xs = quantize_act(x2) if w8a8 and cfg.prequant else (x2, s)  # xs: unused
+    x_q = xs is not None or (w8a8 and cfg.prequant)  # the GEMM reads e4m3 x and its scales
+    if xs is not None:
+        xq = x2
+    else:
+        xq, xs = quantize_act(x2) if x_q else (x2, s)  # xs: unused unless x_q
+    r = out if residual is None else residual  # r: unused without one
     gemm[(tiles, split)](
-        xq, q, s, dst, xs, m, n, k, xq.stride(0), n, 0 if split == 1 else m * n, per,
+        xq, q, s, dst, xs, r, m, n, k, xq.stride(0), n, 0 if split == 1 else m * n,
+        r.stride(0), per,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         EVEN_K=k % BLOCK == 0, SWAP_AB=cfg.swap_ab, ACT_FP8=w8a8, PRESCALE=cfg.prescale,
-        X_Q=w8a8 and cfg.prequant, DENSE=scale is None, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        X_Q=x_q,
+        DENSE=scale is None, RESIDUAL=residual is not None and split == 1,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split > 1:
-        reduce_splits[(triton.cdiv(m * n, REDUCE_BLOCK),)](dst, out, m * n, split,
-                                                           BLOCK=REDUCE_BLOCK, num_warps=4)
+        reduce_splits[(triton.cdiv(m * n, REDUCE_BLOCK),)](
+            dst, out, r, m * n, n, r.stride(0), split, BLOCK=REDUCE_BLOCK,
+            RESIDUAL=residual is not None, num_warps=4)
     return out
 
 
 # ----------------------------------------------------------------------------- wrappers
+def _check_residual(residual: Tensor | None, x: Tensor, n: int, dtype: torch.dtype) -> None:
+    """A residual for out [..., N] = residual + x W^T: x's leading shape and N, the output's
+    dtype, x's device, its last dim contiguous, 16-byte aligned."""
+    if residual is None:
+        return
+    want = (*x.shape[:-1], n)
+    if tuple(residual.shape) != want:
+        raise ValueError(f"residual {list(residual.shape)} must have the output's shape "
+                         f"{list(want)}")
+    if residual.dtype != dtype:
+        raise ValueError(f"residual must be {dtype} (the output's dtype), got {residual.dtype}")
+    if residual.device != x.device:
+        raise ValueError(f"residual on {residual.device} but x on {x.device}")
+    if n > 1 and residual.stride(-1) != 1:
+        raise ValueError(f"residual's last dim must be contiguous (strides {residual.stride()})")
+    if residual.numel() and residual.data_ptr() % ALIGN:
+        raise ValueError(f"residual must start on a {ALIGN}-byte boundary")
+
+
 def _run(x: Tensor, q: Tensor, scale: Tensor | None, config: Config | None, split_k: int,
-         kernel: bool, w8a8: bool) -> Tensor | None:
+         kernel: bool, w8a8: bool, *, xs: Tensor | None = None,
+         residual: Tensor | None = None, out_dtype: torch.dtype | None = None) -> Tensor | None:
     """The kernel's product (contract checked by the caller) where it runs here, else None;
-    `scale` None: q is a dense weight."""
+    `scale` None: q is a dense weight; `xs`: x is already quantised (its scales, [..., kb])."""
     if not (kernel and x.is_cuda and available()):
         return None
     n, k = q.shape
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
+    dtype = out_dtype or x.dtype
     if m == 0 or n == 0 or k == 0:
-        return x.new_zeros((*lead, n))
+        out = torch.zeros((*lead, n), dtype=dtype, device=x.device)
+        return out if residual is None else out + residual
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
     cfg = config or fit_smem(default_config(m, n, k, w8a8=w8a8), _smem_bytes(index),
                              w8a8=w8a8, dense=scale is None)
+    r2 = None if residual is None else residual.reshape(m, n)
     with torch.cuda.device(index):
-        out = _launch(x2, q, scale, cfg, split_k, sm_count(x.device), w8a8=w8a8)
+        out = _launch(x2, q, scale, cfg, split_k, sm_count(x.device), w8a8=w8a8,
+                      xs=None if xs is None else xs.reshape(m, -1), residual=r2,
+                      out_dtype=dtype)
     return out.view(*lead, n)
 
 
+def _plus(out: Tensor, residual: Tensor | None) -> Tensor:
+    """A fallback's product with its residual added as the epilogue adds it (rounded, then
+    the sum rounded: the linear, then the add)."""
+    return out if residual is None else residual + out
+
+
 def fp8_linear_triton(x: Tensor, w: Fp8Weight, *, config: Config | None = None,
-                      split_k: int = 0, kernel: bool = True) -> Tensor:
+                      split_k: int = 0, kernel: bool = True,
+                      residual: Tensor | None = None) -> Tensor:
     """x [..., K] (bf16/fp16; rows may be strided) @ W^T, W an `Fp8Weight` [N, K] -> [..., N]
     in x's dtype, fp32 accumulation, weight-only dequantisation in registers. `config`: a
     `Config` (None: `default_config`'s table); `split_k`: programs per output tile along K
     (0: enough to fill the GPU; clamped to the 128-wide K blocks; the result does not depend
-    on it beyond fp32 summation order). Off CUDA, without Triton, or `kernel=False`: the
-    torch reference `engine.quant.fp8_linear_torch`."""
+    on it beyond fp32 summation order). `residual` [..., N] (x's dtype): residual + the
+    product in the epilogue (the block's residual add; the split reduce adds it), rounded
+    as the linear then the add. Off CUDA, without Triton, or `kernel=False`: the torch
+    reference `engine.quant.fp8_linear_torch`."""
     check(x, w, config, split_k)
-    out = _run(x, w.q, w.scale, config, split_k, kernel, w8a8=False)
-    return fp8_linear_torch(x, w) if out is None else out
+    _check_residual(residual, x, w.q.shape[0], x.dtype)
+    out = _run(x, w.q, w.scale, config, split_k, kernel, w8a8=False, residual=residual)
+    return _plus(fp8_linear_torch(x, w), residual) if out is None else out
 
 
 def dense_linear_triton(x: Tensor, w: Tensor, *, config: Config | None = None,
-                        split_k: int = 0, kernel: bool = True) -> Tensor:
+                        split_k: int = 0, kernel: bool = True,
+                        residual: Tensor | None = None) -> Tensor:
     """x [..., K] @ W^T for a dense W [N, K] of x's dtype (bf16 / fp16) -> [..., N], fp32
     accumulation: the same kernel with the weight tiles fed to the dots as loaded (a
     candidate beside cuBLAS for decode's 8-64 rows, `sweep_configs(m, dense=True)`);
-    `config` and `split_k` as `fp8_linear_triton`'s (a config without prescale or
-    prequant). Off CUDA, without Triton, or `kernel=False`: F.linear."""
+    `config`, `split_k` and `residual` as `fp8_linear_triton`'s (a config without prescale
+    or prequant). Off CUDA, without Triton, or `kernel=False`: F.linear."""
     check_dense(x, w, config, split_k)
-    out = _run(x, w, None, config, split_k, kernel, w8a8=False)
-    return torch.nn.functional.linear(x, w) if out is None else out
+    _check_residual(residual, x, w.shape[0], x.dtype)
+    out = _run(x, w, None, config, split_k, kernel, w8a8=False, residual=residual)
+    return _plus(torch.nn.functional.linear(x, w), residual) if out is None else out
 
 
 def quantize_act_torch(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -631,25 +710,86 @@ def quantize_act_torch(x: Tensor) -> tuple[Tensor, Tensor]:
     return q.view(m, kb * BLOCK)[:, :k], s
 
 
+def _w8a8_product_torch(q: Tensor, s: Tensor, w: Fp8Weight, dtype: torch.dtype) -> Tensor:
+    """Quantised rows q [M, K] (e4m3) with scales s [M, kb], dequantised, times the
+    dequantised weight, in float32 -> [M, N] in `dtype`."""
+    from ..quant import dequantize_fp8
+
+    k = q.shape[1]
+    xd = q.float() * s.repeat_interleave(BLOCK, 1)[:, :k]
+    return (xd @ dequantize_fp8(w, torch.float32).T).to(dtype)
+
+
 def fp8_linear_w8a8_torch(x: Tensor, w: Fp8Weight) -> Tensor:
     """The W8A8 reference: activations quantised per 1 x 128 block (quantize_act_torch),
     dequantised, times the dequantised weight, in float32 -> x's dtype."""
-    from ..quant import dequantize_fp8
-
     k = w.q.shape[1]
-    x2 = x.reshape(-1, k)
-    q, s = quantize_act_torch(x2)
-    xd = (q.float() * s.repeat_interleave(BLOCK, 1)[:, :k])
-    out = xd @ dequantize_fp8(w, torch.float32).T
-    return out.to(x.dtype).view(*x.shape[:-1], w.q.shape[0])
+    q, s = quantize_act_torch(x.reshape(-1, k))
+    return _w8a8_product_torch(q, s, w, x.dtype).view(*x.shape[:-1], w.q.shape[0])
 
 
 def fp8_linear_triton_w8a8(x: Tensor, w: Fp8Weight, *, config: Config | None = None,
-                           split_k: int = 0, kernel: bool = True) -> Tensor:
+                           split_k: int = 0, kernel: bool = True,
+                           residual: Tensor | None = None) -> Tensor:
     """Like `fp8_linear_triton`, with the activations quantised per 1 x 128 block to e4m3 on
     the fly and an fp8 x fp8 dot (config.block_k must be 128). Approximates the reference by
     e4m3's rounding of x (about 2^-5 relative per element); the fallback is
-    `fp8_linear_w8a8_torch`, which rounds the same way."""
+    `fp8_linear_w8a8_torch`, which rounds the same way. `residual` as there."""
     check(x, w, config, split_k, w8a8=True)
-    out = _run(x, w.q, w.scale, config, split_k, kernel, w8a8=True)
-    return fp8_linear_w8a8_torch(x, w) if out is None else out
+    _check_residual(residual, x, w.q.shape[0], x.dtype)
+    out = _run(x, w.q, w.scale, config, split_k, kernel, w8a8=True, residual=residual)
+    return _plus(fp8_linear_w8a8_torch(x, w), residual) if out is None else out
+
+
+@dataclass(frozen=True, slots=True)
+class QuantAct:
+    """Activations quantised for a W8A8 GEMM by the op that made them (`engine.kernels.
+    act_quant`: the norm or the silu * mul with the quantisation in its launch): q [..., K]
+    e4m3, contiguous; s [..., ceil(K/128)] float32, amax / 448 of each 1 x 128 block;
+    `dtype` the activations' own dtype (bf16 / fp16), the product's."""
+
+    q: Tensor
+    s: Tensor
+    dtype: torch.dtype
+
+    def check(self) -> None:
+        """Raise ValueError naming what breaks the layout."""
+        if self.q.dtype != torch.float8_e4m3fn or self.s.dtype != torch.float32:
+            raise ValueError(f"QuantAct needs e4m3 q and float32 s, got {self.q.dtype} and "
+                             f"{self.s.dtype}")
+        if self.dtype not in ACT_DTYPES:
+            raise ValueError(f"QuantAct's dtype must be bfloat16 or float16, got {self.dtype}")
+        k = self.q.shape[-1] if self.q.dim() else 0
+        want = (*self.q.shape[:-1], scale_shape(1, k)[1])
+        if self.q.dim() < 1 or tuple(self.s.shape) != want:
+            raise ValueError(f"QuantAct's scales {list(self.s.shape)} do not match q "
+                             f"{list(self.q.shape)}: expected {list(want)}")
+        if not (self.q.is_contiguous() and self.s.is_contiguous()):
+            raise ValueError("QuantAct's q and s must be contiguous")
+        if self.s.device != self.q.device:
+            raise ValueError(f"QuantAct's s on {self.s.device} but q on {self.q.device}")
+
+    def dequantize(self) -> Tensor:
+        """The values the GEMM multiplies: q * s per block, in float32 [..., K]."""
+        k = self.q.shape[-1]
+        return self.q.float() * self.s.repeat_interleave(BLOCK, -1)[..., :k]
+
+
+def fp8_linear_triton_prequant(x: QuantAct, w: Fp8Weight, *, config: Config | None = None,
+                               split_k: int = 0, kernel: bool = True,
+                               residual: Tensor | None = None) -> Tensor:
+    """The W8A8 GEMM over activations its producer already quantised (x: `QuantAct`, e.g.
+    from the norm before it): `fp8_linear_triton_w8a8`'s product without its quantising
+    launch -> [..., N] in x.dtype; `config` any W8A8 config (None: the default), `split_k`
+    and `residual` as there. Off CUDA, without Triton, or `kernel=False`: the same values
+    dequantised times the dequantised weight in float32 (`fp8_linear_w8a8_torch`'s
+    product)."""
+    check_prequant(x, w, config, split_k)
+    _check_residual(residual, x.q, w.q.shape[0], x.dtype)
+    out = _run(x.q, w.q, w.scale, config, split_k, kernel, w8a8=True, xs=x.s,
+               residual=residual, out_dtype=x.dtype)
+    if out is not None:
+        return out
+    k = w.q.shape[1]
+    y = _w8a8_product_torch(x.q.reshape(-1, k), x.s.reshape(-1, x.s.shape[-1]), w, x.dtype)
+    return _plus(y.view(*x.q.shape[:-1], w.q.shape[0]), residual)
