@@ -22,6 +22,7 @@ from .codec.layers import CodecOps
 from .codec.quantizer import lookup_sum
 from .config import DECODE_ROPE_ROWS
 from .kernels import (
+    act_quant,
     activation,
     codec_conv,
     extension_available,
@@ -31,6 +32,7 @@ from .kernels import (
     step_book,
 )
 from .kernels.decode_attention import decode_attention
+from .kernels.fp8_triton import QuantAct
 from .kernels.prev_tokens import prev_tokens_shift_checked, prev_tokens_shift_inplace
 from .quant import Fp8Weight
 
@@ -62,6 +64,17 @@ class PendingHeads:
     cs: Tensor  # [Dh/2, 2]: the rotation at pos (every row at this one position)
     pos: int
     compute: Callable[[], Tensor]  # -> the heads' output [B, 1, q_size], stored k/v included
+
+
+@dataclass(frozen=True, slots=True)
+class PendingGate:
+    """The FFN's gated input silu(a) * b, not computed yet: the w2 projection that can take
+    its activations quantised (`Ops.prequant`) has the gate quantise them in its own launch
+    (`Ops.silu_mul_quant`); anything else takes `Ops.dense` of it (the silu * mul). a, b:
+    [..., I], the packed projection's two halves."""
+
+    a: Tensor
+    b: Tensor
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -121,6 +134,13 @@ class Ops:
     # GEMM on rowwise copies of their weights where it measured fastest; the engine makes
     # the copies where it says they pay (rowwise_pays). None: no rowwise copies
     rowwise_plan: linear.LinearPlan | None = None
+    # with fp8_activations: (x, W) -> the W8A8 GEMM over activations their producer
+    # quantised (fn(QuantAct, W, residual)) where the table runs this linear as the
+    # prequantised W8A8 GEMM at x's rows, else None (linear.make_prequant); None: never.
+    # The norm before wqkv / w13 and the gate before w2 then quantise in their own launch
+    prequant: Callable[[Tensor, Tensor | Fp8Weight], Callable[..., Tensor] | None] | None = None
+    norm_quant: Callable[..., QuantAct] = act_quant.rms_norm_quant  # (h, w, eps) -> QuantAct
+    silu_mul_quant: Callable[[Tensor, Tensor], QuantAct] = act_quant.silu_mul_quant
     sample: Callable[..., Tensor] = sampling.sample  # the sampler's draw
     # the draw and the drawn ids' rows of an embedding table (the fast AR's next input) ->
     # (ids, rows): one launch with csrc's kernel, where the draw and a lookup are two
@@ -137,15 +157,17 @@ class Ops:
 
     def pending_norm(self, x: Tensor, w: Tensor, eps: float) -> Tensor | Normed:
         """rms_norm(x) * w for a projection to read: left pending (`Normed`) where a normed
-        kernel may take it, else computed now."""
-        if self.normed_kernel is not None:
+        kernel or a prequantised GEMM may take it, else computed now."""
+        if self.normed_kernel is not None or self.prequant is not None:
             return Normed(x, w, eps)
         return self.rms_norm(x, w, eps)
 
-    def dense(self, x: Tensor | Normed | PendingHeads) -> Tensor:
-        """x as a tensor: a pending norm or attention computed now."""
+    def dense(self, x: Tensor | Normed | PendingHeads | PendingGate) -> Tensor:
+        """x as a tensor: a pending norm, attention or gate computed now."""
         if isinstance(x, PendingHeads):
             return x.compute()
+        if isinstance(x, PendingGate):
+            return self.silu_mul(x.a, x.b)
         return self.rms_norm(x.h, x.weight, x.eps) if isinstance(x, Normed) else x
 
     def _normed(self, x: Normed, w: Tensor | Fp8Weight | None, glu: bool) -> Tensor | None:
@@ -154,23 +176,47 @@ class Ops:
             return None
         return self.normed_kernel(x.h, x.weight, x.eps, w, glu)
 
-    def project(self, x: Tensor | Normed, w: Tensor | Fp8Weight) -> Tensor:
+    def _quantised(self, x: Normed | PendingGate, w: Tensor | Fp8Weight | None,
+                   residual: Tensor | None = None) -> Tensor | None:
+        """x W^T (+ residual) from the prequantised W8A8 GEMM, x quantised by the launch that
+        makes it (the norm, or the gate), where `prequant` says this linear runs that GEMM
+        here; None otherwise."""
+        if w is None or self.prequant is None:
+            return None
+        rows = x.h if isinstance(x, Normed) else x.a
+        gemm = self.prequant(rows, w)
+        if gemm is None:
+            return None
+        xa = (self.norm_quant(x.h, x.weight, x.eps) if isinstance(x, Normed)
+              else self.silu_mul_quant(x.a, x.b))
+        return gemm(xa, w, residual=residual)
+
+    def project(self, x: Tensor | Normed | PendingGate, w: Tensor | Fp8Weight) -> Tensor:
         """x [..., K] @ W^T where x may be a pending norm (the normed kernel's prologue applies
-        it where it takes the call)."""
-        if isinstance(x, Normed):
-            y = self._normed(x, w, glu=False)
+        it where it takes the call) or gate (quantised in its own launch where the GEMM
+        reads quantised activations)."""
+        if isinstance(x, (Normed, PendingGate)):
+            y = self._normed(x, w, glu=False) if isinstance(x, Normed) else None
+            if y is None:
+                y = self._quantised(x, w)
             if y is not None:
                 return y
             x = self.dense(x)
         return self.linear(x, w)
 
-    def linear_add_rms_norm(self, y: Tensor | PendingHeads, w: Tensor | Fp8Weight, x: Tensor,
-                            nw: Tensor, eps: float) -> tuple[Tensor, Tensor | Normed]:
+    def linear_add_rms_norm(self, y: Tensor | PendingHeads | PendingGate, w: Tensor | Fp8Weight,
+                            x: Tensor, nw: Tensor, eps: float) -> tuple[Tensor, Tensor | Normed]:
         """A residual block's output: (h, rms_norm(h) * nw) for h = x + y W^T. With csrc's
         kernels the add runs in the projection's epilogue and the norm is left pending for
-        the next projection's prologue (no launch of its own), and a pending attention y is
-        computed in its prologue (`attend_kernel`); else the projection, then the add and the
-        norm in one fused op."""
+        the next projection's prologue (no launch of its own), a pending attention y is
+        computed in its prologue (`attend_kernel`), and a pending gate y quantised in its
+        own launch for a prequantised GEMM; else the projection, then the add and the norm
+        in one fused op."""
+        if isinstance(y, PendingGate):
+            h = self._quantised(y, w, residual=x)
+            if h is not None:
+                return h, self.pending_norm(h, nw, eps)
+            y = self.dense(y)
         if isinstance(y, PendingHeads):
             h = (self.attend_kernel(y.qkv, y.k_cache, y.v_cache, y.cs, y.pos, w, x)
                  if self.attend_kernel is not None else None)
@@ -189,23 +235,29 @@ class Ops:
             return self.linear(x, fusion.gathered_rows(w, rows))
         return torch.cat([self.linear(x, w[a:b]) for a, b in rows], dim=-1)
 
-    def swiglu(self, x: Tensor | Normed, w1: Tensor, w3: Tensor) -> Tensor:
+    def swiglu(self, x: Tensor | Normed, w1: Tensor, w3: Tensor) -> Tensor | PendingGate:
         """The FFN's gated input: silu(x W1^T) * (x W3^T). x: [..., D] (or a pending norm)
-        -> [..., I]."""
+        -> [..., I], left pending (`PendingGate`) where a prequantised GEMM may read it."""
         w13 = fusion.packed(w1, w3) if self.packed_ffn else None
+        h = None
         if isinstance(x, Normed):
             y = self._normed(x, w13, glu=True)
             if y is not None:
                 return y
-            x = self.dense(x)
+            h = self._quantised(x, w13)
+            if h is None:
+                x = self.dense(x)
         if w13 is None:
             return self.silu_mul(self.linear(x, w1), self.linear(x, w3))
-        if self.swiglu_kernel is not None:
+        if h is None and self.swiglu_kernel is not None:
             y = self.swiglu_kernel(x, w13)
             if y is not None:
                 return y
-        h = self.linear(x, w13)  # [..., 2I]: the gate and the up projection side by side
+        if h is None:
+            h = self.linear(x, w13)  # [..., 2I]: the gate and the up projection side by side
         n = w1.shape[0]
+        if self.prequant is not None:
+            return PendingGate(h[..., :n], h[..., n:])
         return self.silu_mul(h[..., :n], h[..., n:])
 
     @property
@@ -381,6 +433,8 @@ def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool 
             parts["swiglu_kernel"] = linear.make_swiglu(plan, kernels=True, **w8a8)
             if norm_fusion:
                 parts["residual_kernel"] = linear.make_residual(plan, kernels=True, **w8a8)
+                if fp8_activations:  # the norms and gates quantise for the W8A8 GEMMs
+                    parts["prequant"] = linear.make_prequant(plan, True, dense=fp8_dense)
                 parts["normed_kernel"] = linear.make_normed(
                     plan, kernels=True, max_m_fp8=normed_max_m_fp8, **w8a8)
                 if attend_prologue:

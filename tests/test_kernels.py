@@ -2713,6 +2713,152 @@ def test_norm_fusion_plumbing_changes_no_value(tiny_bundle, normed_takes):
         assert calls.get("normed", 0) == (2 * n_fast + 1 if normed_takes else 0)
 
 
+class _OnCuda(torch.Tensor):
+    """A CPU tensor that says it is on CUDA: the dispatchers' per-shape choices for a CUDA
+    call, made on a machine without one (the kernels they pick are fakes here)."""
+
+    @property
+    def is_cuda(self) -> bool:  # type: ignore[override]
+        return True
+
+
+def test_triton_rows_take_the_residual_and_prequantised_x(monkeypatch):
+    """make_residual runs a Triton row's GEMM with the residual in its epilogue (bf16
+    "triton": the dense GEMM; with `fp8_activations` a "triton_w8a8" row: the W8A8 GEMM),
+    with the row's config and split, where the call meets its contract, else None (the
+    linear, then the add); make_prequant names the prequantised GEMM only for an FP8 weight
+    whose W8A8 row is a prequant config (its dense copy not faster), on CUDA bf16 x."""
+    from engine.kernels import fp8_triton
+    from engine.quant import quantize_fp8
+
+    n, k = 256, 128
+    pre = {**_CFG, "swap_ab": False, "block_m": 64, "prequant": True}
+    rows = [{"fp8": False, "m": 32, "n": n, "k": k, "impl": "triton", "splits": 2,
+             "config": {**_CFG, "block_m": 32}, "us": {"library": 9.0, "triton:x": 7.0}},
+            {"fp8": True, "m": 32, "n": n, "k": k, "impl": "library",
+             "us": {"library": 10.0}},
+            {"fp8": True, "m": 32, "n": n, "k": k, "impl": "triton_w8a8", "splits": 1,
+             "config": pre, "us": {"triton_w8a8:x": 8.0}},
+            {"fp8": True, "m": 64, "n": n, "k": k, "impl": "library", "us": {"library": 9.0}},
+            {"fp8": True, "m": 64, "n": n, "k": k, "impl": "triton_w8a8", "splits": 1,
+             "config": {**pre, "prequant": False}, "us": {"triton_w8a8:x": 8.0}}]
+    plan = linear.LinearPlan.from_rows(rows)
+    calls = []
+
+    def fake(name):  # type: ignore[no-untyped-def]
+        def run(x, w, *, config, split_k, residual=None):  # type: ignore[no-untyped-def]
+            calls.append((name, config, split_k, residual is not None))
+            return torch.zeros(*x.shape[:-1], w.shape[0], dtype=x.dtype)
+        return run
+
+    for name in ("dense_linear_triton", "fp8_linear_triton_w8a8"):
+        monkeypatch.setattr(fp8_triton, name, fake(name))
+    monkeypatch.setattr(linear, "_triton_module", lambda: fp8_triton)
+    bf = torch.bfloat16
+    y, r = torch.randn(20, k).to(bf).as_subclass(_OnCuda), torch.zeros(20, n, dtype=bf)
+    wd, wq = torch.randn(n, k).to(bf), quantize_fp8(torch.randn(n, k))
+    res = linear.make_residual(plan, kernels=False, fp8_activations=True)
+    assert res(y, wd, r) is not None
+    assert calls[-1] == ("dense_linear_triton", fp8_triton.Config.from_json(
+        {**_CFG, "block_m": 32}), 2, True)
+    assert res(y, wq, r) is not None
+    assert calls[-1] == ("fp8_linear_triton_w8a8", fp8_triton.Config.from_json(pre, w8a8=True),
+                         1, True)
+    assert linear.make_residual(plan, kernels=False)(y, wq, r) is None  # weight-only: library
+    assert res(y.as_subclass(torch.Tensor), wd, r) is None  # not CUDA
+    assert res(y, wd, r.float()) is None and len(calls) == 2  # the residual's contract
+    # the prequantised GEMM: the W8A8 row's prequant config, FP8 weights, CUDA bf16 x
+    pq = linear.make_prequant(plan, True)
+    fn = pq(y, wq)
+    assert fn.func is fp8_triton.fp8_linear_triton_prequant
+    assert fn.keywords == {"config": fp8_triton.Config.from_json(pre, w8a8=True), "split_k": 1}
+    assert pq(y, wd) is None  # a dense weight
+    assert pq(torch.randn(40, k).to(bf).as_subclass(_OnCuda), wq) is None  # not prequant
+    assert pq(y.as_subclass(torch.Tensor), wq) is None  # CPU
+    assert linear.make_prequant(plan, False)(y, wq) is None  # no fp8_activations
+    assert linear.make_prequant(None, True)(y, wq) is None
+    monkeypatch.setattr(linear, "_triton_module", lambda: None)
+    assert linear.make_prequant(plan, True)(y, wq) is None  # no Triton
+
+
+def test_prequant_plumbing_changes_no_value(tiny_bundle):
+    """With `Ops.prequant` taking every FP8 linear (stand-ins: the torch fallbacks of the
+    prequantised GEMM and of the quantising norm and gate), each block's norms before wqkv /
+    w13 and its gate before w2 quantise in their own launch, w2's residual add goes into
+    its GEMM, and the model's slow and fast hidden states are bit-equal to the plain ops'
+    with every FP8 linear the W8A8 reference (the same quantised values either way)."""
+    import copy
+
+    import torch.nn.functional as F
+
+    from engine.fusion import pack_ffn
+    from engine.kernels import act_quant
+    from engine.kernels import fp8_triton as ft
+    from engine.ops import Ops, PendingGate
+    from engine.quant import Fp8Weight, quantize_model
+
+    m = copy.deepcopy(tiny_bundle.model).to(torch.bfloat16)
+    quantize_model(m)
+    pack_ffn(m)
+    cfg = m.cfg
+
+    def w8a8(x, w):  # type: ignore[no-untyped-def]
+        return ft.fp8_linear_w8a8_torch(x, w) if isinstance(w, Fp8Weight) else F.linear(x, w)
+
+    def residual(y, w, r):  # type: ignore[no-untyped-def]
+        return r + w8a8(y, w) if isinstance(w, Fp8Weight) else None
+
+    calls: dict[str, int] = {}
+
+    def prequant(x, w):  # type: ignore[no-untyped-def]
+        if not isinstance(w, Fp8Weight):
+            return None
+
+        def gemm(xa, w, residual=None):  # type: ignore[no-untyped-def]
+            calls["gemm"] = calls.get("gemm", 0) + 1
+            return ft.fp8_linear_triton_prequant(xa, w, kernel=False, residual=residual)
+
+        return gemm
+
+    plain = Ops(packed_ffn=True, linear=w8a8)
+    ops = Ops(packed_ffn=True, linear=w8a8, residual_kernel=residual, prequant=prequant,
+              norm_quant=_counted(act_quant.rms_norm_quant, calls, "norm_quant"),
+              silu_mul_quant=_counted(act_quant.silu_mul_quant, calls, "gate_quant"))
+
+    class Attend:  # causal attention over this call's positions only
+        def __call__(self, layer, q, k, v):
+            from engine.model import gqa_attention
+
+            T = q.shape[2]
+            mask = torch.ones(T, T, dtype=torch.bool).tril()[None, None]
+            return gqa_attention(q, k, v, mask)
+
+    cols = torch.zeros(2, cfg.num_codebooks + 1, 5, dtype=torch.long)
+    cols[:, 0] = torch.arange(10, 15)
+    pos = torch.arange(5)[None].expand(2, -1)
+    with torch.inference_mode():
+        want = m.forward_slow(cols, pos, Attend(), plain)
+        got = m.forward_slow(cols, pos, Attend(), ops)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+        n = cfg.slow.n_layer
+        # wqkv and w13 read quantising norms, w2 the quantising gate (+ its residual)
+        assert calls == {"norm_quant": 2 * n, "gate_quant": n, "gemm": 3 * n}, calls
+        calls.clear()
+        x = torch.randn(2, 1, cfg.fast.dim).to(torch.bfloat16)
+        assert torch.equal(m.forward_fast(x, 1, Attend(), ops),
+                           m.forward_fast(x, 1, Attend(), plain))
+        n_fast = cfg.fast.n_layer
+        assert calls == {"norm_quant": 2 * n_fast, "gate_quant": n_fast, "gemm": 3 * n_fast}
+        # a gate nobody quantises is computed as the silu * mul
+        ff = m.layers[0].feed_forward
+        h = torch.randn(3, cfg.slow.dim).to(torch.bfloat16)
+        gate = ops.swiglu(h, ff.w1.weight, ff.w3.weight)
+        assert isinstance(gate, PendingGate)
+        assert torch.equal(ops.dense(gate), plain.swiglu(h, ff.w1.weight, ff.w3.weight))
+        assert torch.equal(ops.project(gate, ff.w2.weight),
+                           w8a8(plain.swiglu(h, ff.w1.weight, ff.w3.weight), ff.w2.weight))
+
+
 @pytest.mark.cuda
 @_cuda
 @pytest.mark.parametrize("M", [1, 2, 5, 8, 9, 16])

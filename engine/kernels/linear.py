@@ -1283,17 +1283,16 @@ def make_residual(plan: LinearPlan | None, kernels: bool,
     with the epilogue instead. Chosen once per shape; `pdl` as for `make_linear`."""
     dense_plan = plan if dense else None  # FP8 weights' dense copies taken or not
     row_for = _row_lookup(plan, kernels, RESIDUAL_SLACK_US)
+    triton_for = _triton_lookup(plan, fp8_activations)
 
     def residual(y: Tensor, w: Tensor | Fp8Weight, r: Tensor) -> Tensor | None:
         w = _as_dense(dense_plan, w, y, fp8_activations)
         if _w8a8_takes(plan, y, w, fp8_activations):
             row = _w8a8_kernel_row(plan, kernels, y, w)
-            if row is None:
-                return None
         else:
             row = row_for(y, w)
-        if row is None:
-            return None
+        if row is None:  # a Triton GEMM's row: its residual epilogue, where it takes it
+            return _triton_residual(triton_for(y, w), y, w, r)
         wq, scale = _operands(w)
         if (_problem(y, wq, row.splits, row.kwarps, scale is not None, row.variant)
                 or _residual_problem(y, w, r)) is not None:
@@ -1301,6 +1300,91 @@ def make_residual(plan: LinearPlan | None, kernels: bool,
         return _run(y, wq, scale, row.splits, row.kwarps, row.variant, residual=r, pdl=pdl)
 
     return residual
+
+
+TritonCall = tuple[Callable[..., Tensor], object, int]  # (function, its Config, its split)
+
+
+def _triton_lookup(plan: LinearPlan | None, fp8_activations: bool
+                   ) -> Callable[[Tensor, Tensor | Fp8Weight], TritonCall | None]:
+    """x, W -> the Triton GEMM the plan runs this linear as at x's rows, with the row's
+    config and split (bf16 "triton": `dense_linear_triton`; FP8 "triton":
+    `fp8_linear_triton`; with `fp8_activations` a "triton_w8a8" row:
+    `fp8_linear_triton_w8a8`), or None (another implementation, no recorded config, not a
+    CUDA bf16 / fp16 x, no Triton). Chosen once per (M, N, K, FP8, x's dtype, CUDA)."""
+    chosen: dict[tuple[int, int, int, bool, torch.dtype, bool], TritonCall | None] = {}
+
+    def lookup(x: Tensor, w: Tensor | Fp8Weight) -> TritonCall | None:
+        n, k = w.shape
+        fp8 = isinstance(w, Fp8Weight)
+        key = (x.numel() // k if k else 0, n, k, fp8, x.dtype, x.is_cuda)
+        if key not in chosen:
+            chosen[key] = None
+            mod = (_triton_module() if plan is not None and x.is_cuda
+                   and x.dtype in (torch.bfloat16, torch.float16) else None)
+            if mod is not None:
+                row = plan.choose(key[0], n, k, fp8, fp8_activations)
+                fns = {"triton": mod.fp8_linear_triton if fp8 else mod.dense_linear_triton,
+                       W8A8: mod.fp8_linear_triton_w8a8 if fp8 else None}
+                fn = fns.get(row.impl)
+                if fn is not None and row.config is not None:
+                    chosen[key] = (fn, row.triton_config(), row.splits)
+        return chosen[key]
+
+    return lookup
+
+
+def _triton_residual(call: TritonCall | None, y: Tensor, w: Tensor | Fp8Weight,
+                     r: Tensor) -> Tensor | None:
+    """r + y W^T from the Triton GEMM's residual epilogue where `call` is the linear's Triton
+    GEMM and y, W and r meet its contract (checked per call: strides and alignment can
+    differ between calls), else None."""
+    if call is None or _residual_problem(y, w, r) is not None:
+        return None
+    fn, config, splits = call
+    try:
+        return fn(y, w, config=config, split_k=splits, residual=r)
+    except ValueError:  # this call's x, W or r break the kernel's layout contract
+        return None
+
+
+PrequantFn = Callable[[Tensor, Tensor | Fp8Weight],
+                      Callable[..., Tensor] | None]
+
+
+def make_prequant(plan: LinearPlan | None, fp8_activations: bool = False,
+                  dense: bool = False) -> PrequantFn:
+    """`Ops.prequant`: (x, W) -> the GEMM to run x W^T on activations quantised by the op
+    that makes them (`fp8_triton.fp8_linear_triton_prequant` with the row's config and
+    split: call it as fn(QuantAct, W, residual=None)), where the plan runs this FP8 linear
+    at x's rows as the Triton W8A8 GEMM in a prequantised config (its measured winner
+    quantises x in a launch of its own: the norm or the gate before it can do that in
+    theirs, `engine.kernels.act_quant`); None elsewhere (no `fp8_activations`, a dense
+    weight or its dense copy taken, another implementation, not CUDA bf16 / fp16, no
+    Triton). Chosen once per (M, N, K, x's dtype, CUDA), as `make_linear` does."""
+    dense_plan = plan if dense else None
+    chosen: dict[tuple[int, int, int, torch.dtype, bool], Callable[..., Tensor] | None] = {}
+
+    def prequant(x: Tensor, w: Tensor | Fp8Weight) -> Callable[..., Tensor] | None:
+        if not fp8_activations or plan is None or not isinstance(w, Fp8Weight):
+            return None
+        if not isinstance(_as_dense(dense_plan, w, x, True), Fp8Weight):
+            return None  # its dense copy is faster here
+        n, k = w.shape
+        key = (x.numel() // k if k else 0, n, k, x.dtype, x.is_cuda)
+        if key not in chosen:
+            chosen[key] = None
+            mod = (_triton_module() if x.is_cuda
+                   and x.dtype in (torch.bfloat16, torch.float16) else None)
+            row = plan.choose(key[0], n, k, True, True)
+            if mod is not None and row.impl == W8A8 and row.config is not None:
+                cfg = row.triton_config()
+                if cfg.prequant:
+                    chosen[key] = functools.partial(mod.fp8_linear_triton_prequant,
+                                                    config=cfg, split_k=row.splits)
+        return chosen[key]
+
+    return prequant
 
 
 NormedFn = Callable[[Tensor, Tensor, float, Tensor | Fp8Weight, bool], Tensor | None]
