@@ -2861,6 +2861,64 @@ def test_prequant_plumbing_changes_no_value(tiny_bundle):
 
 @pytest.mark.cuda
 @_cuda
+def test_prequant_ops_cuda():
+    """The W8A8 fusions on the GPU with a plan whose W8A8 rows are prequantised Triton
+    GEMMs: a block's wo (the residual in the W8A8 GEMM's epilogue), the quantising norm into
+    the packed w13, the quantising gate into w2 (its residual too) — close to the unfused
+    W8A8 reference (the kernels' float32 may move a rounding), and a CUDA graph replay on
+    new inputs equal to eager."""
+    from engine.fusion import packed
+    from engine.kernels import fp8_triton as ft
+    from engine.ops import Normed, Ops, PendingGate
+    from engine.quant import Fp8Weight, quantize_fp8
+
+    D, F_ = 2560, 1024
+    pre = {"block_m": 64, "block_n": 128, "block_k": 128, "num_warps": 4, "num_stages": 4,
+           "prequant": True}
+    rows = [{"fp8": True, "m": 16, "n": n, "k": k, "impl": "triton_w8a8", "splits": sp,
+             "config": pre, "us": {"triton_w8a8:x": 1.0}}
+            for n, k, sp in ((D, D, 2), (2 * F_, D, 1), (D, F_, 1))]
+    plan = linear.LinearPlan.from_rows(rows)
+    ops = Ops(packed_ffn=True, prequant=linear.make_prequant(plan, True),
+              residual_kernel=linear.make_residual(plan, kernels=True, fp8_activations=True))
+
+    def w(n, k, seed):  # type: ignore[no-untyped-def]
+        return quantize_fp8(_bf16(n, k, seed=seed, device="cuda").float() / k**0.5)
+
+    wo, w13, w2 = w(D, D, 1), w(2 * F_, D, 2), w(D, F_, 4)
+    b = F_ // 128  # W1 and W3: consecutive rows of one buffer, as fusion.pack_ffn lays them
+    w1, w3 = Fp8Weight(w13.q[:F_], w13.scale[:b]), Fp8Weight(w13.q[F_:], w13.scale[b:])
+    nw = (1 + 0.1 * _bf16(D, seed=5, device="cuda").float()).to(torch.bfloat16)
+    y = _bf16(16, D, seed=6, device="cuda")
+    x = _bf16(16, D, seed=7, device="cuda")
+
+    def chain(o):  # type: ignore[no-untyped-def]
+        h, hn = o.linear_add_rms_norm(y, wo, x, nw, 1e-6)
+        gate = o.swiglu(hn, w1, w3)
+        return o.linear_add_rms_norm(gate, w2, h, nw, 1e-6)
+
+    def ref_linear(a, wt):  # type: ignore[no-untyped-def]
+        return ft.fp8_linear_w8a8_torch(a, wt)
+
+    want = chain(Ops(packed_ffn=True, linear=ref_linear))
+    got = chain(ops)
+    assert isinstance(got[1], Normed)
+    assert isinstance(ops.swiglu(ops.pending_norm(x, nw, 1e-6), w1, w3), PendingGate)
+    for a, b in ((got[0], want[0]), (ops.dense(got[1]), want[1])):
+        assert (a.float() - b.float()).norm() / b.float().norm() < 2e-2
+    assert packed(w1, w3) is not None
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = chain(ops)[0]
+    y.copy_(_bf16(16, D, seed=8, device="cuda"))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, chain(ops)[0])
+
+
+@pytest.mark.cuda
+@_cuda
 @pytest.mark.parametrize("M", [1, 2, 5, 8, 9, 16])
 def test_residual_epilogue_and_normed_prologue_cuda(M):
     """The residual epilogue is bit-equal to the kernel's own product plus the add (split K
