@@ -2663,6 +2663,24 @@ def _counted(fn, calls, name):
     return run
 
 
+class _CausalAttend:
+    """Causal attention over one call's positions only (the model's plumbing tests)."""
+
+    def __call__(self, layer, q, k, v):  # type: ignore[no-untyped-def]
+        from engine.model import gqa_attention
+
+        T = q.shape[2]
+        mask = torch.ones(T, T, dtype=torch.bool).tril()[None, None]
+        return gqa_attention(q, k, v, mask)
+
+
+def _causal_case(cfg):  # type: ignore[no-untyped-def]
+    """(the attention class, frame columns [2, C+1, 5], positions [2, 5]) for a slow pass."""
+    cols = torch.zeros(2, cfg.num_codebooks + 1, 5, dtype=torch.long)
+    cols[:, 0] = torch.arange(10, 15)
+    return _CausalAttend, cols, torch.arange(5)[None].expand(2, -1)
+
+
 @pytest.mark.parametrize("normed_takes", [True, False])
 def test_norm_fusion_plumbing_changes_no_value(tiny_bundle, normed_takes):
     """The model with Ops whose residual / normed kernels are the references: every block's
@@ -2684,17 +2702,7 @@ def test_norm_fusion_plumbing_changes_no_value(tiny_bundle, normed_takes):
     pack_ffn(m)  # [W1; W3] in one buffer (same values): the normed SwiGLU's weight
     cfg = m.cfg
 
-    class Attend:  # causal attention over this call's positions only
-        def __call__(self, layer, q, k, v):
-            from engine.model import gqa_attention
-
-            T = q.shape[2]
-            mask = torch.ones(T, T, dtype=torch.bool).tril()[None, None]
-            return gqa_attention(q, k, v, mask)
-
-    cols = torch.zeros(2, cfg.num_codebooks + 1, 5, dtype=torch.long)
-    cols[:, 0] = torch.arange(10, 15)
-    pos = torch.arange(5)[None].expand(2, -1)
+    Attend, cols, pos = _causal_case(cfg)
     with torch.inference_mode():
         want = m.forward_slow(cols, pos, Attend(), REFERENCE)
         got = m.forward_slow(cols, pos, Attend(), ops)
@@ -2825,17 +2833,7 @@ def test_prequant_plumbing_changes_no_value(tiny_bundle):
               norm_quant=_counted(act_quant.rms_norm_quant, calls, "norm_quant"),
               silu_mul_quant=_counted(act_quant.silu_mul_quant, calls, "gate_quant"))
 
-    class Attend:  # causal attention over this call's positions only
-        def __call__(self, layer, q, k, v):
-            from engine.model import gqa_attention
-
-            T = q.shape[2]
-            mask = torch.ones(T, T, dtype=torch.bool).tril()[None, None]
-            return gqa_attention(q, k, v, mask)
-
-    cols = torch.zeros(2, cfg.num_codebooks + 1, 5, dtype=torch.long)
-    cols[:, 0] = torch.arange(10, 15)
-    pos = torch.arange(5)[None].expand(2, -1)
+    Attend, cols, pos = _causal_case(cfg)
     with torch.inference_mode():
         want = m.forward_slow(cols, pos, Attend(), plain)
         got = m.forward_slow(cols, pos, Attend(), ops)
