@@ -1720,7 +1720,8 @@ def test_linear_resolve_runs_bf16_triton_rows_on_the_dense_gemm(monkeypatch):
     assert plan.dense_faster(32, n, k)  # 7.0 (the dense GEMM) against FP8's 8.0
     calls = []
 
-    def fake_dense(x, w, **kw):
+    def fake_dense(x, w, **kw):  # the real wrapper's contract check, then a marked product
+        fp8_triton.check_dense(x, w, kw["config"], kw["split_k"])
         calls.append(kw)
         return F.linear(x, w) + 1  # tells the paths apart
 

@@ -1041,11 +1041,10 @@ def _dense_or(mod, config, splits: int) -> LinearFn:  # type: ignore[no-untyped-
     and split) where the call meets its contract (a contiguous, aligned weight of x's
     dtype: strides and alignment can differ between calls), else F.linear."""
     def run(x: Tensor, w: Tensor | Fp8Weight) -> Tensor:
-        try:
-            mod.check_dense(x, w, config, splits)
+        try:  # the wrapper checks the contract once, before it launches anything
+            return mod.dense_linear_triton(x, w, config=config, split_k=splits)
         except ValueError:
             return F.linear(x, w)
-        return mod.dense_linear_triton(x, w, config=config, split_k=splits)
 
     return run
 
