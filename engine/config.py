@@ -395,7 +395,10 @@ class EngineConfig:
                                    "the W8A8 Triton GEMM; per row: the rowwise-scaled FP8 GEMM on "
                                    "rowwise copies of the weights, made at start for the "
                                    "shapes that take it) where the linear table measured that "
-                                   "faster; "
+                                   "faster; where that is the prequantised Triton GEMM, the "
+                                   "norm before wqkv / w13 and the gate before w2 quantise in "
+                                   "their own launch and w2 / wo add the residual in its "
+                                   "epilogue; "
                                    "not the weight-only numerics (the FP8 gate checks these "
                                    "with --w8a8 table)")
     split_kv: bool = option(False, "decode attention splits a row's positions over more "
