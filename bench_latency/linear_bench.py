@@ -11,7 +11,10 @@ variants 0, 1, 4 and 5 and, from M = 8, the Triton GEMM over the dense weights
 Triton weight-only kernel (engine/kernels/fp8_triton.py) in `sweep_configs(M)`'s few configs,
 and the W8A8 candidates (activations quantised to e4m3: other numerics, recorded as a
 separate row, "triton_w8a8", "rowwise_w8a8" or "gemv_w8a8", that `make_linear` takes only
-with `fp8_activations=True`): the Triton W8A8 kernel (x per 1 x 128 block), the
+with `fp8_activations=True`): the Triton W8A8 kernel (x per 1 x 128 block; its prequant
+configs at wqkv, w13 and w2 — whose inputs the norm or the gate before them quantise in the
+engine, `FUSED_QUANT` — timed as the GEMM over x already quantised, elsewhere with their
+quantising launch), the
 rowwise-scaled FP8 GEMM (`torch._scaled_mm` on the weight requantised per output row, x per
 row) and, with `--variants` naming 7, the csrc kernel's variant 7 (x per 1 x 128 block in
 its prologue, e4m3 MMAs; swept like the other variants), plus
@@ -117,6 +120,11 @@ SHAPES = {
     "semantic": (4097, 2560),  # semantic logits: N not a multiple of 128
 }
 MS = (1, 2, 4, 8, 16, 32, 64)
+# the linears whose input, with fp8_activations, the op that makes it quantises where the
+# linear runs the prequantised W8A8 GEMM (the norms before wqkv / w13, the gate before w2:
+# Ops.prequant): their prequant candidates are timed as that GEMM alone, without the
+# quantising launch the others (wo, after attention) still run
+FUSED_QUANT = ("wqkv", "w13", "w2")
 ROWWISE_MS = (16, 32, 64)  # --rowwise: the batch sizes that run FP8 weights' bf16 copies
 KWARPS = (1, 2, 4, 8)
 SPLITS = (2, 4, 8)  # tried at each variant's best kwarps (1 is part of the kwarps sweep)
@@ -316,6 +324,13 @@ def _rowwise_call(x: torch.Tensor, w: Fp8Weight, quant: Callable) -> torch.Tenso
     return fp8_rowwise_linear(x, *w.rowwise, quantize=quant)
 
 
+def _on_quantised(mod, xa, cfg, split: int) -> Callable:  # type: ignore[no-untyped-def]
+    """A timed call (x, W) of the prequantised W8A8 GEMM over xa, x already quantised."""
+    def call(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
+        return mod.fp8_linear_triton_prequant(xa, w, config=cfg, split_k=split)
+    return call
+
+
 def bench_shape(name: str, n: int, k: int, ms: tuple[int, ...], reps: int, copy: float,
                 built: bool, reference: bool, variants: tuple[int, ...],
                 triton: bool, pdl: str = "auto") -> list[PlanRow]:
@@ -394,10 +409,16 @@ def bench_shape(name: str, n: int, k: int, ms: tuple[int, ...], reps: int, copy:
                 if mod is not None:
                     want8 = mod.fp8_linear_w8a8_torch(x, ws[0])
                     mag = x.float().abs() @ wf.abs().T
+                    xq, xs = mod.quantize_act(x)
+                    xa = mod.QuantAct(xq, xs, x.dtype)  # what the norm / gate before it makes
                     for cfg in mod.sweep_configs(m, w8a8=True):
                         for split in _triton_splits(mod, m, n, k, cfg, sms):
-                            call = functools.partial(mod.fp8_linear_triton_w8a8, config=cfg,
-                                                     split_k=split)
+                            if cfg.prequant and name in FUSED_QUANT:
+                                # the engine's op before it quantised x: the GEMM alone
+                                call = _on_quantised(mod, xa, cfg, split)
+                            else:
+                                call = functools.partial(mod.fp8_linear_triton_w8a8,
+                                                         config=cfg, split_k=split)
                             w8a8.time(f"{W8A8}:{_cfg_name(cfg)}:k{split}", call,
                                       {"impl": W8A8, "splits": split, "config": cfg.to_json()},
                                       check=lambda out, want8=want8, mag=mag: _agrees_w8a8(
