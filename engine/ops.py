@@ -189,7 +189,12 @@ class Ops:
             return None
         xa = (self.norm_quant(x.h, x.weight, x.eps) if isinstance(x, Normed)
               else self.silu_mul_quant(x.a, x.b))
-        return gemm(xa, w, residual=residual)
+        if residual is not None:
+            try:  # the wrapper checks its contract before it launches anything
+                return gemm(xa, w, residual=residual)
+            except ValueError:  # a residual the epilogue cannot read (strides, alignment)
+                return residual + gemm(xa, w)
+        return gemm(xa, w)
 
     def project(self, x: Tensor | Normed | PendingGate, w: Tensor | Fp8Weight) -> Tensor:
         """x [..., K] @ W^T where x may be a pending norm (the normed kernel's prologue applies
@@ -283,6 +288,7 @@ class Ops:
                 "attend_kernel": self.attend_kernel is not None,
                 "fp8_dense": self.fp8_dense,
                 "fp8_rowwise": self.rowwise_plan is not None,
+                "fp8_prequant": self.prequant is not None,
                 "packed_heads": self.packed_heads,
                 "bookkeeping": {f.name: _name(getattr(self.book, f.name))
                                 for f in dataclasses.fields(self.book)},

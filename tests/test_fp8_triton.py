@@ -739,17 +739,26 @@ def _residual_and_prequant_case(device: str, m: int, n: int, k: int) -> None:
     sms = 132
     for split in (1, 3):
         for q, scale, cfg, w8a8 in ((w.q, w.scale, ft.default_config(m, n, k), False),
-                                    (wd, None, ft.sweep_configs(16, dense=True)[0], False),
-                                    (w.q, w.scale, ft.Config(16, 64, 128, prequant=True), True)):
+                                    (w.q, w.scale, ft.Config(16, 64, 64, swap_ab=True), False),
+                                    (w.q, w.scale, ft.Config(16, 64, 64, prescale=True), False),
+                                    (wd, None, ft.Config(16, 64, 64), False),
+                                    (wd, None, ft.Config(16, 64, 64, swap_ab=True), False),
+                                    (w.q, w.scale, ft.Config(16, 64, 128, prequant=True), True),
+                                    (w.q, w.scale, ft.Config(16, 64, 128, swap_ab=True,
+                                                             prequant=True), True),
+                                    (w.q, w.scale, ft.Config(16, 32, 128, swap_ab=True), True)):
             plain = ft._launch(x, q, scale, cfg, split, sms, w8a8=w8a8)
             fused = ft._launch(x, q, scale, cfg, split, sms, w8a8=w8a8, residual=r)
             assert torch.equal(fused, r + plain), (cfg, split)
-        pre = ft.Config(16, 64, 128, prequant=True)
         xq, xs = ft.quantize_act(x) if device == "cuda" else ft.quantize_act_torch(x)
-        a = ft._launch(x, w.q, w.scale, pre, split, sms, w8a8=True, residual=r)
-        b = ft._launch(xq.contiguous(), w.q, w.scale, pre, split, sms, w8a8=True, xs=xs,
-                       residual=r, out_dtype=x.dtype)
-        assert torch.equal(a, b), split
+        for pre in (ft.Config(16, 64, 128, prequant=True),
+                    ft.Config(16, 64, 128, swap_ab=True, prequant=True)):
+            a = ft._launch(x, w.q, w.scale, pre, split, sms, w8a8=True, residual=r)
+            b = ft._launch(xq.contiguous(), w.q, w.scale, pre, split, sms, w8a8=True, xs=xs,
+                           residual=r, out_dtype=x.dtype)
+            assert torch.equal(a, b), (pre, split)
+            assert_w8a8(ft._launch(xq.contiguous(), w.q, w.scale, pre, split, sms, w8a8=True,
+                                   xs=xs, out_dtype=x.dtype), x, w)  # xs read as the rows'
 
 
 def test_residual_and_prequant_fallbacks():
@@ -885,6 +894,10 @@ def test_act_quant_kernels():
     want = ft.fp8_linear_triton_prequant(aq.rms_norm_quant_torch(h, nw, 1e-6), w)
     got = ft.fp8_linear_triton_prequant(xa, w)
     assert (got.float() - want.float()).norm() / want.float().norm() < 1e-2
+    # every kernel specialisation the capture launches has run once (a module loaded
+    # while a stream captures is an error)
+    ft.fp8_linear_triton_prequant(aq.rms_norm_quant(h, nw, 1e-6), w, residual=got)
+    torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         out = ft.fp8_linear_triton_prequant(aq.rms_norm_quant(h, nw, 1e-6), w, residual=got)

@@ -2856,6 +2856,12 @@ def test_prequant_plumbing_changes_no_value(tiny_bundle):
         assert torch.equal(ops.dense(gate), plain.swiglu(h, ff.w1.weight, ff.w3.weight))
         assert torch.equal(ops.project(gate, ff.w2.weight),
                            w8a8(plain.swiglu(h, ff.w1.weight, ff.w3.weight), ff.w2.weight))
+        # a residual the GEMM's epilogue cannot read (its last dim strided): added after it
+        r = torch.randn(cfg.slow.dim, 3).to(torch.bfloat16).t()
+        nw = m.layers[0].ffn_norm.weight
+        got, _ = ops.linear_add_rms_norm(gate, ff.w2.weight, r, nw, 1e-6)
+        want, _ = plain.linear_add_rms_norm(plain.dense(gate), ff.w2.weight, r, nw, 1e-6)
+        assert torch.equal(got, want)
 
 
 @pytest.mark.cuda
@@ -2878,7 +2884,10 @@ def test_prequant_ops_cuda():
              "config": pre, "us": {"triton_w8a8:x": 1.0}}
             for n, k, sp in ((D, D, 2), (2 * F_, D, 1), (D, F_, 1))]
     plan = linear.LinearPlan.from_rows(rows)
-    ops = Ops(packed_ffn=True, prequant=linear.make_prequant(plan, True),
+    def no_linear(a, wt):  # type: ignore[no-untyped-def]
+        raise AssertionError(f"a plain linear ran for W {list(wt.shape)}: a fused path declined")
+
+    ops = Ops(packed_ffn=True, prequant=linear.make_prequant(plan, True), linear=no_linear,
               residual_kernel=linear.make_residual(plan, kernels=True, fp8_activations=True))
 
     def w(n, k, seed):  # type: ignore[no-untyped-def]

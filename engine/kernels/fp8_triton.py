@@ -630,6 +630,9 @@ def _check_residual(residual: Tensor | None, x: Tensor, n: int, dtype: torch.dty
         raise ValueError(f"residual's last dim must be contiguous (strides {residual.stride()})")
     if residual.numel() and residual.data_ptr() % ALIGN:
         raise ValueError(f"residual must start on a {ALIGN}-byte boundary")
+    if residual.numel() and sum((d - 1) * st for d, st in zip(residual.shape,
+                                                             residual.stride())) >= INT32_MAX:
+        raise ValueError("residual spans too many elements for int32 offsets")
 
 
 def _run(x: Tensor, q: Tensor, scale: Tensor | None, config: Config | None, split_k: int,
