@@ -718,20 +718,31 @@ def _plan_row(fp8: bool, m: int, n: int, k: int, meta: Meta, us: dict[str, float
                    None if config is None else tuple(sorted(config.items())))  # type: ignore[union-attr]
 
 
-def merge_w8a8(table: dict, rows: list[PlanRow], device: str) -> dict:
-    """`table` (a recorded table's JSON) with `rows`' W8A8 rows in place of its W8A8 rows of
-    the same (fp8, M, N, K); its weight-only rows and other keys kept. The table must be from
-    `device` (timings from two GPU kinds do not mix)."""
+def merge_into(table: dict, rows: list[PlanRow], device: str, *, w8a8_only: bool = False,
+               flag: str = "--into") -> dict:
+    """`table` (a recorded table's JSON) with `rows` in place of its rows of the same (fp8,
+    M, N, K) and kind (weight-only or W8A8: each shape and M has one of each); its other rows
+    and keys kept. `w8a8_only`: only `rows`' W8A8 rows go in (its weight-only rows stay as
+    they were). The table must be from `device` (timings from two GPU kinds do not mix)."""
     if table.get("device") != device:
-        raise SystemExit(f"--w8a8-into: that table was recorded on {table.get('device')!r}, "
+        raise SystemExit(f"{flag}: that table was recorded on {table.get('device')!r}, "
                          f"this is {device!r}")
-    new = [r for r in rows if r.impl in W8A8_IMPLS]
-    keys = {(r.fp8, r.m, r.n, r.k) for r in new}
+
+    def key(fp8: bool, m: int, n: int, k: int, impl: str) -> tuple:
+        return fp8, m, n, k, impl in W8A8_IMPLS
+
+    new = [r for r in rows if r.impl in W8A8_IMPLS or not w8a8_only]
+    keys = {key(r.fp8, r.m, r.n, r.k, r.impl) for r in new}
     kept = [d for d in table["rows"]
-            if not (d["impl"] in W8A8_IMPLS and (d["fp8"], d["m"], d["n"], d["k"]) in keys)]
+            if key(d["fp8"], d["m"], d["n"], d["k"], d["impl"]) not in keys]
     merged = {**table, "rows": kept + [r.to_json() for r in new]}
     LinearPlan.from_rows(merged["rows"], "merged table")
     return merged
+
+
+def merge_w8a8(table: dict, rows: list[PlanRow], device: str) -> dict:
+    """`merge_into` with `rows`' W8A8 rows only (`--w8a8-into`)."""
+    return merge_into(table, rows, device, w8a8_only=True, flag="--w8a8-into")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -741,6 +752,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --out: write TABLE with this sweep's W8A8 rows in place of its "
                     "W8A8 rows of the same shape and M (its weight-only rows kept): a partial "
                     "sweep, e.g. --variants 5,7, adds its W8A8 candidates to a full table")
+    ap.add_argument("--into", type=Path, default=None, metavar="TABLE",
+                    help="with --out: write TABLE with this sweep's rows in place of its rows "
+                    "of the same shape, M and kind (weight-only / W8A8), the rest kept: a "
+                    "partial sweep (--shapes, --ms) refreshes part of a full table of this GPU")
     ap.add_argument("--shapes", default=",".join(SHAPES),
                     help=f"comma-separated subset of {','.join(SHAPES)}")
     ap.add_argument("--ms", default=None,
@@ -811,6 +826,8 @@ def main(argv: list[str] | None = None) -> int:
                                             "copy_gbs": round(copy, 1), "rowwise": res},
                                            indent=1) + "\n")
         return 0
+    if args.into is not None and args.w8a8_into is not None:
+        ap.error("--into and --w8a8-into are two ways to merge: give one")
     variants = tuple(int(v) for v in args.variants.split(",") if v)
     if not set(variants) <= set(VARIANTS):
         ap.error(f"variants must be among {VARIANTS}")
@@ -852,6 +869,8 @@ def main(argv: list[str] | None = None) -> int:
                  "variants": list(variants), "pdl": args.pdl, "rows": [r.to_json() for r in rows]}
         if args.w8a8_into is not None:
             table = merge_w8a8(json.loads(args.w8a8_into.read_text()), rows, device)
+        elif args.into is not None:
+            table = merge_into(json.loads(args.into.read_text()), rows, device)
         args.out.write_text(json.dumps(table, indent=1) + "\n")
         print(f"wrote {len(table['rows'])} rows to {args.out}")
     return 0

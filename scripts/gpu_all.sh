@@ -77,7 +77,9 @@
 # cuBLAS vs csrc's small-M kernel vs the Triton FP8 GEMM, every S2-Pro shape at M = 1..64) into
 # $OUT/linear_table.json and installs it as this GPU kind's table for the rest of the call
 # (build.device_table: the committed one on an H200, its sibling elsewhere; LINEAR_INSTALL=0: not, for a
-# partial sweep such as LINEAR_ARGS="--shapes wo --ms 1 --variants 0,3"); FP8_GATE=1 runs the FP8-vs-
+# partial sweep such as LINEAR_ARGS="--shapes wo --ms 1 --variants 0,3"; LINEAR_MERGE=1: a
+# partial sweep's rows merged into this GPU kind's table, which is then installed, e.g.
+# LINEAR_ARGS="--shapes wqkv,wo,w13,w2 --ms 16,32,64"); FP8_GATE=1 runs the FP8-vs-
 # bf16 correctness gate at real size with its negative controls (engine.fp8_gate); FP8_GATE_W8A8=1
 # also runs it with the activations quantised (--w8a8 table: as --fp8-activations runs; rowwise:
 # every FP8 linear through the rowwise W8A8 GEMM) into $OUT/fp8_gate_w8a8_<mode>.{json,txt};
@@ -182,7 +184,11 @@ if [ "${ROWWISE:-0}" = 1 ]; then  # FP8 at 16-64 rows: bf16 copies vs rowwise-sc
     echo "rowwise bench done at +$(( $(date +%s) - t0 ))s"
 fi
 if [ "${LINEAR:-0}" = 1 ]; then  # the per-shape linear table, used by every engine below
-    timeout ${LINEAR_TIMEOUT:-240} python3 -m bench_latency.linear_bench --out "$OUT/linear_table.json" ${LINEAR_ARGS:-} \
+    # LINEAR_MERGE=1 (with a partial sweep's LINEAR_ARGS="--shapes .. --ms .."): its rows
+    # replace those of this GPU kind's table ($LT, where one is recorded) in what is written
+    MERGE=()
+    [ "${LINEAR_MERGE:-0}" = 1 ] && [ -f "$LT" ] && MERGE=(--into "$LT")
+    timeout ${LINEAR_TIMEOUT:-240} python3 -m bench_latency.linear_bench --out "$OUT/linear_table.json" ${LINEAR_ARGS:-} "${MERGE[@]}" \
         > "$OUT/linear_bench.txt" 2>&1
     tail -40 "$OUT/linear_bench.txt"
     [ -s "$OUT/linear_table.json" ] && [ "${LINEAR_INSTALL:-1}" = 1 ] \

@@ -1560,8 +1560,9 @@ def test_gemv_w8a8_rows_run_variant_7_only_with_fp8_activations(monkeypatch):
 
 def test_linear_bench_merges_a_partial_sweeps_w8a8_rows_into_a_table():
     """`linear_bench --w8a8-into TABLE`: the sweep's W8A8 rows replace TABLE's of the same
-    shape and M, its weight-only rows stay; a table from another device is refused."""
-    from bench_latency.linear_bench import merge_w8a8
+    shape and M, its weight-only rows stay; `--into TABLE`: its rows of both kinds do; a
+    table from another device is refused."""
+    from bench_latency.linear_bench import merge_into, merge_w8a8
 
     table = {"device": "GPU A", "rows": _plan_rows()}
     new = [linear.PlanRow(True, 2, 256, 64, "gemv_w8a8", 2, (("gemv_w8a8:v7:k2:s2", 3.0),), 2, 7),
@@ -1575,6 +1576,17 @@ def test_linear_bench_merges_a_partial_sweeps_w8a8_rows_into_a_table():
     assert len(merged["rows"]) == len(table["rows"]) + 1 and merged["device"] == "GPU A"
     with pytest.raises(SystemExit, match="recorded on 'GPU A'"):
         merge_w8a8(table, new, "GPU B")
+    # --into: a partial sweep's rows of both kinds replace the table's of the same shape and M
+    merged = merge_into(table, new, "GPU A")
+    plan = linear.LinearPlan.from_rows(merged["rows"])
+    assert plan.choose(2, 256, 64, True).variant == 5  # the weight-only row replaced too
+    assert plan.choose(2, 256, 64, True, True).impl == "gemv"  # faster than its W8A8 row
+    assert sorted(d["impl"] for d in merged["rows"] if d["fp8"] and d["m"] == 2) == [
+        "gemv", "gemv_w8a8"]  # the sweep's two rows, the table's two gone
+    assert plan.choose(1, 256, 64, False).impl == "gemv"  # untouched rows kept
+    assert len(merged["rows"]) == len(table["rows"]) + 1
+    with pytest.raises(SystemExit, match="--into: that table was recorded on 'GPU A'"):
+        merge_into(table, new, "GPU B")
 
 
 def test_rowwise_copies_of_a_packed_ffn_stay_one_gemm():
