@@ -904,3 +904,57 @@ def test_act_quant_kernels():
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, got + got)
+
+
+def _glu_case(device: str, m: int, k: int, i: int) -> None:
+    """The GLU GEMM (w13's W8A8 GEMM with silu * mul and the quantisation in its epilogue)
+    against the prequantised GEMM's product then the quantising gate (its reference), in
+    both tile orientations and with a partial last K block; exactly where the products
+    agree, else as close as the kernels' float32 leaves two quantisations."""
+    from engine.kernels import act_quant as aq
+
+    w13 = make_weight(2 * i, k, device=device, seed=21)
+    x = make_x(m, k, device=device, seed=22)
+    xq, xs = ft.quantize_act(x) if device == "cuda" else ft.quantize_act_torch(x)
+    xa = ft.QuantAct(xq.contiguous(), xs, x.dtype)
+    want = aq.glu_w8a8_quant_torch(xa, w13)
+    for cfg in (ft.Config(16, 128, 128, 4, 4, swap_ab=True), ft.Config(16, 128, 128, 4, 3),
+                ft.Config(64, 128, 128, 4, 4, prequant=True)):
+        q, s = aq._launch_glu_gemm(xa.q, xa.s, w13, i, cfg, x.dtype)
+        assert_quant_close(ft.QuantAct(q, s, x.dtype), want, exact=False)
+
+
+def test_glu_fallback_and_contract():
+    """Off CUDA the GLU GEMM is its reference (the W8A8 product, then the quantising gate);
+    its contract names N's blocks and the config's tiles."""
+    from engine.kernels import act_quant as aq
+
+    w13 = make_weight(512, 260, seed=1)
+    x = make_x(6, 260, seed=2).view(2, 3, 260)
+    q, s = ft.quantize_act_torch(x.reshape(6, 260))
+    xa = ft.QuantAct(q.contiguous().view(2, 3, 260), s.view(2, 3, 3), torch.bfloat16)
+    got = aq.glu_w8a8_quant(xa, w13)
+    h = ft.fp8_linear_w8a8_torch(x, w13)
+    want = aq.silu_mul_quant_torch(h[..., :256], h[..., 256:])
+    assert got.q.shape == (2, 3, 256) and got.s.shape == (2, 3, 2)
+    assert torch.equal(got.q.view(torch.uint8), want.q.view(torch.uint8))
+    assert torch.equal(got.s, want.s)
+    with pytest.raises(ValueError, match="N a multiple of 256"):
+        aq.glu_w8a8_quant(xa, make_weight(384, 260))
+    with pytest.raises(ValueError, match="block_n = block_k = 128"):
+        aq.glu_w8a8_quant(xa, w13, config=ft.Config(16, 64, 128))
+    with pytest.raises(ValueError, match="takes a QuantAct"):
+        aq.glu_w8a8_quant(x, w13)
+
+
+@needs_interp
+@pytest.mark.parametrize("m,k,i", [(1, 256, 256), (17, 260, 384)])
+def test_interp_glu_gemm(interp, m, k, i):
+    _glu_case("cpu", m, k, i)
+
+
+@needs_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("m", (1, 16, 17, 64))
+def test_glu_gemm_kernel(m):
+    _glu_case("cuda", m, 2560, 9728)

@@ -290,3 +290,26 @@ def test_sm90_w8a8_residual_epilogue_and_act_quant_compile():
     for k in (kn, kg):
         assert _spills(k) == 0
         assert "div.full.f32" not in k.asm["ptx"] and "div.rn" in k.asm["ptx"]
+
+
+@pytest.mark.parametrize("m", [16, 32, 64])
+def test_sm90_glu_gemm_compiles_in_the_prequant_tiles(m):
+    """The packed w13's W8A8 GEMM with the gate and its quantisation in the epilogue
+    (engine/kernels/act_quant.py) in each prequant config with 128-wide N tiles that the
+    sweep times at up to m rows, at S2-Pro's shape (I = 9,728, K = 2,560): within shared
+    memory (two weight tiles per stage), no spills, both dots through wgmma, true divisions."""
+    from engine.kernels import act_quant as aq
+    from engine.kernels import fp8_triton as ft
+
+    _, _, glu = aq._kernels()
+    cfgs = [c for c in ft.sweep_configs(m, w8a8=True) if c.prequant and c.block_n == 128]
+    assert cfgs
+    for cfg in cfgs:
+        k = _compile(glu, {"x_ptr": "fp8e4nv", "xs_ptr": "fp32", "q_ptr": "fp8e4nv",
+                           "s_ptr": "fp32", "oq_ptr": "fp8e4nv", "os_ptr": "fp32"},
+                     dict(BLOCK_M=cfg.block_m, BLOCK=128, EVEN_K=True, SWAP_AB=cfg.swap_ab,
+                          BF16=True), cfg.num_warps, cfg.num_stages,
+                     div16=("NI", "K"))
+        assert k.metadata.shared <= SMEM and _spills(k) == 0, (cfg, k.metadata.shared)
+        assert k.asm["ttgir"].count("warp_group_dot ") >= 2, cfg
+        assert "div.full.f32" not in k.asm["ptx"], cfg
