@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from .config import ModelConfig, TransformerConfig
 from .functional import rope_table
-from .ops import REFERENCE, Normed, Ops, PendingGate, PendingHeads
+from .ops import REFERENCE, Normed, Ops, PendingGate, PendingGlu, PendingHeads
 
 
 class Attend(Protocol):
@@ -100,9 +100,9 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(cfg.dim, cfg.intermediate_size, bias=False)
         self.w2 = nn.Linear(cfg.intermediate_size, cfg.dim, bias=False)
 
-    def gate(self, x: Tensor | Normed, ops: Ops) -> Tensor | PendingGate:
+    def gate(self, x: Tensor | Normed, ops: Ops) -> Tensor | PendingGate | PendingGlu:
         """The gated input of w2: silu(x W1^T) * (x W3^T). x: [B, T, D] -> [B, T, I] (or
-        left pending for w2's GEMM to quantise as it is made: `PendingGate`)."""
+        left pending for w2's GEMM to quantise as it is made: `PendingGate`, `PendingGlu`)."""
         return ops.swiglu(x, self.w1.weight, self.w3.weight)
 
 

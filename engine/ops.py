@@ -77,6 +77,20 @@ class PendingGate:
     b: Tensor
 
 
+@dataclass(frozen=True, slots=True)
+class PendingGlu:
+    """The FFN's gated input from a prequantised w13 GEMM not run yet: x quantised (`xa`,
+    by the norm before it) and the packed [W1; W3]. Where w2 reads prequantised rows too,
+    w13's GEMM forms the gate and quantises it in its epilogue (`Ops.glu_quant`: no bf16
+    gate at all); anything else runs `gemm` and takes the gate as a `PendingGate`. rows:
+    a tensor of the FFN input's rows (for the per-shape lookups)."""
+
+    xa: QuantAct
+    w13: Fp8Weight
+    gemm: Callable[..., Tensor]
+    rows: Tensor
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Ops:
     """Every swappable piece of the decode and prefill math. Defaults: the reference torch
@@ -141,6 +155,11 @@ class Ops:
     prequant: Callable[[Tensor, Tensor | Fp8Weight], Callable[..., Tensor] | None] | None = None
     norm_quant: Callable[..., QuantAct] = act_quant.rms_norm_quant  # (h, w, eps) -> QuantAct
     silu_mul_quant: Callable[[Tensor, Tensor], QuantAct] = act_quant.silu_mul_quant
+    # with prequant: (x, w13) -> w13's W8A8 GEMM with the gate and its quantisation in the
+    # epilogue (fn(QuantAct, w13) -> QuantAct) where it can run w13 at x's rows, else None
+    # (linear.make_glu); taken where w2 reads prequantised rows too. None: never
+    glu_quant: Callable[[Tensor, Tensor | Fp8Weight], Callable[..., QuantAct] | None] | None \
+        = None
     sample: Callable[..., Tensor] = sampling.sample  # the sampler's draw
     # the draw and the drawn ids' rows of an embedding table (the fast AR's next input) ->
     # (ids, rows): one launch with csrc's kernel, where the draw and a lookup are two
@@ -162,10 +181,12 @@ class Ops:
             return Normed(x, w, eps)
         return self.rms_norm(x, w, eps)
 
-    def dense(self, x: Tensor | Normed | PendingHeads | PendingGate) -> Tensor:
+    def dense(self, x: Tensor | Normed | PendingHeads | PendingGate | PendingGlu) -> Tensor:
         """x as a tensor: a pending norm, attention or gate computed now."""
         if isinstance(x, PendingHeads):
             return x.compute()
+        if isinstance(x, PendingGlu):
+            x = self._gate(x)
         if isinstance(x, PendingGate):
             return self.silu_mul(x.a, x.b)
         return self.rms_norm(x.h, x.weight, x.eps) if isinstance(x, Normed) else x
@@ -175,6 +196,36 @@ class Ops:
         if w is None or self.normed_kernel is None:
             return None
         return self.normed_kernel(x.h, x.weight, x.eps, w, glu)
+
+    def _gate(self, x: PendingGlu) -> PendingGate:
+        """A pending w13 GEMM run: its gate and up halves, the silu * mul still to apply."""
+        h = x.gemm(x.xa, x.w13)  # [..., 2I]
+        n = x.w13.shape[0] // 2
+        return PendingGate(h[..., :n], h[..., n:])
+
+    def _glu_into(self, x: PendingGlu, w: Tensor | Fp8Weight,
+                  residual: Tensor | None = None) -> Tensor | None:
+        """x's gate times W^T (+ residual) with w13's GEMM forming the gate and quantising it
+        in its epilogue, where W reads prequantised rows and the GLU GEMM runs w13 here;
+        None otherwise."""
+        if self.prequant is None or self.glu_quant is None:
+            return None
+        gemm, glu = self.prequant(x.rows, w), self.glu_quant(x.rows, x.w13)
+        if gemm is None or glu is None:
+            return None
+        return self._product(gemm, glu(x.xa, x.w13), w, residual)
+
+    @staticmethod
+    def _product(gemm: Callable[..., Tensor], xa: QuantAct, w: Tensor | Fp8Weight,
+                 residual: Tensor | None) -> Tensor:
+        """gemm(xa, W) with the residual in its epilogue where the call's residual meets the
+        GEMM's contract, else added after it."""
+        if residual is not None:
+            try:  # the wrapper checks its contract before it launches anything
+                return gemm(xa, w, residual=residual)
+            except ValueError:  # a residual the epilogue cannot read (strides, alignment)
+                return residual + gemm(xa, w)
+        return gemm(xa, w)
 
     def _quantised(self, x: Normed | PendingGate, w: Tensor | Fp8Weight | None,
                    residual: Tensor | None = None) -> Tensor | None:
@@ -189,17 +240,18 @@ class Ops:
             return None
         xa = (self.norm_quant(x.h, x.weight, x.eps) if isinstance(x, Normed)
               else self.silu_mul_quant(x.a, x.b))
-        if residual is not None:
-            try:  # the wrapper checks its contract before it launches anything
-                return gemm(xa, w, residual=residual)
-            except ValueError:  # a residual the epilogue cannot read (strides, alignment)
-                return residual + gemm(xa, w)
-        return gemm(xa, w)
+        return self._product(gemm, xa, w, residual)
 
-    def project(self, x: Tensor | Normed | PendingGate, w: Tensor | Fp8Weight) -> Tensor:
+    def project(self, x: Tensor | Normed | PendingGate | PendingGlu,
+                w: Tensor | Fp8Weight) -> Tensor:
         """x [..., K] @ W^T where x may be a pending norm (the normed kernel's prologue applies
-        it where it takes the call) or gate (quantised in its own launch where the GEMM
-        reads quantised activations)."""
+        it where it takes the call) or gate (quantised in its own launch, or in w13's
+        epilogue, where the GEMM reads quantised activations)."""
+        if isinstance(x, PendingGlu):
+            y = self._glu_into(x, w)
+            if y is not None:
+                return y
+            x = self._gate(x)
         if isinstance(x, (Normed, PendingGate)):
             y = self._normed(x, w, glu=False) if isinstance(x, Normed) else None
             if y is None:
@@ -209,14 +261,20 @@ class Ops:
             x = self.dense(x)
         return self.linear(x, w)
 
-    def linear_add_rms_norm(self, y: Tensor | PendingHeads | PendingGate, w: Tensor | Fp8Weight,
-                            x: Tensor, nw: Tensor, eps: float) -> tuple[Tensor, Tensor | Normed]:
+    def linear_add_rms_norm(self, y: Tensor | PendingHeads | PendingGate | PendingGlu,
+                            w: Tensor | Fp8Weight, x: Tensor, nw: Tensor,
+                            eps: float) -> tuple[Tensor, Tensor | Normed]:
         """A residual block's output: (h, rms_norm(h) * nw) for h = x + y W^T. With csrc's
         kernels the add runs in the projection's epilogue and the norm is left pending for
         the next projection's prologue (no launch of its own), a pending attention y is
         computed in its prologue (`attend_kernel`), and a pending gate y quantised in its
         own launch for a prequantised GEMM; else the projection, then the add and the norm
         in one fused op."""
+        if isinstance(y, PendingGlu):
+            h = self._glu_into(y, w, residual=x)
+            if h is not None:
+                return h, self.pending_norm(h, nw, eps)
+            y = self._gate(y)
         if isinstance(y, PendingGate):
             h = self._quantised(y, w, residual=x)
             if h is not None:
@@ -240,15 +298,22 @@ class Ops:
             return self.linear(x, fusion.gathered_rows(w, rows))
         return torch.cat([self.linear(x, w[a:b]) for a, b in rows], dim=-1)
 
-    def swiglu(self, x: Tensor | Normed, w1: Tensor, w3: Tensor) -> Tensor | PendingGate:
+    def swiglu(self, x: Tensor | Normed, w1: Tensor, w3: Tensor
+               ) -> Tensor | PendingGate | PendingGlu:
         """The FFN's gated input: silu(x W1^T) * (x W3^T). x: [..., D] (or a pending norm)
-        -> [..., I], left pending (`PendingGate`) where a prequantised GEMM may read it."""
+        -> [..., I], left pending (`PendingGate`, or `PendingGlu` before w13's GEMM) where a
+        prequantised GEMM may read it."""
         w13 = fusion.packed(w1, w3) if self.packed_ffn else None
         h = None
         if isinstance(x, Normed):
             y = self._normed(x, w13, glu=True)
             if y is not None:
                 return y
+            gemm = (self.prequant(x.h, w13) if self.prequant is not None and w13 is not None
+                    else None)
+            if gemm is not None and self.glu_quant is not None \
+                    and self.glu_quant(x.h, w13) is not None:
+                return PendingGlu(self.norm_quant(x.h, x.weight, x.eps), w13, gemm, x.h)
             h = self._quantised(x, w13)
             if h is None:
                 x = self.dense(x)
@@ -289,6 +354,7 @@ class Ops:
                 "fp8_dense": self.fp8_dense,
                 "fp8_rowwise": self.rowwise_plan is not None,
                 "fp8_prequant": self.prequant is not None,
+                "fp8_glu_quant": self.glu_quant is not None,
                 "packed_heads": self.packed_heads,
                 "bookkeeping": {f.name: _name(getattr(self.book, f.name))
                                 for f in dataclasses.fields(self.book)},
@@ -441,6 +507,7 @@ def build_ops(device: torch.device | str, *, fused: str = "auto", kernels: bool 
                 parts["residual_kernel"] = linear.make_residual(plan, kernels=True, **w8a8)
                 if fp8_activations:  # the norms and gates quantise for the W8A8 GEMMs
                     parts["prequant"] = linear.make_prequant(plan, True, dense=fp8_dense)
+                    parts["glu_quant"] = linear.make_glu(plan, True, dense=fp8_dense)
                 parts["normed_kernel"] = linear.make_normed(
                     plan, kernels=True, max_m_fp8=normed_max_m_fp8, **w8a8)
                 if attend_prologue:

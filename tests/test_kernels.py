@@ -2798,24 +2798,38 @@ def test_triton_rows_take_the_residual_and_prequantised_x(monkeypatch):
     assert pq(y.as_subclass(torch.Tensor), wq) is None  # CPU
     assert linear.make_prequant(plan, False)(y, wq) is None  # no fp8_activations
     assert linear.make_prequant(None, True)(y, wq) is None
+    # the GLU GEMM for a packed w13 where its prequant row is unsplit with 128-wide tiles
+    from engine.kernels import act_quant
+
+    glu = linear.make_glu(plan, True)(y, wq)
+    assert glu.func is act_quant.glu_w8a8_quant
+    assert glu.keywords == {"config": fp8_triton.Config.from_json(pre, w8a8=True)}
+    assert linear.make_glu(plan, True)(torch.randn(40, k).to(bf).as_subclass(_OnCuda),
+                                        wq) is None  # not prequant at 64 rows
+    assert linear.make_glu(plan, True)(y, wd) is None  # a dense weight
+    split = linear.LinearPlan.from_rows([{**rows[2], "splits": 2}])
+    assert linear.make_glu(split, True)(y, wq) is None  # its timing was split
     monkeypatch.setattr(linear, "_triton_module", lambda: None)
     assert linear.make_prequant(plan, True)(y, wq) is None  # no Triton
 
 
-def test_prequant_plumbing_changes_no_value(tiny_bundle):
+@pytest.mark.parametrize("glu", [False, True])
+def test_prequant_plumbing_changes_no_value(tiny_bundle, glu):
     """With `Ops.prequant` taking every FP8 linear (stand-ins: the torch fallbacks of the
     prequantised GEMM and of the quantising norm and gate), each block's norms before wqkv /
-    w13 and its gate before w2 quantise in their own launch, w2's residual add goes into
-    its GEMM, and the model's slow and fast hidden states are bit-equal to the plain ops'
-    with every FP8 linear the W8A8 reference (the same quantised values either way)."""
+    w13 and its gate before w2 quantise in their own launch (`glu`: the gate formed and
+    quantised by w13's GEMM instead, `Ops.glu_quant`), w2's residual add goes into its
+    GEMM, and the model's slow and fast hidden states are bit-equal to the plain ops' with
+    every FP8 linear the W8A8 reference (the same quantised values either way)."""
     import copy
+    import functools
 
     import torch.nn.functional as F
 
     from engine.fusion import pack_ffn
     from engine.kernels import act_quant
     from engine.kernels import fp8_triton as ft
-    from engine.ops import Ops, PendingGate
+    from engine.ops import Ops, PendingGate, PendingGlu
     from engine.quant import Fp8Weight, quantize_model
 
     m = copy.deepcopy(tiny_bundle.model).to(torch.bfloat16)
@@ -2841,10 +2855,20 @@ def test_prequant_plumbing_changes_no_value(tiny_bundle):
 
         return gemm
 
+    def glu_quant(x, w13):  # type: ignore[no-untyped-def]
+        if not (glu and isinstance(w13, Fp8Weight) and w13.shape[0] % 256 == 0):
+            return None
+        return _counted(functools.partial(act_quant.glu_w8a8_quant, kernel=False), calls,
+                        "glu")
+
     plain = Ops(packed_ffn=True, linear=w8a8)
     ops = Ops(packed_ffn=True, linear=w8a8, residual_kernel=residual, prequant=prequant,
+              glu_quant=glu_quant,
               norm_quant=_counted(act_quant.rms_norm_quant, calls, "norm_quant"),
               silu_mul_quant=_counted(act_quant.silu_mul_quant, calls, "gate_quant"))
+    gated = {"glu": 1, "gemm": 2} if glu else {"gate_quant": 1, "gemm": 3}  # per layer
+    if glu:
+        assert cfg.slow.intermediate_size % 128 == 0 and cfg.fast.intermediate_size % 128 == 0
 
     Attend, cols, pos = _causal_case(cfg)
     with torch.inference_mode():
@@ -2853,13 +2877,25 @@ def test_prequant_plumbing_changes_no_value(tiny_bundle):
         assert got.dtype == torch.bfloat16 and torch.equal(got, want)
         n = cfg.slow.n_layer
         # wqkv and w13 read quantising norms, w2 the quantising gate (+ its residual)
-        assert calls == {"norm_quant": 2 * n, "gate_quant": n, "gemm": 3 * n}, calls
+        assert calls == {"norm_quant": 2 * n, **{c: k * n for c, k in gated.items()}}, calls
         calls.clear()
         x = torch.randn(2, 1, cfg.fast.dim).to(torch.bfloat16)
         assert torch.equal(m.forward_fast(x, 1, Attend(), ops),
                            m.forward_fast(x, 1, Attend(), plain))
         n_fast = cfg.fast.n_layer
-        assert calls == {"norm_quant": 2 * n_fast, "gate_quant": n_fast, "gemm": 3 * n_fast}
+        assert calls == {"norm_quant": 2 * n_fast, **{c: k * n_fast for c, k in gated.items()}}
+        # the GLU path's pending gate, where w2 does not read prequantised rows: w13's GEMM
+        # then the silu * mul (the same values)
+        if glu:
+            ff = m.layers[0].feed_forward
+            hn = ops.pending_norm(torch.randn(3, cfg.slow.dim).to(torch.bfloat16),
+                                  m.layers[0].ffn_norm.weight, 1e-6)
+            pend = ops.swiglu(hn, ff.w1.weight, ff.w3.weight)
+            assert isinstance(pend, PendingGlu)
+            assert torch.equal(ops.dense(pend), plain.swiglu(plain.dense(hn), ff.w1.weight,
+                                                              ff.w3.weight))
+            dense_w2 = torch.randn(cfg.slow.dim, ff.w2.weight.shape[1]).to(torch.bfloat16)
+            assert torch.equal(ops.project(pend, dense_w2), F.linear(ops.dense(pend), dense_w2))
         # a gate nobody quantises is computed as the silu * mul
         ff = m.layers[0].feed_forward
         h = torch.randn(3, cfg.slow.dim).to(torch.bfloat16)
@@ -2884,9 +2920,11 @@ def test_prequant_ops_cuda():
     the packed w13, the quantising gate into w2 (its residual too) — close to the unfused
     W8A8 reference (the kernels' float32 may move a rounding), and a CUDA graph replay on
     new inputs equal to eager."""
+    import dataclasses
+
     from engine.fusion import packed
     from engine.kernels import fp8_triton as ft
-    from engine.ops import Normed, Ops, PendingGate
+    from engine.ops import Normed, Ops, PendingGate, PendingGlu
     from engine.quant import Fp8Weight, quantize_fp8
 
     D, F_ = 2560, 1024
@@ -2901,6 +2939,7 @@ def test_prequant_ops_cuda():
 
     ops = Ops(packed_ffn=True, prequant=linear.make_prequant(plan, True), linear=no_linear,
               residual_kernel=linear.make_residual(plan, kernels=True, fp8_activations=True))
+    glu_ops = dataclasses.replace(ops, glu_quant=linear.make_glu(plan, True))
 
     def w(n, k, seed):  # type: ignore[no-untyped-def]
         return quantize_fp8(_bf16(n, k, seed=seed, device="cuda").float() / k**0.5)
@@ -2924,17 +2963,22 @@ def test_prequant_ops_cuda():
     got = chain(ops)
     assert isinstance(got[1], Normed)
     assert isinstance(ops.swiglu(ops.pending_norm(x, nw, 1e-6), w1, w3), PendingGate)
+    assert isinstance(glu_ops.swiglu(ops.pending_norm(x, nw, 1e-6), w1, w3), PendingGlu)
     for a, b in ((got[0], want[0]), (ops.dense(got[1]), want[1])):
         assert (a.float() - b.float()).norm() / b.float().norm() < 2e-2
+    fused = chain(glu_ops)  # w13's GEMM forms and quantises the gate: the same math
+    for a, b in ((fused[0], got[0]), (glu_ops.dense(fused[1]), ops.dense(got[1]))):
+        assert (a.float() - b.float()).norm() / b.float().norm() < 1e-2
     assert packed(w1, w3) is not None
     torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = chain(ops)[0]
-    y.copy_(_bf16(16, D, seed=8, device="cuda"))
-    g.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, chain(ops)[0])
+    for o in (ops, glu_ops):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = chain(o)[0]
+        y.copy_(_bf16(16, D, seed=8, device="cuda"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, chain(o)[0])
 
 
 @pytest.mark.cuda

@@ -1367,10 +1367,12 @@ def make_prequant(plan: LinearPlan | None, fp8_activations: bool = False,
     def prequant(x: Tensor, w: Tensor | Fp8Weight) -> Callable[..., Tensor] | None:
         if not fp8_activations or plan is None or not isinstance(w, Fp8Weight):
             return None
-        if not isinstance(_as_dense(dense_plan, w, x, True), Fp8Weight):
-            return None  # its dense copy is faster here
         n, k = w.shape
-        key = (x.numel() // k if k else 0, n, k, x.dtype, x.is_cuda)
+        m = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0  # x: any [..., *] rows
+        if (dense_plan is not None and w.dense is not None and w.dense.dtype == x.dtype
+                and dense_plan.dense_faster(m, n, k, True)):
+            return None  # its dense copy is faster here (as `_as_dense` decides)
+        key = (m, n, k, x.dtype, x.is_cuda)
         if key not in chosen:
             chosen[key] = None
             mod = (_triton_module() if x.is_cuda
@@ -1384,6 +1386,36 @@ def make_prequant(plan: LinearPlan | None, fp8_activations: bool = False,
         return chosen[key]
 
     return prequant
+
+
+def make_glu(plan: LinearPlan | None, fp8_activations: bool = False,
+             dense: bool = False) -> PrequantFn:
+    """`Ops.glu_quant`: (x, w13) -> the packed [W1; W3]'s W8A8 GEMM with silu * mul and the
+    quantisation of its output in the epilogue (`act_quant.glu_w8a8_quant` with the row's
+    config: call it as fn(QuantAct, w13) -> QuantAct) where `make_prequant` runs w13 at x's
+    rows (x: any tensor of those rows) unsplit in a config with 128-wide N and K tiles and
+    N is a multiple of 256; None elsewhere. Ops takes it only where w2 also reads
+    prequantised rows there."""
+    prequant = make_prequant(plan, fp8_activations, dense)
+    chosen: dict[tuple[int, int, int, torch.dtype, bool], Callable[..., Tensor] | None] = {}
+
+    def glu(x: Tensor, w13: Tensor | Fp8Weight) -> Callable[..., Tensor] | None:
+        gemm = prequant(x, w13)
+        if gemm is None or not isinstance(gemm, functools.partial):
+            return None
+        n, k = w13.shape
+        key = (x.numel() // x.shape[-1], n, k, x.dtype, x.is_cuda)
+        if key not in chosen:
+            cfg, split = gemm.keywords["config"], gemm.keywords["split_k"]
+            ok = (n % (2 * FP8_BLOCK) == 0 and split == 1 and cfg.block_n == FP8_BLOCK
+                  and cfg.block_k == FP8_BLOCK)
+            from . import act_quant
+
+            chosen[key] = (functools.partial(act_quant.glu_w8a8_quant, config=cfg) if ok
+                           else None)
+        return chosen[key]
+
+    return glu
 
 
 NormedFn = Callable[[Tensor, Tensor, float, Tensor | Fp8Weight, bool], Tensor | None]
