@@ -34,6 +34,10 @@ timings, ~10 ms each, and ~20 Triton compilations of ~1 s); the first use of the
 a fresh machine compiles it first (a few minutes). `--shapes`, `--ms`, `--variants`,
 `--no-triton` cut it down.
 
+`--glu` times the FP8 packed w13 over x already quantised up to w2's quantised input: the
+prequantised W8A8 GEMM then the quantising gate (two launches) against the GLU GEMM with
+both in its epilogue (one), per 128-wide prequant config at 16-64 rows.
+
 `--swiglu` times instead the FFN's gated input as the engine runs it at each M where the
 recorded table picks the csrc kernel for the packed [W1; W3]: that linear then the compiled
 silu * mul (two launches) against the kernel's SwiGLU epilogue with the same parameters
@@ -450,6 +454,49 @@ def bench_shape(name: str, n: int, k: int, ms: tuple[int, ...], reps: int, copy:
     return rows
 
 
+def bench_glu(ms: tuple[int, ...], reps: int) -> list[dict[str, object]]:
+    """The FP8 packed w13 at decode's 16-64 rows with x already quantised (by the norm
+    before it) up to w2's quantised input, in each prequant W8A8 config with 128-wide tiles
+    the sweep times: the prequantised GEMM then the quantising gate (two launches, as
+    `Ops.prequant` runs them) against the GLU GEMM (`act_quant.glu_w8a8_quant`: one launch,
+    no bf16 [M, 2I] in between); each unsplit, and the two quantisations compared. Returns
+    one result per (M, config)."""
+    from engine.kernels import act_quant
+    from engine.kernels import fp8_triton as ft
+
+    n, k = SHAPES["w13"]
+    i = n // 2
+    g = torch.Generator(device="cuda").manual_seed(n + k)
+    base = quantize_fp8(torch.randn(n, k, device="cuda", generator=g) / math.sqrt(k))
+    ws = [Fp8Weight(base.q.clone(), base.scale.clone())
+          for _ in range(max(2, math.ceil(ROTATE_BYTES / base.q.numel())))]
+    results: list[dict[str, object]] = []
+    for m in ms:
+        x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+        xq, xs = ft.quantize_act(x)
+        xa = ft.QuantAct(xq, xs, x.dtype)
+        for cfg in (c for c in ft.sweep_configs(m, w8a8=True)
+                    if c.prequant and c.block_n == 128):
+            def two(w: Fp8Weight, cfg: ft.Config = cfg, xa: ft.QuantAct = xa) -> ft.QuantAct:
+                h = ft.fp8_linear_triton_prequant(xa, w, config=cfg, split_k=1)
+                return act_quant.silu_mul_quant(h[:, :i], h[:, i:])
+
+            def one(w: Fp8Weight, cfg: ft.Config = cfg, xa: ft.QuantAct = xa) -> ft.QuantAct:
+                return act_quant.glu_w8a8_quant(xa, w, config=cfg)
+
+            a, b = two(ws[0]), one(ws[0])
+            differ = float((a.q.view(torch.uint8) != b.q.view(torch.uint8)).float().mean())
+            t2 = graph_us([functools.partial(two, w) for w in ws], reps)
+            t1 = graph_us([functools.partial(one, w) for w in ws], reps)
+            r = {"m": m, "config": cfg.to_json(), "two_launches_us": round(t2, 2),
+                 "glu_us": round(t1, 2), "codes_differing": differ}
+            print(f"glu m={m} {_cfg_name(cfg)}: GEMM + quantising gate {t2:.2f} us, GLU GEMM "
+                  f"{t1:.2f} us ({t2 - t1:+.2f} us saved); {100 * differ:.3f} % of the codes "
+                  "differ", flush=True)
+            results.append(r)
+    return results
+
+
 def bench_swiglu(ms: tuple[int, ...], reps: int, table: Path,
                  pdl: int = 1) -> list[dict[str, object]]:
     """The packed FFN input projection + SwiGLU at each M where `table` picks the csrc kernel
@@ -772,6 +819,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--swiglu", action="store_true",
                     help="time the packed FFN projection + SwiGLU, unfused vs the kernel's "
                     "epilogue, at the M where the table (--table) picks the kernel")
+    ap.add_argument("--glu", action="store_true",
+                    help="time the FP8 packed w13 with x prequantised up to w2's quantised "
+                    "input: its W8A8 GEMM + the quantising gate vs the GLU GEMM (one launch), "
+                    "each 128-wide prequant config (default --ms 16,32,64)")
     ap.add_argument("--norm", action="store_true",
                     help="time a block's projection + residual add + RMSNorm + next projection, "
                     "unfused vs the residual epilogue and normed prologue, at the M where the "
@@ -797,6 +848,14 @@ def main(argv: list[str] | None = None) -> int:
         print("linear_bench needs a CUDA device (the candidates are GPU kernels); nothing "
               "measured", file=sys.stderr)
         return 1
+    if args.glu:
+        with torch.inference_mode():
+            res = bench_glu(tuple(int(m) for m in (args.ms or "16,32,64").split(",")),
+                            args.reps)
+        if args.out:
+            args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(),
+                                            "glu": res}, indent=1) + "\n")
+        return 0
     if args.swiglu or args.norm or args.attend:
         what = "swiglu" if args.swiglu else "norm" if args.norm else "attend"
         if not extension_available():

@@ -65,6 +65,8 @@
 # CONV_ARGS="--sweep": every launch shape; CONV_INSTALL=1: the swept table then serves the
 # rest of the call, installed as this GPU kind's codec_conv table)
 # into $OUT/codec_conv.{json,txt}.
+# GLU=1: `linear_bench --glu` (the FP8 w13 over prequantised x up to w2's quantised input:
+# its W8A8 GEMM + the quantising gate vs the GLU GEMM) into $OUT/glu.{json,txt}.
 # SWIGLU=1: `linear_bench --swiglu` (the FFN's packed linear + silu*mul vs csrc's SwiGLU
 # epilogue at the M where the table picks the kernel) into $OUT/swiglu.{json,txt}. NORM=1:
 # `linear_bench --norm` (projection + add_rms_norm + projection vs the residual epilogue and
@@ -166,6 +168,11 @@ if [ "${SWIGLU:-0}" = 1 ]; then  # the FFN's linear + silu*mul vs the SwiGLU epi
     timeout 120 python3 -m bench_latency.linear_bench --swiglu --out "$OUT/swiglu.json" 2>&1 \
         | grep -v "Warn\|warn" | tee "$OUT/swiglu.txt" | grep "^swiglu"
     echo "swiglu bench done at +$(( $(date +%s) - t0 ))s"
+fi
+if [ "${GLU:-0}" = 1 ]; then  # FP8 w13 over prequantised x: GEMM + quantising gate vs the GLU GEMM
+    timeout 150 python3 -m bench_latency.linear_bench --glu --out "$OUT/glu.json" 2>&1 \
+        | grep -v "Warn\|warn" | tee "$OUT/glu.txt" | grep "^glu"
+    echo "glu bench done at +$(( $(date +%s) - t0 ))s"
 fi
 if [ "${NORM:-0}" = 1 ]; then  # residual add + RMSNorm between projections: unfused vs folded (~30 s)
     timeout 150 python3 -m bench_latency.linear_bench --norm --ms 1,2,4,8,16 --out "$OUT/norm.json" 2>&1 \
