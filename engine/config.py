@@ -396,9 +396,9 @@ class EngineConfig:
                                    "rowwise copies of the weights, made at start for the "
                                    "shapes that take it) where the linear table measured that "
                                    "faster; where that is the prequantised Triton GEMM, the "
-                                   "norm before wqkv / w13 and the gate before w2 quantise in "
-                                   "their own launch and w2 / wo add the residual in its "
-                                   "epilogue; "
+                                   "norm before wqkv / w13 and the gate before w2 (or w13's "
+                                   "GEMM) quantise in their own launch and w2 / wo add the "
+                                   "residual in its epilogue; "
                                    "not the weight-only numerics (the FP8 gate checks these "
                                    "with --w8a8 table)")
     split_kv: bool = option(False, "decode attention splits a row's positions over more "
