@@ -82,12 +82,14 @@ class PendingGlu:
     """The FFN's gated input from a prequantised w13 GEMM not run yet: x quantised (`xa`,
     by the norm before it) and the packed [W1; W3]. Where w2 reads prequantised rows too,
     w13's GEMM forms the gate and quantises it in its epilogue (`Ops.glu_quant`: no bf16
-    gate at all); anything else runs `gemm` and takes the gate as a `PendingGate`. rows:
-    a tensor of the FFN input's rows (for the per-shape lookups)."""
+    gate at all: `glu`, the GLU GEMM looked up for these rows); anything else runs `gemm`
+    and takes the gate as a `PendingGate`. rows: a tensor of the FFN input's rows (for w2's
+    per-shape lookup)."""
 
     xa: QuantAct
     w13: Fp8Weight
     gemm: Callable[..., Tensor]
+    glu: Callable[..., object]
     rows: Tensor
 
 
@@ -158,7 +160,7 @@ class Ops:
     # with prequant: (x, w13) -> w13's W8A8 GEMM with the gate and its quantisation in the
     # epilogue (fn(QuantAct, w13) -> QuantAct) where it can run w13 at x's rows, else None
     # (linear.make_glu); taken where w2 reads prequantised rows too. None: never
-    glu_quant: Callable[[Tensor, Tensor | Fp8Weight], Callable[..., QuantAct] | None] | None \
+    glu_quant: Callable[[Tensor, Tensor | Fp8Weight], Callable[..., object] | None] | None \
         = None
     sample: Callable[..., Tensor] = sampling.sample  # the sampler's draw
     # the draw and the drawn ids' rows of an embedding table (the fast AR's next input) ->
@@ -208,12 +210,10 @@ class Ops:
         """x's gate times W^T (+ residual) with w13's GEMM forming the gate and quantising it
         in its epilogue, where W reads prequantised rows and the GLU GEMM runs w13 here;
         None otherwise."""
-        if self.prequant is None or self.glu_quant is None:
+        gemm = self.prequant(x.rows, w) if self.prequant is not None else None
+        if gemm is None:
             return None
-        gemm, glu = self.prequant(x.rows, w), self.glu_quant(x.rows, x.w13)
-        if gemm is None or glu is None:
-            return None
-        return self._product(gemm, glu(x.xa, x.w13), w, residual)
+        return self._product(gemm, x.glu(x.xa, x.w13), w, residual)
 
     @staticmethod
     def _product(gemm: Callable[..., Tensor], xa: QuantAct, w: Tensor | Fp8Weight,
@@ -311,9 +311,10 @@ class Ops:
                 return y
             gemm = (self.prequant(x.h, w13) if self.prequant is not None and w13 is not None
                     else None)
-            if gemm is not None and self.glu_quant is not None \
-                    and self.glu_quant(x.h, w13) is not None:
-                return PendingGlu(self.norm_quant(x.h, x.weight, x.eps), w13, gemm, x.h)
+            glu = (self.glu_quant(x.h, w13) if gemm is not None and self.glu_quant is not None
+                   else None)
+            if glu is not None:
+                return PendingGlu(self.norm_quant(x.h, x.weight, x.eps), w13, gemm, glu, x.h)
             h = self._quantised(x, w13)
             if h is None:
                 x = self.dense(x)

@@ -2809,6 +2809,14 @@ def test_triton_rows_take_the_residual_and_prequantised_x(monkeypatch):
     assert linear.make_glu(plan, True)(y, wd) is None  # a dense weight
     split = linear.LinearPlan.from_rows([{**rows[2], "splits": 2}])
     assert linear.make_glu(split, True)(y, wq) is None  # its timing was split
+    narrow = linear.LinearPlan.from_rows([{**rows[2], "config": {**pre, "block_n": 64}}])
+    assert linear.make_prequant(narrow, True)(y, wq) is not None
+    assert linear.make_glu(narrow, True)(y, wq) is None  # 64-wide tiles: not a whole block
+    big = linear.LinearPlan.from_rows([{**rows[2], "m": 128}])
+    assert linear.make_prequant(big, True)(torch.randn(100, k).to(bf).as_subclass(_OnCuda),
+                                           wq) is not None
+    assert linear.make_glu(big, True)(torch.randn(100, k).to(bf).as_subclass(_OnCuda),
+                                      wq) is None  # past decode's rows: not timed there
     monkeypatch.setattr(linear, "_triton_module", lambda: None)
     assert linear.make_prequant(plan, True)(y, wq) is None  # no Triton
 
@@ -2971,11 +2979,11 @@ def test_prequant_ops_cuda():
         assert (a.float() - b.float()).norm() / b.float().norm() < 1e-2
     assert packed(w1, w3) is not None
     torch.cuda.synchronize()
-    for o in (ops, glu_ops):
+    for seed, o in ((8, ops), (9, glu_ops)):
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             out = chain(o)[0]
-        y.copy_(_bf16(16, D, seed=8, device="cuda"))
+        y.copy_(_bf16(16, D, seed=seed, device="cuda"))  # new inputs for each replay
         g.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, chain(o)[0])

@@ -282,7 +282,7 @@ def test_sm90_w8a8_residual_epilogue_and_act_quant_compile():
                    dict(BLOCK=ft.REDUCE_BLOCK, RESIDUAL=True), 4, 1,
                    div16=("MN", "N", "stride_rm"))
     assert _spills(red) == 0
-    norm, glu = aq._kernels()
+    norm, glu, _ = aq._kernels()
     kn = _compile(norm, {"h_ptr": "bf16", "w_ptr": "bf16", "q_ptr": "fp8e4nv", "s_ptr": "fp32"},
                   dict(ROW=4096, BLOCK=128), 4, 1, div16=("K", "stride_hm"), floats=("eps",))
     kg = _compile(glu, {"a_ptr": "bf16", "b_ptr": "bf16", "q_ptr": "fp8e4nv", "s_ptr": "fp32"},

@@ -1388,23 +1388,27 @@ def make_prequant(plan: LinearPlan | None, fp8_activations: bool = False,
     return prequant
 
 
+GluFn = Callable[[Tensor, Tensor | Fp8Weight], Callable[..., object] | None]
+
+
 def make_glu(plan: LinearPlan | None, fp8_activations: bool = False,
-             dense: bool = False) -> PrequantFn:
+             dense: bool = False) -> GluFn:
     """`Ops.glu_quant`: (x, w13) -> the packed [W1; W3]'s W8A8 GEMM with silu * mul and the
     quantisation of its output in the epilogue (`act_quant.glu_w8a8_quant` with the row's
     config: call it as fn(QuantAct, w13) -> QuantAct) where `make_prequant` runs w13 at x's
-    rows (x: any tensor of those rows) unsplit in a config with 128-wide N and K tiles and
-    N is a multiple of 256; None elsewhere. Ops takes it only where w2 also reads
-    prequantised rows there."""
+    rows (x: any tensor of those rows; decode's at most MAX_M, the rows `linear_bench
+    --glu` times) unsplit in a config with 128-wide N and K tiles and N is a multiple of
+    256; None elsewhere. Ops takes it only where w2 also reads prequantised rows there."""
     prequant = make_prequant(plan, fp8_activations, dense)
-    chosen: dict[tuple[int, int, int, torch.dtype, bool], Callable[..., Tensor] | None] = {}
+    chosen: dict[tuple[int, int, int, torch.dtype, bool], Callable[..., object] | None] = {}
 
-    def glu(x: Tensor, w13: Tensor | Fp8Weight) -> Callable[..., Tensor] | None:
-        gemm = prequant(x, w13)
+    def glu(x: Tensor, w13: Tensor | Fp8Weight) -> Callable[..., object] | None:
+        m = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
+        gemm = prequant(x, w13) if 0 < m <= MAX_M else None
         if gemm is None or not isinstance(gemm, functools.partial):
             return None
         n, k = w13.shape
-        key = (x.numel() // x.shape[-1], n, k, x.dtype, x.is_cuda)
+        key = (m, n, k, x.dtype, x.is_cuda)
         if key not in chosen:
             cfg, split = gemm.keywords["config"], gemm.keywords["split_k"]
             ok = (n % (2 * FP8_BLOCK) == 0 and split == 1 and cfg.block_n == FP8_BLOCK
