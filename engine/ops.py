@@ -313,10 +313,12 @@ class Ops:
                     else None)
             glu = (self.glu_quant(x.h, w13) if gemm is not None and self.glu_quant is not None
                    else None)
+            xa = self.norm_quant(x.h, x.weight, x.eps) if gemm is not None else None
             if glu is not None:
-                return PendingGlu(self.norm_quant(x.h, x.weight, x.eps), w13, gemm, glu, x.h)
-            h = self._quantised(x, w13)
-            if h is None:
+                return PendingGlu(xa, w13, gemm, glu, x.h)
+            if gemm is not None:  # w13's prequantised GEMM (looked up once, above)
+                h = gemm(xa, w13)
+            else:
                 x = self.dense(x)
         if w13 is None:
             return self.silu_mul(self.linear(x, w1), self.linear(x, w3))

@@ -718,9 +718,12 @@ def _w8a8_product_torch(q: Tensor, s: Tensor, w: Fp8Weight, dtype: torch.dtype) 
     dequantised weight, in float32 -> [M, N] in `dtype`."""
     from ..quant import dequantize_fp8
 
-    k = q.shape[1]
-    xd = q.float() * s.repeat_interleave(BLOCK, 1)[:, :k]
-    return (xd @ dequantize_fp8(w, torch.float32).T).to(dtype)
+    return (_dequantised(q, s) @ dequantize_fp8(w, torch.float32).T).to(dtype)
+
+
+def _dequantised(q: Tensor, s: Tensor) -> Tensor:
+    """e4m3 rows q [..., K] times their 1 x 128 block scales s [..., ceil(K/128)], float32."""
+    return q.float() * s.repeat_interleave(BLOCK, -1)[..., :q.shape[-1]]
 
 
 def fp8_linear_w8a8_torch(x: Tensor, w: Fp8Weight) -> Tensor:
@@ -774,8 +777,7 @@ class QuantAct:
 
     def dequantize(self) -> Tensor:
         """The values the GEMM multiplies: q * s per block, in float32 [..., K]."""
-        k = self.q.shape[-1]
-        return self.q.float() * self.s.repeat_interleave(BLOCK, -1)[..., :k]
+        return _dequantised(self.q, self.s)
 
 
 def fp8_linear_triton_prequant(x: QuantAct, w: Fp8Weight, *, config: Config | None = None,

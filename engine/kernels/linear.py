@@ -70,6 +70,7 @@ from torch import Tensor
 from .. import functional
 from ..quant import BLOCK as FP8_BLOCK
 from ..quant import Fp8Weight, fp8_linear_torch, fp8_rowwise_linear, quantize_rows
+from . import act_quant
 from .build import CURRENT_DEVICE, current_device_name, device_table, extension_available, kernel_ok
 
 MAX_M = 64  # the kernel's largest template: 8 MMA tiles of 8 rows
@@ -1099,11 +1100,21 @@ def resolve(plan: LinearPlan | None, kernels: bool, m: int, n: int, k: int, fp8:
             return _kernel_or(w8a8, row.splits, row.kwarps, QUANT_VARIANT, pdl)
         return w8a8
     if row.impl in ("triton", W8A8) and mod is not None:
-        fn = mod.fp8_linear_triton_w8a8 if row.impl == W8A8 else mod.fp8_linear_triton
         if row.config is None and row.impl == "triton":
             return library
-        return functools.partial(fn, config=row.triton_config(), split_k=row.splits)
+        return functools.partial(_triton_fn(mod, row), config=row.triton_config(),
+                                 split_k=row.splits)
     return library
+
+
+def _triton_fn(mod, row: PlanRow) -> Callable[..., Tensor] | None:  # type: ignore[no-untyped-def]
+    """The fp8_triton function a "triton" / "triton_w8a8" row runs (bf16 "triton": the dense
+    GEMM), or None for another implementation."""
+    if row.impl == "triton":
+        return mod.fp8_linear_triton if row.fp8 else mod.dense_linear_triton
+    if row.impl == W8A8 and row.fp8:
+        return mod.fp8_linear_triton_w8a8
+    return None
 
 
 def _as_dense(plan: LinearPlan | None, w: Tensor | Fp8Weight, x: Tensor,
@@ -1112,12 +1123,25 @@ def _as_dense(plan: LinearPlan | None, w: Tensor | Fp8Weight, x: Tensor,
     copies) measured the dense path faster at x's rows (`LinearPlan.dense_faster`; with
     `fp8_activations`, faster than the W8A8 kernel too), else W itself: the same weight values
     either way (`Fp8Weight.dense` is exactly what `fp8_linear_torch` multiplies bf16 x by)."""
-    if (isinstance(w, Fp8Weight) and w.dense is not None and plan is not None
-            and w.dense.dtype == x.dtype):
-        n, k = w.shape
-        if plan.dense_faster(x.numel() // k if k else 0, n, k, fp8_activations):
-            return w.dense
+    k = w.shape[1]
+    if _dense_taken(plan, w, x.numel() // k if k else 0, x.dtype, fp8_activations):
+        return w.dense  # type: ignore[union-attr]
     return w
+
+
+def _dense_taken(plan: LinearPlan | None, w: Tensor | Fp8Weight, m: int, dtype: torch.dtype,
+                 fp8_activations: bool) -> bool:
+    """Whether `_as_dense` takes W's dequantised copy for m rows of x in `dtype`."""
+    if not (isinstance(w, Fp8Weight) and w.dense is not None and plan is not None
+            and w.dense.dtype == dtype):
+        return False
+    n, k = w.shape
+    return plan.dense_faster(m, n, k, fp8_activations)
+
+
+def _rows(x: Tensor) -> int:
+    """Rows of x [..., K] whatever K (0 for an empty last dim)."""
+    return x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
 
 
 def _w8a8_takes(plan: LinearPlan | None, x: Tensor, w: Tensor | Fp8Weight,
@@ -1323,9 +1347,7 @@ def _triton_lookup(plan: LinearPlan | None, fp8_activations: bool
                    and x.dtype in (torch.bfloat16, torch.float16) else None)
             if mod is not None:
                 row = plan.choose(key[0], n, k, fp8, fp8_activations)
-                fns = {"triton": mod.fp8_linear_triton if fp8 else mod.dense_linear_triton,
-                       W8A8: mod.fp8_linear_triton_w8a8 if fp8 else None}
-                fn = fns.get(row.impl)
+                fn = _triton_fn(mod, row)
                 if fn is not None and row.config is not None:
                     chosen[key] = (fn, row.triton_config(), row.splits)
         return chosen[key]
@@ -1368,10 +1390,9 @@ def make_prequant(plan: LinearPlan | None, fp8_activations: bool = False,
         if not fp8_activations or plan is None or not isinstance(w, Fp8Weight):
             return None
         n, k = w.shape
-        m = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0  # x: any [..., *] rows
-        if (dense_plan is not None and w.dense is not None and w.dense.dtype == x.dtype
-                and dense_plan.dense_faster(m, n, k, True)):
-            return None  # its dense copy is faster here (as `_as_dense` decides)
+        m = _rows(x)  # x: any tensor of the rows (its last dim need not be K)
+        if _dense_taken(dense_plan, w, m, x.dtype, True):
+            return None  # its dense copy is faster here
         key = (m, n, k, x.dtype, x.is_cuda)
         if key not in chosen:
             chosen[key] = None
@@ -1403,7 +1424,7 @@ def make_glu(plan: LinearPlan | None, fp8_activations: bool = False,
     chosen: dict[tuple[int, int, int, torch.dtype, bool], Callable[..., object] | None] = {}
 
     def glu(x: Tensor, w13: Tensor | Fp8Weight) -> Callable[..., object] | None:
-        m = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
+        m = _rows(x)
         gemm = prequant(x, w13) if 0 < m <= MAX_M else None
         if gemm is None or not isinstance(gemm, functools.partial):
             return None
@@ -1413,8 +1434,6 @@ def make_glu(plan: LinearPlan | None, fp8_activations: bool = False,
             cfg, split = gemm.keywords["config"], gemm.keywords["split_k"]
             ok = (n % (2 * FP8_BLOCK) == 0 and split == 1 and cfg.block_n == FP8_BLOCK
                   and cfg.block_k == FP8_BLOCK)
-            from . import act_quant
-
             chosen[key] = (functools.partial(act_quant.glu_w8a8_quant, config=cfg) if ok
                            else None)
         return chosen[key]
