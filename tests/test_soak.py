@@ -82,7 +82,7 @@ class Tally:
 
 
 def _floor(rss: list[tuple[float, float]], t0: float, t1: float) -> float:
-    """The lowest RSS sampled in [t0, t1] seconds (heap trims fall every 5 s: two in it), NaN
+    """The lowest RSS sampled in [t0, t1] seconds (an idle window: a heap trim falls in it), NaN
     when no sample fell there (the caller's assertion then says so)."""
     return min((m for t, m in rss if t0 <= t <= t1), default=float("nan"))
 
