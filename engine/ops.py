@@ -199,11 +199,16 @@ class Ops:
             return None
         return self.normed_kernel(x.h, x.weight, x.eps, w, glu)
 
-    def _gate(self, x: PendingGlu) -> PendingGate:
-        """A pending w13 GEMM run: its gate and up halves, the silu * mul still to apply."""
-        h = x.gemm(x.xa, x.w13)  # [..., 2I]
-        n = x.w13.shape[0] // 2
+    @staticmethod
+    def _halves(h: Tensor) -> PendingGate:
+        """The packed projection's output h [..., 2I] as its gate and up halves, the silu *
+        mul still to apply."""
+        n = h.shape[-1] // 2
         return PendingGate(h[..., :n], h[..., n:])
+
+    def _gate(self, x: PendingGlu) -> PendingGate:
+        """A pending w13 GEMM run: its halves."""
+        return self._halves(x.gemm(x.xa, x.w13))
 
     def _glu_into(self, x: PendingGlu, w: Tensor | Fp8Weight,
                   residual: Tensor | None = None) -> Tensor | None:
@@ -304,33 +309,29 @@ class Ops:
         -> [..., I], left pending (`PendingGate`, or `PendingGlu` before w13's GEMM) where a
         prequantised GEMM may read it."""
         w13 = fusion.packed(w1, w3) if self.packed_ffn else None
-        h = None
         if isinstance(x, Normed):
             y = self._normed(x, w13, glu=True)
             if y is not None:
                 return y
             gemm = (self.prequant(x.h, w13) if self.prequant is not None and w13 is not None
                     else None)
-            glu = (self.glu_quant(x.h, w13) if gemm is not None and self.glu_quant is not None
-                   else None)
-            xa = self.norm_quant(x.h, x.weight, x.eps) if gemm is not None else None
-            if glu is not None:
-                return PendingGlu(xa, w13, gemm, glu, x.h)
-            if gemm is not None:  # w13's prequantised GEMM (looked up once, above)
-                h = gemm(xa, w13)
-            else:
-                x = self.dense(x)
+            if gemm is not None:  # the norm quantises x for w13's prequantised GEMM
+                xa = self.norm_quant(x.h, x.weight, x.eps)
+                glu = self.glu_quant(x.h, w13) if self.glu_quant is not None else None
+                if glu is not None:
+                    return PendingGlu(xa, w13, gemm, glu, x.h)
+                return self._halves(gemm(xa, w13))
+            x = self.dense(x)
         if w13 is None:
             return self.silu_mul(self.linear(x, w1), self.linear(x, w3))
-        if h is None and self.swiglu_kernel is not None:
+        if self.swiglu_kernel is not None:
             y = self.swiglu_kernel(x, w13)
             if y is not None:
                 return y
-        if h is None:
-            h = self.linear(x, w13)  # [..., 2I]: the gate and the up projection side by side
-        n = w1.shape[0]
+        h = self.linear(x, w13)  # [..., 2I]: the gate and the up projection side by side
         if self.prequant is not None:
-            return PendingGate(h[..., :n], h[..., n:])
+            return self._halves(h)
+        n = w1.shape[0]
         return self.silu_mul(h[..., :n], h[..., n:])
 
     @property

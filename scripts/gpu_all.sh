@@ -118,7 +118,7 @@ read -r LT CT < <(python3 -c 'from engine.kernels import build, codec_conv, line
 print(build.device_table(linear.DEFAULT_TABLE), build.device_table(codec_conv.DEFAULT_TABLE))' \
     2>/dev/null) || { LT=engine/kernels/linear_table.json; CT=engine/kernels/codec_conv_table.json; }
 echo "tables of this GPU kind: $LT $CT"
-SMOKE="host_sync or engine_audio or pingpong or replay_streams or fused_kernel or bias_folding or split or two_engines or fixtures_with_fused or swiglu or fused_rope or prefilled_ahead or residual_epilogue or norm_fusion or pdl or step_book or naming or unit_kernel or upsample or decode_attention_triton or triton_attention or shared_prefix or prequant or residual_epilogue or act_quant or triton_rows"
+SMOKE="host_sync or engine_audio or pingpong or replay_streams or fused_kernel or bias_folding or split or two_engines or fixtures_with_fused or swiglu or fused_rope or prefilled_ahead or residual_epilogue or norm_fusion or pdl or step_book or naming or unit_kernel or upsample or decode_attention_triton or triton_attention or shared_prefix or prequant or act_quant or triton_rows"
 if [ "${TESTS:-smoke}" = all ]; then K=${TESTS_K:-}; else K=${TESTS_K:-$SMOKE}; fi
 # one pytest process per file, within TESTS_TIMEOUT in all: a file whose test takes the
 # process down (a segfault: faulthandler names the test) stops only that file

@@ -1016,6 +1016,12 @@ def _triton_module():
     return fp8_triton if ok else None
 
 
+def _triton_here(x: Tensor):  # type: ignore[no-untyped-def]
+    """`_triton_module()` for an x its GEMMs take (CUDA bf16 / fp16), else None."""
+    return (_triton_module() if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+            else None)
+
+
 def triton_fp8() -> LinearFn | None:
     """engine.kernels.fp8_triton.fp8_linear_triton where it can run here, else None."""
     mod = _triton_module()
@@ -1343,8 +1349,7 @@ def _triton_lookup(plan: LinearPlan | None, fp8_activations: bool
         key = (x.numel() // k if k else 0, n, k, fp8, x.dtype, x.is_cuda)
         if key not in chosen:
             chosen[key] = None
-            mod = (_triton_module() if plan is not None and x.is_cuda
-                   and x.dtype in (torch.bfloat16, torch.float16) else None)
+            mod = _triton_here(x) if plan is not None else None
             if mod is not None:
                 row = plan.choose(key[0], n, k, fp8, fp8_activations)
                 fn = _triton_fn(mod, row)
@@ -1396,8 +1401,7 @@ def make_prequant(plan: LinearPlan | None, fp8_activations: bool = False,
         key = (m, n, k, x.dtype, x.is_cuda)
         if key not in chosen:
             chosen[key] = None
-            mod = (_triton_module() if x.is_cuda
-                   and x.dtype in (torch.bfloat16, torch.float16) else None)
+            mod = _triton_here(x)
             row = plan.choose(key[0], n, k, True, True)
             if mod is not None and row.impl == W8A8 and row.config is not None:
                 cfg = row.triton_config()
